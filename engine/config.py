@@ -1,0 +1,353 @@
+"""The engine's settings: one declaration per setting, read by the CLI, the HTTP API and the desktop app.
+
+Every setting is a field of `EngineConfig` whose metadata (`Setting`) carries its flag, help text, unit,
+bounds and whether it can change on a running engine. `engine.cli` builds argparse from it, `PUT /cache/config`
+validates with it, and the desktop's Settings tab and settings file read it too. This module imports nothing
+heavy (no torch) so the desktop app can use it without paying torch's start-up cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import platformdirs
+
+APP_NAME = "strata"
+STORAGE_MODES = ("ram", "disk", "tiered")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PURGE_TIERS = ("ram", "disk", "all")
+
+
+class SettingError(ValueError):
+    """A setting was given a value it cannot take; the message names the setting, the expectation and the value."""
+
+
+def default_cache_dir() -> str:
+    """Where parked conversations live on disk unless told otherwise (one subfolder per model identity)."""
+    return os.path.join(platformdirs.user_cache_dir(APP_NAME, appauthor=False), "conversations")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """How one setting is named, parsed, bounded and explained everywhere it appears."""
+
+    flag: str
+    help: str
+    kind: str  # "int", "float", "str", "path", "choice", "bool", "optional_str", "optional_path"
+    group: str  # "model", "runtime", "server", "cache"
+    unit: str = ""
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    live: bool = False  # can change on a running engine through PUT /cache/config
+    secret: bool = False  # never echoed back (API key)
+    metavar: str = ""
+
+    def expectation(self) -> str:
+        """Human wording of what a valid value looks like, used in every error message."""
+        if self.kind == "int":
+            unit = f" of {self.unit}" if self.unit else ""
+            bounds = _bounds_text(self.minimum, self.maximum)
+            return f"a whole number{unit}{bounds}"
+        if self.kind == "float":
+            return f"a number{_bounds_text(self.minimum, self.maximum)}"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind in ("path", "optional_path"):
+            return "a path"
+        return "text"
+
+    def parse(self, raw: Any) -> Any:
+        """Turn a flag string, JSON value or settings-file value into this setting's type, or raise SettingError."""
+        if raw is None and self.kind in ("optional_str", "optional_path"):
+            return None
+        if self.kind == "int":
+            value = _parse_int(raw)
+            if value is None:
+                raise self.error(raw)
+            return self._check_bounds(value, raw)
+        if self.kind == "float":
+            value = _parse_float(raw)
+            if value is None:
+                raise self.error(raw)
+            return self._check_bounds(value, raw)
+        if self.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(raw, str) and raw.strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise self.error(raw)
+        if self.kind == "choice":
+            if isinstance(raw, str) and raw.strip().lower() in self.choices:
+                return raw.strip().lower()
+            raise self.error(raw)
+        if not isinstance(raw, str):
+            raise self.error(raw)
+        if self.kind in ("optional_str", "optional_path") and raw == "":
+            return None
+        if "\x00" in raw:
+            raise SettingError(f"{self.flag}: expected {self.expectation()} without NUL bytes, got {raw!r}")
+        if self.kind in ("path", "optional_path"):
+            if raw.strip() == "":
+                raise SettingError(f"{self.flag}: expected a path, got an empty value")
+            return os.path.expanduser(raw)
+        return raw
+
+    def error(self, raw: Any) -> SettingError:
+        shown = raw if isinstance(raw, str) else repr(raw)
+        return SettingError(f'{self.flag}: expected {self.expectation()}, got "{shown}"')
+
+    def _check_bounds(self, value: float, raw: Any) -> float:
+        if self.minimum is not None and value < self.minimum:
+            raise self.error(raw)
+        if self.maximum is not None and value > self.maximum:
+            raise self.error(raw)
+        return value
+
+
+def _bounds_text(lo: float | None, hi: float | None) -> str:
+    def fmt(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else str(x)
+
+    if lo is not None and hi is not None:
+        return f" from {fmt(lo)} to {fmt(hi)}"
+    if lo is not None:
+        return f" >= {fmt(lo)}"
+    if hi is not None:
+        return f" <= {fmt(hi)}"
+    return ""
+
+
+def _parse_int(raw: Any) -> int | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.lstrip("+-").isdigit():
+            return int(text)
+    return None
+
+
+def _parse_float(raw: Any) -> float | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int | float):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def setting(default: Any, **kwargs: Any) -> Any:
+    """A dataclass field whose metadata is its Setting declaration."""
+    return field(default=default, metadata={"setting": Setting(**kwargs)})
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything `strata serve` can be told. Field order is the order of `--help` and the Settings tab."""
+
+    # -- model
+    model: str = setting(
+        "", flag="--model", kind="str", group="model", metavar="PATH",
+        help="GGUF file or Hugging Face folder (config.json + safetensors + tokenizer.json); "
+        "empty = the bundled SmolLM2-135M-Instruct",
+    )
+    alias: str = setting(
+        "", flag="--alias", kind="str", group="model", metavar="NAME",
+        help="model id reported by /v1/models (default: the model file or folder name)",
+    )
+    dtype: str = setting(
+        "auto", flag="--dtype", kind="choice", group="model", choices=DTYPES,
+        help="compute and K/V dtype; auto = float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported)",
+    )
+    devices: str = setting(
+        "auto", flag="--devices", kind="str", group="model", metavar="LIST",
+        help="comma-separated devices, e.g. cpu or cuda:0,cuda:1; auto = cuda:0 when available, else cpu",
+    )
+    layer_split: str = setting(
+        "", flag="--layer-split", kind="str", group="model", metavar="auto|L1,L2,...",
+        help="split layers across --devices: auto (by free memory) or layer counts per device; empty = one device",
+    )
+    threads: int = setting(
+        0, flag="--threads", kind="int", group="runtime", minimum=0, maximum=1024,
+        help="CPU threads for compute (0 = PyTorch's default)",
+    )
+    # -- runtime
+    ctx_size: int = setting(
+        8192, flag="--ctx-size", kind="int", group="runtime", unit="tokens", minimum=64, maximum=1 << 20,
+        help="context length of each slot (capped at the model's trained context)",
+    )
+    parallel: int = setting(
+        1, flag="--parallel", kind="int", group="runtime", minimum=1, maximum=256,
+        help="slots decoding at once; further requests wait in a queue",
+    )
+    prefill_chunk: int = setting(
+        512, flag="--prefill-chunk", kind="int", group="runtime", unit="tokens", minimum=16, maximum=65536,
+        help="prompt tokens computed per forward pass (chunked prefill)",
+    )
+    # -- server
+    host: str = setting(
+        "127.0.0.1", flag="--host", kind="str", group="server", metavar="ADDR",
+        help="address to bind (127.0.0.1 keeps the server private to this machine)",
+    )
+    port: int = setting(
+        8080, flag="--port", kind="int", group="server", minimum=0, maximum=65535,
+        help="TCP port to listen on (0 = any free port, printed at start)",
+    )
+    api_key: str | None = setting(
+        None, flag="--api-key", kind="optional_str", group="server", secret=True, metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route",
+    )
+    slot_save_path: str | None = setting(
+        None, flag="--slot-save-path", kind="optional_path", group="server", metavar="DIR",
+        help="folder for POST /slots/{id}?action=save|restore session files (unset = slot files disabled)",
+    )
+    log_level: str = setting(
+        "info", flag="--log-level", kind="choice", group="server", choices=("debug", "info", "warning", "error"),
+        help="log verbosity",
+    )
+    # -- conversation cache
+    conversation_cache_storage: str = setting(
+        "ram", flag="--conversation-cache-storage", kind="choice", group="cache", choices=STORAGE_MODES, live=True,
+        help="ram: park in host RAM; disk: park in files, nothing resident; tiered: RAM first, evictions and "
+        "shutdown spill to disk",
+    )
+    conversation_cache_mib: int = setting(
+        4096, flag="--conversation-cache-mib", kind="int", group="cache", unit="MiB", minimum=0, maximum=1 << 24,
+        live=True, help="RAM budget for parked conversations (0 = no RAM parking)",
+    )
+    conversation_cache_disk_mib: int = setting(
+        16384, flag="--conversation-cache-disk-mib", kind="int", group="cache", unit="MiB", minimum=0,
+        maximum=1 << 30, live=True, help="disk budget for parked conversations, counting file bytes",
+    )
+    conversation_cache_dir: str = setting(
+        "", flag="--conversation-cache-dir", kind="str", group="cache", live=True, metavar="DIR",
+        help="folder for parked conversations (empty = the user cache folder); one subfolder per model",
+    )
+    conversation_cache_spill_dir: str = setting(
+        "", flag="--conversation-cache-spill-dir", kind="str", group="cache", metavar="DIR",
+        help="same as --conversation-cache-storage tiered --conversation-cache-dir DIR",
+    )
+    conversation_cache_slots: int = setting(
+        64, flag="--conversation-cache-slots", kind="int", group="cache", minimum=1, maximum=100000, live=True,
+        help="most conversations parked at once",
+    )
+    conversation_cache_min_free_mib: int = setting(
+        1024, flag="--conversation-cache-min-free-mib", kind="int", group="cache", unit="MiB", minimum=0,
+        maximum=1 << 24, live=True, help="refuse a RAM park that would leave less host memory available than this",
+    )
+    conversation_cache_days: float = setting(
+        30.0, flag="--conversation-cache-days", kind="float", group="cache", unit="days", minimum=0, maximum=36500,
+        live=True, help="remove parked files older than this (0 = empty the folder at start)",
+    )
+    conversation_cache_block_tokens: int = setting(
+        64, flag="--conversation-cache-block-tokens", kind="int", group="cache", unit="tokens", minimum=16,
+        maximum=4096, help="tokens per stored K/V block (blocks are shared between conversations)",
+    )
+    conversation_cache_n_min: int = setting(
+        0, flag="--conversation-cache-n-min", kind="int", group="cache", unit="tokens", minimum=0, maximum=1 << 24,
+        live=True, help="least tokens a hit must offer to be restored (0 = the cost model decides)",
+    )
+    conversation_cache_similarity: float = setting(
+        0.0, flag="--conversation-cache-similarity", kind="float", group="cache", minimum=0.0, maximum=0.999,
+        live=True, help="least fraction of the request a hit must cover to be restored, in [0, 1)",
+    )
+
+    # ------------------------------------------------------------------ construction and validation
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            spec: Setting = f.metadata["setting"]
+            object.__setattr__(self, f.name, spec.parse(getattr(self, f.name)))
+        if self.conversation_cache_spill_dir:
+            # The seeds' spelling: a spill dir means tiered storage in that folder.
+            self.conversation_cache_storage = "tiered"
+            self.conversation_cache_dir = self.conversation_cache_spill_dir
+            self.conversation_cache_spill_dir = ""
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> EngineConfig:
+        """Build from {field name or flag: value}; unknown names are refused with the list of known ones."""
+        known = {f.name: f for f in fields(cls)}
+        by_flag = {f.metadata["setting"].flag.lstrip("-"): f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key if key in known else by_flag.get(key.lstrip("-"), key.replace("-", "_"))
+            if name not in known:
+                raise SettingError(f"unknown setting {key!r}; known: {', '.join(sorted(known))}")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with `changes` applied and validated."""
+        return dataclasses.replace(self, **changes)
+
+    def to_args(self) -> list[str]:
+        """The `strata serve` arguments that reproduce this config (defaults left out)."""
+        args: list[str] = []
+        defaults = EngineConfig()
+        for f in fields(self):
+            spec: Setting = f.metadata["setting"]
+            value = getattr(self, f.name)
+            if value == getattr(defaults, f.name) or value is None:
+                continue
+            args += [spec.flag, _format_value(value)]
+        return args
+
+    def public_dict(self) -> dict[str, Any]:
+        """Every setting by field name, secrets masked: what GET /cache/config and logs may show."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["setting"].secret and value:
+                value = "***"
+            out[f.name] = value
+        return out
+
+    @property
+    def cache_dir(self) -> str:
+        """The effective parked-conversation folder (before the per-model subfolder)."""
+        return self.conversation_cache_dir or default_cache_dir()
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def setting_of(name: str) -> Setting:
+    """The declaration of the EngineConfig field `name`."""
+    for f in fields(EngineConfig):
+        if f.name == name:
+            return f.metadata["setting"]
+    raise KeyError(name)
+
+
+def all_settings() -> list[tuple[str, Setting, Any]]:
+    """(field name, declaration, default) for every setting, in declaration order."""
+    return [(f.name, f.metadata["setting"], f.default) for f in fields(EngineConfig)]
+
+
+LIVE_SETTINGS = tuple(name for name, spec, _ in all_settings() if spec.live)

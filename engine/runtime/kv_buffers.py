@@ -1,0 +1,123 @@
+"""Preallocated K/V buffers: one contiguous region per slot, per layer, on the device that owns the layer.
+
+Layout per stage: k and v are [n_stage_layers, n_slots, ctx, n_kv_heads, head_dim]. Token-major rows make a
+run of tokens of one slot and one layer a single contiguous span, so the conversation cache captures and
+restores with plain copies. Keys are stored after RoPE, so a token's K/V depends only on the tokens before it
+and its absolute position: a prefix restored at the same positions is exactly what a prefill would compute.
+
+The cache sees K/V only through `read` and `write`, in a stage-independent layout
+[n_layers, 2, n_tokens, n_kv_heads, head_dim] on the CPU: a conversation parked under one layer split restores
+under any other, or on one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of one token's K/V across all layers; part of a parked conversation's identity."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def host_shape(self, n_tokens: int) -> tuple[int, ...]:
+        """Shape of `n_tokens` tokens' K/V in the stage-independent host layout."""
+        return (self.n_layers, 2, n_tokens, self.n_kv_heads, self.head_dim)
+
+    def describe(self) -> dict:
+        return {
+            "n_layers": self.n_layers,
+            "n_kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+
+@dataclass(slots=True)
+class Stage:
+    """The contiguous layers [first_layer, end_layer) that live on one device, with their K/V."""
+
+    device: torch.device
+    first_layer: int
+    end_layer: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class KVBuffers:
+    """K/V for `n_slots` slots of `ctx` tokens, split into stages by layer ranges."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        n_slots: int,
+        ctx: int,
+        stages: list[tuple[torch.device | str, int, int]],
+    ) -> None:
+        assert stages and stages[0][1] == 0 and stages[-1][2] == layout.n_layers, "stages must cover every layer"
+        for (_, _, end), (_, first, _) in zip(stages, stages[1:], strict=False):
+            assert end == first, "stages must be contiguous"
+        self.layout = layout
+        self.n_slots = n_slots
+        self.ctx = ctx
+        self.stages: list[Stage] = []
+        for device, first, end in stages:
+            device = torch.device(device)
+            shape = (end - first, n_slots, ctx, layout.n_kv_heads, layout.head_dim)
+            k = torch.zeros(shape, dtype=layout.dtype, device=device)
+            v = torch.zeros(shape, dtype=layout.dtype, device=device)
+            self.stages.append(Stage(device, first, end, k, v))
+        self._stage_of_layer = [i for i, s in enumerate(self.stages) for _ in range(s.first_layer, s.end_layer)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.k.nbytes + s.v.nbytes for s in self.stages)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for all slots: two [n_slots, ctx, n_kv_heads, head_dim] views on its device."""
+        stage = self.stages[self._stage_of_layer[layer]]
+        i = layer - stage.first_layer
+        return stage.k[i], stage.v[i]
+
+    def read(self, slot: int, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy tokens [start, end) of `slot` to host memory, layout [n_layers, 2, end-start, kv_heads, head_dim]."""
+        assert 0 <= slot < self.n_slots and 0 <= start <= end <= self.ctx, (slot, start, end)
+        n = end - start
+        if out is None:
+            out = torch.empty(self.layout.host_shape(n), dtype=self.layout.dtype)
+        assert tuple(out.shape) == self.layout.host_shape(n) and out.dtype == self.layout.dtype
+        for stage in self.stages:
+            lo, hi = stage.first_layer, stage.end_layer
+            out[lo:hi, 0].copy_(stage.k[:, slot, start:end])
+            out[lo:hi, 1].copy_(stage.v[:, slot, start:end])
+        return out
+
+    def write(self, slot: int, start: int, data: torch.Tensor) -> None:
+        """Copy host K/V in the `read` layout into tokens [start, start + n) of `slot`, stage by stage."""
+        n = data.shape[2]
+        assert 0 <= slot < self.n_slots and 0 <= start and start + n <= self.ctx, (slot, start, n)
+        assert tuple(data.shape) == self.layout.host_shape(n), (tuple(data.shape), self.layout.host_shape(n))
+        assert data.dtype == self.layout.dtype, (data.dtype, self.layout.dtype)
+        for stage in self.stages:
+            lo, hi = stage.first_layer, stage.end_layer
+            stage.k[:, slot, start : start + n].copy_(data[lo:hi, 0], non_blocking=True)
+            stage.v[:, slot, start : start + n].copy_(data[lo:hi, 1], non_blocking=True)
+        for stage in self.stages:
+            if stage.device.type == "cuda":
+                torch.cuda.synchronize(stage.device)
+
+    def clear(self, slot: int) -> None:
+        """Zero a slot (used after a failed restore so no half-written state can be attended to)."""
+        for stage in self.stages:
+            stage.k[:, slot].zero_()
+            stage.v[:, slot].zero_()
