@@ -105,7 +105,7 @@ class KVBuffers:
     def write(self, slot: int, start: int, data: torch.Tensor) -> None:
         """Copy host K/V in the `read` layout into tokens [start, start + n) of `slot`, stage by stage."""
         n = data.shape[2]
-        assert 0 <= slot < self.n_slots and 0 <= start and start + n <= self.ctx, (slot, start, n)
+        assert 0 <= slot < self.n_slots and start >= 0 and start + n <= self.ctx, (slot, start, n)
         assert tuple(data.shape) == self.layout.host_shape(n), (tuple(data.shape), self.layout.host_shape(n))
         assert data.dtype == self.layout.dtype, (data.dtype, self.layout.dtype)
         for stage in self.stages:

@@ -1,0 +1,7 @@
+"""`python -m engine serve ...` is `strata serve ...`."""
+
+import sys
+
+from engine.cli import main
+
+sys.exit(main())

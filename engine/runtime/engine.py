@@ -1,0 +1,645 @@
+"""The engine: slots over preallocated K/V, a request queue, continuous batching, and the conversation cache.
+
+One thread (the engine thread) owns the model, the K/V buffers, the slots and the cache. Everything else talks
+to it through `submit` (a generation) and `run` (any other operation, executed between two steps), so no lock
+guards the hot path. Each `step` runs one forward over every active slot: a prefill chunk for slots still
+reading their prompt, one token for slots decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from engine import __version__
+from engine.config import EngineConfig, setting_of
+from engine.errors import ApiError
+from engine.runtime.kv_buffers import KVBuffers, KVLayout
+from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
+from engine.runtime.sampling import Sampler
+from engine.runtime.stop_strings import StopStringFilter
+from engine.runtime.stream import RequestStream
+
+log = logging.getLogger("strata.engine")
+T = TypeVar("T")
+
+# A conversation shorter than this is cheaper to prefill again than to park.
+MIN_PARK_TOKENS = 16
+
+
+@dataclass(slots=True)
+class Active:
+    """A request occupying a slot."""
+
+    request: GenerationRequest
+    stream: RequestStream
+    sampler: Sampler
+    stops: StopStringFilter
+    decoder: Any  # the tokenizer's StreamDecoder
+    cached_tokens: int
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None  # sampled, not yet fed through the model
+
+
+@dataclass(slots=True)
+class Slot:
+    """One row of the K/V buffers and what is in it."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V rows [0, len) are valid
+    active: Active | None = None
+    last_used: float = 0.0
+    prompt: list[int] = field(default_factory=list)  # the active request's prompt (prefill target)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    ta = torch.tensor(a[:n], dtype=torch.int64)
+    tb = torch.tensor(b[:n], dtype=torch.int64)
+    diff = (ta != tb).nonzero()
+    return int(diff[0].item()) if diff.numel() else n
+
+
+class Engine:
+    """Serves generation requests on a loaded model; see the module docstring for the threading rule."""
+
+    def __init__(self, config: EngineConfig, loaded: Any, stages: list[tuple[torch.device, int, int]]) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.alias or loaded.name
+        mcfg = loaded.config
+        self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
+        self.n_slots = config.parallel
+        self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, loaded.dtype)
+        self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
+        self.slots = [Slot(i) for i in range(self.n_slots)]
+        self.started_at = time.time()
+        self.state = "ok"
+        self.cache = self._make_cache(config)
+
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._waiting: list[tuple[GenerationRequest, RequestStream]] = []
+        self._stop = threading.Event()
+        self._counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        self._prefill_rate: float | None = None  # tokens/s, smoothed
+        self._decode_rate: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Plan devices, load the model and build the engine (raises ModelLoadError / ValueError)."""
+        from engine.model.loader import load_model, plan_stages, resolve_dtype
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        probe = _probe_layers(config.model)
+        stages = plan_stages(probe, config.devices, config.layer_split)
+        dtype = resolve_dtype(config.dtype, stages[0][0])
+        loaded = load_model(config.model, stages, dtype)
+        return cls(config, loaded, stages)
+
+    def _make_cache(self, config: EngineConfig) -> Any:
+        off = config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0
+        if off:
+            log.info("conversation cache off (--conversation-cache-mib 0)")
+            return None
+        from engine.cache import CacheIdentity, CacheSettings, ConversationCache
+
+        identity = CacheIdentity(
+            model={
+                **self.loaded.config.describe(),
+                "weights": self.loaded.fingerprint,
+                "tokenizer": self.tokenizer.fingerprint,
+            },
+            layout=self.layout,
+            block_tokens=config.conversation_cache_block_tokens,
+        )
+        self.cache_identity = identity
+        return ConversationCache(CacheSettings.from_engine_config(config), identity, engine_version=__version__)
+
+    # ------------------------------------------------------------------ public API (any thread)
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a generation; events arrive on the returned stream. Refuses what cannot fit a slot."""
+        n = len(request.prompt_tokens)
+        if n == 0:
+            raise ApiError(400, "the prompt is empty: expected at least one token", param="prompt")
+        if n >= self.ctx_size:
+            raise ApiError(
+                400,
+                f"the prompt has {n} tokens but the context holds {self.ctx_size} per slot; shorten the prompt",
+                param="messages",
+            )
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None and n + max_tokens > self.ctx_size:
+            raise ApiError(
+                400,
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context "
+                f"of {self.ctx_size} tokens per slot; lower max_tokens or shorten the prompt",
+                param="max_tokens",
+            )
+        if self.state != "ok":
+            raise ApiError(503, "the engine is shutting down")
+        stream = RequestStream(request.request_id)
+        self._inbox.put(("submit", (request, stream)))
+        return stream
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread between steps; the future carries its result or exception."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            return future
+        self._inbox.put(("call", (fn, future)))
+        return future
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Async form of `call` for the server: `await engine.run(engine.purge_cache, "all")`."""
+        return await asyncio.wrap_future(self.call(lambda: fn(*args)))
+
+    def close(self, deadline_s: float = 30.0) -> None:
+        """Stop taking work, park live slots worth keeping (tiered/disk) and shut the cache down cleanly."""
+        if self.state == "stopped":
+            return
+        self.state = "stopping"
+        done = self.call(lambda: self._shutdown(deadline_s))
+        try:
+            done.result(timeout=deadline_s + 5)
+        except concurrent.futures.TimeoutError:
+            log.warning("shutdown deadline of %.0f s hit; some conversations may not have been saved", deadline_s)
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=5)
+        self.state = "stopped"
+
+    # ------------------------------------------------------------------ operations run on the engine thread
+
+    def slots_info(self) -> list[dict]:
+        return [
+            {
+                "id": s.id,
+                "state": "busy" if s.active else "idle",
+                "n_tokens": len(s.tokens),
+                "n_ctx": self.ctx_size,
+                "last_used": s.last_used or None,
+            }
+            for s in self.slots
+        ]
+
+    def _slot_for_file_op(self, slot_id: int) -> Slot:
+        if not 0 <= slot_id < self.n_slots:
+            raise ApiError(404, f"slot {slot_id} does not exist; slots are 0..{self.n_slots - 1}", param="id")
+        slot = self.slots[slot_id]
+        if slot.active is not None:
+            raise ApiError(409, f"slot {slot_id} is busy with a request; try again when it is idle", param="id")
+        return slot
+
+    def _session_path(self, filename: Any) -> str:
+        from engine.cache.session_file import safe_session_path
+
+        if not self.config.slot_save_path:
+            raise ApiError(400, "slot files are disabled: start the engine with --slot-save-path DIR")
+        if not isinstance(filename, str):
+            raise ApiError(400, "expected a JSON body {\"filename\": \"name\"} with a string filename", param="filename")
+        try:
+            return safe_session_path(self.config.slot_save_path, filename)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="filename") from exc
+
+    def save_slot(self, slot_id: int, filename: Any) -> dict:
+        from engine.cache.session_file import save_session
+
+        slot = self._slot_for_file_op(slot_id)
+        path = self._session_path(filename)
+        if not slot.tokens:
+            raise ApiError(400, f"slot {slot_id} is empty: nothing to save", param="id")
+        os.makedirs(self.config.slot_save_path or ".", exist_ok=True)
+        t0 = time.perf_counter()
+        n = len(slot.tokens)
+        nbytes = save_session(path, self._identity(), slot.tokens, self.kv.read(slot.id, 0, n), engine_version=__version__)
+        ms = (time.perf_counter() - t0) * 1000
+        log.info("slot %d saved to %s: %d tokens, %d bytes, %.1f ms", slot_id, os.path.basename(path), n, nbytes, ms)
+        return {"id_slot": slot_id, "filename": os.path.basename(path), "n_saved": n, "n_written": nbytes,
+                "timings": {"save_ms": ms}}
+
+    def restore_slot(self, slot_id: int, filename: Any) -> dict:
+        from engine.cache.session_file import SessionFileError, load_session
+
+        slot = self._slot_for_file_op(slot_id)
+        path = self._session_path(filename)
+        if not os.path.isfile(path):
+            raise ApiError(404, f"no session file named {os.path.basename(path)!r} in the slot save path", param="filename")
+        t0 = time.perf_counter()
+        try:
+            tokens, kv = load_session(path, self._identity())
+        except SessionFileError as exc:
+            raise ApiError(400, f"{os.path.basename(path)}: {exc}", param="filename") from exc
+        if len(tokens) > self.ctx_size:
+            raise ApiError(400, f"the file holds {len(tokens)} tokens but a slot holds {self.ctx_size}", param="filename")
+        self._write_slot(slot, tokens, kv)
+        ms = (time.perf_counter() - t0) * 1000
+        log.info("slot %d restored from %s: %d tokens, %.1f ms", slot_id, os.path.basename(path), len(tokens), ms)
+        return {"id_slot": slot_id, "filename": os.path.basename(path), "n_restored": len(tokens),
+                "n_read": int(kv.nbytes), "timings": {"restore_ms": ms}}
+
+    def erase_slot(self, slot_id: int) -> dict:
+        slot = self._slot_for_file_op(slot_id)
+        n = len(slot.tokens)
+        slot.tokens = []
+        self.kv.clear(slot.id)
+        return {"id_slot": slot_id, "n_erased": n}
+
+    def _write_slot(self, slot: Slot, tokens: list[int], kv: torch.Tensor) -> None:
+        slot.tokens = []
+        try:
+            self.kv.write(slot.id, 0, kv)
+        except BaseException:
+            self.kv.clear(slot.id)
+            raise
+        slot.tokens = list(tokens)
+
+    def _identity(self) -> Any:
+        if getattr(self, "cache_identity", None) is None:
+            from engine.cache import CacheIdentity
+
+            self.cache_identity = CacheIdentity(
+                model={**self.loaded.config.describe(), "weights": self.loaded.fingerprint,
+                       "tokenizer": self.tokenizer.fingerprint},
+                layout=self.layout,
+                block_tokens=self.config.conversation_cache_block_tokens,
+            )
+        return self.cache_identity
+
+    def engine_stats(self) -> dict:
+        busy = sum(1 for s in self.slots if s.active)
+        return {
+            "model": self.model_name,
+            "state": self.state,
+            "slots": self.n_slots,
+            "slots_busy": busy,
+            "queued": len(self._waiting),
+            **self._counters,
+            "prefill_tokens_per_s": self._prefill_rate,
+            "decode_tokens_per_s": self._decode_rate,
+            "uptime_s": time.time() - self.started_at,
+            "pid": os.getpid(),
+            "ctx_size": self.ctx_size,
+            "kv_bytes": self.kv.nbytes,
+            "devices": [str(s.device) for s in self.kv.stages],
+        }
+
+    def cache_stats(self) -> dict:
+        if self.cache is None:
+            return {"enabled": False, "storage": self.config.conversation_cache_storage}
+        return self.cache.stats().to_dict()
+
+    def cache_conversations(self) -> list[dict]:
+        if self.cache is None:
+            return []
+        return [c.to_dict() for c in self.cache.conversations()]
+
+    def cache_events(self, limit: int = 200) -> list[dict]:
+        return [] if self.cache is None else self.cache.events(limit)
+
+    def purge_cache(self, tier: str) -> dict:
+        if tier not in ("ram", "disk", "all"):
+            raise ApiError(400, f'tier: expected one of ram, disk, all, got "{tier}"', param="tier")
+        if self.cache is None:
+            return {"tier": tier, "dropped": {"conversations": 0, "bytes": 0}, "skipped": []}
+        result = self.cache.purge(tier).to_dict()
+        log.info("cache purge %s: %s", tier, result)
+        return result
+
+    def cache_config(self) -> dict:
+        from engine.config import LIVE_SETTINGS
+
+        return {
+            "settings": {name: getattr(self.config, name) for name in LIVE_SETTINGS},
+            "live": list(LIVE_SETTINGS),
+            "effective_dir": self.config.cache_dir,
+            "enabled": self.cache is not None,
+        }
+
+    def update_cache_config(self, changes: dict) -> dict:
+        from engine.config import LIVE_SETTINGS, SettingError
+
+        if not isinstance(changes, dict) or not changes:
+            raise ApiError(400, "expected a JSON object of settings to change, e.g. {\"conversation_cache_mib\": 2048}")
+        parsed: dict[str, Any] = {}
+        for name, value in changes.items():
+            if name not in LIVE_SETTINGS:
+                try:
+                    setting_of(name)
+                except KeyError:
+                    raise ApiError(400, f"unknown setting {name!r}; live settings: {', '.join(LIVE_SETTINGS)}",
+                                   param=name) from None
+                raise ApiError(400, f"{name} cannot change on a running engine; restart with the new value",
+                               param=name)
+            try:
+                parsed[name] = setting_of(name).parse(value)
+            except SettingError as exc:
+                raise ApiError(400, str(exc), param=name) from exc
+        new_config = self.config.replace(**parsed)
+        changed = [n for n in parsed if getattr(self.config, n) != getattr(new_config, n)]
+        if self.cache is None and changed:
+            self.config = new_config
+            self.cache = self._make_cache(new_config)
+        elif self.cache is not None and changed:
+            from engine.cache import CacheSettings
+
+            self.cache.reconfigure(CacheSettings.from_engine_config(new_config))
+            self.config = new_config
+        log.info("cache config changed: %s", ", ".join(f"{n}={getattr(new_config, n)}" for n in changed) or "nothing")
+        return {**self.cache_config(), "changed": changed}
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                idle = not self._waiting and all(s.active is None for s in self.slots)
+                self._drain_inbox(block=idle)
+                if self._stop.is_set():
+                    break
+                self._drop_cancelled()
+                self._admit_waiting()
+                if any(s.active is not None for s in self.slots):
+                    try:
+                        self._step()
+                    except Exception as exc:  # a bug must not hang clients: fail their requests, keep serving
+                        log.exception("engine step failed")
+                        self._fail_active(f"internal error: {exc}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "submit":
+                self._waiting.append(payload)
+            elif kind == "call":
+                fn, future = payload
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        kept = []
+        for request, stream in self._waiting:
+            if stream.cancelled.is_set():
+                stream.put(TokenEvent(finish_reason="stop", usage=Usage(len(request.prompt_tokens), 0, 0)))
+            else:
+                kept.append((request, stream))
+        self._waiting = kept
+        for slot in self.slots:
+            if slot.active is not None and slot.active.stream.cancelled.is_set():
+                log.info("request %s cancelled by the client; slot %d freed", slot.active.request.request_id, slot.id)
+                self._finish(slot, "stop")
+
+    def _fail_active(self, message: str) -> None:
+        for slot in self.slots:
+            if slot.active is not None:
+                a = slot.active
+                a.stream.put(TokenEvent(finish_reason="error", error=message,
+                                        usage=Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)))
+                slot.active = None
+                # What the failed step wrote is unknown: forget the slot's contents.
+                slot.tokens = []
+
+    # ------------------------------------------------------------------ admission: slot choice + cache
+
+    def _admit_waiting(self) -> None:
+        while self._waiting:
+            free = [s for s in self.slots if s.active is None]
+            if not free:
+                return
+            request, stream = self._waiting.pop(0)
+            try:
+                self._admit(request, stream, free)
+            except Exception as exc:
+                log.exception("could not start request %s", request.request_id)
+                stream.put(TokenEvent(finish_reason="error", error=f"internal error: {exc}",
+                                      usage=Usage(len(request.prompt_tokens), 0, 0)))
+
+    def _admit(self, request: GenerationRequest, stream: RequestStream, free: list[Slot]) -> None:
+        prompt = request.prompt_tokens
+        usable = len(prompt) - 1  # the last prompt token is always computed: its logits pick the first output
+        # The free slot whose live contents reuse the most of this prompt.
+        live = {s.id: min(common_prefix(s.tokens, prompt), usable) for s in free}
+        best = max(free, key=lambda s: (live[s.id], -s.last_used))
+        hit = None
+        if self.cache is not None:
+            hit = self.cache.lookup(prompt, live_prefix=live[best.id])
+            if hit is None and live[best.id] < usable:
+                self.cache.record_miss()
+        if hit is not None:
+            # Restore into the least recently used free slot, parking what it holds.
+            slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
+            reused = self._restore_hit(slot, hit, prompt)
+        else:
+            slot = best if live[best.id] > 0 else min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
+            reused = live[slot.id]
+            self._park_if_losing(slot, reused)
+            slot.tokens = slot.tokens[:reused]
+
+        max_tokens = request.params.max_tokens or (self.ctx_size - len(prompt))
+        slot.prompt = list(prompt)
+        slot.active = Active(
+            request=request,
+            stream=stream,
+            sampler=Sampler(request.params, prompt),
+            stops=StopStringFilter(request.params.stop),
+            decoder=self.tokenizer.stream_decoder(),
+            cached_tokens=reused,
+            max_tokens=max_tokens,
+        )
+        slot.last_used = time.time()
+        self._counters["requests"] += 1
+        self._counters["prompt_tokens"] += len(prompt)
+        self._counters["cached_tokens"] += reused
+
+    def _park_if_losing(self, slot: Slot, keep: int) -> None:
+        """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away."""
+        if self.cache is None or len(slot.tokens) <= keep or len(slot.tokens) < MIN_PARK_TOKENS:
+            return
+        self._park(slot)
+
+    def _park(self, slot: Slot) -> None:
+        assert self.cache is not None
+        tokens = list(slot.tokens)
+        try:
+            result = self.cache.park(tokens, lambda a, b: self.kv.read(slot.id, a, b))
+        except Exception:  # the cache must never take a request down
+            log.exception("parking slot %d failed", slot.id)
+            return
+        if not getattr(result, "parked", False):
+            log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), getattr(result, "reason", "?"))
+
+    def _restore_hit(self, slot: Slot, hit: Any, prompt: list[int]) -> int:
+        """Park the slot's contents, then restore `hit` into it; on any failure the slot is a clean miss."""
+        assert self.cache is not None
+        self._park_if_losing(slot, 0)
+        slot.tokens = []
+        try:
+            result = self.cache.restore(hit, lambda start, data: self.kv.write(slot.id, start, data))
+        except Exception as exc:
+            log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
+            self.kv.clear(slot.id)
+            return 0
+        n = min(result.n_tokens, len(prompt) - 1)
+        slot.tokens = list(prompt[:n])
+        return n
+
+    # ------------------------------------------------------------------ one forward step
+
+    def _step(self) -> None:
+        from engine.model.llama import SeqChunk
+
+        chunks: list[SeqChunk] = []
+        owners: list[tuple[Slot, bool]] = []  # (slot, produces a token this step)
+        n_prefill = n_decode = 0
+        for slot in self.slots:
+            a = slot.active
+            if a is None:
+                continue
+            pos = len(slot.tokens)
+            if a.next_token is not None:  # decoding: feed the last sampled token
+                chunks.append(SeqChunk(slot.id, pos, torch.tensor([a.next_token], dtype=torch.int64)))
+                owners.append((slot, True))
+                n_decode += 1
+            else:  # prefilling the prompt, one chunk per step
+                end = min(len(slot.prompt), pos + self.config.prefill_chunk)
+                chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
+                owners.append((slot, end == len(slot.prompt)))
+                n_prefill += end - pos
+        t0 = time.perf_counter()
+        logits = self.model.forward_chunks(chunks, self.kv)
+        dt = time.perf_counter() - t0
+        self._note_rates(n_prefill, n_decode, dt)
+
+        for i, (slot, produces) in enumerate(owners):
+            a = slot.active
+            assert a is not None
+            chunk = chunks[i]
+            slot.tokens.extend(chunk.tokens.tolist())
+            if not produces:
+                continue
+            token = a.sampler.sample(logits[i])
+            self._emit(slot, token)
+
+    def _note_rates(self, n_prefill: int, n_decode: int, dt: float) -> None:
+        if dt <= 0:
+            return
+        if n_prefill >= 32 and n_decode == 0:
+            rate = n_prefill / dt
+            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+            if self.cache is not None:
+                self.cache.prefill_tokens_per_s = self._prefill_rate
+        elif n_prefill == 0 and n_decode > 0:
+            rate = n_decode / dt
+            self._decode_rate = rate if self._decode_rate is None else 0.9 * self._decode_rate + 0.1 * rate
+
+    def _emit(self, slot: Slot, token: int) -> None:
+        a = slot.active
+        assert a is not None
+        a.generated.append(token)
+        self._counters["generated_tokens"] += 1
+        is_eos = token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
+        if is_eos:
+            self._finish(slot, "stop")
+            return
+        text = a.stops.push(a.decoder.push(token))
+        if a.stops.stopped:
+            if text:
+                a.stream.put(TokenEvent(text=text, token_id=token))
+            a.next_token = token
+            self._finish(slot, "stop")
+            return
+        a.stream.put(TokenEvent(text=text, token_id=token))
+        a.next_token = token
+        if len(a.generated) >= a.max_tokens or len(slot.tokens) + 1 >= self.ctx_size:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        a = slot.active
+        assert a is not None
+        tail = "" if a.stops.stopped else a.stops.push(a.decoder.flush()) + a.stops.flush()
+        usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
+        a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage))
+        slot.active = None
+        slot.last_used = time.time()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _shutdown(self, deadline_s: float) -> None:
+        for slot in self.slots:
+            if slot.active is not None:
+                self._finish(slot, "stop")
+        for request, stream in self._waiting:
+            stream.put(TokenEvent(finish_reason="error", error="the engine is shutting down",
+                                  usage=Usage(len(request.prompt_tokens), 0, 0)))
+        self._waiting = []
+        if self.cache is None:
+            return
+        keeps = self.config.conversation_cache_storage in ("tiered", "disk")
+        if keeps:
+            for slot in self.slots:
+                if len(slot.tokens) >= MIN_PARK_TOKENS:
+                    self._park(slot)
+        self.cache.close(spill=keeps, deadline_s=deadline_s)
+
+
+def _probe_layers(model_path: str) -> int:
+    """The model's layer count, read from its header, so devices can be planned before the weights load."""
+    import json
+
+    from engine.errors import ModelLoadError
+    from engine.model.loader import embedded_model_path
+
+    path = model_path or embedded_model_path()
+    try:
+        if os.path.isdir(path):
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                cfg = json.load(f)
+            cfg = cfg.get("text_config", cfg)
+            return int(cfg["num_hidden_layers"])
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        field = reader.fields[f"{arch}.block_count"]
+        return int(field.parts[field.data[0]][0])
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path}: no such file or folder") from exc
+    except Exception as exc:  # the loader gives the precise reason; this only has to not crash
+        raise ModelLoadError(f"{path}: cannot read the model header ({exc})") from exc

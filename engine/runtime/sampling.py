@@ -1,0 +1,73 @@
+"""Next-token choice from logits: penalties, temperature, top-k, top-p, min-p, seeded randomness."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from engine.runtime.requests import SamplingParams
+
+
+class Sampler:
+    """Samples one request's tokens; owns its random generator so a seed reproduces the same text."""
+
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int]) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator(device="cpu")
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            self.generator.manual_seed(seed)
+        self._history = list(prompt_tokens[-params.repeat_last_n :]) if params.repeat_last_n > 0 else []
+        self._counts: Counter[int] = Counter()
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Pick the next token from a [vocab] float32 tensor (any device) and remember it for penalties."""
+        p = self.params
+        logits = logits.float()
+        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            logits = logits.to("cpu", copy=True)
+            self._apply_penalties(logits)
+        token = int(torch.argmax(logits).item()) if p.greedy else self._draw(logits.to("cpu"))
+        self._remember(token)
+        return token
+
+    def _apply_penalties(self, logits: torch.Tensor) -> None:
+        p = self.params
+        if p.repeat_penalty != 1.0 and self._history:
+            ids = torch.tensor(sorted(set(self._history)), dtype=torch.long)
+            vals = logits[ids]
+            logits[ids] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self._counts:
+            ids = torch.tensor(list(self._counts.keys()), dtype=torch.long)
+            counts = torch.tensor(list(self._counts.values()), dtype=torch.float32)
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        p = self.params
+        logits = logits / max(p.temperature, 1e-5)
+        if p.top_k > 0 and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # Keep the smallest set whose mass reaches top_p (the first token always stays).
+            drop = cumulative - sorted_probs > p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        total = probs.sum()
+        if not torch.isfinite(total) or total <= 0:
+            return int(torch.argmax(logits).item())
+        return int(torch.multinomial(probs / total, 1, generator=self.generator).item())
+
+    def _remember(self, token: int) -> None:
+        if self.params.repeat_last_n > 0:
+            self._history.append(token)
+            if len(self._history) > self.params.repeat_last_n:
+                del self._history[0]
+        self._counts[token] += 1

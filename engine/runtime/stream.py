@@ -1,0 +1,65 @@
+"""The per-request channel from the engine thread to whoever waits on the tokens (async server or sync tool)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+from engine.runtime.requests import TokenEvent
+
+
+class RequestStream:
+    """Events of one request, in order. Iterate with `async for` (server) or `for` (tools, tests).
+
+    The engine thread calls `put`; the consumer iterates until an event with a finish_reason. `cancel()`
+    tells the engine to stop the request and free its slot (a client that went away).
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.cancelled = threading.Event()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._async_queue: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if self._loop else None
+        self._sync_queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._done = False
+
+    # -- engine side
+    def put(self, event: TokenEvent) -> None:
+        if self._loop is not None and self._async_queue is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+            except RuntimeError:  # the consumer's loop is gone: nobody is listening any more
+                self.cancelled.set()
+        else:
+            self._sync_queue.put(event)
+
+    # -- consumer side
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        assert self._async_queue is not None, "this stream was created outside an event loop; iterate with `for`"
+        event = await self._async_queue.get()
+        if event.finish_reason is not None:
+            self._done = True
+        return event
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self._done:
+            raise StopIteration
+        event = self._sync_queue.get()
+        if event.finish_reason is not None:
+            self._done = True
+        return event
