@@ -24,7 +24,8 @@ def table() -> str:
         shown = "unset" if default in ("", None) else f"`{default}`"
         if spec.choices:
             shown += " (" + " \\| ".join(spec.choices) + ")"
-        lines.append(f"| `{spec.flag}` | {shown} | {spec.unit} | {'yes' if spec.live else ''} | {spec.help} |")
+        meaning = spec.help.replace("|", "\\|")
+        lines.append(f"| `{spec.flag}` | {shown} | {spec.unit} | {'yes' if spec.live else ''} | {meaning} |")
     return "\n".join(lines)
 
 
