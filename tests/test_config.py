@@ -86,3 +86,12 @@ def test_secret_is_masked_and_live_settings_are_cache_settings():
 def test_nul_byte_in_a_path_is_refused():
     with pytest.raises(SettingError, match="NUL"):
         parse_config(["--slot-save-path", "a\x00b"])
+
+
+def test_flag_reference_in_docs_is_up_to_date():
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "flags_doc.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
