@@ -1,0 +1,142 @@
+"""Routes for operators and the desktop app: /health, /metrics, /slots, /cache/*, /shutdown."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+
+from engine.config import PURGE_TIERS
+from engine.errors import ApiError
+from engine.server.prometheus import render_prometheus
+from engine.server.schemas import StrictBody, parse_body
+from engine.server.state import require_engine, server_state
+
+router = APIRouter()
+
+SLOT_ACTIONS = ("save", "restore", "erase")
+MAX_EVENTS = 10000
+
+
+class SlotFileRequest(StrictBody):
+    filename: str
+
+
+class PurgeRequest(StrictBody):
+    tier: str = "all"
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    if server_state(request).engine is None:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+def _wants_prometheus(request: Request) -> bool:
+    fmt = request.query_params.get("format")
+    if fmt is not None:
+        if fmt not in ("json", "prometheus"):
+            raise ApiError(400, f"'format': expected json or prometheus, got {fmt!r}", param="format")
+        return fmt == "prometheus"
+    accept = request.headers.get("accept", "")
+    return "application/json" not in accept and ("text/plain" in accept or "openmetrics" in accept)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Engine and conversation-cache stats, as JSON (default) or Prometheus text."""
+    prometheus = _wants_prometheus(request)
+    engine = require_engine(request)
+    engine_stats, cache_stats = await engine.run(lambda: (engine.engine_stats(), engine.cache_stats()))
+    body = {"engine": engine_stats, "conversation_cache": cache_stats}
+    if prometheus:
+        return Response(render_prometheus(body), media_type=CONTENT_TYPE_LATEST)
+    return JSONResponse(body)
+
+
+@router.get("/slots")
+async def list_slots(request: Request) -> list[dict[str, Any]]:
+    engine = require_engine(request)
+    return await engine.run(engine.slots_info)
+
+
+@router.post("/slots/{slot_id}")
+async def slot_action(slot_id: str, request: Request) -> dict[str, Any]:
+    """?action=save|restore with {"filename": ...}, or ?action=erase."""
+    engine = require_engine(request)
+    action = request.query_params.get("action")
+    if action not in SLOT_ACTIONS:
+        raise ApiError(400, f"'action': expected one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action")
+    if not slot_id.isdigit():
+        raise ApiError(400, f"slot id: expected a whole number >= 0, got {slot_id!r}", param="slot_id")
+    slot = int(slot_id)
+    if action == "erase":
+        return await engine.run(lambda: engine.erase_slot(slot))
+    filename = parse_body(SlotFileRequest, await request.body()).filename
+    if action == "save":
+        return await engine.run(lambda: engine.save_slot(slot, filename))
+    return await engine.run(lambda: engine.restore_slot(slot, filename))
+
+
+@router.get("/cache/conversations")
+async def cache_conversations(request: Request) -> dict[str, Any]:
+    engine = require_engine(request)
+    return {"conversations": await engine.run(engine.cache_conversations)}
+
+
+@router.get("/cache/events")
+async def cache_events(request: Request) -> dict[str, Any]:
+    engine = require_engine(request)
+    raw = request.query_params.get("limit", "100")
+    if not raw.isdigit():
+        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {raw!r}", param="limit")
+    limit = int(raw)
+    if not 1 <= limit <= MAX_EVENTS:
+        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {limit}", param="limit")
+    return {"events": await engine.run(lambda: engine.cache_events(limit))}
+
+
+@router.post("/cache/purge")
+async def cache_purge(request: Request) -> dict[str, Any]:
+    """Drop parked conversations of one tier (default all); reports what was dropped and what was skipped."""
+    engine = require_engine(request)
+    body = await request.body()
+    tier = parse_body(PurgeRequest, body).tier if body.strip() else "all"
+    if tier not in PURGE_TIERS:
+        raise ApiError(400, f"'tier': expected one of {', '.join(PURGE_TIERS)}, got {tier!r}", param="tier")
+    return await engine.run(lambda: engine.purge_cache(tier))
+
+
+@router.get("/cache/config")
+async def get_cache_config(request: Request) -> dict[str, Any]:
+    engine = require_engine(request)
+    return await engine.run(engine.cache_config)
+
+
+@router.put("/cache/config")
+async def put_cache_config(request: Request) -> dict[str, Any]:
+    """Change live cache settings: {"name": value, ...} or {"settings": {...}} as GET returns them."""
+    engine = require_engine(request)
+    try:
+        changes = json.loads(await request.body())
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if isinstance(changes, dict) and set(changes) == {"settings"} and isinstance(changes["settings"], dict):
+        changes = changes["settings"]
+    if not isinstance(changes, dict) or not changes:
+        raise ApiError(400, "expected a JSON object of settings to change, e.g. {\"conversation_cache_mib\": 2048}")
+    return await engine.run(lambda: engine.update_cache_config(changes))
+
+
+@router.post("/shutdown")
+async def shutdown(request: Request) -> JSONResponse:
+    """Stop the server cleanly (the tiered cache spills first); answers before stopping."""
+    stop = server_state(request).shutdown
+    if stop is None:
+        raise ApiError(501, "shutdown is not available: this server was not started by `strata serve`")
+    return JSONResponse({"status": "shutting down"}, status_code=202, background=BackgroundTask(stop))

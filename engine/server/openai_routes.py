@@ -1,0 +1,251 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models (also without /v1)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.errors import ApiError
+from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
+from engine.server.errors import error_body
+from engine.server.prompts import chat_prompt, completion_prompt
+from engine.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_common,
+    parse_body,
+    sampling_params,
+)
+from engine.server.state import require_engine, server_state
+from engine.server.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, engine_events, sse
+from engine.server.tool_calls import ToolCallStream, parse_tool_calls
+
+log = logging.getLogger("strata.server")
+router = APIRouter()
+
+
+def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
+    """OpenAI's usage object; cached_tokens counts prompt tokens the engine did not recompute."""
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _failure(event: TokenEvent | None) -> ApiError:
+    reason = event.error if event is not None and event.error else "the engine ended the request without a result"
+    return ApiError(500, f"generation failed: {reason}")
+
+
+async def _collect(stream: Any, request: Request) -> tuple[str, TokenEvent]:
+    """All text of a non-streaming request and its final event; cancels the stream if the client leaves."""
+    parts: list[str] = []
+    final: TokenEvent | None = None
+    async with contextlib.aclosing(engine_events(stream, request)) as events:
+        async for event in events:
+            parts.append(event.text)
+            if event.finish_reason is not None:
+                final = event
+    if final is None or final.finish_reason == "error":
+        raise _failure(final)
+    return "".join(parts), final
+
+
+def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _error_event(err: ApiError) -> str:
+    # The openai SDK raises APIError on a `data:` event carrying an "error" object.
+    return sse(error_body(err.message, err.type, err.param, err.status))
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+@router.post("/v1/chat/completions")
+@router.post("/chat/completions", include_in_schema=False)
+async def chat_completions(request: Request) -> Response:
+    engine = require_engine(request)
+    req = parse_body(ChatCompletionRequest, await request.body())
+    check_common(req)
+    prompt, tools = chat_prompt(engine.tokenizer, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens, engine.ctx_size)
+    request_id = "chatcmpl-" + uuid.uuid4().hex
+    stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    created = int(time.time())
+    if req.stream:
+        return _sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
+                                          tools is not None, req.include_usage()))
+    try:
+        text, final = await _collect(stream, request)
+    except ClientDisconnected:
+        log.info("%s: client disconnected, request cancelled", request_id)
+        return Response(status_code=499)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    finish_reason = final.finish_reason
+    if tools is not None:
+        parsed = parse_tool_calls(text)
+        if parsed.tool_calls:
+            message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+            finish_reason = "tool_calls"
+    return JSONResponse({
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": engine.model_name,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_dict(final.usage),
+    })
+
+
+async def _chat_chunks(stream: Any, request: Request, request_id: str, created: int, model: str,
+                       parse_tools: bool, include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        body: dict[str, Any] = {**base, "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    calls = ToolCallStream() if parse_tools else None
+    final: TokenEvent | None = None
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async with contextlib.aclosing(engine_events(stream, request)) as events:
+            async for event in events:
+                text = calls.feed(event.text) if calls is not None else event.text
+                if text:
+                    yield chunk({"content": text})
+                if event.finish_reason is not None:
+                    final = event
+    except ClientDisconnected:
+        log.info("%s: client disconnected, stream cancelled", request_id)
+        return
+    finally:
+        if final is None:  # the response ended before the engine did: free the slot
+            stream.cancel()
+    if final is None or final.finish_reason == "error":
+        yield _error_event(_failure(final))
+        return
+    finish_reason = final.finish_reason
+    if calls is not None:
+        rest = calls.finish()
+        if rest.content:
+            yield chunk({"content": rest.content})
+        if rest.tool_calls:
+            yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(rest.tool_calls)]})
+            finish_reason = "tool_calls"
+    yield chunk({}, finish_reason)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage_dict(final.usage)})
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------------------------------- completions
+
+
+@router.post("/v1/completions")
+@router.post("/completions", include_in_schema=False)
+async def completions(request: Request) -> Response:
+    engine = require_engine(request)
+    req = parse_body(CompletionRequest, await request.body())
+    check_common(req)
+    if req.best_of is not None and req.best_of != 1:
+        raise ApiError(400, f"best_of other than 1 is not supported (got {req.best_of})", param="best_of")
+    prompt = completion_prompt(engine.tokenizer, req.prompt)
+    params = sampling_params(req, req.max_tokens, engine.ctx_size)
+    request_id = "cmpl-" + uuid.uuid4().hex
+    stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    created = int(time.time())
+    echo = engine.tokenizer.decode(prompt) if req.echo else ""
+    if req.stream:
+        return _sse_response(_completion_chunks(stream, request, request_id, created, engine.model_name, echo,
+                                                req.include_usage()))
+    try:
+        text, final = await _collect(stream, request)
+    except ClientDisconnected:
+        log.info("%s: client disconnected, request cancelled", request_id)
+        return Response(status_code=499)
+    return JSONResponse({
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": engine.model_name,
+        "choices": [{"index": 0, "text": echo + text, "logprobs": None, "finish_reason": final.finish_reason}],
+        "usage": usage_dict(final.usage),
+    })
+
+
+async def _completion_chunks(stream: Any, request: Request, request_id: str, created: int, model: str, echo: str,
+                             include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+
+    def chunk(text: str, finish_reason: str | None = None) -> str:
+        body: dict[str, Any] = {**base, "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    final: TokenEvent | None = None
+    try:
+        if echo:
+            yield chunk(echo)
+        async with contextlib.aclosing(engine_events(stream, request)) as events:
+            async for event in events:
+                if event.text:
+                    yield chunk(event.text)
+                if event.finish_reason is not None:
+                    final = event
+    except ClientDisconnected:
+        log.info("%s: client disconnected, stream cancelled", request_id)
+        return
+    finally:
+        if final is None:  # the response ended before the engine did: free the slot
+            stream.cancel()
+    if final is None or final.finish_reason == "error":
+        yield _error_event(_failure(final))
+        return
+    yield chunk("", final.finish_reason)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage_dict(final.usage)})
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def _model_card(request: Request) -> dict[str, Any]:
+    engine = require_engine(request)
+    return {"id": engine.model_name, "object": "model", "created": server_state(request).started,
+            "owned_by": "strata", "meta": {"n_ctx": engine.ctx_size, "n_slots": engine.n_slots}}
+
+
+@router.get("/v1/models")
+@router.get("/models", include_in_schema=False)
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+@router.get("/models/{model_id:path}", include_in_schema=False)
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    card = _model_card(request)
+    if model_id != card["id"]:
+        raise ApiError(404, f"model {model_id!r} not found; this server serves {card['id']!r}", param="model")
+    return card

@@ -1,0 +1,131 @@
+"""From an OpenAI request to prompt token ids: chat messages through the model's template, completion prompts
+as text or token ids. Every refusal is a 400 naming the message or field at fault."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.errors import ApiError
+from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
+
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+def content_text(content: Any, param: str) -> str | None:
+    """A message's content as one string: a string as is, a list of text parts joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{param}': expected a string or a list of content parts, got {content!r}"[:200],
+                       param=param)
+    texts = []
+    for i, part in enumerate(content):
+        where = f"{param}[{i}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ApiError(400, f"'{where}': expected a content part like {{\"type\": \"text\", \"text\": \"...\"}}",
+                           param=where)
+        if part["type"] != "text":
+            raise ApiError(400, f"'{where}': content parts of type {part['type']!r} are not supported; "
+                           "this server takes text only", param=where)
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, f"'{where}.text': expected a string", param=f"{where}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _arguments_object(arguments: Any) -> Any:
+    # Chat templates (Qwen, Hermes, Llama 3) serialise arguments themselves and expect an object, while
+    # OpenAI clients send the JSON text the model produced.
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return {} if arguments is None else arguments
+
+
+def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as Hugging Face chat templates expect it."""
+    param = f"messages[{index}]"
+    if msg.role not in CHAT_ROLES:
+        raise ApiError(400, f"'{param}.role': unknown role {msg.role!r}; expected one of {', '.join(CHAT_ROLES)}",
+                       param=f"{param}.role")
+    text = content_text(msg.content, f"{param}.content")
+    role = "system" if msg.role == "developer" else msg.role
+    out: dict[str, Any] = {"role": role}
+    if role == "assistant":
+        out["content"] = text or ""
+        if msg.tool_calls:
+            out["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in msg.tool_calls
+            ]
+    else:
+        if text is None:
+            raise ApiError(400, f"'{param}.content' is required for a message with role {msg.role!r}",
+                           param=f"{param}.content")
+        out["content"] = text
+        if role == "tool" and msg.tool_call_id is not None:
+            out["tool_call_id"] = msg.tool_call_id
+    if msg.name is not None:
+        out["name"] = msg.name
+    return out
+
+
+def active_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tool definitions to render and parse calls for; None when there are none or tool_choice is "none"."""
+    choice = req.tool_choice
+    named = isinstance(choice, dict)
+    if choice is not None and not named and choice not in TOOL_CHOICE_MODES:
+        raise ApiError(400, f"'tool_choice': expected one of {', '.join(TOOL_CHOICE_MODES)} or "
+                       f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}"[:300],
+                       param="tool_choice")
+    if not req.tools:
+        if choice in ("required",) or named:
+            raise ApiError(400, "'tool_choice' requires 'tools'", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in req.tools]
+
+
+def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> tuple[list[int], list[dict[str, Any]] | None]:
+    """Prompt token ids for a chat request, and the tools offered (None if none)."""
+    if not req.messages:
+        raise ApiError(400, "'messages' must contain at least one message", param="messages")
+    messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
+    tools = active_tools(req)
+    try:
+        text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True)
+    except ValueError as exc:
+        raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False), tools
+
+
+def completion_prompt(tokenizer: Any, prompt: Any) -> list[int]:
+    """Prompt token ids for /v1/completions: a string, a list of token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(400, f"'prompt': one prompt per request is supported, got {len(prompt)}", param="prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", param="prompt")
+        tokens = tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", param="prompt")
+        vocab = getattr(tokenizer, "vocab_size", None)
+        bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ApiError(400, f"'prompt': token ids must be in {limit}, got {bad[0]}", param="prompt")
+        tokens = list(prompt)
+    else:
+        raise ApiError(400, f"'prompt': expected a string or a list of token ids, got {prompt!r}"[:200],
+                       param="prompt")
+    if not tokens:
+        raise ApiError(400, "'prompt' is empty after tokenization", param="prompt")
+    return tokens
