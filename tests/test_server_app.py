@@ -1,0 +1,59 @@
+"""The HTTP layer before a model is loaded: loading state, the API-key guard, error shape, /shutdown."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from engine.config import EngineConfig
+from engine.server.app import ServerState, create_app
+
+
+def client(**config) -> tuple[TestClient, ServerState]:
+    state = ServerState(EngineConfig(**config))
+    return TestClient(create_app(state)), state
+
+
+def assert_openai_error(response, status: int) -> dict:
+    assert response.status_code == status
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    return err
+
+
+def test_health_reports_loading_and_other_routes_answer_503_while_the_model_loads():
+    c, _ = client()
+    r = c.get("/health")
+    assert (r.status_code, r.json()) == (503, {"status": "loading"})
+    for method, path in [("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
+                         ("get", "/metrics"), ("get", "/slots"), ("get", "/cache/conversations")]:
+        err = assert_openai_error(getattr(c, method)(path), 503)
+        assert "loading" in err["message"]
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors():
+    c, _ = client()
+    assert assert_openai_error(c.get("/v2/nothing"), 404)["type"] == "not_found_error"
+    assert_openai_error(c.get("/v1/chat/completions"), 405)
+
+
+def test_api_key_guards_every_route():
+    c, _ = client(api_key="s3cret")
+    for path in ("/health", "/v1/models", "/metrics", "/nothing"):
+        err = assert_openai_error(c.get(path), 401)
+        assert err["type"] == "authentication_error"
+        assert "Authorization: Bearer" in err["message"]
+    assert "invalid" in assert_openai_error(c.get("/health", headers={"Authorization": "Bearer nope"}), 401)["message"]
+    assert c.get("/health", headers={"Authorization": "Bearer s3cret"}).status_code == 503  # through: loading
+    assert c.get("/health", headers={"Authorization": "bearer s3cret"}).status_code == 503
+    assert c.get("/health", headers={"Authorization": "Bearer S3CRET"}).status_code == 401
+
+
+def test_shutdown_answers_then_calls_the_cli_hook():
+    c, state = client()
+    assert_openai_error(c.post("/shutdown"), 501)
+    calls = []
+    state.shutdown = lambda: calls.append("stop")
+    r = c.post("/shutdown")
+    assert (r.status_code, r.json()) == (202, {"status": "shutting down"})
+    assert calls == ["stop"]

@@ -1,0 +1,58 @@
+"""/metrics in Prometheus text format: derived from the JSON body, and parseable by Prometheus' own parser."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.server.prometheus import render_prometheus
+
+STATS = {
+    "engine": {
+        "model": "SmolLM2-135M-Instruct", "state": "running", "slots": 4, "slots_busy": 1, "queued": 0,
+        "requests": 12, "prompt_tokens": 3400, "cached_tokens": 1200, "generated_tokens": 560,
+        "prefill_tokens_per_s": 310.5, "decode_tokens_per_s": 41.2, "uptime_s": 12.5, "pid": 4242,
+    },
+    "conversation_cache": {
+        "enabled": True, "storage": "tiered", "hits": 3, "misses": 1, "tokens_reused": 5000,
+        "ram": {"bytes_used": 1024, "budget_bytes": 4096}, "park_ms": {"last": 1.5, "p50": 1.2, "p95": None},
+        "tiers": ["ram", "disk"],
+    },
+}
+
+
+def _samples() -> dict[str, tuple[str, float, dict]]:
+    text = render_prometheus(STATS).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = (family.type, sample.value, sample.labels)
+    return out
+
+
+def test_numbers_become_gauges_and_totals_become_counters():
+    samples = _samples()
+    assert samples["strata_engine_slots_busy"][:2] == ("gauge", 1.0)
+    assert samples["strata_engine_decode_tokens_per_s"][:2] == ("gauge", 41.2)
+    assert samples["strata_engine_prompt_tokens_total"][:2] == ("counter", 3400.0)
+    assert samples["strata_conversation_cache_hits_total"][:2] == ("counter", 3.0)
+
+
+def test_nested_objects_join_keys_and_booleans_are_zero_or_one():
+    samples = _samples()
+    assert samples["strata_conversation_cache_ram_bytes_used"][1] == 1024.0
+    assert samples["strata_conversation_cache_park_ms_p50"][1] == 1.2
+    assert samples["strata_conversation_cache_enabled"][1] == 1.0
+    assert "strata_conversation_cache_park_ms_p95" not in samples  # null: nothing measured yet
+    assert not any(name.startswith("strata_conversation_cache_tiers") for name in samples)
+
+
+def test_text_fields_are_labels_of_an_info_gauge():
+    samples = _samples()
+    assert samples["strata_engine_info"][1:] == (1.0, {"model": "SmolLM2-135M-Instruct", "state": "running"})
+    assert samples["strata_conversation_cache_info"][2] == {"storage": "tiered"}
+
+
+def test_each_render_is_independent():
+    first = render_prometheus(STATS)
+    assert render_prometheus(STATS) == first
+    assert b"strata_engine_requests_total 12.0" in first

@@ -1,0 +1,97 @@
+"""Hermes-style <tool_call> blocks parsed into OpenAI tool_calls, whole and while streaming."""
+
+from __future__ import annotations
+
+import json
+
+from engine.server.tool_calls import ToolCallStream, parse_tool_calls
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+
+
+def test_text_without_tool_calls_is_content_unchanged():
+    parsed = parse_tool_calls("  Hello <b>there</b>  ")
+    assert parsed.content == "  Hello <b>there</b>  "
+    assert parsed.tool_calls == []
+
+
+def test_one_call_becomes_a_tool_call_with_json_arguments_and_no_content():
+    parsed = parse_tool_calls(CALL)
+    assert parsed.content is None
+    [call] = parsed.tool_calls
+    assert call["type"] == "function"
+    assert call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
+
+
+def test_several_calls_keep_order_and_surrounding_text_is_content():
+    text = "Let me check.\n" + CALL + "\n" + CALL.replace("get_weather", "get_time") + "\n"
+    parsed = parse_tool_calls(text)
+    assert parsed.content == "Let me check."
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather", "get_time"]
+    assert len({c["id"] for c in parsed.tool_calls}) == 2
+
+
+def test_malformed_block_stays_in_content_and_valid_ones_are_parsed():
+    bad = "<tool_call>{not json}</tool_call>"
+    parsed = parse_tool_calls(bad + CALL)
+    assert parsed.content == bad
+    assert len(parsed.tool_calls) == 1
+    assert parse_tool_calls(bad).content == bad
+    assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>').tool_calls == []
+
+
+def test_unclosed_final_block_counts_when_its_json_is_complete():
+    parsed = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}')
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["f"]
+    truncated = '<tool_call>{"name": "f", "argum'
+    assert parse_tool_calls(truncated).tool_calls == []
+    assert parse_tool_calls(truncated).content == truncated
+
+
+def test_string_arguments_and_parameters_spelling_are_accepted():
+    parsed = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>'
+                              '<tool_call>{"name": "g", "parameters": {"b": 3}}</tool_call>')
+    assert [json.loads(c["function"]["arguments"]) for c in parsed.tool_calls] == [{"a": 2}, {"b": 3}]
+    no_args = parse_tool_calls('<tool_call>{"name": "h"}</tool_call>').tool_calls[0]
+    assert no_args["function"]["arguments"] == "{}"
+
+
+def _stream(deltas: list[str]) -> tuple[str, list[dict]]:
+    filt = ToolCallStream()
+    sent = "".join(filt.feed(d) for d in deltas)
+    rest = filt.finish()
+    return sent + (rest.content or ""), rest.tool_calls
+
+
+def test_stream_passes_plain_text_through_token_by_token():
+    filt = ToolCallStream()
+    assert filt.feed("Hello") == "Hello"
+    assert filt.feed(" world") == " world"
+    assert filt.finish().content == ""
+
+
+def test_stream_holds_a_possible_tag_start_until_decided():
+    filt = ToolCallStream()
+    assert filt.feed("a <to") == "a "
+    assert filt.feed("day") == "<today"
+    assert filt.feed("<") == ""
+    assert filt.finish().content == "<"
+
+
+def test_stream_buffers_from_the_tag_and_emits_calls_at_the_end():
+    text = "Sure. " + CALL
+    deltas = [text[i:i + 3] for i in range(0, len(text), 3)]
+    filt = ToolCallStream()
+    sent = "".join(filt.feed(d) for d in deltas)
+    assert sent == "Sure. "
+    rest = filt.finish()
+    assert rest.content == ""
+    assert [c["function"]["name"] for c in rest.tool_calls] == ["get_weather"]
+
+
+def test_stream_releases_a_malformed_block_as_content():
+    content, calls = _stream(["ok ", "<tool_call>", "{oops", "</tool_call>"])
+    assert calls == []
+    assert content == "ok <tool_call>{oops</tool_call>"
