@@ -1,0 +1,294 @@
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM) over explicit K/V buffers.
+
+One call runs any mix of chunks from different slots (continuous batching): projections and the MLP run on
+the concatenated tokens, attention runs per chunk against that chunk's slot rows.
+
+Batch invariance: a slot's logits must not depend on what it was batched with. CPU BLAS picks a different
+kernel (and so a different summation order) by row count: 1 row (gemv), 2-3 rows, 4+ rows. So rows of
+one-token chunks are multiplied one by one through a batched gemv (`bmm` over a broadcast weight, bitwise
+equal to the 1-row product), and rows of longer chunks go through one GEMM padded to at least
+`_MIN_GEMM_ROWS` rows. Each row's result then depends only on its own chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.config import ModelConfig
+from engine.model.rope import RotaryTable
+from engine.runtime.kv_buffers import KVBuffers
+
+_MIN_GEMM_ROWS = 4
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """Tokens of one slot to run: K/V for positions [0, start) is already in the slot."""
+
+    slot: int
+    start: int
+    tokens: torch.Tensor  # 1-D int64
+
+
+def _gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 1:
+        return F.linear(x, w)
+    return torch.bmm(x.unsqueeze(1), w.t().expand(x.shape[0], -1, -1)).squeeze(1)
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0]
+    if n >= _MIN_GEMM_ROWS:
+        return F.linear(x, w)
+    padded = torch.zeros(_MIN_GEMM_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
+    padded[:n] = x
+    return F.linear(padded, w)[:n]
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring)."""
+    if n_single == x.shape[0]:
+        y = _gemv_rows(x, w)
+    elif n_single == 0:
+        y = _gemm(x, w)
+    else:
+        y = torch.cat((_gemv_rows(x[:n_single], w), _gemm(x[n_single:], w)))
+    if bias is not None:
+        y += bias
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it (statistics in float32, weight applied in the input dtype)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(torch.nn.Module):
+    """One transformer block with fused q/k/v and gate/up projections."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        attn_norm: torch.Tensor,
+        wqkv: torch.Tensor,
+        bqkv: torch.Tensor | None,
+        wo: torch.Tensor,
+        mlp_norm: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        c = config
+        q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
+        assert wo.shape == (c.hidden_size, q_rows), ("wo", tuple(wo.shape))
+        assert w_gate_up.shape == (2 * c.intermediate_size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
+        assert w_down.shape == (c.hidden_size, c.intermediate_size), ("w_down", tuple(w_down.shape))
+        self.config = config
+        self.register_buffer("attn_norm", attn_norm, persistent=False)
+        self.register_buffer("wqkv", wqkv, persistent=False)
+        self.register_buffer("bqkv", bqkv, persistent=False)
+        self.register_buffer("wo", wo, persistent=False)
+        self.register_buffer("mlp_norm", mlp_norm, persistent=False)
+        self.register_buffer("w_gate_up", w_gate_up, persistent=False)
+        self.register_buffer("w_down", w_down, persistent=False)
+        qk_norm = None
+        if q_norm is not None and k_norm is not None:
+            # One weight row per q head then per k head, so both norms run as one op on the q|k view.
+            qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(c.n_kv_heads, -1)))
+        self.register_buffer("qk_norm", qk_norm, persistent=False)
+
+
+class CausalLM(torch.nn.Module):
+    """A decoder-only language model whose layers may be spread over several devices (stages)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        stages: list[tuple[torch.device, int, int]],
+        *,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        rope_freq_factors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        assert len(layers) == config.n_layers, (len(layers), config.n_layers)
+        assert stages and stages[0][1] == 0 and stages[-1][2] == config.n_layers, stages
+        self.config = config
+        self.stages = [(torch.device(d), a, b) for d, a, b in stages]
+        self.register_buffer("embed", embed, persistent=False)
+        self.layers = torch.nn.ModuleList(layers)
+        self.register_buffer("norm", norm, persistent=False)
+        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.rotary = RotaryTable(config, rope_freq_factors)
+        self.layer_device = [d for d, a, b in self.stages for _ in range(a, b)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward_chunks(
+        self, chunks: list[SeqChunk], kv: KVBuffers, all_logits: bool = False
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Run `chunks`, writing their K/V (after RoPE) into `kv` at rows [start, start+len) of each slot.
+
+        Returns float32 logits on the last stage's device: [len(chunks), vocab] for the last position of
+        each chunk, or with `all_logits` a list of [len_i, vocab] tensors in chunk order.
+        """
+        assert chunks, "forward_chunks needs at least one chunk"
+        c = self.config
+        assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.n_kv_heads, "K/V layout mismatch"
+        assert kv.layout.head_dim == c.head_dim and kv.layout.dtype == self.dtype, "K/V layout mismatch"
+        slots = [ch.slot for ch in chunks]
+        assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
+        for ch in chunks:
+            n = ch.tokens.numel()
+            assert ch.tokens.dim() == 1 and n > 0, "a chunk needs a 1-D, non-empty token tensor"
+            assert ch.start >= 0 and ch.start + n <= kv.ctx, f"slot {ch.slot}: rows {ch.start}+{n} exceed ctx {kv.ctx}"
+            assert 0 <= ch.slot < kv.n_slots, f"slot {ch.slot} out of range"
+
+        # One-token chunks first: their rows take the gemv path (module docstring).
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].tokens.numel() != 1)
+        ordered = [chunks[i] for i in order]
+        lengths = [ch.tokens.numel() for ch in ordered]
+        n_single = sum(1 for n in lengths if n == 1)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        total = offsets[-1]
+        max_pos = max(ch.start + n for ch, n in zip(ordered, lengths, strict=True))
+
+        first_device = self.stages[0][0]
+        ids = torch.cat([ch.tokens for ch in ordered]).to(first_device)
+        if n_single == total:
+            positions = torch.tensor([ch.start for ch in ordered], dtype=torch.int64)
+        else:
+            positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
+        x = F.embedding(ids, self.embed)
+
+        plans = _attention_plans(ordered, lengths, offsets)
+        for device, first, end in self.stages:
+            x = x.to(device)
+            cos, sin = self.rotary.get(max_pos, device, self.dtype)
+            pos = positions.to(device)
+            cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+            masks = {i: m.to(device) for i, m in plans.masks.items()}
+            for li in range(first, end):
+                x = self._layer(self.layers[li], li, x, kv, ordered, plans, masks, cos, sin, n_single, total)
+
+        if all_logits:
+            h = rms_norm(x, self.norm, c.rms_norm_eps)
+            logits = _linear(h, self.lm_head, n_single).float()
+            out = [logits[offsets[k] : offsets[k + 1]] for k in range(len(ordered))]
+            result: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
+            for k, i in enumerate(order):
+                result[i] = out[k]
+            return result
+        last = torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device)
+        h = rms_norm(x.index_select(0, last), self.norm, c.rms_norm_eps)
+        logits = _gemv_rows(h, self.lm_head).float()
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        return logits.index_select(0, inverse.to(logits.device))
+
+    def _layer(
+        self,
+        layer: DecoderLayer,
+        li: int,
+        x: torch.Tensor,
+        kv: KVBuffers,
+        chunks: list[SeqChunk],
+        plans: _Plans,
+        masks: dict[int, torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        n_single: int,
+        total: int,
+    ) -> torch.Tensor:
+        c = self.config
+        H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
+        h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+        qkv = _linear(h, layer.wqkv, n_single, layer.bqkv)
+        qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
+        v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
+        if layer.qk_norm is not None:
+            qk = _head_rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
+        half = D // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + rotated * sin
+        q, k = qk[:, :H], qk[:, H:]
+
+        k_cache, v_cache = kv.layer(li)
+        attn = torch.empty(total, H, D, dtype=x.dtype, device=x.device)
+        for i, ch in enumerate(chunks):
+            lo, hi = plans.offsets[i], plans.offsets[i + 1]
+            end = ch.start + (hi - lo)
+            k_cache[ch.slot, ch.start : end] = k[lo:hi]
+            v_cache[ch.slot, ch.start : end] = v[lo:hi]
+            keys = k_cache[ch.slot, :end].transpose(0, 1).unsqueeze(0)
+            values = v_cache[ch.slot, :end].transpose(0, 1).unsqueeze(0)
+            query = q[lo:hi].transpose(0, 1).unsqueeze(0)
+            out = _attention(query, keys, values, masks.get(i), plans.causal[i])
+            attn[lo:hi] = out[0].transpose(0, 1)
+        x = x + _linear(attn.view(total, H * D), layer.wo, n_single)
+
+        h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+        gate_up = _linear(h, layer.w_gate_up, n_single)
+        inter = c.intermediate_size
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        return x + _linear(act, layer.w_down, n_single)
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over head_dim with a per-head weight [n_heads, head_dim] (Qwen3's q/k norms)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(slots=True)
+class _Plans:
+    offsets: list[int]
+    causal: list[bool]
+    masks: dict[int, torch.Tensor]
+
+
+def _attention_plans(chunks: list[SeqChunk], lengths: list[int], offsets: list[int]) -> _Plans:
+    """Per chunk: no mask for one token (it sees every row), is_causal from position 0, else an offset mask."""
+    causal: list[bool] = []
+    masks: dict[int, torch.Tensor] = {}
+    for i, (ch, n) in enumerate(zip(chunks, lengths, strict=True)):
+        if n == 1:
+            causal.append(False)
+        elif ch.start == 0:
+            causal.append(True)
+        else:
+            causal.append(False)
+            rows = torch.arange(ch.start, ch.start + n).unsqueeze(1)
+            masks[i] = torch.arange(ch.start + n).unsqueeze(0) <= rows
+    return _Plans(offsets, causal, masks)
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not _HAS_GQA:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    kwargs = {"enable_gqa": True} if groups > 1 and _HAS_GQA else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kwargs)

