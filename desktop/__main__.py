@@ -1,0 +1,7 @@
+"""`python -m desktop`."""
+
+import sys
+
+from desktop.app import main
+
+sys.exit(main())

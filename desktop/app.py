@@ -1,0 +1,114 @@
+"""`strata-desktop` and `python -m desktop`: parse the command line, keep one instance, show the main window.
+
+Nothing heavy is imported at module level: a frozen build re-runs this entry point as the engine child
+(`strata-desktop serve ...`), which must not load Qt, and the GUI process must never load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import time
+from pathlib import Path
+
+LAUNCHED_AT = time.perf_counter()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="strata-desktop",
+                                     description="Strata Desktop: a local LLM server with a conversation cache.")
+    parser.add_argument("--install-desktop-entry", action="store_true",
+                        help="install a launcher and icon for this user (Linux), then exit")
+    parser.add_argument("--config-dir", type=Path, help="folder for the settings file (default: the user config folder)")
+    parser.add_argument("--state-dir", type=Path, help="folder for the engine pid file (default: the user state folder)")
+    parser.add_argument("--no-engine", action="store_true", help="do not start the engine at launch")
+    parser.add_argument("--hidden", action="store_true", help="start in the tray, without showing the window")
+    parser.add_argument("--print-startup-time", action="store_true",
+                        help="print the seconds from launch to the first painted window, then keep running")
+    from desktop import __version__
+
+    parser.add_argument("--version", action="version", version=f"strata-desktop {__version__}")
+    return parser.parse_args(argv)
+
+
+def _install_signal_handlers(app: object, on_quit: object) -> None:
+    """Let Ctrl+C and SIGTERM reach the Qt event loop: a wake-up fd makes Python run the handler promptly."""
+    import socket
+
+    from PySide6.QtCore import QSocketNotifier
+
+    rsock, wsock = socket.socketpair()
+    rsock.setblocking(False)
+    wsock.setblocking(False)
+    signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+    notifier = QSocketNotifier(rsock.fileno(), QSocketNotifier.Type.Read, app)  # type: ignore[arg-type]
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            rsock.recv(64)
+
+    notifier.activated.connect(drain)
+    app._signal_sockets = (rsock, wsock, notifier)  # type: ignore[attr-defined]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: on_quit())  # type: ignore[operator]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # The frozen app's engine mode (see desktop.engine_process.engine_command): no Qt in this process.
+        from engine.cli import main as engine_main
+
+        return int(engine_main(argv) or 0)
+    args = parse_args(argv)
+    if args.install_desktop_entry:
+        from desktop.desktop_entry import install_desktop_entry
+
+        for path in install_desktop_entry():
+            print(f"installed {path}")
+        return 0
+
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from desktop.instance import SingleInstance, instance_name, notify_running
+    from desktop.settings import Paths
+
+    defaults = Paths.default()
+    paths = Paths(config_dir=args.config_dir or defaults.config_dir, state_dir=args.state_dir or defaults.state_dir)
+    app = QApplication([sys.argv[0], *argv])
+    app.setApplicationName("Strata Desktop")
+    app.setDesktopFileName("strata-desktop")
+    app.setQuitOnLastWindowClosed(False)  # the window may close to the tray; quitting is explicit
+
+    name = instance_name(paths.config_dir)
+    if notify_running(name):
+        print("strata-desktop: already running; showed its window", file=sys.stderr)
+        return 0
+    instance = SingleInstance(name, app)
+    instance.listen()
+
+    from desktop.main_window import MainWindow
+
+    window = MainWindow(paths)
+    if args.no_engine:
+        window.store.prefs.start_engine = False
+    instance.activated.connect(window.show_window)
+    app.aboutToQuit.connect(window.shutdown_now)
+    app.aboutToQuit.connect(instance.close)
+    _install_signal_handlers(app, window.quit)
+    if not (args.hidden and window.use_tray):
+        window.show()
+    if args.print_startup_time:
+        def painted() -> None:
+            print(f"strata-desktop: window painted {time.perf_counter() - LAUNCHED_AT:.3f} s after launch",
+                  file=sys.stderr, flush=True)
+        QTimer.singleShot(0, painted)
+    QTimer.singleShot(0, window.start)
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

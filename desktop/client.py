@@ -1,0 +1,271 @@
+"""Talking to the engine without blocking the UI: HTTP and psutil run on worker threads, results come back as signals.
+
+`Dispatcher` is the one helper that runs a callable on a worker thread and hands its result (or exception) to a
+callback on the GUI thread. `EngineClient` issues the engine's HTTP calls through it. `Poller` fetches
+`/metrics`, `/cache/conversations` and `/cache/events` and samples memory with psutil on a timer, never
+starting a fetch while the previous one of the same kind is still in flight, so a slow engine cannot pile up
+requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psutil
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
+
+Callback = Callable[[Any], None]
+
+
+class Dispatcher(QObject):
+    """Runs work on a small thread pool and calls back on the thread that owns this object (the GUI thread)."""
+
+    _done = Signal(object)
+
+    def __init__(self, max_workers: int = 4, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="strata-desktop")
+        self._closed = False
+        self._done.connect(self._deliver)
+
+    def submit(self, work: Callable[[], Any], callback: Callback | None = None) -> None:
+        """Run `work()` off the GUI thread; `callback(result)` (or `callback(exception)`) runs on the GUI thread."""
+        if self._closed:
+            return
+
+        def run() -> None:
+            try:
+                result: Any = work()
+            except BaseException as e:  # handed to the callback, which decides what the user sees
+                result = e
+            if not self._closed and callback is not None:
+                self._done.emit((callback, result))
+
+        self._pool.submit(run)
+
+    @Slot(object)
+    def _deliver(self, item: tuple[Callback, Any]) -> None:
+        callback, result = item
+        if not self._closed:
+            callback(result)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop delivering results; with wait, join the workers (every request has a short timeout)."""
+        self._closed = True
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The outcome of one HTTP call: ok (2xx), the status, the decoded JSON, or what went wrong."""
+
+    ok: bool
+    status: int | None
+    data: Any
+    error: str
+    elapsed_ms: float
+
+    @property
+    def reachable(self) -> bool:
+        return self.status is not None
+
+
+def _error_message(status: int, data: Any, text: str) -> str:
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if data.get("detail"):
+            return str(data["detail"])
+    return f"HTTP {status}: {text[:200]}" if text else f"HTTP {status}"
+
+
+class EngineClient(QObject):
+    """The engine's HTTP API, called asynchronously. Replies from an earlier target are dropped."""
+
+    def __init__(self, dispatcher: Dispatcher, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.dispatcher = dispatcher
+        self.base_url: str | None = None
+        self.api_key: str | None = None
+        self._generation = 0
+        self._http = httpx.Client(limits=httpx.Limits(max_connections=8, max_keepalive_connections=4),
+                                  trust_env=False)
+
+    def set_target(self, base_url: str | None, api_key: str | None = None) -> None:
+        """Point at an engine (e.g. http://127.0.0.1:8080), or at none."""
+        if base_url != self.base_url or api_key != self.api_key:
+            self._generation += 1
+        self.base_url = base_url.rstrip("/") if base_url else None
+        self.api_key = api_key
+
+    def request(self, method: str, path: str, callback: Callable[[Reply], None] | None = None, *,
+                json: Any = None, timeout: float = 3.0) -> None:
+        """Call the engine off the GUI thread; `callback(Reply)` runs on the GUI thread."""
+        base, key, generation = self.base_url, self.api_key, self._generation
+        if base is None:
+            if callback is not None:
+                callback(Reply(False, None, None, "the engine is not running", 0.0))
+            return
+
+        def work() -> Reply:
+            return self.call(method, base + path, json=json, api_key=key, timeout=timeout)
+
+        def done(result: Any) -> None:
+            if generation != self._generation or callback is None:
+                return
+            if isinstance(result, BaseException):
+                result = Reply(False, None, None, f"{type(result).__name__}: {result}", 0.0)
+            callback(result)
+
+        self.dispatcher.submit(work, done)
+
+    def call(self, method: str, url: str, *, json: Any = None, api_key: str | None = None,
+             timeout: float = 3.0) -> Reply:
+        """One blocking HTTP call (worker threads only)."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        start = time.perf_counter()
+        try:
+            r = self._http.request(method, url, json=json, headers=headers, timeout=timeout)
+        except httpx.TimeoutException:
+            return Reply(False, None, None, f"no answer within {timeout:g} s", (time.perf_counter() - start) * 1e3)
+        except httpx.HTTPError as e:
+            return Reply(False, None, None, f"cannot connect ({type(e).__name__})", (time.perf_counter() - start) * 1e3)
+        elapsed = (time.perf_counter() - start) * 1e3
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        ok = 200 <= r.status_code < 300
+        return Reply(ok, r.status_code, data, "" if ok else _error_message(r.status_code, data, r.text), elapsed)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySample:
+    """Memory at one moment: the engine's process tree RSS (None when not running) and the host's memory."""
+
+    time: float
+    engine_rss: int | None
+    host_available: int
+    host_total: int
+
+
+def process_tree_rss(pid: int | None) -> int | None:
+    """Resident memory of `pid` and all its descendants, in bytes; None if it is gone."""
+    if not pid:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+def sample_memory(pid: int | None) -> MemorySample:
+    vm = psutil.virtual_memory()
+    return MemorySample(time.time(), process_tree_rss(pid), int(vm.available), int(vm.total))
+
+
+class Poller(QObject):
+    """Fetches what the Monitor shows on a timer. Detail fetches (conversations, events) only when asked for."""
+
+    metrics = Signal(object)  # dict from /metrics
+    conversations = Signal(object)  # list of dicts from /cache/conversations
+    events = Signal(object)  # list of dicts from /cache/events
+    memory = Signal(object)  # MemorySample
+    unreachable = Signal(str)  # the engine did not answer /metrics
+
+    EVENTS_LIMIT = 200
+
+    def __init__(self, client: EngineClient, interval_ms: int = 1000, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.client = client
+        self.engine_pid: int | None = None
+        self.detail = True
+        self._in_flight: set[str] = set()
+        self._timer = QTimer(self, interval=interval_ms)
+        self._timer.timeout.connect(self.poll)
+
+    def start(self) -> None:
+        self._timer.start()
+        self.poll()
+
+    def stop(self) -> None:
+        self._timer.stop()
+
+    def set_interval(self, ms: int) -> None:
+        self._timer.setInterval(ms)
+
+    @property
+    def interval_ms(self) -> int:
+        return self._timer.interval()
+
+    def poll(self) -> None:
+        """One round: memory always; the engine's figures when it has a URL."""
+        self._once("memory", lambda: sample_memory(self.engine_pid), self._on_memory)
+        if self.client.base_url is None:
+            return
+        self._fetch("metrics", "/metrics", self._on_metrics)
+        if self.detail:
+            self._fetch("conversations", "/cache/conversations", self._on_conversations)
+            self._fetch("events", f"/cache/events?limit={self.EVENTS_LIMIT}", self._on_events)
+
+    def _once(self, key: str, work: Callable[[], Any], done: Callback) -> None:
+        if key in self._in_flight:
+            return
+        self._in_flight.add(key)
+
+        def finish(result: Any) -> None:
+            self._in_flight.discard(key)
+            if not isinstance(result, BaseException):
+                done(result)
+
+        self.client.dispatcher.submit(work, finish)
+
+    def _fetch(self, key: str, path: str, done: Callable[[Reply], None]) -> None:
+        if key in self._in_flight:
+            return
+        self._in_flight.add(key)
+
+        def finish(reply: Reply) -> None:
+            self._in_flight.discard(key)
+            done(reply)
+
+        # A timeout shorter than two rounds keeps a hung engine from holding a worker for long.
+        self.client.request("GET", path, finish, timeout=max(1.0, 2 * self._timer.interval() / 1000))
+        if self.client.base_url is None:
+            self._in_flight.discard(key)
+
+    def _on_memory(self, sample: MemorySample) -> None:
+        self.memory.emit(sample)
+
+    def _on_metrics(self, reply: Reply) -> None:
+        if reply.ok and isinstance(reply.data, dict):
+            self.metrics.emit(reply.data)
+        else:
+            self.unreachable.emit(reply.error or f"HTTP {reply.status}")
+
+    def _on_conversations(self, reply: Reply) -> None:
+        if reply.ok and isinstance(reply.data, dict):
+            self.conversations.emit(list(reply.data.get("conversations") or []))
+
+    def _on_events(self, reply: Reply) -> None:
+        if reply.ok and isinstance(reply.data, dict):
+            self.events.emit(list(reply.data.get("events") or []))

@@ -1,0 +1,475 @@
+"""The engine child process: start, readiness, logs, crash detection, clean stop, and the pid file.
+
+One `EngineProcess` wraps one QProcess. States: stopped -> starting (spawned) -> loading (listening, /health
+says 503) -> ready (/health 200) -> stopping -> stopped, or crashed when it ends without being asked to.
+A stop asks the engine itself first (`POST /shutdown`, so a tiered cache spills to disk), then terminates,
+then kills after a deadline. A pid file records the running engine so that one orphaned by a crash of the
+app is found and stopped at the next launch (`reap_orphan`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import psutil
+from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
+
+from desktop.client import EngineClient, Reply
+from desktop.settings import atomic_write
+from engine.config import EngineConfig
+
+LISTENING = re.compile(r"strata: listening on (https?://\S+)")
+LOG_LINES = 5000  # lines kept in memory for the Logs tab and the crash report
+
+
+class EngineState(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    CRASHED = "crashed"
+
+    @property
+    def running(self) -> bool:
+        return self in (EngineState.STARTING, EngineState.LOADING, EngineState.READY, EngineState.STOPPING)
+
+    @property
+    def label(self) -> str:
+        return {
+            "stopped": "Stopped", "starting": "Starting…", "loading": "Loading model…", "ready": "Ready",
+            "stopping": "Stopping…", "crashed": "Crashed",
+        }[self.value]
+
+
+def engine_command(config: EngineConfig, port: int | None = None) -> list[str]:
+    """The command that starts the engine: `python -m engine serve ...`, or the bundled executable when frozen."""
+    args = config.to_args()
+    if port is not None:
+        args = _without_flag(args, "--port") + ["--port", str(port)]
+    if getattr(sys, "frozen", False):
+        # A frozen app is its own interpreter: desktop.app.main dispatches "serve" before importing Qt.
+        return [sys.executable, "serve", *args]
+    return [sys.executable, "-m", "engine", "serve", *args]
+
+
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def connect_url(host: str, port: int) -> str:
+    """The URL a client uses to reach an engine bound to host:port (a wildcard bind is reached on loopback)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessOutcome:
+    """How the engine process ended."""
+
+    exit_code: int | None  # exit status, or the signal number when killed by one
+    signalled: bool
+    requested: bool  # the app asked it to stop
+    error: str = ""  # it could not be started at all
+
+    @property
+    def clean(self) -> bool:
+        return self.requested or (not self.signalled and self.exit_code == 0 and not self.error)
+
+    def describe(self) -> str:
+        if self.error:
+            return self.error
+        if self.signalled:
+            try:
+                name = signal.Signals(self.exit_code or 0).name
+            except ValueError:
+                name = f"signal {self.exit_code}"
+            return f"was killed by {name}" if not self.requested else f"stopped ({name})"
+        if self.exit_code == 0:
+            return "exited normally"
+        return f"exited with status {self.exit_code}"
+
+
+# ---------------------------------------------------------------------------------------------- pid file
+
+
+def process_create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def write_pid_file(path: Path, pid: int, url: str | None, command: list[str]) -> None:
+    record = {
+        "pid": pid,
+        "create_time": process_create_time(pid),
+        "app_pid": os.getpid(),
+        "app_create_time": process_create_time(os.getpid()),
+        "url": url,
+        "command": command,
+    }
+    atomic_write(path, json.dumps(record, indent=1) + "\n")
+
+
+def read_pid_file(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
+
+
+def _same_process(pid: Any, create_time: Any) -> psutil.Process | None:
+    """The live process `pid` if it is the one that was recorded (pids are reused)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        p = psutil.Process(pid)
+        if create_time is not None and abs(p.create_time() - float(create_time)) > 1.0:
+            return None
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p
+    except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError, ValueError):
+        return None
+
+
+def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float = 10.0) -> str | None:
+    """Stop an engine left running by an app that is gone, then remove the pid file. Blocking: run off the GUI thread.
+
+    Returns what was done, for the user, or None when there was nothing to do.
+    """
+    record = read_pid_file(path)
+    if record is None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    app = _same_process(record.get("app_pid"), record.get("app_create_time"))
+    if app is not None and app.pid != os.getpid():
+        return None  # its app is alive: not an orphan
+    engine = _same_process(record.get("pid"), record.get("create_time"))
+    message = None
+    if engine is not None:
+        # Ask it first so a tiered cache spills; then signals.
+        if client is not None and record.get("url"):
+            client.call("POST", str(record["url"]).rstrip("/") + "/shutdown", timeout=2.0)
+        try:
+            engine.wait(timeout=grace_s if client is not None and record.get("url") else 0.1)
+        except psutil.TimeoutExpired:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                engine.terminate()
+            try:
+                engine.wait(timeout=5)
+            except psutil.TimeoutExpired:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    engine.kill()
+                with contextlib.suppress(psutil.TimeoutExpired):
+                    engine.wait(timeout=5)
+        except psutil.NoSuchProcess:
+            pass
+        message = f"Stopped an engine (pid {engine.pid}) left running by an earlier session of the app."
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return message
+
+
+# ---------------------------------------------------------------------------------------------- the process
+
+
+class EngineProcess(QObject):
+    """Supervises one engine child process."""
+
+    state_changed = Signal(object)  # EngineState
+    line = Signal(str)  # one line of the engine's output
+    url_changed = Signal(object)  # str | None
+    ended = Signal(object)  # ProcessOutcome
+    restart_scheduled = Signal(float)  # seconds until an automatic restart
+
+    def __init__(self, client: EngineClient, pid_file: Path | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.client = client
+        self.pid_file = pid_file
+        self.state = EngineState.STOPPED
+        self.url: str | None = None
+        self.config: EngineConfig | None = None  # what the running engine was started with
+        self.command: list[str] = []
+        self.outcome: ProcessOutcome | None = None
+        self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+        self.auto_restart = False
+        self.shutdown_grace_s = 20.0  # a tiered cache may need a while to spill
+        self.terminate_grace_s = 5.0
+        self.started_at: float | None = None
+        self._proc: QProcess | None = None
+        self._partial = ""
+        self._stop_requested = False
+        self._restart_after_stop = False
+        self._next_config: EngineConfig | None = None
+        self._backoff_s = 1.0
+        self._health_in_flight = False
+        self._health_timer = QTimer(self, interval=250)
+        self._health_timer.timeout.connect(self._check_health)
+        self._terminate_timer = QTimer(self, singleShot=True)
+        self._terminate_timer.timeout.connect(self._terminate)
+        self._kill_timer = QTimer(self, singleShot=True)
+        self._kill_timer.timeout.connect(self.kill)
+        self._auto_timer = QTimer(self, singleShot=True)
+        self._auto_timer.timeout.connect(self._auto_restart)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def pid(self) -> int | None:
+        if self._proc is None or self._proc.state() == QProcess.ProcessState.NotRunning:
+            return None
+        pid = self._proc.processId()
+        return int(pid) if pid else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.state() != QProcess.ProcessState.NotRunning
+
+    # ------------------------------------------------------------------ control
+
+    def start(self, config: EngineConfig) -> None:
+        """Start the engine with `config`. Does nothing if one is already running."""
+        if self.running:
+            return
+        self._auto_timer.stop()
+        self.config = config
+        self.command = engine_command(config)
+        self.outcome = None
+        self._stop_requested = False
+        self._partial = ""
+        proc = QProcess(self)
+        env = QProcessEnvironment.systemEnvironment()
+        env.insert("PYTHONUNBUFFERED", "1")
+        proc.setProcessEnvironment(env)
+        proc.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
+        proc.readyReadStandardOutput.connect(self._read_output)
+        proc.finished.connect(self._on_finished)
+        proc.errorOccurred.connect(self._on_error)
+        self._proc = proc
+        self._emit_line("strata-desktop: starting " + " ".join(self._masked(self.command)))
+        self._set_url(None)
+        self._set_state(EngineState.STARTING)
+        self.started_at = time.time()
+        proc.started.connect(self._write_pid_file)
+        proc.start(self.command[0], self.command[1:])
+
+    def stop(self) -> None:
+        """Stop cleanly: POST /shutdown, then terminate, then kill after the deadlines."""
+        self._auto_timer.stop()
+        if not self.running:
+            if self.state is EngineState.CRASHED:
+                self._set_state(EngineState.STOPPED)
+            return
+        if self.state is EngineState.STOPPING:
+            return
+        self._stop_requested = True
+        self._health_timer.stop()
+        ready = self.state in (EngineState.READY, EngineState.LOADING) and self.url is not None
+        self._set_state(EngineState.STOPPING)
+        if ready:
+            self._emit_line("strata-desktop: asking the engine to shut down (POST /shutdown)")
+            self.client.request("POST", "/shutdown", self._on_shutdown_reply, timeout=3.0)
+            self._terminate_timer.start(int(self.shutdown_grace_s * 1000))
+        else:
+            self._terminate()
+
+    def restart(self, config: EngineConfig | None = None) -> None:
+        """Stop (if running) and start again, with `config` or the last one."""
+        self._next_config = config or self.config
+        if self.running:
+            self._restart_after_stop = True
+            self.stop()
+        else:
+            assert self._next_config is not None, "restart() before any start()"
+            self.start(self._next_config)
+
+    def kill(self) -> None:
+        if self.running:
+            self._emit_line("strata-desktop: killing the engine")
+            self._stop_requested = True
+            self._proc.kill()
+
+    def kill_and_wait(self, timeout_ms: int = 3000) -> None:
+        """Last resort at exit: no engine may outlive the app."""
+        self._auto_timer.stop()
+        if self.running:
+            self._stop_requested = True
+            self._proc.kill()
+            self._proc.waitForFinished(timeout_ms)
+
+    # ------------------------------------------------------------------ internals
+
+    def _terminate(self) -> None:
+        if not self.running:
+            return
+        self._emit_line("strata-desktop: terminating the engine")
+        self._proc.terminate()
+        self._kill_timer.start(int(self.terminate_grace_s * 1000))
+
+    def _on_shutdown_reply(self, reply: Reply) -> None:
+        if not reply.ok and self.running:
+            self._emit_line(f"strata-desktop: /shutdown failed ({reply.error}); terminating")
+            self._terminate()
+
+    def _masked(self, command: list[str]) -> list[str]:
+        return [("***" if i > 0 and command[i - 1] == "--api-key" else a) for i, a in enumerate(command)]
+
+    def _set_state(self, state: EngineState) -> None:
+        if state is not self.state:
+            self.state = state
+            self.state_changed.emit(state)
+
+    def _set_url(self, url: str | None) -> None:
+        if url != self.url:
+            self.url = url
+            self.url_changed.emit(url)
+
+    def _emit_line(self, text: str) -> None:
+        self.lines.append(text)
+        self.line.emit(text)
+
+    def _read_output(self) -> None:
+        proc = self.sender()
+        if not isinstance(proc, QProcess) or proc is not self._proc:
+            return
+        chunk = bytes(proc.readAllStandardOutput().data()).decode("utf-8", errors="replace")
+        text = self._partial + chunk.replace("\r\n", "\n")
+        *complete, self._partial = text.split("\n")
+        for raw in complete:
+            self._emit_line(raw)
+            m = LISTENING.search(raw)
+            if m:
+                self._on_listening(m.group(1))
+
+    def _on_listening(self, url: str) -> None:
+        url = url.rstrip("/")
+        host_port = url.split("://", 1)[1]
+        host, _, port = host_port.rpartition(":")
+        with contextlib.suppress(ValueError):
+            url = connect_url(host.strip("[]"), int(port))
+        self.client.set_target(url, self.config.api_key if self.config else None)
+        self._set_url(url)
+        if self.state is EngineState.STARTING:
+            self._set_state(EngineState.LOADING)
+        self._write_pid_file()
+        self._health_timer.start()
+        self._check_health()
+
+    def _write_pid_file(self) -> None:
+        if self.pid_file is None or self.pid is None:
+            return
+        pid, url, command, path = self.pid, self.url, list(self.command), self.pid_file
+        self.client.dispatcher.submit(lambda: write_pid_file(path, pid, url, command))
+
+    def _remove_pid_file(self) -> None:
+        if self.pid_file is None:
+            return
+        path = self.pid_file
+
+        def remove() -> None:
+            # Only our own record: a newer engine may already have written its own.
+            record = read_pid_file(path)
+            if record is None or record.get("app_pid") == os.getpid():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+        self.client.dispatcher.submit(remove)
+
+    def _check_health(self) -> None:
+        if self._health_in_flight or self.state not in (EngineState.STARTING, EngineState.LOADING):
+            if self.state not in (EngineState.STARTING, EngineState.LOADING):
+                self._health_timer.stop()
+            return
+        self._health_in_flight = True
+        self.client.request("GET", "/health", self._on_health, timeout=2.0)
+
+    def _on_health(self, reply: Reply) -> None:
+        self._health_in_flight = False
+        if self.state not in (EngineState.STARTING, EngineState.LOADING):
+            return
+        if reply.ok:
+            self._health_timer.stop()
+            self._set_state(EngineState.READY)
+        elif reply.reachable:
+            self._set_state(EngineState.LOADING)
+
+    def _on_error(self, error: QProcess.ProcessError) -> None:
+        if error == QProcess.ProcessError.FailedToStart and self.sender() is self._proc:
+            message = f"could not start {self.command[0]!r}: {self._proc.errorString()}"
+            self._emit_line("strata-desktop: " + message)
+            self._finish(ProcessOutcome(None, False, False, error=message))
+
+    def _on_finished(self, exit_code: int, exit_status: QProcess.ExitStatus) -> None:
+        if self.sender() is not self._proc:
+            return
+        if self._partial:
+            self._emit_line(self._partial)
+            self._partial = ""
+        signalled = exit_status == QProcess.ExitStatus.CrashExit
+        self._finish(ProcessOutcome(int(exit_code), signalled, self._stop_requested))
+
+    def _finish(self, outcome: ProcessOutcome) -> None:
+        self._health_timer.stop()
+        self._terminate_timer.stop()
+        self._kill_timer.stop()
+        self._health_in_flight = False
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.deleteLater()
+        self.outcome = outcome
+        self._emit_line(f"strata-desktop: the engine {outcome.describe()}")
+        self._remove_pid_file()
+        self._set_url(None)
+        self.client.set_target(None)
+        uptime = time.time() - (self.started_at or time.time())
+        self._set_state(EngineState.STOPPED if outcome.requested else EngineState.CRASHED)
+        self.ended.emit(outcome)
+        if self._restart_after_stop:
+            self._restart_after_stop = False
+            config, self._next_config = self._next_config, None
+            assert config is not None
+            self.start(config)
+        elif not outcome.requested and self.auto_restart and self.config is not None:
+            if uptime > 60:
+                self._backoff_s = 1.0  # it ran a good while: this is a new failure, not a loop
+            delay = self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, 60.0)
+            self._emit_line(f"strata-desktop: restarting in {delay:g} s")
+            self.restart_scheduled.emit(delay)
+            self._auto_timer.start(int(delay * 1000))
+
+    def _auto_restart(self) -> None:
+        if not self.running and self.state is EngineState.CRASHED and self.config is not None:
+            self.start(self.config)
+
+    def cancel_auto_restart(self) -> None:
+        self._auto_timer.stop()

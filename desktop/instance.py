@@ -1,0 +1,69 @@
+"""One app per user and settings folder: a second launch asks the first to show its window, then exits."""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtNetwork import QLocalServer, QLocalSocket
+
+
+def instance_name(config_dir: Path) -> str:
+    """A local-socket name unique to this user and settings folder."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "user"
+    digest = hashlib.sha1(f"{user}\0{config_dir.resolve()}".encode()).hexdigest()[:16]
+    return f"strata-desktop-{digest}"
+
+
+def notify_running(name: str, timeout_ms: int = 1000) -> bool:
+    """If an instance listens on `name`, ask it to show its window and return True."""
+    socket = QLocalSocket()
+    socket.connectToServer(name)
+    if not socket.waitForConnected(timeout_ms):
+        return False
+    socket.write(b"show\n")
+    socket.flush()
+    socket.waitForBytesWritten(timeout_ms)
+    socket.disconnectFromServer()
+    return True
+
+
+class SingleInstance(QObject):
+    """Listens for later launches; `activated` fires when one asks this instance to show itself."""
+
+    activated = Signal()
+
+    def __init__(self, name: str, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.name = name
+        self.server = QLocalServer(self)
+        self.server.setSocketOptions(QLocalServer.SocketOption.UserAccessOption)
+        self.server.newConnection.connect(self._on_connection)
+
+    def listen(self) -> bool:
+        """Start listening; a socket file left by a crashed instance is removed first (callers checked it is dead)."""
+        if self.server.listen(self.name):
+            return True
+        QLocalServer.removeServer(self.name)
+        return self.server.listen(self.name)
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _on_connection(self) -> None:
+        while self.server.hasPendingConnections():
+            socket = self.server.nextPendingConnection()
+            socket.readyRead.connect(lambda s=socket: self._read(s))
+            socket.disconnected.connect(socket.deleteLater)
+            if socket.bytesAvailable():
+                self._read(socket)
+
+    def _read(self, socket: QLocalSocket) -> None:
+        data = bytes(socket.readAll().data())
+        if b"show" in data:
+            self.activated.emit()

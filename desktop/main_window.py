@@ -1,0 +1,421 @@
+"""The main window: engine status and controls, the Monitor, Settings and Logs tabs, purge, tray and quit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QIcon
+from PySide6.QtWidgets import (
+    QApplication,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPushButton,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
+from desktop.desktop_entry import resource_path
+from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
+from desktop.logs_tab import LogsTab
+from desktop.monitor import MonitorTab
+from desktop.monitor.report import number
+from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
+from desktop.settings_tab import SettingsTab, label_of
+from desktop.tray import Tray, tray_available
+
+STATE_COLORS = {
+    EngineState.STOPPED: "#757575", EngineState.STARTING: "#1565c0", EngineState.LOADING: "#1565c0",
+    EngineState.READY: "#2e7d32", EngineState.STOPPING: "#ef6c00", EngineState.CRASHED: "#c62828",
+}
+DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
+BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
+
+
+def app_icon() -> QIcon:
+    icon = QIcon(str(resource_path("strata-desktop.svg")))
+    for size in (32, 64, 256):
+        icon.addFile(str(resource_path(f"strata-desktop-{size}.png")))
+    return icon
+
+
+class MainWindow(QMainWindow):
+    """Owns the services (dispatcher, client, engine process, poller, settings) and the views of them."""
+
+    quit_finished = Signal()
+
+    def __init__(self, paths: Paths | None = None, *, use_tray: bool | None = None,
+                 environ: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.paths = paths or Paths.default()
+        self.setWindowTitle("Strata Desktop")
+        self.setWindowIcon(app_icon())
+        self.resize(1200, 780)
+
+        # Services
+        self.dispatcher = Dispatcher(parent=self)
+        self.store = SettingsStore(self.paths.settings_file, environ)
+        self.load_messages = self.store.load()
+        self.autosaver = AutoSaver(self.store, self.dispatcher.submit, parent=self)
+        self.client = EngineClient(self.dispatcher, self)
+        self.engine = EngineProcess(self.client, self.paths.pid_file, self)
+        self.engine.auto_restart = self.store.prefs.auto_restart
+        self.poller = Poller(self.client, BACKGROUND_INTERVAL_MS, self)
+        self.metrics: dict[str, Any] | None = None
+        self.conversations: list[dict[str, Any]] | None = None
+        self.last_purge: dict[str, Any] | None = None
+        self.purge_box: QMessageBox | None = None
+        self._quitting = False
+        self._starting_up = True
+
+        # Views
+        self.state_label = QLabel()
+        self.state_label.setObjectName("engineState")
+        self.url_label = QLabel()
+        self.url_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.start_button = QPushButton("Start engine")
+        self.start_button.clicked.connect(self.start_engine)
+        self.stop_button = QPushButton("Stop engine")
+        self.stop_button.clicked.connect(self.stop_engine)
+        self.restart_button = QPushButton("Restart engine")
+        self.restart_button.clicked.connect(self.restart_engine)
+        top = QHBoxLayout()
+        top.addWidget(self.state_label)
+        top.addWidget(self.url_label, 1)
+        top.addWidget(self.start_button)
+        top.addWidget(self.stop_button)
+        top.addWidget(self.restart_button)
+
+        self.notice = QLabel()
+        self.notice.setObjectName("notice")
+        self.notice.setWordWrap(True)
+        self.notice.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.notice.setStyleSheet("QLabel#notice { background: #e3f2fd; padding: 6px; border-radius: 3px; }")
+        self.notice.hide()
+
+        self.crash_panel = QWidget()
+        self.crash_panel.setObjectName("crashPanel")
+        self.crash_panel.setStyleSheet("QWidget#crashPanel { background: #ffebee; border: 1px solid #ef9a9a;"
+                                       " border-radius: 3px; }")
+        self.crash_text = QLabel()
+        self.crash_text.setWordWrap(True)
+        self.crash_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.crash_restart = QPushButton("Restart")
+        self.crash_restart.clicked.connect(self.start_engine)
+        self.crash_logs = QPushButton("Show logs")
+        crash_layout = QHBoxLayout(self.crash_panel)
+        crash_layout.addWidget(self.crash_text, 1)
+        crash_buttons = QVBoxLayout()
+        crash_buttons.addWidget(self.crash_restart)
+        crash_buttons.addWidget(self.crash_logs)
+        crash_buttons.addStretch(1)
+        crash_layout.addLayout(crash_buttons)
+        self.crash_panel.hide()
+
+        self.monitor = MonitorTab()
+        self.settings_tab = SettingsTab(self.store, self.autosaver, self.dispatcher.submit)
+        self.logs = LogsTab()
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.monitor, "Monitor")
+        self.tabs.addTab(self.settings_tab, "Settings")
+        self.tabs.addTab(self.logs, "Logs")
+        self.crash_logs.clicked.connect(lambda: self.tabs.setCurrentWidget(self.logs))
+
+        central = QWidget()
+        layout = QVBoxLayout(central)
+        layout.addLayout(top)
+        layout.addWidget(self.notice)
+        layout.addWidget(self.crash_panel)
+        layout.addWidget(self.tabs, 1)
+        self.setCentralWidget(central)
+
+        self.use_tray = tray_available() if use_tray is None else use_tray
+        self.tray = Tray(self.windowIcon(), self)
+        if self.use_tray:
+            self.tray.show()
+
+        # Wiring
+        self.engine.state_changed.connect(self._on_state)
+        self.engine.line.connect(self.logs.append_line)
+        self.engine.url_changed.connect(self._on_url)
+        self.engine.ended.connect(self._on_ended)
+        self.engine.restart_scheduled.connect(
+            lambda s: self.show_notice(f"The engine crashed; restarting it in {s:g} s."))
+        self.poller.memory.connect(self._on_memory)
+        self.poller.metrics.connect(self._on_metrics)
+        self.poller.conversations.connect(self._on_conversations)
+        self.poller.events.connect(self.monitor.set_events)
+        self.poller.unreachable.connect(self.monitor.set_unreachable)
+        self.monitor.purge_requested.connect(self.request_purge)
+        self.monitor.visibility_changed.connect(self._monitor_visible)
+        self.settings_tab.apply_requested.connect(self.apply_live)
+        self.settings_tab.restart_requested.connect(self.restart_engine)
+        self.settings_tab.prefs_changed.connect(self._prefs_changed)
+        self.autosaver.failed.connect(self.show_notice)
+        self.tray.open_requested.connect(self.show_window)
+        self.tray.start_requested.connect(self.start_engine)
+        self.tray.stop_requested.connect(self.stop_engine)
+        self.tray.purge_requested.connect(self._purge_from_tray)
+        self.tray.quit_requested.connect(self.quit)
+
+        self._on_state(EngineState.STOPPED)
+        if self.load_messages:
+            self.show_notice("\n".join(self.load_messages))
+
+    # ------------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        """After the window is shown: stop an engine orphaned by an earlier session, then start ours."""
+        self.poller.start()
+        path, client = self.paths.pid_file, self.client
+        self.dispatcher.submit(lambda: reap_orphan(path, client), self._orphan_checked)
+
+    def _orphan_checked(self, result: Any) -> None:
+        self._starting_up = False
+        if isinstance(result, str):
+            self.show_notice(result)
+            self.logs.append_line("strata-desktop: " + result)
+        elif isinstance(result, BaseException):
+            self.logs.append_line(f"strata-desktop: could not check for an orphaned engine: {result}")
+        if self.store.prefs.start_engine and not self._quitting:
+            self.start_engine()
+
+    # ------------------------------------------------------------------ engine control
+
+    def start_engine(self) -> None:
+        if self.engine.running:
+            return
+        self.crash_panel.hide()
+        self.engine.start(self.store.engine_config())
+
+    def stop_engine(self) -> None:
+        self.engine.stop()
+
+    def restart_engine(self) -> None:
+        self.crash_panel.hide()
+        self.engine.restart(self.store.engine_config())
+
+    def _on_url(self, url: str | None) -> None:
+        self.url_label.setText(f"{url}/v1" if url else "")
+
+    def _on_state(self, state: EngineState) -> None:
+        color = STATE_COLORS[state]
+        self.state_label.setText(f"<b style='color:{color}'>●</b> Engine: <b>{state.label}</b>")
+        self.start_button.setEnabled(not self.engine.running and state is not EngineState.STOPPING)
+        self.stop_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
+        self.restart_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
+        self.monitor.set_engine_state(state)
+        self.settings_tab.set_engine(state, self.engine.config if self.engine.running else None)
+        self.poller.engine_pid = self.engine.pid
+        self._update_tray()
+        if state is EngineState.READY:
+            self.crash_panel.hide()
+            self.poller.poll()
+            self.fetch_cache_config()
+        if state in (EngineState.STARTING, EngineState.STOPPED):
+            self.url_label.setText("")
+
+    def _on_ended(self, outcome: ProcessOutcome) -> None:
+        if outcome.clean or self._quitting:
+            return
+        tail = "\n".join(list(self.engine.lines)[-12:-1])
+        self.crash_text.setText(f"<b>The engine {outcome.describe()}.</b><br><pre>{_html_escape(tail)}</pre>")
+        self.crash_panel.show()
+        if not self.isVisible():
+            self.tray.notify("Strata engine stopped", f"The engine {outcome.describe()}.")
+
+    def fetch_cache_config(self) -> None:
+        def done(reply: Reply) -> None:
+            if reply.ok and isinstance(reply.data, dict):
+                self.settings_tab.set_effective_dir(reply.data.get("effective_dir"))
+        self.client.request("GET", "/cache/config", done)
+
+    # ------------------------------------------------------------------ polling results
+
+    def _on_memory(self, sample: MemorySample) -> None:
+        self.monitor.set_memory(sample)
+
+    def _on_metrics(self, metrics: dict[str, Any]) -> None:
+        self.metrics = metrics
+        self.monitor.clear_unreachable()
+        self.monitor.set_metrics(metrics)
+        self._update_tray()
+
+    def _on_conversations(self, rows: list[dict[str, Any]]) -> None:
+        self.conversations = rows
+        self.monitor.set_conversations(rows)
+        self._update_tray()
+
+    def _monitor_visible(self, visible: bool) -> None:
+        self.poller.detail = visible
+        self.poller.set_interval(DETAIL_INTERVAL_MS if visible else BACKGROUND_INTERVAL_MS)
+        if visible:
+            self.poller.poll()
+
+    def _update_tray(self) -> None:
+        ready = self.engine.state is EngineState.READY
+        parked = len(self.conversations) if (ready and self.conversations is not None) else None
+        self.tray.update_status(self.engine.state, self.metrics if ready else None, parked)
+
+    # ------------------------------------------------------------------ settings
+
+    def apply_live(self, changes: dict[str, Any]) -> None:
+        """Send live-changeable settings to the running engine."""
+        sent = dict(changes)
+
+        def done(reply: Reply) -> None:
+            if reply.ok:
+                if self.engine.config is not None:
+                    self.engine.config = self.engine.config.replace(**sent)
+                names = ", ".join(f"{label_of(k)} = {v}" for k, v in sent.items())
+                self.settings_tab.show_result(f"Applied to the running engine: {names}.", True)
+                self.fetch_cache_config()
+                self.poller.poll()
+            else:
+                self.settings_tab.show_result(f"The engine refused the change: {reply.error}", False)
+
+        self.client.request("PUT", "/cache/config", done, json=sent, timeout=30.0)
+
+    def _prefs_changed(self) -> None:
+        self.engine.auto_restart = self.store.prefs.auto_restart
+        if not self.store.prefs.auto_restart:
+            self.engine.cancel_auto_restart()
+
+    # ------------------------------------------------------------------ purge
+
+    def purge_summary(self, tier: str) -> tuple[int, float | None]:
+        """(conversations, bytes) that purging `tier` drops, as last reported by the engine."""
+        rows = self.conversations or []
+        cache = (self.metrics or {}).get("conversation_cache") or {}
+        if tier == "all":
+            count = len(rows)
+            parts = [number(cache, "bytes_ram"), number(cache, "bytes_disk")]
+            size = None if all(p is None for p in parts) else sum(p or 0 for p in parts)
+        else:
+            count = sum(1 for r in rows if tier in str(r.get("tier", "")).lower())
+            size = number(cache, f"bytes_{tier}")
+        return count, size
+
+    def request_purge(self, tier: str) -> None:
+        """Ask for confirmation, naming what goes, then purge."""
+        count, size = self.purge_summary(tier)
+        where = {"ram": "from RAM", "disk": "from disk", "all": "from RAM and disk"}[tier]
+        box = QMessageBox(QMessageBox.Icon.Warning, "Purge the conversation cache",
+                          f"Drop {count} parked conversation{'s' if count != 1 else ''} "
+                          f"({format_bytes(size)}) {where}?\n\nThey will be prefilled again when they come back.",
+                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
+        box.button(QMessageBox.StandardButton.Yes).setText("Purge")
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        box.finished.connect(lambda result: self._purge_confirmed(tier, result))
+        self.purge_box = box
+        box.open()
+
+    def _purge_confirmed(self, tier: str, result: int) -> None:
+        self.purge_box = None
+        if result != QMessageBox.StandardButton.Yes:
+            return
+        self.purge(tier)
+
+    def purge(self, tier: str) -> None:
+        def done(reply: Reply) -> None:
+            if not reply.ok:
+                self.statusBar().showMessage(f"Purge failed: {reply.error}", 15000)
+                return
+            data = reply.data if isinstance(reply.data, dict) else {}
+            self.last_purge = data
+            dropped = data.get("dropped") or {}
+            skipped = data.get("skipped") or []
+            text = (f"Purged {tier}: dropped {dropped.get('conversations', 0)} conversation(s), "
+                    f"{format_bytes(dropped.get('bytes'))}")
+            if skipped:
+                reasons = "; ".join(f"{s.get('id')}: {s.get('reason')}" for s in skipped[:3] if isinstance(s, dict))
+                text += f"; skipped {len(skipped)} ({reasons})"
+            self.statusBar().showMessage(text + ".", 15000)
+            self.poller.poll()
+
+        self.client.request("POST", "/cache/purge", done, json={"tier": tier}, timeout=30.0)
+
+    def _purge_from_tray(self) -> None:
+        self.show_window()
+        self.tabs.setCurrentWidget(self.monitor)
+        self.request_purge("all")
+
+    # ------------------------------------------------------------------ window, tray, quit
+
+    def show_notice(self, text: str) -> None:
+        self.notice.setText(text)
+        self.notice.show()
+
+    def show_window(self) -> None:
+        self.show()
+        self.setWindowState((self.windowState() & ~Qt.WindowState.WindowMinimized) | Qt.WindowState.WindowActive)
+        self.raise_()
+        self.activateWindow()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        if self._quitting:
+            event.accept()
+            return
+        if self.use_tray and self.store.prefs.close_to_tray and tray_available():
+            event.ignore()
+            self.hide()
+            if not self.store.prefs.tray_notice_shown:
+                self.tray.notify("Strata keeps serving",
+                                 "The engine keeps running in the background. Use the tray icon to open the "
+                                 "window or to quit. (Settings → Desktop app changes this.)")
+                self.store.set_pref("tray_notice_shown", True)
+                self.autosaver.schedule()
+            return
+        event.ignore()
+        self.quit()
+
+    def quit(self) -> None:
+        """Save settings, stop the engine cleanly (it may spill its cache), then leave the event loop."""
+        if self._quitting:
+            return
+        self._quitting = True
+        self.autosaver.flush()
+        self.hide()
+        self.engine.cancel_auto_restart()
+        if self.engine.running:
+            self.tray.icon.setToolTip("Strata — stopping the engine…")
+            self.engine.ended.connect(lambda _o: self._finish_quit())
+            self.engine.stop()
+            # Safety net: the engine's own deadlines end it; this only guards against a stuck process.
+            deadline = self.engine.shutdown_grace_s + self.engine.terminate_grace_s + 5
+            QTimer.singleShot(int(deadline * 1000), self._finish_quit)
+        else:
+            QTimer.singleShot(0, self._finish_quit)
+
+    def _finish_quit(self) -> None:
+        if getattr(self, "_finished", False):
+            return
+        self._finished = True
+        self.engine.kill_and_wait()
+        self.poller.stop()
+        self.tray.hide()
+        self.dispatcher.close(wait=True)
+        self.client.close()
+        self.quit_finished.emit()
+        app = QApplication.instance()
+        if app is not None:
+            app.quit()
+
+    def shutdown_now(self) -> None:
+        """Synchronous teardown for tests and aboutToQuit: nothing may keep running."""
+        self._quitting = True
+        self.autosaver.flush()
+        self.engine.kill_and_wait()
+        self.poller.stop()
+        self.tray.hide()
+        self.dispatcher.close(wait=True)
+        self.client.close()
+        self._finished = True
+
+
+def _html_escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

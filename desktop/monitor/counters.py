@@ -1,0 +1,148 @@
+"""Counters the engine reports: hit rate, tokens saved, park/restore figures, bytes per tier against each budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtWidgets import QFormLayout, QGridLayout, QGroupBox, QLabel, QProgressBar, QVBoxLayout, QWidget
+
+from desktop.monitor.report import dig, format_age, format_count, format_ms, number
+from desktop.settings import format_bytes
+
+
+class BudgetBar(QProgressBar):
+    """Used bytes against a budget, as a bar with the figures written on it."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setRange(0, 1000)
+        self.setTextVisible(True)
+        self.set_usage(None, None)
+
+    def set_usage(self, used: float | None, budget: float | None, unit: str = "bytes") -> None:
+        fmt = format_bytes if unit == "bytes" else format_count
+        if used is None:
+            self.setValue(0)
+            self.setFormat("–")
+            return
+        if budget:
+            self.setValue(int(min(1.0, used / budget) * 1000))
+            self.setFormat(f"{fmt(used)} of {fmt(budget)} ({100 * used / budget:.0f}%)")
+        else:
+            self.setValue(0)
+            self.setFormat(f"{fmt(used)} (no budget)")
+
+
+def _value_label() -> QLabel:
+    label = QLabel("–")
+    label.setObjectName("value")
+    return label
+
+
+class CountersPanel(QWidget):
+    """Figures from /metrics, shown as reported."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.labels: dict[str, QLabel] = {}
+        self._cache: dict[str, Any] = {}
+        self._rates: dict[str, float] = {}
+        engine_box = QGroupBox("Engine")
+        engine_form = QFormLayout(engine_box)
+        for key, text in (("model", "Model"), ("state", "State"), ("slots", "Slots busy"), ("queued", "Queued"),
+                          ("requests", "Requests"), ("speed", "Prefill / decode"), ("uptime", "Uptime")):
+            self.labels[key] = _value_label()
+            engine_form.addRow(text, self.labels[key])
+
+        cache_box = QGroupBox("Conversation cache")
+        cache_form = QFormLayout(cache_box)
+        for key, text in (("storage", "Storage"), ("hit_rate", "Hit rate"), ("tokens_saved", "Tokens saved"),
+                          ("parks", "Parks / restores"), ("evictions", "Evictions / refusals"),
+                          ("park_ms", "Park time"), ("restore_ms", "Restore time")):
+            self.labels[key] = _value_label()
+            cache_form.addRow(text, self.labels[key])
+
+        budget_box = QGroupBox("Stored against budgets")
+        grid = QGridLayout(budget_box)
+        self.ram_bar, self.disk_bar, self.slots_bar = BudgetBar(), BudgetBar(), BudgetBar()
+        for row, (text, bar) in enumerate((("RAM", self.ram_bar), ("Disk", self.disk_bar),
+                                           ("Conversations", self.slots_bar))):
+            grid.addWidget(QLabel(text), row, 0)
+            grid.addWidget(bar, row, 1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(engine_box)
+        layout.addWidget(cache_box)
+        layout.addWidget(budget_box)
+        layout.addStretch(1)
+
+    def set_events(self, events: list[dict[str, Any]]) -> None:
+        """Recent park/restore events: the newest of each kind gives the transfer rate shown beside the times."""
+        self._rates = {}
+        for ev in events:
+            kind, ms, size = ev.get("kind"), number(ev, "ms"), number(ev, "bytes")
+            if kind in ("park", "restore") and ms and size is not None:
+                self._rates[kind] = size / 1e6 / (ms / 1e3)  # MB/s of the newest event (the list is oldest first)
+        self._show_timings()
+
+    def _show_timings(self) -> None:
+        self.labels["park_ms"].setText(_timing(self._cache, "park_ms", self._rates.get("park")))
+        self.labels["restore_ms"].setText(_timing(self._cache, "restore_ms", self._rates.get("restore")))
+
+    def set_metrics(self, m: dict[str, Any]) -> None:
+        e = dig(m, "engine", default={})
+        c = dig(m, "conversation_cache", default={})
+        lb = self.labels
+        lb["model"].setText(str(dig(e, "model", default="–")))
+        lb["model"].setToolTip(str(dig(e, "model", default="")))
+        lb["state"].setText(str(dig(e, "state", default="–")))
+        busy, slots = number(e, "slots_busy"), number(e, "slots")
+        lb["slots"].setText(f"{format_count(busy)} of {format_count(slots)}")
+        lb["queued"].setText(format_count(number(e, "queued")))
+        lb["requests"].setText(format_count(number(e, "requests")))
+        pf, dc = number(e, "prefill_tokens_per_s"), number(e, "decode_tokens_per_s")
+        lb["speed"].setText(f"{_rate(pf)} / {_rate(dc)} tokens/s")
+        lb["uptime"].setText(format_age(number(e, "uptime_s")))
+
+        if not c or dig(c, "enabled", default=True) is False:
+            lb["storage"].setText("off" if c else "–")
+        else:
+            where = dig(c, "dir", default="")
+            mode = str(dig(c, "storage", default="–"))
+            lb["storage"].setText(mode + (f"  ({where})" if where and mode != "ram" else ""))
+            lb["storage"].setToolTip(str(where))
+        hits, misses = number(c, "hits"), number(c, "misses")
+        rate = number(c, "hit_rate")
+        if rate is None and hits is not None and misses is not None and hits + misses > 0:
+            rate = hits / (hits + misses)
+        lb["hit_rate"].setText(("–" if rate is None else f"{100 * rate:.0f}%")
+                               + f"  ({format_count(hits)} hits, {format_count(misses)} misses)")
+        saved = number(c, "tokens_reused")
+        if saved is None:
+            saved = number(e, "cached_tokens")
+        lb["tokens_saved"].setText(format_count(saved))
+        lb["parks"].setText(f"{format_count(number(c, 'parks'))} / {format_count(number(c, 'restores'))}")
+        lb["evictions"].setText(f"{format_count(number(c, 'evictions'))} / {format_count(number(c, 'refusals'))}")
+        self._cache = c
+        self._show_timings()
+
+        self.ram_bar.set_usage(number(c, "bytes_ram"), number(c, "budgets", "ram_bytes"))
+        self.disk_bar.set_usage(number(c, "bytes_disk"), number(c, "budgets", "disk_bytes"))
+        entries = None
+        if number(c, "entries") is not None:
+            entries = number(c, "entries")
+        elif number(c, "entries_ram") is not None or number(c, "entries_disk") is not None:
+            entries = (number(c, "entries_ram") or 0) + (number(c, "entries_disk") or 0)
+        self.slots_bar.set_usage(entries, number(c, "budgets", "slots"), unit="count")
+
+
+def _rate(x: float | None) -> str:
+    return "–" if x is None else f"{x:,.0f}"
+
+
+def _timing(c: dict[str, Any], key: str, mb_per_s: float | None) -> str:
+    last, p50, p95 = number(c, key, "last"), number(c, key, "p50"), number(c, key, "p95")
+    text = f"last {format_ms(last)} · median {format_ms(p50)} · p95 {format_ms(p95)}"
+    if mb_per_s is not None:
+        text += f" · {mb_per_s:,.0f} MB/s"
+    return text

@@ -1,0 +1,119 @@
+"""Scrolling plots: engine and host memory over wall-clock time, and park/restore timings of recent events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+from desktop.client import MemorySample
+from desktop.monitor.report import number, timestamp
+from desktop.monitor.ring import RingBuffer
+
+MIB = 1024 * 1024
+HISTORY = 1800  # samples kept per series: 30 min at the 1 s refresh
+ENGINE_PEN = pg.mkPen("#1f77b4", width=2)
+HOST_PEN = pg.mkPen("#2ca02c", width=2)
+FLOOR_PEN = pg.mkPen("#d62728", width=1, style=Qt.PenStyle.DashLine)
+PARK_BRUSH = pg.mkBrush("#ff7f0e")
+RESTORE_BRUSH = pg.mkBrush("#1f77b4")
+
+
+def _plot(title: str, y_label: str) -> pg.PlotWidget:
+    w = pg.PlotWidget(background="w", axisItems={"bottom": pg.DateAxisItem(orientation="bottom")})
+    item = w.getPlotItem()
+    item.setTitle(title, color="#333", size="10pt")
+    item.setLabel("left", y_label)
+    item.showGrid(x=True, y=True, alpha=0.2)
+    item.setMenuEnabled(False)
+    item.setClipToView(True)
+    item.setDownsampling(auto=True, mode="peak")
+    w.setMinimumHeight(140)
+    return w
+
+
+class MemoryPlots(QWidget):
+    """Engine RSS (its process tree) and free host memory with the cache's min-free floor."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.engine_rss = RingBuffer(HISTORY)
+        self.host_available = RingBuffer(HISTORY)
+        self.engine_plot = _plot("Engine memory (RSS of its process tree)", "MiB")
+        self.host_plot = _plot("Available host memory", "MiB")
+        self.host_plot.setXLink(self.engine_plot)
+        self.engine_curve = self.engine_plot.plot(pen=ENGINE_PEN, connect="finite")
+        self.host_curve = self.host_plot.plot(pen=HOST_PEN, connect="finite")
+        self.floor_line = pg.InfiniteLine(angle=0, pen=FLOOR_PEN, movable=False,
+                                          label="min-free floor {value:.0f} MiB",
+                                          labelOpts={"position": 0.1, "color": "#d62728", "anchors": [(0, 1), (0, 1)]})
+        self.floor_line.setVisible(False)
+        self.host_plot.addItem(self.floor_line, ignoreBounds=False)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.engine_plot)
+        layout.addWidget(self.host_plot)
+        self._dirty = False
+
+    def add_sample(self, sample: MemorySample) -> None:
+        self.engine_rss.append(sample.time, None if sample.engine_rss is None else sample.engine_rss / MIB)
+        self.host_available.append(sample.time, sample.host_available / MIB)
+        self._dirty = True
+
+    def set_floor(self, floor_bytes: float | None) -> None:
+        if floor_bytes is None:
+            self.floor_line.setVisible(False)
+            return
+        self.floor_line.setValue(floor_bytes / MIB)
+        self.floor_line.setVisible(True)
+
+    def redraw(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        self.engine_curve.setData(*self.engine_rss.data())
+        self.host_curve.setData(*self.host_available.data())
+
+
+class TimingPlot(QWidget):
+    """Duration of each recent park and restore the engine reported, over time."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.plot = _plot("Park and restore times (recent events)", "ms")
+        self.plot.getPlotItem().addLegend(offset=(-10, 10))
+        self.park = pg.ScatterPlotItem(size=7, brush=PARK_BRUSH, pen=None, name="park")
+        self.restore = pg.ScatterPlotItem(size=7, brush=RESTORE_BRUSH, pen=None, symbol="t", name="restore")
+        self.plot.addItem(self.park)
+        self.plot.addItem(self.restore)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.plot)
+        self._events: list[dict[str, Any]] = []
+        self._dirty = False
+        self._shown_key: tuple = ()
+
+    def set_events(self, events: list[dict[str, Any]]) -> None:
+        self._events = events
+        self._dirty = True
+
+    def redraw(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        points: dict[str, tuple[list[float], list[float]]] = {"park": ([], []), "restore": ([], [])}
+        for ev in self._events:
+            kind = ev.get("kind")
+            t, ms = timestamp(ev.get("time")), number(ev, "ms")
+            if kind in points and t is not None and ms is not None:
+                points[kind][0].append(t)
+                points[kind][1].append(ms)
+        key = tuple(len(v[0]) for v in points.values()) + tuple(v[0][-1] if v[0] else 0 for v in points.values())
+        if key == self._shown_key:
+            return
+        self._shown_key = key
+        self.park.setData(x=np.array(points["park"][0]), y=np.array(points["park"][1]))
+        self.restore.setData(x=np.array(points["restore"][0]), y=np.array(points["restore"][1]))

@@ -1,0 +1,186 @@
+"""The Monitor tab: memory plots, park/restore timings, counters, the parked-conversations table and Purge."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from PySide6.QtCore import QSortFilterProxyModel, Qt, Signal
+from PySide6.QtGui import QAction, QHideEvent, QShowEvent
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QMenu,
+    QSplitter,
+    QTableView,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from desktop.client import MemorySample
+from desktop.engine_process import EngineState
+from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
+from desktop.monitor.counters import CountersPanel
+from desktop.monitor.plots import MemoryPlots, TimingPlot
+from desktop.monitor.report import number
+
+
+class MonitorTab(QWidget):
+    """Renders what the engine reports; greyed, with its last figures, while the engine is not ready."""
+
+    purge_requested = Signal(str)  # "ram" | "disk" | "all"
+    visibility_changed = Signal(bool)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.banner = QLabel()
+        self.banner.setObjectName("monitorBanner")
+        self.banner.setWordWrap(True)
+        self.banner.setStyleSheet("QLabel#monitorBanner { background: #fff3cd; color: #5c4400; padding: 6px;"
+                                  " border: 1px solid #e6d08a; border-radius: 3px; }")
+        self.memory = MemoryPlots()
+        self.timings = TimingPlot()
+        self.counters = CountersPanel()
+        self.model = ConversationsModel(self)
+        self.proxy = QSortFilterProxyModel(self)
+        self.proxy.setSourceModel(self.model)
+        self.proxy.setSortRole(SORT_ROLE)
+        self.table = QTableView()
+        self.table.setModel(self.proxy)
+        self.table.setSortingEnabled(True)
+        self.table.sortByColumn(5, Qt.SortOrder.DescendingOrder)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setAlternatingRowColors(True)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for col in range(1, len(ConversationsModel.COLUMNS)):
+            header.setSectionResizeMode(col, QHeaderView.ResizeMode.ResizeToContents)
+        self.table_title = QLabel("<b>Parked conversations</b>")
+        self.purge_button = QToolButton()
+        self.purge_button.setText("Purge…")
+        self.purge_button.setToolTip("Drop parked conversations from RAM, disk or both")
+        self.purge_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        menu = QMenu(self.purge_button)
+        self.purge_actions: dict[str, QAction] = {}
+        for tier, text in (("ram", "Purge RAM tier…"), ("disk", "Purge disk tier…"), ("all", "Purge everything…")):
+            action = menu.addAction(text)
+            action.triggered.connect(lambda _=False, t=tier: self.purge_requested.emit(t))
+            self.purge_actions[tier] = action
+        self.purge_button.setMenu(menu)
+
+        table_box = QWidget()
+        tl = QVBoxLayout(table_box)
+        tl.setContentsMargins(0, 0, 0, 0)
+        head = QHBoxLayout()
+        head.addWidget(self.table_title)
+        head.addStretch(1)
+        head.addWidget(self.purge_button)
+        tl.addLayout(head)
+        tl.addWidget(self.table)
+
+        plots = QWidget()
+        pl = QVBoxLayout(plots)
+        pl.setContentsMargins(0, 0, 0, 0)
+        pl.addWidget(self.memory, 2)
+        pl.addWidget(self.timings, 1)
+        top = QSplitter(Qt.Orientation.Horizontal)
+        top.addWidget(plots)
+        top.addWidget(self.counters)
+        top.setStretchFactor(0, 3)
+        top.setStretchFactor(1, 2)
+        self.splitter = QSplitter(Qt.Orientation.Vertical)
+        self.splitter.addWidget(top)
+        self.splitter.addWidget(table_box)
+        self.splitter.setStretchFactor(0, 3)
+        self.splitter.setStretchFactor(1, 1)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.banner)
+        layout.addWidget(self.splitter, 1)
+
+        self.metrics: dict[str, Any] = {}
+        self.conversation_rows: list[dict[str, Any]] = []
+        self.last_update: float | None = None
+        self.state = EngineState.STOPPED
+        self.set_engine_state(EngineState.STOPPED)
+
+    # ------------------------------------------------------------------ data in
+
+    def set_memory(self, sample: MemorySample) -> None:
+        self.memory.add_sample(sample)
+        if self.isVisible():
+            self.memory.redraw()
+
+    def set_metrics(self, metrics: dict[str, Any]) -> None:
+        self.metrics = metrics
+        self.last_update = time.time()
+        self.memory.set_floor(number(metrics, "conversation_cache", "budgets", "min_free_bytes"))
+        self.counters.set_metrics(metrics)
+        self._update_counts()
+
+    def set_conversations(self, rows: list[dict[str, Any]]) -> None:
+        self.conversation_rows = rows
+        self.model.set_rows(rows)
+        self._update_counts()
+
+    def set_events(self, events: list[dict[str, Any]]) -> None:
+        self.timings.set_events(events)
+        self.counters.set_events(events)
+        if self.isVisible():
+            self.timings.redraw()
+
+    def _update_counts(self) -> None:
+        n = len(self.conversation_rows)
+        self.table_title.setText(f"<b>Parked conversations</b> ({n})")
+
+    # ------------------------------------------------------------------ state
+
+    def set_engine_state(self, state: EngineState, detail: str = "") -> None:
+        """Ready: live. Otherwise greyed with the reason and the time of the last figures."""
+        self.state = state
+        live = state is EngineState.READY
+        for w in (self.counters, self.timings, self.table, self.memory.engine_plot):
+            w.setEnabled(live)
+        self.purge_button.setEnabled(live)
+        if live:
+            self.banner.hide()
+            return
+        text = {
+            EngineState.STOPPED: "The engine is stopped.",
+            EngineState.STARTING: "The engine is starting…",
+            EngineState.LOADING: "The engine is loading the model…",
+            EngineState.STOPPING: "The engine is stopping…",
+            EngineState.CRASHED: "The engine stopped unexpectedly.",
+        }[state]
+        if detail:
+            text += " " + detail
+        if self.last_update is not None:
+            text += f" Figures below are from {time.strftime('%H:%M:%S', time.localtime(self.last_update))}."
+        self.banner.setText(text)
+        self.banner.show()
+
+    def set_unreachable(self, reason: str) -> None:
+        """The engine is running but did not answer /metrics."""
+        if self.state is EngineState.READY:
+            self.banner.setText(f"The engine did not answer: {reason}. Showing the last figures.")
+            self.banner.show()
+
+    def clear_unreachable(self) -> None:
+        if self.state is EngineState.READY:
+            self.banner.hide()
+
+    # ------------------------------------------------------------------ visibility
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        self.memory.redraw()
+        self.timings.redraw()
+        self.visibility_changed.emit(True)
+
+    def hideEvent(self, event: QHideEvent) -> None:
+        super().hideEvent(event)
+        self.visibility_changed.emit(False)

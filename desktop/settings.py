@@ -1,0 +1,382 @@
+"""The desktop's persisted settings: engine settings (read through `engine.config`) plus the app's own preferences.
+
+An effective engine value comes from one of three places, in rising priority: the default declared in
+`engine.config`, the settings file, or an environment variable `STRATA_<FIELD>` (e.g. `STRATA_PORT=9000`).
+`SettingsStore.source()` says which, so the Settings tab can show it and lock what the environment overrides.
+The file holds only what the user changed from a default, so a new default reaches everyone who never
+touched that value. Writes are atomic (temp file, fsync, rename) and skipped when nothing changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shlex
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from engine.config import APP_NAME, EngineConfig, Setting, SettingError, all_settings, setting_of
+
+SCHEMA_VERSION = 1
+SETTINGS_FILE = "desktop-settings.json"
+PID_FILE = "engine.pid"
+ENV_PREFIX = "STRATA_"
+# Settings the Settings tab does not show: an alias of storage=tiered + dir, kept for the seeds' command lines.
+HIDDEN_SETTINGS = ("conversation_cache_spill_dir",)
+
+
+class Source(StrEnum):
+    """Where an effective value comes from."""
+
+    DEFAULT = "default"
+    FILE = "settings file"
+    ENV = "environment"
+
+
+@dataclass(frozen=True, slots=True)
+class Paths:
+    """Folders the app reads and writes; tests pass temporary ones."""
+
+    config_dir: Path
+    state_dir: Path
+
+    @classmethod
+    def default(cls) -> Paths:
+        return cls(
+            config_dir=Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)),
+            state_dir=Path(platformdirs.user_state_dir(APP_NAME, appauthor=False)),
+        )
+
+    @property
+    def settings_file(self) -> Path:
+        return self.config_dir / SETTINGS_FILE
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state_dir / PID_FILE
+
+
+@dataclass(slots=True)
+class AppPrefs:
+    """The desktop app's own preferences (not engine flags)."""
+
+    close_to_tray: bool = True  # closing the window keeps the engine serving while a tray is available
+    tray_notice_shown: bool = False  # the first-time "still running in the tray" notice was shown
+    start_engine: bool = True  # start the engine when the app starts
+    auto_restart: bool = False  # restart a crashed engine, with back-off
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable that overrides `field_name`."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def parse_mib(text: str, spec: Setting) -> int:
+    """Parse a budget typed as MiB (default), GiB or TiB: "4096", "4 GiB", "1.5G", "512 MiB"; raise SettingError."""
+    raw = text.strip()
+    units = {"": 1, "m": 1, "mb": 1, "mib": 1, "g": 1024, "gb": 1024, "gib": 1024, "t": 1 << 20, "tb": 1 << 20,
+             "tib": 1 << 20}
+    number = raw.rstrip("abgimtBGIMT ").strip()
+    unit = raw[len(number):].strip().lower()
+    if unit not in units or not number:
+        raise SettingError(f'{spec.flag}: expected a size in MiB or GiB (e.g. 4096 or 4 GiB), got "{text}"')
+    try:
+        value = float(number)
+    except ValueError:
+        raise SettingError(f'{spec.flag}: expected a size in MiB or GiB (e.g. 4096 or 4 GiB), got "{text}"') from None
+    mib = value * units[unit]
+    if not mib.is_integer() and unit in ("", "m", "mb", "mib"):
+        raise spec.error(text)
+    return int(spec.parse(round(mib)))
+
+
+def format_mib(mib: float) -> str:
+    """4096 -> "4 GiB", 1536 -> "1.5 GiB", 300 -> "300 MiB"."""
+    if mib >= 1024:
+        gib = mib / 1024
+        return f"{gib:g} GiB" if round(gib, 2) == gib else f"{gib:.2f} GiB"
+    return f"{mib:g} MiB"
+
+
+def format_bytes(n: float | None) -> str:
+    """Bytes in the largest binary unit that keeps the number readable."""
+    if n is None:
+        return "–"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def is_budget(spec: Setting) -> bool:
+    return spec.kind == "int" and spec.unit == "MiB"
+
+
+def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: str = "strata serve") -> str:
+    """The `strata serve ...` command line equivalent to `config`, shell-quoted."""
+    args = config.to_args()
+    if mask_secrets:
+        secret_flags = {spec.flag for _, spec, _ in all_settings() if spec.secret}
+        args = [("***" if i > 0 and args[i - 1] in secret_flags else a) for i, a in enumerate(args)]
+    return " ".join([program, *(shlex.quote(a) for a in args)])
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a crash leaves either the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # directory fsync: not available on Windows
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _migrate(data: dict[str, Any], version: int) -> dict[str, Any]:
+    """Bring a file written with an older schema up to SCHEMA_VERSION (no older schema exists yet)."""
+    assert version <= SCHEMA_VERSION, f"cannot migrate down from schema {version}"
+    return data
+
+
+class SettingsStore:
+    """Engine settings and app preferences, loaded from and saved to one JSON file."""
+
+    def __init__(self, path: Path, environ: Mapping[str, str] | None = None) -> None:
+        self.path = path
+        self.environ = dict(os.environ if environ is None else environ)
+        self.values: dict[str, Any] = {}  # engine settings the user set (parsed), by field name
+        self.prefs = AppPrefs()
+        self.messages: list[str] = []  # what loading had to say (damaged file, dropped values, env overrides)
+        self._env: dict[str, Any] = {}
+        self._last_written: str | None = None
+        self._read_env()
+
+    # ------------------------------------------------------------------ sources
+
+    def _read_env(self) -> None:
+        for name, spec, _ in all_settings():
+            raw = self.environ.get(env_name(name))
+            if raw is None:
+                continue
+            try:
+                self._env[name] = spec.parse(raw)
+            except SettingError as e:
+                self.messages.append(f"{env_name(name)} ignored: {e}")
+
+    def source(self, name: str) -> Source:
+        if name in self._env:
+            return Source.ENV
+        if name in self.values:
+            return Source.FILE
+        return Source.DEFAULT
+
+    def describe_source(self, name: str) -> str:
+        """One line for the Settings tab: where this value comes from."""
+        src = self.source(name)
+        if src is Source.ENV:
+            return f"set by the environment variable {env_name(name)} (unset it to edit here)"
+        if src is Source.FILE:
+            return f"set in {self.path}"
+        return "default"
+
+    def value(self, name: str) -> Any:
+        """The effective value of one engine setting."""
+        if name in self._env:
+            return self._env[name]
+        if name in self.values:
+            return self.values[name]
+        return getattr(EngineConfig(), name)
+
+    def engine_config(self) -> EngineConfig:
+        """The effective EngineConfig: defaults, then the file, then the environment."""
+        merged = {**self.values, **self._env}
+        return EngineConfig(**merged)
+
+    # ------------------------------------------------------------------ changes
+
+    def set(self, name: str, raw: Any) -> Any:
+        """Validate and store one engine setting; return the parsed value. Raises SettingError with the reason."""
+        spec = setting_of(name)
+        if name in self._env:
+            raise SettingError(f"{spec.flag}: set by the environment variable {env_name(name)}; unset it to change it here")
+        value = spec.parse(raw)
+        # Whole-config validation (e.g. aliases that rewrite other fields) must accept it too.
+        EngineConfig(**{**self.values, **self._env, name: value})
+        if value == getattr(EngineConfig(), name):
+            self.values.pop(name, None)
+        else:
+            self.values[name] = value
+        return value
+
+    def reset(self, name: str) -> None:
+        self.values.pop(name, None)
+
+    def set_pref(self, name: str, value: bool) -> None:
+        assert name in {f.name for f in fields(AppPrefs)}, f"unknown preference {name!r}"
+        setattr(self.prefs, name, bool(value))
+
+    # ------------------------------------------------------------------ file
+
+    def to_json(self) -> str:
+        data = {
+            "schema": SCHEMA_VERSION,
+            "engine": {k: self.values[k] for k in sorted(self.values)},
+            "app": dataclasses.asdict(self.prefs),
+        }
+        return json.dumps(data, indent=2, sort_keys=False) + "\n"
+
+    def load(self) -> list[str]:
+        """Read the file. A damaged file is renamed aside and defaults are used; returns the messages for the user."""
+        messages: list[str] = []
+        self.values = {}
+        self.prefs = AppPrefs()
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            self._last_written = None
+            self.messages += messages
+            return self.messages
+        except OSError as e:
+            messages.append(f"Could not read {self.path}: {e.strerror}; using defaults.")
+            self.messages += messages
+            return self.messages
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError("expected a JSON object at the top level")
+            version = data.get("schema")
+            if not isinstance(version, int) or version < 1:
+                raise ValueError(f'expected a "schema" version number, got {version!r}')
+            engine = data.get("engine", {})
+            app = data.get("app", {})
+            if not isinstance(engine, dict) or not isinstance(app, dict):
+                raise ValueError('expected "engine" and "app" to be objects')
+        except ValueError as e:
+            aside = self._keep_aside()
+            messages.append(f"The settings file {self.path} was damaged ({e}); it was kept as {aside.name} "
+                            "and defaults are used.")
+            self.messages += messages
+            return self.messages
+        if version > SCHEMA_VERSION:
+            messages.append(f"{self.path.name} was written by a newer Strata Desktop (schema {version}); "
+                            "settings this version knows were read, the others are dropped on the next save.")
+        else:
+            data = _migrate(data, version)
+        known = {name for name, _, _ in all_settings()}
+        for name, raw in engine.items():
+            if name not in known:
+                messages.append(f"Unknown setting {name!r} in {self.path.name} dropped.")
+                continue
+            try:
+                value = setting_of(name).parse(raw)
+            except SettingError as e:
+                messages.append(f"{e}; the default is used instead.")
+                continue
+            if value != getattr(EngineConfig(), name):
+                self.values[name] = value
+        try:
+            EngineConfig(**self.values)
+        except SettingError as e:
+            messages.append(f"{e}; engine settings reset to defaults.")
+            self.values = {}
+        for f in fields(AppPrefs):
+            if isinstance(app.get(f.name), bool):
+                setattr(self.prefs, f.name, app[f.name])
+        self._last_written = text if not messages else None
+        self.messages += messages
+        return self.messages
+
+    def _keep_aside(self) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = self.path.with_name(f"{self.path.name}.damaged-{stamp}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.path.with_name(f"{self.path.name}.damaged-{stamp}-{n}")
+        os.replace(self.path, aside)
+        return aside
+
+    def pending_text(self) -> str | None:
+        """The file's new content when it differs from what was last written or read, else None."""
+        text = self.to_json()
+        return None if text == self._last_written else text
+
+    def save(self) -> bool:
+        """Write the file if anything changed; returns True when it wrote."""
+        text = self.pending_text()
+        if text is None:
+            return False
+        atomic_write(self.path, text)
+        self._last_written = text
+        return True
+
+    def mark_written(self, text: str) -> None:
+        self._last_written = text
+
+
+class AutoSaver(QObject):
+    """Saves the store a moment after the last change, writing off the UI thread; flush() writes now."""
+
+    saved = Signal(str)  # path
+    failed = Signal(str)  # message
+
+    def __init__(self, store: SettingsStore, submit: Callable[[Callable[[], Any], Callable[[Any], None]], None],
+                 delay_ms: int = 500, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self._submit = submit
+        self._timer = QTimer(self, singleShot=True, interval=delay_ms)
+        self._timer.timeout.connect(self._save_in_background)
+
+    def schedule(self) -> None:
+        self._timer.start()
+
+    def _save_in_background(self) -> None:
+        text = self.store.pending_text()
+        if text is None:
+            return
+        path = self.store.path
+
+        def write() -> None:
+            atomic_write(path, text)
+
+        def done(result: Any) -> None:
+            if isinstance(result, BaseException):
+                self.failed.emit(f"Could not save settings to {path}: {result}")
+                return
+            self.store.mark_written(text)
+            self.saved.emit(str(path))
+
+        self._submit(write, done)
+
+    def flush(self) -> None:
+        """Write pending changes now, on this thread (used at quit)."""
+        self._timer.stop()
+        try:
+            if self.store.save():
+                self.saved.emit(str(self.store.path))
+        except OSError as e:
+            self.failed.emit(f"Could not save settings to {self.store.path}: {e}")

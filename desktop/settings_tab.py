@@ -1,0 +1,513 @@
+"""The Settings tab: every engine setting from `engine.config`'s table, validated as you type, saved automatically.
+
+Each row shows where its value comes from (default, settings file, environment) and whether it applies to a
+running engine live or after a restart. Apply sends the live ones through `PUT /cache/config`; a restart is
+offered for the rest, never forced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import psutil
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QFont, QGuiApplication
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QScrollArea,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from desktop.engine_process import EngineState
+from desktop.settings import (
+    HIDDEN_SETTINGS,
+    AutoSaver,
+    SettingsStore,
+    Source,
+    command_line,
+    format_bytes,
+    format_mib,
+    is_budget,
+    parse_mib,
+)
+from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir
+
+GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
+LABELS = {
+    "model": "Model", "alias": "Model id", "dtype": "Data type", "devices": "Devices", "layer_split": "Layer split",
+    "threads": "CPU threads", "ctx_size": "Context length", "parallel": "Parallel slots",
+    "prefill_chunk": "Prefill chunk", "host": "Host", "port": "Port", "api_key": "API key",
+    "slot_save_path": "Slot files folder", "log_level": "Log level",
+    "conversation_cache_storage": "Storage mode", "conversation_cache_mib": "RAM budget",
+    "conversation_cache_disk_mib": "Disk budget", "conversation_cache_dir": "Folder",
+    "conversation_cache_slots": "Most conversations", "conversation_cache_min_free_mib": "Keep free (floor)",
+    "conversation_cache_days": "Expiry", "conversation_cache_block_tokens": "Block size",
+    "conversation_cache_n_min": "Least tokens to restore", "conversation_cache_similarity": "Least overlap to restore",
+}
+STORAGE_HELP = {
+    "ram": "ram — in memory: fastest; gone when the engine stops",
+    "disk": "disk — in files: nothing kept in memory; survives restarts",
+    "tiered": "tiered — memory first; evictions and shutdown spill to disk",
+}
+FOLDER_SETTINGS = ("conversation_cache_dir", "slot_save_path")
+PREFS = (
+    ("start_engine", "Start the engine when the app starts"),
+    ("close_to_tray", "Closing the window keeps the engine serving from the tray"),
+    ("auto_restart", "Restart the engine automatically if it crashes"),
+)
+
+
+def label_of(name: str) -> str:
+    return LABELS.get(name, name.replace("_", " ").capitalize())
+
+
+@dataclass(frozen=True, slots=True)
+class FolderReport:
+    """What a folder check found: the folder that exists (itself or its nearest parent), writable, free bytes."""
+
+    path: str
+    existing: str
+    writable: bool
+    free_bytes: int | None
+
+
+def check_folder(path: str) -> FolderReport:
+    """Blocking (disk access): run off the GUI thread."""
+    probe = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    writable = os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = None
+    return FolderReport(path, probe, writable, free)
+
+
+class SettingRow:
+    """The editor, caption and extras for one setting."""
+
+    def __init__(self, name: str, spec: Setting, editor: QWidget, container: QWidget, caption: QLabel,
+                 info: QLabel | None = None) -> None:
+        self.name, self.spec, self.editor, self.container, self.caption, self.info = (
+            name, spec, editor, container, caption, info)
+        self.error = ""
+
+    def text(self) -> str:
+        if isinstance(self.editor, QComboBox):
+            return str(self.editor.currentData())
+        assert isinstance(self.editor, QLineEdit)
+        return self.editor.text()
+
+    def set_value(self, value: Any) -> None:
+        self.editor.blockSignals(True)
+        if isinstance(self.editor, QComboBox):
+            self.editor.setCurrentIndex(max(0, self.editor.findData(value)))
+        else:
+            assert isinstance(self.editor, QLineEdit)
+            if value is None:
+                text = ""
+            elif is_budget(self.spec):
+                text = str(value)
+            elif isinstance(value, float) and value.is_integer():
+                text = str(int(value))
+            else:
+                text = str(value)
+            self.editor.setText(text)
+        self.editor.blockSignals(False)
+
+
+class SettingsTab(QWidget):
+    apply_requested = Signal(dict)  # {field name: value} of live settings to send with PUT /cache/config
+    restart_requested = Signal()
+    prefs_changed = Signal()
+
+    def __init__(self, store: SettingsStore, autosaver: AutoSaver,
+                 submit: Callable[[Callable[[], Any], Callable[[Any], None]], None],
+                 parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.autosaver = autosaver
+        self._submit = submit
+        self.rows: dict[str, SettingRow] = {}
+        self.running: EngineConfig | None = None  # what the engine runs with
+        self.engine_state = EngineState.STOPPED
+        self.effective_dir: str | None = None
+        self.host_total: int | None = None
+        self.folder_reports: dict[str, FolderReport] = {}
+        self._folder_timer = QTimer(self, singleShot=True, interval=300)
+        self._folder_timer.timeout.connect(self._check_folders)
+
+        content = QWidget()
+        content_layout = QVBoxLayout(content)
+        for group, title in GROUPS:
+            box = QGroupBox(title)
+            form = QFormLayout(box)
+            form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+            for name, spec, _default in all_settings():
+                if spec.group != group or name in HIDDEN_SETTINGS:
+                    continue
+                row = self._make_row(name, spec)
+                self.rows[name] = row
+                label = QLabel(label_of(name))
+                label.setToolTip(f"{spec.flag}: {spec.help}")
+                form.addRow(label, row.container)
+            content_layout.addWidget(box)
+        app_box = QGroupBox("Desktop app")
+        app_layout = QVBoxLayout(app_box)
+        self.pref_boxes: dict[str, QCheckBox] = {}
+        for name, text in PREFS:
+            cb = QCheckBox(text)
+            cb.setChecked(getattr(store.prefs, name))
+            cb.toggled.connect(lambda on, n=name: self._pref_toggled(n, on))
+            app_layout.addWidget(cb)
+            self.pref_boxes[name] = cb
+        self.file_label = QLabel(f"Saved automatically to {store.path}")
+        self.file_label.setWordWrap(True)
+        self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.file_label.setStyleSheet("color: #666;")
+        app_layout.addWidget(self.file_label)
+        content_layout.addWidget(app_box)
+        content_layout.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(content)
+
+        # Bottom: the command line and what applying would do.
+        self.command = QLineEdit()
+        self.command.setReadOnly(True)
+        mono = QFont("monospace")
+        mono.setStyleHint(QFont.StyleHint.Monospace)
+        self.command.setFont(mono)
+        self.copy_button = QPushButton("Copy")
+        self.copy_button.setToolTip("Copy the command line (with the API key) to the clipboard")
+        self.copy_button.clicked.connect(self.copy_command)
+        self.pending = QLabel()
+        self.pending.setWordWrap(True)
+        self.apply_button = QPushButton("Apply to running engine")
+        self.apply_button.clicked.connect(self.apply)
+        self.restart_button = QPushButton("Restart engine")
+        self.restart_button.clicked.connect(self.restart_requested)
+        self.result = QLabel()
+        self.result.setWordWrap(True)
+        bottom = QWidget()
+        bl = QVBoxLayout(bottom)
+        bl.setContentsMargins(0, 0, 0, 0)
+        cmd_row = QHBoxLayout()
+        cmd_row.addWidget(QLabel("Command line:"))
+        cmd_row.addWidget(self.command, 1)
+        cmd_row.addWidget(self.copy_button)
+        bl.addLayout(cmd_row)
+        act_row = QHBoxLayout()
+        act_row.addWidget(self.pending, 1)
+        act_row.addWidget(self.apply_button)
+        act_row.addWidget(self.restart_button)
+        bl.addLayout(act_row)
+        bl.addWidget(self.result)
+        layout = QVBoxLayout(self)
+        layout.addWidget(scroll, 1)
+        layout.addWidget(bottom)
+
+        for name, row in self.rows.items():
+            row.set_value(store.value(name))
+            self._show_caption(row)
+        self._submit(lambda: psutil.virtual_memory().total, self._got_host_total)
+        self.refresh()
+
+    # ------------------------------------------------------------------ building rows
+
+    def _make_row(self, name: str, spec: Setting) -> SettingRow:
+        container = QWidget()
+        outer = QVBoxLayout(container)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.setSpacing(1)
+        line = QHBoxLayout()
+        info: QLabel | None = None
+        if spec.kind == "choice":
+            editor: QWidget = QComboBox()
+            assert isinstance(editor, QComboBox)
+            for choice in spec.choices:
+                editor.addItem(STORAGE_HELP[choice] if name == "conversation_cache_storage" else choice, choice)
+            editor.currentIndexChanged.connect(lambda _i, n=name: self._edited(n))
+            line.addWidget(editor, 1)
+        else:
+            editor = QLineEdit()
+            assert isinstance(editor, QLineEdit)
+            editor.textChanged.connect(lambda _t, n=name: self._edited(n))
+            if spec.secret:
+                editor.setEchoMode(QLineEdit.EchoMode.Password)
+                editor.setPlaceholderText("none: every request is accepted")
+            line.addWidget(editor, 1)
+            if name == "model":
+                editor.setPlaceholderText("bundled SmolLM2-135M-Instruct (Q4_1 GGUF)")
+                file_button = QToolButton(text="File…")
+                file_button.clicked.connect(lambda: self._pick_model(file=True))
+                folder_button = QToolButton(text="Folder…")
+                folder_button.clicked.connect(lambda: self._pick_model(file=False))
+                line.addWidget(file_button)
+                line.addWidget(folder_button)
+            elif name in FOLDER_SETTINGS:
+                if name == "conversation_cache_dir":
+                    editor.setPlaceholderText(default_cache_dir())
+                else:
+                    editor.setPlaceholderText("unset: slot files disabled")
+                browse = QToolButton(text="Browse…")
+                browse.clicked.connect(lambda _=False, n=name: self._pick_folder(n))
+                line.addWidget(browse)
+            elif spec.secret:
+                show = QToolButton(text="Show")
+                show.setCheckable(True)
+                show.toggled.connect(lambda on, e=editor: e.setEchoMode(
+                    QLineEdit.EchoMode.Normal if on else QLineEdit.EchoMode.Password))
+                line.addWidget(show)
+            if spec.unit and spec.kind in ("int", "float"):
+                unit = QLabel("MiB (or GiB)" if is_budget(spec) else spec.unit)
+                line.addWidget(unit)
+            if is_budget(spec) or name == "conversation_cache_dir":
+                info = QLabel()
+                info.setStyleSheet("color: #555;")
+                line.addWidget(info)
+        editor.setToolTip(f"{spec.flag}: {spec.help}")
+        editor.setObjectName(name)
+        reset = QToolButton(text="Reset")
+        reset.setToolTip("Back to the default")
+        reset.clicked.connect(lambda _=False, n=name: self.reset(n))
+        line.addWidget(reset)
+        caption = QLabel()
+        caption.setWordWrap(True)
+        caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        outer.addLayout(line)
+        outer.addWidget(caption)
+        row = SettingRow(name, spec, editor, container, caption, info)
+        if self.store.source(name) is Source.ENV:
+            editor.setEnabled(False)
+            reset.setEnabled(False)
+        return row
+
+    # ------------------------------------------------------------------ editing
+
+    def parse_row(self, row: SettingRow) -> Any:
+        """The value typed in `row`, parsed; raises SettingError with the reason."""
+        text = row.text()
+        if is_budget(row.spec):
+            return parse_mib(text, row.spec)
+        if row.spec.kind in ("int", "float") and text.strip() == "":
+            raise SettingError(f"{row.spec.flag}: expected {row.spec.expectation()}, got an empty value")
+        return text
+
+    def _edited(self, name: str) -> None:
+        row = self.rows[name]
+        try:
+            self.store.set(name, self.parse_row(row))
+            row.error = ""
+        except SettingError as e:
+            row.error = str(e)
+        else:
+            self.autosaver.schedule()
+        self._show_caption(row)
+        if name in FOLDER_SETTINGS or name == "model":
+            self._folder_timer.start()
+        self.refresh()
+
+    def set_text(self, name: str, text: str) -> None:
+        """Type `text` into a setting's editor (as a user would)."""
+        row = self.rows[name]
+        if isinstance(row.editor, QComboBox):
+            row.editor.setCurrentIndex(row.editor.findData(text))
+        else:
+            assert isinstance(row.editor, QLineEdit)
+            row.editor.setText(text)
+
+    def reset(self, name: str) -> None:
+        self.store.reset(name)
+        row = self.rows[name]
+        row.error = ""
+        row.set_value(self.store.value(name))
+        self.autosaver.schedule()
+        self._show_caption(row)
+        self.refresh()
+
+    def _pref_toggled(self, name: str, on: bool) -> None:
+        self.store.set_pref(name, on)
+        self.autosaver.schedule()
+        self.prefs_changed.emit()
+
+    def _pick_model(self, file: bool) -> None:
+        current = self.rows["model"].text() or os.path.expanduser("~")
+        if file:
+            path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", current,
+                                                  "GGUF models (*.gguf);;All files (*)")
+        else:
+            path = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder", current)
+        if path:
+            self.set_text("model", path)
+
+    def _pick_folder(self, name: str) -> None:
+        current = self.rows[name].text() or os.path.expanduser("~")
+        path = QFileDialog.getExistingDirectory(self, f"Choose the {label_of(name).lower()}", current)
+        if path:
+            self.set_text(name, path)
+
+    # ------------------------------------------------------------------ captions and checks
+
+    def _show_caption(self, row: SettingRow) -> None:
+        if row.error:
+            row.caption.setText(row.error)
+            row.caption.setStyleSheet("color: #c62828;")
+            row.editor.setStyleSheet("QLineEdit { border: 1px solid #c62828; }")
+            return
+        row.editor.setStyleSheet("")
+        parts = ["applies live" if row.spec.live else "applies after a restart",
+                 self.store.describe_source(row.name)]
+        warning = self._folder_warning(row.name)
+        if warning:
+            parts.append(warning)
+        row.caption.setText(" · ".join(parts))
+        row.caption.setStyleSheet("color: #b26a00;" if warning else "color: #666;")
+        if row.info is not None:
+            row.info.setText(self._info_text(row.name))
+
+    def _info_text(self, name: str) -> str:
+        if name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
+            value = format_mib(self.store.value(name))
+            total = f" · host RAM {format_bytes(self.host_total)}" if self.host_total else ""
+            return f"= {value}{total}"
+        if name == "conversation_cache_disk_mib":
+            report = self.folder_reports.get("conversation_cache_dir")
+            free = f" · free on disk {format_bytes(report.free_bytes)}" if report and report.free_bytes else ""
+            return f"= {format_mib(self.store.value(name))}{free}"
+        if name == "conversation_cache_dir" and self.effective_dir:
+            return ""
+        return ""
+
+    def _folder_warning(self, name: str) -> str:
+        report = self.folder_reports.get(name)
+        if report is None:
+            return ""
+        if name == "model":
+            return "" if report.writable or os.path.exists(report.path) else "not found"
+        if not report.writable:
+            return f"not writable: {report.existing}"
+        return ""
+
+    def _check_folders(self) -> None:
+        targets = {
+            "conversation_cache_dir": self.store.value("conversation_cache_dir") or default_cache_dir(),
+        }
+        if self.store.value("slot_save_path"):
+            targets["slot_save_path"] = self.store.value("slot_save_path")
+        else:
+            self.folder_reports.pop("slot_save_path", None)
+        model = self.store.value("model")
+
+        def work() -> dict[str, Any]:
+            out: dict[str, Any] = {name: check_folder(path) for name, path in targets.items()}
+            if model:
+                path = os.path.expanduser(model)
+                out["model"] = FolderReport(path, path, os.path.exists(path), None)
+            return out
+
+        self._submit(work, self._got_folder_reports)
+
+    def _got_folder_reports(self, result: Any) -> None:
+        if isinstance(result, BaseException):
+            return
+        self.folder_reports.pop("model", None)
+        self.folder_reports.update(result)
+        for name in ("conversation_cache_dir", "slot_save_path", "model", "conversation_cache_disk_mib"):
+            if not self.rows[name].error:
+                self._show_caption(self.rows[name])
+
+    def _got_host_total(self, result: Any) -> None:
+        if isinstance(result, int):
+            self.host_total = result
+            for name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
+                self._show_caption(self.rows[name])
+        self._check_folders()
+
+    # ------------------------------------------------------------------ engine side
+
+    def set_engine(self, state: EngineState, running: EngineConfig | None) -> None:
+        """The engine's state and the config it runs with (None when not running)."""
+        self.engine_state = state
+        self.running = running
+        self.refresh()
+
+    def set_effective_dir(self, path: str | None) -> None:
+        self.effective_dir = path
+        row = self.rows["conversation_cache_dir"]
+        if row.info is not None:
+            row.info.setText("")
+        row.editor.setToolTip(f"{row.spec.flag}: {row.spec.help}" + (f"\nThe engine uses {path}" if path else ""))
+
+    def differences(self) -> tuple[dict[str, Any], list[str]]:
+        """(live changes {name: value}, names that need a restart) between the settings and the running engine."""
+        if self.running is None:
+            return {}, []
+        wanted = self.store.engine_config()
+        live: dict[str, Any] = {}
+        restart: list[str] = []
+        for f in fields(EngineConfig):
+            new, old = getattr(wanted, f.name), getattr(self.running, f.name)
+            if new == old:
+                continue
+            if f.metadata["setting"].live:
+                live[f.name] = new
+            else:
+                restart.append(f.name)
+        return live, restart
+
+    def refresh(self) -> None:
+        """Update the command line and what Apply / Restart would do."""
+        try:
+            config = self.store.engine_config()
+            self.command.setText(command_line(config))
+        except SettingError as e:  # the store refuses such values; shown rather than hidden if it happens
+            self.command.setText(str(e))
+        errors = [r for r in self.rows.values() if r.error]
+        live, restart = self.differences()
+        ready = self.engine_state is EngineState.READY
+        self.apply_button.setEnabled(ready and bool(live) and not errors)
+        self.restart_button.setVisible(bool(restart) and self.running is not None)
+        if errors:
+            text = f"{len(errors)} value(s) not accepted: fix them to save and apply."
+        elif self.running is None:
+            text = "The engine is not running; it starts with these settings."
+        elif not live and not restart:
+            text = "The running engine uses these settings."
+        else:
+            bits = []
+            if live:
+                bits.append("can apply live: " + ", ".join(label_of(n) for n in live))
+            if restart:
+                bits.append("need a restart: " + ", ".join(label_of(n) for n in restart))
+            text = "Changed — " + "; ".join(bits) + "."
+        self.pending.setText(text)
+
+    def apply(self) -> None:
+        live, _ = self.differences()
+        if live:
+            self.result.setText("Applying…")
+            self.apply_requested.emit(live)
+
+    def show_result(self, text: str, ok: bool) -> None:
+        self.result.setText(text)
+        self.result.setStyleSheet("" if ok else "color: #c62828;")
+        self.refresh()
+
+    def copy_command(self) -> None:
+        QGuiApplication.clipboard().setText(command_line(self.store.engine_config(), mask_secrets=False))

@@ -1,0 +1,91 @@
+"""The tray icon: engine status in the tooltip; Open, Start/Stop engine, Purge cache, Quit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtGui import QAction, QIcon
+from PySide6.QtWidgets import QMenu, QSystemTrayIcon
+
+from desktop.engine_process import EngineState
+from desktop.monitor.report import dig, number
+from desktop.settings import format_bytes
+
+
+def tray_available() -> bool:
+    return QSystemTrayIcon.isSystemTrayAvailable()
+
+
+def tooltip_text(state: EngineState, metrics: dict[str, Any] | None, parked: int | None) -> str:
+    """Strata — Ready · 3 parked · RAM 12.0 MiB · disk 0 B"""
+    parts = [f"Strata — {state.label.rstrip('…')}"]
+    if state is EngineState.READY and metrics:
+        cache = dig(metrics, "conversation_cache", default={})
+        if parked is None:
+            entries = number(cache, "entries")
+            parked = None if entries is None else int(entries)
+        if parked is not None:
+            parts.append(f"{parked} parked")
+        parts.append(f"RAM {format_bytes(number(cache, 'bytes_ram'))}")
+        parts.append(f"disk {format_bytes(number(cache, 'bytes_disk'))}")
+    return " · ".join(parts)
+
+
+class Tray(QObject):
+    open_requested = Signal()
+    start_requested = Signal()
+    stop_requested = Signal()
+    purge_requested = Signal()
+    quit_requested = Signal()
+
+    def __init__(self, icon: QIcon, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.menu = QMenu()
+        self.open_action = QAction("Open Strata", self.menu)
+        self.open_action.triggered.connect(self.open_requested)
+        self.engine_action = QAction("Start engine", self.menu)
+        self.engine_action.triggered.connect(self._toggle_engine)
+        self.purge_action = QAction("Purge cache…", self.menu)
+        self.purge_action.triggered.connect(self.purge_requested)
+        self.quit_action = QAction("Quit", self.menu)
+        self.quit_action.triggered.connect(self.quit_requested)
+        self.menu.addAction(self.open_action)
+        self.menu.addSeparator()
+        self.menu.addAction(self.engine_action)
+        self.menu.addAction(self.purge_action)
+        self.menu.addSeparator()
+        self.menu.addAction(self.quit_action)
+        self.icon = QSystemTrayIcon(icon, self)
+        self.icon.setContextMenu(self.menu)
+        self.icon.activated.connect(self._activated)
+        self.state = EngineState.STOPPED
+        self.update_status(EngineState.STOPPED, None, None)
+
+    def show(self) -> None:
+        self.icon.show()
+
+    def hide(self) -> None:
+        self.icon.hide()
+
+    def update_status(self, state: EngineState, metrics: dict[str, Any] | None, parked: int | None) -> None:
+        self.state = state
+        self.icon.setToolTip(tooltip_text(state, metrics, parked))
+        stoppable = state in (EngineState.STARTING, EngineState.LOADING, EngineState.READY)
+        self.engine_action.setText("Stop engine" if stoppable else "Start engine")
+        self.engine_action.setEnabled(state is not EngineState.STOPPING)
+        self.purge_action.setEnabled(state is EngineState.READY)
+
+    def notify(self, title: str, text: str) -> None:
+        if self.icon.isVisible() and self.icon.supportsMessages():
+            self.icon.showMessage(title, text, QSystemTrayIcon.MessageIcon.Information, 6000)
+
+    def _toggle_engine(self) -> None:
+        if self.state in (EngineState.STARTING, EngineState.LOADING, EngineState.READY):
+            self.stop_requested.emit()
+        else:
+            self.start_requested.emit()
+
+    def _activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
+        if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
+            self.open_requested.emit()
