@@ -1,0 +1,365 @@
+"""The disk tier's files: one folder per identity, shared block files, conversation manifests, a lock file.
+
+Names this tier owns (and the only files it ever removes): `blk-<32 hex>.safetensors` (one K/V block, shared by
+every conversation that contains it), `conv-<16 hex>.safetensors` (a conversation: its token ids and the K/V of
+its last partial block; its full blocks are the `blk-*` files named by its chained keys), temp files
+`.<one of those>.tmp-<pid>-<hex>`, and `strata-cache.lock`. Any other `blk-*`/`conv-*` `.safetensors` name
+(`conv-hacked-9.safetensors`) is malformed and removed; anything else in the folder is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+
+import numpy as np
+import torch
+
+from engine.cache.atomic import is_temp_name, publish, write_temp
+from engine.cache.errors import CacheDirLockedError
+from engine.cache.fileformat import FileFormatError, file_chunks, read_header, read_tensor
+from engine.cache.identity import CacheIdentity, block_keys
+from engine.cache.index import Block, Conv, TierIndex
+from engine.cache.session_file import block_file, check_conversation, check_identity, conversation_file
+
+log = logging.getLogger("strata.cache")
+
+BLOCK_RE = re.compile(r"^blk-([0-9a-f]{32})\.safetensors$")
+CONV_RE = re.compile(r"^conv-([0-9a-f]{16})\.safetensors$")
+OURS_RE = re.compile(r"^(blk|conv)-.*\.safetensors$")
+LOCK_NAME = "strata-cache.lock"
+DAY = 86400.0
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        log.warning("conversation cache: cannot remove %s: %s", path, exc.strerror or exc)
+        return False
+
+
+class DiskTier:
+    """Files of one identity in `folder`; the index lives in `self.index`, guarded by the caller's lock."""
+
+    def __init__(self, parent: str, identity: CacheIdentity, *, engine_version: str) -> None:
+        self.parent = parent
+        self.folder = os.path.join(parent, identity.key)
+        self.identity = identity
+        self.engine_version = engine_version
+        self.index = TierIndex("disk")
+        self._lock_fd: int | None = None
+        self.error = ""  # why the folder is unusable (parks are refused with this), empty when fine
+
+    # ------------------------------------------------------------------ folder, lock, start-up index
+
+    def open(self, *, days: float) -> dict[str, int]:
+        """Create and lock the folder, then index it from headers; returns counts of what was removed."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as exc:
+            self.error = f"cannot create cache folder {self.folder}: {exc.strerror or exc}"
+            log.error("conversation cache: %s; disk parking is off until it is fixed", self.error)
+            return {}
+        self._take_lock()
+        return self.scan(days=days)
+
+    def _take_lock(self) -> None:
+        path = os.path.join(self.folder, LOCK_NAME)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            # A read-only folder: nothing can be written, so there is nothing to protect; parks are refused.
+            self.error = f"cannot write in cache folder {self.folder}: {exc.strerror or exc}"
+            log.error("conversation cache: %s; disk parking is off until it is fixed", self.error)
+            return
+        try:
+            _lock_file(fd)
+        except OSError:
+            try:
+                other = os.pread(fd, 32, 0).decode(errors="replace").strip() if hasattr(os, "pread") else "?"
+            except OSError:
+                other = "?"
+            os.close(fd)
+            raise CacheDirLockedError(
+                f"conversation cache folder {self.folder} is in use by another Strata engine (pid {other or '?'}); "
+                "stop that engine or give this one another --conversation-cache-dir"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0) if hasattr(os, "pwrite") else None
+        except OSError:
+            pass
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                _unlock_file(self._lock_fd)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def block_path(self, key: str) -> str:
+        return os.path.join(self.folder, f"blk-{key}.safetensors")
+
+    def conv_path(self, conv_id: str) -> str:
+        return os.path.join(self.folder, f"conv-{conv_id}.safetensors")
+
+    def scan(self, *, days: float) -> dict[str, int]:
+        """Index the folder from headers only; remove our leftovers and every file that cannot be used."""
+        removed = {
+            "temp": 0,
+            "malformed": 0,
+            "foreign": 0,
+            "version": 0,
+            "corrupt": 0,
+            "truncated": 0,
+            "expired": 0,
+            "orphan": 0,
+            "incomplete": 0,
+            "unreadable": 0,
+        }
+        try:
+            names = sorted(os.listdir(self.folder))
+        except OSError as exc:
+            self.error = f"cannot list cache folder {self.folder}: {exc.strerror or exc}"
+            log.error("conversation cache: %s", self.error)
+            return removed
+        now = time.time()
+        blocks: dict[str, tuple[int, float]] = {}
+        convs: list[tuple[str, str]] = []
+        for name in names:
+            path = os.path.join(self.folder, name)
+            if is_temp_name(name) and OURS_RE.match(name[1 : name.rindex(".tmp-")]):
+                if os.path.isfile(path) and _unlink(path):
+                    removed["temp"] += 1
+                continue
+            if not OURS_RE.match(name):
+                continue  # not ours: never touched
+            if not os.path.isfile(path) or os.path.islink(path):
+                log.warning("conversation cache: %s is not a regular file; ignored", path)
+                continue
+            if days == 0:
+                removed["expired"] += _unlink(path)
+                continue
+            if m := BLOCK_RE.match(name):
+                reason = self._check_block_file(path, m.group(1))
+                if reason:
+                    removed[reason] += _unlink(path)
+                else:
+                    st = os.stat(path)
+                    blocks[m.group(1)] = (st.st_size, st.st_mtime)
+            elif m := CONV_RE.match(name):
+                convs.append((m.group(1), path))
+            else:
+                removed["malformed"] += _unlink(path)
+        loaded: list[Conv] = []
+        for conv_id, path in convs:
+            try:
+                st = os.stat(path)
+                if days and now - st.st_mtime > days * DAY:
+                    removed["expired"] += _unlink(path)
+                    continue
+                conv = self._read_manifest(path, conv_id, st.st_size, st.st_mtime)
+            except FileFormatError as exc:
+                log.info("conversation cache: removing %s (%s)", path, exc)
+                removed[exc.reason if exc.reason in removed else "corrupt"] += _unlink(path)
+                continue
+            except OSError as exc:
+                log.info("conversation cache: removing unreadable %s (%s)", path, exc.strerror or exc)
+                removed["unreadable"] += _unlink(path)
+                continue
+            if any(k not in blocks for k in conv.keys):
+                removed["incomplete"] += _unlink(path)
+                continue
+            loaded.append(conv)
+        held = {k for conv in loaded for k in conv.keys}
+        for key in list(blocks):
+            if key not in held:
+                removed["orphan"] += _unlink(self.block_path(key))
+                del blocks[key]
+        for conv in sorted(loaded, key=lambda c: c.last_used):
+            new = [Block(k, blocks[k][0], on_disk=True) for k in conv.keys if k not in self.index.blocks]
+            # the same block may appear twice in one conversation only if keys repeat, which chaining rules out
+            self.index.add(conv, new)
+        gone = {k: v for k, v in removed.items() if v}
+        log.info(
+            "conversation cache ready: %d conversations, %d blocks, %.1f MiB on disk (%s)%s",
+            len(self.index.convs),
+            len(self.index.blocks),
+            self.index.bytes / (1 << 20),
+            self.folder,
+            f"; removed {gone}" if gone else "",
+        )
+        return removed
+
+    def _check_block_file(self, path: str, key: str) -> str:
+        """Empty when the block file is usable (header only), else the reason to remove it."""
+        try:
+            with open(path, "rb", buffering=0) as f:
+                header = read_header(f)
+            check_identity(header, self.identity, kv_only=False)
+            entry = header.tensors.get("kv")
+            ok = (
+                header.meta.get("kind") == "block"
+                and header.meta.get("block_key") == key
+                and entry is not None
+                and entry.shape == self.identity.layout.host_shape(self.identity.block_tokens)
+                and entry.dtype == self.identity.layout.dtype
+            )
+            return "" if ok else "corrupt"
+        except FileFormatError as exc:
+            return exc.reason if exc.reason in ("foreign", "version", "corrupt", "truncated") else "corrupt"
+        except OSError:
+            return "unreadable"
+
+    def _read_manifest(self, path: str, conv_id: str, size: int, mtime: float) -> Conv:
+        with open(path, "rb", buffering=0) as f:
+            header = read_header(f)
+            n, n_blocks = check_conversation(header, self.identity, session=False)
+            tokens = read_tensor(f, header, "tokens").numpy()
+        if header.meta.get("conversation_id") != conv_id:
+            raise FileFormatError("corrupt", "conversation id in the header does not match the file name")
+        keys = block_keys(self.identity.key, tokens, self.identity.block_tokens)
+        if len(keys) != n_blocks:
+            raise FileFormatError("corrupt", "block count does not match the token count")
+        try:
+            created, hits = float(header.meta.get("created", mtime)), int(header.meta.get("hits", "0"))
+        except ValueError:
+            created, hits = mtime, 0
+        return Conv(conv_id, tokens, keys, size, created=created, last_used=mtime, hits=hits, on_disk=True)
+
+    # ------------------------------------------------------------------ writes
+
+    def manifest_size(self, n_tokens: int) -> int:
+        """Exact size of a manifest for `n_tokens` tokens (headers are padded to a fixed 4096-byte multiple)."""
+        n_tail = n_tokens % self.identity.block_tokens
+        return self._header_size() + 4 * n_tokens + n_tail * self.identity.layout.bytes_per_token
+
+    def block_size(self) -> int:
+        return self._header_size() + self.identity.block_bytes
+
+    def _header_size(self) -> int:
+        from engine.cache.fileformat import ALIGN
+
+        # identity JSON plus a generous allowance for the other fields, rounded to the payload alignment
+        return -(-(len(str(self.identity.describe())) + 2048) // ALIGN) * ALIGN
+
+    def write_blocks(self, items, *, sync: bool = True) -> dict[str, int]:
+        """Write (key, tensor-or-callable) block files atomically; returns {key: file bytes}.
+
+        Temp files are written first and fsynced together, then renamed and the folder fsynced once, so a
+        crash leaves whole files or recognisable temps. On error every temp is removed and OSError raised.
+        """
+        temps: list[tuple[str, str]] = []
+        sizes: dict[str, int] = {}
+        try:
+            for key, data in items:
+                kv = data() if callable(data) else data
+                header, tensors = block_file(self.identity, key, kv, engine_version=self.engine_version)
+                final = self.block_path(key)
+                tmp, n = write_temp(final, file_chunks(header, tensors), fsync=False)
+                temps.append((tmp, final))
+                sizes[key] = n
+                del kv, tensors
+            if sync:
+                for tmp, _ in temps:
+                    _fsync_path(tmp)
+            publish(temps, sync_dirs=sync)
+        except BaseException:
+            for tmp, _ in temps:
+                if os.path.exists(tmp):
+                    _unlink(tmp)
+            raise
+        return sizes
+
+    def write_manifest(self, conv: Conv, tail: torch.Tensor | None) -> int:
+        """Write a conversation's manifest atomically (its blocks must be published first)."""
+        header, tensors = conversation_file(
+            self.identity,
+            conv.tokens,
+            tail,
+            n_blocks=len(conv.keys),
+            engine_version=self.engine_version,
+            conversation_id=conv.id,
+            created=conv.created,
+            hits=conv.hits,
+        )
+        final = self.conv_path(conv.id)
+        tmp, n = write_temp(final, file_chunks(header, tensors), fsync=True)
+        try:
+            publish([(tmp, final)])
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return n
+
+    def delete_conv(self, conv: Conv, freed: list[Block]) -> None:
+        """Remove a dropped conversation's manifest and the block files no one holds any more."""
+        if conv.on_disk:
+            _unlink(self.conv_path(conv.id))
+        for blk in freed:
+            if blk.on_disk:
+                _unlink(self.block_path(blk.key))
+
+    def touch(self, conv: Conv) -> None:
+        """Persist last use (the manifest's mtime) so LRU and expiry survive a restart."""
+        with contextlib.suppress(OSError):
+            os.utime(self.conv_path(conv.id))
+
+    # ------------------------------------------------------------------ reads
+
+    def read_block(self, key: str) -> torch.Tensor:
+        with open(self.block_path(key), "rb", buffering=0) as f:
+            header = read_header(f)
+            check_identity(header, self.identity, kv_only=False)
+            if header.meta.get("kind") != "block" or header.meta.get("block_key") != key:
+                raise FileFormatError("corrupt", f"block file {key[:12]}… holds another block")
+            kv = read_tensor(f, header, "kv")
+        if tuple(kv.shape) != self.identity.layout.host_shape(self.identity.block_tokens):
+            raise FileFormatError("corrupt", "block K/V has the wrong shape")
+        return kv
+
+    def read_tail(self, conv: Conv) -> torch.Tensor | None:
+        with open(self.conv_path(conv.id), "rb", buffering=0) as f:
+            header = read_header(f)
+            n, _ = check_conversation(header, self.identity, session=False)
+            if n != conv.n_tokens or header.meta.get("conversation_id") != conv.id:
+                raise FileFormatError("corrupt", "manifest changed on disk since it was indexed")
+            tokens = read_tensor(f, header, "tokens").numpy()
+            if not np.array_equal(tokens, conv.tokens):
+                raise FileFormatError("corrupt", "manifest token ids changed on disk since it was indexed")
+            return read_tensor(f, header, "kv") if "kv" in header.tensors else None
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+if os.name == "nt":  # pragma: no cover - exercised on Windows only
+    import msvcrt
+
+    def _lock_file(fd: int) -> None:
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+
+    def _unlock_file(fd: int) -> None:
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+else:
+    import fcntl
+
+    def _lock_file(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _unlock_file(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -1,0 +1,118 @@
+"""What a parked conversation is tied to (model, K/V layout, block size) and the chained block keys derived from it.
+
+A block's key is xxh3-128 over (the previous block's key, the block's token ids as little-endian int32). Block 0
+chains from the identity key, so equal keys mean equal tokens from position 0 under the same model and layout:
+matching a request never reads K/V, and keys are the same in every process (no Python `hash()`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from engine.runtime.kv_buffers import KVLayout
+
+FORMAT_VERSION = 1
+"""Version of the key derivation and of the file format; files of another version are never restored."""
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys and no spaces: the same bytes for the same value in every process."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """The model (as the engine describes it), the K/V layout and the block size a parked conversation needs."""
+
+    model: dict
+    layout: KVLayout
+    block_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens: expected a whole number >= 1, got {self.block_tokens}")
+        canonical_json(self.model)  # refuses a model description that is not JSON-able
+
+    def describe(self) -> dict:
+        """Everything the identity covers, as JSON-able data (stored in every file)."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": self.model,
+            "layout": self.layout.describe(),
+            "block_tokens": self.block_tokens,
+        }
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Stable hex key of the whole identity: names the cache folder and seeds block 0's key."""
+        return xxhash.xxh3_128_hexdigest(canonical_json(self.describe()).encode())
+
+    @functools.cached_property
+    def kv_key(self) -> str:
+        """Key of what K/V compatibility needs (model and layout, not block size): session files check this."""
+        kv = {"format_version": FORMAT_VERSION, "model": self.model, "layout": self.layout.describe()}
+        return xxhash.xxh3_128_hexdigest(canonical_json(kv).encode())
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one full block's K/V."""
+        return self.block_tokens * self.layout.bytes_per_token
+
+
+def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a little-endian int32 array (the form keys and files use); refuses ids out of int32 range."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a flat sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens: expected integer token ids, got {arr.dtype}")
+    if arr.dtype != np.dtype("<i4"):
+        if int(arr.min()) < 0 or int(arr.max()) > 0x7FFFFFFF:
+            raise ValueError("tokens: expected token ids in [0, 2**31), got one outside")
+        arr = arr.astype("<i4")
+    return np.ascontiguousarray(arr)
+
+
+def block_keys(
+    identity_key: str, tokens: np.ndarray, block_tokens: int, *, limit: int | None = None
+) -> list[str]:
+    """Keys of the full blocks of `tokens` (int32 array), chained from `identity_key`; at most `limit` keys."""
+    n_blocks = len(tokens) // block_tokens
+    if limit is not None:
+        n_blocks = min(n_blocks, limit)
+    keys: list[str] = []
+    prev = bytes.fromhex(identity_key)
+    data = tokens[: n_blocks * block_tokens].tobytes()
+    step = block_tokens * 4
+    for i in range(n_blocks):
+        h = xxhash.xxh3_128(prev)
+        h.update(data[i * step : (i + 1) * step])
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def identity_difference(mine: dict, theirs: object, prefix: str = "") -> str:
+    """First difference between two identity descriptions, worded for an error message."""
+    if not isinstance(theirs, dict):
+        return f"{prefix or 'identity'}: {canonical_json(mine)[:80]} here, {str(theirs)[:80]} in the file"
+    for name in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(name, "<missing>"), theirs.get(name, "<missing>")
+        if a == b:
+            continue
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(a, dict) and isinstance(b, dict):
+            return identity_difference(a, b, path)
+        return f"{path}: {str(a)[:80]} here, {str(b)[:80]} in the file"
+    return "identical descriptions"

@@ -1,0 +1,183 @@
+"""The bookkeeping one tier keeps: blocks with their holders, conversations in LRU order, bytes used.
+
+Blocks are content-addressed by their chained key and held by every parked conversation that contains them;
+a block's bytes are freed only when its last holder leaves. Conversations are kept least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(eq=False)
+class Block:
+    key: str
+    nbytes: int  # counted against the tier's budget (tensor bytes in RAM, file bytes on disk)
+    tensor: torch.Tensor | None = None  # the K/V in RAM; on disk, the copy still waiting for its write
+    on_disk: bool = False
+    holders: set[str] = field(default_factory=set)
+    pins: int = 0  # I/O in flight: never evicted or purged while > 0
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class Conv:
+    id: str
+    tokens: np.ndarray  # int32
+    keys: list[str]  # keys of the full blocks
+    nbytes: int  # own bytes: tail and token ids in RAM, the manifest file on disk
+    tail: torch.Tensor | None = None  # K/V of the last partial block (RAM, or pending on disk)
+    created: float = 0.0
+    last_used: float = 0.0
+    hits: int = 0
+    on_disk: bool = False
+    pins: int = 0
+    failed: str = ""
+    supersedes: list[str] = field(
+        default_factory=list
+    )  # disk: prefix entries to drop once this one is written
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class TierIndex:
+    """Blocks and conversations of one tier (no I/O, no policy)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.blocks: dict[str, Block] = {}
+        self.convs: OrderedDict[str, Conv] = OrderedDict()
+        self.bytes = 0
+
+    def conv_bytes(self, conv: Conv) -> int:
+        """Everything a restore of `conv` reads: its blocks (shared or not) and its own bytes."""
+        return conv.nbytes + sum(self.blocks[k].nbytes for k in conv.keys)
+
+    def add(self, conv: Conv, new_blocks: list[Block]) -> None:
+        assert conv.id not in self.convs, conv.id
+        for blk in new_blocks:
+            assert blk.key not in self.blocks, blk.key
+            self.blocks[blk.key] = blk
+            self.bytes += blk.nbytes
+        for k in conv.keys:
+            self.blocks[k].holders.add(conv.id)
+        self.convs[conv.id] = conv
+        self.bytes += conv.nbytes
+
+    def remove(self, conv_id: str) -> tuple[Conv, list[Block]]:
+        """Drop a conversation; returns it and the blocks no one holds any more (already out of the index)."""
+        conv = self.convs.pop(conv_id)
+        self.bytes -= conv.nbytes
+        freed = []
+        for k in conv.keys:
+            blk = self.blocks[k]
+            blk.holders.discard(conv_id)
+            if not blk.holders:
+                del self.blocks[k]
+                self.bytes -= blk.nbytes
+                freed.append(blk)
+        return conv, freed
+
+    def reserve(self, keys: list[str], token: str) -> None:
+        """Hold existing blocks for an entry being built, so evictions in the meantime cannot free them."""
+        for k in keys:
+            self.blocks[k].holders.add(token)
+
+    def release(self, keys: list[str], token: str) -> list[Block]:
+        """Undo `reserve`; returns blocks that nobody holds any more (already out of the index)."""
+        freed = []
+        for k in keys:
+            blk = self.blocks.get(k)
+            if blk is None:
+                continue
+            blk.holders.discard(token)
+            if not blk.holders:
+                del self.blocks[k]
+                self.bytes -= blk.nbytes
+                freed.append(blk)
+        return freed
+
+    def touch(self, conv_id: str) -> None:
+        self.convs.move_to_end(conv_id)
+
+    def matched_blocks(self, keys: list[str]) -> int:
+        """How many leading request keys this tier holds (keys chain, so presence is monotone)."""
+        n = 0
+        for k in keys:
+            if k not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def candidates(self, keys: list[str]) -> list[Conv]:
+        """Conversations that can offer the longest prefix: holders of the deepest matched block, else all."""
+        m = self.matched_blocks(keys)
+        if m == 0:
+            return list(self.convs.values())
+        return [self.convs[c] for c in self.blocks[keys[m - 1]].holders]
+
+    def prefixes_of(self, tokens: np.ndarray) -> list[Conv]:
+        """Parked conversations whose tokens are a prefix of (or equal to) `tokens`: a park supersedes them."""
+        n = len(tokens)
+        return [
+            c
+            for c in self.convs.values()
+            if c.n_tokens <= n
+            and (c.n_tokens == 0 or c.tokens[0] == tokens[0])
+            and np.array_equal(c.tokens, tokens[: c.n_tokens])
+        ]
+
+    def is_pinned(self, conv: Conv) -> bool:
+        return conv.pins > 0 or any(self.blocks[k].pins > 0 for k in conv.keys)
+
+    def plan_room(
+        self,
+        *,
+        need_bytes: int,
+        budget: int,
+        slots: int,
+        keep_keys: set[str],
+        leaving: set[str],
+        exclude: set[str],
+    ) -> list[str] | None:
+        """LRU conversations to evict so `need_bytes` more fit the budget and one more entry fits `slots`.
+
+        `leaving` are entries this operation removes anyway; `keep_keys` blocks stay (the new entry holds them).
+        Returns None when even evicting every candidate would not make room (then nothing is evicted).
+        """
+        gone = set(leaving)
+        freed_keys: set[str] = set()
+
+        def freed_by(conv: Conv) -> int:
+            total = conv.nbytes
+            for k in conv.keys:
+                blk = self.blocks[k]
+                if k not in keep_keys and k not in freed_keys and blk.holders <= gone:
+                    freed_keys.add(k)
+                    total += blk.nbytes
+            return total
+
+        bytes_after = self.bytes + need_bytes
+        for cid in leaving:
+            if cid in self.convs:
+                bytes_after -= freed_by(self.convs[cid])
+        count_after = len([c for c in self.convs if c not in leaving]) + 1
+        victims: list[str] = []
+        for cid, conv in self.convs.items():
+            if bytes_after <= budget and count_after <= slots:
+                break
+            if cid in gone or cid in exclude or self.is_pinned(conv):
+                continue
+            gone.add(cid)
+            victims.append(cid)
+            count_after -= 1
+            bytes_after -= freed_by(conv)
+        if bytes_after > budget or count_after > slots:
+            return None
+        return victims

@@ -1,0 +1,199 @@
+"""Session files (POST /slots/{id}?action=save|restore) and the conversation/block files of the disk tier.
+
+A session file is a conversation file with no block files: its `kv` tensor holds every token's K/V. A parked
+conversation on disk is the same kind of file whose first `n_blocks` blocks live in shared `blk-*` files, so a
+saved slot and a parked conversation are one format with one identity rule and one checksum scheme.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.cache.atomic import atomic_write
+from engine.cache.errors import SessionFileError
+from engine.cache.fileformat import (
+    FileFormatError,
+    Header,
+    encode_header,
+    file_chunks,
+    read_header,
+    read_tensor,
+)
+from engine.cache.identity import CacheIdentity, canonical_json, identity_difference, token_array
+
+MAX_NAME_BYTES = 255
+
+
+def conversation_file(
+    identity: CacheIdentity,
+    tokens: np.ndarray,
+    kv: torch.Tensor | None,
+    *,
+    n_blocks: int,
+    engine_version: str,
+    conversation_id: str = "",
+    created: float | None = None,
+    hits: int = 0,
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """Header and tensors of a conversation file; `kv` holds tokens [n_blocks * block_tokens, len(tokens))."""
+    n = len(tokens)
+    n_tail = n - n_blocks * identity.block_tokens
+    assert n_tail >= 0, (n, n_blocks)
+    tensors: list[tuple[str, torch.Tensor]] = [("tokens", torch.from_numpy(token_array(tokens)))]
+    if n_tail:
+        assert kv is not None and tuple(kv.shape) == identity.layout.host_shape(n_tail), (
+            "kv does not match tokens"
+        )
+        assert kv.dtype == identity.layout.dtype, (kv.dtype, identity.layout.dtype)
+        tensors.append(("kv", kv.contiguous()))
+    meta = {
+        "kind": "conversation",
+        "engine_version": engine_version,
+        "identity": canonical_json(identity.describe()),
+        "identity_key": identity.key,
+        "kv_key": identity.kv_key,
+        "n_tokens": str(n),
+        "n_blocks": str(n_blocks),
+        "block_tokens": str(identity.block_tokens),
+        "conversation_id": conversation_id,
+        "created": repr(time.time() if created is None else created),
+        "hits": str(hits),
+    }
+    return encode_header(tensors, meta), tensors
+
+
+def block_file(identity: CacheIdentity, key: str, kv: torch.Tensor, *, engine_version: str):
+    """Header and tensors of one shared block file."""
+    assert (
+        tuple(kv.shape) == identity.layout.host_shape(identity.block_tokens)
+        and kv.dtype == identity.layout.dtype
+    )
+    tensors = [("kv", kv.contiguous())]
+    meta = {
+        "kind": "block",
+        "engine_version": engine_version,
+        "identity": canonical_json(identity.describe()),
+        "identity_key": identity.key,
+        "kv_key": identity.kv_key,
+        "block_key": key,
+    }
+    return encode_header(tensors, meta), tensors
+
+
+def check_identity(header: Header, identity: CacheIdentity, *, kv_only: bool) -> None:
+    """Raise FileFormatError("foreign") unless the file was written under a compatible identity."""
+    meta = header.meta
+    ok = meta.get("kv_key") == identity.kv_key if kv_only else meta.get("identity_key") == identity.key
+    if ok:
+        return
+    try:
+        theirs = header.json_meta("identity")
+    except (KeyError, ValueError):
+        theirs = "<missing>"
+    mine = identity.describe()
+    if kv_only and isinstance(theirs, dict):
+        mine = {k: v for k, v in mine.items() if k != "block_tokens"}
+        theirs = {k: v for k, v in theirs.items() if k != "block_tokens"}
+    raise FileFormatError(
+        "foreign", f"written for another model or K/V layout ({identity_difference(mine, theirs)})"
+    )
+
+
+def check_conversation(header: Header, identity: CacheIdentity, *, session: bool) -> tuple[int, int]:
+    """Validate a conversation file's header against `identity`; returns (n_tokens, n_blocks)."""
+    meta = header.meta
+    if meta.get("kind") != "conversation":
+        raise FileFormatError(
+            "corrupt", f"a {meta.get('kind')!r} file where a conversation file was expected"
+        )
+    check_identity(header, identity, kv_only=session)
+    try:
+        n, n_blocks = int(meta["n_tokens"]), int(meta["n_blocks"])
+    except (KeyError, ValueError):
+        raise FileFormatError("corrupt", "no token count in the header") from None
+    if session and n_blocks:
+        raise FileFormatError(
+            "corrupt", "a parked conversation that needs its block files, not a session file"
+        )
+    n_tail = n - n_blocks * identity.block_tokens
+    tok = header.tensors.get("tokens")
+    if n < 0 or n_blocks < 0 or n_tail < 0 or tok is None or tok.dtype != torch.int32 or tok.shape != (n,):
+        raise FileFormatError("corrupt", "token ids do not match the header's token count")
+    kv = header.tensors.get("kv")
+    if n_tail == 0 and kv is None:
+        return n, n_blocks
+    if kv is None or kv.shape != identity.layout.host_shape(n_tail) or kv.dtype != identity.layout.dtype:
+        raise FileFormatError("corrupt", "K/V tensor does not match the token count and layout")
+    return n, n_blocks
+
+
+def save_session(
+    path: str, identity: CacheIdentity, tokens: Sequence[int], kv: torch.Tensor, *, engine_version: str
+) -> int:
+    """Write a slot's tokens and K/V ([n_layers, 2, n, kv_heads, head_dim]) to `path` atomically; returns bytes."""
+    toks = token_array(tokens)
+    if kv.device.type != "cpu":
+        kv = kv.cpu()
+    if tuple(kv.shape) != identity.layout.host_shape(len(toks)) or kv.dtype != identity.layout.dtype:
+        raise ValueError(
+            f"session K/V has shape {tuple(kv.shape)} {kv.dtype}, expected "
+            f"{identity.layout.host_shape(len(toks))} {identity.layout.dtype} for {len(toks)} tokens"
+        )
+    header, tensors = conversation_file(identity, toks, kv, n_blocks=0, engine_version=engine_version)
+    return atomic_write(path, file_chunks(header, tensors))
+
+
+def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.Tensor]:
+    """Read and fully verify a session file; raises SessionFileError before returning any data."""
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            header = read_header(f)
+            check_conversation(header, identity, session=True)
+            tokens = read_tensor(f, header, "tokens")
+            kv = (
+                read_tensor(f, header, "kv")
+                if "kv" in header.tensors
+                else torch.empty(identity.layout.host_shape(0), dtype=identity.layout.dtype)
+            )
+    except FileNotFoundError:
+        raise SessionFileError(f"session file {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise SessionFileError(f"session file {name!r} is a directory, not a file") from None
+    except FileFormatError as exc:
+        what = {
+            "truncated": "is truncated",
+            "corrupt": "is corrupt",
+            "foreign": "was saved by another model",
+            "version": "has an unsupported format version",
+        }.get(exc.reason, "cannot be read")
+        raise SessionFileError(f"session file {name!r} {what}: {exc}") from None
+    except OSError as exc:
+        raise SessionFileError(f"session file {name!r} cannot be read: {exc.strerror or exc}") from None
+    return tokens.tolist(), kv
+
+
+def safe_session_path(folder: str, filename: str) -> str:
+    """`folder/filename` for a plain basename; raises ValueError saying why any other name is refused."""
+    if not isinstance(filename, str) or filename == "":
+        raise ValueError("filename: expected a plain file name, got an empty name")
+    if "\x00" in filename:
+        raise ValueError("filename: expected a plain file name, got one with a NUL byte")
+    if any(ord(c) < 0x20 for c in filename):
+        raise ValueError("filename: expected a plain file name, got one with control characters")
+    if "/" in filename or "\\" in filename or (os.name == "nt" and ":" in filename):
+        raise ValueError(f"filename: expected a plain file name without folders, got {filename!r}")
+    if filename in (".", ".."):
+        raise ValueError(f"filename: expected a plain file name, got {filename!r}")
+    if len(filename.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise ValueError(f"filename: expected at most {MAX_NAME_BYTES} bytes, got {len(filename.encode())}")
+    path = os.path.join(folder, filename)
+    real_folder = os.path.realpath(folder)
+    if os.path.dirname(os.path.realpath(path)) != real_folder:
+        raise ValueError(f"filename: {filename!r} leads outside the session folder")
+    return path
