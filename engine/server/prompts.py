@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jinja2
+
 from engine.errors import ApiError
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
 
@@ -99,7 +101,8 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> tuple[list[int], 
     tools = active_tools(req)
     try:
         text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True)
-    except ValueError as exc:
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False), tools
 

@@ -1,0 +1,132 @@
+"""Start a real `strata serve` subprocess for a test, wait until it serves, stop it, keep its log.
+
+    with engine_process("--model", "", "--parallel", "1") as engine:
+        client = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="none")
+
+The engine listens on a free port (`--port 0`); its log (stdout and stderr together) goes to a file whose text is
+in `engine.logs()`, and is printed when start-up fails so the failure explains itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LISTENING = re.compile(r"strata: listening on (http://\S+)")
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or did not become healthy in time; the message carries its log."""
+
+
+@dataclass
+class EngineProcess:
+    """A running `strata serve`: its process, base URL (no trailing slash), and log file."""
+
+    proc: subprocess.Popen
+    log_path: str
+    base_url: str = ""
+    api_key: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    def logs(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get_status(self, path: str) -> int:
+        """HTTP status of GET `path` (0 when nothing answers)."""
+        request = urllib.request.Request(self.base_url + path, headers=self.headers())
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (a clean shutdown), then SIGKILL if it does not exit within `timeout`; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def start_engine(*args: str, api_key: str | None = None, timeout: float = 120.0, env: dict[str, str] | None = None,
+                 log_dir: str | None = None, stdin_pipe: bool = False) -> EngineProcess:
+    """Start `python -m engine serve --port 0 ARGS...` and return once GET /health answers 200.
+
+    `api_key` is passed as --api-key and used for the health check. With `stdin_pipe`, stdin is a pipe the test
+    may close (the engine shuts down when it does).
+    """
+    argv = [sys.executable, "-m", "engine", "serve", "--port", "0", *args]
+    if api_key is not None:
+        argv += ["--api-key", api_key]
+    fd, log_path = tempfile.mkstemp(prefix="strata-engine-", suffix=".log", dir=log_dir)
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen(
+            argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+    engine = EngineProcess(proc, log_path, api_key=api_key, args=list(args))
+    deadline = time.monotonic() + timeout
+    try:
+        while not engine.base_url:
+            match = LISTENING.search(engine.logs())
+            if match:
+                engine.base_url = match.group(1).rstrip("/")
+                break
+            _check_running(engine, deadline, "print its address")
+            time.sleep(0.05)
+        while engine.get_status("/health") != 200:
+            _check_running(engine, deadline, "report healthy")
+            time.sleep(0.1)
+    except BaseException:
+        engine.stop(timeout=10)
+        raise
+    return engine
+
+
+def _check_running(engine: EngineProcess, deadline: float, what: str) -> None:
+    if engine.proc.poll() is not None:
+        raise EngineStartError(f"strata serve {' '.join(engine.args)} exited with status {engine.proc.returncode} "
+                               f"before it could {what}; its log:\n{engine.logs()}")
+    if time.monotonic() > deadline:
+        raise EngineStartError(f"strata serve {' '.join(engine.args)} did not {what} in time; its log:\n"
+                               f"{engine.logs()}")
+
+
+@contextlib.contextmanager
+def engine_process(*args: str, **kwargs) -> Iterator[EngineProcess]:
+    """`start_engine` as a context manager: the engine is stopped (and its log file removed) on exit."""
+    engine = start_engine(*args, **kwargs)
+    try:
+        yield engine
+    except BaseException:
+        print(f"--- strata serve log ---\n{engine.logs()}", file=sys.stderr)
+        raise
+    finally:
+        engine.stop()
+        with contextlib.suppress(OSError):
+            os.remove(engine.log_path)
