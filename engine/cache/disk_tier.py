@@ -32,6 +32,7 @@ CONV_RE = re.compile(r"^conv-([0-9a-f]{16})\.safetensors$")
 OURS_RE = re.compile(r"^(blk|conv)-.*\.safetensors$")
 LOCK_NAME = "strata-cache.lock"
 DAY = 86400.0
+_REASONS = ("alien", "foreign", "version", "corrupt", "truncated")
 
 
 def _unlink(path: str) -> bool:
@@ -169,7 +170,8 @@ class DiskTier:
                 conv = self._read_manifest(path, conv_id, st.st_size, st.st_mtime)
             except FileFormatError as exc:
                 log.info("conversation cache: removing %s (%s)", path, exc)
-                removed[exc.reason if exc.reason in removed else "corrupt"] += _unlink(path)
+                reason = {"alien": "foreign"}.get(exc.reason, exc.reason)
+                removed[reason if reason in removed else "corrupt"] += _unlink(path)
                 continue
             except OSError as exc:
                 log.info("conversation cache: removing unreadable %s (%s)", path, exc.strerror or exc)
@@ -215,7 +217,7 @@ class DiskTier:
             )
             return "" if ok else "corrupt"
         except FileFormatError as exc:
-            return exc.reason if exc.reason in ("foreign", "version", "corrupt", "truncated") else "corrupt"
+            return {"alien": "foreign"}.get(exc.reason, exc.reason) if exc.reason in _REASONS else "corrupt"
         except OSError:
             return "unreadable"
 

@@ -43,7 +43,7 @@ class FileFormatError(Exception):
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
-        self.reason = reason  # "unreadable", "truncated", "corrupt", "foreign", "version"
+        self.reason = reason  # "truncated", "corrupt", "alien" (not ours), "foreign" (other model), "version"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,19 +126,22 @@ def read_header(f, file_size: int | None = None) -> Header:
         )
     try:
         doc = json.loads(text)
-        meta = doc.pop("__metadata__")
+        if not isinstance(doc, dict):
+            raise ValueError("header is not a JSON object")
+        meta = doc.pop("__metadata__", {})
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ValueError("metadata is not a string map")
     except (ValueError, KeyError, TypeError) as exc:
         raise FileFormatError("corrupt", f"header is not valid safetensors JSON ({exc})") from None
     if meta.get("magic") != MAGIC:
-        raise FileFormatError("foreign", "not a Strata K/V file (no strata-kv magic in its metadata)")
-    if meta.get("meta_checksum") != _meta_checksum(meta, doc):
-        raise FileFormatError("corrupt", "header checksum mismatch (the file was altered or damaged)")
+        raise FileFormatError("alien", "not a Strata K/V file (no strata-kv magic in its metadata)")
+    # the version decides how the rest is checked, so it is read before the checksum
     if meta.get("format_version") != str(FORMAT_VERSION):
         raise FileFormatError(
             "version", f"format version {meta.get('format_version')} (this engine reads {FORMAT_VERSION})"
         )
+    if meta.get("meta_checksum") != _meta_checksum(meta, doc):
+        raise FileFormatError("corrupt", "header checksum mismatch (the file was altered or damaged)")
     tensors: dict[str, TensorEntry] = {}
     try:
         for name, entry in doc.items():

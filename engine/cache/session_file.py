@@ -170,6 +170,7 @@ def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.T
             "truncated": "is truncated",
             "corrupt": "is corrupt",
             "foreign": "was saved by another model",
+            "alien": "is not a Strata session file",
             "version": "has an unsupported format version",
         }.get(exc.reason, "cannot be read")
         raise SessionFileError(f"session file {name!r} {what}: {exc}") from None
