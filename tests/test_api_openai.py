@@ -223,5 +223,125 @@ def test_metrics_in_prometheus_text_parse(http, how):
     assert samples["strata_conversation_cache_enabled"].value == 0
 
 
-def test_engine_log_has_no_tracebacks(engine):
+# ---------------------------------------------------------------------------------------------- bad input
+
+def assert_openai_error(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status
+    return err
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"messages": [{"role": "user", "content": "hi"}', "not valid JSON"),
+    (b"", "empty"),
+    (b"[]", "must be a JSON object"),
+    (b"null", "must be a JSON object"),
+    (b'{"max_tokens": 2}', "'messages' is required"),
+], ids=["truncated-json", "empty-body", "array-body", "null-body", "no-messages"])
+def test_malformed_bodies_get_400(http, body, words):
+    err = assert_openai_error(http.post("/v1/chat/completions", content=body,
+                                        headers={"Content-Type": "application/json"}))
+    assert words in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+CHAT_REFUSALS = [
+    ({"messages": "hello"}, "messages", "valid array"),
+    ({"messages": []}, "messages", "at least one message"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "unknown role 'wizard'"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "required"),
+    ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content", "expected a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "text only"),
+    ({"temperature": "hot"}, "temperature", "valid number"),
+    ({"temperature": -1}, "temperature", "greater than or equal to 0"),
+    ({"temperature": 7}, "temperature", "less than or equal to 2"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"top_k": -3}, "top_k", "greater than or equal to 0"),
+    ({"min_p": 2}, "min_p", "less than or equal to 1"),
+    ({"repeat_penalty": -1}, "repeat_penalty", "greater than 0"),
+    ({"presence_penalty": 9}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -9}, "frequency_penalty", "greater than or equal to -2"),
+    ({"seed": "x"}, "seed", "valid integer"),
+    ({"max_tokens": "10"}, "max_tokens", "valid integer"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": -5}, "max_tokens", "greater than or equal to 1"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
+    ({"n": 2}, "n", "n > 1 is not supported"),
+    ({"stream": "yes"}, "stream", "valid boolean"),
+    ({"stop": 5}, "stop", "string or a list of strings"),
+    ({"tools": "all of them"}, "tools", "valid array"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "expected one of none, auto, required"),
+    ({"max_tokens": 5000}, "max_tokens", "max_tokens (5000) = "),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages", f"context holds {CTX}"),
+]
+
+
+@pytest.mark.parametrize("fields, param, words", CHAT_REFUSALS, ids=[f"{p}:{w}"[:40] for _, p, w in CHAT_REFUSALS])
+def test_bad_chat_requests_get_400_naming_the_field(client, fields, param, words):
+    body = {"model": "m", "messages": HELLO, "max_tokens": 2, **fields}
+    messages = body.pop("messages")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(messages=messages, **{"model": body.pop("model")}, extra_body=body)
+    err = info.value.body
+    assert err["param"] == param
+    assert words in err["message"]
+
+
+def test_over_context_refusal_states_both_numbers(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=HELLO, max_tokens=5000)
+    message = info.value.body["message"]
+    assert "5000" in message and str(CTX) in message
+
+
+COMPLETION_REFUSALS = [
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": 123}, "prompt", "expected a string or a list of token ids"),
+    ({"prompt": [-1, 5]}, "prompt", "token ids must be in"),
+    ({"prompt": [10**9]}, "prompt", "token ids must be in"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+    ({"prompt": "hi", "n": 4}, "n", "n > 1 is not supported"),
+]
+
+
+@pytest.mark.parametrize("fields, param, words", COMPLETION_REFUSALS,
+                         ids=[f"{p}:{w}"[:40] for _, p, w in COMPLETION_REFUSALS])
+def test_bad_completion_requests_get_400(http, fields, param, words):
+    err = assert_openai_error(http.post("/v1/completions", json={"max_tokens": 2, **fields}))
+    assert err["param"] == param
+    assert words in err["message"]
+
+
+def test_missing_prompt_gets_400(http):
+    assert "'prompt' is required" in assert_openai_error(http.post("/v1/completions", json={}))["message"]
+
+
+def test_bad_control_requests_get_4xx(http):
+    assert_openai_error(http.get("/metrics", params={"format": "xml"}))
+    assert_openai_error(http.post("/slots/0", params={"action": "explode"}))
+    assert_openai_error(http.post("/slots/abc", params={"action": "erase"}))
+    assert_openai_error(http.post("/slots/99", params={"action": "erase"}), 404)
+    assert_openai_error(http.post("/slots/0", params={"action": "save"}, json={"filename": "x.bin"}))
+    assert_openai_error(http.get("/cache/events", params={"limit": "-3"}))
+    assert_openai_error(http.post("/cache/purge", json={"tier": "attic"}))
+    assert_openai_error(http.put("/cache/config", content=b"{oops"))
+    assert_openai_error(http.put("/cache/config", json={"no_such_setting": 1}))
+    assert_openai_error(http.put("/cache/config", json={"ctx_size": 4096}))
+    assert_openai_error(http.put("/cache/config", json={"conversation_cache_mib": "lots"}))
+    assert_openai_error(http.get("/no/such/route"), 404)
+    assert_openai_error(http.delete("/v1/models"), 405)
+
+
+def test_server_still_serves_after_bad_input(engine, client):
+    r = client.chat.completions.create(messages=HELLO, model="m", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert engine.alive()
+
+
+def test_bad_input_left_no_tracebacks_in_the_log(engine):
     assert "Traceback" not in engine.logs()
