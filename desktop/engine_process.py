@@ -17,6 +17,8 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -222,10 +224,13 @@ class EngineProcess(QObject):
         self.outcome: ProcessOutcome | None = None
         self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
         self.auto_restart = False
+        self.command_for: Callable[[EngineConfig], list[str]] = engine_command  # how to start it (one place)
         self.shutdown_grace_s = 20.0  # a tiered cache may need a while to spill
         self.terminate_grace_s = 5.0
         self.started_at: float | None = None
         self._proc: QProcess | None = None
+        # Pid-file writes and removals run off the GUI thread, in order.
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-pid-file")
         self._partial = ""
         self._stop_requested = False
         self._restart_after_stop = False
@@ -262,7 +267,7 @@ class EngineProcess(QObject):
             return
         self._auto_timer.stop()
         self.config = config
-        self.command = engine_command(config)
+        self.command = self.command_for(config)
         self.outcome = None
         self._stop_requested = False
         self._partial = ""
@@ -388,7 +393,7 @@ class EngineProcess(QObject):
         if self.pid_file is None or self.pid is None:
             return
         pid, url, command, path = self.pid, self.url, list(self.command), self.pid_file
-        self.client.dispatcher.submit(lambda: write_pid_file(path, pid, url, command))
+        self._files.submit(write_pid_file, path, pid, url, command)
 
     def _remove_pid_file(self) -> None:
         if self.pid_file is None:
@@ -402,7 +407,7 @@ class EngineProcess(QObject):
                 with contextlib.suppress(OSError):
                     path.unlink()
 
-        self.client.dispatcher.submit(remove)
+        self._files.submit(remove)
 
     def _check_health(self) -> None:
         if self._health_in_flight or self.state not in (EngineState.STARTING, EngineState.LOADING):
@@ -473,3 +478,7 @@ class EngineProcess(QObject):
 
     def cancel_auto_restart(self) -> None:
         self._auto_timer.stop()
+
+    def close(self) -> None:
+        """At exit, after the engine ended: finish pending pid-file work."""
+        self._files.shutdown(wait=True)

@@ -58,12 +58,17 @@ class SingleInstance(QObject):
     def _on_connection(self) -> None:
         while self.server.hasPendingConnections():
             socket = self.server.nextPendingConnection()
-            socket.readyRead.connect(lambda s=socket: self._read(s))
+            socket.readyRead.connect(self._read)
             socket.disconnected.connect(socket.deleteLater)
             if socket.bytesAvailable():
-                self._read(socket)
+                self._read_from(socket)
 
-    def _read(self, socket: QLocalSocket) -> None:
+    def _read(self) -> None:
+        socket = self.sender()
+        if isinstance(socket, QLocalSocket):
+            self._read_from(socket)
+
+    def _read_from(self, socket: QLocalSocket) -> None:
         data = bytes(socket.readAll().data())
         if b"show" in data:
             self.activated.emit()

@@ -271,6 +271,7 @@ class MainWindow(QMainWindow):
             if reply.ok:
                 if self.engine.config is not None:
                     self.engine.config = self.engine.config.replace(**sent)
+                    self.settings_tab.set_engine(self.engine.state, self.engine.config)
                 names = ", ".join(f"{label_of(k)} = {v}" for k, v in sent.items())
                 self.settings_tab.show_result(f"Applied to the running engine: {names}.", True)
                 self.fetch_cache_config()
@@ -396,6 +397,7 @@ class MainWindow(QMainWindow):
             return
         self._finished = True
         self.engine.kill_and_wait()
+        self.engine.close()
         self.poller.stop()
         self.tray.hide()
         self.dispatcher.close(wait=True)
@@ -410,6 +412,7 @@ class MainWindow(QMainWindow):
         self._quitting = True
         self.autosaver.flush()
         self.engine.kill_and_wait()
+        self.engine.close()
         self.poller.stop()
         self.tray.hide()
         self.dispatcher.close(wait=True)

@@ -199,7 +199,7 @@ class SettingsStore:
         if src is Source.ENV:
             return f"set by the environment variable {env_name(name)} (unset it to edit here)"
         if src is Source.FILE:
-            return f"set in {self.path}"
+            return "from the settings file"
         return "default"
 
     def value(self, name: str) -> Any:

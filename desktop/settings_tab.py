@@ -283,6 +283,11 @@ class SettingsTab(QWidget):
                 line.addWidget(info)
         editor.setToolTip(f"{spec.flag}: {spec.help}")
         editor.setObjectName(name)
+        if spec.kind in ("int", "float") or name in ("host", "dtype", "log_level", "devices", "layer_split"):
+            # Short values: a narrow field, the unit and figures beside it, the rest of the line free.
+            line.setStretch(0, 0)
+            editor.setFixedWidth(180)
+            line.addStretch(1)
         reset = QToolButton(text="Reset")
         reset.setToolTip("Back to the default")
         reset.clicked.connect(lambda _=False, n=name: self.reset(n))

@@ -15,6 +15,7 @@ from desktop.monitor.ring import RingBuffer
 
 MIB = 1024 * 1024
 HISTORY = 1800  # samples kept per series: 30 min at the 1 s refresh
+WINDOW_S = 300  # the memory plots scroll over the last 5 minutes
 ENGINE_PEN = pg.mkPen("#1f77b4", width=2)
 HOST_PEN = pg.mkPen("#2ca02c", width=2)
 FLOOR_PEN = pg.mkPen("#d62728", width=1, style=Qt.PenStyle.DashLine)
@@ -74,8 +75,11 @@ class MemoryPlots(QWidget):
         if not self._dirty:
             return
         self._dirty = False
-        self.engine_curve.setData(*self.engine_rss.data())
+        x, y = self.engine_rss.data()
+        self.engine_curve.setData(x, y)
         self.host_curve.setData(*self.host_available.data())
+        if len(x):
+            self.engine_plot.setXRange(x[-1] - WINDOW_S, x[-1], padding=0)
 
 
 class TimingPlot(QWidget):
@@ -117,3 +121,9 @@ class TimingPlot(QWidget):
         self._shown_key = key
         self.park.setData(x=np.array(points["park"][0]), y=np.array(points["park"][1]))
         self.restore.setData(x=np.array(points["restore"][0]), y=np.array(points["restore"][1]))
+        times = points["park"][0] + points["restore"][0]
+        if times:
+            # At least a minute wide, so a few events do not stretch over sub-second ticks.
+            hi = max(times)
+            lo = min(min(times), hi - 60)
+            self.plot.setXRange(lo, hi + 0.05 * (hi - lo), padding=0)

@@ -1,0 +1,226 @@
+"""Settings: validation with reasons, the file round-trip, a damaged file, sources, autosave, the Settings tab."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+
+import pytest
+
+from desktop.settings import (
+    SCHEMA_VERSION,
+    AutoSaver,
+    Paths,
+    SettingsStore,
+    Source,
+    atomic_write,
+    command_line,
+    format_mib,
+    parse_mib,
+)
+from engine.config import EngineConfig, SettingError, setting_of
+
+
+def test_budget_accepts_mib_and_gib_and_refuses_with_reason():
+    spec = setting_of("conversation_cache_mib")
+    assert parse_mib("4096", spec) == 4096
+    assert parse_mib("4 GiB", spec) == 4096
+    assert parse_mib("1.5G", spec) == 1536
+    assert parse_mib(" 512 MiB ", spec) == 512
+    with pytest.raises(SettingError, match=r'--conversation-cache-mib: expected a size in MiB or GiB.*"12x"'):
+        parse_mib("12x", spec)
+    with pytest.raises(SettingError, match=r"--conversation-cache-mib: expected a whole number of MiB from 0 to"):
+        parse_mib("-5", spec)
+    assert format_mib(4096) == "4 GiB" and format_mib(300) == "300 MiB"
+
+
+def test_bad_values_are_refused_with_the_reason_and_not_stored(tmp_path):
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    with pytest.raises(SettingError, match=r'--port: expected a whole number from 0 to 65535, got "70000"'):
+        store.set("port", "70000")
+    with pytest.raises(SettingError, match="one of ram, disk, tiered"):
+        store.set("conversation_cache_storage", "cloud")
+    assert store.value("port") == 8080
+    assert store.source("port") is Source.DEFAULT
+    store.set("port", "9000")
+    assert store.value("port") == 9000 and store.source("port") is Source.FILE
+
+
+def test_round_trip_keeps_only_changed_values(tmp_path):
+    path = tmp_path / "cfg" / "s.json"
+    store = SettingsStore(path, environ={})
+    store.set("conversation_cache_storage", "tiered")
+    store.set("conversation_cache_mib", 2048)
+    store.set("port", "8080")  # the default: not written
+    store.set_pref("close_to_tray", False)
+    assert store.save() is True
+    assert store.save() is False, "nothing changed: nothing written"
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA_VERSION
+    assert data["engine"] == {"conversation_cache_mib": 2048, "conversation_cache_storage": "tiered"}
+    again = SettingsStore(path, environ={})
+    assert again.load() == []
+    assert again.engine_config() == store.engine_config()
+    assert again.prefs.close_to_tray is False
+    assert again.pending_text() is None, "a file just read is not rewritten"
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"engine": {}}', '{"schema": 1, "engine": []}'])
+def test_damaged_file_is_kept_aside_and_defaults_used(tmp_path, content):
+    path = tmp_path / "s.json"
+    path.write_text(content)
+    store = SettingsStore(path, environ={})
+    messages = store.load()
+    assert len(messages) == 1 and "damaged" in messages[0] and "defaults are used" in messages[0]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("s.json.damaged-")]
+    assert len(aside) == 1 and aside[0].read_text() == content
+    assert not path.exists()
+    assert store.engine_config() == EngineConfig()
+    store.save()
+    assert json.loads(path.read_text())["schema"] == SCHEMA_VERSION
+
+
+def test_one_bad_value_in_the_file_drops_only_that_value(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"schema": 1, "engine": {"port": 99999, "conversation_cache_mib": 100,
+                                                        "no_such_thing": 1}}))
+    store = SettingsStore(path, environ={})
+    messages = store.load()
+    assert any("--port" in m and "default is used" in m for m in messages)
+    assert any("no_such_thing" in m for m in messages)
+    assert store.value("port") == 8080 and store.value("conversation_cache_mib") == 100
+
+
+def test_newer_schema_is_read_with_a_message(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"schema": SCHEMA_VERSION + 1, "engine": {"port": 9001}, "app": {}}))
+    store = SettingsStore(path, environ={})
+    assert any("newer" in m for m in store.load())
+    assert store.value("port") == 9001
+
+
+def test_environment_overrides_the_file_and_says_so(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"schema": 1, "engine": {"port": 9001}}))
+    store = SettingsStore(path, environ={"STRATA_PORT": "9100", "STRATA_CONVERSATION_CACHE_MIB": "lots"})
+    store.load()
+    assert store.value("port") == 9100
+    assert store.source("port") is Source.ENV
+    assert "STRATA_PORT" in store.describe_source("port")
+    with pytest.raises(SettingError, match="STRATA_PORT"):
+        store.set("port", 9200)
+    assert any("STRATA_CONVERSATION_CACHE_MIB ignored" in m for m in store.messages)
+    store.save()
+    assert json.loads(path.read_text())["engine"] == {"port": 9001}, "the environment is never written to the file"
+
+
+def test_command_line_masks_the_api_key():
+    config = EngineConfig(api_key="s3cret", conversation_cache_storage="disk", conversation_cache_dir="/a b")
+    text = command_line(config)
+    assert text.startswith("strata serve ")
+    assert "s3cret" not in text and "--api-key '***'" in text
+    assert "--conversation-cache-dir '/a b'" in text
+    assert "s3cret" in command_line(config, mask_secrets=False)
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    path = tmp_path / "f.json"
+    atomic_write(path, "one")
+    atomic_write(path, "two")
+    assert path.read_text() == "two"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_autosave_is_debounced_and_written_off_the_ui_thread(qtbot, tmp_path):
+    import threading
+
+    from desktop.client import Dispatcher
+
+    dispatcher = Dispatcher()
+    writers: list[str] = []
+    submit = dispatcher.submit
+
+    def spy(work, callback=None):
+        def wrapped():
+            writers.append(threading.current_thread().name)
+            return work()
+        submit(wrapped, callback)
+
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    saver = AutoSaver(store, spy, delay_ms=200)
+    for port in range(9000, 9010):
+        store.set("port", port)
+        saver.schedule()
+    with qtbot.waitSignal(saver.saved, timeout=3000):
+        pass
+    assert len(writers) == 1 and writers[0] != threading.main_thread().name
+    assert json.loads((tmp_path / "s.json").read_text())["engine"] == {"port": 9009}
+    dispatcher.close()
+
+
+def test_settings_tab_validates_as_you_type_and_autosaves(qtbot, tmp_path):
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={"STRATA_HOST": "127.0.0.1"})
+    store.load()
+    saver = AutoSaver(store, dispatcher.submit, delay_ms=50)
+    tab = SettingsTab(store, saver, dispatcher.submit)
+    qtbot.addWidget(tab)
+
+    tab.set_text("port", "80x")
+    row = tab.rows["port"]
+    assert row.error == '--port: expected a whole number from 0 to 65535, got "80x"'
+    assert row.caption.text() == row.error
+    assert store.value("port") == 8080
+    assert "value(s) not accepted" in tab.pending.text()
+
+    tab.set_text("port", "8181")
+    assert row.error == "" and store.value("port") == 8181
+    assert "settings file" in row.caption.text() and "after a restart" in row.caption.text()
+
+    tab.set_text("conversation_cache_mib", "2 GiB")
+    assert store.value("conversation_cache_mib") == 2048
+    assert "applies live" in tab.rows["conversation_cache_mib"].caption.text()
+    assert "--conversation-cache-mib 2048" in tab.command.text() and "--port 8181" in tab.command.text()
+
+    tab.set_text("conversation_cache_storage", "tiered")
+    assert store.value("conversation_cache_storage") == "tiered"
+
+    assert not tab.rows["host"].editor.isEnabled(), "set by the environment: locked"
+    assert "STRATA_HOST" in tab.rows["host"].caption.text()
+
+    with qtbot.waitSignal(saver.saved, timeout=3000):
+        pass
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["engine"] == {"conversation_cache_mib": 2048, "conversation_cache_storage": "tiered", "port": 8181}
+
+    tab.reset("port")
+    assert store.source("port") is Source.DEFAULT and tab.rows["port"].text() == "8080"
+    dispatcher.close()
+
+
+def test_settings_tab_reports_folder_not_writable(qtbot, tmp_path):
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = str(blocker / "cache")  # under a regular file: no one can create it, root included
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    tab.set_text("conversation_cache_dir", target)
+    qtbot.waitUntil(lambda: "not writable" in tab.rows["conversation_cache_dir"].caption.text(), timeout=3000)
+    qtbot.waitUntil(lambda: "free on disk" in (tab.rows["conversation_cache_disk_mib"].info.text()), timeout=3000)
+    dispatcher.close()
+
+
+def test_paths_default_to_platform_folders():
+    paths = Paths.default()
+    assert paths.settings_file.name == "desktop-settings.json"
+    assert paths.pid_file.name == "engine.pid"

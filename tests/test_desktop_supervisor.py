@@ -1,0 +1,191 @@
+"""The engine supervisor against a real child process (the stand-in engine): readiness, crash, stop, pid file."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from desktop.client import Dispatcher, EngineClient
+from desktop.engine_process import (
+    EngineProcess,
+    EngineState,
+    ProcessOutcome,
+    connect_url,
+    engine_command,
+    read_pid_file,
+    reap_orphan,
+)
+from engine.config import EngineConfig
+from tests.test_desktop_support import FAKE_ENGINE, fake_engine_command
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def supervisor(qtbot, tmp_path):
+    dispatcher = Dispatcher()
+    client = EngineClient(dispatcher)
+    proc = EngineProcess(client, tmp_path / "engine.pid")
+    yield proc
+    proc.kill_and_wait()
+    proc.close()
+    dispatcher.close()
+    client.close()
+
+
+def wait_state(qtbot, proc: EngineProcess, state: EngineState, timeout: int = 10000) -> None:
+    qtbot.waitUntil(lambda: proc.state is state, timeout=timeout)
+
+
+def test_engine_command_is_python_dash_m_engine_or_the_frozen_app(monkeypatch):
+    config = EngineConfig(conversation_cache_storage="disk", port=9000)
+    assert engine_command(config)[:4] == [sys.executable, "-m", "engine", "serve"]
+    assert engine_command(config, port=0)[-2:] == ["--port", "0"]
+    assert engine_command(config, port=0).count("--port") == 1
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    assert engine_command(config)[:2] == [sys.executable, "serve"]
+    assert connect_url("0.0.0.0", 80) == "http://127.0.0.1:80"
+    assert connect_url("::", 80) == "http://[::1]:80"
+
+
+def test_start_goes_loading_then_ready_and_streams_output(qtbot, supervisor):
+    supervisor.command_for = fake_engine_command("--ready-after", "1.0")
+    states: list[EngineState] = []
+    supervisor.state_changed.connect(states.append)
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.READY)
+    assert states == [EngineState.STARTING, EngineState.LOADING, EngineState.READY]
+    assert supervisor.url and supervisor.url.startswith("http://127.0.0.1:")
+    assert any("strata: listening on" in line for line in supervisor.lines)
+    assert any("stand-in: loading" in line for line in supervisor.lines), "stderr is captured too"
+    record = read_pid_file(supervisor.pid_file)
+    assert record and record["pid"] == supervisor.pid and record["url"] == supervisor.url
+    assert record["app_pid"] == os.getpid()
+
+
+def test_stop_asks_the_engine_first_and_removes_the_pid_file(qtbot, supervisor):
+    supervisor.command_for = fake_engine_command()
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.READY)
+    pid = supervisor.pid
+    with qtbot.waitSignal(supervisor.ended, timeout=10000) as blocker:
+        supervisor.stop()
+    outcome: ProcessOutcome = blocker.args[0]
+    assert outcome.requested and outcome.exit_code == 0 and not outcome.signalled, "exited by itself via /shutdown"
+    assert supervisor.state is EngineState.STOPPED
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    qtbot.waitUntil(lambda: not supervisor.pid_file.exists(), timeout=3000)
+
+
+def test_stop_kills_an_engine_that_ignores_shutdown_and_sigterm(qtbot, supervisor):
+    supervisor.command_for = fake_engine_command("--ignore-shutdown", "--ignore-term")
+    supervisor.shutdown_grace_s = 0.5
+    supervisor.terminate_grace_s = 0.5
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.READY)
+    start = time.monotonic()
+    with qtbot.waitSignal(supervisor.ended, timeout=10000) as blocker:
+        supervisor.stop()
+    assert blocker.args[0].signalled and blocker.args[0].exit_code == signal.SIGKILL
+    assert time.monotonic() - start < 5
+    assert any("killing the engine" in line for line in supervisor.lines)
+
+
+def test_crash_is_detected_within_two_seconds_and_restart_brings_it_back(qtbot, supervisor):
+    supervisor.command_for = fake_engine_command()
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.READY)
+    os.kill(supervisor.pid, signal.SIGKILL)
+    start = time.monotonic()
+    wait_state(qtbot, supervisor, EngineState.CRASHED, timeout=2000)
+    assert time.monotonic() - start < 2
+    assert supervisor.outcome.describe() == "was killed by SIGKILL"
+    supervisor.restart()
+    wait_state(qtbot, supervisor, EngineState.READY)
+
+
+def test_exit_status_and_last_lines_of_a_failed_start(qtbot, supervisor):
+    supervisor.command_for = fake_engine_command("--fail-at-start")
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.CRASHED)
+    assert supervisor.outcome.describe() == "exited with status 2"
+    assert any("cannot load model" in line for line in supervisor.lines)
+
+
+def test_missing_executable_is_reported(qtbot, supervisor):
+    supervisor.command_for = lambda config: ["/nonexistent/strata-engine", "serve"]
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.CRASHED)
+    assert "could not start" in supervisor.outcome.describe()
+
+
+def test_auto_restart_backs_off(qtbot, supervisor):
+    supervisor.command_for = fake_engine_command()
+    supervisor.auto_restart = True
+    delays: list[float] = []
+    supervisor.restart_scheduled.connect(delays.append)
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.READY)
+    os.kill(supervisor.pid, signal.SIGKILL)
+    wait_state(qtbot, supervisor, EngineState.CRASHED)
+    wait_state(qtbot, supervisor, EngineState.READY)
+    os.kill(supervisor.pid, signal.SIGKILL)
+    wait_state(qtbot, supervisor, EngineState.CRASHED)
+    assert delays == [1.0, 2.0]
+    supervisor.cancel_auto_restart()
+
+
+def _spawn_orphan(tmp_path) -> tuple[subprocess.Popen, dict]:
+    """An engine whose app is gone: started by a short-lived process that wrote the pid file and died."""
+    engine = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "serve", "--port", "0"],
+                              stdout=subprocess.PIPE, text=True)
+    line = engine.stdout.readline()
+    url = line.split("listening on ")[1].strip()
+    dead_app = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_app.wait()
+    record = {"pid": engine.pid, "create_time": psutil.Process(engine.pid).create_time(),
+              "app_pid": dead_app.pid, "app_create_time": 0.0, "url": url, "command": []}
+    (tmp_path / "engine.pid").write_text(json.dumps(record))
+    return engine, record
+
+
+def test_reap_orphan_stops_an_engine_left_by_a_dead_app(tmp_path):
+    engine, _ = _spawn_orphan(tmp_path)
+    dispatcher = Dispatcher()
+    client = EngineClient(dispatcher)
+    try:
+        message = reap_orphan(tmp_path / "engine.pid", client, grace_s=5)
+        assert message and f"pid {engine.pid}" in message
+        assert engine.wait(timeout=5) == 0, "stopped through /shutdown, not a signal"
+        assert not (tmp_path / "engine.pid").exists()
+    finally:
+        engine.kill()
+        dispatcher.close()
+
+
+def test_reap_orphan_leaves_a_live_apps_engine_and_unrelated_pids_alone(tmp_path):
+    pid_file = tmp_path / "engine.pid"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        # Recorded with a different start time: the pid was reused by an unrelated process.
+        pid_file.write_text(json.dumps({"pid": sleeper.pid, "create_time": 1.0, "app_pid": 999999999}))
+        assert reap_orphan(pid_file) is None
+        assert sleeper.poll() is None and not pid_file.exists()
+        # Its app is alive (a parent that is not us): not an orphan.
+        parent = psutil.Process(os.getppid())
+        pid_file.write_text(json.dumps({"pid": sleeper.pid, "create_time": psutil.Process(sleeper.pid).create_time(),
+                                        "app_pid": parent.pid, "app_create_time": parent.create_time()}))
+        assert reap_orphan(pid_file) is None
+        assert sleeper.poll() is None and pid_file.exists()
+    finally:
+        sleeper.kill()

@@ -1,0 +1,273 @@
+"""The main window with a stand-in engine child: Monitor, purge, live apply, crash, stop, quit, tray actions."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from PySide6.QtWidgets import QMessageBox
+
+from desktop.engine_process import EngineState
+from desktop.main_window import MainWindow
+from desktop.settings import Paths
+from tests.test_desktop_support import fake_engine_command
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
+    w.engine.command_for = fake_engine_command()
+    w.store.set("port", 0)
+    qtbot.addWidget(w)
+    w.show()
+    yield w
+    w.shutdown_now()
+
+
+def ready(qtbot, w: MainWindow) -> None:
+    qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=15000)
+
+
+def test_start_shows_ready_and_the_monitor_renders_what_the_engine_reports(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    assert "Ready" in window.state_label.text() and window.url_label.text().endswith("/v1")
+    assert window.monitor.banner.isHidden()
+    qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 2, timeout=5000)
+    model = window.monitor.model
+    assert [model.index(r, 0).data() for r in range(2)] == ["conv-a", "conv-b"]
+    assert model.index(0, 3).data() == "RAM" and model.index(1, 3).data() == "disk"
+    assert model.index(0, 2).data() == "2.9 MiB"
+    qtbot.waitUntil(lambda: window.monitor.counters.labels["storage"].text() == "ram", timeout=5000)
+    labels = window.monitor.counters.labels
+    assert labels["hit_rate"].text().startswith("67%")
+    assert labels["tokens_saved"].text() == "2\u202f400"
+    qtbot.waitUntil(lambda: "MB/s" in labels["park_ms"].text(), timeout=5000)
+    assert labels["park_ms"].text() == "last 4.0 ms · median 4.0 ms · p95 4.0 ms · 750 MB/s"
+    assert window.monitor.counters.ram_bar.format().startswith("2.9 MiB of 4.0 GiB")
+    assert window.monitor.memory.floor_line.isVisible() and window.monitor.memory.floor_line.value() == 1024
+    qtbot.waitUntil(lambda: window.monitor.memory.engine_rss.last() is not None, timeout=5000)
+    assert window.settings_tab.effective_dir == "/tmp/stand-in-cache"
+
+
+def test_purge_confirms_with_counts_and_shows_the_result(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 2, timeout=5000)
+    qtbot.waitUntil(lambda: window.metrics is not None, timeout=5000)
+    window.monitor.purge_actions["ram"].trigger()
+    box = window.purge_box
+    assert box is not None and "Drop 1 parked conversation (2.9 MiB) from RAM?" in box.text()
+    box.button(QMessageBox.StandardButton.Cancel).click()
+    qtbot.wait(200)
+    assert window.last_purge is None
+    window.monitor.purge_actions["all"].trigger()
+    assert "Drop 2 parked conversations (4.8 MiB) from RAM and disk?" in window.purge_box.text()
+    window.purge_box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: window.last_purge is not None, timeout=5000)
+    assert window.last_purge["dropped"]["conversations"] == 2
+    assert "dropped 2 conversation(s), 4.8 MiB" in window.statusBar().currentMessage()
+    qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 0, timeout=5000)
+
+
+def test_live_setting_applies_and_restart_setting_is_offered_not_forced(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    tab = window.settings_tab
+    assert tab.pending.text() == "The running engine uses these settings."
+    tab.set_text("conversation_cache_storage", "disk")
+    tab.set_text("ctx_size", "4096")
+    assert "can apply live: Storage mode" in tab.pending.text()
+    assert "need a restart: Context length" in tab.pending.text()
+    assert tab.apply_button.isEnabled() and not tab.restart_button.isHidden()
+    tab.apply_button.click()
+    qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=5000)
+    qtbot.waitUntil(lambda: window.monitor.counters.labels["storage"].text().startswith("disk"), timeout=5000)
+    assert window.engine.state is EngineState.READY, "a live change does not restart"
+    assert "need a restart: Context length" in tab.pending.text() and not tab.apply_button.isEnabled()
+    pid = window.engine.pid
+    tab.restart_button.click()
+    qtbot.waitUntil(lambda: window.engine.state is EngineState.READY and window.engine.pid != pid, timeout=15000)
+    assert "--ctx-size" in window.engine.command
+    assert tab.pending.text() == "The running engine uses these settings."
+
+
+def test_engine_refusal_is_shown(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    window.apply_live({"threads": 3})  # not a live setting: the engine says no
+    qtbot.waitUntil(lambda: "refused" in window.settings_tab.result.text(), timeout=5000)
+    assert "not a live setting: threads" in window.settings_tab.result.text()
+
+
+def test_stop_greys_the_monitor_and_crash_shows_restart(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 2, timeout=5000)
+    window.stop_button.click()
+    qtbot.waitUntil(lambda: window.engine.state is EngineState.STOPPED, timeout=10000)
+    assert "The engine is stopped." in window.monitor.banner.text() and "Figures below are from" in window.monitor.banner.text()
+    assert not window.monitor.table.isEnabled() and window.monitor.model.rowCount() == 2, "last figures stay, greyed"
+    assert window.crash_panel.isHidden(), "a requested stop is not a crash"
+    assert window.start_button.isEnabled() and not window.stop_button.isEnabled()
+
+    window.start_button.click()
+    ready(qtbot, window)
+    os.kill(window.engine.pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: not window.crash_panel.isHidden(), timeout=2000)
+    assert "was killed by SIGKILL" in window.crash_text.text()
+    assert "stopped unexpectedly" in window.monitor.banner.text()
+    window.crash_restart.click()
+    ready(qtbot, window)
+    assert window.crash_panel.isHidden()
+
+
+def test_quit_stops_the_engine_and_leaves_no_process(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    pid = window.engine.pid
+    with qtbot.waitSignal(window.quit_finished, timeout=15000):
+        window.tray.quit_action.trigger()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not window.paths.pid_file.exists()
+    assert window.engine.outcome.requested
+
+
+def test_tray_actions_and_tooltip(qtbot, window):
+    tray = window.tray
+    assert tray.engine_action.text() == "Start engine" and not tray.purge_action.isEnabled()
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: "2 parked" in tray.icon.toolTip(), timeout=5000)
+    assert tray.icon.toolTip().startswith("Strata — Ready · 2 parked · RAM 2.9 MiB · disk 1.9 MiB")
+    assert tray.engine_action.text() == "Stop engine" and tray.purge_action.isEnabled()
+    tray.engine_action.trigger()
+    qtbot.waitUntil(lambda: window.engine.state is EngineState.STOPPED, timeout=10000)
+    assert tray.icon.toolTip() == "Strata — Stopped" and tray.engine_action.text() == "Start engine"
+    tray.engine_action.trigger()
+    ready(qtbot, window)
+    window.hide()
+    tray.open_action.trigger()
+    assert window.isVisible()
+    tray.purge_action.trigger()
+    assert window.purge_box is not None and window.tabs.currentWidget() is window.monitor
+    window.purge_box.button(QMessageBox.StandardButton.Cancel).click()
+
+
+def test_close_without_a_tray_quits(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    with qtbot.waitSignal(window.quit_finished, timeout=15000):
+        window.close()
+    assert window.engine.state is EngineState.STOPPED
+
+
+def test_settings_load_message_is_shown(qtbot, tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "desktop-settings.json").write_text("{oops")
+    w = MainWindow(Paths(cfg, tmp_path / "state"), use_tray=False, environ={})
+    qtbot.addWidget(w)
+    try:
+        assert not w.notice.isHidden() and "damaged" in w.notice.text()
+    finally:
+        w.shutdown_now()
+
+
+def test_monitor_tolerates_missing_and_odd_keys(qtbot):
+    from desktop.monitor import MonitorTab
+
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    for metrics in ({}, {"engine": None}, {"conversation_cache": {"budgets": None, "park_ms": 3}},
+                    {"engine": {"model": "m"}, "conversation_cache": {"enabled": False}}):
+        tab.set_metrics(metrics)
+    tab.set_conversations([{"id": "x"}, {"tier": ["ram", "disk"], "created": "2024-01-01T00:00:00Z"}, "junk"])
+    tab.set_events([{"kind": "park"}, {"kind": "restore", "time": 1.0, "ms": "?"}, {}])
+    tab.show()
+    assert tab.model.rowCount() == 2 and tab.model.index(1, 3).data() == "RAM + disk"
+
+
+def test_logs_tab_is_bounded_searchable_and_copyable(qtbot):
+    from PySide6.QtGui import QGuiApplication
+
+    from desktop.logs_tab import LogsTab
+
+    tab = LogsTab()
+    qtbot.addWidget(tab)
+    tab.view.setMaximumBlockCount(100)
+    for i in range(250):
+        tab.append_line(f"line {i}")
+    assert tab.view.document().blockCount() == 100
+    assert tab.text().splitlines()[0] == "line 150"
+    tab.search.setText("line 20")
+    assert tab.find_next() and tab.view.textCursor().selectedText() == "line 20"
+    tab.search.setText("no such text")
+    assert not tab.find_next() and tab.search_status.text() == "not found"
+    tab.copy_all()
+    assert QGuiApplication.clipboard().text().endswith("line 249")
+
+
+def test_single_instance_asks_the_first_to_show(qtbot, tmp_path):
+    from desktop.instance import SingleInstance, instance_name, notify_running
+
+    name = instance_name(tmp_path)
+    assert not notify_running(name, timeout_ms=200)
+    first = SingleInstance(name)
+    assert first.listen()
+    with qtbot.waitSignal(first.activated, timeout=3000):
+        assert notify_running(name)
+    first.close()
+
+
+def test_building_the_window_never_imports_torch(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, sys
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+        from pathlib import Path
+        from PySide6.QtWidgets import QApplication
+        app = QApplication([])
+        from desktop.main_window import MainWindow
+        from desktop.settings import Paths
+        w = MainWindow(Paths(Path({str(tmp_path)!r}) / "c", Path({str(tmp_path)!r}) / "s"), use_tray=False)
+        w.show()
+        app.processEvents()
+        engine_modules = sorted(m for m in sys.modules if m == "engine" or m.startswith("engine."))
+        print("torch" in sys.modules, engine_modules)
+        w.shutdown_now()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False ['engine', 'engine.config']"
+
+
+def test_install_desktop_entry_writes_a_valid_launcher(tmp_path):
+    from desktop.desktop_entry import install_desktop_entry
+
+    written = install_desktop_entry(tmp_path)
+    entry = tmp_path / "applications" / "strata-desktop.desktop"
+    assert entry in written and (tmp_path / "icons/hicolor/scalable/apps/strata-desktop.svg").exists()
+    text = entry.read_text()
+    assert "Exec=" in text and "@EXEC@" not in text and "Icon=strata-desktop" in text
+    if shutil.which("desktop-file-validate"):
+        result = subprocess.run(["desktop-file-validate", str(entry)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_packaged_resources_match_the_sources():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    for src in (repo / "resources").iterdir():
+        assert (repo / "desktop" / "resources" / src.name).read_bytes() == src.read_bytes(), src.name
