@@ -488,17 +488,20 @@ class Engine:
         self._counters["prompt_tokens"] += len(prompt)
         self._counters["cached_tokens"] += reused
 
-    def _park_if_losing(self, slot: Slot, keep: int) -> None:
-        """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away."""
+    def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
+        """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
+
+        `protect` names a parked conversation this park must not evict (the hit about to be restored).
+        """
         if self.cache is None or len(slot.tokens) <= keep or len(slot.tokens) < MIN_PARK_TOKENS:
             return
-        self._park(slot)
+        self._park(slot, protect)
 
-    def _park(self, slot: Slot) -> None:
+    def _park(self, slot: Slot, protect: str | None = None) -> None:
         assert self.cache is not None
         tokens = list(slot.tokens)
         try:
-            result = self.cache.park(tokens, lambda a, b: self.kv.read(slot.id, a, b))
+            result = self.cache.park(tokens, lambda a, b: self.kv.read(slot.id, a, b), keep=protect)
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return
@@ -508,7 +511,7 @@ class Engine:
     def _restore_hit(self, slot: Slot, hit: Any, prompt: list[int]) -> int:
         """Park the slot's contents, then restore `hit` into it; on any failure the slot is a clean miss."""
         assert self.cache is not None
-        self._park_if_losing(slot, 0)
+        self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
         try:
             result = self.cache.restore(hit, lambda start, data: self.kv.write(slot.id, start, data))
