@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -293,13 +294,39 @@ def _gguf_canonical(name: str) -> str | None:
 
 
 def read_gguf(path: str):  # -> gguf.GGUFReader
-    """Open a GGUF file; ModelLoadError when it is not a readable GGUF."""
+    """Open a GGUF file (memory-mapped; the last one is reused); ModelLoadError when it is not a readable GGUF."""
+    stat = os.stat(path)
+    return _read_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_gguf(path: str, size: int, mtime_ns: int):
     import gguf
 
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/struct/numpy errors on damaged files
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """The model's shape from config.json or GGUF metadata, without reading weights ("" = embedded)."""
+    path = path or embedded_model_path()
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or folder")
+    try:
+        if os.path.isdir(path):
+            config_path = os.path.join(path, "config.json")
+            if not os.path.isfile(config_path):
+                raise ModelLoadError(f"{config_path}: missing (an HF model folder needs config.json)")
+            with open(config_path, encoding="utf-8") as f:
+                return ModelConfig.from_hf(json.load(f))
+        reader = read_gguf(path)
+        return _gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors}, path)
+    except (ConfigError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def gguf_metadata(reader) -> dict:
