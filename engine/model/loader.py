@@ -32,7 +32,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     path: str
-    fingerprint: str
+    fingerprint: str  # xxh3-128 of the file headers and of every tensor's bytes, hashed in the one loading read
     dtype: torch.dtype
 
 
@@ -416,6 +416,8 @@ def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
         t = tensors.get(key)
         if t is None:
             return None
+        content.update(key.encode())
+        content.update(t.data)
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
@@ -425,11 +427,13 @@ def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
             w = _unpermute(w, config.n_heads if ".q" in key else config.n_kv_heads)
         return w
 
+    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
     model = _build(config, stages, dtype, get, path)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:
         h.update(f.read(reader.data_offset))  # header, metadata and tensor directory
+    h.update(content.digest())
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)
 
@@ -545,12 +549,17 @@ def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
             return None
         file, name = found
         try:
-            return handles[file].get_tensor(name).float()
+            tensor = handles[file].get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
+        content.update(key.encode())
+        content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        return tensor.float()
 
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
+    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
     model = _build(config, stages, dtype, get, folder)
+    h.update(content.digest())
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)
