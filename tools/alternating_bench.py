@@ -44,7 +44,7 @@ class Server:
     """A `strata serve` (or llama-server) child on a free port."""
 
     def __init__(self, argv: list[str], env: dict | None = None) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115 - lives as long as the child
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.base = ""
 
@@ -53,7 +53,8 @@ class Server:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {open(self.log.name).read()[-2000:]}")
+                with open(self.log.name) as f:
+                    raise RuntimeError(f"server exited: {f.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
                     if r.status == 200:

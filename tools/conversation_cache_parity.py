@@ -80,10 +80,11 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
     if name == "parallel":
         overrides["parallel"] = 2
     with tempfile.TemporaryDirectory() as tmp:
-        overrides.setdefault("conversation_cache_dir", os.path.join(tmp, "cache"))
         if name == "pressure":
             overrides["conversation_cache_slots"] = 1  # B's park evicts A: A must fall back to a full prefill
-        config = EngineConfig(**overrides)
+        # Separate folders: the switched engine must not find what the reference engine parked on disk.
+        config = EngineConfig(**{"conversation_cache_dir": os.path.join(tmp, "reference"), **overrides})
+        switched_config = config.replace(conversation_cache_dir=os.path.join(tmp, "switched"))
         system_a = "You are a careful assistant. " + _text(n_words, 1)
         system_b = system_a if name == "shared-system" else "You write short poems. " + _text(n_words, 2)
         conv_a = _conversation(system_a, "Summarise this for me.", 3)
@@ -101,7 +102,7 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
         finally:
             ref.close()
 
-        eng = Engine.from_config(config)
+        eng = Engine.from_config(switched_config)
         try:
             a1_sw, _, _ = _generate(eng, conv_a, max_tokens)
             if a1_sw != a1:

@@ -33,7 +33,8 @@ from engine.runtime.stream import RequestStream
 log = logging.getLogger("strata.engine")
 T = TypeVar("T")
 
-# A conversation shorter than this is cheaper to prefill again than to park.
+# A conversation shorter than this is cheaper to prefill again than to park; a hit that saves fewer tokens than
+# this over the live slot is not worth parking the slot's conversation for.
 MIN_PARK_TOKENS = 16
 
 
@@ -460,6 +461,8 @@ class Engine:
         hit = None
         if self.cache is not None:
             hit = self.cache.lookup(prompt, live_prefix=live[best.id])
+            if hit is not None and hit.n_tokens - live[best.id] < MIN_PARK_TOKENS:
+                hit = None
             if hit is None and live[best.id] < usable:
                 self.cache.record_miss()
         if hit is not None:
