@@ -19,8 +19,8 @@ PREFIX = "strata"
 # Monotonic totals in the engine's and the conversation cache's stats.
 COUNTERS = frozenset({
     "requests", "prompt_tokens", "cached_tokens", "generated_tokens",
-    "hits", "misses", "tokens_reused", "parks", "restores", "evictions", "bytes_moved",
-    "bytes_parked", "bytes_restored", "parks_refused", "restores_refused", "spills", "spills_dropped",
+    "hits", "misses", "tokens_reused", "parks", "restores", "restore_failures", "evictions", "spills",
+    "spill_dropped", "spill_failed", "bytes_parked", "bytes_restored", "bytes_spilled",
 })
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 

@@ -1,0 +1,132 @@
+"""The operator routes on a live engine with the conversation cache on: /slots save|restore|erase, /cache/*,
+/metrics with a cache section, and POST /shutdown. A tiny random-weight model keeps it fast."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine_process import start_engine
+from tests.model_fixtures import write_tiny_model
+
+FILLER = "The quick brown fox jumps over the lazy dog. " * 8
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("control")
+    model = write_tiny_model(root, "llama")
+    proc = start_engine("--model", model, "--ctx-size", "512", "--slot-save-path", str(root / "slots"),
+                        "--conversation-cache-dir", str(root / "parked"), "--conversation-cache-mib", "64",
+                        "--conversation-cache-min-free-mib", "0")
+    proc.save_dir = root / "slots"
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def http(engine):
+    with httpx.Client(base_url=engine.base_url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def alternated(engine) -> list:
+    """Conversations A, B, A on one slot: B parks A, the second A restores it."""
+    client = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def ask(text: str):
+        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+                                              max_tokens=3, temperature=0).usage
+
+    return [ask("A: " + FILLER), ask("B: Hello, world! " + FILLER), ask("A: " + FILLER)]
+
+
+def ok(response: httpx.Response):
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+def test_returning_conversation_reports_cached_tokens(alternated):
+    first_a, _, second_a = alternated
+    assert second_a.prompt_tokens == first_a.prompt_tokens
+    assert second_a.prompt_tokens_details.cached_tokens >= first_a.prompt_tokens // 2
+
+
+def test_metrics_json_has_engine_and_cache_sections(http, alternated):
+    body = http.get("/metrics").json()
+    assert body["engine"]["requests"] >= 3
+    cache = body["conversation_cache"]
+    assert cache["enabled"] is True and cache["storage"] == "ram"
+    assert cache["parks"] >= 1 and cache["restores"] >= 1
+
+
+def test_metrics_prometheus_includes_the_cache(http, alternated):
+    text = http.get("/metrics", params={"format": "prometheus"}).text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["strata_conversation_cache_parks_total"].value >= 1
+    assert samples["strata_conversation_cache_info"].labels["storage"] == "ram"
+
+
+def test_cache_conversations_and_events(http, alternated):
+    conversations = ok(http.get("/cache/conversations"))["conversations"]
+    assert conversations
+    for entry in conversations:
+        assert {"id", "tokens", "bytes", "tier", "created", "last_used", "hits"} <= set(entry)
+    events = ok(http.get("/cache/events", params={"limit": 2}))["events"]
+    assert 1 <= len(events) <= 2
+
+
+def test_cache_config_reads_and_changes_live_settings(http):
+    config = http.get("/cache/config").json()
+    assert "conversation_cache_mib" in config["live"]
+    assert config["settings"]["conversation_cache_mib"] == 64
+    changed = http.put("/cache/config", json={"conversation_cache_mib": 48}).json()
+    assert changed["changed"] == ["conversation_cache_mib"]
+    back = http.put("/cache/config", json={"settings": {"conversation_cache_mib": 64}}).json()
+    assert back["settings"]["conversation_cache_mib"] == 64
+    assert "ctx_size" in error_of(http.put("/cache/config", json={"ctx_size": 64}), 400)["message"]
+
+
+def test_slot_save_erase_restore_round_trip(http, engine, alternated):
+    [slot] = http.get("/slots").json()
+    saved = http.post("/slots/0", params={"action": "save"}, json={"filename": "a.slot"})
+    assert saved.status_code == 200, saved.text
+    assert saved.json()["n_saved"] == slot["n_tokens"] > 0
+    assert os.path.isfile(engine.save_dir / "a.slot")
+    assert http.post("/slots/0", params={"action": "erase"}).json()["n_erased"] == slot["n_tokens"]
+    assert http.get("/slots").json()[0]["n_tokens"] == 0
+    restored = http.post("/slots/0", params={"action": "restore"}, json={"filename": "a.slot"}).json()
+    assert restored["n_restored"] == slot["n_tokens"]
+    assert http.get("/slots").json()[0]["n_tokens"] == slot["n_tokens"]
+
+
+def test_slot_file_names_outside_the_save_path_are_refused(http, engine):
+    for name in ("../escape.slot", "/tmp/abs.slot", ""):
+        error_of(http.post("/slots/0", params={"action": "save"}, json={"filename": name}), 400)
+    assert not os.path.exists(engine.save_dir.parent / "escape.slot")
+    error_of(http.post("/slots/0", params={"action": "restore"}, json={"filename": "missing.slot"}), 404)
+    error_of(http.post("/slots/0", params={"action": "save"}, json={}), 400)
+
+
+def test_purge_reports_what_it_dropped(http, alternated):
+    result = ok(http.post("/cache/purge", json={"tier": "all"}))
+    assert result["tier"] == "all"
+    assert result["dropped"]["conversations"] >= 1
+    assert ok(http.get("/cache/conversations"))["conversations"] == []
+
+
+def test_shutdown_stops_the_engine_cleanly(http, engine):
+    r = http.post("/shutdown")
+    assert (r.status_code, r.json()) == (202, {"status": "shutting down"})
+    assert engine.proc.wait(timeout=60) == 0
+    assert "Traceback" not in engine.logs()
