@@ -6,8 +6,10 @@ Exit status: 0 after a clean shutdown, 2 for a bad flag or a model that cannot b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import stat
 import sys
@@ -123,8 +125,8 @@ def serve(config: EngineConfig) -> int:
 
     state = ServerState(config=config)
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=5))
     outcome = {"exit": 0}
 
     def request_shutdown() -> None:
@@ -132,6 +134,7 @@ def serve(config: EngineConfig) -> int:
         server.should_exit = True
 
     state.shutdown = request_shutdown
+    _on_signals(request_shutdown)
 
     def load() -> None:
         from engine.errors import ModelLoadError
@@ -168,6 +171,44 @@ def serve(config: EngineConfig) -> int:
             state.engine.close(deadline_s=SHUTDOWN_DEADLINE_S)
             log.info("engine stopped")
     return outcome["exit"]
+
+
+def _make_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its own signal handling: it re-raises SIGTERM after serving, which would kill the
+        process before the engine parks and spills. Our handlers only ask the server to stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def install_signal_handlers(self) -> None:
+            pass
+
+    return Server
+
+
+def _Server(config):  # noqa: N802 - reads like the class it builds
+    return _make_server_class()(config)
+
+
+def _on_signals(stop) -> None:
+    """SIGINT and SIGTERM (and Ctrl+Break on Windows) start a clean shutdown; a second one forces exit."""
+    seen = {"n": 0}
+
+    def handle(signum, _frame) -> None:
+        seen["n"] += 1
+        if seen["n"] > 1:
+            log.warning("second signal: exiting without a clean shutdown")
+            os._exit(130)
+        log.info("signal %d received: shutting down cleanly", signum)
+        stop()
+
+    for name in ("SIGINT", "SIGTERM", "SIGBREAK"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), handle)
 
 
 def _watch_stdin(on_close) -> None:
