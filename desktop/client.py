@@ -188,6 +188,7 @@ class Poller(QObject):
 
     metrics = Signal(object)  # dict from /metrics
     conversations = Signal(object)  # list of dicts from /cache/conversations
+    conversations_failed = Signal(str)  # the engine answered /cache/conversations with an error
     events = Signal(object)  # list of dicts from /cache/events
     memory = Signal(object)  # MemorySample
     unreachable = Signal(str)  # the engine did not answer /metrics
@@ -250,8 +251,6 @@ class Poller(QObject):
 
         # A timeout shorter than two rounds keeps a hung engine from holding a worker for long.
         self.client.request("GET", path, finish, timeout=max(1.0, 2 * self._timer.interval() / 1000))
-        if self.client.base_url is None:
-            self._in_flight.discard(key)
 
     def _on_memory(self, sample: MemorySample) -> None:
         self.memory.emit(sample)
@@ -265,6 +264,8 @@ class Poller(QObject):
     def _on_conversations(self, reply: Reply) -> None:
         if reply.ok and isinstance(reply.data, dict):
             self.conversations.emit(list(reply.data.get("conversations") or []))
+        elif reply.reachable:
+            self.conversations_failed.emit(reply.error)
 
     def _on_events(self, reply: Reply) -> None:
         if reply.ok and isinstance(reply.data, dict):

@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
+import engine
 from desktop.client import EngineClient, Reply
 from desktop.settings import atomic_write
 from engine.config import EngineConfig
@@ -274,6 +275,12 @@ class EngineProcess(QObject):
         proc = QProcess(self)
         env = QProcessEnvironment.systemEnvironment()
         env.insert("PYTHONUNBUFFERED", "1")
+        if not getattr(sys, "frozen", False):
+            # The child imports the same `engine` package this app reads its settings table from,
+            # also from a source checkout that is not installed.
+            root = str(Path(engine.__file__).resolve().parent.parent)
+            paths = [root, *[p for p in env.value("PYTHONPATH", "").split(os.pathsep) if p and p != root]]
+            env.insert("PYTHONPATH", os.pathsep.join(paths))
         proc.setProcessEnvironment(env)
         proc.setProcessChannelMode(QProcess.ProcessChannelMode.MergedChannels)
         proc.readyReadStandardOutput.connect(self._read_output)
@@ -303,6 +310,8 @@ class EngineProcess(QObject):
         if ready:
             self._emit_line("strata-desktop: asking the engine to shut down (POST /shutdown)")
             self.client.request("POST", "/shutdown", self._on_shutdown_reply, timeout=3.0)
+            # The engine also shuts down when its stdin closes; closing it lets its stdin reader finish too.
+            self._proc.closeWriteChannel()
             self._terminate_timer.start(int(self.shutdown_grace_s * 1000))
         else:
             self._terminate()

@@ -149,6 +149,7 @@ class MainWindow(QMainWindow):
         self.poller.metrics.connect(self._on_metrics)
         self.poller.conversations.connect(self._on_conversations)
         self.poller.events.connect(self.monitor.set_events)
+        self.poller.conversations_failed.connect(self.monitor.set_conversations_error)
         self.poller.unreachable.connect(self.monitor.set_unreachable)
         self.monitor.purge_requested.connect(self.request_purge)
         self.monitor.visibility_changed.connect(self._monitor_visible)
@@ -328,13 +329,10 @@ class MainWindow(QMainWindow):
                 return
             data = reply.data if isinstance(reply.data, dict) else {}
             self.last_purge = data
-            dropped = data.get("dropped") or {}
-            skipped = data.get("skipped") or []
-            text = (f"Purged {tier}: dropped {dropped.get('conversations', 0)} conversation(s), "
-                    f"{format_bytes(dropped.get('bytes'))}")
+            count, size, skipped = purge_outcome(data)
+            text = f"Purged {tier}: dropped {count} conversation(s), {format_bytes(size)}"
             if skipped:
-                reasons = "; ".join(f"{s.get('id')}: {s.get('reason')}" for s in skipped[:3] if isinstance(s, dict))
-                text += f"; skipped {len(skipped)} ({reasons})"
+                text += f"; skipped {len(skipped)} (" + "; ".join(skipped[:3]) + ")"
             self.statusBar().showMessage(text + ".", 15000)
             self.poller.poll()
 
@@ -418,6 +416,22 @@ class MainWindow(QMainWindow):
         self.dispatcher.close(wait=True)
         self.client.close()
         self._finished = True
+
+
+def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
+    """(conversations dropped, bytes dropped, "id: reason" of each skipped) from a /cache/purge answer."""
+    dropped = data.get("dropped")
+    if isinstance(dropped, dict):
+        count, size = dropped.get("conversations", 0), dropped.get("bytes")
+    else:
+        count, size = dropped or 0, data.get("bytes")
+    skipped = []
+    for item in data.get("skipped") or []:
+        if isinstance(item, dict):
+            skipped.append(f"{item.get('id')}: {item.get('reason')}")
+        elif isinstance(item, list | tuple) and len(item) == 2:
+            skipped.append(f"{item[0]}: {item[1]}")
+    return int(count), size, skipped
 
 
 def _html_escape(text: str) -> str:

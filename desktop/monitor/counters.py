@@ -6,7 +6,7 @@ from typing import Any
 
 from PySide6.QtWidgets import QFormLayout, QGridLayout, QGroupBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
-from desktop.monitor.report import dig, format_age, format_count, format_ms, number
+from desktop.monitor.report import budget, dig, format_age, format_count, format_ms, number, total
 from desktop.settings import format_bytes
 
 
@@ -47,6 +47,8 @@ class CountersPanel(QWidget):
         self.labels: dict[str, QLabel] = {}
         self._cache: dict[str, Any] = {}
         self._rates: dict[str, float] = {}
+        self._parked: int | None = None
+        self._slots_budget: float | None = None
         engine_box = QGroupBox("Engine")
         engine_form = QFormLayout(engine_box)
         for key, text in (("model", "Model"), ("state", "State"), ("slots", "Slots busy"), ("queued", "Queued"),
@@ -122,18 +124,37 @@ class CountersPanel(QWidget):
             saved = number(e, "cached_tokens")
         lb["tokens_saved"].setText(format_count(saved))
         lb["parks"].setText(f"{format_count(number(c, 'parks'))} / {format_count(number(c, 'restores'))}")
-        lb["evictions"].setText(f"{format_count(number(c, 'evictions'))} / {format_count(number(c, 'refusals'))}")
+        refusals = dig(c, "refusals")
+        lb["evictions"].setText(f"{format_count(number(c, 'evictions'))} / {format_count(total(refusals))}")
+        lb["evictions"].setToolTip(
+            "\n".join(f"{k}: {v}" for k, v in refusals.items()) if isinstance(refusals, dict) and refusals else "")
         self._cache = c
         self._show_timings()
 
-        self.ram_bar.set_usage(number(c, "bytes_ram"), number(c, "budgets", "ram_bytes"))
-        self.disk_bar.set_usage(number(c, "bytes_disk"), number(c, "budgets", "disk_bytes"))
-        entries = None
-        if number(c, "entries") is not None:
+        uses_disk = dig(c, "storage") in ("disk", "tiered")
+        self.ram_bar.set_usage(number(c, "bytes_ram"), budget(c, "ram_bytes"))
+        self.disk_bar.set_usage(number(c, "bytes_disk") if uses_disk or number(c, "bytes_disk") else None,
+                                budget(c, "disk_bytes"))
+        if not uses_disk and not number(c, "bytes_disk") and c:
+            self.disk_bar.setFormat(f"not used in {dig(c, 'storage', default='this')} mode")
+        error = str(dig(c, "disk_error", default=""))
+        if error:
+            self.disk_bar.setFormat("error: " + error)
+        self.disk_bar.setToolTip(error)
+        self._slots_budget = budget(c, "slots")
+        if self._parked is None:
             entries = number(c, "entries")
-        elif number(c, "entries_ram") is not None or number(c, "entries_disk") is not None:
-            entries = (number(c, "entries_ram") or 0) + (number(c, "entries_disk") or 0)
-        self.slots_bar.set_usage(entries, number(c, "budgets", "slots"), unit="count")
+            if entries is None and (number(c, "entries_ram") is not None or number(c, "entries_disk") is not None):
+                entries = (number(c, "entries_ram") or 0) + (number(c, "entries_disk") or 0)
+            self.slots_bar.set_usage(entries, self._slots_budget, unit="count")
+        else:
+            self.slots_bar.set_usage(self._parked, self._slots_budget, unit="count")
+
+    def set_parked(self, count: int | None) -> None:
+        """How many conversations /cache/conversations lists, against the slots budget (None: use the counts)."""
+        self._parked = count
+        if count is not None:
+            self.slots_bar.set_usage(count, self._slots_budget, unit="count")
 
 
 def _rate(x: float | None) -> str:

@@ -30,6 +30,7 @@ def _plot(title: str, y_label: str) -> pg.PlotWidget:
     item.setLabel("left", y_label)
     item.showGrid(x=True, y=True, alpha=0.2)
     item.setMenuEnabled(False)
+    item.getAxis("left").setWidth(56)  # the same width in every plot, so stacked time axes line up
     item.setClipToView(True)
     item.setDownsampling(auto=True, mode="peak")
     w.setMinimumHeight(140)
@@ -68,8 +69,9 @@ class MemoryPlots(QWidget):
         if floor_bytes is None:
             self.floor_line.setVisible(False)
             return
-        self.floor_line.setValue(floor_bytes / MIB)
         self.floor_line.setVisible(True)
+        self.floor_line.setValue(floor_bytes / MIB)
+        self.floor_line.label.valueChanged()  # the label skips updates while hidden
 
     def redraw(self) -> None:
         if not self._dirty:
@@ -79,7 +81,9 @@ class MemoryPlots(QWidget):
         self.engine_curve.setData(x, y)
         self.host_curve.setData(*self.host_available.data())
         if len(x):
-            self.engine_plot.setXRange(x[-1] - WINDOW_S, x[-1], padding=0)
+            # The last WINDOW_S seconds once there is that much; at least a minute before that.
+            lo = max(x[0], x[-1] - WINDOW_S) if x[-1] - x[0] >= 60 else x[-1] - 60
+            self.engine_plot.setXRange(lo, x[-1], padding=0)
 
 
 class TimingPlot(QWidget):
@@ -88,7 +92,7 @@ class TimingPlot(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.plot = _plot("Park and restore times (recent events)", "ms")
-        self.plot.getPlotItem().addLegend(offset=(-10, 10))
+        self.plot.getPlotItem().addLegend(offset=(10, 5))
         self.park = pg.ScatterPlotItem(size=7, brush=PARK_BRUSH, pen=None, name="park")
         self.restore = pg.ScatterPlotItem(size=7, brush=RESTORE_BRUSH, pen=None, symbol="t", name="restore")
         self.plot.addItem(self.park)

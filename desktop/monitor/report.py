@@ -66,3 +66,19 @@ def format_ms(ms: float | None) -> str:
     if ms is None:
         return "–"
     return f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
+def budget(cache: Any, key: str) -> float | None:
+    """A budget from the cache report: {"budgets": {key}} or flat {key} (ram_bytes, disk_bytes, slots, min_free_bytes)."""
+    value = number(cache, "budgets", key)
+    return value if value is not None else number(cache, key)
+
+
+def total(value: Any) -> float | None:
+    """A counter reported as a number or as {reason: count}."""
+    if isinstance(value, dict):
+        counts = [v for v in value.values() if isinstance(v, int | float) and not isinstance(v, bool)]
+        return float(sum(counts))
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)

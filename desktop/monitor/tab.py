@@ -25,7 +25,7 @@ from desktop.engine_process import EngineState
 from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
 from desktop.monitor.counters import CountersPanel
 from desktop.monitor.plots import MemoryPlots, TimingPlot
-from desktop.monitor.report import number
+from desktop.monitor.report import budget
 
 
 class MonitorTab(QWidget):
@@ -118,13 +118,14 @@ class MonitorTab(QWidget):
     def set_metrics(self, metrics: dict[str, Any]) -> None:
         self.metrics = metrics
         self.last_update = time.time()
-        self.memory.set_floor(number(metrics, "conversation_cache", "budgets", "min_free_bytes"))
+        self.memory.set_floor(budget(metrics.get("conversation_cache"), "min_free_bytes"))
         self.counters.set_metrics(metrics)
         self._update_counts()
 
     def set_conversations(self, rows: list[dict[str, Any]]) -> None:
         self.conversation_rows = rows
         self.model.set_rows(rows)
+        self.counters.set_parked(len(self.model.rows))
         self._update_counts()
 
     def set_events(self, events: list[dict[str, Any]]) -> None:
@@ -132,6 +133,11 @@ class MonitorTab(QWidget):
         self.counters.set_events(events)
         if self.isVisible():
             self.timings.redraw()
+
+    def set_conversations_error(self, message: str) -> None:
+        """The engine could not list its conversations: say so above the (last known) table."""
+        self.table_title.setText(f"<b>Parked conversations</b> — the engine did not list them: {_escape(message)}")
+        self.counters.set_parked(None)
 
     def _update_counts(self) -> None:
         n = len(self.conversation_rows)
@@ -184,3 +190,7 @@ class MonitorTab(QWidget):
     def hideEvent(self, event: QHideEvent) -> None:
         super().hideEvent(event)
         self.visibility_changed.emit(False)
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

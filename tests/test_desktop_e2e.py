@@ -1,0 +1,226 @@
+"""End to end: the app starts the real engine on the bundled model; a person's view of the cache, purge, settings,
+stop, crash and restart, quit, and an engine orphaned by a killed app. One engine serves the tests in order.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from PySide6.QtCore import QEventLoop
+from PySide6.QtWidgets import QApplication, QMessageBox
+
+from desktop.engine_process import EngineState, read_pid_file
+from desktop.main_window import MainWindow
+from desktop.settings import Paths
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.timeout(240)
+REPO = Path(__file__).resolve().parents[1]
+LOAD_TIMEOUT_MS = 120_000
+
+SYSTEM_A = "You are a patient assistant who explains fruit to children. " * 20
+SYSTEM_B = "You are a terse assistant who only talks about rivers and bridges. " * 20
+CONV_A = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": "Why are apples red? " * 20}]
+CONV_B = [{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": "Name a long river. " * 20}]
+
+
+def pump_until(cond, timeout_s: float) -> bool:
+    app = QApplication.instance()
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        app.processEvents(QEventLoop.ProcessEventsFlag.AllEvents, 50)
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture(scope="module")
+def app_window(qapp, tmp_path_factory):
+    base = tmp_path_factory.mktemp("desktop-e2e")
+    w = MainWindow(Paths(base / "cfg", base / "state"), use_tray=False, environ={})
+    w.store.set("port", 0)
+    w.store.set("conversation_cache_dir", str(base / "parked"))
+    w.show()
+    w.start()
+    assert pump_until(lambda: w.engine.state is EngineState.READY, LOAD_TIMEOUT_MS / 1000), "\n".join(w.engine.lines)
+    yield w
+    w.shutdown_now()
+
+
+def chat(w: MainWindow, messages: list[dict]) -> object:
+    client = openai.OpenAI(base_url=w.engine.url + "/v1", api_key="unused", timeout=120)
+    return client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0)
+
+
+def cache(w: MainWindow) -> dict:
+    return (w.metrics or {}).get("conversation_cache") or {}
+
+
+def test_abA_through_the_openai_sdk_shows_park_and_restore(qtbot, app_window):
+    w = app_window
+    assert "Ready" in w.state_label.text()
+    w.tabs.setCurrentWidget(w.monitor)
+    chat(w, CONV_A)
+    chat(w, CONV_B)  # A is switched out of the only slot: parked
+    qtbot.waitUntil(lambda: cache(w).get("parks", 0) >= 1, timeout=10000)
+    again = chat(w, CONV_A)  # A comes back: restored instead of prefilled
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    qtbot.waitUntil(lambda: cache(w).get("restores", 0) >= 1, timeout=10000)
+    labels = w.monitor.counters.labels
+    qtbot.waitUntil(lambda: labels["parks"].text().split(" / ")[1] not in ("0", "–"), timeout=5000)
+    assert labels["tokens_saved"].text() not in ("0", "–")
+    assert labels["restore_ms"].text().startswith("last ") and "MB/s" in labels["restore_ms"].text()
+    qtbot.waitUntil(lambda: w.monitor.model.rowCount() >= 1, timeout=10000)
+    tiers = {w.monitor.model.index(r, 3).data() for r in range(w.monitor.model.rowCount())}
+    assert tiers == {"RAM"}
+    kinds = {p for p, item in (("park", w.monitor.timings.park), ("restore", w.monitor.timings.restore))
+             if len(item.data)}
+    assert kinds == {"park", "restore"}, "the timing plot shows both kinds of event"
+    assert w.monitor.counters.ram_bar.value() > 0
+
+
+def test_purge_empties_the_table_and_counters(qtbot, app_window):
+    w = app_window
+    qtbot.waitUntil(lambda: w.monitor.model.rowCount() >= 1, timeout=10000)
+    n = w.monitor.model.rowCount()
+    w.monitor.purge_actions["all"].trigger()
+    assert f"Drop {n} parked conversation" in w.purge_box.text()
+    w.purge_box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: w.last_purge is not None, timeout=10000)
+    assert "Purged all: dropped" in w.statusBar().currentMessage()
+    qtbot.waitUntil(lambda: w.monitor.model.rowCount() == 0, timeout=10000)
+    qtbot.waitUntil(lambda: cache(w).get("bytes_ram") == 0, timeout=10000)
+    assert w.monitor.counters.ram_bar.value() == 0
+
+
+def test_storage_mode_change_in_settings_reaches_the_engine(qtbot, app_window):
+    w = app_window
+    tab = w.settings_tab
+    w.tabs.setCurrentWidget(tab)
+    pid = w.engine.pid
+    tab.set_text("conversation_cache_storage", "tiered")
+    assert "can apply live: Storage mode" in tab.pending.text()
+    tab.apply_button.click()
+    qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=30000)
+    w.tabs.setCurrentWidget(w.monitor)
+    qtbot.waitUntil(lambda: cache(w).get("storage") == "tiered", timeout=10000)
+    assert w.monitor.counters.labels["storage"].text().startswith("tiered")
+    assert w.engine.pid == pid, "applied live, no restart"
+    qtbot.waitUntil(lambda: w.paths.settings_file.exists(), timeout=5000)  # autosaved, debounced
+    assert json.loads(w.paths.settings_file.read_text())["engine"]["conversation_cache_storage"] == "tiered"
+
+
+@pytest.mark.slow
+def test_monitor_soak_60_seconds_live(qtbot, app_window):
+    """The Monitor tab live for 60 s in one process, with traffic, at a fast refresh (a crash here fails the run)."""
+    w = app_window
+    w.tabs.setCurrentWidget(w.monitor)
+    w.poller.set_interval(200)
+    samples = []
+    end = time.monotonic() + 60
+    i = 0
+    while time.monotonic() < end:
+        if i % 10 == 0:
+            chat(w, CONV_A if i % 20 == 0 else CONV_B)
+        qtbot.wait(200)
+        samples.append(len(w.monitor.memory.host_available))
+        i += 1
+    w.poller.set_interval(1000)
+    assert samples[-1] > samples[0] + 100, "the plots kept receiving samples"
+    assert w.engine.state is EngineState.READY
+
+
+def test_stop_and_the_app_state_follows(qtbot, app_window):
+    w = app_window
+    pid = w.engine.pid
+    w.stop_button.click()
+    qtbot.waitUntil(lambda: w.engine.state is EngineState.STOPPED, timeout=30000)
+    assert gone(pid)
+    assert w.engine.outcome.requested and not w.engine.outcome.signalled, (
+        "the engine should exit by itself after POST /shutdown:\n" + "\n".join(list(w.engine.lines)[-30:]))
+    assert "The engine is stopped." in w.monitor.banner.text() and not w.monitor.table.isEnabled()
+    assert w.crash_panel.isHidden() and w.start_button.isEnabled()
+    assert w.tray.engine_action.text() == "Start engine"
+
+
+def test_crash_is_shown_within_two_seconds_and_restart_brings_it_back(qtbot, app_window):
+    w = app_window
+    w.start_button.click()
+    qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=LOAD_TIMEOUT_MS)
+    os.kill(w.engine.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    qtbot.waitUntil(lambda: not w.crash_panel.isHidden(), timeout=2000)
+    assert time.monotonic() - t0 < 2
+    assert "killed by SIGKILL" in w.crash_text.text() and "Crashed" in w.state_label.text()
+    w.crash_restart.click()
+    qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=LOAD_TIMEOUT_MS)
+    # Restarted with the saved settings (tiered since the Settings test).
+    qtbot.waitUntil(lambda: cache(w).get("storage") == "tiered", timeout=10000)
+
+
+def test_quit_leaves_no_engine_process(qtbot, app_window):
+    w = app_window
+    pid = w.engine.pid
+    assert pid and not gone(pid)
+    with qtbot.waitSignal(w.quit_finished, timeout=60000):
+        w.tray.quit_action.trigger()
+    assert gone(pid)
+    assert not w.paths.pid_file.exists()
+    assert [p.pid for p in psutil.Process().children(recursive=True) if p.pid == pid] == []
+
+
+def test_stale_pid_file_from_a_killed_app_is_cleaned_up_at_next_start(qtbot, tmp_path):
+    cfg, state = tmp_path / "cfg", tmp_path / "state"
+    cfg.mkdir()
+    (cfg / "desktop-settings.json").write_text(json.dumps({"schema": 1, "engine": {"port": 0}}))
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(REPO)}
+    app = subprocess.Popen([sys.executable, "-m", "desktop", "--config-dir", str(cfg), "--state-dir", str(state)],
+                           env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_file = state / "engine.pid"
+    try:
+        deadline = time.monotonic() + LOAD_TIMEOUT_MS / 1000
+        while time.monotonic() < deadline and not (read_pid_file(pid_file) or {}).get("url"):
+            time.sleep(0.2)
+        record = read_pid_file(pid_file)
+        assert record and record["url"], "the app started an engine and recorded it"
+        engine_pid = record["pid"]
+        app.send_signal(signal.SIGKILL)  # the app dies without stopping its engine or removing its pid file
+        app.wait(timeout=10)
+        assert pid_file.exists(), "a stale pid file is left behind"
+        # The engine may still be running (an orphan) or be shutting itself down (its stdin closed): either way
+        # the next start must leave no engine of the earlier session and no stale pid file.
+        w = MainWindow(Paths(cfg, state), use_tray=False, environ={})
+        w.store.prefs.start_engine = False
+        qtbot.addWidget(w)
+        try:
+            w.start()
+            qtbot.waitUntil(lambda: not pid_file.exists(), timeout=30000)
+            qtbot.waitUntil(lambda: gone(engine_pid), timeout=30000)
+        finally:
+            w.shutdown_now()
+    finally:
+        if app.poll() is None:
+            app.kill()
+        record = read_pid_file(pid_file)
+        if record and not gone(record["pid"]):
+            os.kill(record["pid"], signal.SIGKILL)
