@@ -23,6 +23,7 @@ from engine.cache.identity import FORMAT_VERSION, canonical_json
 MAGIC = "strata-kv"
 ALIGN = 4096
 MAX_HEADER = 64 << 20
+READ_CHUNK = 1 << 20
 
 _DTYPE_NAMES = {
     torch.float32: "F32",
@@ -180,14 +181,17 @@ def read_tensor(f, header: Header, name: str, *, out: torch.Tensor | None = None
     assert tuple(out.shape) == entry.shape and out.dtype == entry.dtype and out.is_contiguous()
     view = tensor_bytes(out)
     f.seek(header.data_start + entry.begin)
+    h = xxhash.xxh3_128()
     got = 0
     while got < len(view):
-        n = f.readinto(view[got:])
+        # hash each chunk while it is still in the CPU cache: one pass over memory instead of two
+        n = f.readinto(view[got : got + READ_CHUNK])
         if not n:
             raise FileFormatError("truncated", f"tensor {name}: file ended after {got} of {len(view)} bytes")
+        h.update(view[got : got + n])
         got += n
     want = json.loads(header.meta["checksums"]).get(name)
-    if xxhash.xxh3_128_hexdigest(view) != want:
+    if h.hexdigest() != want:
         raise FileFormatError(
             "corrupt", f"tensor {name}: checksum mismatch (the file was altered or damaged)"
         )
