@@ -157,3 +157,85 @@ def write_tiny_model(
     model.save_pretrained(folder)
     write_tokenizer_files(folder)
     return str(folder)
+
+
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def write_tiny_gguf(tmp_path: str | os.PathLike, arch: str = "llama", *, quantize: bool = True, seed: int = 0) -> str:
+    """Convert a tiny HF model to a GGUF file the way llama.cpp's converter does (q/k rows permuted for
+    llama, 2-D weights in Q8_0 when `quantize`); returns the .gguf path. The HF folder sits beside it."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    folder = write_tiny_model(tmp_path, arch, seed=seed)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    gguf_arch = "llama" if arch == "mistral" else arch
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    path = Path(tmp_path) / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+
+    spec = json.loads(tiny_tokenizer_json())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    def permute(w: np.ndarray, heads: int) -> np.ndarray:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    for name, w in weights.items():
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            out = "output.weight"
+        else:
+            _, _, index, rest = name.split(".", 3)
+            out = f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
+        w = w.astype(np.float32)
+        if gguf_arch == "llama" and out.endswith(("attn_q.weight", "attn_q.bias")):
+            w = permute(w, n_heads)
+        elif gguf_arch == "llama" and out.endswith(("attn_k.weight", "attn_k.bias")):
+            w = permute(w, n_kv)
+        if quantize and w.ndim == 2:
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(out, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(out, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -9,7 +9,7 @@ import torch
 
 from engine.model import SeqChunk, embedded_model_path, load_model, plan_stages
 from engine.runtime.kv_buffers import KVBuffers, KVLayout
-from tests.model_fixtures import ARCHS, write_tiny_model
+from tests.model_fixtures import ARCHS, write_tiny_gguf, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -32,12 +32,9 @@ def _load(path: str, devices: str = "cpu", split: str = ""):
 
 
 def _n_layers(path: str) -> int:
-    if os.path.isdir(path):
-        import json
+    from engine.model.loader import read_model_config
 
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f)["num_hidden_layers"]
-    return 30
+    return read_model_config(path).n_layers
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,6 +109,35 @@ def test_kv_written_by_prefill_is_what_transformers_caches(tiny_models):
         ref_k = cache.layers[layer].keys[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
         diff = _max_diff(ours[layer, 0], ref_k)
         assert diff <= TINY_ATOL, f"layer {layer}: keys differ from transformers' cache by {diff:.3g}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_conversion_loads_the_same_model(tmp_path, arch):
+    """An unquantised GGUF written like llama.cpp's converter (q/k rows permuted for llama and mistral)
+    gives the logits of the HF folder it came from."""
+    gguf_path = write_tiny_gguf(tmp_path, arch, quantize=False)
+    from_gguf, from_folder = _load(gguf_path), _load(os.path.join(tmp_path, f"tiny-{arch}"))
+    ids = from_folder.tokenizer.encode(TEXT)
+    assert from_gguf.tokenizer.encode(TEXT) == ids
+    a = from_gguf.model.forward_chunks([SeqChunk(0, 0, torch.tensor(ids))], _kv(from_gguf), all_logits=True)[0]
+    b = from_folder.model.forward_chunks([SeqChunk(0, 0, torch.tensor(ids))], _kv(from_folder), all_logits=True)[0]
+    diff = _max_diff(a, b)
+    assert diff <= TINY_ATOL, f"{arch}: GGUF vs HF folder max abs logit diff {diff:.3g}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_gguf_matches_transformers_gguf_loader(tmp_path, arch):
+    gguf_path = write_tiny_gguf(tmp_path, arch, quantize=True)
+    ours = _load(gguf_path)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    ).eval()
+    ids = torch.tensor(ours.tokenizer.encode(TEXT))
+    with torch.no_grad():
+        ref = ref_model(ids[None]).logits[0]
+    got = ours.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(ours), all_logits=True)[0]
+    diff = _max_diff(got, ref)
+    assert diff <= TINY_ATOL, f"{arch}: Q8_0 GGUF vs transformers' GGUF loader max abs logit diff {diff:.3g}"
 
 
 # ---------------------------------------------------------------- the embedded SmolLM2 GGUF

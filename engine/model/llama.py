@@ -22,6 +22,7 @@ from engine.model.rope import RotaryTable
 from engine.runtime.kv_buffers import KVBuffers
 
 _MIN_GEMM_ROWS = 4
+_DECODE_BMM = True
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
@@ -198,9 +199,11 @@ class CausalLM(torch.nn.Module):
             for k, i in enumerate(order):
                 result[i] = out[k]
             return result
-        last = torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device)
-        h = rms_norm(x.index_select(0, last), self.norm, c.rms_norm_eps)
-        logits = _gemv_rows(h, self.lm_head).float()
+        if total != len(ordered):
+            x = x.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device))
+        logits = _gemv_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
+        if order == sorted(order):
+            return logits
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return logits.index_select(0, inverse.to(logits.device))
@@ -239,10 +242,12 @@ class CausalLM(torch.nn.Module):
             end = ch.start + (hi - lo)
             k_cache[ch.slot, ch.start : end] = k[lo:hi]
             v_cache[ch.slot, ch.start : end] = v[lo:hi]
-            keys = k_cache[ch.slot, :end].transpose(0, 1).unsqueeze(0)
-            values = v_cache[ch.slot, :end].transpose(0, 1).unsqueeze(0)
+            keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
+            if hi - lo == 1 and _DECODE_BMM:
+                attn[lo] = _decode_attention(q[lo], keys, values)
+                continue
             query = q[lo:hi].transpose(0, 1).unsqueeze(0)
-            out = _attention(query, keys, values, masks.get(i), plans.causal[i])
+            out = _attention(query, keys.unsqueeze(0), values.unsqueeze(0), masks.get(i), plans.causal[i])
             attn[lo:hi] = out[0].transpose(0, 1)
         x = x + _linear(attn.view(total, H * D), layer.wo, n_single)
 
@@ -281,6 +286,15 @@ def _attention_plans(chunks: list[SeqChunk], lengths: list[int], offsets: list[i
             rows = torch.arange(ch.start, ch.start + n).unsqueeze(1)
             masks[i] = torch.arange(ch.start + n).unsqueeze(0) <= rows
     return _Plans(offsets, causal, masks)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query token against all rows: q [H, D], k/v [KVH, L, D] -> [H, D]. Two small bmm calls beat
+    SDPA's per-call overhead for a single query, and need no mask."""
+    kv_heads, d = k.shape[0], k.shape[2]
+    grouped = q.view(kv_heads, -1, d) * (d**-0.5)
+    scores = torch.bmm(grouped, k.transpose(1, 2))
+    return torch.bmm(torch.softmax(scores, dim=-1), v).view(-1, d)
 
 
 def _attention(
