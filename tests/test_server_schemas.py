@@ -11,7 +11,6 @@ from engine.server.prompts import active_tools, content_text, template_message
 from engine.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
-    CompletionRequest,
     check_common,
     parse_body,
     sampling_params,
@@ -116,8 +115,15 @@ def test_defaults_follow_openai():
     params = sampling_params(chat(), None, ctx_size=2048)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.seed is None and params.max_tokens is None
     assert sampling_params(chat(seed=-1), None, 2048).seed is None  # llama.cpp: -1 = random
-    completion = parse_body(CompletionRequest, b'{"prompt": "x"}')
-    assert completion.max_tokens == 16
+
+
+def test_null_means_the_default_as_in_openai():
+    nulls = {name: None for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
+                                     "presence_penalty", "frequency_penalty", "seed", "max_tokens", "stop", "n",
+                                     "stream", "stream_options", "ignore_eos", "tools", "tool_choice")}
+    req = chat(**nulls)
+    assert sampling_params(req, None, 2048) == sampling_params(chat(), None, 2048)
+    assert not req.stream and not req.include_usage()
 
 
 def test_stop_accepts_a_string_or_a_list_of_strings():

@@ -17,6 +17,7 @@ from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.server.errors import error_body
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     check_common,
@@ -168,7 +169,7 @@ async def completions(request: Request) -> Response:
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, f"best_of other than 1 is not supported (got {req.best_of})", param="best_of")
     prompt = completion_prompt(engine.tokenizer, req.prompt)
-    params = sampling_params(req, req.max_tokens, engine.ctx_size)
+    params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS, engine.ctx_size)
     request_id = "cmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params))
     created = int(time.time())

@@ -18,6 +18,7 @@ from engine.server.errors import validation_error
 
 MAX_STOP_STRINGS = 16
 MAX_INT32 = 2**31 - 1
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 M = TypeVar("M", bound=BaseModel)
@@ -30,28 +31,31 @@ class StrictBody(BaseModel):
 
 
 class StreamOptions(StrictBody):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class SamplingFields(StrictBody):
-    """Parameters shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama.cpp's extensions)."""
+    """Parameters shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama.cpp's extensions).
+
+    Every optional field accepts null as "the default", as OpenAI's API does; the defaults are SamplingParams'.
+    """
 
     model: str | None = None  # accepted and ignored: the server serves one model
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=MAX_INT32)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    repeat_last_n: int = Field(64, ge=-1, le=MAX_INT32)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_INT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(None, ge=-1, le=MAX_INT32)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-1, le=2**63 - 1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     stop: Any = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -96,8 +100,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)  # OpenAI's default for legacy completions
-    echo: bool = False
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # None: COMPLETION_DEFAULT_MAX_TOKENS
+    echo: bool | None = None
     best_of: int | None = None
 
 
@@ -113,7 +117,7 @@ def parse_body(model: type[M], body: bytes) -> M:
 
 def check_common(req: SamplingFields) -> None:
     """Refusals that a field's type and range cannot express."""
-    if req.n != 1:
+    if req.n is not None and req.n != 1:
         if req.n > 1:
             raise ApiError(400, f"n > 1 is not supported (got n={req.n}): send one request per choice", param="n")
         raise ApiError(400, f"'n' must be 1, got {req.n}", param="n")
@@ -132,19 +136,19 @@ def stop_strings(raw: Any) -> list[str]:
     raise ApiError(400, f"'stop': expected a string or a list of strings, got {raw!r}"[:200], param="stop")
 
 
+_PASSED_AS_IS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty",
+                 "frequency_penalty")
+
+
 def sampling_params(req: SamplingFields, max_tokens: int | None, ctx_size: int) -> SamplingParams:
-    """The engine's view of a validated request."""
-    return SamplingParams(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repeat_penalty=req.repeat_penalty,
-        repeat_last_n=ctx_size if req.repeat_last_n == -1 else req.repeat_last_n,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        seed=None if req.seed in (None, -1) else req.seed,
-        max_tokens=max_tokens,
-        stop=stop_strings(req.stop),
-        ignore_eos=req.ignore_eos,
-    )
+    """The engine's view of a validated request; fields left out or null keep SamplingParams' defaults."""
+    params = SamplingParams(max_tokens=max_tokens, stop=stop_strings(req.stop), ignore_eos=bool(req.ignore_eos))
+    for name in _PASSED_AS_IS:
+        value = getattr(req, name)
+        if value is not None:
+            setattr(params, name, value)
+    if req.repeat_last_n is not None:
+        params.repeat_last_n = ctx_size if req.repeat_last_n == -1 else req.repeat_last_n
+    if req.seed is not None and req.seed != -1:  # llama.cpp: -1 = random
+        params.seed = req.seed
+    return params
