@@ -87,7 +87,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
+        # Starlette re-raises after this response is sent, and uvicorn logs the traceback once.
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     if state.config.api_key:
