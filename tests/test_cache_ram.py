@@ -127,7 +127,9 @@ def test_lru_eviction_frees_only_unshared_blocks():
     assert result.parked and result.evicted == 1
     assert len(cache.conversations()) == 2
     st = cache.stats()
-    assert st.blocks_ram == 30 - 10 + 20 and st.evictions == 1  # A lost its 10 own blocks; the shared 10 stayed
+    assert (
+        st.blocks_ram == 30 - 10 + 20 and st.evictions == 1
+    )  # A lost its 10 own blocks; the shared 10 stayed
     assert cache.lookup(a + [1]).n_tokens == len(system)  # A is gone, its prefix still offered by B
     slots.fill(0, b)
     hit = cache.lookup(b + [1])
@@ -294,3 +296,21 @@ def test_ram_restore_is_one_copy_per_block():
     calls: list = []
     restore_into(cache, slots, cache.lookup(tokens + [1]), calls=calls)
     assert calls == [(i * BLOCK, BLOCK) for i in range(6)] + [(6 * BLOCK, 4)]
+
+
+def test_results_render_as_json():
+    import json
+
+    cache, slots = make_cache(), FakeSlots()
+    tokens = conversation(96, 2 * BLOCK)
+    parked = park_tokens(cache, slots, tokens)
+    hit = cache.lookup(tokens + [1])
+    restored = restore_into(cache, slots, hit)
+    for obj in (parked, hit, restored, cache.conversations()[0], cache.stats()):
+        json.dumps(obj.to_dict())
+    purge = cache.purge("all").to_dict()
+    assert purge == {
+        "tier": "all",
+        "dropped": {"conversations": 1, "bytes": purge["dropped"]["bytes"]},
+        "skipped": [],
+    }

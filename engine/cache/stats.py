@@ -17,6 +17,9 @@ class CacheHit:
     nbytes: int  # K/V bytes written into the slot on restore
     identity_key: str = ""
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 @dataclass(frozen=True, slots=True)
 class ParkResult:
@@ -29,6 +32,9 @@ class ParkResult:
     ms: float = 0.0
     evicted: int = 0
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 @dataclass(frozen=True, slots=True)
 class RestoreResult:
@@ -37,12 +43,23 @@ class RestoreResult:
     ms: float
     tier: str
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 @dataclass(frozen=True, slots=True)
 class PurgeResult:
     dropped: int
     bytes: int
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (conversation id, reason)
+    tier: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "tier": self.tier,
+            "dropped": {"conversations": self.dropped, "bytes": self.bytes},
+            "skipped": [{"id": cid, "reason": reason} for cid, reason in self.skipped],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +72,9 @@ class ConversationInfo:
     last_used: float
     hits: int
     pending: bool = False  # tiered: evicted from RAM, its disk write not finished yet
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

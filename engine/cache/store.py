@@ -763,7 +763,7 @@ class ConversationCache:
             freed / MIB,
             len(skipped),
         )
-        return PurgeResult(dropped, freed, skipped)
+        return PurgeResult(dropped, freed, skipped, tier)
 
     def conversations(self) -> list[ConversationInfo]:
         """Every parked conversation, most recently used first."""
