@@ -9,13 +9,13 @@ requests.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import psutil
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
@@ -96,8 +96,8 @@ class EngineClient(QObject):
         self.base_url: str | None = None
         self.api_key: str | None = None
         self._generation = 0
-        self._http = httpx.Client(limits=httpx.Limits(max_connections=8, max_keepalive_connections=4),
-                                  trust_env=False)
+        self._http: Any = None  # httpx.Client, made on a worker thread: importing httpx costs start-up time
+        self._http_lock = threading.Lock()
 
     def set_target(self, base_url: str | None, api_key: str | None = None) -> None:
         """Point at an engine (e.g. http://127.0.0.1:8080), or at none."""
@@ -130,10 +130,17 @@ class EngineClient(QObject):
     def call(self, method: str, url: str, *, json: Any = None, api_key: str | None = None,
              timeout: float = 3.0) -> Reply:
         """One blocking HTTP call (worker threads only)."""
+        import httpx
+
+        with self._http_lock:
+            if self._http is None:
+                self._http = httpx.Client(limits=httpx.Limits(max_connections=8, max_keepalive_connections=4),
+                                          trust_env=False)
+            http = self._http
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         start = time.perf_counter()
         try:
-            r = self._http.request(method, url, json=json, headers=headers, timeout=timeout)
+            r = http.request(method, url, json=json, headers=headers, timeout=timeout)
         except httpx.TimeoutException:
             return Reply(False, None, None, f"no answer within {timeout:g} s", (time.perf_counter() - start) * 1e3)
         except httpx.HTTPError as e:
@@ -147,7 +154,9 @@ class EngineClient(QObject):
         return Reply(ok, r.status_code, data, "" if ok else _error_message(r.status_code, data, r.text), elapsed)
 
     def close(self) -> None:
-        self._http.close()
+        with self._http_lock:
+            if self._http is not None:
+                self._http.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QIcon
+from PySide6.QtGui import QCloseEvent, QIcon, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
     QHBoxLayout,
@@ -47,6 +47,7 @@ class MainWindow(QMainWindow):
     """Owns the services (dispatcher, client, engine process, poller, settings) and the views of them."""
 
     quit_finished = Signal()
+    first_painted = Signal()
 
     def __init__(self, paths: Paths | None = None, *, use_tray: bool | None = None,
                  environ: dict[str, str] | None = None) -> None:
@@ -71,6 +72,8 @@ class MainWindow(QMainWindow):
         self.purge_box: QMessageBox | None = None
         self._quitting = False
         self._starting_up = True
+        self._started = False
+        self._painted = False
 
         # Views
         self.state_label = QLabel()
@@ -169,8 +172,18 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ start-up
 
+    def paintEvent(self, event: QPaintEvent) -> None:
+        super().paintEvent(event)
+        if not self._painted:
+            self._painted = True
+            self.first_painted.emit()
+
     def start(self) -> None:
         """After the window is shown: stop an engine orphaned by an earlier session, then start ours."""
+        if self._started:
+            return
+        self._started = True
+        self.monitor.ensure_plots()
         self.poller.start()
         path, client = self.paths.pid_file, self.client
         self.dispatcher.submit(lambda: reap_orphan(path, client), self._orphan_checked)

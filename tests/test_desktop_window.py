@@ -186,10 +186,13 @@ def test_settings_load_message_is_shown(qtbot, tmp_path):
 
 
 def test_monitor_tolerates_missing_and_odd_keys(qtbot):
+    from desktop.client import sample_memory
     from desktop.monitor import MonitorTab
 
     tab = MonitorTab()
     qtbot.addWidget(tab)
+    tab.set_memory(sample_memory(None))  # before the plots exist: kept and replayed
+    tab.ensure_plots()
     for metrics in ({}, {"engine": None}, {"conversation_cache": {"budgets": None, "park_ms": 3}},
                     {"engine": {"model": "m"}, "conversation_cache": {"enabled": False}}):
         tab.set_metrics(metrics)

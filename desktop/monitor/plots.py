@@ -37,6 +37,12 @@ def _plot(title: str, y_label: str) -> pg.PlotWidget:
     return w
 
 
+def _y_from_zero(plot: pg.PlotWidget, y: np.ndarray, at_least: float = 0.0) -> None:
+    finite = y[np.isfinite(y)]
+    top = max(float(finite.max()) if finite.size else 0.0, at_least)
+    plot.setYRange(0, top * 1.15 if top > 0 else 1.0, padding=0)
+
+
 class MemoryPlots(QWidget):
     """Engine RSS (its process tree) and free host memory with the cache's min-free floor."""
 
@@ -78,8 +84,13 @@ class MemoryPlots(QWidget):
             return
         self._dirty = False
         x, y = self.engine_rss.data()
+        hx, hy = self.host_available.data()
         self.engine_curve.setData(x, y)
-        self.host_curve.setData(*self.host_available.data())
+        self.host_curve.setData(hx, hy)
+        # From zero, so a flat line looks flat instead of magnifying noise.
+        _y_from_zero(self.engine_plot, y)
+        floor = self.floor_line.value() if self.floor_line.isVisible() else 0.0
+        _y_from_zero(self.host_plot, hy, floor)
         if len(x):
             # The last WINDOW_S seconds once there is that much; at least a minute before that.
             lo = max(x[0], x[-1] - WINDOW_S) if x[-1] - x[0] >= 60 else x[-1] - 60

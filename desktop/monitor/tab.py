@@ -24,7 +24,6 @@ from desktop.client import MemorySample
 from desktop.engine_process import EngineState
 from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
 from desktop.monitor.counters import CountersPanel
-from desktop.monitor.plots import MemoryPlots, TimingPlot
 from desktop.monitor.report import budget
 
 
@@ -41,8 +40,12 @@ class MonitorTab(QWidget):
         self.banner.setWordWrap(True)
         self.banner.setStyleSheet("QLabel#monitorBanner { background: #fff3cd; color: #5c4400; padding: 6px;"
                                   " border: 1px solid #e6d08a; border-radius: 3px; }")
-        self.memory = MemoryPlots()
-        self.timings = TimingPlot()
+        # The plots (pyqtgraph, numpy) are built after the window's first paint: see ensure_plots().
+        self.memory: Any = None  # MemoryPlots
+        self.timings: Any = None  # TimingPlot
+        self._pending_samples: list[MemorySample] = []
+        self._events: list[dict[str, Any]] = []
+        self._floor: float | None = None
         self.counters = CountersPanel()
         self.model = ConversationsModel(self)
         self.proxy = QSortFilterProxyModel(self)
@@ -51,11 +54,12 @@ class MonitorTab(QWidget):
         self.table = QTableView()
         self.table.setModel(self.proxy)
         self.table.setSortingEnabled(True)
-        self.table.sortByColumn(5, Qt.SortOrder.DescendingOrder)
+        self.table.sortByColumn(5, Qt.SortOrder.AscendingOrder)  # most recently used first
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
         self.table.setAlternatingRowColors(True)
+        self.table.setMinimumHeight(130)
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for col in range(1, len(ConversationsModel.COLUMNS)):
@@ -83,13 +87,14 @@ class MonitorTab(QWidget):
         tl.addLayout(head)
         tl.addWidget(self.table)
 
-        plots = QWidget()
-        pl = QVBoxLayout(plots)
-        pl.setContentsMargins(0, 0, 0, 0)
-        pl.addWidget(self.memory, 2)
-        pl.addWidget(self.timings, 1)
+        self.plots = QWidget()
+        self._plots_layout = QVBoxLayout(self.plots)
+        self._plots_layout.setContentsMargins(0, 0, 0, 0)
+        self._plots_placeholder = QLabel("Preparing plots…")
+        self._plots_placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self._plots_layout.addWidget(self._plots_placeholder)
         top = QSplitter(Qt.Orientation.Horizontal)
-        top.addWidget(plots)
+        top.addWidget(self.plots)
         top.addWidget(self.counters)
         top.setStretchFactor(0, 3)
         top.setStretchFactor(1, 2)
@@ -108,9 +113,33 @@ class MonitorTab(QWidget):
         self.state = EngineState.STOPPED
         self.set_engine_state(EngineState.STOPPED)
 
+    def ensure_plots(self) -> None:
+        """Build the plots (imports pyqtgraph) and replay what arrived before; cheap once built."""
+        if self.memory is not None:
+            return
+        from desktop.monitor.plots import MemoryPlots, TimingPlot
+
+        self.memory, self.timings = MemoryPlots(), TimingPlot()
+        self._plots_layout.removeWidget(self._plots_placeholder)
+        self._plots_placeholder.deleteLater()
+        self._plots_layout.addWidget(self.memory, 2)
+        self._plots_layout.addWidget(self.timings, 1)
+        for sample in self._pending_samples:
+            self.memory.add_sample(sample)
+        self._pending_samples.clear()
+        self.memory.set_floor(self._floor)
+        self.timings.set_events(self._events)
+        self.set_engine_state(self.state)
+        if self.isVisible():
+            self.memory.redraw()
+            self.timings.redraw()
+
     # ------------------------------------------------------------------ data in
 
     def set_memory(self, sample: MemorySample) -> None:
+        if self.memory is None:
+            self._pending_samples = [*self._pending_samples[-600:], sample]
+            return
         self.memory.add_sample(sample)
         if self.isVisible():
             self.memory.redraw()
@@ -118,7 +147,9 @@ class MonitorTab(QWidget):
     def set_metrics(self, metrics: dict[str, Any]) -> None:
         self.metrics = metrics
         self.last_update = time.time()
-        self.memory.set_floor(budget(metrics.get("conversation_cache"), "min_free_bytes"))
+        self._floor = budget(metrics.get("conversation_cache"), "min_free_bytes")
+        if self.memory is not None:
+            self.memory.set_floor(self._floor)
         self.counters.set_metrics(metrics)
         self._update_counts()
 
@@ -129,10 +160,12 @@ class MonitorTab(QWidget):
         self._update_counts()
 
     def set_events(self, events: list[dict[str, Any]]) -> None:
-        self.timings.set_events(events)
+        self._events = events
         self.counters.set_events(events)
-        if self.isVisible():
-            self.timings.redraw()
+        if self.timings is not None:
+            self.timings.set_events(events)
+            if self.isVisible():
+                self.timings.redraw()
 
     def set_conversations_error(self, message: str) -> None:
         """The engine could not list its conversations: say so above the (last known) table."""
@@ -149,8 +182,9 @@ class MonitorTab(QWidget):
         """Ready: live. Otherwise greyed with the reason and the time of the last figures."""
         self.state = state
         live = state is EngineState.READY
-        for w in (self.counters, self.timings, self.table, self.memory.engine_plot):
-            w.setEnabled(live)
+        for w in (self.counters, self.table, self.timings, self.memory and self.memory.engine_plot):
+            if w is not None:
+                w.setEnabled(live)
         self.purge_button.setEnabled(live)
         if live:
             self.banner.hide()
@@ -183,8 +217,9 @@ class MonitorTab(QWidget):
 
     def showEvent(self, event: QShowEvent) -> None:
         super().showEvent(event)
-        self.memory.redraw()
-        self.timings.redraw()
+        if self.memory is not None:
+            self.memory.redraw()
+            self.timings.redraw()
         self.visibility_changed.emit(True)
 
     def hideEvent(self, event: QHideEvent) -> None:
