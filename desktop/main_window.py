@@ -183,6 +183,7 @@ class MainWindow(QMainWindow):
         if self._started:
             return
         self._started = True
+        self.settings_tab.reload()
         self.monitor.ensure_plots()
         self.poller.start()
         path, client = self.paths.pid_file, self.client

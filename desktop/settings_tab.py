@@ -303,6 +303,19 @@ class SettingsTab(QWidget):
             reset.setEnabled(False)
         return row
 
+    def reload(self) -> None:
+        """Show the store's values again (after it was changed elsewhere)."""
+        for name, row in self.rows.items():
+            if not row.error:
+                row.set_value(self.store.value(name))
+                self._show_caption(row)
+        for name, box in self.pref_boxes.items():
+            box.blockSignals(True)
+            box.setChecked(getattr(self.store.prefs, name))
+            box.blockSignals(False)
+        self._folder_timer.start()
+        self.refresh()
+
     # ------------------------------------------------------------------ editing
 
     def parse_row(self, row: SettingRow) -> Any:
@@ -481,6 +494,7 @@ class SettingsTab(QWidget):
         try:
             config = self.store.engine_config()
             self.command.setText(command_line(config))
+            self.command.setCursorPosition(0)
         except SettingError as e:  # the store refuses such values; shown rather than hidden if it happens
             self.command.setText(str(e))
         errors = [r for r in self.rows.values() if r.error]

@@ -83,7 +83,7 @@ class CountersPanel(QWidget):
         self._rates = {}
         for ev in events:
             kind, ms, size = ev.get("kind"), number(ev, "ms"), number(ev, "bytes")
-            if kind in ("park", "restore") and ms and size is not None:
+            if kind in ("park", "restore") and ms and size:  # an incremental re-park may move no bytes
                 self._rates[kind] = size / 1e6 / (ms / 1e3)  # MB/s of the newest event (the list is oldest first)
         self._show_timings()
 
@@ -111,8 +111,8 @@ class CountersPanel(QWidget):
         else:
             where = dig(c, "dir", default="")
             mode = str(dig(c, "storage", default="–"))
-            lb["storage"].setText(mode + (f"  ({where})" if where and mode != "ram" else ""))
-            lb["storage"].setToolTip(str(where))
+            lb["storage"].setText(mode)
+            lb["storage"].setToolTip(f"Folder: {where}" if where else "")
         hits, misses = number(c, "hits"), number(c, "misses")
         rate = number(c, "hit_rate")
         if rate is None and hits is not None and misses is not None and hits + misses > 0:

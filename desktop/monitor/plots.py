@@ -103,7 +103,7 @@ class TimingPlot(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.plot = _plot("Park and restore times (recent events)", "ms")
-        self.plot.getPlotItem().addLegend(offset=(10, 5))
+        self.plot.getPlotItem().addLegend(offset=(10, 5), brush=pg.mkBrush(255, 255, 255, 210))
         self.park = pg.ScatterPlotItem(size=7, brush=PARK_BRUSH, pen=None, name="park")
         self.restore = pg.ScatterPlotItem(size=7, brush=RESTORE_BRUSH, pen=None, symbol="t", name="restore")
         self.plot.addItem(self.park)
