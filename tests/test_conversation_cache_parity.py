@@ -41,3 +41,12 @@ def test_parity_on_a_two_stage_cpu_split(tiny_model, storage):
     base = {**_base(tiny_model, storage), "devices": "cpu,cpu", "layer_split": "1,2"}
     outcome = run_scenario("basic", base, n_words=60, max_tokens=12)
     assert outcome.passed, outcome.detail
+
+
+@pytest.mark.parametrize("other", [{"devices": "cpu", "layer_split": ""}, {"devices": "cpu,cpu", "layer_split": "2,1"}])
+def test_conversation_parked_on_a_split_resumes_on_one_device_and_on_another_split(tiny_model, other):
+    from tools.conversation_cache_parity import run_resplit
+
+    base = {**_base(tiny_model, "disk"), "devices": "cpu,cpu", "layer_split": "1,2"}
+    outcome = run_resplit(base, other, n_words=60, max_tokens=12)
+    assert outcome.passed, outcome.detail

@@ -2,7 +2,7 @@
 
     python tools/bench_throughput.py [--model PATH] [--device cpu] [--dtype auto]
 
-Prefill: tokens per second for a prompt of N tokens (engine: forward_chunks in --prefill-chunk pieces over
+Each figure is the best of --rounds, engine and transformers measured alternately. Prefill: tokens per second for a prompt of N tokens (engine: forward_chunks in --prefill-chunk pieces over
 KVBuffers; transformers: one forward with a KV cache). Decode: new tokens per second of greedy generation
 after a short prompt (engine: one-token chunks; transformers: generate, minus its prefill).
 """
@@ -35,39 +35,41 @@ def prompt_ids(tokenizer, n: int) -> torch.Tensor:
     return torch.tensor((ids * reps)[:n], dtype=torch.int64)
 
 
-def best_of(reps: int, fn) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
-def engine_prefill(lm, ids: torch.Tensor, chunk: int) -> float:
+def engine_prefill(lm, ids: torch.Tensor, chunk: int):
+    """A callable that prefills `ids` in `chunk`-token pieces into a fresh slot; returns tok/s."""
     kv = make_kv(lm, len(ids) + 1)
 
-    def run() -> None:
-        for a in range(0, len(ids), chunk):
-            lm.model.forward_chunks([SeqChunk(0, a, ids[a : a + chunk])], kv)
+    def run() -> float:
+        return len(ids) / timed(
+            lambda: [lm.model.forward_chunks([SeqChunk(0, a, ids[a : a + chunk])], kv) for a in range(0, len(ids), chunk)]
+        )
 
-    run()  # warm-up
-    return len(ids) / best_of(2, run)
+    return run
 
 
-def engine_decode(lm, prompt: torch.Tensor, n_new: int) -> float:
+def engine_decode(lm, prompt: torch.Tensor, n_new: int):
+    """A callable that greedily decodes `n_new` tokens after `prompt`; returns tok/s."""
     kv = make_kv(lm, len(prompt) + n_new + 1)
-    logits = lm.model.forward_chunks([SeqChunk(0, 0, prompt)], kv)
-    token = int(logits[0].argmax())
+    first = int(lm.model.forward_chunks([SeqChunk(0, 0, prompt)], kv)[0].argmax())
 
-    def run() -> None:
-        nonlocal token
-        for pos in range(len(prompt), len(prompt) + n_new):
-            logits = lm.model.forward_chunks([SeqChunk(0, pos, torch.tensor([token]))], kv)
-            token = int(logits[0].argmax())
+    def run() -> float:
+        token = first
 
-    run()  # warm-up (overwrites the same rows)
-    return n_new / best_of(2, run)
+        def loop() -> None:
+            nonlocal token
+            for pos in range(len(prompt), len(prompt) + n_new):
+                logits = lm.model.forward_chunks([SeqChunk(0, pos, torch.tensor([token]))], kv)
+                token = int(logits[0].argmax())
+
+        return n_new / timed(loop)
+
+    return run
 
 
 def make_kv(lm, ctx: int) -> KVBuffers:
@@ -88,29 +90,40 @@ def hf_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def hf_prefill(model, ids: torch.Tensor) -> float:
+def hf_prefill(model, ids: torch.Tensor):
     x = ids[None].to(model.device)
 
-    def run() -> None:
+    def run() -> float:
         with torch.inference_mode():
-            model(x, use_cache=True)
+            return len(ids) / timed(lambda: model(x, use_cache=True))
 
-    run()
-    return len(ids) / best_of(2, run)
+    return run
 
 
-def hf_decode(model, prompt: torch.Tensor, n_new: int) -> float:
+def hf_decode(model, prompt: torch.Tensor, n_new: int):
     x = prompt[None].to(model.device)
-    kwargs = dict(do_sample=False, pad_token_id=0)
 
-    def generate(n: int) -> None:
+    def generate(n: int) -> float:
         with torch.inference_mode():
-            model.generate(x, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            return timed(lambda: model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0))
 
-    generate(4)  # warm-up
-    first = best_of(2, lambda: generate(1))
-    total = best_of(2, lambda: generate(n_new + 1))
-    return n_new / (total - first)
+    def run() -> float:
+        return n_new / (generate(n_new + 1) - generate(1))  # minus the prefill and first token
+
+    return run
+
+
+def compare(ours, theirs, rounds: int) -> tuple[float, float | None]:
+    """Best of `rounds` for each side, alternating so that load from elsewhere hits both alike."""
+    ours()  # warm-up
+    if theirs is not None:
+        theirs()
+    best_ours, best_theirs = 0.0, 0.0
+    for _ in range(rounds):
+        best_ours = max(best_ours, ours())
+        if theirs is not None:
+            best_theirs = max(best_theirs, theirs())
+    return best_ours, (best_theirs if theirs is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=512, help="engine prefill chunk (tokens)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode run")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per side (best is kept)")
     parser.add_argument("--no-transformers", action="store_true", help="measure the engine only")
     args = parser.parse_args(argv)
 
@@ -139,16 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {lm.name} ({lm.config.n_layers} layers, hidden {lm.config.hidden_size}), {dtype}, {device}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     print(f"engine load {load_s:.1f} s")
-    ours = {f"prefill {n}": engine_prefill(lm, prompt_ids(lm.tokenizer, n), args.prefill_chunk) for n in lengths}
-    ours[f"decode {args.decode_tokens}"] = engine_decode(lm, short, args.decode_tokens)
-    theirs: dict[str, float] = {}
-    if not args.no_transformers:
-        model = hf_model(path, dtype, device)
-        theirs = {f"prefill {n}": hf_prefill(model, prompt_ids(lm.tokenizer, n)) for n in lengths}
-        theirs[f"decode {args.decode_tokens}"] = hf_decode(model, short, args.decode_tokens)
+    model = None if args.no_transformers else hf_model(path, dtype, device)
+    rows = []
+    for n in lengths:
+        ids = prompt_ids(lm.tokenizer, n)
+        theirs = hf_prefill(model, ids) if model is not None else None
+        rows.append((f"prefill {n}", *compare(engine_prefill(lm, ids, args.prefill_chunk), theirs, args.rounds)))
+    theirs = hf_decode(model, short, args.decode_tokens) if model is not None else None
+    rows.append((f"decode {args.decode_tokens}", *compare(engine_decode(lm, short, args.decode_tokens), theirs, args.rounds)))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average at the end: {load:.1f} on {os.cpu_count()} CPUs")
     print(f"{'':<14}{'engine tok/s':>14}{'transformers':>14}{'ratio':>8}")
-    for key, value in ours.items():
-        ref = theirs.get(key)
+    for key, value, ref in rows:
         ratio = f"{value / ref:7.2f}x" if ref else ""
         ref_text = f"{ref:14.1f}" if ref else f"{'-':>14}"
         print(f"{key:<14}{value:14.1f}{ref_text}{ratio}")

@@ -138,6 +138,43 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
                                f"cached_tokens={cached}")
 
 
+def run_resplit(base: dict, other: dict, n_words: int, max_tokens: int) -> Outcome:
+    """A parked under one device layout (at shutdown, disk or tiered) resumes under another: K/V per layer."""
+    name = f"resplit->{other.get('devices')}/{other.get('layer_split') or 'one'}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = EngineConfig(**{"conversation_cache_dir": os.path.join(tmp, "reference"), **base})
+        assert config.conversation_cache_storage in ("disk", "tiered"), "resplit needs disk or tiered storage"
+        conv_a = _conversation("You are a careful assistant. " + _text(n_words, 1), "Summarise this.", 3)
+        ref = Engine.from_config(config)
+        try:
+            a1, _, _ = _generate(ref, conv_a, max_tokens)
+            turn2 = conv_a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Go on."}]
+            _, a2_ref_tokens, _ = _generate(ref, turn2, max_tokens)
+        finally:
+            ref.close()
+        shared = os.path.join(tmp, "shared")
+        first = Engine.from_config(config.replace(conversation_cache_dir=shared))
+        try:
+            _generate(first, conv_a, max_tokens)
+            parked_tokens, parked_kv = _slot_kv(first, 0)
+        finally:
+            first.close()  # parks the live slot on disk
+        second = Engine.from_config(config.replace(conversation_cache_dir=shared, **other))
+        try:
+            _, a2_tokens, cached = _generate(second, turn2, max_tokens)
+            _, restored_kv = _slot_kv(second, 0)
+        finally:
+            second.close()
+    if a2_tokens != a2_ref_tokens:
+        return Outcome(name, False, "continuation differs from the never-parked reference")
+    if cached < len(parked_tokens) // 2:
+        return Outcome(name, False, f"only {cached} of {len(parked_tokens)} tokens reused")
+    n = min(cached, len(parked_tokens))
+    same = torch.equal(restored_kv[:, :, :n].view(torch.uint8), parked_kv[:, :, :n].view(torch.uint8))
+    return Outcome(name, same, f"{n} tokens restored {'byte-identical' if same else 'DIFFERENT'}, "
+                               f"{len(a2_tokens)} tokens identical")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--storage", choices=("ram", "disk", "tiered"), default="ram")
@@ -148,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--words", type=int, default=300, help="words of system prompt per conversation")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only these (repeatable)")
+    parser.add_argument("--resplit", action="append", default=[], metavar="DEVICES[/SPLIT]",
+                        help="also park under --devices/--layer-split and resume under this layout (disk, tiered)")
     args = parser.parse_args(argv)
     base = {
         "model": args.model,
@@ -163,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run_scenario(name, base, args.words, args.max_tokens)
         failed += not outcome.passed
         print(f"{'PASS' if outcome.passed else 'FAIL'} {args.storage:6s} {name:14s} {outcome.detail}", flush=True)
+    for layout in args.resplit if args.storage != "ram" else []:
+        devices, _, split = layout.partition("/")
+        outcome = run_resplit(base, {"devices": devices, "layer_split": split}, args.words, args.max_tokens)
+        failed += not outcome.passed
+        print(f"{'PASS' if outcome.passed else 'FAIL'} {args.storage:6s} {outcome.name:14s} {outcome.detail}",
+              flush=True)
     return 1 if failed else 0
 
 

@@ -12,6 +12,7 @@ under any other, or on one device.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -45,13 +46,21 @@ class KVLayout:
 
 @dataclass(slots=True)
 class Stage:
-    """The contiguous layers [first_layer, end_layer) that live on one device, with their K/V."""
+    """The contiguous layers [first_layer, end_layer) that live on one device, with their K/V.
+
+    The counters add up the time and bytes of every `read` (park) and `write` (restore) per stage, for the
+    per-stage figures benchmarks report.
+    """
 
     device: torch.device
     first_layer: int
     end_layer: int
     k: torch.Tensor
     v: torch.Tensor
+    read_s: float = 0.0
+    read_bytes: int = 0
+    write_s: float = 0.0
+    write_bytes: int = 0
 
 
 class KVBuffers:
@@ -97,9 +106,12 @@ class KVBuffers:
             out = torch.empty(self.layout.host_shape(n), dtype=self.layout.dtype)
         assert tuple(out.shape) == self.layout.host_shape(n) and out.dtype == self.layout.dtype
         for stage in self.stages:
+            t0 = time.perf_counter()
             lo, hi = stage.first_layer, stage.end_layer
             out[lo:hi, 0].copy_(stage.k[:, slot, start:end])
             out[lo:hi, 1].copy_(stage.v[:, slot, start:end])
+            stage.read_s += time.perf_counter() - t0
+            stage.read_bytes += out[lo:hi].nbytes
         return out
 
     def write(self, slot: int, start: int, data: torch.Tensor) -> None:
@@ -109,12 +121,14 @@ class KVBuffers:
         assert tuple(data.shape) == self.layout.host_shape(n), (tuple(data.shape), self.layout.host_shape(n))
         assert data.dtype == self.layout.dtype, (data.dtype, self.layout.dtype)
         for stage in self.stages:
+            t0 = time.perf_counter()
             lo, hi = stage.first_layer, stage.end_layer
             stage.k[:, slot, start : start + n].copy_(data[lo:hi, 0], non_blocking=True)
             stage.v[:, slot, start : start + n].copy_(data[lo:hi, 1], non_blocking=True)
-        for stage in self.stages:
             if stage.device.type == "cuda":
                 torch.cuda.synchronize(stage.device)
+            stage.write_s += time.perf_counter() - t0
+            stage.write_bytes += data[lo:hi].nbytes
 
     def clear(self, slot: int) -> None:
         """Zero a slot (used after a failed restore so no half-written state can be attended to)."""
