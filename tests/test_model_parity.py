@@ -189,8 +189,16 @@ def test_embedded_tokenizer_matches_transformers(embedded, embedded_reference, t
     assert embedded.tokenizer.decode(ours, skip_special_tokens=False) == text
 
 
-def test_greedy_decode_is_identical_alone_and_batched(embedded):
-    """A slot's logits are bitwise the same whatever it is batched with (prefills, decodes, both)."""
+@pytest.mark.parametrize("backend", ["onednn", "blas"])
+def test_greedy_decode_is_identical_alone_and_batched(embedded, backend, monkeypatch):
+    """A slot's logits are bitwise the same whatever it is batched with (prefills, decodes, both),
+    through oneDNN and through the BLAS fallback (what runs where oneDNN does not)."""
+    import engine.model.llama as llama
+
+    if backend == "blas":
+        monkeypatch.setattr(llama, "_ONEDNN", False)
+    elif not llama._ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
     model, tok = embedded.model, embedded.tokenizer
     prompt = torch.tensor(tok.encode(tok.render_chat([{"role": "user", "content": "Name three colours."}])))
     other = torch.tensor(tok.encode("The history of the Roman empire begins"))
@@ -206,9 +214,12 @@ def test_greedy_decode_is_identical_alone_and_batched(embedded):
         pos, other_pos = len(prompt), {1: 3, 2: len(other)}
         for step in range(steps):
             chunks = [SeqChunk(0, pos, torch.tensor([tokens[-1]]))]
-            if batched and step % 2 == 0:  # others decode one token each
+            if batched and step % 3 == 0:  # others decode one token each
                 chunks += [SeqChunk(s, p, torch.tensor([7])) for s, p in other_pos.items()]
                 other_pos = {s: p + 1 for s, p in other_pos.items()}
+            elif batched and step % 3 == 1:  # one other decodes: two rows in all
+                chunks.append(SeqChunk(2, other_pos[2], torch.tensor([9])))
+                other_pos[2] += 1
             elif batched:  # a fresh prefill of mixed length rides along
                 chunks.insert(0, SeqChunk(1, other_pos[1], other[: 2 + step]))
                 other_pos[1] += 2 + step
@@ -224,3 +235,25 @@ def test_greedy_decode_is_identical_alone_and_batched(embedded):
     assert alone_tokens == batched_tokens
     for step, (a, b) in enumerate(zip(alone_rows, batched_rows, strict=True)):
         assert torch.equal(a, b), f"step {step}: logits differ by {_max_diff(a, b):.3g} when batched"
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["one-token-chunk-rows", "prefill-rows"])
+@pytest.mark.parametrize("backend", ["onednn", "blas"])
+def test_projection_rows_do_not_depend_on_row_count(embedded, single, backend, monkeypatch):
+    """The primitive behind batch invariance: a row's product is bitwise the same for any number of rows."""
+    import engine.model.llama as llama
+    from engine.model.llama import _linear
+
+    if backend == "blas":
+        monkeypatch.setattr(llama, "_ONEDNN", False)
+    elif not llama._ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
+
+    w = embedded.model.layers[0].w_gate_up
+    rows = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(0))
+    counts = [1, 2, 3, 4, 5, 8, 17, 40] if single else [2, 3, 4, 5, 8, 17, 40]
+    with torch.inference_mode():
+        ref = _linear(rows[: counts[0]], w, counts[0] if single else 0)[0]
+        for m in counts[1:]:
+            got = _linear(rows[:m], w, m if single else 0)[0]
+            assert torch.equal(got, ref), f"{m} rows: first row differs by {_max_diff(got, ref):.3g}"

@@ -3,11 +3,14 @@
 One call runs any mix of chunks from different slots (continuous batching): projections and the MLP run on
 the concatenated tokens, attention runs per chunk against that chunk's slot rows.
 
-Batch invariance: a slot's logits must not depend on what it was batched with. CPU BLAS picks a different
-kernel (and so a different summation order) by row count: 1 row (gemv), 2-3 rows, 4+ rows. So rows of
-one-token chunks are multiplied one by one through a batched gemv (`bmm` over a broadcast weight, bitwise
-equal to the 1-row product), and rows of longer chunks go through one GEMM padded to at least
-`_MIN_GEMM_ROWS` rows. Each row's result then depends only on its own chunk.
+Batch invariance: a slot's logits must not depend on what it was batched with, yet BLAS libraries pick a
+different kernel (so a different summation order) by row count. Measured on x86 CPUs: oneDNN gives one
+result for 1 row and another, identical for every count from 2 to 2100, for 2+ rows; MKL (F.linear) has
+three classes (1, 2-3, 4+). So on CPU in float32 the projections run through oneDNN on all rows at once,
+padded to at least 2 rows (oneDNN is also 1.5-2x faster than F.linear here), and logits are computed one
+row at a time (the 1-row kernel is the fastest for the large vocabulary matrix). Elsewhere (CUDA, bf16)
+rows of one-token chunks go through a batched gemv (`bmm` over a broadcast weight, bitwise equal to the
+1-row product) and rows of longer chunks through one GEMM padded to `_MIN_GEMM_ROWS` rows.
 """
 
 from __future__ import annotations
@@ -22,8 +25,16 @@ from engine.model.rope import RotaryTable
 from engine.runtime.kv_buffers import KVBuffers
 
 _MIN_GEMM_ROWS = 4
-_DECODE_BMM = True
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _onednn(w: torch.Tensor) -> bool:
+    return _ONEDNN and w.device.type == "cpu" and w.dtype == torch.float32
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
 
 
 @dataclass(slots=True)
@@ -52,7 +63,12 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring)."""
-    if n_single == x.shape[0]:
+    if _onednn(w):
+        n = x.shape[0]
+        if n == 1:
+            x = torch.cat((x, x.new_zeros(1, x.shape[1])))
+        y = _onednn_linear(x, w)[:n]
+    elif n_single == x.shape[0]:
         y = _gemv_rows(x, w)
     elif n_single == 0:
         y = _gemm(x, w)
@@ -61,6 +77,15 @@ def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor 
     if bias is not None:
         y += bias
     return y
+
+
+def _logit_rows(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch)."""
+    if _onednn(w):
+        if h.shape[0] == 1:
+            return _onednn_linear(h, w)
+        return torch.cat([_onednn_linear(h[i : i + 1], w) for i in range(h.shape[0])])
+    return _gemv_rows(h, w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -201,7 +226,7 @@ class CausalLM(torch.nn.Module):
             return result
         if total != len(ordered):
             x = x.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device))
-        logits = _gemv_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
+        logits = _logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
         if order == sorted(order):
             return logits
         inverse = torch.empty(len(order), dtype=torch.int64)
@@ -243,7 +268,7 @@ class CausalLM(torch.nn.Module):
             k_cache[ch.slot, ch.start : end] = k[lo:hi]
             v_cache[ch.slot, ch.start : end] = v[lo:hi]
             keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
-            if hi - lo == 1 and _DECODE_BMM:
+            if hi - lo == 1:
                 attn[lo] = _decode_attention(q[lo], keys, values)
                 continue
             query = q[lo:hi].transpose(0, 1).unsqueeze(0)

@@ -115,6 +115,17 @@ def plan_stages(
     return stages
 
 
+def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int) -> int:
+    """Estimated bytes one layer needs on its device: weights plus K/V for `n_slots` slots of `ctx` tokens
+    (the `bytes_per_layer` of plan_stages)."""
+    c = config
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + 3 * c.hidden_size * c.intermediate_size
+    weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
+    kv = 2 * n_slots * ctx * kv_rows
+    return (weights + kv) * dtype.itemsize
+
+
 def _parse_devices(devices: str) -> list[torch.device]:
     text = devices.strip() or "auto"
     if text == "auto":
