@@ -517,7 +517,7 @@ class Engine:
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
         try:
-            result = self.cache.restore(hit, lambda start, data: self.kv.write(slot.id, start, data))
+            result = self.cache.restore(hit, lambda start, data: self._write_queued(slot, start, data, hit.n_tokens))
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
@@ -525,6 +525,12 @@ class Engine:
         n = min(result.n_tokens, len(prompt) - 1)
         slot.tokens = list(prompt[:n])
         return n
+
+    def _write_queued(self, slot: Slot, start: int, data: torch.Tensor, end: int) -> None:
+        """Queue a restored piece into the slot; wait for all transfers once the last piece is queued."""
+        self.kv.write(slot.id, start, data, wait=False)
+        if start + data.shape[2] >= end:
+            self.kv.synchronize()
 
     # ------------------------------------------------------------------ one forward step
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.runtime.pinned_staging import PinnedStaging
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -86,6 +88,10 @@ class KVBuffers:
             k = torch.zeros(shape, dtype=layout.dtype, device=device)
             v = torch.zeros(shape, dtype=layout.dtype, device=device)
             self.stages.append(Stage(device, first, end, k, v))
+        self._staging: dict[torch.device, PinnedStaging] = {}
+        for stage in self.stages:
+            if stage.device.type == "cuda" and stage.device not in self._staging:
+                self._staging[stage.device] = PinnedStaging(stage.device)
         self._stage_of_layer = [i for i, s in enumerate(self.stages) for _ in range(s.first_layer, s.end_layer)]
 
     @property
@@ -108,14 +114,23 @@ class KVBuffers:
         for stage in self.stages:
             t0 = time.perf_counter()
             lo, hi = stage.first_layer, stage.end_layer
-            out[lo:hi, 0].copy_(stage.k[:, slot, start:end])
-            out[lo:hi, 1].copy_(stage.v[:, slot, start:end])
+            staging = self._staging.get(stage.device)
+            if staging is None:
+                out[lo:hi, 0].copy_(stage.k[:, slot, start:end])
+                out[lo:hi, 1].copy_(stage.v[:, slot, start:end])
+            else:
+                staging.to_host(out[lo:hi, 0], stage.k[:, slot, start:end])
+                staging.to_host(out[lo:hi, 1], stage.v[:, slot, start:end])
             stage.read_s += time.perf_counter() - t0
             stage.read_bytes += out[lo:hi].nbytes
         return out
 
-    def write(self, slot: int, start: int, data: torch.Tensor) -> None:
-        """Copy host K/V in the `read` layout into tokens [start, start + n) of `slot`, stage by stage."""
+    def write(self, slot: int, start: int, data: torch.Tensor, *, wait: bool = True) -> None:
+        """Copy host K/V in the `read` layout into tokens [start, start + n) of `slot`, stage by stage.
+
+        With `wait=False`, transfers to a GPU may still be running on return (`data` must stay alive and
+        unchanged until `synchronize()`): a restore of many blocks queues them all and waits once.
+        """
         n = data.shape[2]
         assert 0 <= slot < self.n_slots and start >= 0 and start + n <= self.ctx, (slot, start, n)
         assert tuple(data.shape) == self.layout.host_shape(n), (tuple(data.shape), self.layout.host_shape(n))
@@ -123,12 +138,25 @@ class KVBuffers:
         for stage in self.stages:
             t0 = time.perf_counter()
             lo, hi = stage.first_layer, stage.end_layer
-            stage.k[:, slot, start : start + n].copy_(data[lo:hi, 0], non_blocking=True)
-            stage.v[:, slot, start : start + n].copy_(data[lo:hi, 1], non_blocking=True)
-            if stage.device.type == "cuda":
-                torch.cuda.synchronize(stage.device)
+            staging = self._staging.get(stage.device)
+            if staging is None:
+                stage.k[:, slot, start : start + n].copy_(data[lo:hi, 0])
+                stage.v[:, slot, start : start + n].copy_(data[lo:hi, 1])
+            else:
+                staging.to_device(stage.k[:, slot, start : start + n], data[lo:hi, 0])
+                staging.to_device(stage.v[:, slot, start : start + n], data[lo:hi, 1])
+                if wait:
+                    staging.synchronize()
             stage.write_s += time.perf_counter() - t0
             stage.write_bytes += data[lo:hi].nbytes
+
+    def synchronize(self) -> None:
+        """Wait for every queued transfer into the GPU stages (the time counts as the last stage's)."""
+        t0 = time.perf_counter()
+        for staging in self._staging.values():
+            staging.synchronize()
+        if self._staging:
+            self.stages[-1].write_s += time.perf_counter() - t0
 
     def clear(self, slot: int) -> None:
         """Zero a slot (used after a failed restore so no half-written state can be attended to)."""
