@@ -160,7 +160,6 @@ class CausalLM(torch.nn.Module):
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.rotary = RotaryTable(config, rope_freq_factors)
-        self.layer_device = [d for d, a, b in self.stages for _ in range(a, b)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -261,6 +260,7 @@ class CausalLM(torch.nn.Module):
         q, k = qk[:, :H], qk[:, H:]
 
         k_cache, v_cache = kv.layer(li)
+        small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
         attn = torch.empty(total, H, D, dtype=x.dtype, device=x.device)
         for i, ch in enumerate(chunks):
             lo, hi = plans.offsets[i], plans.offsets[i + 1]
@@ -268,7 +268,7 @@ class CausalLM(torch.nn.Module):
             k_cache[ch.slot, ch.start : end] = k[lo:hi]
             v_cache[ch.slot, ch.start : end] = v[lo:hi]
             keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
-            if hi - lo == 1:
+            if hi - lo == 1 and small_float32:
                 attn[lo] = _decode_attention(q[lo], keys, values)
                 continue
             query = q[lo:hi].transpose(0, 1).unsqueeze(0)
@@ -314,8 +314,8 @@ def _attention_plans(chunks: list[SeqChunk], lengths: list[int], offsets: list[i
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query token against all rows: q [H, D], k/v [KVH, L, D] -> [H, D]. Two small bmm calls beat
-    SDPA's per-call overhead for a single query, and need no mask."""
+    """One query token against all rows: q [H, D], k/v [KVH, L, D] -> [H, D]. On CPU in float32 two small
+    bmm calls beat SDPA's per-call overhead for a single query (softmax in the input dtype, so float32 only)."""
     kv_heads, d = k.shape[0], k.shape[2]
     grouped = q.view(kv_heads, -1, d) * (d**-0.5)
     scores = torch.bmm(grouped, k.transpose(1, 2))
