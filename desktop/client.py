@@ -27,7 +27,7 @@ class Dispatcher(QObject):
 
     _done = Signal(object)
 
-    def __init__(self, max_workers: int = 4, parent: QObject | None = None) -> None:
+    def __init__(self, max_workers: int = 6, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="strata-desktop")
         self._closed = False

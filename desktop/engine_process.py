@@ -291,6 +291,11 @@ class EngineProcess(QObject):
         self._set_url(None)
         self._set_state(EngineState.STARTING)
         self.started_at = time.time()
+        if sys.platform == "win32" and hasattr(proc, "setCreateProcessArgumentsModifier"):
+            def no_console(args: Any) -> None:
+                args.flags |= 0x08000000  # CREATE_NO_WINDOW: the GUI app's child opens no console window
+
+            proc.setCreateProcessArgumentsModifier(no_console)
         proc.started.connect(self._write_pid_file)
         proc.start(self.command[0], self.command[1:])
 

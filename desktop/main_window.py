@@ -71,7 +71,6 @@ class MainWindow(QMainWindow):
         self.last_purge: dict[str, Any] | None = None
         self.purge_box: QMessageBox | None = None
         self._quitting = False
-        self._starting_up = True
         self._started = False
         self._painted = False
 
@@ -190,7 +189,6 @@ class MainWindow(QMainWindow):
         self.dispatcher.submit(lambda: reap_orphan(path, client), self._orphan_checked)
 
     def _orphan_checked(self, result: Any) -> None:
-        self._starting_up = False
         if isinstance(result, str):
             self.show_notice(result)
             self.logs.append_line("strata-desktop: " + result)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -58,7 +59,7 @@ def test_start_shows_ready_and_the_monitor_renders_what_the_engine_reports(qtbot
     assert window.monitor.counters.ram_bar.format().startswith("2.9 MiB of 4.0 GiB")
     assert window.monitor.memory.floor_line.isVisible() and window.monitor.memory.floor_line.value() == 1024
     qtbot.waitUntil(lambda: window.monitor.memory.engine_rss.last() is not None, timeout=5000)
-    assert window.settings_tab.effective_dir == "/tmp/stand-in-cache"
+    qtbot.waitUntil(lambda: window.settings_tab.effective_dir == "/tmp/stand-in-cache", timeout=5000)
 
 
 def test_purge_confirms_with_counts_and_shows_the_result(qtbot, window):
@@ -274,3 +275,32 @@ def test_packaged_resources_match_the_sources():
     repo = Path(__file__).resolve().parents[1]
     for src in (repo / "resources").iterdir():
         assert (repo / "desktop" / "resources" / src.name).read_bytes() == src.read_bytes(), src.name
+
+
+def test_second_launch_shows_the_first_and_exits(tmp_path):
+    import time
+
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    args = [sys.executable, "-m", "desktop", "--no-engine", "--config-dir", str(tmp_path / "c"),
+            "--state-dir", str(tmp_path / "s")]
+    first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert first.poll() is None
+        second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
+        assert second.returncode == 0 and "already running" in second.stderr
+        assert first.poll() is None, "the first instance keeps running"
+        first.send_signal(signal.SIGTERM)  # reaches the Qt loop: a clean quit
+        assert first.wait(timeout=20) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+
+def test_frozen_serve_mode_never_loads_qt():
+    code = ("import sys; from desktop.app import main; rc = main(['serve', '--port', 'eighty']); "
+            "print(rc, 'PySide6' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "2 False", out.stdout + out.stderr
+    assert "--port" in out.stderr
