@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from desktop.autostart import Autostart
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.desktop_entry import resource_path
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
@@ -50,7 +51,7 @@ class MainWindow(QMainWindow):
     first_painted = Signal()
 
     def __init__(self, paths: Paths | None = None, *, use_tray: bool | None = None,
-                 environ: dict[str, str] | None = None) -> None:
+                 environ: dict[str, str] | None = None, autostart: Autostart | None = None) -> None:
         super().__init__()
         self.paths = paths or Paths.default()
         self.setWindowTitle("Strata Desktop")
@@ -119,7 +120,8 @@ class MainWindow(QMainWindow):
         self.crash_panel.hide()
 
         self.monitor = MonitorTab()
-        self.settings_tab = SettingsTab(self.store, self.autosaver, self.dispatcher.submit)
+        self.settings_tab = SettingsTab(self.store, self.autosaver, self.dispatcher.submit,
+                                        autostart if autostart is not None else Autostart())
         self.logs = LogsTab()
         self.tabs = QTabWidget()
         self.tabs.addTab(self.monitor, "Monitor")

@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from desktop.autostart import Autostart
 from desktop.engine_process import EngineState
 from desktop.settings import (
     HIDDEN_SETTINGS,
@@ -138,9 +139,10 @@ class SettingsTab(QWidget):
 
     def __init__(self, store: SettingsStore, autosaver: AutoSaver,
                  submit: Callable[[Callable[[], Any], Callable[[Any], None]], None],
-                 parent: QWidget | None = None) -> None:
+                 autostart: Autostart | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.store = store
+        self.autostart = autostart
         self.autosaver = autosaver
         self._submit = submit
         self.rows: dict[str, SettingRow] = {}
@@ -176,6 +178,12 @@ class SettingsTab(QWidget):
             cb.toggled.connect(lambda on, n=name: self._pref_toggled(n, on))
             app_layout.addWidget(cb)
             self.pref_boxes[name] = cb
+        self.login_box = QCheckBox("Start at login, in the tray, serving")
+        self.login_box.setEnabled(False)  # until the current state is read
+        self.login_box.toggled.connect(self._login_toggled)
+        if autostart is not None and autostart.supported:
+            app_layout.addWidget(self.login_box)
+            self._submit(autostart.is_enabled, self._got_login_state)
         self.file_label = QLabel(f"Saved automatically to {store.path}")
         self.file_label.setWordWrap(True)
         self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -363,6 +371,26 @@ class SettingsTab(QWidget):
         self.store.set_pref(name, on)
         self.autosaver.schedule()
         self.prefs_changed.emit()
+
+    def _got_login_state(self, result: Any) -> None:
+        self.login_box.blockSignals(True)
+        self.login_box.setChecked(result is True)
+        self.login_box.blockSignals(False)
+        self.login_box.setEnabled(not isinstance(result, BaseException))
+
+    def _login_toggled(self, on: bool) -> None:
+        """Write or remove the start-at-login entry off the UI thread (on Windows it runs PowerShell)."""
+        autostart = self.autostart
+        assert autostart is not None
+        self.login_box.setEnabled(False)
+
+        def done(result: Any) -> None:
+            self.login_box.setEnabled(True)
+            if isinstance(result, BaseException):
+                self._got_login_state(not on)
+                self.show_result(f"Could not change start at login: {result}", False)
+
+        self._submit(lambda: autostart.set_enabled(on), done)
 
     def _pick_model(self, file: bool) -> None:
         current = self.rows["model"].text() or os.path.expanduser("~")

@@ -224,3 +224,23 @@ def test_paths_default_to_platform_folders():
     paths = Paths.default()
     assert paths.settings_file.name == "desktop-settings.json"
     assert paths.pid_file.name == "engine.pid"
+
+
+def test_start_at_login_checkbox_writes_and_removes_the_entry(qtbot, tmp_path):
+    from desktop.autostart import Autostart
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    autostart = Autostart(platform="linux", folder=tmp_path / "autostart", command=["strata-desktop"])
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit, autostart)
+    qtbot.addWidget(tab)
+    qtbot.waitUntil(tab.login_box.isEnabled, timeout=3000)
+    assert not tab.login_box.isChecked()
+    tab.login_box.setChecked(True)
+    qtbot.waitUntil(lambda: autostart.is_enabled() and tab.login_box.isEnabled(), timeout=3000)
+    assert autostart.read() == ["strata-desktop", "--hidden"]
+    tab.login_box.setChecked(False)
+    qtbot.waitUntil(lambda: not autostart.is_enabled() and tab.login_box.isEnabled(), timeout=3000)
+    dispatcher.close()
