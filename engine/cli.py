@@ -220,11 +220,15 @@ def _watch_stdin(on_close) -> None:
     if not stat.S_ISFIFO(mode):
         return
 
+    fd = sys.stdin.fileno()
+
     def wait() -> None:
+        # os.read on the descriptor, not sys.stdin: a thread blocked inside sys.stdin's buffered reader holds its
+        # lock, and the interpreter aborts at exit when it cannot take that lock.
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(fd, 4096):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         log.info("stdin closed")
         on_close()

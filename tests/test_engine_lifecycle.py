@@ -1,0 +1,80 @@
+"""`strata serve` start-up and shutdown as a process: every clean way out exits 0; a bad model exits 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from tests.engine_process import REPO, start_engine
+from tests.model_fixtures import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("lifecycle"), "llama")
+
+
+def test_post_shutdown_exits_0_with_stdin_still_open(tiny_model):
+    engine = start_engine("--model", tiny_model, stdin_pipe=True)
+    try:
+        urllib.request.urlopen(urllib.request.Request(engine.base_url + "/shutdown", method="POST"), timeout=10)
+        assert engine.proc.wait(timeout=60) == 0, engine.logs()
+        assert "Fatal Python error" not in engine.logs()
+    finally:
+        engine.stop()
+
+
+def test_closing_stdin_shuts_down_cleanly(tiny_model):
+    engine = start_engine("--model", tiny_model, stdin_pipe=True)
+    try:
+        engine.proc.stdin.close()
+        assert engine.proc.wait(timeout=60) == 0, engine.logs()
+        assert "stdin closed" in engine.logs()
+    finally:
+        engine.stop()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_sigint_parks_the_live_slot_and_exits_0(tiny_model, tmp_path):
+    engine = start_engine("--model", tiny_model, "--conversation-cache-storage", "disk",
+                          "--conversation-cache-dir", str(tmp_path))
+    try:
+        body = b'{"prompt": "' + b"a quiet harbour at dawn " * 8 + b'", "max_tokens": 4}'
+        request = urllib.request.Request(engine.base_url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=60).read()
+        engine.proc.send_signal(signal.SIGINT)
+        assert engine.proc.wait(timeout=60) == 0, engine.logs()
+        assert "parked" in engine.logs()
+    finally:
+        engine.stop()
+    assert any(name.startswith("conv-") for _, _, files in os.walk(tmp_path) for name in files)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda d: os.path.join(d, "missing.gguf"), "no such file"),
+        (lambda d: _write(os.path.join(d, "garbage.gguf"), b"GGUF" + os.urandom(64)), "garbage.gguf"),
+        (lambda d: _write(os.path.join(d, "not-a-model.gguf"), b"hello"), "not-a-model.gguf"),
+    ],
+)
+def test_model_that_cannot_load_exits_2_with_one_clear_line(tmp_path, make, reason):
+    path = make(str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", "0", "--model", path], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("strata serve: error: cannot load the model:"), proc.stderr
+    assert reason in errors[0].lower() or reason in errors[0], errors[0]
+
+
+def _write(path: str, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
