@@ -51,6 +51,7 @@ def test_disk_park_restores_byte_identical_and_shares_block_files(tmp_path):
     a, b = conversation(2, 9 * BLOCK + 3, system), conversation(3, 8 * BLOCK + 11, system)
     park_tokens(cache, slots, a)
     park_tokens(cache, slots, b)
+    assert cache.flush(10)  # parks return before their files are written
     folder = folder_of(cache)
     files = our_files(folder)
     assert (
@@ -74,6 +75,7 @@ def test_disk_incremental_repark_writes_only_new_blocks(tmp_path):
     second = park_tokens(cache, slots, grown)
     assert second.conversation_id == first.conversation_id
     assert second.new_bytes < 2 * (BLOCK * BPT + 8192) + 4 * len(grown) + (len(grown) % BLOCK) * BPT
+    assert cache.flush(10)
     assert len([f for f in our_files(folder_of(cache)) if f.startswith("conv-")]) == 1
     check_restores(cache, slots, grown)
     cache.close(spill=False)
@@ -94,6 +96,7 @@ def test_restart_finds_parked_conversations_and_restores_them(tmp_path):
 
 
 def test_disk_park_keeps_no_kv_resident(tmp_path):
+    """RSS after a disk park grows by at most the staging bound (spill_queue_bytes), whatever the size."""
     layout = KVLayout(n_layers=8, n_kv_heads=8, head_dim=64, dtype=torch.float32)  # 32 KiB per token
     ident = identity(layout=layout, block=64)
     n = 200 * (1 << 20) // layout.bytes_per_token
@@ -101,16 +104,28 @@ def test_disk_park_keeps_no_kv_resident(tmp_path):
     for stage in slots.kv.stages:
         stage.k.normal_()
         stage.v.normal_()
-    cache = make_cache(ident, storage="disk", dir=str(tmp_path), disk_bytes=1 << 30)
+    bound = 16 << 20
+    cache = make_cache(ident, storage="disk", dir=str(tmp_path), disk_bytes=1 << 30, spill_queue_bytes=bound)
     tokens = conversation(20, n)
     gc.collect()
     rss = psutil.Process().memory_info().rss
-    result = cache.park(tokens, slots.reader(0))
+    result = cache.park(tokens, slots.reader(0))  # larger than the bound: streamed to its files
     gc.collect()
     grew = psutil.Process().memory_info().rss - rss
     assert result.parked and result.new_bytes >= 200 << 20
-    assert grew < 32 << 20, f"RSS grew by {grew / 2**20:.1f} MiB"
-    assert cache.stats().bytes_ram == 0
+    assert grew < bound + (16 << 20), f"RSS grew by {grew / 2**20:.1f} MiB"
+    st = cache.stats()
+    assert st.bytes_ram == 0 and st.bytes_pending == 0 and cache.conversations()[0].pending is False
+    # a park that fits the bound is staged: held in RAM (at most the bound) only until written
+    small = conversation(21, (6 << 20) // layout.bytes_per_token)
+    slots.fill(0, small)
+    staged = cache.park(small, slots.reader(0))
+    assert staged.parked and 0 < cache.stats().bytes_pending <= bound
+    assert cache.flush(30)
+    st = cache.stats()
+    assert st.bytes_ram == 0 and st.bytes_pending == 0
+    assert all(blk.tensor is None and blk.on_disk for blk in cache._disk.index.blocks.values())
+    assert all(c.tail is None and c.on_disk for c in cache._disk.index.convs.values())
     cache.close(spill=False)
 
 
@@ -190,6 +205,7 @@ def test_corrupt_block_is_never_restored_and_the_slot_is_untouched(tmp_path):
     a, b = conversation(41, 8 * BLOCK, shared), conversation(42, 7 * BLOCK, shared)
     park_tokens(cache, slots, a)
     park_tokens(cache, slots, b)
+    assert cache.flush(10)
     folder = folder_of(cache)
     first_block = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("blk-"))
     idx = cache._disk.index
@@ -220,6 +236,7 @@ def test_disk_budget_is_a_ceiling_on_file_bytes(tmp_path):
     cache, slots = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=budget), FakeSlots()
     for i in range(12):
         assert park_tokens(cache, slots, conversation(50 + i, 4 * BLOCK + i)).parked
+        assert cache.flush(10)
         folder = folder_of(cache)
         on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in our_files(folder))
         assert on_disk <= budget and cache.stats().bytes_disk == on_disk
@@ -375,7 +392,7 @@ def _write_failure_and_read_only(tmp_path, resource, signal):
     slots = FakeSlots()
     kept = conversation(130, 5 * BLOCK + 2)
     cache = make_cache(storage="disk", dir=str(tmp_path))
-    park_tokens(cache, slots, kept)
+    ids = [park_tokens(cache, slots, kept).conversation_id]
     folder = folder_of(cache)
     cache.close(spill=False)
     before = {n: os.path.getsize(os.path.join(folder, n)) for n in our_files(folder)}
@@ -384,8 +401,21 @@ def _write_failure_and_read_only(tmp_path, resource, signal):
         c = make_cache(storage="disk", dir=str(tmp_path))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (6000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        # the park itself returns at once; its background write fails, is counted and dropped
         r = park_tokens(c, slots, conversation(131, 9 * BLOCK))
-        return not r.parked and r.reason == "disk_error" and len(c.conversations()) == 1
+        written = c.flush(10)
+        st = c.stats()
+        # a park bigger than the staging bound is written before returning: refused on the spot
+        big = make_cache(storage="disk", dir=str(tmp_path / "big"), spill_queue_bytes=0)
+        rb = park_tokens(big, slots, conversation(133, 9 * BLOCK))
+        return (
+            r.parked
+            and not written
+            and st.spill_failed == 1
+            and [x.id for x in c.conversations()] == ids
+            and not rb.parked
+            and rb.reason == "disk_error"
+        )
 
     def read_only() -> bool:
         os.setgid(65534)
@@ -430,12 +460,19 @@ def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
             os.close(read_fd)
             try:
                 torch.set_num_threads(1)
-                c = make_cache(storage=mode, dir=str(tmp_path), ram_bytes=8 * BLOCK * BPT, disk_bytes=1 << 30)
+                c = make_cache(
+                    storage=mode,
+                    dir=str(tmp_path),
+                    ram_bytes=8 * BLOCK * BPT,
+                    disk_bytes=1 << 30,
+                    slots=100_000,
+                )
                 i = 0
                 while True:
                     base = conversation(1000 * trial + i, rng.randrange(1, 12) * BLOCK + rng.randrange(BLOCK))
                     r = park_tokens(c, slots, base)
-                    if r.parked and r.tier == "disk":
+                    # disk parks are written in the background: reported once published
+                    if r.parked and r.tier == "disk" and c.flush(30):
                         os.write(write_fd, (json.dumps([r.conversation_id, base]) + "\n").encode())
                     i += 1
             finally:
@@ -453,7 +490,7 @@ def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
         # after every kill: a new engine adopts no partial file, and everything published is there and restores
         sub = os.path.join(str(tmp_path), slots_identity_key)
         torn += any(".tmp-" in n for n in os.listdir(sub)) if os.path.isdir(sub) else 0
-        c = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30)
+        c = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30, slots=100_000)
         folder = folder_of(c)
         assert not any(".tmp-" in n for n in os.listdir(folder))
         found = {r.id for r in c.conversations()}

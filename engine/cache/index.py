@@ -40,6 +40,9 @@ class Conv:
     supersedes: list[str] = field(
         default_factory=list
     )  # disk: prefix entries to drop once this one is written
+    # disk, pending: the written version this entry replaces under the same id (its manifest is still the file
+    # on disk until this one is written); a failed or dropped write puts it back, so nothing on disk is lost
+    previous: Conv | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -134,7 +137,13 @@ class TierIndex:
         ]
 
     def is_pinned(self, conv: Conv) -> bool:
-        return conv.pins > 0 or any(self.blocks[k].pins > 0 for k in conv.keys)
+        """I/O in flight on the entry, its blocks, or the version it replaces (whose manifest is being written)."""
+        prev = conv.previous
+        return (
+            conv.pins > 0
+            or (prev is not None and prev.pins > 0)
+            or any(self.blocks[k].pins > 0 for k in conv.keys)
+        )
 
     def plan_room(
         self,

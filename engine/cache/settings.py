@@ -24,7 +24,11 @@ class CacheSettings:
     block_tokens: int = 64
     n_min: int = 0
     similarity: float = 0.0
-    spill_queue_bytes: int = 1024 * MIB  # pending tiered spills held in RAM beyond the RAM budget
+    # RAM held by pending disk writes (disk-mode parks and tiered spills) until the background writer has written
+    # them: the bound on how much engine RSS a park can add in disk mode, beyond the RAM budget in tiered mode.
+    # When full, the oldest pending write is dropped (counted in spill_dropped); a disk-mode park bigger than the
+    # whole bound is written to its files before the park returns instead.
+    spill_queue_bytes: int = 1024 * MIB
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_MODES:

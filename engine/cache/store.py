@@ -2,9 +2,15 @@
 
 One block store with two tiers (`TierIndex` in RAM, `DiskTier` on disk) and three modes:
 - ram: blocks live in RAM; evicted conversations are dropped.
-- disk: a park writes block files and a manifest before it returns; RAM keeps only the index.
-- tiered: parks go to RAM; what RAM evicts is queued for a background writer (served from its RAM copy until
-  written); `close(spill=True)` writes everything parked.
+- disk: a park captures the slot's new K/V into host memory and queues it for the background writer, then
+  returns: a switch never waits on the disk. Until written, the entry is served from that RAM copy; once
+  written, RAM keeps only the index. The RAM held by pending writes is bounded by `spill_queue_bytes` (the
+  oldest pending write is dropped and counted to make room; a park bigger than the bound alone is streamed to
+  its files before returning). A failed write is counted (`spill_failed`) and logged, and loses nothing that was
+  already on disk: a re-park's previous written version stays the file on disk until replaced.
+- tiered: parks go to RAM; what RAM evicts is queued for the same background writer (served from its RAM copy
+  until written, under the same bound); `close(spill=True)` writes everything parked.
+`flush(timeout)` waits for pending writes; `close` waits for them within its deadline (logged if hit).
 The engine thread is the only caller of mutating methods; `stats`, `conversations` and `events` may be called
 from any thread. The writer thread only writes files and flips flags under the same lock; removals it asks for
 are carried out by the engine thread (`_reap`).
@@ -126,6 +132,7 @@ class ConversationCache:
             return None
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
         with self._lock:
+            self._reap()  # a failed write gives its conversation's written version back before matching
             best: tuple[int, str, Conv] | None = None
             for tier, index in self._tiers():
                 for conv in index.candidates(keys):
@@ -197,7 +204,8 @@ class ConversationCache:
                     if not (fallback and self._disk is not None):
                         raise
                     log.info("conversation cache: %s; parking on disk instead", exc)
-                    conv, new_bytes, evicted = self._park_disk(toks, keys, read_kv, keep)
+                    # written before returning: staging it in RAM would defeat the reason RAM refused it
+                    conv, new_bytes, evicted = self._park_disk(toks, keys, read_kv, keep, background=False)
                     tier = "disk"
             else:
                 conv, new_bytes, evicted = self._park_disk(toks, keys, read_kv, keep)
@@ -328,19 +336,30 @@ class ConversationCache:
             self._queue_spill(conv, tensors)
         return freed
 
-    def _park_disk(self, toks: np.ndarray, keys: list[str], read_kv: ReadKV, keep: str | None):
-        """Write a conversation's new blocks and its manifest before returning (disk mode, tiered fallback)."""
+    def _park_disk(
+        self, toks: np.ndarray, keys: list[str], read_kv: ReadKV, keep: str | None, *, background: bool = True
+    ):
+        """Park a conversation on disk (disk mode, tiered fallback).
+
+        With `background` (disk mode), the new blocks and the tail are captured into host memory and handed to
+        the writer: the park returns without waiting on the disk, the entry is served from that RAM copy until
+        written, and the RAM held by pending writes never exceeds `spill_queue_bytes` (the oldest pending write
+        is dropped and counted to make room). A park that cannot fit the staging bound even then (or without
+        `background`) streams its blocks to files and publishes its manifest before returning.
+        """
         disk, s, b = self._disk, self.settings, self.identity.block_tokens
         if disk is None or disk.error or not s.uses_disk:
             raise _Refused("disk_unavailable", disk.error if disk and disk.error else "no disk tier")
         idx = disk.index
         with self._lock:
-            superseded = [c for c in idx.prefixes_of(toks) if not c.failed and not idx.is_pinned(c)]
-            same = [c for c in superseded if c.n_tokens == len(toks) and c.on_disk]
+            candidates = [c for c in idx.prefixes_of(toks) if not c.failed]
+            superseded = [c for c in candidates if not idx.is_pinned(c)]
+            same = [c for c in superseded if c.n_tokens == len(toks)]
             if same:
                 same[0].last_used = time.time()
                 idx.touch(same[0].id)
-                disk.touch(same[0])
+                if same[0].on_disk:
+                    disk.touch(same[0])
                 return same[0], 0, 0
             have = idx.matched_blocks(keys)
             n_tail = len(toks) - len(keys) * b
@@ -357,20 +376,148 @@ class ConversationCache:
                 budget=s.disk_bytes,
                 slots=s.slots,
                 keep_keys=set(keys),
-                leaving={c.id for c in superseded},
+                leaving={c.id for c in candidates},
                 exclude={keep} if keep else set(),
             )
             if victims is None:
                 raise _Refused(
                     "no_room", "no room on disk: the conversations that would have to go are in use"
                 )
-            conv_id, created, hits = self._inherit(superseded)
             idx.reserve(keys[:have], _RESERVED)
-            # blocks indexed but still waiting for the spill writer are written here too: a published manifest
-            # only ever names published block files
-            pending = [(k, idx.blocks[k].tensor) for k in keys[:have] if not idx.blocks[k].on_disk]
-            for k, _ in pending:
-                idx.blocks[k].pins += 1
+            staged = (
+                len(keys) - have
+            ) * self.identity.block_bytes + n_tail * self.identity.layout.bytes_per_token
+            protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
+            background = background and self._writer is not None and self._make_staging_room(staged, protect)
+            if not background:
+                # blocks indexed but still waiting for the writer are written here too: a published manifest
+                # only ever names published block files
+                pending = [(k, idx.blocks[k].tensor) for k in keys[:have] if not idx.blocks[k].on_disk]
+                for k, _ in pending:
+                    idx.blocks[k].pins += 1
+            # a staged entry continues its line's id even while that line's last version is being written
+            conv_id, created, hits = self._inherit(candidates if background else superseded)
+        if background:
+            plan = (toks, keys, have, n_tail, candidates, victims, conv_id, created, hits)
+            return self._stage_disk(read_kv, plan)
+        plan = (toks, keys, have, n_tail, superseded, victims, conv_id, created, hits)
+        return self._write_disk_now(read_kv, plan, pending)
+
+    def _stage_disk(self, read_kv: ReadKV, plan):
+        """Capture a park's new K/V into host memory and queue its write; the entry is restorable at once."""
+        toks, keys, have, n_tail, superseded, victims, conv_id, created, hits = plan
+        disk, b = self._disk, self.identity.block_tokens
+        idx = disk.index
+        new_blocks: list[Block] = []
+        tail = None
+        try:
+            for i in range(have, len(keys)):
+                kv = self._check_kv(read_kv(i * b, (i + 1) * b), b)
+                new_blocks.append(Block(keys[i], disk.block_size(), tensor=kv))
+            if n_tail:
+                tail = self._check_kv(read_kv(len(keys) * b, len(toks)), n_tail)
+        except Exception as exc:
+            with self._lock:
+                idx.release(keys[:have], _RESERVED)
+            if isinstance(exc, _Refused):
+                raise
+            log.exception("conversation cache: reading the slot's K/V failed")
+            raise _Refused("read_error", f"reading the slot's K/V failed: {exc}") from None
+        with self._lock:
+            for cid in victims:
+                if cid in idx.convs and not idx.is_pinned(idx.convs[cid]):
+                    self._remove_disk(cid, reason="evict")
+            previous = None
+            later: list[str] = []
+            for old in superseded:
+                if idx.convs.get(old.id) is not old:
+                    continue
+                if old.id == conv_id:
+                    # the same conversation line: this entry takes its place. The version written (or being
+                    # written) stays the file on disk, and comes back on a failed write, until this one's
+                    # manifest replaces it; a version only queued is superseded before it was ever written.
+                    previous = old if old.on_disk or old.pins else old.previous
+                    later += [c for c in old.supersedes if c != conv_id]
+                    if previous is not old:
+                        old.previous = None
+                    idx.remove(old.id)
+                else:
+                    later.append(old.id)  # dropped once this entry is written
+            conv = Conv(
+                conv_id,
+                toks,
+                keys,
+                disk.manifest_size(len(toks)),
+                tail=tail,
+                created=created,
+                last_used=time.time(),
+                hits=hits,
+                supersedes=later,
+                previous=previous,
+            )
+            idx.add(conv, new_blocks)
+            idx.release(keys[:have], _RESERVED)
+            assert self._writer is not None
+            self._writer.submit(conv_id)
+        new_bytes = sum(blk.tensor.nbytes for blk in new_blocks) + (tail.nbytes if tail is not None else 0)
+        return conv, new_bytes, len(victims)
+
+    def _make_staging_room(self, nbytes: int, protect: set[str]) -> bool:
+        """Make `nbytes` more fit the staging bound by dropping the oldest pending writes (counted); caller holds
+        the lock. False, with nothing dropped, when even dropping every droppable one would not be enough."""
+        bound = self.settings.spill_queue_bytes
+        if nbytes > bound:
+            return False
+        idx = self._disk.index
+        over = self._pending_bytes() + nbytes - bound
+        gone: set[str] = set()
+        freed_keys: set[str] = set()
+        plan: list[Conv] = []
+        for conv in list(idx.convs.values()):
+            if over <= 0:
+                break
+            if conv.on_disk or conv.id in protect or idx.is_pinned(conv):
+                continue
+            plan.append(conv)
+            gone.add(conv.id)
+            over -= conv.tail.nbytes if conv.tail is not None else 0
+            for k in conv.keys:
+                blk = idx.blocks[k]
+                if k not in freed_keys and blk.tensor is not None and not blk.on_disk and blk.holders <= gone:
+                    freed_keys.add(k)
+                    over -= blk.tensor.nbytes
+        if over > 0:
+            return False
+        for conv in plan:
+            self._c["spill_dropped"] += 1
+            log.warning(
+                "conversation cache: disk write queue full; dropped pending write of %s (%d tokens)",
+                conv.id,
+                conv.n_tokens,
+            )
+            self._drop_pending(conv, "spill_drop")
+        return True
+
+    def _drop_pending(self, conv: Conv, reason: str) -> None:
+        """Remove a pending (unwritten) disk entry; the written version it replaced, if any, comes back."""
+        idx = self._disk.index
+        prev = conv.previous
+        if prev is None:
+            self._remove_disk(conv.id, reason=reason)
+            return
+        token = "\x00previous"
+        idx.reserve(prev.keys, token)  # its blocks outlive the pending entry that held them
+        conv.previous = None
+        self._remove_disk(conv.id, reason=reason)
+        if prev.id not in idx.convs:
+            idx.add(prev, [])
+        idx.release(prev.keys, token)
+
+    def _write_disk_now(self, read_kv: ReadKV, plan, pending):
+        """Write a conversation's new blocks and its manifest before returning."""
+        toks, keys, have, n_tail, superseded, victims, conv_id, created, hits = plan
+        disk, b = self._disk, self.identity.block_tokens
+        idx = disk.index
 
         def capture(i: int):
             return lambda: self._check_kv(read_kv(i * b, (i + 1) * b), b)
@@ -437,6 +584,9 @@ class ConversationCache:
         before = disk.index.bytes
         conv, freed = disk.index.remove(conv_id)
         disk.delete_conv(conv, freed)
+        if conv.previous is not None and not conv.on_disk:
+            disk.delete_conv(conv.previous, [])  # the written version it was to replace goes too
+            conv.previous = None
         if self._writer is not None:
             self._writer.forget(conv_id)
         if reason:
@@ -542,19 +692,45 @@ class ConversationCache:
             return True
         done = self._writer.drain(deadline)
         self._writer.stop(deadline)
-        self._writer = None
         with self._lock:
             self._reap()
+            self._writer = None
         return done
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait up to `timeout` seconds for every pending disk write (disk-mode parks, tiered spills) to land.
+
+        True when nothing is left pending and no write failed meanwhile (failures are counted in
+        `spill_failed` and logged; the entry is dropped and any version of it already on disk is kept).
+        """
+        writer = self._writer
+        with self._lock:
+            failed = self._c["spill_failed"]
+        done = writer.drain(time.monotonic() + max(timeout, 0.0)) if writer is not None else True
+        with self._lock:
+            self._reap()
+            left = self._disk is not None and any(not c.on_disk for c in self._disk.index.convs.values())
+            return done and not left and self._c["spill_failed"] == failed
 
     def _reap(self) -> None:
         """Apply what the writer reported: drop superseded entries of finished spills, failed spills."""
         if self._writer is None or self._disk is None:
             return
         idx = self._disk.index
-        for kind, conv_id, message in self._writer.take_results():
+        for kind, written, message in self._writer.take_results():
+            conv_id = written.id
             conv = idx.convs.get(conv_id)
-            if conv is None:
+            if conv is not written:
+                # removed, or replaced by a newer version of its line that keeps it as the version on disk
+                if kind == "failed" and conv is not None and conv.previous is written:
+                    conv.previous = written.previous  # the one before it is still the file on disk
+                    written.previous = None
+                    self._c["spill_failed"] += 1
+                    log.warning(
+                        "conversation cache: writing %s to disk failed (%s); its newer version is pending",
+                        conv_id,
+                        message,
+                    )
                 continue
             if kind == "done":
                 for old in conv.supersedes:
@@ -562,10 +738,17 @@ class ConversationCache:
                         self._remove_disk(old)
                         self._redirect(old, conv_id)
                 conv.supersedes = []
-            elif not idx.is_pinned(conv):
+            elif idx.is_pinned(conv):
+                self._writer.results.append((kind, written, message))  # dropped once its reader is done
+            else:
                 self._c["spill_failed"] += 1
-                log.warning("conversation cache: writing %s to disk failed (%s); dropped", conv_id, message)
-                self._remove_disk(conv_id, reason="spill_failed")
+                log.warning(
+                    "conversation cache: writing %s to disk failed (%s); dropped%s; nothing already on disk was lost",
+                    conv_id,
+                    message,
+                    ", its previously written version is kept" if conv.previous is not None else "",
+                )
+                self._drop_pending(conv, "spill_failed")
 
     # ------------------------------------------------------------------ restore
 
@@ -992,7 +1175,7 @@ class _SpillWriter(threading.Thread):
         self.cache = cache
         self.cond = threading.Condition(cache._lock)
         self.queue: deque[str] = deque()
-        self.results: list[tuple[str, str, str]] = []
+        self.results: list[tuple[str, Conv, str]] = []
         self.busy = False
         self.stopping = False
 
@@ -1005,7 +1188,7 @@ class _SpillWriter(threading.Thread):
         with self.cond, contextlib.suppress(ValueError):
             self.queue.remove(conv_id)
 
-    def take_results(self) -> list[tuple[str, str, str]]:
+    def take_results(self) -> list[tuple[str, Conv, str]]:
         with self.cond:
             out, self.results = self.results, []
             return out
@@ -1069,10 +1252,11 @@ class _SpillWriter(threading.Thread):
                 conv.pins -= 1
                 if error:
                     conv.failed = error
-                    self.results.append(("failed", conv.id, error))
+                    self.results.append(("failed", conv, error))
                 else:
                     conv.on_disk = True
                     conv.tail = None
+                    conv.previous = None  # its manifest replaced the previous version's
                     if idx.convs.get(conv.id) is conv:
                         idx.bytes += manifest - conv.nbytes
                     conv.nbytes = manifest
@@ -1080,6 +1264,6 @@ class _SpillWriter(threading.Thread):
                     cache._c["spills"] += 1
                     cache._c["bytes_spilled"] += written
                     cache._event("spill", conv.id, conv.n_tokens, written, ms, "disk")
-                    self.results.append(("done", conv.id, ""))
+                    self.results.append(("done", conv, ""))
                 self.busy = False
                 self.cond.notify_all()

@@ -1,0 +1,205 @@
+"""Disk mode's background writer (bounded staging, RAM copies until written, failed writes), purge of entries
+being written, and the restore cost model."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+from tests.test_cache_disk import _in_child, check_restores, folder_of, our_files
+from tests.test_cache_support import BLOCK, LAYOUT, FakeSlots, conversation, make_cache, park_tokens
+
+BPT = LAYOUT.bytes_per_token
+
+
+def test_disk_park_returns_before_the_write_and_is_served_from_its_ram_copy(tmp_path):
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path)), FakeSlots()
+    a = conversation(200, 7 * BLOCK + 5)
+    grown = conversation(201, len(a) + 2 * BLOCK + 3, a)
+    with cache._lock:  # the writer needs this lock: nothing can be written while the test holds it
+        first = park_tokens(cache, slots, a)  # returns all the same: a park never waits on the disk
+        assert first.parked and first.tier == "disk"
+        assert our_files(folder_of(cache)) == []
+        st = cache.stats()
+        assert st.bytes_pending == first.new_bytes == 7 * BLOCK * BPT + 5 * BPT
+        assert [c.pending for c in cache.conversations()] == [True]
+        check_restores(cache, slots, a)  # from the RAM copy: no file exists yet
+        second = park_tokens(cache, slots, grown)  # re-park while the first is still pending: one entry
+        assert second.conversation_id == first.conversation_id and len(cache.conversations()) == 1
+        check_restores(cache, slots, grown)
+        assert our_files(folder_of(cache)) == []
+    assert cache.flush(10)
+    files = our_files(folder_of(cache))
+    assert sum(f.startswith("conv-") for f in files) == 1 and sum(f.startswith("blk-") for f in files) == 9
+    st = cache.stats()
+    assert st.bytes_pending == 0 and st.spills == 1 and not cache.conversations()[0].pending
+    check_restores(cache, slots, grown)  # now from its files
+    cache.close(spill=False)
+
+
+def test_disk_staging_is_bounded_dropping_the_oldest_pending_write(tmp_path):
+    conv_bytes = 6 * BLOCK * BPT
+    cache = make_cache(storage="disk", dir=str(tmp_path), spill_queue_bytes=int(2.5 * conv_bytes))
+    slots = FakeSlots()
+    convs = [conversation(210 + i, 6 * BLOCK) for i in range(4)]
+    with cache._lock:  # hold the writer back: every park stays pending
+        ids = [park_tokens(cache, slots, t).conversation_id for t in convs]  # none of them blocks
+        st = cache.stats()
+        assert st.spill_dropped == 2 and st.bytes_pending == 2 * conv_bytes
+        assert sorted(c.id for c in cache.conversations()) == sorted(ids[2:])  # the two oldest went
+    assert cache.flush(10)
+    assert cache.lookup(convs[0] + [1]) is None
+    for t in convs[2:]:
+        check_restores(cache, slots, t)
+    # a park bigger than the whole bound is written before it returns, never staged
+    big = conversation(220, 20 * BLOCK)
+    assert park_tokens(cache, slots, big).parked and cache.stats().bytes_pending == 0
+    assert not cache.conversations()[0].pending
+    cache.close(spill=False)
+
+
+def test_close_writes_pending_parks_within_its_deadline(tmp_path):
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path)), FakeSlots()
+    convs = [conversation(230 + i, 5 * BLOCK + i) for i in range(3)]
+    with cache._lock:
+        ids = [park_tokens(cache, slots, t).conversation_id for t in convs]
+    cache.close(spill=False, deadline_s=30)
+    again = make_cache(storage="disk", dir=str(tmp_path))
+    assert sorted(c.id for c in again.conversations()) == sorted(ids)
+    for t in convs:
+        check_restores(again, slots, t)
+    again.close(spill=False)
+
+
+def test_failed_background_write_is_counted_logged_and_keeps_the_written_version(tmp_path, caplog):
+    import resource
+    import signal
+
+    slots = FakeSlots()
+    a = conversation(240, 5 * BLOCK + 2)
+    grown = conversation(241, len(a) + 4 * BLOCK, a)
+
+    def failing_repark() -> bool:
+        cache = make_cache(storage="disk", dir=str(tmp_path))
+        cid = park_tokens(cache, slots, a).conversation_id
+        assert cache.flush(10)
+        folder = folder_of(cache)
+        before = {n: Path(folder, n).read_bytes() for n in our_files(folder)}
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        with caplog.at_level(logging.WARNING, logger="strata.cache"):
+            r = park_tokens(cache, slots, grown)  # the same conversation line: replaces A once written
+            assert r.parked and r.conversation_id == cid
+            assert not cache.flush(10)
+        st = cache.stats()
+        assert st.spill_failed == 1 and st.bytes_pending == 0
+        assert (
+            f"writing {cid} to disk failed" in caplog.text
+            and "previously written version is kept" in caplog.text
+        )
+        # what was on disk is untouched, indexed again, and restores
+        assert {n: Path(folder, n).read_bytes() for n in our_files(folder)} == before
+        assert [(c.id, c.tokens, c.pending) for c in cache.conversations()] == [(cid, len(a), False)]
+        check_restores(cache, slots, a)
+        assert not any(".tmp-" in n for n in os.listdir(folder))
+        cache.close(spill=False)
+        return True
+
+    assert _in_child(failing_repark) == 0
+    again = make_cache(storage="disk", dir=str(tmp_path))
+    check_restores(again, slots, a)
+    again.close(spill=False)
+
+
+def _while_being_written(cache, slots, seed: int, action):
+    """Park 8 MiB conversations until one is caught mid-write; run `action(tokens, id)` then, holding the lock
+    (the writer cannot finish that write while it is held). Returns (action's result, tokens, id)."""
+    for attempt in range(40):
+        tokens = conversation(seed + attempt, 500 * BLOCK)  # 8 MiB: a write of some milliseconds
+        cid = park_tokens(cache, slots, tokens).conversation_id
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with cache._lock:
+                conv = cache._disk.index.convs[cid]
+                if conv.pins:
+                    return action(tokens, cid), tokens, cid
+                if conv.on_disk:
+                    break  # written before we looked: try another
+    raise AssertionError("never saw a write in flight")
+
+
+def test_repark_while_the_previous_version_is_being_written_keeps_one_entry(tmp_path):
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30), FakeSlots(ctx=8192)
+
+    def repark(tokens, cid):
+        grown = conversation(1, len(tokens) + BLOCK + 3, tokens)
+        r = park_tokens(cache, slots, grown)
+        assert r.conversation_id == cid and [c.id for c in cache.conversations()] == [cid]
+        check_restores(cache, slots, grown)  # its new part from RAM, while the older version is written
+        return grown
+
+    grown, _, cid = _while_being_written(cache, slots, 260, repark)
+    assert cache.flush(30)
+    folder = folder_of(cache)
+    convs = [c for c in cache.conversations() if c.id == cid]
+    assert len(convs) == 1 and convs[0].tokens == len(grown) and not convs[0].pending
+    assert f"conv-{cid}.safetensors" in our_files(folder)
+    check_restores(cache, slots, grown)
+    cache.close(spill=False)
+    again = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30)
+    assert [c.tokens for c in again.conversations() if c.id == cid] == [len(grown)]
+    check_restores(again, slots, grown)
+    again.close(spill=False)
+
+
+def test_purge_skips_a_conversation_being_written_and_it_survives(tmp_path):
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30), FakeSlots(ctx=8192)
+    result, tokens, cid = _while_being_written(cache, slots, 250, lambda tokens, cid: cache.purge("disk"))
+    assert result.skipped == [(cid, "being written to or read from disk")]
+    assert result.to_dict()["skipped"] == [{"id": cid, "reason": "being written to or read from disk"}]
+    assert cache.flush(30)
+    assert [c.id for c in cache.conversations()] == [cid]
+    folder = folder_of(cache)
+    assert f"conv-{cid}.safetensors" in our_files(folder)
+    check_restores(cache, slots, tokens)
+    assert cache.purge("disk").dropped == 1 and our_files(folder) == []
+    cache.close(spill=False)
+
+
+def test_cost_model_weighs_measured_disk_bandwidth_against_prefill_and_overrides_bite(tmp_path):
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path)), FakeSlots()
+    tokens = conversation(300, 20 * BLOCK + 5)
+    park_tokens(cache, slots, tokens)
+    assert cache.flush(10)
+    request = tokens + [7]
+    check_restores(cache, slots, tokens)  # no prefill rate yet: the hit is used; this measures disk bandwidth
+    bw = cache.stats().restore_bandwidth["disk"]
+    n = len(tokens)
+    read_bytes = math.ceil(n / BLOCK) * BLOCK * BPT
+    breakeven = (
+        n * bw / read_bytes
+    )  # the prefill rate at which prefilling n tokens takes as long as reading them
+    cache.prefill_tokens_per_s = 1.1 * breakeven  # prefill is faster: restoring is not worth it
+    assert cache.lookup(request) is None
+    cache.prefill_tokens_per_s = 0.9 * breakeven  # prefill is slower: the hit is used
+    hit = cache.lookup(request)
+    assert hit is not None and hit.n_tokens == n and hit.tier == "disk"
+    # only the tokens beyond what the slot already holds would be prefilled
+    assert cache.lookup(request, live_prefix=n // 2) is None
+    assert cache.stats().declined == {"cost": 2}
+    # the user's thresholds decline hits the cost model would take
+    cache.prefill_tokens_per_s = 0.1 * breakeven
+    cache.reconfigure(cache.settings.replace(n_min=n + 1))
+    assert cache.lookup(request) is None
+    cache.reconfigure(cache.settings.replace(n_min=n))
+    assert cache.lookup(request) is not None
+    longer = tokens + conversation(301, n)  # the hit covers n of 2n tokens: similarity 0.5
+    cache.reconfigure(cache.settings.replace(n_min=0, similarity=0.55))
+    assert cache.lookup(longer) is None
+    cache.reconfigure(cache.settings.replace(similarity=0.45))
+    assert cache.lookup(longer).n_tokens == n
+    assert cache.stats().declined == {"cost": 2, "n_min": 1, "similarity": 1}
+    cache.close(spill=False)
