@@ -354,7 +354,7 @@ class ConversationCache:
         with self._lock:
             candidates = [c for c in idx.prefixes_of(toks) if not c.failed]
             superseded = [c for c in candidates if not idx.is_pinned(c)]
-            same = [c for c in superseded if c.n_tokens == len(toks)]
+            same = [c for c in candidates if c.n_tokens == len(toks)]  # parked (written or on its way)
             if same:
                 same[0].last_used = time.time()
                 idx.touch(same[0].id)
