@@ -108,13 +108,17 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         """Plan devices, load the model and build the engine (raises ModelLoadError / ValueError)."""
-        from engine.model.loader import load_model, plan_stages, resolve_dtype
+        from engine.model.loader import layer_bytes, load_model, plan_stages, read_model_config, resolve_dtype
 
         if config.threads:
             torch.set_num_threads(config.threads)
-        probe = _probe_layers(config.model)
-        stages = plan_stages(probe, config.devices, config.layer_split)
-        dtype = resolve_dtype(config.dtype, stages[0][0])
+        shape = read_model_config(config.model)  # header only; the open GGUF is reused by load_model
+        ctx = min(config.ctx_size, shape.max_position_embeddings or config.ctx_size)
+        first = plan_stages(shape.n_layers, config.devices, config.layer_split)
+        dtype = resolve_dtype(config.dtype, first[0][0])
+        # Planned again with the per-layer size: a device without memory for its layers is refused here.
+        stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
+                             bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx))
         loaded = load_model(config.model, stages, dtype)
         return cls(config, loaded, stages)
 
@@ -630,28 +634,3 @@ class Engine:
                     self._park(slot)
         self.cache.close(spill=keeps, deadline_s=deadline_s)
 
-
-def _probe_layers(model_path: str) -> int:
-    """The model's layer count, read from its header, so devices can be planned before the weights load."""
-    import json
-
-    from engine.errors import ModelLoadError
-    from engine.model.loader import embedded_model_path
-
-    path = model_path or embedded_model_path()
-    try:
-        if os.path.isdir(path):
-            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-                cfg = json.load(f)
-            cfg = cfg.get("text_config", cfg)
-            return int(cfg["num_hidden_layers"])
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-        field = reader.fields[f"{arch}.block_count"]
-        return int(field.parts[field.data[0]][0])
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"{path}: no such file or folder") from exc
-    except Exception as exc:  # the loader gives the precise reason; this only has to not crash
-        raise ModelLoadError(f"{path}: cannot read the model header ({exc})") from exc
