@@ -203,3 +203,27 @@ def test_cost_model_weighs_measured_disk_bandwidth_against_prefill_and_overrides
     assert cache.lookup(longer).n_tokens == n
     assert cache.stats().declined == {"cost": 2, "n_min": 1, "similarity": 1}
     cache.close(spill=False)
+
+
+def test_a_park_can_evict_a_conversation_being_written_and_its_files_go_when_the_write_ends(tmp_path):
+    cache = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30, slots=1)
+    slots = FakeSlots(ctx=8192)
+    other = conversation(280, 5 * BLOCK + 1)
+
+    def park_other(tokens, cid):
+        r = park_tokens(cache, slots, other, slot=1)  # one slot: the entry being written must make way
+        assert r.parked and r.evicted == 1 and [c.id for c in cache.conversations()] == [r.conversation_id]
+        return r.conversation_id
+
+    kept, _, evicted = _while_being_written(cache, slots, 270, park_other)
+    assert cache.flush(30)
+    assert cache.stats().evictions >= 1 and [c.id for c in cache.conversations()] == [kept]
+    folder = folder_of(cache)
+    files = our_files(folder)
+    assert f"conv-{evicted}.safetensors" not in files and f"conv-{kept}.safetensors" in files
+    assert sum(f.startswith("blk-") for f in files) == 5  # only the kept conversation's blocks
+    check_restores(cache, slots, other)
+    cache.close(spill=False)
+    again = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30)
+    assert [c.id for c in again.conversations()] == [kept]
+    again.close(spill=False)

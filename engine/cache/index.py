@@ -154,10 +154,12 @@ class TierIndex:
         keep_keys: set[str],
         leaving: set[str],
         exclude: set[str],
+        in_flight_ok: bool = False,
     ) -> list[str] | None:
         """LRU conversations to evict so `need_bytes` more fit the budget and one more entry fits `slots`.
 
         `leaving` are entries this operation removes anyway; `keep_keys` blocks stay (the new entry holds them).
+        `in_flight_ok`: entries with I/O in flight may be chosen too (the caller removes their files afterwards).
         Returns None when even evicting every candidate would not make room (then nothing is evicted).
         """
         gone = set(leaving)
@@ -181,7 +183,7 @@ class TierIndex:
         for cid, conv in self.convs.items():
             if bytes_after <= budget and count_after <= slots:
                 break
-            if cid in gone or cid in exclude or self.is_pinned(conv):
+            if cid in gone or cid in exclude or (self.is_pinned(conv) and not in_flight_ok):
                 continue
             gone.add(cid)
             victims.append(cid)

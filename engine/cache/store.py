@@ -84,6 +84,7 @@ class ConversationCache:
         self._disk: DiskTier | None = None
         self._writer: _SpillWriter | None = None
         self._redirects: OrderedDict[str, str] = OrderedDict()
+        self._orphans: set[Conv] = set()  # evicted while being written: their files go once the write ends
         self._events: deque[dict] = deque(maxlen=1000)
         self._park_ms = TimingWindow()
         self._restore_ms = TimingWindow()
@@ -378,6 +379,7 @@ class ConversationCache:
                 keep_keys=set(keys),
                 leaving={c.id for c in candidates},
                 exclude={keep} if keep else set(),
+                in_flight_ok=True,  # only the writer pins entries while the engine thread parks
             )
             if victims is None:
                 raise _Refused(
@@ -425,8 +427,8 @@ class ConversationCache:
             raise _Refused("read_error", f"reading the slot's K/V failed: {exc}") from None
         with self._lock:
             for cid in victims:
-                if cid in idx.convs and not idx.is_pinned(idx.convs[cid]):
-                    self._remove_disk(cid, reason="evict")
+                if cid in idx.convs:
+                    self._evict_disk(cid)
             previous = None
             later: list[str] = []
             for old in superseded:
@@ -566,10 +568,32 @@ class ConversationCache:
             idx.add(conv, new_blocks)
             idx.release(keys[:have], _RESERVED)
             for cid in victims:
-                if cid in idx.convs and not idx.is_pinned(idx.convs[cid]):
-                    self._remove_disk(cid, reason="evict")
+                if cid in idx.convs:
+                    self._evict_disk(cid)
         new_bytes = sum(written.values()) + conv.nbytes
         return conv, new_bytes, len(victims)
+
+    def _evict_disk(self, conv_id: str) -> None:
+        """Evict a disk entry; one being written leaves the index now and its files once the writer is done."""
+        idx = self._disk.index
+        conv = idx.convs[conv_id]
+        for c in (conv, conv.previous):
+            if c is not None and c.pins:
+                self._orphans.add(c)
+        if conv.previous is not None and conv.previous.pins:
+            conv.previous = None  # its manifest is being published: removed by _reap, not now
+        self._remove_disk(conv_id, reason="evict")
+
+    def _remove_orphan(self, written: Conv) -> None:
+        """Remove the files a write published for an entry evicted meanwhile (caller holds the lock)."""
+        disk = self._disk
+        idx = disk.index
+        if written.on_disk and written.id not in idx.convs:
+            disk.delete_conv(written, [])
+        disk.delete_conv(
+            Conv("", written.tokens[:0], [], 0),
+            [Block(k, 0, on_disk=True) for k in written.keys if k not in idx.blocks],
+        )
 
     def _mark_block_written(self, idx: TierIndex, blk: Block, size: int) -> None:
         blk.on_disk = True
@@ -718,6 +742,10 @@ class ConversationCache:
             return
         idx = self._disk.index
         for kind, written, message in self._writer.take_results():
+            if written in self._orphans:
+                self._orphans.discard(written)
+                self._remove_orphan(written)
+                continue
             conv_id = written.id
             conv = idx.convs.get(conv_id)
             if conv is not written:
