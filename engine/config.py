@@ -239,6 +239,12 @@ class EngineConfig:
         16384, flag="--conversation-cache-disk-mib", kind="int", group="cache", unit="MiB", minimum=0,
         maximum=1 << 30, live=True, help="disk budget for parked conversations, counting file bytes",
     )
+    conversation_cache_write_buffer_mib: int = setting(
+        256, flag="--conversation-cache-write-buffer-mib", kind="int", group="cache", unit="MiB", minimum=0,
+        maximum=1 << 20, live=True,
+        help="RAM for parks and spills not yet written to disk (the most a disk park adds to RSS); when full the "
+        "oldest pending spill is dropped, and a disk park larger than this is written before the switch continues",
+    )
     conversation_cache_dir: str = setting(
         "", flag="--conversation-cache-dir", kind="str", group="cache", live=True, metavar="DIR",
         help="folder for parked conversations (empty = the user cache folder); one subfolder per model",

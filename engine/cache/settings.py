@@ -56,6 +56,7 @@ class CacheSettings:
             block_tokens=cfg.conversation_cache_block_tokens,
             n_min=cfg.conversation_cache_n_min,
             similarity=cfg.conversation_cache_similarity,
+            spill_queue_bytes=cfg.conversation_cache_write_buffer_mib * MIB,
         )
 
     def replace(self, **changes) -> CacheSettings:
