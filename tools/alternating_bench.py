@@ -123,16 +123,33 @@ def alternate(server: Server, n_tokens: int, n_convs: int, rounds: int, max_toke
     words = max(16, int(n_tokens * 0.75))
     convs = [[{"role": "system", "content": f"Conversation {i}. " + filler(words, i)},
               {"role": "user", "content": "Summarise the text above in one sentence."}] for i in range(n_convs)]
-    follow_ups, cached, rss = [], [], []
+    follow_ups, cached, rss, first_turns = [], [], [], []
     for r in range(rounds):
         for conv in convs:
             t, text, c = ttft(client, model, conv, max_tokens)
             if r > 0:
                 follow_ups.append(t)
                 cached.append(c)
+            else:
+                first_turns.append(t)
             rss.append(server.rss())
             conv += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And point {r + 2}?"}]
-    return {"follow_up_s": follow_ups, "cached": cached, "rss": rss, "model": model}
+    return {"follow_up_s": follow_ups, "cached": cached, "rss": rss, "model": model, "first_s": first_turns,
+            "convs": convs}
+
+
+def resume_after_restart(flags: list[str], convs: list[list[dict]], max_tokens: int) -> tuple[float, int]:
+    """Start a fresh engine on the same cache folder and time conversation 0's next turn."""
+    from openai import OpenAI
+
+    server = start_strata(flags)
+    try:
+        client = OpenAI(base_url=server.base + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        t, _, c = ttft(client, model, convs[0], max_tokens)
+        return t, c
+    finally:
+        server.stop()
 
 
 def memcpy_gbps() -> float:
@@ -228,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         if row["parks"]:
             per = row["bytes_parked"] / row["parks"]
             row["park_gbps"] = per / (row["park_ms"] / 1000) / 1e9 if row["park_ms"] else None
+        if args.storage != "ram":
+            # on.stop() was a clean shutdown: live slots and (tiered) the RAM tier are on disk now.
+            row["restart_s"], row["restart_cached"] = resume_after_restart(on_flags, r_on["convs"], args.max_tokens)
+            row["cold_s"] = statistics.median(r_off["first_s"])
+            print(f"N={n}: first request after a restart {row['restart_s']:.3f} s "
+                  f"({row['restart_cached']} tokens reused) vs cold prefill {row['cold_s']:.3f} s "
+                  f"({row['cold_s'] / row['restart_s']:.1f}x)", flush=True)
         if args.llama_server:
             row["llama_s"] = run_llama(args, n, ctx)
         rows.append(row)
