@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--engine-args", default="", help="extra `strata serve` flags for the cache-on engine")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.tokens.split(",")]
     ctx = max(sizes) * 2 + 1024
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         w, r = disk_gbps(tmp)
         results.update(disk_write_gbps=w, disk_read_gbps=r)
         print(f"disk {tmp}: write+fsync {w:.2f} GB/s, read {r:.2f} GB/s")
-    on_flags = base + ["--conversation-cache-storage", args.storage, "--conversation-cache-dir", os.path.join(tmp, "c")]
+    on_flags = base + ["--conversation-cache-storage", args.storage, "--conversation-cache-dir", os.path.join(tmp, "c"),
+                       *args.engine_args.split()]
     off_flags = base + ["--conversation-cache-mib", "0"]
 
     rows = []

@@ -93,6 +93,7 @@ class Engine:
         self.started_at = time.time()
         self.state = "ok"
         self.cache = self._make_cache(config)
+        self._warm_up()
 
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._waiting: list[tuple[GenerationRequest, RequestStream]] = []
@@ -104,6 +105,17 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ construction
+
+    def _warm_up(self) -> None:
+        """One short prefill and one decode step before serving, so the first request (often a conversation
+        resumed after a restart) does not pay the kernels' one-time set-up."""
+        from engine.model.llama import SeqChunk
+
+        with torch.inference_mode():
+            prompt = torch.zeros(min(8, self.ctx_size - 1), dtype=torch.int64)
+            self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
+            self.model.forward_chunks([SeqChunk(0, len(prompt), prompt[:1])], self.kv)
+        self.kv.clear(0)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
