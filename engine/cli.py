@@ -137,11 +137,17 @@ def serve(config: EngineConfig) -> int:
     _on_signals(request_shutdown)
 
     def load() -> None:
+        from engine.cache.errors import CacheError
         from engine.errors import ModelLoadError
         from engine.runtime.engine import Engine
 
         try:
             engine = Engine.from_config(config)
+        except CacheError as exc:
+            print(f"strata serve: error: conversation cache: {exc}", file=sys.stderr, flush=True)
+            outcome["exit"] = 2
+            server.should_exit = True
+            return
         except (ModelLoadError, ValueError, OSError) as exc:
             print(f"strata serve: error: cannot load the model: {exc}", file=sys.stderr, flush=True)
             outcome["exit"] = 2

@@ -36,7 +36,7 @@ def test_parity_on_the_bundled_model(scenario):
     assert outcome.passed, outcome.detail
 
 
-@pytest.mark.parametrize("storage", ["disk", "tiered"])
+@pytest.mark.parametrize("storage", ["ram", "disk", "tiered"])
 def test_parity_on_a_two_stage_cpu_split(tiny_model, storage):
     base = {**_base(tiny_model, storage), "devices": "cpu,cpu", "layer_split": "1,2"}
     outcome = run_scenario("basic", base, n_words=60, max_tokens=12)

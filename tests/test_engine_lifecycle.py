@@ -78,3 +78,16 @@ def _write(path: str, data: bytes) -> str:
     with open(path, "wb") as f:
         f.write(data)
     return path
+
+
+def test_second_engine_on_the_same_cache_folder_is_refused_at_start(tiny_model, tmp_path):
+    flags = ("--model", tiny_model, "--conversation-cache-storage", "disk", "--conversation-cache-dir", str(tmp_path))
+    first = start_engine(*flags)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "engine", "serve", "--port", "0", *flags], cwd=REPO,
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 2, proc.stderr
+        assert "strata serve: error: conversation cache:" in proc.stderr, proc.stderr
+        assert first.get_status("/health") == 200  # the first engine keeps serving
+    finally:
+        first.stop()

@@ -381,12 +381,21 @@ class Engine:
         new_config = self.config.replace(**parsed)
         changed = [n for n in parsed if getattr(self.config, n) != getattr(new_config, n)]
         if self.cache is None and changed:
+            from engine.cache.errors import CacheError
+
+            try:
+                self.cache = self._make_cache(new_config)
+            except (CacheError, ValueError, OSError) as exc:
+                raise ApiError(409, f"the cache could not start with the new settings: {exc}") from exc
             self.config = new_config
-            self.cache = self._make_cache(new_config)
         elif self.cache is not None and changed:
             from engine.cache import CacheSettings
+            from engine.cache.errors import CacheError
 
-            self.cache.reconfigure(CacheSettings.from_engine_config(new_config))
+            try:
+                self.cache.reconfigure(CacheSettings.from_engine_config(new_config))
+            except (CacheError, ValueError, OSError) as exc:
+                raise ApiError(409, f"the cache could not switch to the new settings, nothing changed: {exc}") from exc
             self.config = new_config
         log.info("cache config changed: %s", ", ".join(f"{n}={getattr(new_config, n)}" for n in changed) or "nothing")
         return {**self.cache_config(), "changed": changed}
