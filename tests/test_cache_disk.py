@@ -503,3 +503,19 @@ def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
         trials += 1
     assert trials >= 10 and total_parks >= 20, (trials, total_parks)
     print(f"{trials} kills, {total_parks} parks reported, {torn} kills left a temp file behind")
+
+
+def test_spill_that_evicts_a_conversation_sharing_its_blocks_keeps_those_blocks(tmp_path):
+    cache = make_cache(storage="tiered", dir=str(tmp_path), slots=1)
+    slots = FakeSlots()
+    prefix = conversation(1, 3 * BLOCK)
+    x = prefix + conversation(2, 2 * BLOCK)
+    y = prefix + conversation(3, 2 * BLOCK)
+    park_tokens(cache, slots, x)
+    park_tokens(cache, slots, y)  # one RAM slot: x is evicted and spilled, sharing the prefix blocks with y
+    assert cache.flush(30)  # x is written (a write in flight would pin it)
+    cache.close(spill=True)  # y spills; one disk slot: x goes, the prefix blocks y reuses must stay
+    reopened = make_cache(storage="disk", dir=str(tmp_path), slots=1)
+    assert [c.tokens for c in reopened.conversations()] == [len(y)]
+    check_restores(reopened, slots, y)
+    reopened.close(spill=False)

@@ -657,6 +657,8 @@ class ConversationCache:
                 "conversation cache: no room on disk for %s (%d tokens); dropped", conv.id, conv.n_tokens
             )
             return False
+        # Hold the blocks this spill reuses: evicting a victim that shares them must not free them.
+        idx.reserve(conv.keys[:have], _RESERVED)
         for cid in victims:
             self._drop_disk_entry(cid, "evict")
         conv_id = conv.id if conv.id not in idx.convs else secrets.token_hex(8)
@@ -673,6 +675,7 @@ class ConversationCache:
             supersedes=[c.id for c in superseded],
         )
         idx.add(pconv, new_blocks)
+        idx.release(conv.keys[:have], _RESERVED)  # the new entry holds them now
         assert self._writer is not None
         self._writer.submit(conv_id)
         if bounded:
