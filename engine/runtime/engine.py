@@ -206,6 +206,8 @@ class Engine:
             done.result(timeout=deadline_s + 5)
         except concurrent.futures.TimeoutError:
             log.warning("shutdown deadline of %.0f s hit; some conversations may not have been saved", deadline_s)
+        except Exception:  # a failure while saving must not keep the process from exiting
+            log.exception("saving parked conversations at shutdown failed")
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=5)
