@@ -187,6 +187,11 @@ class EngineConfig:
         "", flag="--layer-split", kind="str", group="model", metavar="auto|L1,L2,...",
         help="split layers across --devices: auto (by free memory) or layer counts per device; empty = one device",
     )
+    cpu_weights: str = setting(
+        "float", flag="--cpu-weights", kind="choice", group="model", choices=("float", "int4"),
+        help="int4: keep projection weights as 4-bit groups with bfloat16 activations on CPU (several times less "
+        "memory read per token: faster decode; logits no longer match float32 exactly)",
+    )
     threads: int = setting(
         0, flag="--threads", kind="int", group="runtime", minimum=0, maximum=1024,
         help="CPU threads for compute (0 = PyTorch's default)",

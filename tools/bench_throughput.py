@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode run")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     parser.add_argument("--rounds", type=int, default=3, help="measurements per side (best is kept)")
+    parser.add_argument("--cpu-weights", choices=("float", "int4"), default="float",
+                        help="int4: the engine's --cpu-weights int4 (transformers stays float32)")
     parser.add_argument("--no-transformers", action="store_true", help="measure the engine only")
     args = parser.parse_args(argv)
 
@@ -146,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model or embedded_model_path()
     t = time.perf_counter()
     lm = load_model(path, plan_stages(read_model_config(path).n_layers, args.device, ""), dtype)
+    if args.cpu_weights == "int4":
+        from engine.model.int4 import quantize_model
+
+        before, after = quantize_model(lm.model)
+        print(f"int4 weights: {before / 2**20:.0f} MiB of projections now {after / 2**20:.0f} MiB")
     load_s = time.perf_counter() - t
     lengths = [int(n) for n in args.prompt_tokens.split(",") if n]
     short = prompt_ids(lm.tokenizer, 32)

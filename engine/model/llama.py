@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.config import ModelConfig
+from engine.model.int4 import Int4Weight
 from engine.model.rope import RotaryTable
 from engine.runtime.kv_buffers import KVBuffers
 
@@ -63,7 +64,9 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring)."""
-    if _onednn(w):
+    if isinstance(w, Int4Weight):
+        y = w(x)
+    elif _onednn(w):
         n = x.shape[0]
         if n == 1:
             x = torch.cat((x, x.new_zeros(1, x.shape[1])))
@@ -81,6 +84,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor 
 
 def _logit_rows(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch)."""
+    if isinstance(w, Int4Weight):
+        return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])]) if h.shape[0] > 1 else w(h)
     if _onednn(w):
         if h.shape[0] == 1:
             return _onednn_linear(h, w)

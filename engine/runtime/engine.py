@@ -132,6 +132,8 @@ class Engine:
         stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
                              bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx))
         loaded = load_model(config.model, stages, dtype)
+        if config.cpu_weights == "int4":
+            _use_int4(loaded, stages)
         return cls(config, loaded, stages)
 
     def _make_cache(self, config: EngineConfig) -> Any:
@@ -145,6 +147,7 @@ class Engine:
             model={
                 **self.loaded.config.describe(),
                 "weights": self.loaded.fingerprint,
+                "weights_format": config.cpu_weights,  # int4 weights give other K/V than float ones
                 "tokenizer": self.tokenizer.fingerprint,
             },
             layout=self.layout,
@@ -305,7 +308,7 @@ class Engine:
 
             self.cache_identity = CacheIdentity(
                 model={**self.loaded.config.describe(), "weights": self.loaded.fingerprint,
-                       "tokenizer": self.tokenizer.fingerprint},
+                       "weights_format": self.config.cpu_weights, "tokenizer": self.tokenizer.fingerprint},
                 layout=self.layout,
                 block_tokens=self.config.conversation_cache_block_tokens,
             )
@@ -657,3 +660,16 @@ class Engine:
                     self._park(slot)
         self.cache.close(spill=keeps, deadline_s=deadline_s)
 
+
+def _use_int4(loaded: Any, stages: list[tuple[torch.device, int, int]]) -> None:
+    """Switch a CPU model's projection weights to 4-bit groups (`--cpu-weights int4`)."""
+    from engine.model import int4
+
+    if any(torch.device(d).type != "cpu" for d, _, _ in stages):
+        raise ValueError("--cpu-weights int4: only for models on the CPU; use --cpu-weights float with --devices cuda")
+    if loaded.dtype != torch.float32:
+        raise ValueError("--cpu-weights int4: needs --dtype float32 (or auto) on the CPU")
+    if not int4.available():
+        raise ValueError(f"--cpu-weights int4: this PyTorch ({torch.__version__}) has no CPU int4 kernels")
+    before, after = int4.quantize_model(loaded.model)
+    log.info("int4 weights: %.0f MiB of projections now %.0f MiB", before / 2**20, after / 2**20)

@@ -1,0 +1,71 @@
+"""`--cpu-weights int4`: 4-bit projection weights on CPU stay close to float32 and keep the cache exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.model import int4
+from engine.runtime.engine import Engine
+from engine.runtime.requests import GenerationRequest, SamplingParams
+from tests.model_fixtures import write_tiny_model
+from tools.conversation_cache_parity import run_scenario
+
+pytestmark = pytest.mark.skipif(not int4.available(), reason="this torch has no CPU int4 kernels")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("int4"), "llama")
+
+
+def test_int4_weight_tracks_float_matmul():
+    torch.manual_seed(0)
+    # Weights on a Q4_1-style grid (per 32 values: min + scale * q, q in 0..15), as in a Q4_1 GGUF.
+    q = torch.randint(0, 16, (64, 128)).float()
+    low, scale = torch.randn(64, 4, 1), torch.rand(64, 4, 1) + 0.1
+    w = (q.view(64, 4, 32) * scale + low).view(64, 128)
+    x = torch.randn(3, 128)
+    y = int4.Int4Weight(w)(x)
+    ref = x @ w.t()
+    # bfloat16 activations, scales and zero points: about 1% relative error, as with llama.cpp's Q8 activations.
+    relative = ((y - ref).norm() / ref.norm()).item()
+    assert relative < 0.03, relative
+
+
+def _greedy(engine: Engine, text: str, n: int = 16) -> list[int]:
+    prompt = engine.tokenizer.encode(text)
+    events = list(engine.submit(GenerationRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                             ignore_eos=True))))
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def test_int4_engine_is_deterministic_and_refused_off_cpu(tiny_model):
+    engine = Engine.from_config(EngineConfig(model=tiny_model, cpu_weights="int4", conversation_cache_mib=0))
+    try:
+        assert isinstance(engine.model.lm_head, int4.Int4Weight)
+        assert _greedy(engine, "a harbour at dawn") == _greedy(engine, "a harbour at dawn")
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="--cpu-weights int4: needs --dtype float32"):
+        Engine.from_config(EngineConfig(model=tiny_model, cpu_weights="int4", dtype="bfloat16"))
+
+
+def test_int4_cache_identity_differs_from_float(tiny_model):
+    engines = [Engine.from_config(EngineConfig(model=tiny_model, cpu_weights=w, conversation_cache_min_free_mib=0))
+               for w in ("float", "int4")]
+    try:
+        keys = {e.cache_identity.key for e in engines}
+        assert len(keys) == 2  # a conversation parked with float weights is never restored into int4 K/V
+    finally:
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.parametrize("storage", ["ram", "disk"])
+def test_int4_conversation_restores_byte_identical(tiny_model, storage):
+    base = {"model": tiny_model, "cpu_weights": "int4", "ctx_size": 2048, "conversation_cache_storage": storage,
+            "conversation_cache_min_free_mib": 0}
+    outcome = run_scenario("basic", base, n_words=60, max_tokens=12)
+    assert outcome.passed, outcome.detail
