@@ -84,6 +84,7 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = config.alias or loaded.name
+        self.weights_format = getattr(loaded, "weights_format", "float")
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.n_slots = config.parallel
@@ -132,7 +133,8 @@ class Engine:
         stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
                              bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx))
         loaded = load_model(config.model, stages, dtype)
-        if config.cpu_weights == "int4":
+        loaded.weights_format = _weights_format(config.cpu_weights, loaded, stages)
+        if loaded.weights_format == "int4":
             _use_int4(loaded, stages)
         return cls(config, loaded, stages)
 
@@ -147,7 +149,7 @@ class Engine:
             model={
                 **self.loaded.config.describe(),
                 "weights": self.loaded.fingerprint,
-                "weights_format": config.cpu_weights,  # int4 weights give other K/V than float ones
+                "weights_format": self.weights_format,  # int4 weights give other K/V than float ones
                 "tokenizer": self.tokenizer.fingerprint,
             },
             layout=self.layout,
@@ -308,7 +310,7 @@ class Engine:
 
             self.cache_identity = CacheIdentity(
                 model={**self.loaded.config.describe(), "weights": self.loaded.fingerprint,
-                       "weights_format": self.config.cpu_weights, "tokenizer": self.tokenizer.fingerprint},
+                       "weights_format": self.weights_format, "tokenizer": self.tokenizer.fingerprint},
                 layout=self.layout,
                 block_tokens=self.config.conversation_cache_block_tokens,
             )
@@ -330,6 +332,7 @@ class Engine:
             "ctx_size": self.ctx_size,
             "kv_bytes": self.kv.nbytes,
             "devices": [str(s.device) for s in self.kv.stages],
+            "weights_format": self.weights_format,
         }
 
     def cache_stats(self) -> dict:
@@ -659,6 +662,16 @@ class Engine:
                 if len(slot.tokens) >= MIN_PARK_TOKENS:
                     self._park(slot)
         self.cache.close(spill=keeps, deadline_s=deadline_s)
+
+
+def _weights_format(choice: str, loaded: Any, stages: list[tuple[torch.device, int, int]]) -> str:
+    """The effective --cpu-weights: auto means int4 where it applies (CPU, float32, kernels present)."""
+    if choice != "auto":
+        return choice
+    from engine.model import int4
+
+    on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in stages)
+    return "int4" if on_cpu and loaded.dtype == torch.float32 and int4.available() else "float"
 
 
 def _use_int4(loaded: Any, stages: list[tuple[torch.device, int, int]]) -> None:
