@@ -164,9 +164,11 @@ def test_routes_without_v1_prefix_answer_too(http):
 
 
 def test_client_disconnect_mid_stream_frees_the_slot(engine, client, http):
-    # With one slot, a stream left running (200 tokens) would hold the next request for tens of seconds.
+    # With one slot, a stream left running would hold the next request until its last token.
+    generated_before = http.get("/metrics").json()["engine"]["generated_tokens"]
+    max_tokens = CTX - 64
     stream = client.chat.completions.create(messages=[{"role": "user", "content": "Tell me a long story."}],
-                                            model="m", max_tokens=200, temperature=0, stream=True,
+                                            model="m", max_tokens=max_tokens, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True})
     received = 0
     for chunk in stream:
@@ -179,6 +181,8 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine, client, http):
     while http.get("/slots").json()[0]["state"] != "idle":
         assert time.monotonic() < deadline, "the slot stayed busy after the client went away"
         time.sleep(0.1)
+    generated = http.get("/metrics").json()["engine"]["generated_tokens"] - generated_before
+    assert generated < max_tokens // 2, f"the stream ran on after the client left ({generated} tokens)"
     started = time.monotonic()
     r = client.chat.completions.create(messages=HELLO, model="m", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens <= 2
@@ -187,9 +191,10 @@ def test_client_disconnect_mid_stream_frees_the_slot(engine, client, http):
 
 
 def test_client_disconnect_while_waiting_non_streaming_frees_the_slot(engine, http):
-    body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "max_tokens": 200,
+    # Long enough to outlast the client's patience at any decode speed this machine reaches (~140 tok/s).
+    body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "max_tokens": CTX - 64,
             "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=engine.base_url, timeout=2.0) as impatient:
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=engine.base_url, timeout=1.0) as impatient:
         impatient.post("/v1/chat/completions", json=body)
     deadline = time.monotonic() + 15
     while http.get("/slots").json()[0]["state"] != "idle":

@@ -21,7 +21,8 @@ def available() -> bool:
 
 
 def can_quantize(w: torch.Tensor) -> bool:
-    return w.dim() == 2 and w.device.type == "cpu" and w.shape[1] % GROUP == 0
+    # The packing kernel takes whole groups along `in` and rows in multiples of 16.
+    return w.dim() == 2 and w.device.type == "cpu" and w.shape[1] % GROUP == 0 and w.shape[0] % 16 == 0
 
 
 class Int4Weight:
