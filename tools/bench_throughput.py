@@ -36,9 +36,17 @@ def prompt_ids(tokenizer, n: int) -> torch.Tensor:
 
 
 def timed(fn) -> float:
+    """Seconds `fn` takes, including the GPU work it queued (CUDA calls return before the kernels finish)."""
+    _sync()
     t = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - t
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def engine_prefill(lm, ids: torch.Tensor, chunk: int):
