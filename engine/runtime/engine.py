@@ -143,20 +143,10 @@ class Engine:
         if off:
             log.info("conversation cache off (--conversation-cache-mib 0)")
             return None
-        from engine.cache import CacheIdentity, CacheSettings, ConversationCache
+        from engine.cache import CacheSettings, ConversationCache
 
-        identity = CacheIdentity(
-            model={
-                **self.loaded.config.describe(),
-                "weights": self.loaded.fingerprint,
-                "weights_format": self.weights_format,  # int4 weights give other K/V than float ones
-                "tokenizer": self.tokenizer.fingerprint,
-            },
-            layout=self.layout,
-            block_tokens=config.conversation_cache_block_tokens,
-        )
-        self.cache_identity = identity
-        return ConversationCache(CacheSettings.from_engine_config(config), identity, engine_version=__version__)
+        return ConversationCache(CacheSettings.from_engine_config(config), self._identity(),
+                                 engine_version=__version__)
 
     # ------------------------------------------------------------------ public API (any thread)
 
@@ -305,12 +295,17 @@ class Engine:
         slot.tokens = list(tokens)
 
     def _identity(self) -> Any:
+        """What parked K/V and session files must match to be restored here (block size is fixed at start)."""
         if getattr(self, "cache_identity", None) is None:
             from engine.cache import CacheIdentity
 
             self.cache_identity = CacheIdentity(
-                model={**self.loaded.config.describe(), "weights": self.loaded.fingerprint,
-                       "weights_format": self.weights_format, "tokenizer": self.tokenizer.fingerprint},
+                model={
+                    **self.loaded.config.describe(),
+                    "weights": self.loaded.fingerprint,
+                    "weights_format": self.weights_format,  # int4 weights give other K/V than float ones
+                    "tokenizer": self.tokenizer.fingerprint,
+                },
                 layout=self.layout,
                 block_tokens=self.config.conversation_cache_block_tokens,
             )
