@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.cache import CacheDirLockedError, CacheRestoreError, ConversationCache
-from engine.runtime.kv_buffers import KVLayout
+from engine.kv import KVLayout
 from tests.test_cache_support import (
     BLOCK,
     LAYOUT,

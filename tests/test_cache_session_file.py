@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.cache import SessionFileError, load_session, safe_session_path, save_session
-from engine.runtime.kv_buffers import KVLayout
+from engine.kv import KVLayout
 from tests.test_cache_support import LAYOUT, FakeSlots, conversation, identity
 
 

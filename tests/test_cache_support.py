@@ -9,7 +9,7 @@ import sys
 import torch
 
 from engine.cache import CacheIdentity, CacheSettings, ConversationCache
-from engine.runtime.kv_buffers import KVBuffers, KVLayout
+from engine.kv import KVBuffers, KVLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = KVLayout(n_layers=4, n_kv_heads=2, head_dim=16, dtype=torch.float32)  # 1 KiB per token

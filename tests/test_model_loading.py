@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine.errors import ModelLoadError
+from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, Tokenizer, embedded_model_path, load_model, plan_stages, resolve_dtype
 from engine.model.loader import read_model_config
-from engine.runtime.kv_buffers import KVBuffers, KVLayout
 from tests.model_fixtures import write_tiny_model
 
 CPU = torch.device("cpu")

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, embedded_model_path, load_model, plan_stages
-from engine.runtime.kv_buffers import KVBuffers, KVLayout
 from tests.model_fixtures import ARCHS, write_tiny_gguf, write_tiny_model
 
 transformers = pytest.importorskip("transformers")

@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.kv import KVBuffers, KVLayout  # noqa: E402
 from engine.model import SeqChunk, embedded_model_path, load_model, plan_stages, resolve_dtype  # noqa: E402
 from engine.model.loader import read_model_config  # noqa: E402
-from engine.runtime.kv_buffers import KVBuffers, KVLayout  # noqa: E402
 
 FILLER = (
     "The conversation cache keeps the attention state of a conversation that was switched out, so that when "

@@ -22,7 +22,7 @@ import torch
 from engine.cache.identity import CacheIdentity
 from engine.cache.settings import CacheSettings
 from engine.cache.store import ConversationCache
-from engine.runtime.kv_buffers import KVBuffers, KVLayout
+from engine.kv import KVBuffers, KVLayout
 
 SMOLLM2 = KVLayout(n_layers=30, n_kv_heads=3, head_dim=64, dtype=torch.float32)
 

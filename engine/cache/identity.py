@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from engine.runtime.kv_buffers import KVLayout
+from engine.kv import KVLayout
 
 FORMAT_VERSION = 1
 """Version of the key derivation and of the file format; files of another version are never restored."""

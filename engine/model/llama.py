@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.rope import RotaryTable
-from engine.runtime.kv_buffers import KVBuffers
 
 _MIN_GEMM_ROWS = 4
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")

@@ -24,7 +24,7 @@ import torch
 from engine import __version__
 from engine.config import EngineConfig, setting_of
 from engine.errors import ApiError
-from engine.runtime.kv_buffers import KVBuffers, KVLayout
+from engine.kv import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.stop_strings import StopStringFilter

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runtime.pinned_staging import PinnedStaging
+from engine.kv.pinned_staging import PinnedStaging
 
 
 @dataclass(frozen=True, slots=True)
