@@ -124,8 +124,8 @@ def test_disk_park_keeps_no_kv_resident(tmp_path):
     assert cache.flush(30)
     st = cache.stats()
     assert st.bytes_ram == 0 and st.bytes_pending == 0
-    assert all(blk.tensor is None and blk.on_disk for blk in cache._disk.index.blocks.values())
-    assert all(c.tail is None and c.on_disk for c in cache._disk.index.convs.values())
+    assert all(blk.tensor is None and blk.on_disk for blk in cache.disk.index.blocks.values())
+    assert all(c.tail is None and c.on_disk for c in cache.disk.index.convs.values())
     cache.close(spill=False)
 
 
@@ -182,7 +182,7 @@ def test_startup_index_keeps_good_files_and_removes_only_bad_files_of_ours(tmp_p
     left = sorted(os.listdir(folder))
     assert {"notes.txt", "conv-1.txt", "blk-not-ours.bin", "blk-" + "0" * 32 + ".safetensors"} <= set(left)
     assert "conv-hacked-9.safetensors" not in left and not any(".tmp-" in n for n in left)
-    held = {f"blk-{k}.safetensors" for k in again._disk.index.blocks}
+    held = {f"blk-{k}.safetensors" for k in again.disk.index.blocks}
     assert {
         n for n in left if n.startswith("blk-") and n.endswith(".safetensors") and "0" * 32 not in n
     } == held
@@ -208,7 +208,7 @@ def test_corrupt_block_is_never_restored_and_the_slot_is_untouched(tmp_path):
     assert cache.flush(10)
     folder = folder_of(cache)
     first_block = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("blk-"))
-    idx = cache._disk.index
+    idx = cache.disk.index
     shared_key = [k for k in idx.blocks if len(idx.blocks[k].holders) == 2][0]
     path = os.path.join(folder, f"blk-{shared_key}.safetensors")
     assert path in first_block
@@ -283,7 +283,7 @@ def test_purge_per_tier_counts_and_removes_files(tmp_path):
     slots = FakeSlots()
     for i in range(5):
         park_tokens(cache, slots, conversation(100 + i, 4 * BLOCK))
-    cache._writer.drain(time.monotonic() + 10)
+    assert cache.flush(10)
     st = cache.stats()
     assert (st.entries_ram, st.entries_disk) == (2, 3)
     ram = cache.purge("ram")
@@ -496,7 +496,7 @@ def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
         found = {r.id for r in c.conversations()}
         assert set(published) <= found, set(published) - found
         for cid in found - checked:
-            conv = c._disk.index.convs[cid]
+            conv = c.disk.index.convs[cid]
             check_restores(c, slots, conv.tokens.tolist())
         checked |= found
         c.close(spill=False)

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+from engine.cache.lifecycle import EntryState
 from tests.test_cache_disk import _in_child, check_restores, folder_of, our_files
 from tests.test_cache_support import BLOCK, LAYOUT, FakeSlots, conversation, make_cache, park_tokens
 
@@ -123,8 +124,8 @@ def _while_being_written(cache, slots, seed: int, action):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             with cache._lock:
-                conv = cache._disk.index.convs[cid]
-                if conv.pins:
+                conv = cache.disk.index.convs[cid]
+                if conv.state is EntryState.WRITING:
                     return action(tokens, cid), tokens, cid
                 if conv.on_disk:
                     break  # written before we looked: try another

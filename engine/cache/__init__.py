@@ -6,6 +6,7 @@ functions and the errors.
 """
 
 from engine.cache.errors import CacheDirLockedError, CacheError, CacheRestoreError, SessionFileError
+from engine.cache.facade import ConversationCache
 from engine.cache.identity import FORMAT_VERSION, CacheIdentity, block_keys, token_array
 from engine.cache.session_file import load_session, safe_session_path, save_session
 from engine.cache.settings import CacheSettings
@@ -18,7 +19,6 @@ from engine.cache.stats import (
     RestoreResult,
     Timing,
 )
-from engine.cache.store import ConversationCache
 
 __all__ = [
     "FORMAT_VERSION",

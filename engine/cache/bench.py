@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from engine.cache.facade import ConversationCache
 from engine.cache.identity import CacheIdentity
 from engine.cache.settings import CacheSettings
-from engine.cache.store import ConversationCache
 from engine.kv import KVBuffers, KVLayout
 
 SMOLLM2 = KVLayout(n_layers=30, n_kv_heads=3, head_dim=64, dtype=torch.float32)

@@ -23,6 +23,7 @@ from engine.cache.errors import CacheDirLockedError
 from engine.cache.fileformat import FileFormatError, file_chunks, read_header, read_tensor
 from engine.cache.identity import CacheIdentity, block_keys
 from engine.cache.index import Block, Conv, TierIndex
+from engine.cache.lifecycle import EntryState
 from engine.cache.session_file import block_file, check_conversation, check_identity, conversation_file
 
 log = logging.getLogger("strata.cache")
@@ -235,7 +236,9 @@ class DiskTier:
             created, hits = float(header.meta.get("created", mtime)), int(header.meta.get("hits", "0"))
         except ValueError:
             created, hits = mtime, 0
-        return Conv(conv_id, tokens, keys, size, created=created, last_used=mtime, hits=hits, on_disk=True)
+        return Conv(
+            conv_id, tokens, keys, size, created=created, last_used=mtime, hits=hits, state=EntryState.WRITTEN
+        )
 
     # ------------------------------------------------------------------ writes
 
@@ -309,6 +312,11 @@ class DiskTier:
         for blk in freed:
             if blk.on_disk:
                 _unlink(self.block_path(blk.key))
+
+    def delete_blocks(self, keys: list[str]) -> None:
+        """Remove published block files no index entry names (a rolled-back park, an orphaned write)."""
+        for key in keys:
+            _unlink(self.block_path(key))
 
     def touch(self, conv: Conv) -> None:
         """Persist last use (the manifest's mtime) so LRU and expiry survive a restart."""

@@ -17,3 +17,14 @@ class SessionFileError(CacheError):
 
 class CacheDirLockedError(CacheError):
     """Another engine holds the cache folder of this model; two engines never share one folder."""
+
+
+class ParkRefused(CacheError):
+    """A park (or a spill) that cannot be made; `reason` is one word for counters and `ParkResult.reason`.
+
+    Raised inside the cache only: `ConversationCache.park` turns it into a refused `ParkResult`.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.cache.lifecycle import EntryState, check_transition
+
 
 @dataclass(eq=False)
 class Block:
@@ -34,9 +36,9 @@ class Conv:
     created: float = 0.0
     last_used: float = 0.0
     hits: int = 0
-    on_disk: bool = False
-    pins: int = 0
-    failed: str = ""
+    state: EntryState = EntryState.RAM
+    pins: int = 0  # restores reading the entry right now (engine thread); the writer's hold is WRITING
+    error: str = ""  # why its write failed (state FAILED)
     supersedes: list[str] = field(
         default_factory=list
     )  # disk: prefix entries to drop once this one is written
@@ -48,9 +50,28 @@ class Conv:
     def n_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def on_disk(self) -> bool:
+        """Its manifest (and every block it names) is published."""
+        return self.state is EntryState.WRITTEN
+
+    @property
+    def failed(self) -> bool:
+        return self.state is EntryState.FAILED
+
+    @property
+    def busy(self) -> bool:
+        """I/O in flight on the entry itself: the writer holds it, or a restore reads it."""
+        return self.pins > 0 or self.state is EntryState.WRITING
+
+    def move(self, new: EntryState) -> None:
+        """Change state along a legal transition (asserted)."""
+        check_transition(self.state, new)
+        self.state = new
+
 
 class TierIndex:
-    """Blocks and conversations of one tier (no I/O, no policy)."""
+    """Blocks and conversations of one tier (no I/O, no policy: eviction order is engine.cache.policy)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -139,56 +160,4 @@ class TierIndex:
     def is_pinned(self, conv: Conv) -> bool:
         """I/O in flight on the entry, its blocks, or the version it replaces (whose manifest is being written)."""
         prev = conv.previous
-        return (
-            conv.pins > 0
-            or (prev is not None and prev.pins > 0)
-            or any(self.blocks[k].pins > 0 for k in conv.keys)
-        )
-
-    def plan_room(
-        self,
-        *,
-        need_bytes: int,
-        budget: int,
-        slots: int,
-        keep_keys: set[str],
-        leaving: set[str],
-        exclude: set[str],
-        in_flight_ok: bool = False,
-    ) -> list[str] | None:
-        """LRU conversations to evict so `need_bytes` more fit the budget and one more entry fits `slots`.
-
-        `leaving` are entries this operation removes anyway; `keep_keys` blocks stay (the new entry holds them).
-        `in_flight_ok`: entries with I/O in flight may be chosen too (the caller removes their files afterwards).
-        Returns None when even evicting every candidate would not make room (then nothing is evicted).
-        """
-        gone = set(leaving)
-        freed_keys: set[str] = set()
-
-        def freed_by(conv: Conv) -> int:
-            total = conv.nbytes
-            for k in conv.keys:
-                blk = self.blocks[k]
-                if k not in keep_keys and k not in freed_keys and blk.holders <= gone:
-                    freed_keys.add(k)
-                    total += blk.nbytes
-            return total
-
-        bytes_after = self.bytes + need_bytes
-        for cid in leaving:
-            if cid in self.convs:
-                bytes_after -= freed_by(self.convs[cid])
-        count_after = len([c for c in self.convs if c not in leaving]) + 1
-        victims: list[str] = []
-        for cid, conv in self.convs.items():
-            if bytes_after <= budget and count_after <= slots:
-                break
-            if cid in gone or cid in exclude or (self.is_pinned(conv) and not in_flight_ok):
-                continue
-            gone.add(cid)
-            victims.append(cid)
-            count_after -= 1
-            bytes_after -= freed_by(conv)
-        if bytes_after > budget or count_after > slots:
-            return None
-        return victims
+        return conv.busy or (prev is not None and prev.busy) or any(self.blocks[k].pins > 0 for k in conv.keys)

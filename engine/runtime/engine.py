@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -29,6 +29,11 @@ from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.stop_strings import StopStringFilter
 from engine.runtime.stream import RequestStream
+
+if TYPE_CHECKING:
+    from engine.cache.api import CacheAPI
+    from engine.cache.identity import CacheIdentity
+    from engine.cache.stats import CacheHit
 
 log = logging.getLogger("strata.engine")
 T = TypeVar("T")
@@ -93,7 +98,8 @@ class Engine:
         self.slots = [Slot(i) for i in range(self.n_slots)]
         self.started_at = time.time()
         self.state = "ok"
-        self.cache = self._make_cache(config)
+        self.cache_identity: CacheIdentity | None = None
+        self.cache: CacheAPI | None = self._make_cache(config)
         self._warm_up()
 
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -138,7 +144,7 @@ class Engine:
             _use_int4(loaded, stages)
         return cls(config, loaded, stages)
 
-    def _make_cache(self, config: EngineConfig) -> Any:
+    def _make_cache(self, config: EngineConfig) -> CacheAPI | None:
         off = config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0
         if off:
             log.info("conversation cache off (--conversation-cache-mib 0)")
@@ -294,9 +300,9 @@ class Engine:
             raise
         slot.tokens = list(tokens)
 
-    def _identity(self) -> Any:
+    def _identity(self) -> CacheIdentity:
         """What parked K/V and session files must match to be restored here (block size is fixed at start)."""
-        if getattr(self, "cache_identity", None) is None:
+        if self.cache_identity is None:
             from engine.cache import CacheIdentity
 
             self.cache_identity = CacheIdentity(
@@ -536,10 +542,10 @@ class Engine:
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return
-        if not getattr(result, "parked", False):
-            log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), getattr(result, "reason", "?"))
+        if not result.parked:
+            log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), result.reason)
 
-    def _restore_hit(self, slot: Slot, hit: Any, prompt: list[int]) -> int:
+    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int]) -> int:
         """Park the slot's contents, then restore `hit` into it; on any failure the slot is a clean miss."""
         assert self.cache is not None
         self._park_if_losing(slot, 0, protect=hit.conversation_id)

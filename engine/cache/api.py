@@ -1,0 +1,56 @@
+"""The one interface the runtime and the server use: what `Engine` depends on (`ConversationCache` is it).
+
+Threads: the engine thread makes every call except `stats`, `conversations` and `events`, which any thread may.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from engine.cache.settings import CacheSettings
+from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
+
+ReadKV = Callable[[int, int], torch.Tensor]
+"""`read_kv(start, end)`: host K/V of tokens [start, end) of the slot being parked."""
+WriteKV = Callable[[int, torch.Tensor], None]
+"""`write_kv(start, kv)`: put restored host K/V into the slot from token `start` on."""
+
+
+class CacheAPI(Protocol):
+    settings: CacheSettings
+    prefill_tokens_per_s: float | None  # measured by the engine; the restore cost model weighs it
+
+    def lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> CacheHit | None:
+        """The longest parked prefix worth restoring beyond `live_prefix`, or None (read-only)."""
+        ...
+
+    def record_miss(self) -> None: ...
+
+    def park(self, tokens: Sequence[int], read_kv: ReadKV, *, keep: str | None = None) -> ParkResult:
+        """Park a slot's conversation; a refusal is a `ParkResult` with a reason, never an exception."""
+        ...
+
+    def restore(self, hit: CacheHit, write_kv: WriteKV) -> RestoreResult:
+        """Write the hit's K/V into the slot; raises CacheRestoreError before the first write when it cannot."""
+        ...
+
+    def purge(self, tier: str) -> PurgeResult: ...
+
+    def reconfigure(self, settings: CacheSettings) -> list[str]:
+        """Apply new settings live; returns the names that changed (nothing changed when it raises)."""
+        ...
+
+    def conversations(self) -> list[ConversationInfo]: ...
+
+    def stats(self) -> CacheStats: ...
+
+    def events(self, limit: int = 200) -> list[dict]: ...
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for pending disk writes; True when all landed and none failed meanwhile."""
+        ...
+
+    def close(self, *, spill: bool, deadline_s: float = 30.0) -> None: ...

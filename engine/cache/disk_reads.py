@@ -1,0 +1,96 @@
+"""Reading the disk tier back: the pieces of a restore (verified, damaged entries removed) and moving every
+entry of one folder into another (reconfigure with a new `dir`). Functions over a `DiskStore`, lock held
+where they say so."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.cache.disk_store import DiskStore
+from engine.cache.errors import CacheRestoreError
+from engine.cache.fileformat import FileFormatError
+from engine.cache.index import Block, Conv
+from engine.cache.lifecycle import EntryState
+
+log = logging.getLogger("strata.cache")
+
+
+def disk_pieces(
+    store: DiskStore, conv: Conv, blocks: list[Block], use_tail: bool
+) -> tuple[list[tuple[int, torch.Tensor]], int]:
+    """(start, host K/V) pieces of a restore from RAM copies or files, and the bytes read; raises
+    CacheRestoreError (after removing what is damaged). The caller pins `conv` and `blocks`, lock not held."""
+    b = store.identity.block_tokens
+    pieces: list[tuple[int, torch.Tensor]] = []
+    read = 0
+    try:
+        for i, blk in enumerate(blocks):
+            kv = blk.tensor if blk.tensor is not None else store.files.read_block(blk.key)
+            pieces.append((i * b, kv))
+            read += kv.nbytes
+        if use_tail:
+            tail = conv.tail
+            if tail is None:
+                tail = store.files.read_tail(conv)
+                if tail is None:
+                    raise FileFormatError("corrupt", "manifest has no K/V for the partial block")
+            pieces.append((len(conv.keys) * b, tail))
+            read += tail.nbytes
+    except (FileFormatError, OSError) as exc:
+        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        log.warning("conversation cache: conversation %s cannot be restored (%s); removing it", conv.id, message)
+        with store._lock:
+            _drop_broken(store, conv, blocks)
+        raise CacheRestoreError(f"parked conversation {conv.id} is damaged ({message}); prefill instead") from None
+    return pieces, read
+
+
+def _drop_broken(store: DiskStore, conv: Conv, blocks: list[Block]) -> None:
+    """Remove a damaged conversation and every conversation sharing a damaged block (lock held)."""
+    idx = store.index
+    conv.pins -= 1  # the restore's own pins must not keep the damaged entries from going
+    for blk in blocks:
+        blk.pins -= 1
+    try:
+        bad = set()
+        for blk in blocks:
+            if blk.on_disk and blk.tensor is None:
+                try:
+                    store.files.read_block(blk.key)
+                except (FileFormatError, OSError):
+                    bad.add(blk.key)
+        victims = {conv.id} | {c.id for c in idx.convs.values() if bad & set(c.keys)}
+        for cid in victims:
+            if cid in idx.convs and not idx.is_pinned(idx.convs[cid]):
+                store.remove(cid, reason="corrupt")
+    finally:
+        conv.pins += 1
+        for blk in blocks:
+            blk.pins += 1
+
+
+def move_entries(old: DiskStore, new: DiskStore) -> None:
+    """Copy every entry of `old` into `new` (verified reads, atomic writes), then remove it from `old`.
+
+    Both writers are stopped; caller holds the lock."""
+    block_tokens = old.identity.block_tokens
+    for cid in list(old.index.convs):
+        conv = old.index.convs[cid]
+        if cid in new.index.convs:
+            continue
+        try:
+            missing = [k for k in conv.keys if k not in new.index.blocks]
+            sizes = new.files.write_blocks([(k, (lambda k=k: old.files.read_block(k))) for k in missing])
+            tail = old.files.read_tail(conv) if conv.n_tokens % block_tokens else None
+            copy = Conv(cid, conv.tokens, conv.keys, 0, created=conv.created, last_used=conv.last_used,
+                        hits=conv.hits, state=EntryState.WRITING)
+            copy.nbytes = new.files.write_manifest(copy, tail)
+            copy.move(EntryState.WRITTEN)
+        except (OSError, FileFormatError) as exc:
+            log.warning("conversation cache: could not move %s to %s: %s", cid, new.files.folder, exc)
+            continue
+        new.index.add(copy, [Block(k, sizes[k], on_disk=True) for k in missing])
+        c, freed = old.index.remove(cid)
+        old.files.delete_conv(c, freed)

@@ -1,0 +1,514 @@
+"""The disk tier's state: its index, its budget, the entries in flight, and what the writer reports.
+
+Owns (besides the files, through `DiskTier`) the disk index, the orphans (entries evicted while the writer held
+them), the results the writer has reported but the engine thread has not applied yet, and the writer itself.
+
+The budget is planned in one place, `_room`: a park (staged or written now), a tiered spill and a budget
+change all ask it which LRU entries must go. Every move of an entry into the index has two phases: `_reserve`
+holds the blocks it reuses (and pins the pending ones it writes itself) so nothing evicted meanwhile frees
+them; then `_publish` indexes the entry and releases them, or `_rollback` releases them and removes any file
+written for it. An entry or block in flight (pinned, or WRITING) is never freed: evicted while being written,
+it leaves the index at once and its files go when the writer reports (`_reap`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.cache.disk_tier import DAY, DiskTier
+from engine.cache.errors import ParkRefused
+from engine.cache.identity import CacheIdentity
+from engine.cache.index import Block, Conv
+from engine.cache.journal import Journal
+from engine.cache.lifecycle import EntryState
+from engine.cache.policy import plan_room
+from engine.cache.ram_tier import RESERVED, check_kv, inherit
+from engine.cache.settings import CacheSettings
+from engine.cache.staging import StagingBound
+from engine.cache.writer import DiskWriter, WriteJob, WriteResult
+
+log = logging.getLogger("strata.cache")
+MIB = 1 << 20
+ReadKV = Callable[[int, int], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Phase one of a move into the index: what is held until `_publish` or `_rollback`."""
+
+    reused: list[str]  # keys of blocks the entry reuses, held under RESERVED
+    victims: list[str]  # entries to evict (planned by `_room`)
+    pinned: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)  # pending blocks written now
+
+
+class DiskStore:
+    def __init__(
+        self,
+        settings: CacheSettings,
+        identity: CacheIdentity,
+        lock: threading.RLock,
+        journal: Journal,
+        files: DiskTier,
+    ) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.files = files
+        self.index = files.index
+        self._lock = lock
+        self._journal = journal
+        self._orphans: set[Conv] = set()
+        self._results: list[WriteResult] = []
+        self._writer: DiskWriter | None = None
+        self._next_expiry = 0.0
+        self.staging = StagingBound(self)
+
+    @property
+    def usable(self) -> bool:
+        return not self.files.error
+
+    # ------------------------------------------------------------------ budget: one planner, two phases
+
+    def _room(
+        self,
+        keys: list[str],
+        n_tokens: int,
+        *,
+        leaving: set[str],
+        exclude: set[str],
+        in_flight_ok: bool = False,
+    ) -> tuple[int, list[str]]:
+        """(blocks already held, victims) for an entry of `keys`/`n_tokens` under the disk budget and slots.
+
+        Raises ParkRefused("larger_than_budget" or "no_room"); nothing is changed here."""
+        s, idx, files = self.settings, self.index, self.files
+        have = idx.matched_blocks(keys)
+        manifest = files.manifest_size(n_tokens)
+        total = len(keys) * files.block_size() + manifest
+        if total > s.disk_bytes:
+            raise ParkRefused(
+                "larger_than_budget",
+                f"{total / MIB:.1f} MiB conversation is larger than the whole disk budget ({s.disk_bytes / MIB:.0f} MiB)",
+            )
+        victims = plan_room(
+            idx,
+            need_bytes=(len(keys) - have) * files.block_size() + manifest,
+            budget=s.disk_bytes,
+            slots=s.slots,
+            keep_keys=set(keys),
+            leaving=leaving,
+            exclude=exclude,
+            in_flight_ok=in_flight_ok,
+        )
+        if victims is None:
+            raise ParkRefused("no_room", "no room on disk: the conversations that would have to go are in use")
+        return have, victims
+
+    def _reserve(self, keys: list[str], have: int, victims: list[str], *, pin_pending: bool) -> Reservation:
+        res = Reservation(keys[:have], victims)
+        self.index.reserve(res.reused, RESERVED)
+        if pin_pending:
+            # blocks indexed but still waiting for the writer are written by this park too: a published
+            # manifest only ever names published block files
+            res.pinned = [(k, self.index.blocks[k].tensor) for k in res.reused if not self.index.blocks[k].on_disk]
+            for k, _ in res.pinned:
+                self.index.blocks[k].pins += 1
+        return res
+
+    def _publish(self, res: Reservation, conv: Conv, new_blocks: list[Block], written: dict[str, int]) -> None:
+        idx = self.index
+        for k, _ in res.pinned:
+            blk = idx.blocks[k]
+            blk.pins -= 1
+            if k in written:
+                self._mark_block_written(blk, written[k])
+        idx.add(conv, new_blocks)
+        idx.release(res.reused, RESERVED)
+
+    def _rollback(self, res: Reservation, written: dict[str, int]) -> None:
+        for k, _ in res.pinned:
+            self.index.blocks[k].pins -= 1
+        self.index.release(res.reused, RESERVED)
+        self.files.delete_blocks([k for k in written if k not in self.index.blocks])
+
+    def enforce_budget(self) -> None:
+        """Evict LRU entries (never one in flight) until the tier is within its budget and slot count."""
+        victims = plan_room(
+            self.index,
+            need_bytes=0,
+            budget=self.settings.disk_bytes,
+            slots=self.settings.slots,
+            keep_keys=set(),
+            leaving=set(),
+            exclude=set(),
+            adding=0,
+            best_effort=True,
+        )
+        for cid in victims or []:
+            if cid in self.index.convs:
+                self.remove(cid, reason="evict")
+
+    def expire_if_due(self) -> None:
+        now = time.time()
+        if now < self._next_expiry or self.settings.days <= 0:
+            return
+        self._next_expiry = now + 60
+        idx = self.index
+        for cid, conv in list(idx.convs.items()):
+            if conv.on_disk and now - conv.last_used > self.settings.days * DAY and not idx.is_pinned(conv):
+                self.remove(cid, reason="expire")
+
+    # ------------------------------------------------------------------ parks (disk mode, tiered fallback)
+
+    def park(
+        self, toks: np.ndarray, keys: list[str], read_kv: ReadKV, keep: str | None, *, background: bool = True
+    ) -> tuple[Conv, int, int]:
+        """Park on disk; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then.
+
+        With `background`, the new K/V is captured into host memory and queued for the writer: the park
+        returns without waiting on the disk and the entry is served from that copy until written, within the
+        staging bound. A park that cannot fit the bound (or without `background`) writes its files now.
+        """
+        if not self.usable or not self.settings.uses_disk:
+            raise ParkRefused("disk_unavailable", self.files.error or "no disk tier")
+        idx, b = self.index, self.identity.block_tokens
+        with self._lock:
+            candidates = [c for c in idx.prefixes_of(toks) if not c.failed]
+            superseded = [c for c in candidates if not idx.is_pinned(c)]
+            same = [c for c in candidates if c.n_tokens == len(toks)]  # parked (written or on its way)
+            if same:
+                same[0].last_used = time.time()
+                idx.touch(same[0].id)
+                if same[0].on_disk:
+                    self.files.touch(same[0])
+                return same[0], 0, 0
+            have, victims = self._room(
+                keys,
+                len(toks),
+                leaving={c.id for c in candidates},
+                exclude={keep} if keep else set(),
+                in_flight_ok=True,  # only the writer pins entries while the engine thread parks
+            )
+            n_tail = len(toks) - len(keys) * b
+            staged = (len(keys) - have) * self.identity.block_bytes + n_tail * self.identity.layout.bytes_per_token
+            protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
+            background = background and self._writer is not None and self.staging.make_room(staged, protect)
+            res = self._reserve(keys, have, victims, pin_pending=not background)
+            # a staged entry continues its line's id even while that line's last version is being written
+            line = inherit(candidates if background else superseded)
+        if background:
+            return self._stage(toks, keys, read_kv, res, candidates, line)
+        return self._write_now(toks, keys, read_kv, res, superseded, line)
+
+    def _capture(self, read_kv: ReadKV, start: int, end: int) -> torch.Tensor:
+        return check_kv(self.identity, read_kv(start, end), end - start)
+
+    def _stage(self, toks, keys, read_kv, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+        """Capture a park's new K/V into host memory and queue its write; the entry is restorable at once."""
+        b, have = self.identity.block_tokens, len(res.reused)
+        conv_id, created, hits = line
+        idx = self.index
+        new_blocks: list[Block] = []
+        tail = None
+        try:
+            for i in range(have, len(keys)):
+                new_blocks.append(Block(keys[i], self.files.block_size(), tensor=self._capture(read_kv, i * b, (i + 1) * b)))
+            if len(toks) > len(keys) * b:
+                tail = self._capture(read_kv, len(keys) * b, len(toks))
+        except Exception as exc:
+            with self._lock:
+                self._rollback(res, {})
+            if isinstance(exc, ParkRefused):
+                raise
+            log.exception("conversation cache: reading the slot's K/V failed")
+            raise ParkRefused("read_error", f"reading the slot's K/V failed: {exc}") from None
+        with self._lock:
+            for cid in res.victims:
+                if cid in idx.convs:
+                    self._evict(cid)
+            previous = None
+            later: list[str] = []
+            for old in superseded:
+                if idx.convs.get(old.id) is not old:
+                    continue
+                if old.id == conv_id:
+                    # the same conversation line: this entry takes its place. The version written (or being
+                    # written) stays the file on disk, and comes back on a failed write, until this one's
+                    # manifest replaces it; a version only queued is superseded before it was ever written.
+                    previous = old if old.on_disk or old.busy else old.previous
+                    later += [c for c in old.supersedes if c != conv_id]
+                    if previous is not old:
+                        old.previous = None
+                    idx.remove(old.id)
+                else:
+                    later.append(old.id)  # dropped once this entry is written
+            conv = Conv(
+                conv_id,
+                toks,
+                keys,
+                self.files.manifest_size(len(toks)),
+                tail=tail,
+                created=created,
+                last_used=time.time(),
+                hits=hits,
+                state=EntryState.PENDING,
+                supersedes=later,
+                previous=previous,
+            )
+            self._publish(res, conv, new_blocks, {})
+            assert self._writer is not None
+            self._writer.submit(conv_id)
+        new_bytes = sum(blk.tensor.nbytes for blk in new_blocks) + (tail.nbytes if tail is not None else 0)
+        return conv, new_bytes, len(res.victims)
+
+    def _write_now(self, toks, keys, read_kv, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+        """Write a conversation's new blocks and its manifest before returning."""
+        b, have = self.identity.block_tokens, len(res.reused)
+        conv_id, created, hits = line
+        idx = self.index
+
+        def capture(i: int):
+            return lambda: self._capture(read_kv, i * b, (i + 1) * b)
+
+        written: dict[str, int] = {}
+        try:
+            items = [(k, t) for k, t in res.pinned if t is not None]
+            items += [(keys[i], capture(i)) for i in range(have, len(keys))]
+            written = self.files.write_blocks(items)
+            n_tail = len(toks) - len(keys) * b
+            tail = self._capture(read_kv, len(keys) * b, len(toks)) if n_tail else None
+            conv = Conv(conv_id, toks, keys, 0, created=created, last_used=time.time(), hits=hits,
+                        state=EntryState.WRITING)
+            conv.nbytes = self.files.write_manifest(conv, tail)
+            conv.move(EntryState.WRITTEN)
+        except Exception as exc:
+            with self._lock:
+                self._rollback(res, written)
+            if isinstance(exc, ParkRefused):
+                raise
+            if isinstance(exc, OSError):
+                raise ParkRefused(
+                    "disk_error",
+                    f"writing to {self.files.folder} failed: {exc.strerror or exc}; nothing on disk was lost",
+                ) from None
+            log.exception("conversation cache: parking to disk failed")
+            raise ParkRefused("read_error", f"parking to disk failed: {exc}") from None
+        with self._lock:
+            new_blocks = [Block(keys[i], written[keys[i]], on_disk=True) for i in range(have, len(keys))]
+            for old in superseded:
+                if old.id not in idx.convs or idx.convs[old.id] is not old or idx.is_pinned(old):
+                    continue
+                if old.id == conv_id:
+                    idx.remove(old.id)  # its manifest file was just replaced by the new one
+                else:
+                    self.remove(old.id)
+                    self._journal.redirect(old.id, conv_id)
+            self._publish(res, conv, new_blocks, written)
+            for cid in res.victims:
+                if cid in idx.convs:
+                    self._evict(cid)
+        return conv, sum(written.values()) + conv.nbytes, len(res.victims)
+
+    # ------------------------------------------------------------------ tiered spills
+
+    def queue_spill(self, conv: Conv, tensors: dict[str, torch.Tensor | None], *, bounded: bool = True) -> bool:
+        """Index a RAM-evicted conversation as PENDING and queue its write; False (counted) when it cannot fit.
+
+        Caller holds the lock."""
+        idx = self.index
+        superseded = [c for c in idx.prefixes_of(conv.tokens) if not c.failed]
+        if any(c.n_tokens == conv.n_tokens for c in superseded):
+            return True  # already on disk (or on its way)
+        try:
+            have, victims = self._room(conv.keys, conv.n_tokens, leaving={c.id for c in superseded}, exclude=set())
+        except ParkRefused:
+            self._journal.count("spill_dropped")
+            self._journal.event("spill_drop", conv.id, conv.n_tokens, 0, 0.0, "disk", reason="no room on disk")
+            log.warning("conversation cache: no room on disk for %s (%d tokens); dropped", conv.id, conv.n_tokens)
+            return False
+        # Hold the blocks this spill reuses: evicting a victim that shares them must not free them.
+        res = self._reserve(conv.keys, have, victims, pin_pending=False)
+        for cid in victims:
+            self.remove(cid, reason="evict")
+        conv_id = conv.id if conv.id not in idx.convs else inherit([])[0]
+        new_blocks = [Block(k, self.files.block_size(), tensor=tensors[k]) for k in conv.keys[have:]]
+        pending = Conv(
+            conv_id,
+            conv.tokens,
+            list(conv.keys),
+            self.files.manifest_size(conv.n_tokens),
+            tail=conv.tail,
+            created=conv.created,
+            last_used=conv.last_used,
+            hits=conv.hits,
+            state=EntryState.PENDING,
+            supersedes=[c.id for c in superseded],
+        )
+        self._publish(res, pending, new_blocks, {})
+        assert self._writer is not None
+        self._writer.submit(conv_id)
+        if bounded:
+            self.staging.bound(keep=conv_id)
+        return True
+
+    # ------------------------------------------------------------------ removal
+
+    def _evict(self, conv_id: str) -> None:
+        """Evict an entry; one being written leaves the index now and its files once the writer is done."""
+        conv = self.index.convs[conv_id]
+        for c in (conv, conv.previous):
+            if c is not None and c.busy:
+                self._orphans.add(c)
+        if conv.previous is not None and conv.previous.busy:
+            conv.previous = None  # its manifest is being published: removed by _reap, not now
+        self.remove(conv_id, reason="evict")
+
+    def _mark_block_written(self, blk: Block, size: int) -> None:
+        blk.on_disk = True
+        blk.tensor = None
+        self.index.bytes += size - blk.nbytes
+        blk.nbytes = size
+
+    def remove(self, conv_id: str, *, reason: str = "") -> int:
+        """Drop an entry (written or pending, never one in flight) and the files no one else needs; returns
+        the bytes freed. Caller holds the lock."""
+        idx = self.index
+        before = idx.bytes
+        conv, freed = idx.remove(conv_id)
+        self.files.delete_conv(conv, freed)
+        if conv.previous is not None and not conv.on_disk:
+            self.files.delete_conv(conv.previous, [])  # the written version it was to replace goes too
+            conv.previous = None
+        if self._writer is not None:
+            self._writer.forget(conv_id)
+        if reason:
+            if reason == "evict":
+                self._journal.count("evictions")
+            self._journal.event(reason, conv_id, conv.n_tokens, before - idx.bytes, 0.0, "disk")
+        return before - idx.bytes
+
+    def purge(self) -> tuple[int, int, list[tuple[str, str]]]:
+        """Drop every entry not in flight; returns (conversations, bytes, skipped). Caller holds the lock."""
+        dropped, freed, skipped = 0, 0, []
+        for cid in list(self.index.convs):
+            if self.index.is_pinned(self.index.convs[cid]):
+                skipped.append((cid, "being written to or read from disk"))
+                continue
+            freed += self.remove(cid, reason="purge")
+            dropped += 1
+        return dropped, freed, skipped
+
+    # ------------------------------------------------------------------ the writer and what it reports
+
+    def start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = DiskWriter(self._lock, self.files, self._claim, self._report)
+            self._writer.start()
+
+    @property
+    def writing(self) -> bool:
+        return self._writer is not None
+
+    def drain(self, deadline: float) -> bool:
+        return self._writer.drain(deadline) if self._writer is not None else True
+
+    def stop_writer(self, deadline: float) -> bool:
+        """Let the writer finish what is queued until `deadline` (monotonic); True when everything was written."""
+        if self._writer is None:
+            return True
+        done = self._writer.drain(deadline)
+        self._writer.stop(deadline)
+        with self._lock:
+            self.reap()
+            self._writer = None
+        return done
+
+    def _claim(self, conv_id: str) -> WriteJob | None:
+        """Phase one of a write (writer thread, lock held): PENDING -> WRITING, its unwritten blocks pinned."""
+        conv = self.index.convs.get(conv_id)
+        if conv is None or conv.state is not EntryState.PENDING:
+            return None
+        conv.move(EntryState.WRITING)
+        blocks = [self.index.blocks[k] for k in conv.keys if not self.index.blocks[k].on_disk]
+        for blk in blocks:
+            blk.pins += 1
+        return WriteJob(conv, [(blk.key, blk.tensor) for blk in blocks], conv.tail, extra=blocks)
+
+    def _report(self, result: WriteResult) -> None:
+        """Phase two (writer thread, lock held): publish the written blocks and the entry, or mark it FAILED."""
+        conv, blocks = result.job.conv, result.job.extra
+        idx = self.index
+        for blk in blocks:
+            blk.pins -= 1
+            if blk.key in result.sizes and blk.key in idx.blocks:
+                self._mark_block_written(blk, result.sizes[blk.key])
+        if result.error:
+            conv.error = result.error
+            conv.move(EntryState.FAILED)
+        else:
+            conv.move(EntryState.WRITTEN)
+            conv.tail = None
+            conv.previous = None  # its manifest replaced the previous version's
+            if idx.convs.get(conv.id) is conv:
+                idx.bytes += result.manifest_bytes - conv.nbytes
+            conv.nbytes = result.manifest_bytes
+            written = sum(result.sizes.values()) + result.manifest_bytes
+            self._journal.count("spills")
+            self._journal.count("bytes_spilled", written)
+            self._journal.event("spill", conv.id, conv.n_tokens, written, result.ms, "disk")
+        self._results.append(result)
+
+    def reap(self) -> None:
+        """Apply what the writer reported (engine thread, lock held): drop the entries a finished write
+        supersedes, drop failed writes (their previous version comes back), remove orphans' files."""
+        results, self._results = self._results, []
+        idx = self.index
+        for result in results:
+            written = result.job.conv
+            if written in self._orphans:
+                self._orphans.discard(written)
+                self._remove_orphan(written)
+                continue
+            conv_id = written.id
+            conv = idx.convs.get(conv_id)
+            if conv is not written:
+                # removed, or replaced by a newer version of its line that keeps it as the version on disk
+                if written.failed and conv is not None and conv.previous is written:
+                    conv.previous = written.previous  # the one before it is still the file on disk
+                    written.previous = None
+                    self._journal.count("spill_failed")
+                    log.warning(
+                        "conversation cache: writing %s to disk failed (%s); its newer version is pending",
+                        conv_id,
+                        written.error,
+                    )
+                continue
+            if written.on_disk:
+                for old in conv.supersedes:
+                    if old in idx.convs and old != conv_id and not idx.is_pinned(idx.convs[old]):
+                        self.remove(old)
+                        self._journal.redirect(old, conv_id)
+                conv.supersedes = []
+            elif idx.is_pinned(conv):
+                self._results.append(result)  # dropped once its reader is done
+            else:
+                self._journal.count("spill_failed")
+                log.warning(
+                    "conversation cache: writing %s to disk failed (%s); dropped%s; nothing already on disk was lost",
+                    conv_id,
+                    written.error,
+                    ", its previously written version is kept" if conv.previous is not None else "",
+                )
+                self.staging.drop_pending(conv, "spill_failed")
+
+    def _remove_orphan(self, written: Conv) -> None:
+        """Remove the files a write published for an entry evicted meanwhile."""
+        if written.on_disk and written.id not in self.index.convs:
+            self.files.delete_conv(written, [])
+        self.files.delete_blocks([k for k in written.keys if k not in self.index.blocks])

@@ -1,0 +1,480 @@
+"""The conversation cache: park a slot's K/V, find the longest reusable prefix, restore it, under budgets.
+
+`ConversationCache` is the one interface the runtime and the server use (`CacheAPI` in engine.cache.api). It
+owns the settings, the lock and the journal (counters, events), and routes each call to the tier that owns
+the state: `RamTier` (ram_tier.py) and `DiskStore` (disk_store.py, with its files in disk_tier.py and its
+background `DiskWriter`). Three modes:
+- ram: blocks live in RAM; evicted conversations are dropped.
+- disk: a park captures the slot's new K/V into host memory and queues it for the background writer, then
+  returns: a switch never waits on the disk. Until written, the entry is served from that RAM copy; once
+  written, RAM keeps only the index. The RAM held by pending writes is bounded by `spill_queue_bytes` (the
+  oldest pending write is dropped and counted to make room; a park bigger than the bound alone is written to
+  its files before returning). A failed write is counted (`spill_failed`) and logged, and loses nothing that
+  was already on disk: a re-park's previous written version stays the file on disk until replaced.
+- tiered: parks go to RAM; what RAM evicts is queued for the same background writer (served from its RAM copy
+  until written, under the same bound); `close(spill=True)` writes everything parked.
+Threads: the engine thread is the only caller of mutating methods; `stats`, `conversations` and `events` may
+be called from any thread; the writer thread only writes files and reports under the same lock. What it
+reports is applied by the engine thread (`DiskStore.reap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.cache.api import ReadKV, WriteKV
+from engine.cache.disk_reads import disk_pieces, move_entries
+from engine.cache.disk_store import DiskStore
+from engine.cache.disk_tier import DiskTier
+from engine.cache.errors import CacheRestoreError, ParkRefused
+from engine.cache.identity import CacheIdentity, block_keys, token_array
+from engine.cache.index import Conv, TierIndex
+from engine.cache.journal import Journal
+from engine.cache.policy import common_prefix, decline_reason
+from engine.cache.ram_tier import RamTier
+from engine.cache.settings import CacheSettings
+from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
+
+log = logging.getLogger("strata.cache")
+MIB = 1 << 20
+TIERS = ("ram", "disk", "all")
+
+
+class ConversationCache:
+    """Parked conversations of one model identity, in RAM and/or on disk."""
+
+    def __init__(self, settings: CacheSettings, identity: CacheIdentity, *, engine_version: str) -> None:
+        if settings.block_tokens != identity.block_tokens:
+            raise ValueError(
+                f"block_tokens: settings say {settings.block_tokens}, identity says {identity.block_tokens}"
+            )
+        self.settings = settings
+        self.identity = identity
+        self.engine_version = engine_version
+        self.prefill_tokens_per_s: float | None = None
+        self._lock = threading.RLock()
+        self._journal = Journal()
+        self.ram = RamTier(settings, identity, self._lock, self._journal, self._spill)
+        self.disk: DiskStore | None = None
+        if settings.uses_disk:
+            self.disk = self._open_disk(settings)
+            self.disk.start_writer()
+            self._enforce_budgets()
+        log.info(
+            "conversation cache: storage %s, RAM %d MiB, disk %d MiB, %d slots, blocks of %d tokens (%.2f MiB)",
+            settings.storage,
+            settings.ram_bytes // MIB,
+            settings.disk_bytes // MIB,
+            settings.slots,
+            identity.block_tokens,
+            identity.block_bytes / MIB,
+        )
+
+    def _open_disk(self, settings: CacheSettings) -> DiskStore:
+        files = DiskTier(settings.dir, self.identity, engine_version=self.engine_version)
+        files.open(days=settings.days)
+        return DiskStore(settings, self.identity, self._lock, self._journal, files)
+
+    def _tiers(self) -> list[tuple[str, TierIndex]]:
+        tiers = [("ram", self.ram.index)]
+        if self.disk is not None:
+            tiers.append(("disk", self.disk.index))
+        return tiers
+
+    def _reap(self) -> None:
+        if self.disk is not None:
+            self.disk.reap()
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> CacheHit | None:
+        """The longest parked prefix of `tokens` worth restoring (beyond `live_prefix`), or None. Read-only."""
+        toks = token_array(tokens)
+        if len(toks) < 2 or not self.settings.enabled:
+            return None
+        keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
+        with self._lock:
+            self._reap()  # a failed write gives its conversation's written version back before matching
+            best: tuple[int, str, Conv] | None = None
+            for tier, index in self._tiers():
+                for conv in index.candidates(keys):
+                    if conv.failed:
+                        continue
+                    n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
+                    if best is None or n > best[0]:
+                        best = (n, tier, conv)
+            if best is None or best[0] <= max(live_prefix, 0):
+                return None
+            n, tier, conv = best
+            reason = decline_reason(
+                self.settings,
+                self.identity,
+                n=n,
+                n_request=len(toks),
+                live_prefix=live_prefix,
+                bandwidth=self._journal.bandwidth[tier],
+                prefill_tokens_per_s=self.prefill_tokens_per_s,
+            )
+            if reason:
+                self._journal.declined_hit(reason)
+                return None
+            return CacheHit(conv.id, n, tier, n * self.identity.layout.bytes_per_token, self.identity.key)
+
+    def record_miss(self) -> None:
+        with self._lock:
+            self._journal.count("misses")
+
+    # ------------------------------------------------------------------ park
+
+    def park(self, tokens: Sequence[int], read_kv: ReadKV, *, keep: str | None = None) -> ParkResult:
+        """Park a slot's conversation: `tokens` are exactly the tokens whose K/V `read_kv(start, end)` returns.
+
+        Captures only blocks this tier does not hold yet. `keep` names a conversation that must not be evicted
+        (the hit about to be restored into this slot). Never raises for a refusal: see `ParkResult.reason`.
+        """
+        t0 = time.perf_counter()
+        try:
+            toks = token_array(tokens)
+        except ValueError as exc:
+            return self._refuse("bad_tokens", str(exc), 0)
+        with self._lock:
+            self._reap()
+            if self.disk is not None:
+                self.disk.expire_if_due()
+        if not self.settings.enabled:
+            return self._refuse("off", "the conversation cache is off", len(toks))
+        if len(toks) == 0:
+            return self._refuse("empty", "nothing to park", 0)
+        keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
+        try:
+            conv, new_bytes, evicted, tier = self._park(toks, keys, read_kv, keep)
+        except ParkRefused as exc:
+            return self._refuse(exc.reason, str(exc), len(toks))
+        ms = (time.perf_counter() - t0) * 1000
+        with self._lock:
+            self._journal.count("parks")
+            self._journal.count("bytes_parked", new_bytes)
+            self._journal.park_ms.add(ms)
+            self._journal.event("park", conv.id, len(toks), new_bytes, ms, tier)
+        log.info(
+            "conversation cache: parked %s in %s: %d tokens, %.1f MiB new, %.1f ms",
+            conv.id,
+            tier,
+            len(toks),
+            new_bytes / MIB,
+            ms,
+        )
+        return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
+
+    def _park(self, toks, keys, read_kv: ReadKV, keep: str | None) -> tuple[Conv, int, int, str]:
+        if not self.settings.uses_ram:
+            if self.disk is None:
+                raise ParkRefused("disk_unavailable", "no disk tier")
+            return (*self.disk.park(toks, keys, read_kv, keep), "disk")
+        try:
+            return (*self.ram.park(toks, keys, read_kv, keep), "ram")
+        except ParkRefused as exc:
+            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "min_free")
+            if not (fallback and self.disk is not None):
+                raise
+            log.info("conversation cache: %s; parking on disk instead", exc)
+            # written before returning: staging it in RAM would defeat the reason RAM refused it
+            return (*self.disk.park(toks, keys, read_kv, keep, background=False), "disk")
+
+    def _refuse(self, reason: str, message: str, n_tokens: int) -> ParkResult:
+        with self._lock:
+            self._journal.refused(reason)
+            self._journal.event("refuse", None, n_tokens, 0, 0.0, "", reason=reason)
+        level = logging.DEBUG if reason in ("off", "empty") else logging.WARNING
+        log.log(level, "conversation cache: park of %d tokens refused: %s", n_tokens, message)
+        return ParkResult(False, None, reason, n_tokens=n_tokens)
+
+    def _spill(self, conv: Conv, tensors: dict[str, torch.Tensor | None]) -> None:
+        """What RAM evicts: tiered mode queues it for the disk writer; otherwise it is gone."""
+        disk = self.disk
+        if self.settings.storage == "tiered" and disk is not None and disk.usable:
+            disk.queue_spill(conv, tensors)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, hit: CacheHit, write_kv: WriteKV) -> RestoreResult:
+        """Validate and gather the hit's K/V in host memory, then `write_kv(start, kv)` for [0, hit.n_tokens).
+
+        Raises CacheRestoreError before the first `write_kv` when anything is wrong; exceptions of `write_kv`
+        itself propagate (the engine then clears the slot).
+        """
+        t0 = time.perf_counter()
+        b = self.identity.block_tokens
+        with self._lock:
+            self._reap()
+            if hit.identity_key and hit.identity_key != self.identity.key:
+                self._journal.count("restore_failures")
+                raise CacheRestoreError("the hit was made for another model identity; prefill instead")
+            found = self._find(hit)
+            if found is None:
+                self._journal.count("restore_failures")
+                raise CacheRestoreError(f"conversation {hit.conversation_id} is no longer parked; prefill instead")
+            tier, conv = found
+            n = hit.n_tokens
+            if not 0 < n <= conv.n_tokens:
+                self._journal.count("restore_failures")
+                raise CacheRestoreError(f"hit of {n} tokens does not fit conversation {conv.id} ({conv.n_tokens})")
+            n_full = min(len(conv.keys), math.ceil(n / b))
+            use_tail = n > len(conv.keys) * b
+            disk = self.disk if tier == "disk" else None
+            index = self.ram.index if disk is None else disk.index
+            blocks = [index.blocks[k] for k in conv.keys[:n_full]]
+            if disk is not None:  # reading: the entry and its blocks stay until done
+                conv.pins += 1
+                for blk in blocks:
+                    blk.pins += 1
+        try:
+            if disk is None:
+                pieces, read_bytes = self.ram.pieces(conv, blocks, use_tail)
+            else:
+                pieces, read_bytes = disk_pieces(disk, conv, blocks, use_tail)
+            self._check_pieces(conv, pieces)
+        except CacheRestoreError:
+            with self._lock:
+                self._journal.count("restore_failures")
+            raise
+        finally:
+            if disk is not None:
+                with self._lock:
+                    conv.pins -= 1
+                    for blk in blocks:
+                        blk.pins -= 1
+        for start, kv in pieces:
+            if start >= n:
+                break
+            take = min(kv.shape[2], n - start)
+            write_kv(start, kv if take == kv.shape[2] else kv[:, :, :take])
+        ms = (time.perf_counter() - t0) * 1000
+        nbytes = n * self.identity.layout.bytes_per_token
+        with self._lock:
+            conv.hits += 1
+            conv.last_used = time.time()
+            if conv.id in index.convs:
+                index.touch(conv.id)
+            if disk is not None and self.disk is disk and conv.on_disk:
+                disk.files.touch(conv)
+            for name, value in (("restores", 1), ("hits", 1), ("tokens_reused", n), ("bytes_restored", nbytes)):
+                self._journal.count(name, value)
+            self._journal.restored(tier, read_bytes, ms)
+            self._journal.event("restore", conv.id, n, nbytes, ms, tier)
+        log.info(
+            "conversation cache: restored %s from %s: %d tokens, %.1f MiB, %.1f ms",
+            conv.id,
+            tier,
+            n,
+            nbytes / MIB,
+            ms,
+        )
+        return RestoreResult(n, nbytes, ms, tier)
+
+    def _find(self, hit: CacheHit) -> tuple[str, Conv] | None:
+        conv_id = hit.conversation_id
+        redirects = self._journal.redirects
+        for _ in range(16):
+            tiers = sorted(self._tiers(), key=lambda t: t[0] != hit.tier)
+            for tier, index in tiers:
+                conv = index.convs.get(conv_id)
+                if conv is not None and not conv.failed and conv.n_tokens >= hit.n_tokens:
+                    return tier, conv
+            if conv_id not in redirects:
+                return None
+            conv_id = redirects[conv_id]
+        return None
+
+    def _check_pieces(self, conv: Conv, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        layout, b = self.identity.layout, self.identity.block_tokens
+        for start, kv in pieces:
+            n = kv.shape[2]
+            if (
+                tuple(kv.shape) != layout.host_shape(n)
+                or kv.dtype != layout.dtype
+                or (start < len(conv.keys) * b and n != b)
+            ):
+                raise CacheRestoreError(f"conversation {conv.id}: stored K/V has the wrong shape or dtype")
+
+    # ------------------------------------------------------------------ purge, listing, stats, events
+
+    def purge(self, tier: str) -> PurgeResult:
+        """Drop every parked conversation of `tier` ("ram", "disk" or "all"); in-flight entries are skipped."""
+        if tier not in TIERS:
+            raise ValueError(f"tier: expected ram, disk or all, got {tier!r}")
+        dropped, freed, skipped = 0, 0, []
+        with self._lock:
+            self._reap()
+            if tier in ("ram", "all"):
+                dropped, freed = self.ram.purge()
+            if tier in ("disk", "all") and self.disk is not None:
+                n, nbytes, skipped = self.disk.purge()
+                dropped, freed = dropped + n, freed + nbytes
+        log.info(
+            "conversation cache: purged %s: %d conversations, %.1f MiB; %d skipped",
+            tier,
+            dropped,
+            freed / MIB,
+            len(skipped),
+        )
+        return PurgeResult(dropped, freed, skipped, tier)
+
+    def conversations(self) -> list[ConversationInfo]:
+        """Every parked conversation, most recently used first."""
+        with self._lock:
+            rows = [
+                ConversationInfo(
+                    conv.id,
+                    conv.n_tokens,
+                    index.conv_bytes(conv),
+                    tier,
+                    conv.created,
+                    conv.last_used,
+                    conv.hits,
+                    pending=tier == "disk" and not conv.on_disk,
+                )
+                for tier, index in self._tiers()
+                for conv in index.convs.values()
+            ]
+        return sorted(rows, key=lambda r: r.last_used, reverse=True)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            s, disk, j = self.settings, self.disk, self._journal
+            return CacheStats(
+                enabled=s.enabled,
+                storage=s.storage,
+                dir=disk.files.folder if disk else s.dir,
+                ram_bytes=s.ram_bytes,
+                disk_bytes=s.disk_bytes,
+                slots=s.slots,
+                min_free_bytes=s.min_free_bytes,
+                block_tokens=self.identity.block_tokens,
+                bytes_ram=self.ram.index.bytes,
+                bytes_disk=disk.index.bytes if disk else 0,
+                bytes_pending=disk.staging.pending_bytes() if disk else 0,
+                entries_ram=len(self.ram.index.convs),
+                entries_disk=len(disk.index.convs) if disk else 0,
+                blocks_ram=len(self.ram.index.blocks),
+                blocks_disk=len(disk.index.blocks) if disk else 0,
+                refusals=dict(j.refusals),
+                declined=dict(j.declined),
+                park_ms=j.park_ms.summary(),
+                restore_ms=j.restore_ms.summary(),
+                restore_bandwidth=dict(j.bandwidth),
+                prefill_tokens_per_s=self.prefill_tokens_per_s,
+                disk_error=disk.files.error if disk else "",
+                **j.counts,
+            )
+
+    def events(self, limit: int = 200) -> list[dict]:
+        """The most recent park/restore/evict/spill/refuse events, oldest first."""
+        with self._lock:
+            return list(self._journal.events)[-limit:] if limit > 0 else []
+
+    # ------------------------------------------------------------------ budgets, reconfigure, flush, close
+
+    def _enforce_budgets(self) -> None:
+        """Evict LRU conversations until every tier is within its budget and slot count."""
+        with self._lock:
+            self.ram.enforce_budget()
+            if self.disk is not None:
+                self.disk.enforce_budget()
+
+    def _set_settings(self, settings: CacheSettings) -> None:
+        self.settings = self.ram.settings = settings
+        if self.disk is not None:
+            self.disk.settings = settings
+
+    def reconfigure(self, settings: CacheSettings) -> list[str]:
+        """Apply new settings live; returns the names that changed. Nothing parked is lost unless budgets shrink.
+
+        Raises ValueError for a change that cannot be made live and CacheDirLockedError for a folder another
+        engine holds; in both cases nothing changed.
+        """
+        old = self.settings
+        changed = [f.name for f in dataclasses.fields(CacheSettings) if getattr(old, f.name) != getattr(settings, f.name)]
+        if not changed:
+            return []
+        if settings.block_tokens != old.block_tokens:
+            raise ValueError("block_tokens cannot change on a running engine; restart with the new value")
+        wants_disk = settings.uses_disk
+        new_disk = None
+        if wants_disk and (self.disk is None or settings.dir != old.dir):
+            new_disk = self._open_disk(settings)  # may raise: nothing changed yet
+        if self.disk is not None and (new_disk is not None or not wants_disk):
+            self.disk.stop_writer(time.monotonic() + 600)
+            with self._lock:
+                if new_disk is not None:
+                    move_entries(self.disk, new_disk)
+                else:
+                    log.info(
+                        "conversation cache: %d conversations stay in %s until disk storage is used again",
+                        len(self.disk.index.convs),
+                        self.disk.files.folder,
+                    )
+                self.disk.files.close()
+                self.disk = None
+        with self._lock:
+            if new_disk is not None:
+                self.disk = new_disk
+            self._set_settings(settings)
+        if self.disk is not None:
+            self.disk.start_writer()
+        if self.ram.index.convs and not settings.uses_ram and self.disk is not None:
+            # ram -> disk: every RAM conversation is written before the change returns
+            with self._lock:
+                for cid in list(self.ram.index.convs):
+                    self.disk.queue_spill(*self.ram.take(cid), bounded=False)
+            self.disk.drain(time.monotonic() + 600)
+            with self._lock:
+                self._reap()
+        self._enforce_budgets()
+        log.info("conversation cache: reconfigured %s", ", ".join(changed))
+        return changed
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait up to `timeout` seconds for every pending disk write (disk-mode parks, tiered spills) to land.
+
+        True when nothing is left pending and no write failed meanwhile (failures are counted in
+        `spill_failed` and logged; the entry is dropped and any version of it already on disk is kept).
+        """
+        disk = self.disk
+        with self._lock:
+            failed = self._journal.counts["spill_failed"]
+        done = disk.drain(time.monotonic() + max(timeout, 0.0)) if disk is not None else True
+        with self._lock:
+            self._reap()
+            left = self.disk is not None and self.disk.staging.any_pending()
+            return done and not left and self._journal.counts["spill_failed"] == failed
+
+    def close(self, *, spill: bool, deadline_s: float = 30.0) -> None:
+        """Stop the cache. Tiered with `spill`: write everything parked to disk within the deadline (logged if hit)."""
+        deadline = time.monotonic() + deadline_s
+        disk = self.disk
+        with self._lock:
+            self._reap()
+            if spill and self.settings.storage == "tiered" and disk is not None and disk.writing:
+                for cid in reversed(list(self.ram.index.convs)):  # most recently used first
+                    conv = self.ram.index.convs[cid]
+                    disk.queue_spill(conv, self.ram.tensors_of(conv), bounded=False)
+        if disk is None:
+            return
+        if not disk.stop_writer(deadline):
+            with self._lock:
+                left = sum(1 for c in disk.index.convs.values() if not c.on_disk)
+            log.warning(
+                "conversation cache: shutdown deadline of %.0f s hit; %d conversations not written",
+                deadline_s,
+                left,
+            )
+        with self._lock:
+            disk.files.close()

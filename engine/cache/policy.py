@@ -1,0 +1,105 @@
+"""The cache's decisions, free of I/O and locks: which hit is worth restoring, and which entries make room.
+
+`decline_reason` weighs a hit against the user's thresholds and the restore cost model; `plan_room` picks the
+least recently used entries to evict so one more entry fits a tier's byte budget and slot count. Both read the
+state they are given and change nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from engine.cache.identity import CacheIdentity
+from engine.cache.index import Conv, TierIndex
+from engine.cache.settings import CacheSettings
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def decline_reason(
+    settings: CacheSettings,
+    identity: CacheIdentity,
+    *,
+    n: int,
+    n_request: int,
+    live_prefix: int,
+    bandwidth: float,
+    prefill_tokens_per_s: float | None,
+) -> str:
+    """Why a hit of `n` tokens is not worth restoring ("n_min", "similarity", "cost"), or "" to use it.
+
+    Cost: reading whole blocks at the tier's measured `bandwidth` (bytes/s) must be faster than prefilling the
+    tokens the slot does not already hold (`live_prefix`) at the measured prefill rate.
+    """
+    if settings.n_min and n < settings.n_min:
+        return "n_min"
+    if settings.similarity and n / n_request < settings.similarity:
+        return "similarity"
+    rate = prefill_tokens_per_s
+    if rate and rate > 0:
+        b = identity.block_tokens
+        read_bytes = math.ceil(n / b) * b * identity.layout.bytes_per_token
+        restore_s = read_bytes / bandwidth
+        prefill_s = (n - max(live_prefix, 0)) / rate
+        if restore_s >= prefill_s:
+            return "cost"
+    return ""
+
+
+def plan_room(
+    index: TierIndex,
+    *,
+    need_bytes: int,
+    budget: int,
+    slots: int,
+    keep_keys: set[str],
+    leaving: set[str],
+    exclude: set[str],
+    adding: int = 1,
+    in_flight_ok: bool = False,
+    best_effort: bool = False,
+) -> list[str] | None:
+    """LRU entries of `index` to evict so `need_bytes` more fit `budget` and `adding` more entries fit `slots`.
+
+    `leaving` are entries this operation removes anyway; `keep_keys` blocks stay (the new entry holds them).
+    `in_flight_ok`: entries with I/O in flight may be chosen too (the caller removes their files once the I/O
+    ends). Returns None when even evicting every candidate would not make room (then nothing is to be
+    evicted), unless `best_effort`, which returns every victim that helps.
+    """
+    gone = set(leaving)
+    freed_keys: set[str] = set()
+
+    def freed_by(conv: Conv) -> int:
+        total = conv.nbytes
+        for k in conv.keys:
+            blk = index.blocks[k]
+            if k not in keep_keys and k not in freed_keys and blk.holders <= gone:
+                freed_keys.add(k)
+                total += blk.nbytes
+        return total
+
+    bytes_after = index.bytes + need_bytes
+    for cid in leaving:
+        if cid in index.convs:
+            bytes_after -= freed_by(index.convs[cid])
+    count_after = len([c for c in index.convs if c not in leaving]) + adding
+    victims: list[str] = []
+    for cid, conv in index.convs.items():
+        if bytes_after <= budget and count_after <= slots:
+            break
+        if cid in gone or cid in exclude or (index.is_pinned(conv) and not in_flight_ok):
+            continue
+        gone.add(cid)
+        victims.append(cid)
+        count_after -= 1
+        bytes_after -= freed_by(conv)
+    if (bytes_after > budget or count_after > slots) and not best_effort:
+        return None
+    return victims

@@ -1,0 +1,208 @@
+"""The RAM tier: owns the RAM index (blocks with their K/V tensors, conversations in LRU order) and its budget.
+
+A park captures only the blocks the tier does not hold yet, under the RAM byte budget, the slot count and the
+host-memory floor. An evicted conversation is handed to `on_evict` (tiered: queued for the disk writer). Every
+method runs on the engine thread with the cache's lock held where it says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import psutil
+import torch
+
+from engine.cache.errors import CacheRestoreError, ParkRefused
+from engine.cache.identity import CacheIdentity
+from engine.cache.index import Block, Conv, TierIndex
+from engine.cache.journal import Journal
+from engine.cache.policy import plan_room
+from engine.cache.settings import CacheSettings
+
+log = logging.getLogger("strata.cache")
+MIB = 1 << 20
+RESERVED = "\x00park"  # holder token of blocks reserved by a park in progress
+ReadKV = Callable[[int, int], torch.Tensor]
+OnEvict = Callable[[Conv, dict[str, torch.Tensor | None]], None]
+
+
+def check_kv(identity: CacheIdentity, kv: torch.Tensor, n: int) -> torch.Tensor:
+    """`kv` as a contiguous host tensor of `n` tokens in the identity's layout; refuses any other shape."""
+    want = identity.layout.host_shape(n)
+    if tuple(kv.shape) != want or kv.dtype != identity.layout.dtype:
+        raise ParkRefused("read_error", f"read_kv returned {tuple(kv.shape)} {kv.dtype}, expected {want}")
+    if kv.device.type != "cpu":
+        kv = kv.cpu()
+    return kv.contiguous()
+
+
+def inherit(superseded: list[Conv]) -> tuple[str, float, int]:
+    """Id, creation time and hits of the conversation line a park continues (or a fresh id)."""
+    if not superseded:
+        return secrets.token_hex(8), time.time(), 0
+    latest = max(superseded, key=lambda c: c.last_used)
+    return latest.id, min(c.created for c in superseded), sum(c.hits for c in superseded)
+
+
+class RamTier:
+    def __init__(
+        self,
+        settings: CacheSettings,
+        identity: CacheIdentity,
+        lock: threading.RLock,
+        journal: Journal,
+        on_evict: OnEvict,
+    ) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.index = TierIndex("ram")
+        self._lock = lock
+        self._journal = journal
+        self._on_evict = on_evict
+
+    def park(self, toks: np.ndarray, keys: list[str], read_kv: ReadKV, keep: str | None) -> tuple[Conv, int, int]:
+        """Park in RAM; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then."""
+        s, idx, b = self.settings, self.index, self.identity.block_tokens
+        bpt = self.identity.layout.bytes_per_token
+        with self._lock:
+            superseded = idx.prefixes_of(toks)
+            same = [c for c in superseded if c.n_tokens == len(toks)]
+            if same:
+                same[0].last_used = time.time()
+                idx.touch(same[0].id)
+                return same[0], 0, 0
+            have = idx.matched_blocks(keys)
+            n_tail = len(toks) - len(keys) * b
+            own = n_tail * bpt + toks.nbytes
+            need = (len(keys) - have) * self.identity.block_bytes + own
+            total = len(keys) * self.identity.block_bytes + own
+            if total > s.ram_bytes:
+                raise ParkRefused(
+                    "larger_than_budget",
+                    f"{total / MIB:.1f} MiB conversation is larger than the whole RAM budget ({s.ram_bytes / MIB:.0f} MiB)",
+                )
+            available = psutil.virtual_memory().available
+            if available - need < s.min_free_bytes:
+                raise ParkRefused(
+                    "min_free",
+                    f"parking {need / MIB:.1f} MiB would leave {max(available - need, 0) / MIB:.0f} MiB of host memory "
+                    f"available, under the {s.min_free_bytes / MIB:.0f} MiB floor",
+                )
+            victims = plan_room(
+                idx,
+                need_bytes=need,
+                budget=s.ram_bytes,
+                slots=s.slots,
+                keep_keys=set(keys),
+                leaving={c.id for c in superseded},
+                exclude={keep} if keep else set(),
+            )
+            if victims is None:
+                raise ParkRefused("no_room", "no room: the conversations that would have to go are in use")
+            idx.reserve(keys[:have], RESERVED)
+            for cid in victims:
+                self.evict(cid)
+        new_blocks: list[Block] = []
+        tail = None
+        try:
+            for i in range(have, len(keys)):
+                kv = check_kv(self.identity, read_kv(i * b, (i + 1) * b), b)
+                new_blocks.append(Block(keys[i], kv.nbytes, tensor=kv))
+            if n_tail:
+                tail = check_kv(self.identity, read_kv(len(keys) * b, len(toks)), n_tail)
+        except ParkRefused:
+            with self._lock:
+                idx.release(keys[:have], RESERVED)
+            raise
+        except Exception as exc:
+            with self._lock:
+                idx.release(keys[:have], RESERVED)
+            log.exception("conversation cache: reading the slot's K/V failed")
+            raise ParkRefused("read_error", f"reading the slot's K/V failed: {exc}") from None
+        with self._lock:
+            conv_id, created, hits = inherit(superseded)
+            for old in superseded:
+                idx.remove(old.id)
+                if old.id != conv_id:
+                    self._journal.redirect(old.id, conv_id)
+            conv = Conv(conv_id, toks, keys, own, tail=tail, created=created, last_used=time.time(), hits=hits)
+            idx.add(conv, new_blocks)
+            idx.release(keys[:have], RESERVED)
+        new_bytes = sum(blk.nbytes for blk in new_blocks) + (tail.nbytes if tail is not None else 0)
+        return conv, new_bytes, len(victims)
+
+    def tensors_of(self, conv: Conv) -> dict[str, torch.Tensor | None]:
+        return {k: self.index.blocks[k].tensor for k in conv.keys}
+
+    def evict(self, conv_id: str, *, spill: bool = True, reason: str = "evict") -> int:
+        """Drop a RAM conversation (handing it to `on_evict` when `spill`); returns the RAM bytes freed.
+
+        Caller holds the lock."""
+        idx = self.index
+        conv = idx.convs[conv_id]
+        tensors = self.tensors_of(conv)
+        before = idx.bytes
+        idx.remove(conv_id)
+        freed = before - idx.bytes
+        if reason == "evict":
+            self._journal.count("evictions")
+        self._journal.event(reason, conv_id, conv.n_tokens, freed, 0.0, "ram")
+        if spill:
+            self._on_evict(conv, tensors)
+        return freed
+
+    def take(self, conv_id: str) -> tuple[Conv, dict[str, torch.Tensor | None]]:
+        """Remove a conversation to move it to another tier (not an eviction: nothing is counted)."""
+        conv = self.index.convs[conv_id]
+        tensors = self.tensors_of(conv)
+        self.index.remove(conv_id)
+        return conv, tensors
+
+    def enforce_budget(self) -> None:
+        """Evict LRU conversations until the tier is within its budget and slot count (caller holds the lock)."""
+        s = self.settings
+        on = s.uses_ram
+        victims = plan_room(
+            self.index,
+            need_bytes=0,
+            budget=s.ram_bytes if on else 0,
+            slots=s.slots if on else 0,
+            keep_keys=set(),
+            leaving=set(),
+            exclude=set(),
+            adding=0,
+            in_flight_ok=True,
+            best_effort=True,
+        )
+        for cid in victims or []:
+            self.evict(cid)
+
+    def purge(self) -> tuple[int, int]:
+        """Drop every conversation (nothing is spilled); returns (conversations, bytes). Caller holds the lock."""
+        dropped = freed = 0
+        for cid in list(self.index.convs):
+            freed += self.evict(cid, spill=False, reason="purge")
+            dropped += 1
+        return dropped, freed
+
+    def pieces(self, conv: Conv, blocks: list[Block], use_tail: bool) -> tuple[list[tuple[int, torch.Tensor]], int]:
+        """(start, host K/V) pieces of a restore and the bytes they hold; raises CacheRestoreError."""
+        b = self.identity.block_tokens
+        pieces: list[tuple[int, torch.Tensor]] = []
+        read = 0
+        for i, blk in enumerate(blocks):
+            if blk.tensor is None:
+                raise CacheRestoreError(f"block {blk.key[:12]} of {conv.id} has no data")
+            pieces.append((i * b, blk.tensor))
+            read += blk.tensor.nbytes
+        if use_tail:
+            if conv.tail is None:
+                raise CacheRestoreError(f"conversation {conv.id} has no tail data")
+            pieces.append((len(conv.keys) * b, conv.tail))
+            read += conv.tail.nbytes
+        return pieces, read
