@@ -23,7 +23,7 @@ import torch
 
 from engine import __version__
 from engine.config import EngineConfig, setting_of
-from engine.errors import ApiError
+from engine.errors import BadValue, Busy, NotFound, Refused, Unavailable
 from engine.kv import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
@@ -160,23 +160,21 @@ class Engine:
         """Queue a generation; events arrive on the returned stream. Refuses what cannot fit a slot."""
         n = len(request.prompt_tokens)
         if n == 0:
-            raise ApiError(400, "the prompt is empty: expected at least one token", param="prompt")
+            raise BadValue("the prompt is empty: expected at least one token", param="prompt")
         if n >= self.ctx_size:
-            raise ApiError(
-                400,
+            raise BadValue(
                 f"the prompt has {n} tokens but the context holds {self.ctx_size} per slot; shorten the prompt",
                 param="messages",
             )
         max_tokens = request.params.max_tokens
         if max_tokens is not None and n + max_tokens > self.ctx_size:
-            raise ApiError(
-                400,
+            raise BadValue(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context "
                 f"of {self.ctx_size} tokens per slot; lower max_tokens or shorten the prompt",
                 param="max_tokens",
             )
         if self.state != "ok":
-            raise ApiError(503, "the engine is shutting down")
+            raise Unavailable("the engine is shutting down")
         stream = RequestStream(request.request_id)
         self._inbox.put(("submit", (request, stream)))
         return stream
@@ -230,23 +228,23 @@ class Engine:
 
     def _slot_for_file_op(self, slot_id: int) -> Slot:
         if not 0 <= slot_id < self.n_slots:
-            raise ApiError(404, f"slot {slot_id} does not exist; slots are 0..{self.n_slots - 1}", param="id")
+            raise NotFound(f"slot {slot_id} does not exist; slots are 0..{self.n_slots - 1}", param="id")
         slot = self.slots[slot_id]
         if slot.active is not None:
-            raise ApiError(409, f"slot {slot_id} is busy with a request; try again when it is idle", param="id")
+            raise Busy(f"slot {slot_id} is busy with a request; try again when it is idle", param="id")
         return slot
 
     def _session_path(self, filename: Any) -> str:
         from engine.cache.session_file import safe_session_path
 
         if not self.config.slot_save_path:
-            raise ApiError(400, "slot files are disabled: start the engine with --slot-save-path DIR")
+            raise BadValue("slot files are disabled: start the engine with --slot-save-path DIR")
         if not isinstance(filename, str):
-            raise ApiError(400, "expected a JSON body {\"filename\": \"name\"} with a string filename", param="filename")
+            raise BadValue("expected a JSON body {\"filename\": \"name\"} with a string filename", param="filename")
         try:
             return safe_session_path(self.config.slot_save_path, filename)
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="filename") from exc
+            raise BadValue(str(exc), param="filename") from exc
 
     def save_slot(self, slot_id: int, filename: Any) -> dict:
         from engine.cache.session_file import save_session
@@ -254,7 +252,7 @@ class Engine:
         slot = self._slot_for_file_op(slot_id)
         path = self._session_path(filename)
         if not slot.tokens:
-            raise ApiError(400, f"slot {slot_id} is empty: nothing to save", param="id")
+            raise BadValue(f"slot {slot_id} is empty: nothing to save", param="id")
         os.makedirs(self.config.slot_save_path or ".", exist_ok=True)
         t0 = time.perf_counter()
         n = len(slot.tokens)
@@ -270,14 +268,14 @@ class Engine:
         slot = self._slot_for_file_op(slot_id)
         path = self._session_path(filename)
         if not os.path.isfile(path):
-            raise ApiError(404, f"no session file named {os.path.basename(path)!r} in the slot save path", param="filename")
+            raise NotFound(f"no session file named {os.path.basename(path)!r} in the slot save path", param="filename")
         t0 = time.perf_counter()
         try:
             tokens, kv = load_session(path, self._identity())
         except SessionFileError as exc:
-            raise ApiError(400, f"{os.path.basename(path)}: {exc}", param="filename") from exc
+            raise BadValue(f"{os.path.basename(path)}: {exc}", param="filename") from exc
         if len(tokens) > self.ctx_size:
-            raise ApiError(400, f"the file holds {len(tokens)} tokens but a slot holds {self.ctx_size}", param="filename")
+            raise BadValue(f"the file holds {len(tokens)} tokens but a slot holds {self.ctx_size}", param="filename")
         self._write_slot(slot, tokens, kv)
         ms = (time.perf_counter() - t0) * 1000
         log.info("slot %d restored from %s: %d tokens, %.1f ms", slot_id, os.path.basename(path), len(tokens), ms)
@@ -351,7 +349,7 @@ class Engine:
 
     def purge_cache(self, tier: str) -> dict:
         if tier not in ("ram", "disk", "all"):
-            raise ApiError(400, f'tier: expected one of ram, disk, all, got "{tier}"', param="tier")
+            raise BadValue(f'tier: expected one of ram, disk, all, got "{tier}"', param="tier")
         if self.cache is None:
             return {"tier": tier, "dropped": {"conversations": 0, "bytes": 0}, "skipped": []}
         result = self.cache.purge(tier).to_dict()
@@ -372,21 +370,21 @@ class Engine:
         from engine.config import LIVE_SETTINGS, SettingError
 
         if not isinstance(changes, dict) or not changes:
-            raise ApiError(400, "expected a JSON object of settings to change, e.g. {\"conversation_cache_mib\": 2048}")
+            raise BadValue("expected a JSON object of settings to change, e.g. {\"conversation_cache_mib\": 2048}")
         parsed: dict[str, Any] = {}
         for name, value in changes.items():
             if name not in LIVE_SETTINGS:
                 try:
                     setting_of(name)
                 except KeyError:
-                    raise ApiError(400, f"unknown setting {name!r}; live settings: {', '.join(LIVE_SETTINGS)}",
+                    raise BadValue(f"unknown setting {name!r}; live settings: {', '.join(LIVE_SETTINGS)}",
                                    param=name) from None
-                raise ApiError(400, f"{name} cannot change on a running engine; restart with the new value",
+                raise BadValue(f"{name} cannot change on a running engine; restart with the new value",
                                param=name)
             try:
                 parsed[name] = setting_of(name).parse(value)
             except SettingError as exc:
-                raise ApiError(400, str(exc), param=name) from exc
+                raise BadValue(str(exc), param=name) from exc
         new_config = self.config.replace(**parsed)
         changed = [n for n in parsed if getattr(self.config, n) != getattr(new_config, n)]
         if self.cache is None and changed:
@@ -395,7 +393,7 @@ class Engine:
             try:
                 self.cache = self._make_cache(new_config)
             except (CacheError, ValueError, OSError) as exc:
-                raise ApiError(409, f"the cache could not start with the new settings: {exc}") from exc
+                raise Refused(f"the cache could not start with the new settings: {exc}") from exc
             self.config = new_config
         elif self.cache is not None and changed:
             from engine.cache import CacheSettings
@@ -404,7 +402,7 @@ class Engine:
             try:
                 self.cache.reconfigure(CacheSettings.from_engine_config(new_config))
             except (CacheError, ValueError, OSError) as exc:
-                raise ApiError(409, f"the cache could not switch to the new settings, nothing changed: {exc}") from exc
+                raise Refused(f"the cache could not switch to the new settings, nothing changed: {exc}") from exc
             self.config = new_config
         log.info("cache config changed: %s", ", ".join(f"{n}={getattr(new_config, n)}" for n in changed) or "nothing")
         return {**self.cache_config(), "changed": changed}

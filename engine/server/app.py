@@ -13,9 +13,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
-from engine.errors import ApiError
+from engine.errors import ApiError, EngineError
 from engine.server import control_routes, openai_routes
-from engine.server.errors import error_response, loc_to_param, validation_error
+from engine.server.errors import error_response, from_domain, loc_to_param, validation_error
 from engine.server.state import ServerState, require_engine, server_state
 
 __all__ = ["ServerState", "create_app", "require_engine", "server_state"]
@@ -64,6 +64,10 @@ def create_app(state: ServerState) -> FastAPI:
         if exc.status >= 500 and exc.status != 503:
             log.error("%s %s: %s", request.method, request.url.path, exc.message)
         return error_response(exc)
+
+    @app.exception_handler(EngineError)
+    async def on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return await on_api_error(request, from_domain(exc))
 
     @app.exception_handler(ValidationError)
     async def on_validation_error(request: Request, exc: ValidationError) -> JSONResponse:

@@ -7,7 +7,10 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from engine.errors import ApiError
+from engine.errors import ApiError, BadValue, Busy, EngineError, NotFound, Refused, Unavailable
+
+# The one place a domain error of the runtime or the cache becomes an HTTP status.
+DOMAIN_STATUS: dict[type[EngineError], int] = {BadValue: 400, NotFound: 404, Busy: 409, Refused: 409, Unavailable: 503}
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
@@ -19,6 +22,12 @@ def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSON
     """The HTTP response for a refused request; `code` repeats the status as OpenAI-compatible servers do."""
     return JSONResponse(error_body(err.message, err.type, err.param, err.status), status_code=err.status,
                         headers=headers)
+
+
+def from_domain(exc: EngineError) -> ApiError:
+    """The HTTP form of a domain error: its status by kind, OpenAI's error type, the same message and param."""
+    status = next((code for kind, code in DOMAIN_STATUS.items() if isinstance(exc, kind)), 500)
+    return ApiError(status, exc.message, param=exc.param)
 
 
 def loc_to_param(loc: tuple[Any, ...]) -> str | None:
