@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up, then runs every test (GUI tests under a virtual X screen), and ruff.
+# Sets up, then runs ruff, the import contracts and every test (GUI tests under a virtual X screen).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
+PYTHONPATH=. .venv/bin/lint-imports  # the import contracts in pyproject.toml (this checkout, not an installed copy)
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
