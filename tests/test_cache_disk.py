@@ -124,7 +124,7 @@ def test_disk_park_keeps_no_kv_resident(tmp_path):
     assert cache.flush(30)
     st = cache.stats()
     assert st.bytes_ram == 0 and st.bytes_pending == 0
-    assert all(blk.tensor is None and blk.on_disk for blk in cache.disk.index.blocks.values())
+    assert all(blk.data is None and blk.on_disk for blk in cache.disk.index.blocks.values())
     assert all(c.tail is None and c.on_disk for c in cache.disk.index.convs.values())
     cache.close(spill=False)
 

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from engine.cache import CacheIdentity, CacheSettings, ConversationCache
+from engine.cache.parts import kv_reader, kv_writer
 from engine.kv import KVBuffers, KVLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +70,7 @@ class FakeSlots:
         self.tokens[slot] = list(tokens)
 
     def reader(self, slot: int):
-        return lambda start, end: self.kv.read(slot, start, end)
+        return kv_reader(lambda start, end: self.kv.read(slot, start, end))
 
     def writer(self, slot: int, calls: list | None = None):
         def write(start: int, data: torch.Tensor) -> None:
@@ -77,7 +78,7 @@ class FakeSlots:
                 calls.append((start, data.shape[2]))
             self.kv.write(slot, start, data)
 
-        return write
+        return kv_writer(write)
 
     def snapshot(self, slot: int, n: int) -> torch.Tensor:
         return self.kv.read(slot, 0, n).clone()

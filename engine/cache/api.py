@@ -5,18 +5,14 @@ Threads: the engine thread makes every call except `stats`, `conversations` and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
-import torch
-
+from engine.cache.parts import ReadParts, WriteParts
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
 
-ReadKV = Callable[[int, int], torch.Tensor]
-"""`read_kv(start, end)`: host K/V of tokens [start, end) of the slot being parked."""
-WriteKV = Callable[[int, torch.Tensor], None]
-"""`write_kv(start, kv)`: put restored host K/V into the slot from token `start` on."""
+__all__ = ["CacheAPI", "ReadParts", "WriteParts"]
 
 
 class CacheAPI(Protocol):
@@ -29,11 +25,11 @@ class CacheAPI(Protocol):
 
     def record_miss(self) -> None: ...
 
-    def park(self, tokens: Sequence[int], read_kv: ReadKV, *, keep: str | None = None) -> ParkResult:
+    def park(self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None) -> ParkResult:
         """Park a slot's conversation; a refusal is a `ParkResult` with a reason, never an exception."""
         ...
 
-    def restore(self, hit: CacheHit, write_kv: WriteKV) -> RestoreResult:
+    def restore(self, hit: CacheHit, write_parts: WriteParts) -> RestoreResult:
         """Write the hit's K/V into the slot; raises CacheRestoreError before the first write when it cannot."""
         ...
 

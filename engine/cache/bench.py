@@ -21,6 +21,7 @@ import torch
 
 from engine.cache.facade import ConversationCache
 from engine.cache.identity import CacheIdentity
+from engine.cache.parts import kv_reader, kv_writer
 from engine.cache.settings import CacheSettings
 from engine.kv import KVBuffers, KVLayout
 
@@ -90,7 +91,7 @@ def measure_block(block: int, n_tokens: int, folder: str, repeat: int) -> dict[s
         for r in range(repeat):
             tokens = [(r * 7919 + i * 31) % 49152 for i in range(n_tokens)]
             t0 = time.perf_counter()
-            result = cache.park(tokens, lambda a, b: kv.read(0, a, b))
+            result = cache.park(tokens, kv_reader(lambda a, b: kv.read(0, a, b)))
             parks.append(time.perf_counter() - t0)
             assert result.parked, result
             # disk: until the background writer has published it, so the restore reads its files
@@ -98,7 +99,7 @@ def measure_block(block: int, n_tokens: int, folder: str, repeat: int) -> dict[s
             written.append(time.perf_counter() - t0)
             hit = cache.lookup(tokens + [1])
             t0 = time.perf_counter()
-            cache.restore(hit, lambda start, data: kv.write(1, start, data))
+            cache.restore(hit, kv_writer(lambda start, data: kv.write(1, start, data)))
             restores.append(time.perf_counter() - t0)
         out[f"{storage}_park_MBps"] = nbytes / min(parks) / 1e6  # until park() returns
         out[f"{storage}_written_MBps"] = nbytes / min(written) / 1e6  # disk: until its files are published
@@ -106,7 +107,7 @@ def measure_block(block: int, n_tokens: int, folder: str, repeat: int) -> dict[s
         # one more turn of 40 tokens: what the re-park captures
         grown = tokens + list(range(40))  # noqa: RUF005
         kv.write(0, 0, kv.read(0, 0, n_tokens))  # unchanged prefix
-        result = cache.park(grown, lambda a, b: kv.read(0, a, b))
+        result = cache.park(grown, kv_reader(lambda a, b: kv.read(0, a, b)))
         out[f"{storage}_repark_KiB"] = result.new_bytes / 1024
         t0 = time.perf_counter()
         for _ in range(100):

@@ -6,45 +6,40 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from engine.cache.disk_store import DiskStore
 from engine.cache.errors import CacheRestoreError
 from engine.cache.fileformat import FileFormatError
 from engine.cache.index import Block, Conv
 from engine.cache.lifecycle import EntryState
+from engine.cache.parts import Parts, parts_nbytes
 
 log = logging.getLogger("strata.cache")
 
 
 def disk_pieces(
     store: DiskStore, conv: Conv, blocks: list[Block], use_tail: bool
-) -> tuple[list[tuple[int, torch.Tensor]], int]:
-    """(start, host K/V) pieces of a restore from RAM copies or files, and the bytes read; raises
+) -> tuple[list[tuple[int, Parts]], int]:
+    """(start, state parts) pieces of a restore from RAM copies or files, and the bytes read; raises
     CacheRestoreError (after removing what is damaged). The caller pins `conv` and `blocks`, lock not held."""
     b = store.identity.block_tokens
-    pieces: list[tuple[int, torch.Tensor]] = []
-    read = 0
+    pieces: list[tuple[int, Parts]] = []
     try:
         for i, blk in enumerate(blocks):
-            kv = blk.tensor if blk.tensor is not None else store.files.read_block(blk.key)
-            pieces.append((i * b, kv))
-            read += kv.nbytes
+            pieces.append((i * b, blk.data if blk.data is not None else store.files.read_block(blk.key)))
         if use_tail:
             tail = conv.tail
             if tail is None:
                 tail = store.files.read_tail(conv)
                 if tail is None:
-                    raise FileFormatError("corrupt", "manifest has no K/V for the partial block")
+                    raise FileFormatError("corrupt", "manifest has no state for the partial block")
             pieces.append((len(conv.keys) * b, tail))
-            read += tail.nbytes
     except (FileFormatError, OSError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         log.warning("conversation cache: conversation %s cannot be restored (%s); removing it", conv.id, message)
         with store._lock:
             _drop_broken(store, conv, blocks)
         raise CacheRestoreError(f"parked conversation {conv.id} is damaged ({message}); prefill instead") from None
-    return pieces, read
+    return pieces, sum(parts_nbytes(p) for _, p in pieces)
 
 
 def _drop_broken(store: DiskStore, conv: Conv, blocks: list[Block]) -> None:
@@ -56,7 +51,7 @@ def _drop_broken(store: DiskStore, conv: Conv, blocks: list[Block]) -> None:
     try:
         bad = set()
         for blk in blocks:
-            if blk.on_disk and blk.tensor is None:
+            if blk.on_disk and blk.data is None:
                 try:
                     store.files.read_block(blk.key)
                 except (FileFormatError, OSError):

@@ -16,11 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from engine.cache.disk_tier import DAY, DiskTier
 from engine.cache.errors import ParkRefused
@@ -28,15 +26,15 @@ from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv
 from engine.cache.journal import Journal
 from engine.cache.lifecycle import EntryState
+from engine.cache.parts import Parts, ReadParts, parts_nbytes
 from engine.cache.policy import plan_room
-from engine.cache.ram_tier import RESERVED, check_kv, inherit
+from engine.cache.ram_tier import RESERVED, capture, inherit
 from engine.cache.settings import CacheSettings
 from engine.cache.staging import StagingBound
 from engine.cache.writer import DiskWriter, WriteJob, WriteResult
 
 log = logging.getLogger("strata.cache")
 MIB = 1 << 20
-ReadKV = Callable[[int, int], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -45,7 +43,7 @@ class Reservation:
 
     reused: list[str]  # keys of blocks the entry reuses, held under RESERVED
     victims: list[str]  # entries to evict (planned by `_room`)
-    pinned: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)  # pending blocks written now
+    pinned: list[tuple[str, Parts | None]] = field(default_factory=list)  # pending blocks written now
 
 
 class DiskStore:
@@ -116,7 +114,7 @@ class DiskStore:
         if pin_pending:
             # blocks indexed but still waiting for the writer are written by this park too: a published
             # manifest only ever names published block files
-            res.pinned = [(k, self.index.blocks[k].tensor) for k in res.reused if not self.index.blocks[k].on_disk]
+            res.pinned = [(k, self.index.blocks[k].data) for k in res.reused if not self.index.blocks[k].on_disk]
             for k, _ in res.pinned:
                 self.index.blocks[k].pins += 1
         return res
@@ -167,7 +165,7 @@ class DiskStore:
     # ------------------------------------------------------------------ parks (disk mode, tiered fallback)
 
     def park(
-        self, toks: np.ndarray, keys: list[str], read_kv: ReadKV, keep: str | None, *, background: bool = True
+        self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None, *, background: bool = True
     ) -> tuple[Conv, int, int]:
         """Park on disk; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then.
 
@@ -196,20 +194,20 @@ class DiskStore:
                 in_flight_ok=True,  # only the writer pins entries while the engine thread parks
             )
             n_tail = len(toks) - len(keys) * b
-            staged = (len(keys) - have) * self.identity.block_bytes + n_tail * self.identity.layout.bytes_per_token
+            staged = (len(keys) - have) * self.identity.block_bytes + n_tail * self.identity.bytes_per_token
             protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
             background = background and self._writer is not None and self.staging.make_room(staged, protect)
             res = self._reserve(keys, have, victims, pin_pending=not background)
             # a staged entry continues its line's id even while that line's last version is being written
             line = inherit(candidates if background else superseded)
         if background:
-            return self._stage(toks, keys, read_kv, res, candidates, line)
-        return self._write_now(toks, keys, read_kv, res, superseded, line)
+            return self._stage(toks, keys, read_parts, res, candidates, line)
+        return self._write_now(toks, keys, read_parts, res, superseded, line)
 
-    def _capture(self, read_kv: ReadKV, start: int, end: int) -> torch.Tensor:
-        return check_kv(self.identity, read_kv(start, end), end - start)
+    def _capture(self, read_parts: ReadParts, start: int, end: int) -> Parts:
+        return capture(self.identity, read_parts, start, end)
 
-    def _stage(self, toks, keys, read_kv, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+    def _stage(self, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
         """Capture a park's new K/V into host memory and queue its write; the entry is restorable at once."""
         b, have = self.identity.block_tokens, len(res.reused)
         conv_id, created, hits = line
@@ -218,9 +216,10 @@ class DiskStore:
         tail = None
         try:
             for i in range(have, len(keys)):
-                new_blocks.append(Block(keys[i], self.files.block_size(), tensor=self._capture(read_kv, i * b, (i + 1) * b)))
+                data = self._capture(read_parts, i * b, (i + 1) * b)
+                new_blocks.append(Block(keys[i], self.files.block_size(), data=data))
             if len(toks) > len(keys) * b:
-                tail = self._capture(read_kv, len(keys) * b, len(toks))
+                tail = self._capture(read_parts, len(keys) * b, len(toks))
         except Exception as exc:
             with self._lock:
                 self._rollback(res, {})
@@ -264,17 +263,17 @@ class DiskStore:
             self._publish(res, conv, new_blocks, {})
             assert self._writer is not None
             self._writer.submit(conv_id)
-        new_bytes = sum(blk.tensor.nbytes for blk in new_blocks) + (tail.nbytes if tail is not None else 0)
+        new_bytes = sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
         return conv, new_bytes, len(res.victims)
 
-    def _write_now(self, toks, keys, read_kv, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+    def _write_now(self, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
         """Write a conversation's new blocks and its manifest before returning."""
         b, have = self.identity.block_tokens, len(res.reused)
         conv_id, created, hits = line
         idx = self.index
 
         def capture(i: int):
-            return lambda: self._capture(read_kv, i * b, (i + 1) * b)
+            return lambda: self._capture(read_parts, i * b, (i + 1) * b)
 
         written: dict[str, int] = {}
         try:
@@ -282,7 +281,7 @@ class DiskStore:
             items += [(keys[i], capture(i)) for i in range(have, len(keys))]
             written = self.files.write_blocks(items)
             n_tail = len(toks) - len(keys) * b
-            tail = self._capture(read_kv, len(keys) * b, len(toks)) if n_tail else None
+            tail = self._capture(read_parts, len(keys) * b, len(toks)) if n_tail else None
             conv = Conv(conv_id, toks, keys, 0, created=created, last_used=time.time(), hits=hits,
                         state=EntryState.WRITING)
             conv.nbytes = self.files.write_manifest(conv, tail)
@@ -317,7 +316,7 @@ class DiskStore:
 
     # ------------------------------------------------------------------ tiered spills
 
-    def queue_spill(self, conv: Conv, tensors: dict[str, torch.Tensor | None], *, bounded: bool = True) -> bool:
+    def queue_spill(self, conv: Conv, tensors: dict[str, Parts | None], *, bounded: bool = True) -> bool:
         """Index a RAM-evicted conversation as PENDING and queue its write; False (counted) when it cannot fit.
 
         Caller holds the lock."""
@@ -337,7 +336,7 @@ class DiskStore:
         for cid in victims:
             self.remove(cid, reason="evict")
         conv_id = conv.id if conv.id not in idx.convs else inherit([])[0]
-        new_blocks = [Block(k, self.files.block_size(), tensor=tensors[k]) for k in conv.keys[have:]]
+        new_blocks = [Block(k, self.files.block_size(), data=tensors[k]) for k in conv.keys[have:]]
         pending = Conv(
             conv_id,
             conv.tokens,
@@ -371,7 +370,7 @@ class DiskStore:
 
     def _mark_block_written(self, blk: Block, size: int) -> None:
         blk.on_disk = True
-        blk.tensor = None
+        blk.data = None
         self.index.bytes += size - blk.nbytes
         blk.nbytes = size
 
@@ -438,7 +437,7 @@ class DiskStore:
         blocks = [self.index.blocks[k] for k in conv.keys if not self.index.blocks[k].on_disk]
         for blk in blocks:
             blk.pins += 1
-        return WriteJob(conv, [(blk.key, blk.tensor) for blk in blocks], conv.tail, extra=blocks)
+        return WriteJob(conv, [(blk.key, blk.data) for blk in blocks], conv.tail, extra=blocks)
 
     def _report(self, result: WriteResult) -> None:
         """Phase two (writer thread, lock held): publish the written blocks and the entry, or mark it FAILED."""

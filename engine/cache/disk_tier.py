@@ -1,7 +1,7 @@
 """The disk tier's files: one folder per identity, shared block files, conversation manifests, a lock file.
 
-Names this tier owns (and the only files it ever removes): `blk-<32 hex>.safetensors` (one K/V block, shared by
-every conversation that contains it), `conv-<16 hex>.safetensors` (a conversation: its token ids and the K/V of
+Names this tier owns (and the only files it ever removes): `blk-<32 hex>.safetensors` (one block's state parts, shared by
+every conversation that contains it), `conv-<16 hex>.safetensors` (a conversation: its token ids and the state parts of
 its last partial block; its full blocks are the `blk-*` files named by its chained keys), temp files
 `.<one of those>.tmp-<pid>-<hex>`, and `strata-cache.lock`. Any other `blk-*`/`conv-*` `.safetensors` name
 (`conv-hacked-9.safetensors`) is malformed and removed; anything else in the folder is never touched.
@@ -16,7 +16,6 @@ import re
 import time
 
 import numpy as np
-import torch
 
 from engine.cache.atomic import is_temp_name, publish, write_temp
 from engine.cache.errors import CacheDirLockedError
@@ -24,6 +23,7 @@ from engine.cache.fileformat import FileFormatError, file_chunks, read_header, r
 from engine.cache.identity import CacheIdentity, block_keys
 from engine.cache.index import Block, Conv, TierIndex
 from engine.cache.lifecycle import EntryState
+from engine.cache.parts import Parts
 from engine.cache.session_file import block_file, check_conversation, check_identity, conversation_file
 
 log = logging.getLogger("strata.cache")
@@ -208,13 +208,15 @@ class DiskTier:
             with open(path, "rb", buffering=0) as f:
                 header = read_header(f)
             check_identity(header, self.identity, kv_only=False)
-            entry = header.tensors.get("kv")
+            n = self.identity.block_tokens
             ok = (
                 header.meta.get("kind") == "block"
                 and header.meta.get("block_key") == key
-                and entry is not None
-                and entry.shape == self.identity.layout.host_shape(self.identity.block_tokens)
-                and entry.dtype == self.identity.layout.dtype
+                and set(header.tensors) == {s.name for s in self.identity.parts}
+                and all(
+                    header.tensors[s.name].shape == s.shape(n) and header.tensors[s.name].dtype == s.dtype
+                    for s in self.identity.parts
+                )
             )
             return "" if ok else "corrupt"
         except FileFormatError as exc:
@@ -245,7 +247,7 @@ class DiskTier:
     def manifest_size(self, n_tokens: int) -> int:
         """Exact size of a manifest for `n_tokens` tokens (headers are padded to a fixed 4096-byte multiple)."""
         n_tail = n_tokens % self.identity.block_tokens
-        return self._header_size() + 4 * n_tokens + n_tail * self.identity.layout.bytes_per_token
+        return self._header_size() + 4 * n_tokens + n_tail * self.identity.bytes_per_token
 
     def block_size(self) -> int:
         return self._header_size() + self.identity.block_bytes
@@ -257,7 +259,7 @@ class DiskTier:
         return -(-(len(str(self.identity.describe())) + 2048) // ALIGN) * ALIGN
 
     def write_blocks(self, items, *, sync: bool = True) -> dict[str, int]:
-        """Write (key, tensor-or-callable) block files atomically; returns {key: file bytes}.
+        """Write (key, parts-or-callable) block files atomically; returns {key: file bytes}.
 
         Temp files are written first and fsynced together, then renamed and the folder fsynced once, so a
         crash leaves whole files or recognisable temps. On error every temp is removed and OSError raised.
@@ -266,13 +268,13 @@ class DiskTier:
         sizes: dict[str, int] = {}
         try:
             for key, data in items:
-                kv = data() if callable(data) else data
-                header, tensors = block_file(self.identity, key, kv, engine_version=self.engine_version)
+                parts = data() if callable(data) else data
+                header, tensors = block_file(self.identity, key, parts, engine_version=self.engine_version)
                 final = self.block_path(key)
                 tmp, n = write_temp(final, file_chunks(header, tensors), fsync=False)
                 temps.append((tmp, final))
                 sizes[key] = n
-                del kv, tensors
+                del parts, tensors
             if sync:
                 for tmp, _ in temps:
                     _fsync_path(tmp)
@@ -284,7 +286,7 @@ class DiskTier:
             raise
         return sizes
 
-    def write_manifest(self, conv: Conv, tail: torch.Tensor | None) -> int:
+    def write_manifest(self, conv: Conv, tail: Parts | None) -> int:
         """Write a conversation's manifest atomically (its blocks must be published first)."""
         header, tensors = conversation_file(
             self.identity,
@@ -325,18 +327,20 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reads
 
-    def read_block(self, key: str) -> torch.Tensor:
+    def read_block(self, key: str) -> Parts:
+        """Every state part of a block, each verified against its checksum and its spec."""
         with open(self.block_path(key), "rb", buffering=0) as f:
             header = read_header(f)
             check_identity(header, self.identity, kv_only=False)
             if header.meta.get("kind") != "block" or header.meta.get("block_key") != key:
                 raise FileFormatError("corrupt", f"block file {key[:12]}… holds another block")
-            kv = read_tensor(f, header, "kv")
-        if tuple(kv.shape) != self.identity.layout.host_shape(self.identity.block_tokens):
-            raise FileFormatError("corrupt", "block K/V has the wrong shape")
-        return kv
+            parts = {s.name: read_tensor(f, header, s.name) for s in self.identity.parts}
+        n = self.identity.block_tokens
+        if any(tuple(parts[s.name].shape) != s.shape(n) for s in self.identity.parts):
+            raise FileFormatError("corrupt", "a block part has the wrong shape")
+        return parts
 
-    def read_tail(self, conv: Conv) -> torch.Tensor | None:
+    def read_tail(self, conv: Conv) -> Parts | None:
         with open(self.conv_path(conv.id), "rb", buffering=0) as f:
             header = read_header(f)
             n, _ = check_conversation(header, self.identity, session=False)
@@ -345,7 +349,9 @@ class DiskTier:
             tokens = read_tensor(f, header, "tokens").numpy()
             if not np.array_equal(tokens, conv.tokens):
                 raise FileFormatError("corrupt", "manifest token ids changed on disk since it was indexed")
-            return read_tensor(f, header, "kv") if "kv" in header.tensors else None
+            if conv.n_tokens % self.identity.block_tokens == 0:
+                return None
+            return {s.name: read_tensor(f, header, s.name) for s in self.identity.parts}
 
 
 def _fsync_path(path: str) -> None:

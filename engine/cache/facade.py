@@ -27,9 +27,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
-
-from engine.cache.api import ReadKV, WriteKV
 from engine.cache.disk_reads import disk_pieces, move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
@@ -37,6 +34,7 @@ from engine.cache.errors import CacheRestoreError, ParkRefused
 from engine.cache.identity import CacheIdentity, block_keys, token_array
 from engine.cache.index import Conv, TierIndex
 from engine.cache.journal import Journal
+from engine.cache.parts import Parts, ReadParts, WriteParts, first_tokens, n_tokens_of
 from engine.cache.policy import common_prefix, decline_reason
 from engine.cache.ram_tier import RamTier
 from engine.cache.settings import CacheSettings
@@ -125,7 +123,7 @@ class ConversationCache:
             if reason:
                 self._journal.declined_hit(reason)
                 return None
-            return CacheHit(conv.id, n, tier, n * self.identity.layout.bytes_per_token, self.identity.key)
+            return CacheHit(conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key)
 
     def record_miss(self) -> None:
         with self._lock:
@@ -133,8 +131,8 @@ class ConversationCache:
 
     # ------------------------------------------------------------------ park
 
-    def park(self, tokens: Sequence[int], read_kv: ReadKV, *, keep: str | None = None) -> ParkResult:
-        """Park a slot's conversation: `tokens` are exactly the tokens whose K/V `read_kv(start, end)` returns.
+    def park(self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None) -> ParkResult:
+        """Park a slot's conversation: `tokens` are exactly the tokens whose state `read_parts(start, end)` returns.
 
         Captures only blocks this tier does not hold yet. `keep` names a conversation that must not be evicted
         (the hit about to be restored into this slot). Never raises for a refusal: see `ParkResult.reason`.
@@ -154,7 +152,7 @@ class ConversationCache:
             return self._refuse("empty", "nothing to park", 0)
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
         try:
-            conv, new_bytes, evicted, tier = self._park(toks, keys, read_kv, keep)
+            conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep)
         except ParkRefused as exc:
             return self._refuse(exc.reason, str(exc), len(toks))
         ms = (time.perf_counter() - t0) * 1000
@@ -173,20 +171,20 @@ class ConversationCache:
         )
         return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
 
-    def _park(self, toks, keys, read_kv: ReadKV, keep: str | None) -> tuple[Conv, int, int, str]:
+    def _park(self, toks, keys, read_parts: ReadParts, keep: str | None) -> tuple[Conv, int, int, str]:
         if not self.settings.uses_ram:
             if self.disk is None:
                 raise ParkRefused("disk_unavailable", "no disk tier")
-            return (*self.disk.park(toks, keys, read_kv, keep), "disk")
+            return (*self.disk.park(toks, keys, read_parts, keep), "disk")
         try:
-            return (*self.ram.park(toks, keys, read_kv, keep), "ram")
+            return (*self.ram.park(toks, keys, read_parts, keep), "ram")
         except ParkRefused as exc:
             fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "min_free")
             if not (fallback and self.disk is not None):
                 raise
             log.info("conversation cache: %s; parking on disk instead", exc)
             # written before returning: staging it in RAM would defeat the reason RAM refused it
-            return (*self.disk.park(toks, keys, read_kv, keep, background=False), "disk")
+            return (*self.disk.park(toks, keys, read_parts, keep, background=False), "disk")
 
     def _refuse(self, reason: str, message: str, n_tokens: int) -> ParkResult:
         with self._lock:
@@ -196,7 +194,7 @@ class ConversationCache:
         log.log(level, "conversation cache: park of %d tokens refused: %s", n_tokens, message)
         return ParkResult(False, None, reason, n_tokens=n_tokens)
 
-    def _spill(self, conv: Conv, tensors: dict[str, torch.Tensor | None]) -> None:
+    def _spill(self, conv: Conv, tensors: dict[str, Parts | None]) -> None:
         """What RAM evicts: tiered mode queues it for the disk writer; otherwise it is gone."""
         disk = self.disk
         if self.settings.storage == "tiered" and disk is not None and disk.usable:
@@ -204,10 +202,10 @@ class ConversationCache:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, hit: CacheHit, write_kv: WriteKV) -> RestoreResult:
-        """Validate and gather the hit's K/V in host memory, then `write_kv(start, kv)` for [0, hit.n_tokens).
+    def restore(self, hit: CacheHit, write_parts: WriteParts) -> RestoreResult:
+        """Validate and gather the hit's state in host memory, then `write_parts(start, parts)` for [0, hit.n_tokens).
 
-        Raises CacheRestoreError before the first `write_kv` when anything is wrong; exceptions of `write_kv`
+        Raises CacheRestoreError before the first `write_parts` when anything is wrong; exceptions of `write_parts`
         itself propagate (the engine then clears the slot).
         """
         t0 = time.perf_counter()
@@ -251,13 +249,15 @@ class ConversationCache:
                     conv.pins -= 1
                     for blk in blocks:
                         blk.pins -= 1
-        for start, kv in pieces:
+        specs = self.identity.parts
+        for start, parts in pieces:
             if start >= n:
                 break
-            take = min(kv.shape[2], n - start)
-            write_kv(start, kv if take == kv.shape[2] else kv[:, :, :take])
+            have = n_tokens_of(specs, parts)
+            take = min(have, n - start)
+            write_parts(start, parts if take == have else first_tokens(specs, parts, take))
         ms = (time.perf_counter() - t0) * 1000
-        nbytes = n * self.identity.layout.bytes_per_token
+        nbytes = n * self.identity.bytes_per_token
         with self._lock:
             conv.hits += 1
             conv.last_used = time.time()
@@ -293,16 +293,15 @@ class ConversationCache:
             conv_id = redirects[conv_id]
         return None
 
-    def _check_pieces(self, conv: Conv, pieces: list[tuple[int, torch.Tensor]]) -> None:
-        layout, b = self.identity.layout, self.identity.block_tokens
-        for start, kv in pieces:
-            n = kv.shape[2]
-            if (
-                tuple(kv.shape) != layout.host_shape(n)
-                or kv.dtype != layout.dtype
-                or (start < len(conv.keys) * b and n != b)
+    def _check_pieces(self, conv: Conv, pieces: list[tuple[int, Parts]]) -> None:
+        """Every part of every piece has its spec's shape and dtype, and a full block's piece is a whole block."""
+        specs, b = self.identity.parts, self.identity.block_tokens
+        for start, parts in pieces:
+            n = n_tokens_of(specs, parts) if set(parts) == {s.name for s in specs} else -1
+            if n < 0 or (start < len(conv.keys) * b and n != b) or any(
+                tuple(parts[s.name].shape) != s.shape(n) or parts[s.name].dtype != s.dtype for s in specs
             ):
-                raise CacheRestoreError(f"conversation {conv.id}: stored K/V has the wrong shape or dtype")
+                raise CacheRestoreError(f"conversation {conv.id}: stored state has the wrong parts, shape or dtype")
 
     # ------------------------------------------------------------------ purge, listing, stats, events
 
@@ -465,7 +464,7 @@ class ConversationCache:
             if spill and self.settings.storage == "tiered" and disk is not None and disk.writing:
                 for cid in reversed(list(self.ram.index.convs)):  # most recently used first
                     conv = self.ram.index.convs[cid]
-                    disk.queue_spill(conv, self.ram.tensors_of(conv), bounded=False)
+                    disk.queue_spill(conv, self.ram.data_of(conv), bounded=False)
         if disk is None:
             return
         if not disk.stop_writer(deadline):

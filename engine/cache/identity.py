@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from engine.cache.parts import PartSpec, describe_parts, layout_parts
 from engine.kv import KVLayout
 
 FORMAT_VERSION = 1
@@ -40,13 +41,19 @@ class CacheIdentity:
         canonical_json(self.model)  # refuses a model description that is not JSON-able
 
     def describe(self) -> dict:
-        """Everything the identity covers, as JSON-able data (stored in every file)."""
-        return {
+        """Everything the identity covers, as JSON-able data (stored in every file).
+
+        The state parts are named only when they are not the layout's (attention K/V alone), so the key of every
+        attention-only model, and the files parked under it, stay what they were."""
+        out = {
             "format_version": FORMAT_VERSION,
             "model": self.model,
             "layout": self.layout.describe(),
             "block_tokens": self.block_tokens,
         }
+        if self.parts != layout_parts(self.layout):
+            out["parts"] = describe_parts(self.parts)
+        return out
 
     @functools.cached_property
     def key(self) -> str:
@@ -56,16 +63,26 @@ class CacheIdentity:
     @functools.cached_property
     def kv_key(self) -> str:
         """Key of what K/V compatibility needs (model and layout, not block size): session files check this."""
-        kv = {"format_version": FORMAT_VERSION, "model": self.model, "layout": self.layout.describe()}
+        kv = {k: v for k, v in self.describe().items() if k != "block_tokens"}
         return xxhash.xxh3_128_hexdigest(canonical_json(kv).encode())
 
     def __hash__(self) -> int:
         return hash(self.key)
 
+    @functools.cached_property
+    def parts(self) -> tuple[PartSpec, ...]:
+        """The state parts every parked block and tail holds (today: the attention K/V of every layer)."""
+        return layout_parts(self.layout)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's state, every part together."""
+        return sum(spec.nbytes(1) for spec in self.parts)
+
     @property
     def block_bytes(self) -> int:
-        """Bytes of one full block's K/V."""
-        return self.block_tokens * self.layout.bytes_per_token
+        """Bytes of one full block's state."""
+        return self.block_tokens * self.bytes_per_token
 
 
 def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -10,16 +10,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from engine.cache.lifecycle import EntryState, check_transition
+from engine.cache.parts import Parts
 
 
 @dataclass(eq=False)
 class Block:
     key: str
     nbytes: int  # counted against the tier's budget (tensor bytes in RAM, file bytes on disk)
-    tensor: torch.Tensor | None = None  # the K/V in RAM; on disk, the copy still waiting for its write
+    data: Parts | None = None  # its state parts in RAM; on disk, the copy still waiting for its write
     on_disk: bool = False
     holders: set[str] = field(default_factory=set)
     pins: int = 0  # I/O in flight: never evicted or purged while > 0
@@ -32,7 +32,7 @@ class Conv:
     tokens: np.ndarray  # int32
     keys: list[str]  # keys of the full blocks
     nbytes: int  # own bytes: tail and token ids in RAM, the manifest file on disk
-    tail: torch.Tensor | None = None  # K/V of the last partial block (RAM, or pending on disk)
+    tail: Parts | None = None  # state parts of the last partial block (RAM, or pending on disk)
     created: float = 0.0
     last_used: float = 0.0
     hits: int = 0

@@ -1,4 +1,4 @@
-"""The RAM tier: owns the RAM index (blocks with their K/V tensors, conversations in LRU order) and its budget.
+"""The RAM tier: owns the RAM index (blocks with their state parts, conversations in LRU order) and its budget.
 
 A park captures only the blocks the tier does not hold yet, under the RAM byte budget, the slot count and the
 host-memory floor. An evicted conversation is handed to `on_evict` (tiered: queued for the disk writer). Every
@@ -15,30 +15,27 @@ from collections.abc import Callable
 
 import numpy as np
 import psutil
-import torch
 
 from engine.cache.errors import CacheRestoreError, ParkRefused
 from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv, TierIndex
 from engine.cache.journal import Journal
+from engine.cache.parts import Parts, ReadParts, check_parts, parts_nbytes
 from engine.cache.policy import plan_room
 from engine.cache.settings import CacheSettings
 
 log = logging.getLogger("strata.cache")
 MIB = 1 << 20
 RESERVED = "\x00park"  # holder token of blocks reserved by a park in progress
-ReadKV = Callable[[int, int], torch.Tensor]
-OnEvict = Callable[[Conv, dict[str, torch.Tensor | None]], None]
+OnEvict = Callable[[Conv, dict[str, Parts | None]], None]
 
 
-def check_kv(identity: CacheIdentity, kv: torch.Tensor, n: int) -> torch.Tensor:
-    """`kv` as a contiguous host tensor of `n` tokens in the identity's layout; refuses any other shape."""
-    want = identity.layout.host_shape(n)
-    if tuple(kv.shape) != want or kv.dtype != identity.layout.dtype:
-        raise ParkRefused("read_error", f"read_kv returned {tuple(kv.shape)} {kv.dtype}, expected {want}")
-    if kv.device.type != "cpu":
-        kv = kv.cpu()
-    return kv.contiguous()
+def capture(identity: CacheIdentity, read_parts: ReadParts, start: int, end: int) -> Parts:
+    """Every state part of tokens [start, end) as contiguous host tensors; refuses any other shape."""
+    try:
+        return check_parts(identity.parts, read_parts(start, end), end - start)
+    except ValueError as exc:
+        raise ParkRefused("read_error", f"the slot's state for tokens [{start}, {end}): {exc}") from None
 
 
 def inherit(superseded: list[Conv]) -> tuple[str, float, int]:
@@ -65,10 +62,10 @@ class RamTier:
         self._journal = journal
         self._on_evict = on_evict
 
-    def park(self, toks: np.ndarray, keys: list[str], read_kv: ReadKV, keep: str | None) -> tuple[Conv, int, int]:
+    def park(self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None) -> tuple[Conv, int, int]:
         """Park in RAM; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then."""
         s, idx, b = self.settings, self.index, self.identity.block_tokens
-        bpt = self.identity.layout.bytes_per_token
+        bpt = self.identity.bytes_per_token
         with self._lock:
             superseded = idx.prefixes_of(toks)
             same = [c for c in superseded if c.n_tokens == len(toks)]
@@ -111,10 +108,10 @@ class RamTier:
         tail = None
         try:
             for i in range(have, len(keys)):
-                kv = check_kv(self.identity, read_kv(i * b, (i + 1) * b), b)
-                new_blocks.append(Block(keys[i], kv.nbytes, tensor=kv))
+                data = capture(self.identity, read_parts, i * b, (i + 1) * b)
+                new_blocks.append(Block(keys[i], parts_nbytes(data), data=data))
             if n_tail:
-                tail = check_kv(self.identity, read_kv(len(keys) * b, len(toks)), n_tail)
+                tail = capture(self.identity, read_parts, len(keys) * b, len(toks))
         except ParkRefused:
             with self._lock:
                 idx.release(keys[:have], RESERVED)
@@ -133,11 +130,11 @@ class RamTier:
             conv = Conv(conv_id, toks, keys, own, tail=tail, created=created, last_used=time.time(), hits=hits)
             idx.add(conv, new_blocks)
             idx.release(keys[:have], RESERVED)
-        new_bytes = sum(blk.nbytes for blk in new_blocks) + (tail.nbytes if tail is not None else 0)
+        new_bytes = sum(blk.nbytes for blk in new_blocks) + parts_nbytes(tail)
         return conv, new_bytes, len(victims)
 
-    def tensors_of(self, conv: Conv) -> dict[str, torch.Tensor | None]:
-        return {k: self.index.blocks[k].tensor for k in conv.keys}
+    def data_of(self, conv: Conv) -> dict[str, Parts | None]:
+        return {k: self.index.blocks[k].data for k in conv.keys}
 
     def evict(self, conv_id: str, *, spill: bool = True, reason: str = "evict") -> int:
         """Drop a RAM conversation (handing it to `on_evict` when `spill`); returns the RAM bytes freed.
@@ -145,7 +142,7 @@ class RamTier:
         Caller holds the lock."""
         idx = self.index
         conv = idx.convs[conv_id]
-        tensors = self.tensors_of(conv)
+        tensors = self.data_of(conv)
         before = idx.bytes
         idx.remove(conv_id)
         freed = before - idx.bytes
@@ -156,10 +153,10 @@ class RamTier:
             self._on_evict(conv, tensors)
         return freed
 
-    def take(self, conv_id: str) -> tuple[Conv, dict[str, torch.Tensor | None]]:
+    def take(self, conv_id: str) -> tuple[Conv, dict[str, Parts | None]]:
         """Remove a conversation to move it to another tier (not an eviction: nothing is counted)."""
         conv = self.index.convs[conv_id]
-        tensors = self.tensors_of(conv)
+        tensors = self.data_of(conv)
         self.index.remove(conv_id)
         return conv, tensors
 
@@ -190,19 +187,16 @@ class RamTier:
             dropped += 1
         return dropped, freed
 
-    def pieces(self, conv: Conv, blocks: list[Block], use_tail: bool) -> tuple[list[tuple[int, torch.Tensor]], int]:
-        """(start, host K/V) pieces of a restore and the bytes they hold; raises CacheRestoreError."""
+    def pieces(self, conv: Conv, blocks: list[Block], use_tail: bool) -> tuple[list[tuple[int, Parts]], int]:
+        """(start, state parts) pieces of a restore and the bytes they hold; raises CacheRestoreError."""
         b = self.identity.block_tokens
-        pieces: list[tuple[int, torch.Tensor]] = []
-        read = 0
+        pieces: list[tuple[int, Parts]] = []
         for i, blk in enumerate(blocks):
-            if blk.tensor is None:
+            if blk.data is None:
                 raise CacheRestoreError(f"block {blk.key[:12]} of {conv.id} has no data")
-            pieces.append((i * b, blk.tensor))
-            read += blk.tensor.nbytes
+            pieces.append((i * b, blk.data))
         if use_tail:
             if conv.tail is None:
                 raise CacheRestoreError(f"conversation {conv.id} has no tail data")
             pieces.append((len(conv.keys) * b, conv.tail))
-            read += conv.tail.nbytes
-        return pieces, read
+        return pieces, sum(parts_nbytes(p) for _, p in pieces)

@@ -1,8 +1,9 @@
 """Session files (POST /slots/{id}?action=save|restore) and the conversation/block files of the disk tier.
 
-A session file is a conversation file with no block files: its `kv` tensor holds every token's K/V. A parked
-conversation on disk is the same kind of file whose first `n_blocks` blocks live in shared `blk-*` files, so a
-saved slot and a parked conversation are one format with one identity rule and one checksum scheme.
+A session file is a conversation file with no block files: its state parts (today the `kv` tensor: attention
+K/V) hold every token. A parked conversation on disk is the same kind of file whose first `n_blocks` blocks live
+in shared `blk-*` files, so a saved slot and a parked conversation are one format with one identity rule and one
+checksum scheme. Every file stores each state part (engine.cache.parts) as one tensor under the part's name.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.cache.fileformat import (
     read_tensor,
 )
 from engine.cache.identity import CacheIdentity, canonical_json, identity_difference, token_array
+from engine.cache.parts import Parts
 
 MAX_NAME_BYTES = 255
 
@@ -32,7 +34,7 @@ MAX_NAME_BYTES = 255
 def conversation_file(
     identity: CacheIdentity,
     tokens: np.ndarray,
-    kv: torch.Tensor | None,
+    tail: Parts | None,
     *,
     n_blocks: int,
     engine_version: str,
@@ -40,17 +42,17 @@ def conversation_file(
     created: float | None = None,
     hits: int = 0,
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
-    """Header and tensors of a conversation file; `kv` holds tokens [n_blocks * block_tokens, len(tokens))."""
+    """Header and tensors of a conversation file; `tail` holds tokens [n_blocks * block_tokens, len(tokens))."""
     n = len(tokens)
     n_tail = n - n_blocks * identity.block_tokens
     assert n_tail >= 0, (n, n_blocks)
     tensors: list[tuple[str, torch.Tensor]] = [("tokens", torch.from_numpy(token_array(tokens)))]
     if n_tail:
-        assert kv is not None and tuple(kv.shape) == identity.layout.host_shape(n_tail), (
-            "kv does not match tokens"
-        )
-        assert kv.dtype == identity.layout.dtype, (kv.dtype, identity.layout.dtype)
-        tensors.append(("kv", kv.contiguous()))
+        assert tail is not None, "the tail's state parts are missing"
+        for spec in identity.parts:
+            t = tail[spec.name]
+            assert tuple(t.shape) == spec.shape(n_tail) and t.dtype == spec.dtype, (spec.name, tuple(t.shape))
+            tensors.append((spec.name, t.contiguous()))
     meta = {
         "kind": "conversation",
         "engine_version": engine_version,
@@ -67,13 +69,13 @@ def conversation_file(
     return encode_header(tensors, meta), tensors
 
 
-def block_file(identity: CacheIdentity, key: str, kv: torch.Tensor, *, engine_version: str):
-    """Header and tensors of one shared block file."""
-    assert (
-        tuple(kv.shape) == identity.layout.host_shape(identity.block_tokens)
-        and kv.dtype == identity.layout.dtype
-    )
-    tensors = [("kv", kv.contiguous())]
+def block_file(identity: CacheIdentity, key: str, parts: Parts, *, engine_version: str):
+    """Header and tensors of one shared block file: every state part, under its name."""
+    tensors = []
+    for spec in identity.parts:
+        t = parts[spec.name]
+        assert tuple(t.shape) == spec.shape(identity.block_tokens) and t.dtype == spec.dtype, spec.name
+        tensors.append((spec.name, t.contiguous()))
     meta = {
         "kind": "block",
         "engine_version": engine_version,
@@ -124,11 +126,12 @@ def check_conversation(header: Header, identity: CacheIdentity, *, session: bool
     tok = header.tensors.get("tokens")
     if n < 0 or n_blocks < 0 or n_tail < 0 or tok is None or tok.dtype != torch.int32 or tok.shape != (n,):
         raise FileFormatError("corrupt", "token ids do not match the header's token count")
-    kv = header.tensors.get("kv")
-    if n_tail == 0 and kv is None:
+    parts = [header.tensors.get(spec.name) for spec in identity.parts]
+    if n_tail == 0 and all(p is None for p in parts):
         return n, n_blocks
-    if kv is None or kv.shape != identity.layout.host_shape(n_tail) or kv.dtype != identity.layout.dtype:
-        raise FileFormatError("corrupt", "K/V tensor does not match the token count and layout")
+    for spec, entry in zip(identity.parts, parts, strict=True):
+        if entry is None or entry.shape != spec.shape(n_tail) or entry.dtype != spec.dtype:
+            raise FileFormatError("corrupt", f"state part {spec.name} does not match the token count and layout")
     return n, n_blocks
 
 
@@ -144,7 +147,7 @@ def save_session(
             f"session K/V has shape {tuple(kv.shape)} {kv.dtype}, expected "
             f"{identity.layout.host_shape(len(toks))} {identity.layout.dtype} for {len(toks)} tokens"
         )
-    header, tensors = conversation_file(identity, toks, kv, n_blocks=0, engine_version=engine_version)
+    header, tensors = conversation_file(identity, toks, {"kv": kv}, n_blocks=0, engine_version=engine_version)
     return atomic_write(path, file_chunks(header, tensors))
 
 
@@ -156,11 +159,13 @@ def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.T
             header = read_header(f)
             check_conversation(header, identity, session=True)
             tokens = read_tensor(f, header, "tokens")
-            kv = (
-                read_tensor(f, header, "kv")
-                if "kv" in header.tensors
-                else torch.empty(identity.layout.host_shape(0), dtype=identity.layout.dtype)
-            )
+            parts = {
+                s.name: read_tensor(f, header, s.name)
+                if s.name in header.tensors
+                else torch.empty(s.shape(0), dtype=s.dtype)
+                for s in identity.parts
+            }
+            kv = parts["kv"]  # a slot takes attention K/V: the one part a model has today
     except FileNotFoundError:
         raise SessionFileError(f"session file {name!r} does not exist") from None
     except IsADirectoryError:

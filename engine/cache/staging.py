@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from engine.cache.parts import parts_nbytes
+
 if TYPE_CHECKING:
     from engine.cache.disk_store import DiskStore
     from engine.cache.index import Conv
@@ -28,8 +30,8 @@ class StagingBound:
     def pending_bytes(self) -> int:
         """RAM held by entries and blocks waiting for the writer."""
         idx = self._store.index
-        total = sum(b.tensor.nbytes for b in idx.blocks.values() if b.tensor is not None and not b.on_disk)
-        return total + sum(c.tail.nbytes for c in idx.convs.values() if c.tail is not None and not c.on_disk)
+        total = sum(parts_nbytes(b.data) for b in idx.blocks.values() if not b.on_disk)
+        return total + sum(parts_nbytes(c.tail) for c in idx.convs.values() if not c.on_disk)
 
     def any_pending(self) -> bool:
         return any(not c.on_disk for c in self._store.index.convs.values())
@@ -68,12 +70,12 @@ class StagingBound:
                 continue
             plan.append(conv)
             gone.add(conv.id)
-            over -= conv.tail.nbytes if conv.tail is not None else 0
+            over -= parts_nbytes(conv.tail)
             for k in conv.keys:
                 blk = idx.blocks[k]
-                if k not in freed_keys and blk.tensor is not None and not blk.on_disk and blk.holders <= gone:
+                if k not in freed_keys and blk.data is not None and not blk.on_disk and blk.holders <= gone:
                     freed_keys.add(k)
-                    over -= blk.tensor.nbytes
+                    over -= parts_nbytes(blk.data)
         if over > 0:
             return False
         for conv in plan:

@@ -15,19 +15,18 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.cache.disk_tier import DiskTier
 from engine.cache.index import Conv
+from engine.cache.parts import Parts
 
 
 @dataclass(slots=True)
 class WriteJob:
-    """What one write needs: the entry (read-only here), its unwritten blocks' (key, K/V), and its tail."""
+    """What one write needs: the entry (read-only here), its unwritten blocks' (key, state parts), and its tail."""
 
     conv: Conv
-    items: list[tuple[str, torch.Tensor | None]]
-    tail: torch.Tensor | None
+    items: list[tuple[str, Parts | None]]
+    tail: Parts | None
     extra: object = None  # the store's own bookkeeping for this job (the blocks it pinned)
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from engine import __version__
+from engine.cache.parts import kv_reader, kv_writer
 from engine.config import EngineConfig, setting_of
 from engine.errors import BadValue, Busy, NotFound, Refused, Unavailable
 from engine.kv import KVBuffers, KVLayout
@@ -536,7 +537,7 @@ class Engine:
         assert self.cache is not None
         tokens = list(slot.tokens)
         try:
-            result = self.cache.park(tokens, lambda a, b: self.kv.read(slot.id, a, b), keep=protect)
+            result = self.cache.park(tokens, kv_reader(lambda a, b: self.kv.read(slot.id, a, b)), keep=protect)
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return
@@ -549,7 +550,9 @@ class Engine:
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
         try:
-            result = self.cache.restore(hit, lambda start, data: self._write_queued(slot, start, data, hit.n_tokens))
+            result = self.cache.restore(
+                hit, kv_writer(lambda start, data: self._write_queued(slot, start, data, hit.n_tokens))
+            )
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
