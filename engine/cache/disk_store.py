@@ -376,11 +376,11 @@ class DiskStore:
 
     def remove(self, conv_id: str, *, reason: str = "") -> int:
         """Drop an entry (written or pending, never one in flight) and the files no one else needs; returns
-        the bytes freed. Caller holds the lock."""
+        the bytes freed (files that could not be removed are not counted). Caller holds the lock."""
         idx = self.index
         before = idx.bytes
         conv, freed = idx.remove(conv_id)
-        self.files.delete_conv(conv, freed)
+        stuck = self.files.delete_conv(conv, freed)
         if conv.previous is not None and not conv.on_disk:
             self.files.delete_conv(conv.previous, [])  # the written version it was to replace goes too
             conv.previous = None
@@ -389,15 +389,23 @@ class DiskStore:
         if reason:
             if reason == "evict":
                 self._journal.count("evictions")
-            self._journal.event(reason, conv_id, conv.n_tokens, before - idx.bytes, 0.0, "disk")
-        return before - idx.bytes
+            self._journal.event(reason, conv_id, conv.n_tokens, before - idx.bytes - stuck, 0.0, "disk")
+        return before - idx.bytes - stuck
 
     def purge(self) -> tuple[int, int, list[tuple[str, str]]]:
-        """Drop every entry not in flight; returns (conversations, bytes, skipped). Caller holds the lock."""
+        """Drop every entry not in flight; returns (conversations, bytes really removed, skipped with why).
+
+        A conversation whose manifest cannot be removed (a read-only folder) stays parked and is skipped: it
+        would come back at the next start. Caller holds the lock."""
         dropped, freed, skipped = 0, 0, []
         for cid in list(self.index.convs):
-            if self.index.is_pinned(self.index.convs[cid]):
+            conv = self.index.convs[cid]
+            if self.index.is_pinned(conv):
                 skipped.append((cid, "being written to or read from disk"))
+                continue
+            error = self.files.remove_manifest(conv)
+            if error:
+                skipped.append((cid, f"its files cannot be removed from {self.files.folder}: {error}"))
                 continue
             freed += self.remove(cid, reason="purge")
             dropped += 1

@@ -37,14 +37,20 @@ _REASONS = ("alien", "foreign", "version", "corrupt", "truncated")
 
 
 def _unlink(path: str) -> bool:
+    return not _unlink_error(path)
+
+
+def _unlink_error(path: str) -> str:
+    """Remove `path`; "" when it is gone (or was never there), else why it could not be removed (logged)."""
     try:
         os.unlink(path)
-        return True
+        return ""
     except FileNotFoundError:
-        return True
+        return ""
     except OSError as exc:
-        log.warning("conversation cache: cannot remove %s: %s", path, exc.strerror or exc)
-        return False
+        reason = exc.strerror or str(exc)
+        log.warning("conversation cache: cannot remove %s: %s", path, reason)
+        return reason
 
 
 class DiskTier:
@@ -307,13 +313,21 @@ class DiskTier:
             raise
         return n
 
-    def delete_conv(self, conv: Conv, freed: list[Block]) -> None:
-        """Remove a dropped conversation's manifest and the block files no one holds any more."""
-        if conv.on_disk:
-            _unlink(self.conv_path(conv.id))
+    def delete_conv(self, conv: Conv, freed: list[Block]) -> int:
+        """Remove a dropped conversation's manifest and the block files no one holds any more; returns the bytes
+        of the files that could not be removed (they stay until a start-up scan can remove them)."""
+        stuck = 0
+        if conv.on_disk and _unlink_error(self.conv_path(conv.id)):
+            stuck += conv.nbytes
         for blk in freed:
-            if blk.on_disk:
-                _unlink(self.block_path(blk.key))
+            if blk.on_disk and _unlink_error(self.block_path(blk.key)):
+                stuck += blk.nbytes
+        return stuck
+
+    def remove_manifest(self, conv: Conv) -> str:
+        """Remove a written conversation's manifest (which makes it unrestorable, here and after a restart);
+        "" when done, else why not."""
+        return _unlink_error(self.conv_path(conv.id)) if conv.on_disk else ""
 
     def delete_blocks(self, keys: list[str]) -> None:
         """Remove published block files no index entry names (a rolled-back park, an orphaned write)."""

@@ -339,6 +339,7 @@ class ConversationCache:
                     conv.last_used,
                     conv.hits,
                     pending=tier == "disk" and not conv.on_disk,
+                    on_disk=tier == "disk" and conv.on_disk,
                 )
                 for tier, index in self._tiers()
                 for conv in index.convs.values()

@@ -72,6 +72,9 @@ class ConversationInfo:
     last_used: float
     hits: int
     pending: bool = False  # tiered: evicted from RAM, its disk write not finished yet
+    # its files are published: it survives a crash or a kill. False for RAM-tier conversations (in tiered mode
+    # they reach the disk when RAM evicts them or at a clean shutdown) and for pending disk writes.
+    on_disk: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
