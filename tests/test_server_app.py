@@ -10,7 +10,7 @@ from engine.server.app import ServerState, create_app
 
 def client(**config) -> tuple[TestClient, ServerState]:
     state = ServerState(EngineConfig(**config))
-    return TestClient(create_app(state)), state
+    return TestClient(create_app(state), base_url="http://127.0.0.1:8080"), state
 
 
 def assert_openai_error(response, status: int) -> dict:
