@@ -37,16 +37,18 @@ def test_unknown_route_and_wrong_method_are_openai_errors():
     assert_openai_error(c.get("/v1/chat/completions"), 405)
 
 
-def test_api_key_guards_every_route():
+def test_api_key_guards_every_route_but_health():
     c, _ = client(api_key="s3cret")
-    for path in ("/health", "/v1/models", "/metrics", "/nothing"):
+    assert (c.get("/health").status_code, c.get("/health").json()) == (503, {"status": "loading"})
+    assert_openai_error(c.post("/health"), 401)  # only reading the health is open
+    for path in ("/v1/models", "/metrics", "/nothing", "/health/x"):
         err = assert_openai_error(c.get(path), 401)
         assert err["type"] == "authentication_error"
         assert "Authorization: Bearer" in err["message"]
-    assert "invalid" in assert_openai_error(c.get("/health", headers={"Authorization": "Bearer nope"}), 401)["message"]
-    assert c.get("/health", headers={"Authorization": "Bearer s3cret"}).status_code == 503  # through: loading
-    assert c.get("/health", headers={"Authorization": "bearer s3cret"}).status_code == 503
-    assert c.get("/health", headers={"Authorization": "Bearer S3CRET"}).status_code == 401
+    assert "invalid" in assert_openai_error(c.get("/metrics", headers={"Authorization": "Bearer nope"}), 401)["message"]
+    assert c.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 503  # through: loading
+    assert c.get("/metrics", headers={"Authorization": "bearer s3cret"}).status_code == 503
+    assert c.get("/metrics", headers={"Authorization": "Bearer S3CRET"}).status_code == 401
 
 
 def test_shutdown_answers_then_calls_the_cli_hook():
