@@ -14,6 +14,7 @@ from engine.config import PURGE_TIERS
 from engine.errors import ApiError
 from engine.server.prometheus import render_prometheus
 from engine.server.schemas import StrictBody, parse_body
+from engine.server.slot_names import check_slot_file_name
 from engine.server.state import require_engine, server_state
 
 router = APIRouter()
@@ -72,15 +73,26 @@ async def slot_action(slot_id: str, request: Request) -> dict[str, Any]:
     action = request.query_params.get("action")
     if action not in SLOT_ACTIONS:
         raise ApiError(400, f"'action': expected one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action")
-    if not slot_id.isdigit():
-        raise ApiError(400, f"slot id: expected a whole number >= 0, got {slot_id!r}", param="slot_id")
-    slot = int(slot_id)
+    slot = whole_number(slot_id, "slot id", param="slot_id")
     if action == "erase":
         return await engine.run(lambda: engine.erase_slot(slot))
     filename = parse_body(SlotFileRequest, await request.body()).filename
-    if action == "save":
-        return await engine.run(lambda: engine.save_slot(slot, filename))
-    return await engine.run(lambda: engine.restore_slot(slot, filename))
+    check_slot_file_name(filename)
+    operation = engine.save_slot if action == "save" else engine.restore_slot
+    try:
+        return await engine.run(lambda: operation(slot, filename))
+    except OSError as exc:
+        # The OS's message names the full path; the client gets the file name and the reason only.
+        reason = exc.strerror or type(exc).__name__
+        raise ApiError(500, f"could not {action} the slot file {filename!r}: {reason}", param="filename") from None
+
+
+def whole_number(raw: str, what: str, param: str, limit: int = 10**9) -> int:
+    """A path or query value of ASCII digits only ('²', '１' and '٠' are digits to str.isdigit, not to us)."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(limit)):
+        raise ApiError(400, f"{what}: expected a whole number written with the digits 0-9, got {raw[:40]!r}",
+                       param=param)
+    return int(raw)
 
 
 @router.get("/cache/conversations")
@@ -93,8 +105,8 @@ async def cache_conversations(request: Request) -> dict[str, Any]:
 async def cache_events(request: Request) -> dict[str, Any]:
     engine = require_engine(request)
     raw = request.query_params.get("limit", "100")
-    if not raw.isdigit():
-        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {raw!r}", param="limit")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
+        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {raw[:40]!r}", param="limit")
     limit = int(raw)
     if not 1 <= limit <= MAX_EVENTS:
         raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {limit}", param="limit")
@@ -126,6 +138,8 @@ async def put_cache_config(request: Request) -> dict[str, Any]:
         changes = json.loads(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply; expected a flat JSON object of settings") from None
     if isinstance(changes, dict) and set(changes) == {"settings"} and isinstance(changes["settings"], dict):
         changes = changes["settings"]
     if not isinstance(changes, dict) or not changes:
