@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
@@ -79,9 +80,10 @@ def _error_event(err: ApiError) -> str:
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(request: Request) -> Response:
     engine = require_engine(request)
-    req = parse_body(ChatCompletionRequest, await request.body())
+    # Parsing and tokenising a large prompt takes seconds: on a worker thread, so every other route keeps answering.
+    req = await run_in_threadpool(parse_body, ChatCompletionRequest, await request.body())
     check_common(req)
-    prompt, tools = chat_prompt(engine.tokenizer, req)
+    prompt, tools = await run_in_threadpool(chat_prompt, engine.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
@@ -164,16 +166,16 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
 @router.post("/completions", include_in_schema=False)
 async def completions(request: Request) -> Response:
     engine = require_engine(request)
-    req = parse_body(CompletionRequest, await request.body())
+    req = await run_in_threadpool(parse_body, CompletionRequest, await request.body())
     check_common(req)
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, f"best_of other than 1 is not supported (got {req.best_of})", param="best_of")
-    prompt = completion_prompt(engine.tokenizer, req.prompt)
+    prompt = await run_in_threadpool(completion_prompt, engine.tokenizer, req.prompt)
     params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS, engine.ctx_size)
     request_id = "cmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params))
     created = int(time.time())
-    echo = engine.tokenizer.decode(prompt) if req.echo else ""
+    echo = await run_in_threadpool(engine.tokenizer.decode, prompt) if req.echo else ""
     if req.stream:
         return _sse_response(_completion_chunks(stream, request, request_id, created, engine.model_name, echo,
                                                 req.include_usage()))
