@@ -1,4 +1,8 @@
-"""Routes for operators and the desktop app: /health, /metrics, /slots, /cache/*, /shutdown."""
+"""Routes for operators and the desktop app: /health, /metrics, /slots, /cache/*, /shutdown.
+
+The read-only routes (/metrics, /slots, /cache/conversations, /cache/events, GET /cache/config) never wait on the
+engine thread: they serve the snapshot it publishes (`Engine.stats_snapshot`) or read fields it replaces whole,
+so they answer at once while a step decodes or prefills. Routes that change state run on the engine thread."""
 
 from __future__ import annotations
 
@@ -52,9 +56,8 @@ def _wants_prometheus(request: Request) -> bool:
 async def metrics(request: Request) -> Response:
     """Engine and conversation-cache stats, as JSON (default) or Prometheus text."""
     prometheus = _wants_prometheus(request)
-    engine = require_engine(request)
-    engine_stats, cache_stats = await engine.run(lambda: (engine.engine_stats(), engine.cache_stats()))
-    body = {"engine": engine_stats, "conversation_cache": cache_stats}
+    snapshot = require_engine(request).stats_snapshot()
+    body = {"engine": snapshot["engine"], "conversation_cache": snapshot["conversation_cache"]}
     if prometheus:
         return Response(render_prometheus(body), media_type=CONTENT_TYPE_LATEST)
     return JSONResponse(body)
@@ -62,8 +65,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/slots")
 async def list_slots(request: Request) -> list[dict[str, Any]]:
-    engine = require_engine(request)
-    return await engine.run(engine.slots_info)
+    return require_engine(request).stats_snapshot()["slots"]
 
 
 @router.post("/slots/{slot_id}")
@@ -97,8 +99,7 @@ def whole_number(raw: str, what: str, param: str, limit: int = 10**9) -> int:
 
 @router.get("/cache/conversations")
 async def cache_conversations(request: Request) -> dict[str, Any]:
-    engine = require_engine(request)
-    return {"conversations": await engine.run(engine.cache_conversations)}
+    return {"conversations": require_engine(request).stats_snapshot()["conversations"]}
 
 
 @router.get("/cache/events")
@@ -110,7 +111,7 @@ async def cache_events(request: Request) -> dict[str, Any]:
     limit = int(raw)
     if not 1 <= limit <= MAX_EVENTS:
         raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {limit}", param="limit")
-    return {"events": await engine.run(lambda: engine.cache_events(limit))}
+    return {"events": engine.stats_snapshot()["events"][-limit:]}
 
 
 @router.post("/cache/purge")
@@ -126,8 +127,8 @@ async def cache_purge(request: Request) -> dict[str, Any]:
 
 @router.get("/cache/config")
 async def get_cache_config(request: Request) -> dict[str, Any]:
-    engine = require_engine(request)
-    return await engine.run(engine.cache_config)
+    # Reads the engine's config and cache fields, which the engine thread replaces whole: safe from any thread.
+    return require_engine(request).cache_config()
 
 
 @router.put("/cache/config")
