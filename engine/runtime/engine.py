@@ -549,6 +549,7 @@ class Engine:
             max_tokens=max_tokens,
         )
         slot.last_used = time.time()
+        stream.mark_started()
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(prompt)
         self._counters["cached_tokens"] += reused

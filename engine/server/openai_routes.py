@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
-from engine.server.errors import error_body
+from engine.server.errors import error_body, error_response
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -31,6 +31,7 @@ from engine.server.tool_calls import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
 router = APIRouter()
+RETRY_AFTER_S = 5  # what a request refused by --queue-timeout is told to wait before trying again
 
 
 def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
@@ -64,6 +65,18 @@ async def _collect(stream: Any, request: Request) -> tuple[str, TokenEvent]:
     return "".join(parts), final
 
 
+async def _wait_for_slot(stream: Any, request: Request, n_slots: int) -> Response | None:
+    """None once a slot took the request; a 503 with Retry-After if none did within --queue-timeout."""
+    timeout = server_state(request).config.queue_timeout
+    if timeout <= 0 or await stream.wait_started(timeout):
+        return None
+    stream.cancel()
+    log.info("%s: no slot free within --queue-timeout %g s, refused", stream.request_id, timeout)
+    err = ApiError(503, f"the server is busy: no slot became free within {timeout:g} s (--queue-timeout; "
+                   f"{n_slots} slot{'s' if n_slots != 1 else ''}, see --parallel); retry in {RETRY_AFTER_S} s")
+    return error_response(err, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -88,6 +101,9 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    refused = await _wait_for_slot(stream, request, engine.n_slots)
+    if refused is not None:
+        return refused
     created = int(time.time())
     if req.stream:
         return _sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
@@ -174,6 +190,9 @@ async def completions(request: Request) -> Response:
     params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS, engine.ctx_size)
     request_id = "cmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    refused = await _wait_for_slot(stream, request, engine.n_slots)
+    if refused is not None:
+        return refused
     created = int(time.time())
     echo = await run_in_threadpool(engine.tokenizer.decode, prompt) if req.echo else ""
     if req.stream:
