@@ -59,3 +59,22 @@ def test_shutdown_answers_then_calls_the_cli_hook():
     r = c.post("/shutdown")
     assert (r.status_code, r.json()) == (202, {"status": "shutting down"})
     assert calls == ["stop"]
+
+
+def test_openapi_document_lists_every_route_with_its_body_and_error_shape():
+    c, _ = client()
+    doc = c.get("/openapi.json").json()
+    paths = doc["paths"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/slots",
+                 "/slots/{slot_id}", "/cache/conversations", "/cache/events", "/cache/purge", "/cache/config",
+                 "/shutdown"):
+        assert path in paths, path
+    chat = paths["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"}
+    assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["required"]
+    live = paths["/cache/config"]["put"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "conversation_cache_mib" in live["properties"] and "ctx_size" not in live["properties"]
+    assert all("default" in op["responses"] and "422" not in op["responses"]
+               for methods in paths.values() for op in methods.values())
+    assert c.get("/docs").status_code == 404  # no page that would load scripts from a CDN

@@ -15,6 +15,7 @@ from engine.errors import ApiError
 from engine.server import control_routes, openai_routes
 from engine.server.errors import error_response, loc_to_param, validation_error
 from engine.server.guards import MIB, ApiKeyGuard, BodyGuard, HostGuard, OriginGuard, split_list
+from engine.server.openapi import build_openapi
 from engine.server.state import ServerState, require_engine, server_state
 
 __all__ = ["ServerState", "create_app", "require_engine", "server_state"]
@@ -24,10 +25,12 @@ log = logging.getLogger("strata.server")
 
 def create_app(state: ServerState) -> FastAPI:
     """The HTTP API over `state.engine` (which may still be None while the model loads)."""
-    app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes the API for clients and fuzzers; no /docs page (it would load scripts from a CDN).
+    app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.include_router(openai_routes.router)
     app.include_router(control_routes.router)
+    app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
