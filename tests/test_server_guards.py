@@ -102,3 +102,14 @@ def test_bodies_over_the_limit_are_refused_with_413_naming_it():
     assert "1 MiB" in err["message"]
     small = b'{"prompt": "' + b"x" * 1000 + b'"}'
     assert c.post("/v1/completions", content=small, headers={"Content-Type": "application/json"}).status_code == 503
+
+
+def test_a_wildcard_bind_without_allowed_hosts_says_how_to_reach_it(caplog):
+    with caplog.at_level("WARNING", logger="strata.server"):
+        client(host="0.0.0.0")
+    assert "--allowed-hosts" in caplog.text and "0.0.0.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="strata.server"):
+        client(host="0.0.0.0", allowed_hosts="box.lan")
+        client()
+    assert "--allowed-hosts" not in caplog.text

@@ -14,7 +14,15 @@ from engine import __version__
 from engine.errors import ApiError
 from engine.server import control_routes, openai_routes
 from engine.server.errors import error_response, loc_to_param, validation_error
-from engine.server.guards import MIB, ApiKeyGuard, BodyGuard, HostGuard, OriginGuard, split_list
+from engine.server.guards import (
+    MIB,
+    WILDCARD_BINDS,
+    ApiKeyGuard,
+    BodyGuard,
+    HostGuard,
+    OriginGuard,
+    split_list,
+)
 from engine.server.openapi import build_openapi
 from engine.server.state import ServerState, require_engine, server_state
 
@@ -71,4 +79,7 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(ApiKeyGuard, api_key=config.api_key)
     app.add_middleware(OriginGuard, cors_origins=split_list(config.cors_origins))
     app.add_middleware(HostGuard, bound_host=config.host, allowed_hosts=split_list(config.allowed_hosts))
+    if config.host.strip() in WILDCARD_BINDS and not split_list(config.allowed_hosts):
+        log.warning("bound to %s: only requests addressed to 127.0.0.1, localhost or ::1 are answered; list the names "
+                    "and addresses clients use with --allowed-hosts (or * for any)", config.host)
     return app
