@@ -221,7 +221,27 @@ class EngineConfig:
     )
     api_key: str | None = setting(
         None, flag="--api-key", kind="optional_str", group="server", secret=True, metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every route",
+        help="require 'Authorization: Bearer KEY' on every route except GET /health",
+    )
+    allowed_hosts: str = setting(
+        "", flag="--allowed-hosts", kind="str", group="server", metavar="NAMES",
+        help="comma-separated Host names the server also answers to, besides the bound address and 127.0.0.1, "
+        "localhost, ::1 (needed to reach a server bound to 0.0.0.0 by name or IP); * = any Host (turns off the "
+        "DNS-rebinding check)",
+    )
+    cors_origins: str = setting(
+        "", flag="--cors-origins", kind="str", group="server", metavar="ORIGINS",
+        help="comma-separated browser origins allowed to call the API (CORS), e.g. http://localhost:3000; "
+        "* = any; empty = none: pages of other sites can neither read answers nor change anything",
+    )
+    max_request_mib: int = setting(
+        32, flag="--max-request-mib", kind="int", group="server", unit="MiB", minimum=1, maximum=4096,
+        help="largest request body accepted; a larger one is refused with 413",
+    )
+    queue_timeout: float = setting(
+        120.0, flag="--queue-timeout", kind="float", group="server", unit="s", minimum=0, maximum=86400,
+        help="how long a request may wait for a free slot before it is refused with 503 and Retry-After "
+        "(0 = wait as long as it takes)",
     )
     slot_save_path: str | None = setting(
         None, flag="--slot-save-path", kind="optional_path", group="server", metavar="DIR",

@@ -73,11 +73,12 @@ class EngineProcess:
 
 
 def start_engine(*args: str, api_key: str | None = None, timeout: float = 120.0, env: dict[str, str] | None = None,
-                 log_dir: str | None = None, stdin_pipe: bool = False) -> EngineProcess:
+                 log_dir: str | None = None, stdin_pipe: bool = False, cwd: str = REPO) -> EngineProcess:
     """Start `python -m engine serve --port 0 ARGS...` and return once GET /health answers 200.
 
     `api_key` is passed as --api-key and used for the health check. With `stdin_pipe`, stdin is a pipe the test
-    may close (the engine shuts down when it does).
+    may close (the engine shuts down when it does). `cwd` is the engine's working folder (the repository is put
+    on PYTHONPATH, so it imports the same code from anywhere).
     """
     argv = [sys.executable, "-m", "engine", "serve", "--port", "0", *args]
     if api_key is not None:
@@ -85,9 +86,10 @@ def start_engine(*args: str, api_key: str | None = None, timeout: float = 120.0,
     fd, log_path = tempfile.mkstemp(prefix="strata-engine-", suffix=".log", dir=log_dir)
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(
-            argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p), **(env or {})},
         )
     engine = EngineProcess(proc, log_path, api_key=api_key, args=list(args))
     deadline = time.monotonic() + timeout

@@ -1,4 +1,4 @@
-"""`--api-key`: every route, /health included, answers 401 in OpenAI's error shape without the key."""
+"""`--api-key`: every route but GET /health answers 401 in OpenAI's error shape without the key."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_sdk_with_a_wrong_key_gets_authentication_error(engine):
 
 
 @pytest.mark.parametrize("method, path", [
-    ("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+    ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
     ("GET", "/metrics"), ("GET", "/slots"), ("GET", "/cache/conversations"), ("POST", "/cache/purge"),
     ("PUT", "/cache/config"), ("POST", "/shutdown"), ("GET", "/no/such/route"),
 ])
@@ -47,3 +47,9 @@ def test_every_route_refuses_a_request_without_the_key(engine, method, path):
     assert err["type"] == "authentication_error" and err["code"] == 401
     assert "Authorization: Bearer" in err["message"]
     assert engine.alive()
+
+
+def test_health_answers_without_the_key_and_says_nothing_else(engine):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(engine.base_url + "/health", headers=headers, timeout=10)
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})

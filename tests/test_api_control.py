@@ -118,6 +118,47 @@ def test_slot_file_names_outside_the_save_path_are_refused(http, engine):
     error_of(http.post("/slots/0", params={"action": "save"}, json={}), 400)
 
 
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("method, path", [
+    ("PUT", "/cache/config"), ("POST", "/cache/purge"), ("POST", "/slots/0?action=save"),
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+])
+def test_json_nested_ten_thousand_deep_is_a_400(http, method, path):
+    for body in ("[" * 10000 + "]" * 10000, '{"a":' * 10000 + "1" + "}" * 10000):
+        err = error_of(http.request(method, path, content=body.encode(), headers=JSON), 400)
+        assert "JSON" in err["message"] or "nest" in err["message"]
+
+
+@pytest.mark.parametrize("size", [230, 231, 237, 250, 255])
+def test_long_slot_file_names_are_saved_or_refused_clearly(http, engine, alternated, size):
+    name = "n" * (size - 5) + ".slot"
+    r = http.post("/slots/0", params={"action": "save"}, json={"filename": name})
+    if size <= 230:  # the longest name whose temporary name still fits in 255 bytes
+        assert r.status_code == 200, r.text
+        assert os.path.isfile(engine.save_dir / name)
+        return
+    err = error_of(r, 400)
+    assert "at most 230 bytes" in err["message"] and f"got {size}" in err["message"]
+    assert str(engine.save_dir) not in r.text
+
+
+@pytest.mark.parametrize("name", ["con", "NUL", "COM1", "lpt1.slot", "aux.tar.gz", "prn", "Con .x", "name."])
+def test_windows_device_names_are_refused_as_slot_files(http, engine, alternated, name):
+    err = error_of(http.post("/slots/0", params={"action": "save"}, json={"filename": name}), 400)
+    assert "Windows" in err["message"] or "dot" in err["message"]
+    assert not os.path.exists(engine.save_dir / name)
+
+
+@pytest.mark.parametrize("slot_id", ["\u00b2", "\uff11", "\u0660", "1" * 5000, "-1", "0x1"])
+def test_slot_ids_are_ascii_digits_only(http, slot_id):
+    err = error_of(http.post(f"/slots/{slot_id}", params={"action": "erase"}), 400)
+    assert "digits 0-9" in err["message"]
+    err = error_of(http.get("/cache/events", params={"limit": slot_id}), 400)
+    assert "limit" in err["message"]
+
+
 def test_purge_reports_what_it_dropped(http, alternated):
     result = ok(http.post("/cache/purge", json={"tier": "all"}))
     assert result["tier"] == "all"

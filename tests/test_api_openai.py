@@ -334,7 +334,7 @@ def test_bad_control_requests_get_4xx(http):
     assert_openai_error(http.post("/slots/0", params={"action": "save"}, json={"filename": "x.bin"}))
     assert_openai_error(http.get("/cache/events", params={"limit": "-3"}))
     assert_openai_error(http.post("/cache/purge", json={"tier": "attic"}))
-    assert_openai_error(http.put("/cache/config", content=b"{oops"))
+    assert_openai_error(http.put("/cache/config", content=b"{oops", headers={"Content-Type": "application/json"}))
     assert_openai_error(http.put("/cache/config", json={"no_such_setting": 1}))
     assert_openai_error(http.put("/cache/config", json={"ctx_size": 4096}))
     assert_openai_error(http.put("/cache/config", json={"conversation_cache_mib": "lots"}))

@@ -42,6 +42,8 @@ T = TypeVar("T")
 # A conversation shorter than this is cheaper to prefill again than to park; a hit that saves fewer tokens than
 # this over the live slot is not worth parking the slot's conversation for.
 MIN_PARK_TOKENS = 16
+# While steps run back to back the stats snapshot is refreshed at most this often (and at every request's end).
+STATS_INTERVAL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -109,6 +111,8 @@ class Engine:
         self._counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
         self._prefill_rate: float | None = None  # tokens/s, smoothed
         self._decode_rate: float | None = None
+        self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot
+        self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
 
@@ -195,6 +199,26 @@ class Engine:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Async form of `call` for the server: `await engine.run(engine.purge_cache, "all")`."""
         return await asyncio.wrap_future(self.call(lambda: fn(*args)))
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The stats the engine thread last published (any thread, never waits on a step): "engine",
+        "conversation_cache", "conversations", "events", "slots". Published at each request's end, after each
+        `call`, and every STATS_INTERVAL_S while steps run, so a step of any length never delays a stats reader."""
+        snap = self._stats
+        engine = {**snap["engine"], "uptime_s": time.time() - self.started_at,
+                  "stats_age_s": time.monotonic() - snap["published"]}
+        return {**snap, "engine": engine}
+
+    def _publish_stats(self) -> None:
+        """Engine thread: a fresh copy of what the stats routes serve (a failure here never stops the loop)."""
+        try:
+            self._stats = {
+                "engine": self.engine_stats(), "conversation_cache": self.cache_stats(),
+                "conversations": self.cache_conversations(), "events": self.cache_events(1 << 30),
+                "slots": self.slots_info(), "published": time.monotonic(),
+            }
+        except Exception:
+            log.exception("publishing the stats snapshot failed; serving the previous one")
 
     def close(self, deadline_s: float = 30.0) -> None:
         """Stop taking work, park live slots worth keeping (tiered/disk) and shut the cache down cleanly."""
@@ -425,6 +449,8 @@ class Engine:
                     except Exception as exc:  # a bug must not hang clients: fail their requests, keep serving
                         log.exception("engine step failed")
                         self._fail_active(f"internal error: {exc}")
+                if time.monotonic() - self._stats["published"] >= STATS_INTERVAL_S:
+                    self._publish_stats()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -439,9 +465,13 @@ class Engine:
                 fn, future = payload
                 if future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(fn())
+                        result = fn()
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        self._publish_stats()
                         future.set_exception(exc)
+                    else:
+                        self._publish_stats()  # before the caller hears back, so its next stats read sees the change
+                        future.set_result(result)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -473,17 +503,21 @@ class Engine:
     # ------------------------------------------------------------------ admission: slot choice + cache
 
     def _admit_waiting(self) -> None:
+        admitted = False
         while self._waiting:
             free = [s for s in self.slots if s.active is None]
             if not free:
-                return
+                break
             request, stream = self._waiting.pop(0)
+            admitted = True
             try:
                 self._admit(request, stream, free)
             except Exception as exc:
                 log.exception("could not start request %s", request.request_id)
                 stream.put(TokenEvent(finish_reason="error", error=f"internal error: {exc}",
                                       usage=Usage(len(request.prompt_tokens), 0, 0)))
+        if admitted:  # the next step may be long: show the busy slots and restores before it
+            self._publish_stats()
 
     def _admit(self, request: GenerationRequest, stream: RequestStream, free: list[Slot]) -> None:
         prompt = request.prompt_tokens
@@ -520,6 +554,7 @@ class Engine:
             max_tokens=max_tokens,
         )
         slot.last_used = time.time()
+        stream.mark_started()
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(prompt)
         self._counters["cached_tokens"] += reused
@@ -642,9 +677,10 @@ class Engine:
         assert a is not None
         tail = "" if a.stops.stopped else a.stops.push(a.decoder.flush()) + a.stops.flush()
         usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
-        a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage))
         slot.active = None
         slot.last_used = time.time()
+        self._publish_stats()  # before the client hears the end, so its next stats read counts this request
+        a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage))
 
     # ------------------------------------------------------------------ shutdown
 

@@ -26,9 +26,23 @@ class RequestStream:
         self._async_queue: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if self._loop else None
         self._sync_queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self._done = False
+        # Set when the request leaves the queue: a slot took it, or the engine ended it before that.
+        self.started = threading.Event()
+        self._started_async = asyncio.Event() if self._loop else None
 
     # -- engine side
+    def mark_started(self) -> None:
+        """The request left the queue (engine thread)."""
+        self.started.set()
+        if self._loop is not None and self._started_async is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._started_async.set)
+            except RuntimeError:  # the consumer's loop is gone
+                self.cancelled.set()
+
     def put(self, event: TokenEvent) -> None:
+        if not self.started.is_set():
+            self.mark_started()
         if self._loop is not None and self._async_queue is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
@@ -40,6 +54,15 @@ class RequestStream:
     # -- consumer side
     def cancel(self) -> None:
         self.cancelled.set()
+
+    async def wait_started(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the request to leave the queue; False if it is still waiting."""
+        assert self._started_async is not None, "this stream was created outside an event loop"
+        try:
+            await asyncio.wait_for(self._started_async.wait(), timeout)
+        except TimeoutError:
+            return self.started.is_set()
+        return True
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -10,12 +9,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
 from engine.errors import ApiError, EngineError
 from engine.server import control_routes, openai_routes
 from engine.server.errors import error_response, from_domain, loc_to_param, validation_error
+from engine.server.guards import (
+    MIB,
+    WILDCARD_BINDS,
+    ApiKeyGuard,
+    BodyGuard,
+    HostGuard,
+    OriginGuard,
+    split_list,
+)
+from engine.server.openapi import build_openapi
 from engine.server.state import ServerState, require_engine, server_state
 
 __all__ = ["ServerState", "create_app", "require_engine", "server_state"]
@@ -23,41 +31,14 @@ __all__ = ["ServerState", "create_app", "require_engine", "server_state"]
 log = logging.getLogger("strata.server")
 
 
-class ApiKeyGuard:
-    """Refuses every HTTP request without `Authorization: Bearer KEY` (401 in OpenAI's error shape)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = b"bearer " + api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization")
-            if given is None:
-                message = "missing API key: send 'Authorization: Bearer KEY' (this server was started with --api-key)"
-            elif not hmac.compare_digest(_bearer_lower(given), self.expected):
-                message = "invalid API key"
-            else:
-                message = ""
-            if message:
-                err = ApiError(401, message)
-                await error_response(err, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _bearer_lower(header: bytes) -> bytes:
-    # The scheme is case-insensitive, the key is not.
-    scheme, _, key = header.strip().partition(b" ")
-    return scheme.lower() + b" " + key.strip()
-
-
 def create_app(state: ServerState) -> FastAPI:
     """The HTTP API over `state.engine` (which may still be None while the model loads)."""
-    app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes the API for clients and fuzzers; no /docs page (it would load scripts from a CDN).
+    app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.include_router(openai_routes.router)
     app.include_router(control_routes.router)
+    app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -95,6 +76,14 @@ def create_app(state: ServerState) -> FastAPI:
         log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
-    if state.config.api_key:
-        app.add_middleware(ApiKeyGuard, api_key=state.config.api_key)
+    # Added innermost first: a request meets HostGuard, OriginGuard, ApiKeyGuard, BodyGuard (engine/server/guards.py).
+    config = state.config
+    app.add_middleware(BodyGuard, max_bytes=config.max_request_mib * MIB)
+    if config.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=config.api_key)
+    app.add_middleware(OriginGuard, cors_origins=split_list(config.cors_origins))
+    app.add_middleware(HostGuard, bound_host=config.host, allowed_hosts=split_list(config.allowed_hosts))
+    if config.host.strip() in WILDCARD_BINDS and not split_list(config.allowed_hosts):
+        log.warning("bound to %s: only requests addressed to 127.0.0.1, localhost or ::1 are answered; list the names "
+                    "and addresses clients use with --allowed-hosts (or * for any)", config.host)
     return app

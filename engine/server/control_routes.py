@@ -1,4 +1,8 @@
-"""Routes for operators and the desktop app: /health, /metrics, /slots, /cache/*, /shutdown."""
+"""Routes for operators and the desktop app: /health, /metrics, /slots, /cache/*, /shutdown.
+
+The read-only routes (/metrics, /slots, /cache/conversations, /cache/events, GET /cache/config) never wait on the
+engine thread: they serve the snapshot it publishes (`Engine.stats_snapshot`) or read fields it replaces whole,
+so they answer at once while a step decodes or prefills. Routes that change state run on the engine thread."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from engine.config import PURGE_TIERS
 from engine.errors import ApiError
 from engine.server.prometheus import render_prometheus
 from engine.server.schemas import StrictBody, parse_body
+from engine.server.slot_names import check_slot_file_name
 from engine.server.state import require_engine, server_state
 
 router = APIRouter()
@@ -51,9 +56,8 @@ def _wants_prometheus(request: Request) -> bool:
 async def metrics(request: Request) -> Response:
     """Engine and conversation-cache stats, as JSON (default) or Prometheus text."""
     prometheus = _wants_prometheus(request)
-    engine = require_engine(request)
-    engine_stats, cache_stats = await engine.run(lambda: (engine.engine_stats(), engine.cache_stats()))
-    body = {"engine": engine_stats, "conversation_cache": cache_stats}
+    snapshot = require_engine(request).stats_snapshot()
+    body = {"engine": snapshot["engine"], "conversation_cache": snapshot["conversation_cache"]}
     if prometheus:
         return Response(render_prometheus(body), media_type=CONTENT_TYPE_LATEST)
     return JSONResponse(body)
@@ -61,8 +65,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/slots")
 async def list_slots(request: Request) -> list[dict[str, Any]]:
-    engine = require_engine(request)
-    return await engine.run(engine.slots_info)
+    return require_engine(request).stats_snapshot()["slots"]
 
 
 @router.post("/slots/{slot_id}")
@@ -72,33 +75,43 @@ async def slot_action(slot_id: str, request: Request) -> dict[str, Any]:
     action = request.query_params.get("action")
     if action not in SLOT_ACTIONS:
         raise ApiError(400, f"'action': expected one of {', '.join(SLOT_ACTIONS)}, got {action!r}", param="action")
-    if not slot_id.isdigit():
-        raise ApiError(400, f"slot id: expected a whole number >= 0, got {slot_id!r}", param="slot_id")
-    slot = int(slot_id)
+    slot = whole_number(slot_id, "slot id", param="slot_id")
     if action == "erase":
         return await engine.run(lambda: engine.erase_slot(slot))
     filename = parse_body(SlotFileRequest, await request.body()).filename
-    if action == "save":
-        return await engine.run(lambda: engine.save_slot(slot, filename))
-    return await engine.run(lambda: engine.restore_slot(slot, filename))
+    check_slot_file_name(filename)
+    operation = engine.save_slot if action == "save" else engine.restore_slot
+    try:
+        return await engine.run(lambda: operation(slot, filename))
+    except OSError as exc:
+        # The OS's message names the full path; the client gets the file name and the reason only.
+        reason = exc.strerror or type(exc).__name__
+        raise ApiError(500, f"could not {action} the slot file {filename!r}: {reason}", param="filename") from None
+
+
+def whole_number(raw: str, what: str, param: str, limit: int = 10**9) -> int:
+    """A path or query value of ASCII digits only ('²', '１' and '٠' are digits to str.isdigit, not to us)."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(limit)):
+        raise ApiError(400, f"{what}: expected a whole number written with the digits 0-9, got {raw[:40]!r}",
+                       param=param)
+    return int(raw)
 
 
 @router.get("/cache/conversations")
 async def cache_conversations(request: Request) -> dict[str, Any]:
-    engine = require_engine(request)
-    return {"conversations": await engine.run(engine.cache_conversations)}
+    return {"conversations": require_engine(request).stats_snapshot()["conversations"]}
 
 
 @router.get("/cache/events")
 async def cache_events(request: Request) -> dict[str, Any]:
     engine = require_engine(request)
     raw = request.query_params.get("limit", "100")
-    if not raw.isdigit():
-        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {raw!r}", param="limit")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
+        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {raw[:40]!r}", param="limit")
     limit = int(raw)
     if not 1 <= limit <= MAX_EVENTS:
         raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {limit}", param="limit")
-    return {"events": await engine.run(lambda: engine.cache_events(limit))}
+    return {"events": engine.stats_snapshot()["events"][-limit:]}
 
 
 @router.post("/cache/purge")
@@ -114,8 +127,8 @@ async def cache_purge(request: Request) -> dict[str, Any]:
 
 @router.get("/cache/config")
 async def get_cache_config(request: Request) -> dict[str, Any]:
-    engine = require_engine(request)
-    return await engine.run(engine.cache_config)
+    # Reads the engine's config and cache fields, which the engine thread replaces whole: safe from any thread.
+    return require_engine(request).cache_config()
 
 
 @router.put("/cache/config")
@@ -126,6 +139,8 @@ async def put_cache_config(request: Request) -> dict[str, Any]:
         changes = json.loads(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply; expected a flat JSON object of settings") from None
     if isinstance(changes, dict) and set(changes) == {"settings"} and isinstance(changes["settings"], dict):
         changes = changes["settings"]
     if not isinstance(changes, dict) or not changes:

@@ -11,10 +11,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
-from engine.server.errors import error_body
+from engine.server.errors import error_body, error_response
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -30,6 +31,7 @@ from engine.server.tool_calls import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
 router = APIRouter()
+RETRY_AFTER_S = 5  # what a request refused by --queue-timeout is told to wait before trying again
 
 
 def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
@@ -63,6 +65,18 @@ async def _collect(stream: Any, request: Request) -> tuple[str, TokenEvent]:
     return "".join(parts), final
 
 
+async def _wait_for_slot(stream: Any, request: Request, n_slots: int) -> Response | None:
+    """None once a slot took the request; a 503 with Retry-After if none did within --queue-timeout."""
+    timeout = server_state(request).config.queue_timeout
+    if timeout <= 0 or await stream.wait_started(timeout):
+        return None
+    stream.cancel()
+    log.info("%s: no slot free within --queue-timeout %g s, refused", stream.request_id, timeout)
+    err = ApiError(503, f"the server is busy: no slot became free within {timeout:g} s (--queue-timeout; "
+                   f"{n_slots} slot{'s' if n_slots != 1 else ''}, see --parallel); retry in {RETRY_AFTER_S} s")
+    return error_response(err, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -79,13 +93,17 @@ def _error_event(err: ApiError) -> str:
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(request: Request) -> Response:
     engine = require_engine(request)
-    req = parse_body(ChatCompletionRequest, await request.body())
+    # Parsing and tokenising a large prompt takes seconds: on a worker thread, so every other route keeps answering.
+    req = await run_in_threadpool(parse_body, ChatCompletionRequest, await request.body())
     check_common(req)
-    prompt, tools = chat_prompt(engine.tokenizer, req)
+    prompt, tools = await run_in_threadpool(chat_prompt, engine.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    refused = await _wait_for_slot(stream, request, engine.n_slots)
+    if refused is not None:
+        return refused
     created = int(time.time())
     if req.stream:
         return _sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
@@ -164,16 +182,19 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
 @router.post("/completions", include_in_schema=False)
 async def completions(request: Request) -> Response:
     engine = require_engine(request)
-    req = parse_body(CompletionRequest, await request.body())
+    req = await run_in_threadpool(parse_body, CompletionRequest, await request.body())
     check_common(req)
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, f"best_of other than 1 is not supported (got {req.best_of})", param="best_of")
-    prompt = completion_prompt(engine.tokenizer, req.prompt)
+    prompt = await run_in_threadpool(completion_prompt, engine.tokenizer, req.prompt)
     params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS, engine.ctx_size)
     request_id = "cmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    refused = await _wait_for_slot(stream, request, engine.n_slots)
+    if refused is not None:
+        return refused
     created = int(time.time())
-    echo = engine.tokenizer.decode(prompt) if req.echo else ""
+    echo = await run_in_threadpool(engine.tokenizer.decode, prompt) if req.echo else ""
     if req.stream:
         return _sse_response(_completion_chunks(stream, request, request_id, created, engine.model_name, echo,
                                                 req.include_usage()))

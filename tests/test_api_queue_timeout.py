@@ -1,0 +1,40 @@
+"""Issue 19.4: --queue-timeout. A request that no slot takes within the timeout fails fast with a 503, a
+Retry-After header and OpenAI's error shape, streaming or not, instead of hanging behind a long generation."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+from tests.engine_process import engine_process
+from tests.model_fixtures import write_tiny_model
+
+
+def test_a_request_queued_past_the_timeout_gets_503_with_retry_after(tmp_path):
+    model = write_tiny_model(tmp_path, "llama", max_position_embeddings=4096)
+    with engine_process("--model", model, "--ctx-size", "4096", "--parallel", "1", "--queue-timeout", "1",
+                        "--conversation-cache-mib", "0") as proc:
+        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        long_one = client.completions.create(model="m", prompt="a long story", max_tokens=4000, stream=True,
+                                             extra_body={"ignore_eos": True})
+        next(iter(long_one))  # it holds the only slot now
+        body = {"prompt": "me next", "max_tokens": 2}
+        with httpx.Client(base_url=proc.base_url, timeout=60) as http:
+            for stream in (False, True):
+                r = http.post("/v1/completions", json={**body, "stream": stream})
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) >= 1
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["code"] == 503
+                assert "--queue-timeout" in err["message"] and err["type"] == "unavailable_error"
+            assert http.get("/slots").json()[0]["state"] == "busy"  # the long one still ran meanwhile
+            with openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0, timeout=60) as sdk:
+                try:
+                    sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                    raise AssertionError("expected a 503")
+                except openai.InternalServerError as exc:
+                    assert exc.status_code == 503
+            long_one.close()  # the slot frees; a queued request is served again
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        assert proc.alive()
