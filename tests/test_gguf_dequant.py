@@ -5,42 +5,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
 from engine.errors import ModelLoadError
 from engine.model import gguf_dequant
 from engine.model.gguf_dequant import SUPPORTED, dequantize, q4_groups
+from tests.model_fixtures import F16_FIELDS, random_blocks
 
 T = GGMLQuantizationType
-# Byte offsets of the float16 fields (scales, minimums) inside one block of each block format.
-F16_FIELDS = {
-    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
-}
 PLAIN = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def random_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random raw bytes of a [rows, cols] tensor: every bit random except finite float16 scale fields."""
-    rng = np.random.default_rng(seed)
-    if qtype in PLAIN:
-        values = rng.standard_normal((rows, cols)).astype(np.float32) * 3
-        if qtype == T.BF16:
-            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
-        return values.astype(PLAIN[qtype]).view(np.uint8).reshape(rows, -1)
-    block, size = GGML_QUANT_SIZES[qtype]
-    n_blocks = rows * cols // block
-    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    for at in F16_FIELDS[qtype]:
-        # Normal and subnormal magnitudes of both signs, and zero.
-        scales = (rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-7, 2, n_blocks)).astype(np.float16)
-        scales[::17] = 0
-        raw[:, at : at + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
-    return raw.reshape(rows, -1)
+    if qtype not in PLAIN:
+        return random_blocks(qtype, rows, cols, seed)
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 3
+    if qtype == T.BF16:
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+    return values.astype(PLAIN[qtype]).view(np.uint8).reshape(rows, -1)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +38,7 @@ def _ours(name: str, raw: np.ndarray, qtype, shape, device: str) -> torch.Tensor
 
 
 def test_every_listed_type_is_covered():
-    assert set(F16_FIELDS) | set(PLAIN) == set(SUPPORTED)
+    assert {T[name] for name in F16_FIELDS} | set(PLAIN) == set(SUPPORTED)
     wanted = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
               "Q6_K", "IQ4_NL", "IQ4_XS"}
     assert wanted <= {t.name for t in SUPPORTED}

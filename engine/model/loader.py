@@ -1,4 +1,4 @@
-"""Weights -> a CausalLM spread over stages: GGUF files (any quantisation gguf can dequantise) and HF folders."""
+"""Weights -> a CausalLM spread over stages: GGUF files (the quantisations gguf_dequant decodes) and HF folders."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
+from engine.model import gguf_dequant
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.tokenizer import Tokenizer, TokenizerError
@@ -217,8 +218,9 @@ def _stage_checks(config: ModelConfig, stages: list[tuple[torch.device, int, int
 
 
 # A getter returns a canonical tensor ("embed", "norm", "lm_head", "rope_freqs", "<i>.q", "<i>.q_bias", ...)
-# as a CPU tensor, or None when the file does not have it.
-Getter = Callable[[str], "torch.Tensor | None"]
+# on the device and in the dtype asked for, or None when the file does not have it. It reads and converts that
+# one tensor, so a load never holds more than the finished weights and the tensor in hand.
+Getter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 
 
 def _build(
@@ -227,68 +229,57 @@ def _build(
     _stage_checks(config, stages, path)
     c = config
 
-    def need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = get(key)
+    def need(key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        t = get(key, device, dtype)
         if t is None:
             raise ModelLoadError(f"{path}: weight {key!r} is missing")
         if tuple(t.shape) != shape:
             raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
-        return t
-
-    def to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
+        return t.contiguous()
 
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    embed_cpu = need("embed", (c.vocab_size, c.hidden_size))
-    embed = to(embed_cpu, first_device)
+    embed = need("embed", (c.vocab_size, c.hidden_size), first_device)
     layers: list[DecoderLayer] = []
     for device, a, b in stages:
         device = torch.device(device)
         for i in range(a, b):
             p = f"{i}."
-            wqkv = torch.cat(
-                (
-                    need(p + "q", (q_rows, c.hidden_size)),
-                    need(p + "k", (kv_rows, c.hidden_size)),
-                    need(p + "v", (kv_rows, c.hidden_size)),
-                )
-            )
+            # The order of the reads is the order of the weights in the fingerprint: keep it.
+            wqkv = torch.cat((need(p + "q", (q_rows, c.hidden_size), device),
+                              need(p + "k", (kv_rows, c.hidden_size), device),
+                              need(p + "v", (kv_rows, c.hidden_size), device)))
             bqkv = None
             if c.attention_bias:
-                bqkv = torch.cat((need(p + "q_bias", (q_rows,)), need(p + "k_bias", (kv_rows,)),
-                                  need(p + "v_bias", (kv_rows,))))
-                bqkv = to(bqkv, device)
-            gate_up = torch.cat(
-                (need(p + "gate", (c.intermediate_size, c.hidden_size)), need(p + "up", (c.intermediate_size, c.hidden_size)))
-            )
+                bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
+                                  need(p + "v_bias", (kv_rows,), device)))
+            gate_up = torch.cat((need(p + "gate", (c.intermediate_size, c.hidden_size), device),
+                                 need(p + "up", (c.intermediate_size, c.hidden_size), device)))
             q_norm = k_norm = None
             if c.qk_norm:
-                q_norm = to(need(p + "q_norm", (c.head_dim,)), device)
-                k_norm = to(need(p + "k_norm", (c.head_dim,)), device)
+                q_norm = need(p + "q_norm", (c.head_dim,), device)
+                k_norm = need(p + "k_norm", (c.head_dim,), device)
             layers.append(
                 DecoderLayer(
                     c,
-                    attn_norm=to(need(p + "attn_norm", (c.hidden_size,)), device),
-                    wqkv=to(wqkv, device),
+                    attn_norm=need(p + "attn_norm", (c.hidden_size,), device),
+                    wqkv=wqkv,
                     bqkv=bqkv,
-                    wo=to(need(p + "o", (c.hidden_size, q_rows)), device),
-                    mlp_norm=to(need(p + "mlp_norm", (c.hidden_size,)), device),
-                    w_gate_up=to(gate_up, device),
-                    w_down=to(need(p + "down", (c.hidden_size, c.intermediate_size)), device),
+                    wo=need(p + "o", (c.hidden_size, q_rows), device),
+                    mlp_norm=need(p + "mlp_norm", (c.hidden_size,), device),
+                    w_gate_up=gate_up,
+                    w_down=need(p + "down", (c.hidden_size, c.intermediate_size), device),
                     q_norm=q_norm,
                     k_norm=k_norm,
                 )
             )
-    norm = to(need("norm", (c.hidden_size,)), last_device)
-    lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
-    if lm_head_cpu is None:
-        lm_head = embed if last_device == first_device else to(embed_cpu, last_device)
-    else:
-        if tuple(lm_head_cpu.shape) != (c.vocab_size, c.hidden_size):
-            raise ModelLoadError(f"{path}: weight 'lm_head' has shape {tuple(lm_head_cpu.shape)}")
-        lm_head = to(lm_head_cpu, last_device)
-    freq_factors = get("rope_freqs")
+    norm = need("norm", (c.hidden_size,), last_device)
+    lm_head = None if c.tie_word_embeddings else get("lm_head", last_device, dtype)
+    if lm_head is None:
+        lm_head = embed if last_device == first_device else need("embed", (c.vocab_size, c.hidden_size), last_device)
+    elif tuple(lm_head.shape) != (c.vocab_size, c.hidden_size):
+        raise ModelLoadError(f"{path}: weight 'lm_head' has shape {tuple(lm_head.shape)}")
+    freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
     return CausalLM(c, stages, embed=embed, layers=layers, norm=norm, lm_head=lm_head, rope_freq_factors=freq_factors)
 
 
@@ -413,53 +404,102 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
-    import gguf
-    import numpy as np
+@dataclass(frozen=True)
+class _GGUFTensor:
+    """What loading needs of one entry of a GGUF tensor directory (the reader itself is dropped early)."""
 
+    name: str
+    qtype: int  # a gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # outermost first (GGUF lists the innermost dimension first)
+    offset: int  # of its bytes in the file
+    n_bytes: int
+
+    @classmethod
+    def of(cls, t) -> _GGUFTensor:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        return cls(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes))
+
+
+def _check_gguf_tensors(path: str, directory: list[_GGUFTensor], used: dict[str, _GGUFTensor]) -> None:
+    """Refuse, before any tensor is read, a file whose tensor directory does not match its data: a tensor that
+    runs into the next one or past the end of the file, a type this loader cannot decode, a shape that is not
+    whole blocks."""
+    file_size = os.path.getsize(path)
+    ordered = sorted(directory, key=lambda t: t.offset)
+    for t, after in zip(ordered, [*ordered[1:], None], strict=True):
+        end = t.offset + t.n_bytes
+        if end > file_size:
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        if after is not None and end > after.offset:
+            raise ModelLoadError(
+                f"{path}: corrupt tensor directory: tensor {t.name} ({gguf_dequant.type_name(t.qtype)}, shape "
+                f"{t.shape}, {t.n_bytes} bytes) runs into tensor {after.name}"
+            )
+    for t in used.values():
+        try:
+            expected = gguf_dequant.tensor_bytes(t.name, t.qtype, t.shape)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        assert expected == t.n_bytes, (t.name, expected, t.n_bytes)  # gguf sizes a tensor the same way
+
+
+def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
+    directory = [_GGUFTensor.of(t) for t in reader.tensors]
+    header_size = reader.data_offset
+    # The reader holds a numpy view per metadata item (~160 MB for a 49K-token vocabulary): gone before the
+    # weights are read, it does not add to the load's peak.
+    del reader
+    _read_gguf.cache_clear()
     tensors = {}
-    for t in reader.tensors:
+    for t in directory:
         key = _gguf_canonical(t.name)
         if key is not None:
             tensors[key] = t
-    config = _gguf_config(meta, {t.name for t in reader.tensors}, path)
+    config = _gguf_config(meta, {t.name for t in directory}, path)
     file_size = os.path.getsize(path)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > file_size:
-            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+    _check_gguf_tensors(path, directory, tensors)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
     # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
     permuted = config.architecture in ("llama", "mistral")
+    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading, each tensor once
+    hashed: set[str] = set()
 
-    def get(key: str) -> torch.Tensor | None:
+    def raw(key: str, device: torch.device) -> torch.Tensor:
+        """The tensor's bytes, read from the file (not through the reader's mapping, whose pages would stay
+        resident next to the converted weights) onto `device`."""
+        t = tensors[key]
+        data = torch.empty(t.n_bytes, dtype=torch.uint8)
+        f.seek(t.offset)
+        if f.readinto(memoryview(data.numpy())) != data.numel():
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        if key not in hashed:
+            hashed.add(key)
+            content.update(key.encode())
+            content.update(data.numpy())
+        return data.to(device)
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
         t = tensors.get(key)
         if t is None:
             return None
-        content.update(key.encode())
-        content.update(t.data)
-        try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=array.base is not None or not array.flags.writeable))
+        w = gguf_dequant.dequantize(t.name, raw(key, device), t.qtype, t.shape, want)
         if permuted and key.endswith((".q", ".k", ".q_bias", ".k_bias")):
             w = _unpermute(w, config.n_heads if ".q" in key else config.n_kv_heads)
         return w
 
-    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
-    model = _build(config, stages, dtype, get, path)
+    with open(path, "rb") as f:
+        model = _build(config, stages, dtype, get, path)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:
-        h.update(f.read(reader.data_offset))  # header, metadata and tensor directory
+        h.update(f.read(header_size))  # header, metadata and tensor directory
     h.update(content.digest())
     name = os.path.splitext(os.path.basename(path))[0]
-    _read_gguf.cache_clear()  # drop the file mapping (Windows cannot replace a mapped file)
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)
 
 
@@ -568,7 +608,9 @@ def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
             if key is not None:
                 where[key] = (file, name)
 
-    def get(key: str) -> torch.Tensor | None:
+    hashed: set[str] = set()
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
         found = where.get(key)
         if found is None:
             return None
@@ -577,9 +619,12 @@ def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
             tensor = handles[file].get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
-        content.update(key.encode())
-        content.update(tensor.reshape(-1).view(torch.uint8).numpy())
-        return tensor.float()
+        if key not in hashed:
+            hashed.add(key)
+            content.update(key.encode())
+            content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
+        return tensor.float().to(device=device, dtype=want)
 
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
