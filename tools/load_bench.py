@@ -31,9 +31,9 @@ base = psutil.Process().memory_info().rss
 t0 = time.perf_counter()
 config = read_model_config(path)
 stages = plan_stages(config.n_layers, "cpu", "")
-kwargs = {"int4": True} if weights == "int4" and "int4" in inspect.signature(load_model).parameters else {}
-loaded = load_model(path, stages, torch.float32, **kwargs)
-if weights == "int4":
+direct = "int4_weights" in inspect.signature(load_model).parameters  # else an older loader: quantise after
+loaded = load_model(path, stages, torch.float32, **({"int4_weights": weights == "int4"} if direct else {}))
+if weights == "int4" and not direct:
     int4.quantize_model(loaded.model)
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -252,12 +252,21 @@ def q4_groups(name: str, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
     assert qtype in Q4_GROUPED and len(shape) == 2, (type_name(qtype), shape)
     blocks = _checked_blocks(name, raw, qtype, shape)
     rows, cols = shape
-    n = blocks.shape[0]
-    if qtype == T.Q4_K:
-        codes, scale, ml = _q4_k_parts(blocks)
-        minimum = -ml
-    else:
-        codes = _split_nibbles(blocks[:, 4 if qtype == T.Q4_1 else 2 :], 16).reshape(n, 32)
-        scale = _f16(blocks, 0)
-        minimum = _f16(blocks, 2) if qtype == T.Q4_1 else -8 * scale
-    return codes.reshape(rows, cols), scale.reshape(rows, cols // 32), minimum.reshape(rows, cols // 32)
+    block, _ = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    per_block = block // 32  # groups of 32 in one block
+    codes = torch.empty(blocks.shape[0] * per_block, 32, dtype=torch.uint8, device=raw.device)
+    scale = torch.empty(blocks.shape[0] * per_block, dtype=torch.float32, device=raw.device)
+    minimum = torch.empty_like(scale)
+    step = max(1, (_SLICE_VALUES if raw.device.type == "cpu" else _SLICE_VALUES_GPU) // block)
+    for a in range(0, blocks.shape[0], step):
+        b = blocks[a : a + step]
+        at = slice(a * per_block, (a + b.shape[0]) * per_block)
+        if qtype == T.Q4_K:
+            q, dl, ml = _q4_k_parts(b)
+            codes[at], scale[at], minimum[at] = q.reshape(-1, 32), dl.reshape(-1), -ml.reshape(-1)
+        else:
+            d = _f16(b, 0)
+            codes[at] = _split_nibbles(b[:, 4 if qtype == T.Q4_1 else 2 :], 16).reshape(-1, 32)
+            scale[at] = d.reshape(-1)
+            minimum[at] = (_f16(b, 2) if qtype == T.Q4_1 else -8 * d).reshape(-1)
+    return codes.view(rows, cols), scale.view(rows, cols // 32), minimum.view(rows, cols // 32)
