@@ -170,14 +170,54 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def write_tiny_gguf(tmp_path: str | os.PathLike, arch: str = "llama", *, quantize: bool = True, seed: int = 0) -> str:
+# Byte offsets of the float16 fields (scales, minimums) inside one block of each block format.
+F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
+}
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0, scale: float | None = None):
+    """Random raw bytes (uint8 [rows, bytes per row]) of a [rows, cols] tensor of block format `qtype`: every
+    bit random except the float16 scale fields, which are finite (of magnitude ~`scale` when given, else
+    spread over normal and subnormal magnitudes of both signs, with some zeros)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    for at in F16_FIELDS[qtype.name]:
+        if scale is None:
+            values = rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-7, 2, n_blocks)
+            values[::17] = 0
+        else:
+            values = rng.uniform(0.5, 1.5, n_blocks) * scale
+        raw[:, at : at + 2] = values.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(
+    tmp_path: str | os.PathLike,
+    arch: str = "llama",
+    *,
+    quantize: bool = True,
+    seed: int = 0,
+    qtype: str = "Q8_0",
+    tensor_types: dict[str, str] | None = None,
+    **overrides,
+) -> str:
     """Convert a tiny HF model to a GGUF file the way llama.cpp's converter does (q/k rows permuted for
-    llama, 2-D weights in Q8_0 when `quantize`); returns the .gguf path. The HF folder sits beside it."""
+    llama, 2-D weights in `qtype` when `quantize`, or in `tensor_types[gguf name]`); returns the .gguf path.
+    The HF folder sits beside it. Types gguf cannot quantise to (the K-quants) get random blocks, the
+    weights then no longer those of the HF model. `overrides` change the HF config (sizes)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
 
-    folder = write_tiny_model(tmp_path, arch, seed=seed)
+    folder = write_tiny_model(tmp_path, arch, seed=seed, **overrides)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     gguf_arch = "llama" if arch == "mistral" else arch
@@ -229,9 +269,14 @@ def write_tiny_gguf(tmp_path: str | os.PathLike, arch: str = "llama", *, quantiz
             w = permute(w, n_heads)
         elif gguf_arch == "llama" and out.endswith(("attn_k.weight", "attn_k.bias")):
             w = permute(w, n_kv)
-        if quantize and w.ndim == 2:
-            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(out, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = (tensor_types or {}).get(out, qtype if quantize and w.ndim == 2 else None)
+        if kind is not None:
+            kind = gguf.GGMLQuantizationType[kind]
+            try:
+                q = gguf.quants.quantize(w, kind)
+            except NotImplementedError:
+                q = random_blocks(kind, *w.shape, seed=len(out), scale=float(np.abs(w).mean()) / 200)
+            writer.add_tensor(out, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             writer.add_tensor(out, w)
     writer.write_header_to_file()

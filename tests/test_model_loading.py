@@ -14,7 +14,7 @@ from engine.errors import ModelLoadError
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, Tokenizer, embedded_model_path, load_model, plan_stages, resolve_dtype
 from engine.model.loader import read_model_config
-from tests.model_fixtures import write_tiny_model
+from tests.model_fixtures import write_tiny_gguf, write_tiny_model
 
 CPU = torch.device("cpu")
 
@@ -76,6 +76,49 @@ def test_truncated_gguf_is_refused(tmp_path):
         path.write_bytes(src.read(4 << 20))
     with pytest.raises(ModelLoadError, match=r"short\.gguf: (truncated|not a readable GGUF)"):
         _load_any(str(path))
+
+
+def _patch_dims(path: str, tensor: str, factor: int) -> None:
+    """Multiply the outer dimension of `tensor` in the file's tensor directory by `factor` (in place)."""
+    import struct
+
+    with open(path, "r+b") as f:
+        head = f.read(1 << 20)
+        at = head.index(tensor.encode()) + len(tensor)
+        (n_dims,) = struct.unpack_from("<I", head, at)
+        where = at + 4 + 8 * (n_dims - 1)
+        (outer,) = struct.unpack_from("<Q", head, where)
+        f.seek(where)
+        f.write(struct.pack("<Q", outer * factor))
+
+
+def test_corrupt_tensor_directory_is_refused_by_tensor_name(tmp_path):
+    path = write_tiny_gguf(tmp_path, "llama")
+    _patch_dims(path, "blk.0.ffn_gate.weight", 2)  # now claims twice the bytes it has before the next tensor
+    with pytest.raises(ModelLoadError, match=r"tiny-llama\.gguf: corrupt tensor directory: tensor "
+                                             r"blk\.0\.ffn_gate\.weight \(Q8_0, shape \(256, 64\), \d+ bytes\) runs into"):
+        _load(path)
+
+
+def test_unsupported_quantisation_is_refused_by_tensor_and_type(tmp_path):
+    path = write_tiny_gguf(tmp_path, "llama", tensor_types={"blk.1.ffn_up.weight": "MXFP4"})
+    with pytest.raises(ModelLoadError, match=r"tiny-llama\.gguf: tensor blk\.1\.ffn_up\.weight: quantisation MXFP4 is "
+                                             r"not supported; expected one of BF16, F16, F32, IQ4_NL"):
+        _load(path)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q6_K"])
+def test_quantised_gguf_loads_what_gguf_dequantises(tmp_path, qtype):
+    import gguf
+    import numpy as np
+
+    path = write_tiny_gguf(tmp_path, "qwen2", qtype=qtype, hidden_size=256, intermediate_size=512, head_dim=64)
+    loaded = _load(path)
+    reader = gguf.GGUFReader(path)
+    t = next(t for t in reader.tensors if t.name == "blk.2.ffn_down.weight")
+    assert t.tensor_type.name == qtype
+    ref = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+    assert torch.equal(loaded.model.layers[2].w_down, ref)
 
 
 def test_unknown_architecture_names_config(tiny_copy):

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 
 GROUP = 32
+# Rows quantised and packed at a time; a multiple of the packing kernel's blocks of 64 rows, so that packing
+# row slices gives the same bytes as packing the whole matrix (tests/test_int4_weights.py checks it).
+_ROWS = 4096
 
 
 def available() -> bool:
@@ -20,9 +23,30 @@ def available() -> bool:
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
 
 
-def can_quantize(w: torch.Tensor) -> bool:
+def can_pack(rows: int, cols: int) -> bool:
     # The packing kernel takes whole groups along `in` and rows in multiples of 16.
-    return w.dim() == 2 and w.device.type == "cpu" and w.shape[1] % GROUP == 0 and w.shape[0] % 16 == 0
+    return cols % GROUP == 0 and rows % 16 == 0
+
+
+def can_quantize(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and w.device.type == "cpu" and can_pack(*w.shape)
+
+
+def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float [out, in] weight as (codes uint8 [out, in] in 0..15, scale, minimum [out, in // GROUP]), each
+    group's codes spanning its own minimum to maximum; value ~ scale * code + minimum. Computed _ROWS rows at a
+    time, so the temporaries stay small next to an output matrix."""
+    n, k = w.shape
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scales, lows = torch.empty(n, k // GROUP), torch.empty(n, k // GROUP)
+    for a in range(0, n, _ROWS):
+        groups = w[a : a + _ROWS].float().view(-1, k // GROUP, GROUP)
+        low = groups.amin(-1, keepdim=True)
+        high = groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        codes[a : a + _ROWS] = ((groups - low) / scale).round().clamp(0, 15).view(-1, k)
+        scales[a : a + _ROWS], lows[a : a + _ROWS] = scale.squeeze(-1), low.squeeze(-1)
+    return codes, scales, lows
 
 
 class Int4Weight:
@@ -30,20 +54,30 @@ class Int4Weight:
 
     def __init__(self, w: torch.Tensor) -> None:
         assert can_quantize(w), tuple(w.shape)
-        n, k = w.shape
-        groups = w.float().view(n, k // GROUP, GROUP)
-        low = groups.amin(-1, keepdim=True)
-        high = groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+        self._pack(*quantize_groups(w), w.dtype)
+
+    @classmethod
+    def from_groups(
+        cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> Int4Weight:
+        """From 4-bit codes [out, in] (0..15) with one scale and minimum per group of GROUP values along `in`
+        ([out, in // GROUP]; value = scale * code + minimum), e.g. a Q4_0 / Q4_1 / Q4_K GGUF tensor's own."""
+        n, k = codes.shape
+        assert can_pack(n, k) and scale.shape == minimum.shape == (n, k // GROUP), (codes.shape, scale.shape)
+        self = cls.__new__(cls)
+        self._pack(codes, scale.float(), minimum.float(), dtype)
+        return self
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> None:
         # The kernel reconstructs (q - 8) * scale + zero.
         zero = low + 8 * scale
-        self.scales_zeros = torch.stack((scale.squeeze(-1), zero.squeeze(-1)), dim=-1).transpose(0, 1)
+        self.scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1)
         self.scales_zeros = self.scales_zeros.contiguous().to(torch.bfloat16)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.shape = (n, k)
-        self.dtype = w.dtype
-        self.device = w.device
+        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu  # takes int32 codes
+        self.packed = torch.cat([pack(q[a : a + _ROWS].to(torch.int32), 1) for a in range(0, q.shape[0], _ROWS)])
+        self.shape = tuple(q.shape)
+        self.dtype = dtype
+        self.device = q.device
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +102,11 @@ def quantize_model(model: torch.nn.Module) -> tuple[int, int]:
         q = Int4Weight(w)
         before += w.nbytes
         after += q.nbytes
-        owner._buffers.pop(name, None)
-        object.__setattr__(owner, name, q)
+        install(owner, name, q)
     return before, after
+
+
+def install(owner: torch.nn.Module, name: str, weight: Int4Weight) -> None:
+    """Put `weight` where the module keeps its tensor buffer `name` (a module cannot register it as one)."""
+    owner._buffers.pop(name, None)
+    object.__setattr__(owner, name, weight)

@@ -1,4 +1,4 @@
-"""Weights -> a CausalLM spread over stages: GGUF files (any quantisation gguf can dequantise) and HF folders."""
+"""Weights -> a CausalLM spread over stages: GGUF files (the quantisations gguf_dequant decodes) and HF folders."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
+from engine.model import gguf_dequant, int4
 from engine.model.config import ConfigError, ModelConfig
+from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
@@ -188,18 +190,23 @@ def _proportional(weights: list[int], total: int) -> list[int]:
 # ---------------------------------------------------------------- loading
 
 
-def load_model(path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype) -> LoadedModel:
-    """Load a GGUF file or HF folder ("" = the embedded model) onto `stages` in `dtype`."""
+def load_model(
+    path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, *, int4_weights: bool = False
+) -> LoadedModel:
+    """Load a GGUF file or HF folder ("" = the embedded model) onto `stages` in `dtype`.
+
+    `int4_weights` (`--cpu-weights int4`, float32 on the CPU): the projections and the output matrix are
+    built as 4-bit groups as they are read, a Q4_0 / Q4_1 / Q4_K tensor's from its own codes and scales."""
     path = path or embedded_model_path()
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or folder")
     try:
         if os.path.isdir(path):
-            return _load_hf(path, stages, dtype)
+            return _load_hf(path, stages, dtype, int4_weights)
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == b"GGUF":
-            return _load_gguf(path, stages, dtype)
+            return _load_gguf(path, stages, dtype, int4_weights)
         if path.endswith(".safetensors"):
             raise ModelLoadError(f"{path}: pass the folder that holds config.json and the .safetensors files")
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) and not an HF model folder")
@@ -217,79 +224,104 @@ def _stage_checks(config: ModelConfig, stages: list[tuple[torch.device, int, int
 
 
 # A getter returns a canonical tensor ("embed", "norm", "lm_head", "rope_freqs", "<i>.q", "<i>.q_bias", ...)
-# as a CPU tensor, or None when the file does not have it.
-Getter = Callable[[str], "torch.Tensor | None"]
+# on the device and in the dtype asked for, or None when the file does not have it. It reads and converts that
+# one tensor, so a load never holds more than the finished weights and the tensor in hand.
+Getter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
+# A groups getter returns a weight the file already holds as 4-bit groups of 32 as (codes, scale, minimum)
+# (int4.Int4Weight.from_groups), or None when the file holds it otherwise (then it is read with the Getter).
+Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+GroupsGetter = Callable[[str], "Groups | None"]
 
 
 def _build(
-    config: ModelConfig, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, get: Getter, path: str
+    config: ModelConfig,
+    stages: list[tuple[torch.device, int, int]],
+    dtype: torch.dtype,
+    get: Getter,
+    path: str,
+    *,
+    int4_weights: bool = False,
+    groups: GroupsGetter | None = None,
 ) -> CausalLM:
+    """The model from `get`'s tensors; with `int4_weights` its CPU projections and output matrix are built
+    as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor)."""
     _stage_checks(config, stages, path)
+    assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
     c = config
 
-    def need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = get(key)
+    def need(key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        t = get(key, device, dtype)
         if t is None:
             raise ModelLoadError(f"{path}: weight {key!r} is missing")
         if tuple(t.shape) != shape:
             raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
-        return t
+        return t.contiguous()
 
-    def to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
+    def projection(parts: list[tuple[str, tuple[int, int]]], device: torch.device) -> torch.Tensor | Int4Weight:
+        """The weights `parts` stacked by rows: float, or with int4 weights on the CPU as 4-bit groups."""
+        rows, cols = sum(shape[0] for _, shape in parts), parts[0][1][1]
+        if not (int4_weights and device.type == "cpu" and int4.can_pack(rows, cols)):
+            ws = [need(key, shape, device) for key, shape in parts]
+            return ws[0] if len(ws) == 1 else torch.cat(ws)
+        stacked: list[Groups] = []
+        for key, shape in parts:
+            found = groups(key) if groups is not None else None
+            if found is None:
+                w = embed if key == "embed" and device == first_device else need(key, shape, device)
+                found = int4.quantize_groups(w)
+            elif tuple(found[0].shape) != shape:
+                raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(found[0].shape)}, expected {shape}")
+            stacked.append(found)
+        return Int4Weight.from_groups(*(torch.cat(p) for p in zip(*stacked, strict=True)), dtype=dtype)
+
+    def placeholder(w: torch.Tensor | Int4Weight) -> torch.Tensor:
+        # A module's buffer must be a tensor: an Int4Weight goes in after construction (int4.install).
+        return torch.empty(w.shape, device="meta") if isinstance(w, Int4Weight) else w
 
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    embed_cpu = need("embed", (c.vocab_size, c.hidden_size))
-    embed = to(embed_cpu, first_device)
+    hidden, inter = c.hidden_size, c.intermediate_size
+    embed = need("embed", (c.vocab_size, hidden), first_device)
     layers: list[DecoderLayer] = []
     for device, a, b in stages:
         device = torch.device(device)
         for i in range(a, b):
             p = f"{i}."
-            wqkv = torch.cat(
-                (
-                    need(p + "q", (q_rows, c.hidden_size)),
-                    need(p + "k", (kv_rows, c.hidden_size)),
-                    need(p + "v", (kv_rows, c.hidden_size)),
-                )
-            )
+            # The order of the reads is the order of the weights in the fingerprint: keep it.
+            w = {"wqkv": projection([(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
+                                     (p + "v", (kv_rows, hidden))], device)}
             bqkv = None
             if c.attention_bias:
-                bqkv = torch.cat((need(p + "q_bias", (q_rows,)), need(p + "k_bias", (kv_rows,)),
-                                  need(p + "v_bias", (kv_rows,))))
-                bqkv = to(bqkv, device)
-            gate_up = torch.cat(
-                (need(p + "gate", (c.intermediate_size, c.hidden_size)), need(p + "up", (c.intermediate_size, c.hidden_size)))
-            )
+                bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
+                                  need(p + "v_bias", (kv_rows,), device)))
+            w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
             q_norm = k_norm = None
             if c.qk_norm:
-                q_norm = to(need(p + "q_norm", (c.head_dim,)), device)
-                k_norm = to(need(p + "k_norm", (c.head_dim,)), device)
-            layers.append(
-                DecoderLayer(
-                    c,
-                    attn_norm=to(need(p + "attn_norm", (c.hidden_size,)), device),
-                    wqkv=to(wqkv, device),
-                    bqkv=bqkv,
-                    wo=to(need(p + "o", (c.hidden_size, q_rows)), device),
-                    mlp_norm=to(need(p + "mlp_norm", (c.hidden_size,)), device),
-                    w_gate_up=to(gate_up, device),
-                    w_down=to(need(p + "down", (c.hidden_size, c.intermediate_size)), device),
-                    q_norm=q_norm,
-                    k_norm=k_norm,
-                )
-            )
-    norm = to(need("norm", (c.hidden_size,)), last_device)
-    lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
-    if lm_head_cpu is None:
-        lm_head = embed if last_device == first_device else to(embed_cpu, last_device)
+                q_norm = need(p + "q_norm", (c.head_dim,), device)
+                k_norm = need(p + "k_norm", (c.head_dim,), device)
+            attn_norm = need(p + "attn_norm", (hidden,), device)
+            w["wo"] = projection([(p + "o", (hidden, q_rows))], device)
+            mlp_norm = need(p + "mlp_norm", (hidden,), device)
+            w["w_down"] = projection([(p + "down", (hidden, inter))], device)
+            layer = DecoderLayer(c, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
+                                 **{name: placeholder(t) for name, t in w.items()})
+            for name, t in w.items():
+                if isinstance(t, Int4Weight):
+                    int4.install(layer, name, t)
+            layers.append(layer)
+    norm = need("norm", (hidden,), last_device)
+    # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point).
+    head_key = "embed" if c.tie_word_embeddings else "lm_head"
+    if head_key == "embed" and not int4_weights:
+        lm_head = embed if last_device == first_device else need("embed", (c.vocab_size, hidden), last_device)
     else:
-        if tuple(lm_head_cpu.shape) != (c.vocab_size, c.hidden_size):
-            raise ModelLoadError(f"{path}: weight 'lm_head' has shape {tuple(lm_head_cpu.shape)}")
-        lm_head = to(lm_head_cpu, last_device)
-    freq_factors = get("rope_freqs")
-    return CausalLM(c, stages, embed=embed, layers=layers, norm=norm, lm_head=lm_head, rope_freq_factors=freq_factors)
+        lm_head = projection([(head_key, (c.vocab_size, hidden))], last_device)
+    freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
+    model = CausalLM(c, stages, embed=embed, layers=layers, norm=norm, lm_head=placeholder(lm_head),
+                     rope_freq_factors=freq_factors)
+    if isinstance(lm_head, Int4Weight):
+        int4.install(model, "lm_head", lm_head)
+    return model
 
 
 # ---------------------------------------------------------------- GGUF
@@ -413,53 +445,112 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
-    import gguf
-    import numpy as np
+@dataclass(frozen=True)
+class _GGUFTensor:
+    """What loading needs of one entry of a GGUF tensor directory (the reader itself is dropped early)."""
 
+    name: str
+    qtype: int  # a gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # outermost first (GGUF lists the innermost dimension first)
+    offset: int  # of its bytes in the file
+    n_bytes: int
+
+    @classmethod
+    def of(cls, t) -> _GGUFTensor:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        return cls(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes))
+
+
+def _check_gguf_tensors(path: str, directory: list[_GGUFTensor], used: dict[str, _GGUFTensor]) -> None:
+    """Refuse, before any tensor is read, a file whose tensor directory does not match its data: a tensor that
+    runs into the next one or past the end of the file, a type this loader cannot decode, a shape that is not
+    whole blocks."""
+    file_size = os.path.getsize(path)
+    ordered = sorted(directory, key=lambda t: t.offset)
+    for t, after in zip(ordered, [*ordered[1:], None], strict=True):
+        end = t.offset + t.n_bytes
+        if end > file_size:
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        if after is not None and end > after.offset:
+            raise ModelLoadError(
+                f"{path}: corrupt tensor directory: tensor {t.name} ({gguf_dequant.type_name(t.qtype)}, shape "
+                f"{t.shape}, {t.n_bytes} bytes) runs into tensor {after.name}"
+            )
+    for t in used.values():
+        try:
+            expected = gguf_dequant.tensor_bytes(t.name, t.qtype, t.shape)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        assert expected == t.n_bytes, (t.name, expected, t.n_bytes)  # gguf sizes a tensor the same way
+
+
+def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
+    directory = [_GGUFTensor.of(t) for t in reader.tensors]
+    header_size = reader.data_offset
+    # The reader holds a numpy view per metadata item (~160 MB for a 49K-token vocabulary): gone before the
+    # weights are read, it does not add to the load's peak.
+    del reader
+    _read_gguf.cache_clear()
     tensors = {}
-    for t in reader.tensors:
+    for t in directory:
         key = _gguf_canonical(t.name)
         if key is not None:
             tensors[key] = t
-    config = _gguf_config(meta, {t.name for t in reader.tensors}, path)
+    config = _gguf_config(meta, {t.name for t in directory}, path)
     file_size = os.path.getsize(path)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > file_size:
-            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+    _check_gguf_tensors(path, directory, tensors)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
     # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
     permuted = config.architecture in ("llama", "mistral")
+    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading, each tensor once
+    hashed: set[str] = set()
 
-    def get(key: str) -> torch.Tensor | None:
+    def raw(key: str, device: torch.device) -> torch.Tensor:
+        """The tensor's bytes, read from the file (not through the reader's mapping, whose pages would stay
+        resident next to the converted weights) onto `device`."""
+        t = tensors[key]
+        data = torch.empty(t.n_bytes, dtype=torch.uint8)
+        f.seek(t.offset)
+        if f.readinto(memoryview(data.numpy())) != data.numel():
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        if key not in hashed:
+            hashed.add(key)
+            content.update(key.encode())
+            content.update(data.numpy())
+        return data.to(device)
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
         t = tensors.get(key)
         if t is None:
             return None
-        content.update(key.encode())
-        content.update(t.data)
-        try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=array.base is not None or not array.flags.writeable))
+        w = gguf_dequant.dequantize(t.name, raw(key, device), t.qtype, t.shape, want)
         if permuted and key.endswith((".q", ".k", ".q_bias", ".k_bias")):
             w = _unpermute(w, config.n_heads if ".q" in key else config.n_kv_heads)
         return w
 
-    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
-    model = _build(config, stages, dtype, get, path)
+    def q4(key: str) -> Groups | None:
+        t = tensors.get(key)
+        if t is None or t.qtype not in gguf_dequant.Q4_GROUPED or len(t.shape) != 2:
+            return None
+        found = gguf_dequant.q4_groups(t.name, raw(key, torch.device("cpu")), t.qtype, t.shape)
+        if permuted and key.endswith((".q", ".k")):
+            heads = config.n_heads if key.endswith(".q") else config.n_kv_heads
+            found = tuple(_unpermute(x, heads) for x in found)
+        return found
+
+    with open(path, "rb") as f:
+        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:
-        h.update(f.read(reader.data_offset))  # header, metadata and tensor directory
+        h.update(f.read(header_size))  # header, metadata and tensor directory
     h.update(content.digest())
     name = os.path.splitext(os.path.basename(path))[0]
-    _read_gguf.cache_clear()  # drop the file mapping (Windows cannot replace a mapped file)
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)
 
 
@@ -528,7 +619,7 @@ def _safetensors_header(path: str) -> bytes:
     return head + header
 
 
-def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
+def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
     from safetensors import safe_open
 
     config_path = os.path.join(folder, "config.json")
@@ -568,7 +659,9 @@ def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
             if key is not None:
                 where[key] = (file, name)
 
-    def get(key: str) -> torch.Tensor | None:
+    hashed: set[str] = set()
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
         found = where.get(key)
         if found is None:
             return None
@@ -577,14 +670,17 @@ def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
             tensor = handles[file].get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
-        content.update(key.encode())
-        content.update(tensor.reshape(-1).view(torch.uint8).numpy())
-        return tensor.float()
+        if key not in hashed:
+            hashed.add(key)
+            content.update(key.encode())
+            content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
+        return tensor.float().to(device=device, dtype=want)
 
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
-    model = _build(config, stages, dtype, get, folder)
+    model = _build(config, stages, dtype, get, folder, int4_weights=int4_weights)
     h.update(content.digest())
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)

@@ -143,10 +143,11 @@ class Engine:
         # Planned again with the per-layer size: a device without memory for its layers is refused here.
         stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
                              bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx))
-        loaded = load_model(config.model, stages, dtype)
-        loaded.weights_format = _weights_format(config.cpu_weights, loaded, stages)
-        if loaded.weights_format == "int4":
-            _use_int4(loaded, stages)
+        weights_format = _weights_format(config.cpu_weights, dtype, stages)
+        if weights_format == "int4":
+            _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
+        loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4")
+        loaded.weights_format = weights_format
         return cls(config, loaded, stages)
 
     def _make_cache(self, config: EngineConfig) -> CacheAPI | None:
@@ -702,25 +703,23 @@ class Engine:
         self.cache.close(spill=keeps, deadline_s=deadline_s)
 
 
-def _weights_format(choice: str, loaded: Any, stages: list[tuple[torch.device, int, int]]) -> str:
+def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
     """The effective --cpu-weights: auto means int4 where it applies (CPU, float32, kernels present)."""
     if choice != "auto":
         return choice
     from engine.model import int4
 
     on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in stages)
-    return "int4" if on_cpu and loaded.dtype == torch.float32 and int4.available() else "float"
+    return "int4" if on_cpu and dtype == torch.float32 and int4.available() else "float"
 
 
-def _use_int4(loaded: Any, stages: list[tuple[torch.device, int, int]]) -> None:
-    """Switch a CPU model's projection weights to 4-bit groups (`--cpu-weights int4`)."""
+def _check_int4(dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> None:
+    """ValueError when `--cpu-weights int4` cannot apply."""
     from engine.model import int4
 
     if any(torch.device(d).type != "cpu" for d, _, _ in stages):
         raise ValueError("--cpu-weights int4: only for models on the CPU; use --cpu-weights float with --devices cuda")
-    if loaded.dtype != torch.float32:
+    if dtype != torch.float32:
         raise ValueError("--cpu-weights int4: needs --dtype float32 (or auto) on the CPU")
     if not int4.available():
         raise ValueError(f"--cpu-weights int4: this PyTorch ({torch.__version__}) has no CPU int4 kernels")
-    before, after = int4.quantize_model(loaded.model)
-    log.info("int4 weights: %.0f MiB of projections now %.0f MiB", before / 2**20, after / 2**20)
