@@ -45,6 +45,7 @@ from desktop.settings import (
     is_budget,
     parse_mib,
 )
+from desktop.widgets import guard_wheel
 from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir
 
 GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
@@ -191,6 +192,7 @@ class SettingsTab(QWidget):
         app_layout.addWidget(self.file_label)
         content_layout.addWidget(app_box)
         content_layout.addStretch(1)
+        self._wheel_guard = guard_wheel(content)
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setWidget(content)

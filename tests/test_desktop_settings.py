@@ -244,3 +244,56 @@ def test_start_at_login_checkbox_writes_and_removes_the_entry(qtbot, tmp_path):
     tab.login_box.setChecked(False)
     qtbot.waitUntil(lambda: not autostart.is_enabled() and tab.login_box.isEnabled(), timeout=3000)
     dispatcher.close()
+
+
+def _wheel(widget, steps: int = -1) -> None:
+    """A real wheel event over the middle of `widget`, as the mouse sends it."""
+    from PySide6.QtCore import QPoint, QPointF, Qt
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    centre = QPointF(widget.rect().center())
+    event = QWheelEvent(centre, QPointF(widget.mapToGlobal(centre.toPoint())), QPoint(0, 0), QPoint(0, 120 * steps),
+                        Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
+    QApplication.sendEvent(widget, event)
+
+
+def test_wheel_over_an_unfocused_combo_box_scrolls_the_page_and_changes_nothing(qtbot, tmp_path):
+    from PySide6.QtWidgets import QComboBox, QScrollArea
+
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    saver = AutoSaver(store, dispatcher.submit, delay_ms=50)
+    tab = SettingsTab(store, saver, dispatcher.submit)
+    qtbot.addWidget(tab)
+    tab.resize(900, 400)  # shorter than the page: it scrolls
+    tab.show()
+    qtbot.waitExposed(tab)
+    scroll = tab.findChild(QScrollArea)
+    bar = scroll.verticalScrollBar()
+    assert bar.maximum() > 0
+    combos = [r.editor for r in tab.rows.values() if isinstance(r.editor, QComboBox)]
+    assert {c.objectName() for c in combos} >= {"conversation_cache_storage", "dtype", "log_level"}
+    for combo in combos:
+        before = combo.currentIndex()
+        scroll.ensureWidgetVisible(combo)
+        assert not combo.hasFocus()
+        _wheel(combo, -1)
+        _wheel(combo, +1)
+        assert combo.currentIndex() == before, f"{combo.objectName()} changed under an unfocused wheel"
+    assert store.values == {}
+    qtbot.wait(150)
+    assert not (tmp_path / "s.json").exists(), "nothing was saved"
+    _wheel(combos[0], +1)  # the page still scrolls under the pointer
+    bar.setValue(0)
+    _wheel(combos[0], -1)
+    assert bar.value() > 0, "the wheel over an unfocused combo box scrolls the page"
+    combos[0].setFocus()
+    qtbot.waitUntil(combos[0].hasFocus, timeout=2000)
+    before = combos[0].currentIndex()
+    _wheel(combos[0], -1)
+    assert combos[0].currentIndex() != before, "a focused combo box still takes the wheel"
+    dispatcher.close()
