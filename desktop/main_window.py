@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QIcon, QPaintEvent
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QFont, QFontMetrics, QIcon, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
     QHBoxLayout,
     QLabel,
     QMainWindow,
     QMessageBox,
+    QPlainTextEdit,
     QPushButton,
+    QSizePolicy,
     QTabWidget,
     QVBoxLayout,
     QWidget,
@@ -35,6 +37,10 @@ STATE_COLORS = {
 }
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
+DEFAULT_SIZE = (1200, 780)
+MINIMUM_SIZE = (760, 520)  # the Monitor scrolls below its own comfortable size; the window never needs more
+CRASH_TAIL_LINES = 40  # lines of the engine's output kept in the crash panel (it scrolls)
+CRASH_LOG_LINES = 6  # lines visible at once: the panel's height is fixed
 
 
 def app_icon() -> QIcon:
@@ -56,7 +62,8 @@ class MainWindow(QMainWindow):
         self.paths = paths or Paths.default()
         self.setWindowTitle("Strata Desktop")
         self.setWindowIcon(app_icon())
-        self.resize(1200, 780)
+        self.setMinimumSize(*MINIMUM_SIZE)
+        self.resize(*default_size(self.screen().availableGeometry().size()))
 
         # Services
         self.dispatcher = Dispatcher(parent=self)
@@ -106,12 +113,29 @@ class MainWindow(QMainWindow):
                                        " border-radius: 3px; }")
         self.crash_text = QLabel()
         self.crash_text.setWordWrap(True)
+        self.crash_text.setTextFormat(Qt.TextFormat.PlainText)
         self.crash_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        font = self.crash_text.font()
+        font.setBold(True)
+        self.crash_text.setFont(font)
+        # The log tail in a scrollable view of bounded height: long lines scroll sideways, never widen the window.
+        self.crash_log = QPlainTextEdit()
+        self.crash_log.setObjectName("crashLog")
+        self.crash_log.setReadOnly(True)
+        self.crash_log.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        mono = QFont("monospace")
+        mono.setStyleHint(QFont.StyleHint.Monospace)
+        self.crash_log.setFont(mono)
+        self.crash_log.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.crash_log.setFixedHeight(CRASH_LOG_LINES * QFontMetrics(mono).lineSpacing() + 12)
         self.crash_restart = QPushButton("Restart")
         self.crash_restart.clicked.connect(self.start_engine)
         self.crash_logs = QPushButton("Show logs")
         crash_layout = QHBoxLayout(self.crash_panel)
-        crash_layout.addWidget(self.crash_text, 1)
+        crash_report = QVBoxLayout()
+        crash_report.addWidget(self.crash_text)
+        crash_report.addWidget(self.crash_log)
+        crash_layout.addLayout(crash_report, 1)
         crash_buttons = QVBoxLayout()
         crash_buttons.addWidget(self.crash_restart)
         crash_buttons.addWidget(self.crash_logs)
@@ -136,6 +160,8 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.crash_panel)
         layout.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
+        # Made now, not on the first message: a status bar appearing later would grow the window.
+        self.statusBar().setSizeGripEnabled(True)
 
         self.use_tray = tray_available() if use_tray is None else use_tray
         self.tray = Tray(self.windowIcon(), self)
@@ -237,8 +263,10 @@ class MainWindow(QMainWindow):
     def _on_ended(self, outcome: ProcessOutcome) -> None:
         if outcome.clean or self._quitting:
             return
-        tail = "\n".join(list(self.engine.lines)[-12:-1])
-        self.crash_text.setText(f"<b>The engine {outcome.describe()}.</b><br><pre>{_html_escape(tail)}</pre>")
+        tail = "\n".join(list(self.engine.lines)[-CRASH_TAIL_LINES:-1])
+        self.crash_text.setText(f"The engine {outcome.describe()}.")
+        self.crash_log.setPlainText(tail)
+        self.crash_log.verticalScrollBar().setValue(self.crash_log.verticalScrollBar().maximum())
         self.crash_panel.show()
         if not self.isVisible():
             self.tray.notify("Strata engine stopped", f"The engine {outcome.describe()}.")
@@ -432,6 +460,13 @@ class MainWindow(QMainWindow):
         self._finished = True
 
 
+def default_size(available: QSize) -> tuple[int, int]:
+    """The first window size: DEFAULT_SIZE, shrunk to fit the screen's free area (a 1366x768 laptop included)."""
+    width = min(DEFAULT_SIZE[0], available.width() - 40)
+    height = min(DEFAULT_SIZE[1], available.height() - 60)  # room for the title bar and a panel
+    return max(width, MINIMUM_SIZE[0]), max(height, MINIMUM_SIZE[1])
+
+
 def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
     """(conversations dropped, bytes dropped, "id: reason" of each skipped) from a /cache/purge answer."""
     dropped = data.get("dropped")
@@ -448,5 +483,3 @@ def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
     return int(count), size, skipped
 
 
-def _html_escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

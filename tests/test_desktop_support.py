@@ -155,6 +155,9 @@ def serve(argv: list[str]) -> None:
             args[a] = argv[i + 1]
     if "--ignore-term" in argv:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--noisy" in argv:  # long log lines, as a traceback with long paths gives
+        for i in range(30):
+            print(f"stand-in: noisy line {i} " + "/very/long/path/segment" * 20, file=sys.stderr, flush=True)
     if "--fail-at-start" in argv:
         print("stand-in: error: cannot load model 'missing.gguf': no such file", file=sys.stderr, flush=True)
         sys.exit(2)

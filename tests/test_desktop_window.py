@@ -304,3 +304,25 @@ def test_frozen_serve_mode_never_loads_qt():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "2 False", out.stdout + out.stderr
     assert "--port" in out.stderr
+
+
+def test_crash_panel_with_long_log_lines_never_grows_the_window(qtbot, window):
+    """A 1366x768 laptop screen: the window fits, and a crash with a long log tail does not grow it."""
+    window.engine.command_for = fake_engine_command("--noisy")
+    window.resize(1200, 700)
+    qtbot.wait(50)
+    size = window.size()
+    assert window.minimumSizeHint().width() <= 1366 and window.minimumSizeHint().height() <= 700
+    window.start()
+    ready(qtbot, window)
+    os.kill(window.engine.pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: not window.crash_panel.isHidden(), timeout=5000)
+    qtbot.wait(100)
+    assert window.size() == size, "the window never grows by itself"
+    assert window.minimumSizeHint().height() <= 700 and window.minimumSizeHint().width() <= 1366
+    assert "noisy line 28" in window.crash_log.toPlainText(), "the log tail is shown, whole lines"
+    assert window.crash_log.maximumHeight() <= 200
+    for button in (window.crash_restart, window.crash_logs, window.restart_button):
+        top_left = button.mapTo(window, button.rect().topLeft())
+        bottom_right = button.mapTo(window, button.rect().bottomRight())
+        assert window.rect().contains(top_left) and window.rect().contains(bottom_right), button.text()

@@ -9,10 +9,12 @@ from PySide6.QtCore import QSortFilterProxyModel, Qt, Signal
 from PySide6.QtGui import QAction, QHideEvent, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QFrame,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QMenu,
+    QScrollArea,
     QSplitter,
     QTableView,
     QToolButton,
@@ -25,6 +27,8 @@ from desktop.engine_process import EngineState
 from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
 from desktop.monitor.counters import CountersPanel
 from desktop.monitor.report import budget
+
+CONTENT_MINIMUM_WIDTH = 720  # plots and counters readable side by side; a narrower window scrolls
 
 
 class MonitorTab(QWidget):
@@ -103,9 +107,16 @@ class MonitorTab(QWidget):
         self.splitter.addWidget(table_box)
         self.splitter.setStretchFactor(0, 3)
         self.splitter.setStretchFactor(1, 1)
+        # Below its comfortable size the content scrolls instead of squeezing rows into each other.
+        self.scroll = QScrollArea()
+        self.scroll.setObjectName("monitorScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.splitter.setMinimumWidth(CONTENT_MINIMUM_WIDTH)  # its height floor: its parts' minimum heights
+        self.scroll.setWidget(self.splitter)
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
-        layout.addWidget(self.splitter, 1)
+        layout.addWidget(self.scroll, 1)
 
         self.metrics: dict[str, Any] = {}
         self.conversation_rows: list[dict[str, Any]] = []
