@@ -81,6 +81,7 @@ class MainWindow(QMainWindow):
         self._quitting = False
         self._started = False
         self._painted = False
+        self.notice_kind: str | None = None
 
         # Views
         self.state_label = QLabel()
@@ -174,7 +175,7 @@ class MainWindow(QMainWindow):
         self.engine.url_changed.connect(self._on_url)
         self.engine.ended.connect(self._on_ended)
         self.engine.restart_scheduled.connect(
-            lambda s: self.show_notice(f"The engine crashed; restarting it in {s:g} s."))
+            lambda s: self.show_notice(f"The engine crashed; restarting it in {s:g} s.", kind="restart"))
         self.poller.memory.connect(self._on_memory)
         self.poller.metrics.connect(self._on_metrics)
         self.poller.conversations.connect(self._on_conversations)
@@ -235,6 +236,7 @@ class MainWindow(QMainWindow):
 
     def stop_engine(self) -> None:
         self.engine.stop()
+        self.clear_notice("restart")  # stop() cancels a pending automatic restart
 
     def restart_engine(self) -> None:
         self.crash_panel.hide()
@@ -255,6 +257,7 @@ class MainWindow(QMainWindow):
         self._update_tray()
         if state is EngineState.READY:
             self.crash_panel.hide()
+            self.clear_notice("restart")
             self.poller.poll()
             self.fetch_cache_config()
         if state in (EngineState.STARTING, EngineState.STOPPED):
@@ -328,6 +331,7 @@ class MainWindow(QMainWindow):
         self.engine.auto_restart = self.store.prefs.auto_restart
         if not self.store.prefs.auto_restart:
             self.engine.cancel_auto_restart()
+            self.clear_notice("restart")
 
     # ------------------------------------------------------------------ purge
 
@@ -387,9 +391,18 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ window, tray, quit
 
-    def show_notice(self, text: str) -> None:
+    def show_notice(self, text: str, kind: str = "info") -> None:
+        """The banner above the tabs; `kind` says which event may take it down again (clear_notice)."""
+        self.notice_kind = kind
         self.notice.setText(text)
         self.notice.show()
+
+    def clear_notice(self, kind: str) -> None:
+        """Hide the banner if it still shows a notice of `kind` (a newer one of another kind stays)."""
+        if self.notice_kind == kind:
+            self.notice.hide()
+            self.notice.clear()
+            self.notice_kind = None
 
     def show_window(self) -> None:
         self.show()

@@ -326,3 +326,17 @@ def test_crash_panel_with_long_log_lines_never_grows_the_window(qtbot, window):
         top_left = button.mapTo(window, button.rect().topLeft())
         bottom_right = button.mapTo(window, button.rect().bottomRight())
         assert window.rect().contains(top_left) and window.rect().contains(bottom_right), button.text()
+
+
+def test_restart_banner_is_cleared_once_the_engine_is_ready_again(qtbot, window):
+    window.engine.auto_restart = True
+    window.start()
+    ready(qtbot, window)
+    os.kill(window.engine.pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: "restarting it in" in window.notice.text() and not window.notice.isHidden(), timeout=5000)
+    ready(qtbot, window)
+    for tab in (window.monitor, window.settings_tab, window.logs):
+        window.tabs.setCurrentWidget(tab)
+        assert window.notice.isHidden(), "the restart banner is gone once the engine is Ready"
+        assert window.monitor.banner.isHidden()
+    assert window.crash_panel.isHidden()
