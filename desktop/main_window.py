@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 from desktop.autostart import Autostart
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.desktop_entry import resource_path
+from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, describe_config_error, port_owner
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
@@ -132,12 +133,16 @@ class MainWindow(QMainWindow):
         self.crash_restart = QPushButton("Restart")
         self.crash_restart.clicked.connect(self.start_engine)
         self.crash_logs = QPushButton("Show logs")
+        self.crash_settings = QPushButton("Open Settings")
+        self.crash_settings.clicked.connect(self._open_failed_setting)
+        self.crash_settings.hide()
         crash_layout = QHBoxLayout(self.crash_panel)
         crash_report = QVBoxLayout()
         crash_report.addWidget(self.crash_text)
         crash_report.addWidget(self.crash_log)
         crash_layout.addLayout(crash_report, 1)
         crash_buttons = QVBoxLayout()
+        crash_buttons.addWidget(self.crash_settings)
         crash_buttons.addWidget(self.crash_restart)
         crash_buttons.addWidget(self.crash_logs)
         crash_buttons.addStretch(1)
@@ -267,12 +272,43 @@ class MainWindow(QMainWindow):
         if outcome.clean or self._quitting:
             return
         tail = "\n".join(list(self.engine.lines)[-CRASH_TAIL_LINES:-1])
-        self.crash_text.setText(f"The engine {outcome.describe()}.")
+        if outcome.config_error:
+            busy = busy_port(outcome.config_error)
+            text = describe_busy_port(busy, None) if busy else describe_config_error(outcome.config_error)
+            if busy:
+                self.dispatcher.submit(lambda: port_owner(busy.port), lambda owner: self._got_port_owner(busy, owner))
+        else:
+            text = f"The engine {outcome.describe()}."
+        self.crash_text.setText(text)
+        self.crash_settings.setVisible(bool(outcome.config_error))
+        self.crash_restart.setText("Try again" if outcome.config_error else "Restart")
         self.crash_log.setPlainText(tail)
         self.crash_log.verticalScrollBar().setValue(self.crash_log.verticalScrollBar().maximum())
         self.crash_panel.show()
+        self.monitor.set_engine_state(self.engine.state, text if outcome.config_error else "")
         if not self.isVisible():
-            self.tray.notify("Strata engine stopped", f"The engine {outcome.describe()}.")
+            self.tray.notify("Strata engine stopped", text)
+
+    def _got_port_owner(self, busy: BusyPort, owner: Any) -> None:
+        """The program holding the port, found off the GUI thread: name it in the panel (unless a newer run ended)."""
+        outcome = self.engine.outcome
+        if isinstance(owner, BaseException) or outcome is None or busy_port(outcome.config_error) != busy:
+            return
+        text = describe_busy_port(busy, owner)
+        self.crash_text.setText(text)
+        self.monitor.set_engine_state(self.engine.state, text)
+        self.logs.append_line("strata-desktop: " + text)
+
+    def open_setting(self, name: str) -> None:
+        """Show the Settings tab with the keyboard in one setting's field."""
+        self.tabs.setCurrentWidget(self.settings_tab)
+        self.settings_tab.focus_setting(name)
+
+    def _open_failed_setting(self) -> None:
+        reason = self.engine.outcome.config_error if self.engine.outcome else ""
+        self.open_setting("port" if busy_port(reason) or reason.startswith("--host/--port")
+                          else "model" if reason.startswith("cannot load the model")
+                          else "conversation_cache_dir" if reason.startswith("conversation cache") else "model")
 
     def fetch_cache_config(self) -> None:
         def done(reply: Reply) -> None:

@@ -193,7 +193,7 @@ class SettingsTab(QWidget):
         content_layout.addWidget(app_box)
         content_layout.addStretch(1)
         self._wheel_guard = guard_wheel(content)
-        scroll = QScrollArea()
+        scroll = self.scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setWidget(content)
 
@@ -359,6 +359,12 @@ class SettingsTab(QWidget):
         else:
             assert isinstance(row.editor, QLineEdit)
             row.editor.setText(text)
+
+    def focus_setting(self, name: str) -> None:
+        """Scroll to one setting and put the keyboard in its field."""
+        row = self.rows[name]
+        self.scroll.ensureWidgetVisible(row.container)
+        row.editor.setFocus()
 
     def reset(self, name: str) -> None:
         self.store.reset(name)

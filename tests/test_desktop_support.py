@@ -159,7 +159,8 @@ def serve(argv: list[str]) -> None:
         for i in range(30):
             print(f"stand-in: noisy line {i} " + "/very/long/path/segment" * 20, file=sys.stderr, flush=True)
     if "--fail-at-start" in argv:
-        print("stand-in: error: cannot load model 'missing.gguf': no such file", file=sys.stderr, flush=True)
+        # The engine's own words for a refused start (engine/cli.py): one error line, status 2.
+        print("strata serve: error: cannot load the model: 'missing.gguf': no such file", file=sys.stderr, flush=True)
         sys.exit(2)
     state = _State(args)
     server_ref: list = []

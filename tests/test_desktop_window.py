@@ -340,3 +340,37 @@ def test_restart_banner_is_cleared_once_the_engine_is_ready_again(qtbot, window)
         assert window.notice.isHidden(), "the restart banner is gone once the engine is Ready"
         assert window.monitor.banner.isHidden()
     assert window.crash_panel.isHidden()
+
+
+def test_a_busy_port_names_its_owner_and_is_not_retried(qtbot, tmp_path):
+    """The real engine on a port this test holds: a configuration error with the owner named, not a crash loop."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
+    qtbot.addWidget(w)
+    w.store.set("port", port)
+    w.engine.auto_restart = True
+    delays: list[float] = []
+    w.engine.restart_scheduled.connect(delays.append)
+    try:
+        w.show()
+        w.start_engine()
+        qtbot.waitUntil(lambda: not w.crash_panel.isHidden(), timeout=60000)
+        me = psutil.Process()
+        expected = f"Port {port} is in use by {me.name()} (pid {me.pid}): choose another port in Settings."
+        qtbot.waitUntil(lambda: w.crash_text.text() == expected, timeout=10000)
+        assert "status 2" not in w.crash_text.text() and "crashed" not in w.notice.text()
+        assert w.monitor.banner.text().startswith(expected)
+        assert not w.crash_settings.isHidden()
+        qtbot.wait(1500)  # past the first back-off
+        assert delays == [] and not w.engine.running and w.engine.state is EngineState.CRASHED
+        w.crash_settings.click()
+        assert w.tabs.currentWidget() is w.settings_tab
+        qtbot.waitUntil(w.settings_tab.rows["port"].editor.hasFocus, timeout=2000)
+    finally:
+        w.shutdown_now()
+        holder.close()

@@ -208,7 +208,8 @@ class MonitorTab(QWidget):
             EngineState.CRASHED: "The engine stopped unexpectedly.",
         }[state]
         if detail:
-            text += " " + detail
+            # A crash with a known reason (a refused setting) says that instead of "unexpectedly".
+            text = detail if state is EngineState.CRASHED else f"{text} {detail}"
         if self.last_update is not None:
             text += f" Figures below are from {time.strftime('%H:%M:%S', time.localtime(self.last_update))}."
         self.banner.setText(text)
