@@ -468,6 +468,7 @@ class MainWindow(QMainWindow):
         if self._quitting:
             return
         self._quitting = True
+        self.settings_tab.settle_now()
         self.autosaver.flush()
         self.hide()
         self.engine.cancel_auto_restart()

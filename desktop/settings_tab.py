@@ -46,7 +46,7 @@ from desktop.settings import (
     parse_mib,
 )
 from desktop.widgets import guard_wheel
-from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir
+from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir, setting_of
 
 GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
 LABELS = {
@@ -65,6 +65,7 @@ STORAGE_HELP = {
     "disk": "disk — in files: nothing kept in memory; survives restarts",
     "tiered": "tiered — memory first; evictions and shutdown spill to disk",
 }
+SETTLE_MS = 1200  # a pause in typing this long counts as done
 FOLDER_SETTINGS = ("conversation_cache_dir", "slot_save_path")
 PREFS = (
     ("start_engine", "Start the engine when the app starts"),
@@ -137,6 +138,7 @@ class SettingsTab(QWidget):
     apply_requested = Signal(dict)  # {field name: value} of live settings to send with PUT /cache/config
     restart_requested = Signal()
     prefs_changed = Signal()
+    committed = Signal(str)  # a setting's editing settled (its value stored when valid)
 
     def __init__(self, store: SettingsStore, autosaver: AutoSaver,
                  submit: Callable[[Callable[[], Any], Callable[[Any], None]], None],
@@ -154,6 +156,10 @@ class SettingsTab(QWidget):
         self.folder_reports: dict[str, FolderReport] = {}
         self._folder_timer = QTimer(self, singleShot=True, interval=300)
         self._folder_timer.timeout.connect(self._check_folders)
+        # Typing settles after a pause (or Enter / leaving the field): only then is a valid value stored.
+        self._settling: set[str] = set()
+        self._settle_timer = QTimer(self, singleShot=True, interval=SETTLE_MS)
+        self._settle_timer.timeout.connect(self._settled)
 
         content = QWidget()
         content_layout = QVBoxLayout(content)
@@ -252,12 +258,13 @@ class SettingsTab(QWidget):
             assert isinstance(editor, QComboBox)
             for choice in spec.choices:
                 editor.addItem(STORAGE_HELP[choice] if name == "conversation_cache_storage" else choice, choice)
-            editor.currentIndexChanged.connect(lambda _i, n=name: self._edited(n))
+            editor.currentIndexChanged.connect(lambda _i, n=name: self._commit(n))  # a choice is always whole
             line.addWidget(editor, 1)
         else:
             editor = QLineEdit()
             assert isinstance(editor, QLineEdit)
             editor.textChanged.connect(lambda _t, n=name: self._edited(n))
+            editor.editingFinished.connect(lambda n=name: self._commit(n))
             if spec.secret:
                 editor.setEchoMode(QLineEdit.EchoMode.Password)
                 editor.setPlaceholderText("none: every request is accepted")
@@ -338,6 +345,40 @@ class SettingsTab(QWidget):
         return text
 
     def _edited(self, name: str) -> None:
+        """A keystroke: check the text and show the verdict; store nothing until the editing settles."""
+        row = self.rows[name]
+        try:
+            self._validate(row)
+            row.error = ""
+        except SettingError as e:
+            row.error = str(e)
+        self._show_caption(row)
+        self._settling.add(name)
+        self._settle_timer.start()
+        self.refresh()
+
+    def _validate(self, row: SettingRow) -> Any:
+        """The parsed value of the row's text, checked as the store would check it (raises SettingError)."""
+        value = self.parse_row(row)
+        setting_of(row.name).parse(value)
+        return value
+
+    def _settled(self) -> None:
+        names, self._settling = self._settling, set()
+        for name in sorted(names):
+            self._commit(name)
+
+    def settle_now(self) -> None:
+        """Commit what is being typed now (at quit): valid values are kept, others dropped."""
+        self._settle_timer.stop()
+        self._settled()
+
+    def _commit(self, name: str) -> None:
+        """Editing settled (Enter, focus left, a pause, a choice, a picked folder): store and save a valid value.
+
+        A value that does not parse is never stored; the store keeps the last valid one.
+        """
+        self._settling.discard(name)
         row = self.rows[name]
         try:
             self.store.set(name, self.parse_row(row))
@@ -350,6 +391,7 @@ class SettingsTab(QWidget):
         if name in FOLDER_SETTINGS or name == "model":
             self._folder_timer.start()
         self.refresh()
+        self.committed.emit(name)
 
     def set_text(self, name: str, text: str) -> None:
         """Type `text` into a setting's editor (as a user would)."""
@@ -359,6 +401,7 @@ class SettingsTab(QWidget):
         else:
             assert isinstance(row.editor, QLineEdit)
             row.editor.setText(text)
+            self._commit(name)  # a whole value put in at once (a picked folder): nothing to wait for
 
     def focus_setting(self, name: str) -> None:
         """Scroll to one setting and put the keyboard in its field."""
@@ -423,6 +466,8 @@ class SettingsTab(QWidget):
             row.caption.setText(row.error)
             row.caption.setStyleSheet("color: #c62828;")
             row.editor.setStyleSheet("QLineEdit { border: 1px solid #c62828; }")
+            if row.info is not None:
+                row.info.setText("")  # a figure beside a refused value would contradict the error
             return
         row.editor.setStyleSheet("")
         parts = ["applies live" if row.spec.live else "applies after a restart",
@@ -435,15 +480,22 @@ class SettingsTab(QWidget):
         if row.info is not None:
             row.info.setText(self._info_text(row.name))
 
+    def _shown_value(self, name: str) -> Any:
+        """The value the field's text says (typed, maybe not stored yet), else the stored one."""
+        try:
+            return self._validate(self.rows[name])
+        except SettingError:
+            return self.store.value(name)
+
     def _info_text(self, name: str) -> str:
         if name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
-            value = format_mib(self.store.value(name))
+            value = format_mib(self._shown_value(name))
             total = f" · host RAM {format_bytes(self.host_total)}" if self.host_total else ""
             return f"= {value}{total}"
         if name == "conversation_cache_disk_mib":
             report = self.folder_reports.get("conversation_cache_dir")
             free = f" · free on disk {format_bytes(report.free_bytes)}" if report and report.free_bytes else ""
-            return f"= {format_mib(self.store.value(name))}{free}"
+            return f"= {format_mib(self._shown_value(name))}{free}"
         if name == "conversation_cache_dir" and self.effective_dir:
             return ""
         return ""

@@ -297,3 +297,49 @@ def test_wheel_over_an_unfocused_combo_box_scrolls_the_page_and_changes_nothing(
     _wheel(combos[0], -1)
     assert combos[0].currentIndex() != before, "a focused combo box still takes the wheel"
     dispatcher.close()
+
+
+def test_half_typed_values_are_never_saved_and_the_hint_follows_the_text(qtbot, tmp_path):
+    from PySide6.QtCore import Qt
+
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SETTLE_MS, SettingsTab
+
+    dispatcher = Dispatcher()
+    path = tmp_path / "s.json"
+    store = SettingsStore(path, environ={})
+    saver = AutoSaver(store, dispatcher.submit, delay_ms=50)
+    tab = SettingsTab(store, saver, dispatcher.submit)
+    qtbot.addWidget(tab)
+    tab.show()
+    row = tab.rows["conversation_cache_disk_mib"]
+    default = store.value("conversation_cache_disk_mib")
+    row.editor.setFocus()
+    row.editor.selectAll()
+    qtbot.keyClicks(row.editor, "12.5")  # "1", "12", "12." are all whole numbers on the way
+    assert "whole number of MiB" in row.error
+    assert row.info.text() == "", "no figure beside a refused value"
+    qtbot.wait(SETTLE_MS + 300)
+    assert store.value("conversation_cache_disk_mib") == default, "nothing half-typed was stored"
+    assert not path.exists(), "nothing was saved"
+
+    row.editor.selectAll()
+    qtbot.keyClicks(row.editor, "-5")
+    assert row.error and row.info.text() == "" and "GiB" not in row.info.text()
+    row.editor.selectAll()
+    qtbot.keyClicks(row.editor, "3 GiB")
+    assert row.error == "" and row.info.text().startswith("= 3 GiB"), "the hint says what the text says"
+    assert store.value("conversation_cache_disk_mib") == default, "still typing: not stored yet"
+    with qtbot.waitSignal(tab.committed, timeout=SETTLE_MS + 2000):
+        pass  # a pause: the editing settled
+    assert store.value("conversation_cache_disk_mib") == 3072
+    qtbot.waitUntil(lambda: path.exists(), timeout=3000)
+    assert json.loads(path.read_text())["engine"] == {"conversation_cache_disk_mib": 3072}
+
+    port = tab.rows["port"]
+    port.editor.setFocus()
+    port.editor.selectAll()
+    qtbot.keyClicks(port.editor, "9090")
+    qtbot.keyClick(port.editor, Qt.Key.Key_Return)  # Enter settles at once
+    assert store.value("port") == 9090
+    dispatcher.close()
