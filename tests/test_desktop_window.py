@@ -374,3 +374,64 @@ def test_a_busy_port_names_its_owner_and_is_not_retried(qtbot, tmp_path):
     finally:
         w.shutdown_now()
         holder.close()
+
+
+def _overlaps(widgets) -> list[tuple[str, str]]:
+    from PySide6.QtCore import QRect
+
+    rects = [(w.text() if hasattr(w, "text") else w.objectName(), QRect(w.mapToGlobal(w.rect().topLeft()), w.size()))
+             for w in widgets if w.isVisible()]
+    return [(a, b) for i, (a, ra) in enumerate(rects) for b, rb in rects[i + 1:] if ra.intersects(rb)]
+
+
+def test_monitor_at_800x560_scrolls_instead_of_overlapping_rows(qtbot, window):
+    from PySide6.QtWidgets import QLabel, QProgressBar
+
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.monitor.counters.labels["storage"].text() == "ram", timeout=5000)
+    window.resize(800, 560)
+    qtbot.wait(100)
+    assert window.size().width() == 800 and window.size().height() == 560, "800x560 is allowed"
+    window.resize(300, 200)
+    qtbot.wait(50)
+    assert window.width() >= 700 and window.height() >= 500, "a minimum size"
+    window.resize(800, 560)
+    qtbot.wait(100)
+    counters = window.monitor.counters
+    parts = counters.findChildren(QLabel) + counters.findChildren(QProgressBar)
+    for part in parts:
+        if part.isVisible():
+            assert part.height() >= part.minimumSizeHint().height(), f"{part.objectName()} squeezed"
+    assert _overlaps(parts) == []
+    assert window.monitor.table.height() >= window.monitor.table.minimumHeight()
+    assert window.monitor.scroll.verticalScrollBar().maximum() > 0, "the Monitor scrolls at this size"
+
+
+def test_layout_does_not_jump(qtbot, window):
+    """The status bar's first message and a missed poll or two during generation move nothing."""
+    window.resize(window.minimumSize())
+    qtbot.wait(50)
+    size = window.size()
+    central = window.centralWidget().geometry()
+    window.statusBar().showMessage("Purged all: dropped 2 conversation(s), 4.8 MiB.")
+    qtbot.wait(50)
+    assert window.size() == size and window.centralWidget().geometry() == central
+
+    window.start()
+    ready(qtbot, window)
+    monitor = window.monitor
+    purge_at = monitor.purge_button.mapTo(window, monitor.purge_button.rect().topLeft())
+    monitor.set_unreachable("no answer within 2 s")
+    monitor.set_unreachable("no answer within 2 s")
+    qtbot.wait(20)
+    assert monitor.banner.isHidden(), "one or two missed polls (a long generation step) show nothing"
+    assert monitor.purge_button.mapTo(window, monitor.purge_button.rect().topLeft()) == purge_at
+    monitor.clear_unreachable()
+    monitor.set_unreachable("no answer within 2 s")
+    monitor.set_unreachable("no answer within 2 s")
+    assert monitor.banner.isHidden(), "an answer in between starts the count again"
+    monitor.set_unreachable("no answer within 2 s")
+    assert not monitor.banner.isHidden() and "did not answer" in monitor.banner.text()
+    monitor.clear_unreachable()
+    assert monitor.banner.isHidden()

@@ -28,6 +28,7 @@ from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
 from desktop.monitor.counters import CountersPanel
 from desktop.monitor.report import budget
 
+UNREACHABLE_AFTER = 3  # missed polls in a row before the "did not answer" banner shows
 CONTENT_MINIMUM_WIDTH = 720  # plots and counters readable side by side; a narrower window scrolls
 
 
@@ -121,6 +122,7 @@ class MonitorTab(QWidget):
         self.metrics: dict[str, Any] = {}
         self.conversation_rows: list[dict[str, Any]] = []
         self.last_update: float | None = None
+        self.missed_polls = 0  # /metrics polls in a row without an answer
         self.state = EngineState.STOPPED
         self.set_engine_state(EngineState.STOPPED)
 
@@ -216,12 +218,18 @@ class MonitorTab(QWidget):
         self.banner.show()
 
     def set_unreachable(self, reason: str) -> None:
-        """The engine is running but did not answer /metrics."""
-        if self.state is EngineState.READY:
+        """The engine is running but did not answer /metrics: said after UNREACHABLE_AFTER misses in a row.
+
+        One slow answer (a long generation step) is normal; a banner blinking on and off with each would move
+        everything below it under the pointer.
+        """
+        self.missed_polls += 1
+        if self.state is EngineState.READY and self.missed_polls >= UNREACHABLE_AFTER:
             self.banner.setText(f"The engine did not answer: {reason}. Showing the last figures.")
             self.banner.show()
 
     def clear_unreachable(self) -> None:
+        self.missed_polls = 0
         if self.state is EngineState.READY:
             self.banner.hide()
 
