@@ -267,6 +267,8 @@ class MainWindow(QMainWindow):
             self.fetch_cache_config()
         if state in (EngineState.STARTING, EngineState.STOPPED):
             self.url_label.setText("")
+        if state is EngineState.STARTING:
+            self.monitor.engine_restarted()
 
     def _on_ended(self, outcome: ProcessOutcome) -> None:
         if outcome.clean or self._quitting:

@@ -442,3 +442,40 @@ def test_layout_does_not_jump(qtbot, window):
     assert not monitor.banner.isHidden() and "did not answer" in monitor.banner.text()
     monitor.clear_unreachable()
     assert monitor.banner.isHidden()
+
+
+def test_timing_plot_empty_restart_and_legend(qtbot):
+    import time
+
+    from desktop.monitor import MonitorTab
+
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.ensure_plots()
+    tab.resize(1000, 700)
+    tab.show()
+    plot = tab.timings
+    plot.redraw()
+    item = plot.plot.getPlotItem()
+    assert item.legend is None, "no legend box inside the plot to cover points"
+    assert "Park" in item.titleLabel.text and "restore" in item.titleLabel.text
+    assert plot.empty and plot.empty_label.isVisible()
+    assert item.getAxis("left").style["showValues"] is False, "no made-up ms scale while empty"
+
+    old = time.time() - 3600  # the previous engine's events, an hour ago
+    tab.set_events([{"kind": "park", "time": old, "ms": 40.0}, {"kind": "restore", "time": old + 5, "ms": 9.0}])
+    assert not plot.empty and item.getAxis("left").style["showValues"] is True
+    lo, hi = item.viewRange()[0]
+    assert lo <= old <= hi
+    assert item.viewRange()[1][1] >= 40.0, "the points are inside the y range"
+
+    tab.engine_restarted()
+    lo, hi = item.viewRange()[0]
+    assert plot.empty and len(plot.park.data) == 0 and hi > time.time() - 5 and lo > old + 5
+    assert item.getAxis("left").style["showValues"] is False
+
+    timing = {"last": 0.0, "p50": 0.0, "p95": 0.0, "count": 0}
+    tab.set_metrics({"conversation_cache": {"parks": 0, "restores": 0, "park_ms": timing, "restore_ms": timing}})
+    assert tab.counters.labels["park_ms"].text() == "–" and tab.counters.labels["restore_ms"].text() == "–"
+    tab.set_metrics({"conversation_cache": {"parks": 0, "restores": 0, "park_ms": {"last": 0.0}}})
+    assert tab.counters.labels["park_ms"].text() == "–"

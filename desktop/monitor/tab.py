@@ -180,6 +180,13 @@ class MonitorTab(QWidget):
             if self.isVisible():
                 self.timings.redraw()
 
+    def engine_restarted(self) -> None:
+        """A new engine process: its park/restore history starts empty, on a new time axis."""
+        self._events = []
+        self.counters.set_events([])
+        if self.timings is not None:
+            self.timings.reset()
+
     def set_conversations_error(self, message: str) -> None:
         """The engine could not list its conversations: say so above the (last known) table."""
         self.table_title.setText(f"<b>Parked conversations</b> — the engine did not list them: {_escape(message)}")
