@@ -27,6 +27,7 @@ from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, descr
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
+from desktop.monitor.conversations import merge_tiers, tiers_of
 from desktop.monitor.report import number
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab, label_of
@@ -330,7 +331,7 @@ class MainWindow(QMainWindow):
         self._update_tray()
 
     def _on_conversations(self, rows: list[dict[str, Any]]) -> None:
-        self.conversations = rows
+        self.conversations = merge_tiers(rows)  # one row per conversation, whichever tiers hold it
         self.monitor.set_conversations(rows)
         self._update_tray()
 
@@ -382,7 +383,7 @@ class MainWindow(QMainWindow):
             parts = [number(cache, "bytes_ram"), number(cache, "bytes_disk")]
             size = None if all(p is None for p in parts) else sum(p or 0 for p in parts)
         else:
-            count = sum(1 for r in rows if tier in str(r.get("tier", "")).lower())
+            count = sum(1 for r in rows if tier in tiers_of(r))
             size = number(cache, f"bytes_{tier}")
         return count, size
 

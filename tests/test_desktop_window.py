@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from desktop.engine_process import EngineState
@@ -479,3 +480,39 @@ def test_timing_plot_empty_restart_and_legend(qtbot):
     assert tab.counters.labels["park_ms"].text() == "–" and tab.counters.labels["restore_ms"].text() == "–"
     tab.set_metrics({"conversation_cache": {"parks": 0, "restores": 0, "park_ms": {"last": 0.0}}})
     assert tab.counters.labels["park_ms"].text() == "–"
+
+
+def test_tiered_conversation_shows_once_with_its_history(qtbot):
+    """The engine lists a tiered conversation once per tier holding it; the table shows one row."""
+    from desktop.monitor import MonitorTab
+    from desktop.monitor.conversations import merge_tiers
+
+    listed = [
+        {"id": "conv-a", "tokens": 1200, "bytes": 3_000_000, "tier": "ram", "created": 100.0, "last_used": 200.0,
+         "hits": 4, "pending": False},
+        {"id": "conv-b", "tokens": 800, "bytes": 2_000_000, "tier": "disk", "created": 120.0, "last_used": 150.0,
+         "hits": 1, "pending": False},
+        {"id": "conv-a", "tokens": 1200, "bytes": 1_000_000, "tier": "disk", "created": 90.0, "last_used": 180.0,
+         "hits": 0, "pending": True},
+    ]
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.set_conversations(listed)
+    model = tab.model
+    assert model.rowCount() == 2
+    ids = [model.index(r, 0).data() for r in range(2)]
+    assert ids == ["conv-a", "conv-b"]
+    a = model.rows[0]
+    assert model.index(0, 3).data() == "RAM + disk" and model.index(1, 3).data() == "disk"
+    assert a["hits"] == 4 and a["created"] == 90.0 and a["last_used"] == 200.0 and a["pending"] is True
+    assert model.index(0, 6).data() == "4", "the hits it had in RAM are kept, not a new row with 0"
+    assert model.index(0, 2).data() == "3.8 MiB"
+    assert "RAM 2.9 MiB" in model.index(0, 2).data(Qt.ItemDataRole.ToolTipRole)
+    assert merge_tiers(listed[:2]) == listed[:2], "conversations in one tier pass through unchanged"
+    assert merge_tiers([{"tier": "ram"}, "junk"]) == [{"tier": "ram"}], "rows without an id kept, junk dropped"
+
+
+def test_purge_counts_a_tiered_conversation_once(qtbot, window):
+    window._on_conversations([{"id": "x", "tier": "ram", "bytes": 10}, {"id": "x", "tier": "disk", "bytes": 5}])
+    assert window.purge_summary("all")[0] == 1
+    assert window.purge_summary("ram")[0] == 1 and window.purge_summary("disk")[0] == 1
