@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from desktop import eviction
 from desktop.autostart import Autostart
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.desktop_entry import resource_path
@@ -80,6 +81,7 @@ class MainWindow(QMainWindow):
         self.conversations: list[dict[str, Any]] | None = None
         self.last_purge: dict[str, Any] | None = None
         self.purge_box: QMessageBox | None = None
+        self.apply_box: QMessageBox | None = None  # the eviction warning before a live change
         self._quitting = False
         self._started = False
         self._painted = False
@@ -349,7 +351,31 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ settings
 
     def apply_live(self, changes: dict[str, Any]) -> None:
-        """Send live-changeable settings to the running engine."""
+        """Send live-changeable settings to the running engine; first ask if a smaller budget would evict."""
+        running = self.engine.config
+        cache = (self.metrics or {}).get("conversation_cache") or {}
+        storage = str(cache.get("storage") or (running.conversation_cache_storage if running else "ram"))
+        current = {k: getattr(running, k) for k in changes if running is not None and hasattr(running, k)}
+        evictions = eviction.estimate(self.conversations or [], storage, current, changes)
+        if not evictions:
+            self._send_live(changes)
+            return
+        box = QMessageBox(QMessageBox.Icon.Warning, "Apply a smaller budget", eviction.describe(evictions),
+                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
+        box.button(QMessageBox.StandardButton.Yes).setText("Apply")
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        box.finished.connect(lambda result: self._evicting_apply_answered(changes, result))
+        self.apply_box = box
+        box.open()
+
+    def _evicting_apply_answered(self, changes: dict[str, Any], result: int) -> None:
+        self.apply_box = None
+        if result == QMessageBox.StandardButton.Yes:
+            self._send_live(changes)
+        else:
+            self.settings_tab.show_result("Not applied: the running engine keeps its budgets.", True)
+
+    def _send_live(self, changes: dict[str, Any]) -> None:
         sent = dict(changes)
 
         def done(reply: Reply) -> None:

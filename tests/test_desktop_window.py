@@ -516,3 +516,50 @@ def test_purge_counts_a_tiered_conversation_once(qtbot, window):
     window._on_conversations([{"id": "x", "tier": "ram", "bytes": 10}, {"id": "x", "tier": "disk", "bytes": 5}])
     assert window.purge_summary("all")[0] == 1
     assert window.purge_summary("ram")[0] == 1 and window.purge_summary("disk")[0] == 1
+
+
+def test_a_smaller_budget_says_what_it_evicts_and_asks_first(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.conversations is not None and len(window.conversations) == 2, timeout=5000)
+    qtbot.waitUntil(lambda: window.metrics is not None, timeout=5000)
+    tab = window.settings_tab
+    tab.set_text("conversation_cache_mib", "2")  # conv-a (2.9 MiB, in RAM) no longer fits
+    assert tab.apply_button.isEnabled()
+    tab.apply_button.click()
+    box = window.apply_box
+    assert box is not None, "asked before applying"
+    assert "drops 1 of 1 parked conversation (2.9 MiB) from RAM, to fit the RAM budget of 2 MiB" in box.text()
+    assert "estimate" in box.text()
+    box.button(QMessageBox.StandardButton.Cancel).click()
+    qtbot.waitUntil(lambda: "Not applied" in tab.result.text(), timeout=3000)
+    assert window.engine.config.conversation_cache_mib == 4096, "nothing was sent"
+    tab.apply_button.click()
+    window.apply_box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=5000)
+    assert window.engine.config.conversation_cache_mib == 2
+
+    tab.set_text("conversation_cache_mib", "8 GiB")  # growing evicts nothing: applied without a question
+    tab.apply_button.click()
+    assert window.apply_box is None
+    qtbot.waitUntil(lambda: window.engine.config.conversation_cache_mib == 8192, timeout=5000)
+
+
+def test_eviction_estimate_replays_lru():
+    from desktop import eviction
+
+    mib = 1 << 20
+    rows = [{"id": "new", "tier": "ram", "bytes": 10 * mib, "last_used": 300},
+            {"id": "mid", "tier": ["ram", "disk"], "bytes": 30 * mib, "bytes_by_tier": {"ram": 20 * mib, "disk": 10 * mib},
+             "last_used": 200},
+            {"id": "old", "tier": "disk", "bytes": 40 * mib, "last_used": 100}]
+    running = {"conversation_cache_mib": 2048, "conversation_cache_disk_mib": 2048, "conversation_cache_slots": 64}
+    ram = eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 25})
+    assert ram == [eviction.Eviction("ram", 1, 20 * mib, 2, "25 MiB", spilled=True)]
+    assert "moves 1 of 2 parked conversations (20.0 MiB) from RAM to disk" in eviction.describe(ram)
+    disk = eviction.estimate(rows, "tiered", running, {"conversation_cache_disk_mib": 45})
+    assert disk == [eviction.Eviction("disk", 1, 40 * mib, 2, "45 MiB")], "the older one goes"
+    assert eviction.estimate(rows, "ram", running, {"conversation_cache_disk_mib": 1}) == [], "disk unused"
+    slots = eviction.estimate(rows, "tiered", running, {"conversation_cache_slots": 1})
+    assert slots == [eviction.Eviction("slots", 2, 70 * mib, 3, "1 conversation")]
+    assert eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 4096}) == []
