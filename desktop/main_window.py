@@ -31,7 +31,8 @@ from desktop.monitor import MonitorTab
 from desktop.monitor.conversations import merge_tiers, tiers_of
 from desktop.monitor.report import number
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
-from desktop.settings_tab import SettingsTab, label_of
+from desktop.settings_tab import SettingsTab
+from desktop.settings_words import label_of
 from desktop.tray import Tray, tray_available
 
 STATE_COLORS = {

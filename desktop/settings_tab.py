@@ -8,9 +8,8 @@ offered for the rest, never forced.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import psutil
@@ -34,6 +33,7 @@ from PySide6.QtWidgets import (
 
 from desktop.autostart import Autostart
 from desktop.engine_process import EngineState
+from desktop.folders import FolderReport, check_folder
 from desktop.settings import (
     HIDDEN_SETTINGS,
     AutoSaver,
@@ -45,26 +45,10 @@ from desktop.settings import (
     is_budget,
     parse_mib,
 )
+from desktop.settings_words import GROUPS, STORAGE_HELP, label_of, plain_error
 from desktop.widgets import guard_wheel
 from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir, setting_of
 
-GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
-LABELS = {
-    "model": "Model", "alias": "Model id", "dtype": "Data type", "devices": "Devices", "layer_split": "Layer split",
-    "threads": "CPU threads", "ctx_size": "Context length", "parallel": "Parallel slots",
-    "prefill_chunk": "Prefill chunk", "host": "Host", "port": "Port", "api_key": "API key",
-    "slot_save_path": "Slot files folder", "log_level": "Log level",
-    "conversation_cache_storage": "Storage mode", "conversation_cache_mib": "RAM budget",
-    "conversation_cache_disk_mib": "Disk budget", "conversation_cache_dir": "Folder",
-    "conversation_cache_slots": "Most conversations", "conversation_cache_min_free_mib": "Keep free (floor)",
-    "conversation_cache_days": "Expiry", "conversation_cache_block_tokens": "Block size",
-    "conversation_cache_n_min": "Least tokens to restore", "conversation_cache_similarity": "Least overlap to restore",
-}
-STORAGE_HELP = {
-    "ram": "ram — in memory: fastest; gone when the engine stops",
-    "disk": "disk — in files: nothing kept in memory; survives restarts",
-    "tiered": "tiered — memory first; evictions and shutdown spill to disk",
-}
 SETTLE_MS = 1200  # a pause in typing this long counts as done
 FOLDER_SETTINGS = ("conversation_cache_dir", "slot_save_path")
 PREFS = (
@@ -74,33 +58,6 @@ PREFS = (
 )
 
 
-def label_of(name: str) -> str:
-    return LABELS.get(name, name.replace("_", " ").capitalize())
-
-
-@dataclass(frozen=True, slots=True)
-class FolderReport:
-    """What a folder check found: the folder that exists (itself or its nearest parent), writable, free bytes."""
-
-    path: str
-    existing: str
-    writable: bool
-    free_bytes: int | None
-
-
-def check_folder(path: str) -> FolderReport:
-    """Blocking (disk access): run off the GUI thread."""
-    probe = os.path.abspath(os.path.expanduser(path))
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    writable = os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
-        free = None
-    return FolderReport(path, probe, writable, free)
-
-
 class SettingRow:
     """The editor, caption and extras for one setting."""
 
@@ -108,7 +65,8 @@ class SettingRow:
                  info: QLabel | None = None) -> None:
         self.name, self.spec, self.editor, self.container, self.caption, self.info = (
             name, spec, editor, container, caption, info)
-        self.error = ""
+        self.error = ""  # why the typed value is refused, in words ("" when accepted)
+        self.flag_error = ""  # the same in the engine's words, naming the flag
 
     def text(self) -> str:
         if isinstance(self.editor, QComboBox):
@@ -351,11 +309,16 @@ class SettingsTab(QWidget):
             self._validate(row)
             row.error = ""
         except SettingError as e:
-            row.error = str(e)
+            self._refuse(row, e)
         self._show_caption(row)
         self._settling.add(name)
         self._settle_timer.start()
         self.refresh()
+
+    def _refuse(self, row: SettingRow, error: SettingError) -> None:
+        """Say in words why the typed value is refused; the engine's wording (with the flag) is the tooltip."""
+        row.error = plain_error(row.name, row.spec, row.text(), error, budget=is_budget(row.spec))
+        row.flag_error = str(error)
 
     def _validate(self, row: SettingRow) -> Any:
         """The parsed value of the row's text, checked as the store would check it (raises SettingError)."""
@@ -384,7 +347,7 @@ class SettingsTab(QWidget):
             self.store.set(name, self.parse_row(row))
             row.error = ""
         except SettingError as e:
-            row.error = str(e)
+            self._refuse(row, e)
         else:
             self.autosaver.schedule()
         self._show_caption(row)
@@ -464,14 +427,19 @@ class SettingsTab(QWidget):
     def _show_caption(self, row: SettingRow) -> None:
         if row.error:
             row.caption.setText(row.error)
+            row.caption.setToolTip(row.flag_error)
             row.caption.setStyleSheet("color: #c62828;")
             row.editor.setStyleSheet("QLineEdit { border: 1px solid #c62828; }")
             if row.info is not None:
                 row.info.setText("")  # a figure beside a refused value would contradict the error
             return
         row.editor.setStyleSheet("")
+        row.caption.setToolTip("")
         parts = ["applies live" if row.spec.live else "applies after a restart",
                  self.store.describe_source(row.name)]
+        unused = self._unused_in_mode(row.name)
+        if unused:
+            parts.insert(0, unused)
         warning = self._folder_warning(row.name)
         if warning:
             parts.append(warning)
@@ -479,6 +447,25 @@ class SettingsTab(QWidget):
         row.caption.setStyleSheet("color: #b26a00;" if warning else "color: #666;")
         if row.info is not None:
             row.info.setText(self._info_text(row.name))
+
+    def _unused_in_mode(self, name: str) -> str:
+        """Why a budget does nothing in the chosen storage mode ("" when it is used)."""
+        mode = self.store.value("conversation_cache_storage")
+        if name == "conversation_cache_mib" and mode == "disk":
+            return "not used in disk mode"
+        if name == "conversation_cache_disk_mib" and mode == "ram":
+            return "not used in ram mode"
+        return ""
+
+    def _grey_unused(self) -> None:
+        """Grey out the budgets the storage mode does not use (their values are kept for another mode)."""
+        for name in ("conversation_cache_mib", "conversation_cache_disk_mib"):
+            row = self.rows[name]
+            enabled = not self._unused_in_mode(name) and self.store.source(name) is not Source.ENV
+            if row.editor.isEnabled() != enabled:
+                row.editor.setEnabled(enabled)
+                if not row.error:
+                    self._show_caption(row)
 
     def _shown_value(self, name: str) -> Any:
         """The value the field's text says (typed, maybe not stored yet), else the stored one."""
@@ -578,7 +565,8 @@ class SettingsTab(QWidget):
         return live, restart
 
     def refresh(self) -> None:
-        """Update the command line and what Apply / Restart would do."""
+        """Update the command line, the greyed budgets and what Apply / Restart would do."""
+        self._grey_unused()
         try:
             config = self.store.engine_config()
             self.command.setText(command_line(config))

@@ -173,8 +173,9 @@ def test_settings_tab_validates_as_you_type_and_autosaves(qtbot, tmp_path):
 
     tab.set_text("port", "80x")
     row = tab.rows["port"]
-    assert row.error == '--port: expected a whole number from 0 to 65535, got "80x"'
+    assert row.error == 'Port must be a whole number from 0 to 65535, not "80x".', "plain words, not the flag"
     assert row.caption.text() == row.error
+    assert row.caption.toolTip() == '--port: expected a whole number from 0 to 65535, got "80x"', "the flag's text"
     assert store.value("port") == 8080
     assert "value(s) not accepted" in tab.pending.text()
 
@@ -307,7 +308,7 @@ def test_half_typed_values_are_never_saved_and_the_hint_follows_the_text(qtbot, 
 
     dispatcher = Dispatcher()
     path = tmp_path / "s.json"
-    store = SettingsStore(path, environ={})
+    store = SettingsStore(path, environ={"STRATA_CONVERSATION_CACHE_STORAGE": "disk"})  # the disk budget is used
     saver = AutoSaver(store, dispatcher.submit, delay_ms=50)
     tab = SettingsTab(store, saver, dispatcher.submit)
     qtbot.addWidget(tab)
@@ -317,7 +318,8 @@ def test_half_typed_values_are_never_saved_and_the_hint_follows_the_text(qtbot, 
     row.editor.setFocus()
     row.editor.selectAll()
     qtbot.keyClicks(row.editor, "12.5")  # "1", "12", "12." are all whole numbers on the way
-    assert "whole number of MiB" in row.error
+    assert row.error == ('Disk budget must be a size from 0 MiB to 1 PiB, in whole MiB or in GiB (e.g. 4096 or 4 GiB),'
+                         ' not "12.5".')
     assert row.info.text() == "", "no figure beside a refused value"
     qtbot.wait(SETTLE_MS + 300)
     assert store.value("conversation_cache_disk_mib") == default, "nothing half-typed was stored"
@@ -342,4 +344,50 @@ def test_half_typed_values_are_never_saved_and_the_hint_follows_the_text(qtbot, 
     qtbot.keyClicks(port.editor, "9090")
     qtbot.keyClick(port.editor, Qt.Key.Key_Return)  # Enter settles at once
     assert store.value("port") == 9090
+    dispatcher.close()
+
+
+def test_settings_are_labelled_in_words_and_refusals_never_show_a_flag(qtbot, tmp_path):
+    from PySide6.QtWidgets import QLabel
+
+    from desktop.client import Dispatcher
+    from desktop.settings import HIDDEN_SETTINGS
+    from desktop.settings_tab import SettingsTab
+    from desktop.settings_words import LABELS
+    from engine.config import all_settings
+
+    shown = [name for name, _, _ in all_settings() if name not in HIDDEN_SETTINGS]
+    assert [n for n in shown if n not in LABELS] == [], "every setting has its own label"
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    texts = {label.text() for label in tab.findChildren(QLabel)}
+    assert "Weights on the CPU" in texts and "Disk write buffer" in texts
+    assert not any(t.lower() in ("cpu weights", "write buffer mib") or "_" in t for t in texts if len(t) < 40)
+    for name, text in (("port", "eighty"), ("conversation_cache_disk_mib", "-5"), ("threads", "-1"),
+                       ("conversation_cache_similarity", "2"), ("ctx_size", ""), ("parallel", "0")):
+        tab.rows[name].editor.setText(text)
+        error = tab.rows[name].error
+        assert error and "--" not in error and error.startswith(LABELS[name]), (name, error)
+        assert tab.rows[name].caption.toolTip().startswith("--"), "the flag's own text is one hover away"
+    assert tab.rows["conversation_cache_disk_mib"].error.startswith("Disk budget must be a size from 0 MiB to 1 PiB")
+    dispatcher.close()
+
+
+def test_budgets_the_storage_mode_does_not_use_are_greyed(qtbot, tmp_path):
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    ram, disk = tab.rows["conversation_cache_mib"], tab.rows["conversation_cache_disk_mib"]
+    assert ram.editor.isEnabled() and not disk.editor.isEnabled(), "ram mode: no disk budget"
+    tab.set_text("conversation_cache_storage", "disk")
+    assert not ram.editor.isEnabled() and "not used in disk mode" in ram.caption.text()
+    assert disk.editor.isEnabled() and "not used" not in disk.caption.text()
+    tab.set_text("conversation_cache_storage", "tiered")
+    assert ram.editor.isEnabled() and disk.editor.isEnabled()
     dispatcher.close()
