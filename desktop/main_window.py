@@ -26,6 +26,7 @@ from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.desktop_entry import resource_path
 from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, describe_config_error, port_owner
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
+from desktop.log_files import APP_PREFIX, LogFiles
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
 from desktop.monitor.conversations import merge_tiers, tiers_of
@@ -156,7 +157,8 @@ class MainWindow(QMainWindow):
         self.monitor = MonitorTab()
         self.settings_tab = SettingsTab(self.store, self.autosaver, self.dispatcher.submit,
                                         autostart if autostart is not None else Autostart())
-        self.logs = LogsTab()
+        self.log_files = LogFiles(self.paths.logs)
+        self.logs = LogsTab(self.paths.logs)
         self.tabs = QTabWidget()
         self.tabs.addTab(self.monitor, "Monitor")
         self.tabs.addTab(self.settings_tab, "Settings")
@@ -181,6 +183,7 @@ class MainWindow(QMainWindow):
         # Wiring
         self.engine.state_changed.connect(self._on_state)
         self.engine.line.connect(self.logs.append_line)
+        self.engine.line.connect(self.log_files.write_line)
         self.engine.url_changed.connect(self._on_url)
         self.engine.ended.connect(self._on_ended)
         self.engine.restart_scheduled.connect(
@@ -204,8 +207,9 @@ class MainWindow(QMainWindow):
         self.tray.quit_requested.connect(self.quit)
 
         self._on_state(EngineState.STOPPED)
-        if self.load_messages:
-            self.show_notice("\n".join(self.load_messages))
+        messages = [*self.load_messages, *([self.log_files.error] if self.log_files.error else [])]
+        if messages:
+            self.show_notice("\n".join(messages))
 
     # ------------------------------------------------------------------ start-up
 
@@ -229,9 +233,9 @@ class MainWindow(QMainWindow):
     def _orphan_checked(self, result: Any) -> None:
         if isinstance(result, str):
             self.show_notice(result)
-            self.logs.append_line("strata-desktop: " + result)
+            self.app_line(result)
         elif isinstance(result, BaseException):
-            self.logs.append_line(f"strata-desktop: could not check for an orphaned engine: {result}")
+            self.app_line(f"could not check for an orphaned engine: {result}")
         if self.store.prefs.start_engine and not self._quitting:
             self.start_engine()
 
@@ -303,7 +307,7 @@ class MainWindow(QMainWindow):
         text = describe_busy_port(busy, owner)
         self.crash_text.setText(text)
         self.monitor.set_engine_state(self.engine.state, text)
-        self.logs.append_line("strata-desktop: " + text)
+        self.app_line(text)
 
     def open_setting(self, name: str) -> None:
         """Show the Settings tab with the keyboard in one setting's field."""
@@ -457,6 +461,12 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ window, tray, quit
 
+    def app_line(self, text: str) -> None:
+        """One line from the app itself, in the Logs tab and in desktop.log."""
+        line = APP_PREFIX + text
+        self.logs.append_line(line)
+        self.log_files.write_line(line)
+
     def show_notice(self, text: str, kind: str = "info") -> None:
         """The banner above the tabs; `kind` says which event may take it down again (clear_notice)."""
         self.notice_kind = kind
@@ -522,6 +532,7 @@ class MainWindow(QMainWindow):
         self.tray.hide()
         self.dispatcher.close(wait=True)
         self.client.close()
+        self.log_files.close()
         self.quit_finished.emit()
         app = QApplication.instance()
         if app is not None:
@@ -537,6 +548,7 @@ class MainWindow(QMainWindow):
         self.tray.hide()
         self.dispatcher.close(wait=True)
         self.client.close()
+        self.log_files.close()
         self._finished = True
 
 

@@ -563,3 +563,59 @@ def test_eviction_estimate_replays_lru():
     slots = eviction.estimate(rows, "tiered", running, {"conversation_cache_slots": 1})
     assert slots == [eviction.Eviction("slots", 2, 70 * mib, 3, "1 conversation")]
     assert eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 4096}) == []
+
+
+def test_logs_tab_counts_filters_and_says_when_follow_is_off(qtbot):
+    from desktop.logs_tab import LogsTab
+
+    tab = LogsTab()
+    qtbot.addWidget(tab)
+    tab.show()
+    for i in range(30):
+        tab.append_line(f"{'WARNING' if i % 10 == 0 else 'INFO'} step {i}")
+    tab.search.setText("warning")
+    assert tab.search_status.text() == "3 matches"
+    tab.append_line("WARNING late")
+    assert tab.search_status.text() == "4 matches", "the count follows new lines"
+    tab.filter.setChecked(True)
+    assert tab.text().splitlines() == ["WARNING step 0", "WARNING step 10", "WARNING step 20", "WARNING late"]
+    tab.append_line("INFO hidden")
+    tab.append_line("WARNING shown")
+    assert tab.text().splitlines()[-1] == "WARNING shown" and "INFO hidden" not in tab.text()
+    tab.filter.setChecked(False)
+    assert len(tab.text().splitlines()) == 33, "every line is back"
+    assert tab.follow_off.isHidden()
+    tab.find_next()  # reading a match turns Follow off, and the tab says so
+    assert not tab.follow.isChecked() and not tab.follow_off.isHidden()
+    tab.follow.setChecked(True)
+    assert tab.follow_off.isHidden()
+    tab.search.setText("nothing like this")
+    assert tab.search_status.text() == "not found"
+
+
+def test_engine_and_app_lines_go_to_rotating_files_in_the_log_folder(qtbot, tmp_path):
+    from desktop.log_files import DESKTOP_LOG, ENGINE_LOG, LogFiles
+
+    files = LogFiles(tmp_path / "logs", max_bytes=2000, backups=2)
+    for i in range(100):
+        files.write_line(f"engine line {i} " + "x" * 40)
+    files.write_line("strata-desktop: the engine was killed by SIGKILL")
+    files.close()
+    engine_logs = sorted(p.name for p in (tmp_path / "logs").glob(ENGINE_LOG + "*"))
+    assert engine_logs == [ENGINE_LOG, ENGINE_LOG + ".1", ENGINE_LOG + ".2"], "rotated, two kept"
+    assert "engine line 99" in (tmp_path / "logs" / ENGINE_LOG).read_text()
+    assert all(p.stat().st_size <= 2100 for p in (tmp_path / "logs").iterdir())
+    desktop = (tmp_path / "logs" / DESKTOP_LOG).read_text()
+    assert "killed by SIGKILL" in desktop and "engine line" not in desktop
+
+
+def test_window_writes_the_logs_to_its_log_folder(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    logs = window.paths.logs
+    assert window.logs.log_dir == logs and window.logs.folder_button.isEnabled()
+    window.stop_button.click()
+    qtbot.waitUntil(lambda: window.engine.state is EngineState.STOPPED, timeout=10000)
+    window.shutdown_now()  # closes the files: what was queued is written
+    assert "strata: listening on" in (logs / "engine.log").read_text()
+    assert "strata-desktop: starting" in (logs / "desktop.log").read_text()
