@@ -45,7 +45,7 @@ BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
 DEFAULT_SIZE = (1200, 780)
 MINIMUM_SIZE = (760, 520)  # the Monitor scrolls below its own comfortable size; the window never needs more
 CRASH_TAIL_LINES = 40  # lines of the engine's output kept in the crash panel (it scrolls)
-CRASH_LOG_LINES = 6  # lines visible at once: the panel's height is fixed
+CRASH_LOG_LINES = 5  # lines visible at once: the panel's height is fixed
 
 
 def app_icon() -> QIcon:

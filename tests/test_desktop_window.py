@@ -462,6 +462,14 @@ def test_timing_plot_empty_restart_and_legend(qtbot):
     assert "Park" in item.titleLabel.text and "restore" in item.titleLabel.text
     assert plot.empty and plot.empty_label.isVisible()
     assert item.getAxis("left").style["showValues"] is False, "no made-up ms scale while empty"
+    from desktop.client import sample_memory
+
+    def scale_shown(plot_widget) -> bool:
+        return plot_widget.getPlotItem().getAxis("left").style["showValues"]
+
+    assert not scale_shown(tab.memory.engine_plot) and not scale_shown(tab.memory.host_plot)
+    tab.set_memory(sample_memory(None))  # no engine process: no engine memory, host memory known
+    assert not scale_shown(tab.memory.engine_plot) and scale_shown(tab.memory.host_plot)
 
     old = time.time() - 3600  # the previous engine's events, an hour ago
     tab.set_events([{"kind": "park", "time": old, "ms": 40.0}, {"kind": "restore", "time": old + 5, "ms": 9.0}])

@@ -34,6 +34,7 @@ def _plot(title: str, y_label: str) -> pg.PlotWidget:
     item.showGrid(x=True, y=True, alpha=0.2)
     item.setMenuEnabled(False)
     item.getAxis("left").setWidth(56)  # the same width in every plot, so stacked time axes line up
+    item.getAxis("left").setStyle(showValues=False)  # until there is data (see _y_from_zero)
     item.setClipToView(True)
     item.setDownsampling(auto=True, mode="peak")
     w.setMinimumHeight(140)
@@ -41,8 +42,10 @@ def _plot(title: str, y_label: str) -> pg.PlotWidget:
 
 
 def _y_from_zero(plot: pg.PlotWidget, y: np.ndarray, at_least: float = 0.0) -> None:
+    """Y from zero to a little above the data; with nothing to show, no value scale (0–1 would read as data)."""
     finite = y[np.isfinite(y)]
     top = max(float(finite.max()) if finite.size else 0.0, at_least)
+    plot.getPlotItem().getAxis("left").setStyle(showValues=top > 0)
     plot.setYRange(0, top * 1.15 if top > 0 else 1.0, padding=0)
 
 
