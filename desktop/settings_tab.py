@@ -45,7 +45,7 @@ from desktop.settings import (
     is_budget,
     parse_mib,
 )
-from desktop.settings_words import GROUPS, STORAGE_HELP, label_of, plain_error
+from desktop.settings_words import GROUPS, STORAGE_HELP, label_of, plain_error, risk_warning
 from desktop.widgets import guard_wheel
 from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir, setting_of
 
@@ -322,9 +322,7 @@ class SettingsTab(QWidget):
 
     def _validate(self, row: SettingRow) -> Any:
         """The parsed value of the row's text, checked as the store would check it (raises SettingError)."""
-        value = self.parse_row(row)
-        setting_of(row.name).parse(value)
-        return value
+        return setting_of(row.name).parse(self.parse_row(row))
 
     def _settled(self) -> None:
         names, self._settling = self._settling, set()
@@ -440,7 +438,10 @@ class SettingsTab(QWidget):
         unused = self._unused_in_mode(row.name)
         if unused:
             parts.insert(0, unused)
-        warning = self._folder_warning(row.name)
+        report = self.folder_reports.get("conversation_cache_dir")
+        risk = risk_warning(row.name, self._shown_value(row.name), row.text(), self.host_total,
+                            report.free_bytes if report else None)
+        warning = "; ".join(w for w in (self._folder_warning(row.name), risk) if w)
         if warning:
             parts.append(warning)
         row.caption.setText(" · ".join(parts))

@@ -86,3 +86,27 @@ def plain_error(name: str, spec: Setting, text: str, error: SettingError, budget
     message = re.sub(r"^--[a-z0-9-]+: ", "", message)
     message = FLAG.sub(lambda m: FLAG_TO_LABEL.get(m.group(0), m.group(0)), message)
     return f"{label}: {message[:1].lower()}{message[1:]}" if not message.startswith(label) else message
+
+
+DECIMAL_UNIT = re.compile(r"\d\s*(gb|tb|mb)\s*$", re.IGNORECASE)
+
+
+def risk_warning(name: str, value: object, text: str, host_ram: int | None, free_disk: int | None) -> str:
+    """A value that is accepted but likely not what was meant, in words ("" when nothing looks risky)."""
+    warnings = []
+    if name == "port" and isinstance(value, int):
+        if value == 0:
+            warnings.append("0 lets the system pick a different free port at every start: clients cannot know it")
+        elif value < 1024:
+            warnings.append("ports below 1024 need administrator rights on most systems")
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value * (1 << 20)
+        if name in ("conversation_cache_mib", "conversation_cache_min_free_mib") and host_ram and size > host_ram:
+            warnings.append(f"more than this computer's RAM ({size_words(host_ram / (1 << 20))})")
+        if name == "conversation_cache_disk_mib" and free_disk is not None and size > free_disk:
+            warnings.append(f"more than the free space on disk ({size_words(free_disk / (1 << 20))})")
+    m = DECIMAL_UNIT.search(text or "")
+    if m and name.endswith("_mib"):
+        unit = m.group(1).upper()
+        warnings.append(f"{unit} read as {unit[0]}iB (1024-based)")
+    return "; ".join(warnings)

@@ -391,3 +391,27 @@ def test_budgets_the_storage_mode_does_not_use_are_greyed(qtbot, tmp_path):
     tab.set_text("conversation_cache_storage", "tiered")
     assert ram.editor.isEnabled() and disk.editor.isEnabled()
     dispatcher.close()
+
+
+def test_risky_values_are_accepted_with_a_warning(qtbot, tmp_path):
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    qtbot.waitUntil(lambda: tab.host_total is not None, timeout=5000)
+    tab.set_text("port", "80")
+    assert store.value("port") == 80 and "administrator rights" in tab.rows["port"].caption.text()
+    tab.set_text("port", "0")
+    assert "cannot know it" in tab.rows["port"].caption.text()
+    tab.set_text("port", "8181")
+    assert "administrator" not in tab.rows["port"].caption.text()
+    tab.set_text("conversation_cache_mib", "16 TiB")  # the most it takes, more than any machine this runs on
+    row = tab.rows["conversation_cache_mib"]
+    assert "more than this computer's RAM" in row.caption.text()
+    tab.set_text("conversation_cache_mib", "4 GB")
+    assert store.value("conversation_cache_mib") == 4096 and "GB read as GiB" in row.caption.text()
+    assert "more than" not in row.caption.text() or tab.host_total < 4 << 30
+    dispatcher.close()
