@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from engine.config import all_settings
+
 CONFIG_EXIT_STATUS = 2
 ERROR_LINE = re.compile(r"^strata serve: error: (?P<reason>.+?)\s*$")
 CANNOT_LISTEN = re.compile(r"cannot listen on (?P<host>.+):(?P<port>\d+): (?P<why>.+)$")
@@ -99,3 +101,17 @@ def describe_config_error(reason: str) -> str:
         head = "The engine refused a setting"
         detail = reason
     return f"{head}: {detail}. Change it in Settings and start the engine again."
+
+
+def setting_for_error(reason: str) -> str:
+    """The setting a refused start points at: the one to open in Settings."""
+    if busy_port(reason) or reason.startswith("--host/--port"):
+        return "port"
+    if reason.startswith("conversation cache"):
+        return "conversation_cache_dir"
+    m = re.match(r"(--[a-z0-9-]+):", reason)
+    if m:
+        for name, spec, _ in all_settings():
+            if spec.flag == m.group(1):
+                return name
+    return "model"

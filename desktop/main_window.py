@@ -5,16 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QFont, QFontMetrics, QIcon, QPaintEvent
+from PySide6.QtGui import QCloseEvent, QIcon, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
     QHBoxLayout,
     QLabel,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
     QPushButton,
-    QSizePolicy,
     QTabWidget,
     QVBoxLayout,
     QWidget,
@@ -23,8 +21,9 @@ from PySide6.QtWidgets import (
 from desktop import eviction
 from desktop.autostart import Autostart
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
+from desktop.crash_panel import CrashPanel
 from desktop.desktop_entry import resource_path
-from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, describe_config_error, port_owner
+from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, port_owner, setting_for_error
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
 from desktop.log_files import APP_PREFIX, LogFiles
 from desktop.logs_tab import LogsTab
@@ -44,8 +43,6 @@ DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
 DEFAULT_SIZE = (1200, 780)
 MINIMUM_SIZE = (760, 520)  # the Monitor scrolls below its own comfortable size; the window never needs more
-CRASH_TAIL_LINES = 40  # lines of the engine's output kept in the crash panel (it scrolls)
-CRASH_LOG_LINES = 5  # lines visible at once: the panel's height is fixed
 
 
 def app_icon() -> QIcon:
@@ -114,45 +111,12 @@ class MainWindow(QMainWindow):
         self.notice.setStyleSheet("QLabel#notice { background: #e3f2fd; padding: 6px; border-radius: 3px; }")
         self.notice.hide()
 
-        self.crash_panel = QWidget()
-        self.crash_panel.setObjectName("crashPanel")
-        self.crash_panel.setStyleSheet("QWidget#crashPanel { background: #ffebee; border: 1px solid #ef9a9a;"
-                                       " border-radius: 3px; }")
-        self.crash_text = QLabel()
-        self.crash_text.setWordWrap(True)
-        self.crash_text.setTextFormat(Qt.TextFormat.PlainText)
-        self.crash_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        font = self.crash_text.font()
-        font.setBold(True)
-        self.crash_text.setFont(font)
-        # The log tail in a scrollable view of bounded height: long lines scroll sideways, never widen the window.
-        self.crash_log = QPlainTextEdit()
-        self.crash_log.setObjectName("crashLog")
-        self.crash_log.setReadOnly(True)
-        self.crash_log.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
-        mono = QFont("monospace")
-        mono.setStyleHint(QFont.StyleHint.Monospace)
-        self.crash_log.setFont(mono)
-        self.crash_log.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
-        self.crash_log.setFixedHeight(CRASH_LOG_LINES * QFontMetrics(mono).lineSpacing() + 12)
-        self.crash_restart = QPushButton("Restart")
+        self.crash_panel = CrashPanel()
+        self.crash_text, self.crash_log = self.crash_panel.text, self.crash_panel.log
+        self.crash_restart, self.crash_logs = self.crash_panel.restart_button, self.crash_panel.logs_button
+        self.crash_settings = self.crash_panel.settings_button
         self.crash_restart.clicked.connect(self.start_engine)
-        self.crash_logs = QPushButton("Show logs")
-        self.crash_settings = QPushButton("Open Settings")
         self.crash_settings.clicked.connect(self._open_failed_setting)
-        self.crash_settings.hide()
-        crash_layout = QHBoxLayout(self.crash_panel)
-        crash_report = QVBoxLayout()
-        crash_report.addWidget(self.crash_text)
-        crash_report.addWidget(self.crash_log)
-        crash_layout.addLayout(crash_report, 1)
-        crash_buttons = QVBoxLayout()
-        crash_buttons.addWidget(self.crash_settings)
-        crash_buttons.addWidget(self.crash_restart)
-        crash_buttons.addWidget(self.crash_logs)
-        crash_buttons.addStretch(1)
-        crash_layout.addLayout(crash_buttons)
-        self.crash_panel.hide()
 
         self.monitor = MonitorTab()
         self.settings_tab = SettingsTab(self.store, self.autosaver, self.dispatcher.submit,
@@ -281,20 +245,10 @@ class MainWindow(QMainWindow):
     def _on_ended(self, outcome: ProcessOutcome) -> None:
         if outcome.clean or self._quitting:
             return
-        tail = "\n".join(list(self.engine.lines)[-CRASH_TAIL_LINES:-1])
-        if outcome.config_error:
-            busy = busy_port(outcome.config_error)
-            text = describe_busy_port(busy, None) if busy else describe_config_error(outcome.config_error)
-            if busy:
-                self.dispatcher.submit(lambda: port_owner(busy.port), lambda owner: self._got_port_owner(busy, owner))
-        else:
-            text = f"The engine {outcome.describe()}."
-        self.crash_text.setText(text)
-        self.crash_settings.setVisible(bool(outcome.config_error))
-        self.crash_restart.setText("Try again" if outcome.config_error else "Restart")
-        self.crash_log.setPlainText(tail)
-        self.crash_log.verticalScrollBar().setValue(self.crash_log.verticalScrollBar().maximum())
-        self.crash_panel.show()
+        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1])  # less "the engine ..."
+        busy = busy_port(outcome.config_error)
+        if busy:
+            self.dispatcher.submit(lambda: port_owner(busy.port), lambda owner: self._got_port_owner(busy, owner))
         self.monitor.set_engine_state(self.engine.state, text if outcome.config_error else "")
         if not self.isVisible():
             self.tray.notify("Strata engine stopped", text)
@@ -315,10 +269,7 @@ class MainWindow(QMainWindow):
         self.settings_tab.focus_setting(name)
 
     def _open_failed_setting(self) -> None:
-        reason = self.engine.outcome.config_error if self.engine.outcome else ""
-        self.open_setting("port" if busy_port(reason) or reason.startswith("--host/--port")
-                          else "model" if reason.startswith("cannot load the model")
-                          else "conversation_cache_dir" if reason.startswith("conversation cache") else "model")
+        self.open_setting(setting_for_error(self.engine.outcome.config_error if self.engine.outcome else ""))
 
     def fetch_cache_config(self) -> None:
         def done(reply: Reply) -> None:

@@ -238,3 +238,12 @@ def test_engine_error_lines_are_read_as_the_engine_prints_them():
         " choose another port in Settings.")
     assert describe_config_error("cannot load the model: /m.gguf: no such file") == (
         "The engine could not load the model: /m.gguf: no such file. Change it in Settings and start the engine again.")
+
+
+def test_a_refused_start_points_at_its_setting():
+    from desktop.engine_errors import setting_for_error
+
+    assert setting_for_error("--host/--port: cannot listen on 127.0.0.1:80: Permission denied") == "port"
+    assert setting_for_error("--ctx-size: expected a whole number from 1 to 1048576, got \"0\"") == "ctx_size"
+    assert setting_for_error("conversation cache: folder is locked by another engine") == "conversation_cache_dir"
+    assert setting_for_error("cannot load the model: no such file") == "model"
