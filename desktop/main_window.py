@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 
 from desktop import eviction
 from desktop.autostart import Autostart
+from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summary
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.crash_panel import CrashPanel
 from desktop.desktop_entry import resource_path
@@ -28,8 +29,7 @@ from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, r
 from desktop.log_files import APP_PREFIX, LogFiles
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
-from desktop.monitor.conversations import merge_tiers, tiers_of
-from desktop.monitor.report import number
+from desktop.monitor.conversations import merge_tiers
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
@@ -316,13 +316,8 @@ class MainWindow(QMainWindow):
         if not evictions:
             self._send_live(changes)
             return
-        box = QMessageBox(QMessageBox.Icon.Warning, "Apply a smaller budget", eviction.describe(evictions),
-                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
-        box.button(QMessageBox.StandardButton.Yes).setText("Apply")
-        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-        box.finished.connect(lambda result: self._evicting_apply_answered(changes, result))
-        self.apply_box = box
-        box.open()
+        self.apply_box = ask(self, "Apply a smaller budget", eviction.describe(evictions), "Apply",
+                             lambda result: self._evicting_apply_answered(changes, result))
 
     def _evicting_apply_answered(self, changes: dict[str, Any], result: int) -> None:
         self.apply_box = None
@@ -358,30 +353,13 @@ class MainWindow(QMainWindow):
 
     def purge_summary(self, tier: str) -> tuple[int, float | None]:
         """(conversations, bytes) that purging `tier` drops, as last reported by the engine."""
-        rows = self.conversations or []
-        cache = (self.metrics or {}).get("conversation_cache") or {}
-        if tier == "all":
-            count = len(rows)
-            parts = [number(cache, "bytes_ram"), number(cache, "bytes_disk")]
-            size = None if all(p is None for p in parts) else sum(p or 0 for p in parts)
-        else:
-            count = sum(1 for r in rows if tier in tiers_of(r))
-            size = number(cache, f"bytes_{tier}")
-        return count, size
+        return purge_summary(self.conversations or [], self.metrics, tier)
 
     def request_purge(self, tier: str) -> None:
         """Ask for confirmation, naming what goes, then purge."""
         count, size = self.purge_summary(tier)
-        where = {"ram": "from RAM", "disk": "from disk", "all": "from RAM and disk"}[tier]
-        box = QMessageBox(QMessageBox.Icon.Warning, "Purge the conversation cache",
-                          f"Drop {count} parked conversation{'s' if count != 1 else ''} "
-                          f"({format_bytes(size)}) {where}?\n\nThey will be prefilled again when they come back.",
-                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
-        box.button(QMessageBox.StandardButton.Yes).setText("Purge")
-        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-        box.finished.connect(lambda result: self._purge_confirmed(tier, result))
-        self.purge_box = box
-        box.open()
+        self.purge_box = ask(self, "Purge the conversation cache", purge_question(count, size, tier), "Purge",
+                             lambda result: self._purge_confirmed(tier, result))
 
     def _purge_confirmed(self, tier: str, result: int) -> None:
         self.purge_box = None
@@ -508,21 +486,3 @@ def default_size(available: QSize) -> tuple[int, int]:
     width = min(DEFAULT_SIZE[0], available.width() - 40)
     height = min(DEFAULT_SIZE[1], available.height() - 60)  # room for the title bar and a panel
     return max(width, MINIMUM_SIZE[0]), max(height, MINIMUM_SIZE[1])
-
-
-def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
-    """(conversations dropped, bytes dropped, "id: reason" of each skipped) from a /cache/purge answer."""
-    dropped = data.get("dropped")
-    if isinstance(dropped, dict):
-        count, size = dropped.get("conversations", 0), dropped.get("bytes")
-    else:
-        count, size = dropped or 0, data.get("bytes")
-    skipped = []
-    for item in data.get("skipped") or []:
-        if isinstance(item, dict):
-            skipped.append(f"{item.get('id')}: {item.get('reason')}")
-        elif isinstance(item, list | tuple) and len(item) == 2:
-            skipped.append(f"{item[0]}: {item[1]}")
-    return int(count), size, skipped
-
-
