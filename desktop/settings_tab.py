@@ -26,7 +26,6 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QScrollArea,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -45,51 +44,17 @@ from desktop.settings import (
     is_budget,
     parse_mib,
 )
-from desktop.settings_words import GROUPS, STORAGE_HELP, label_of, plain_error, risk_warning
+from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row
+from desktop.settings_words import GROUPS, label_of, plain_error, risk_warning
 from desktop.widgets import guard_wheel
-from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir, setting_of
+from engine.config import EngineConfig, SettingError, all_settings, default_cache_dir, setting_of
 
 SETTLE_MS = 1200  # a pause in typing this long counts as done
-FOLDER_SETTINGS = ("conversation_cache_dir", "slot_save_path")
 PREFS = (
     ("start_engine", "Start the engine when the app starts"),
     ("close_to_tray", "Closing the window keeps the engine serving from the tray"),
     ("auto_restart", "Restart the engine automatically if it crashes"),
 )
-
-
-class SettingRow:
-    """The editor, caption and extras for one setting."""
-
-    def __init__(self, name: str, spec: Setting, editor: QWidget, container: QWidget, caption: QLabel,
-                 info: QLabel | None = None) -> None:
-        self.name, self.spec, self.editor, self.container, self.caption, self.info = (
-            name, spec, editor, container, caption, info)
-        self.error = ""  # why the typed value is refused, in words ("" when accepted)
-        self.flag_error = ""  # the same in the engine's words, naming the flag
-
-    def text(self) -> str:
-        if isinstance(self.editor, QComboBox):
-            return str(self.editor.currentData())
-        assert isinstance(self.editor, QLineEdit)
-        return self.editor.text()
-
-    def set_value(self, value: Any) -> None:
-        self.editor.blockSignals(True)
-        if isinstance(self.editor, QComboBox):
-            self.editor.setCurrentIndex(max(0, self.editor.findData(value)))
-        else:
-            assert isinstance(self.editor, QLineEdit)
-            if value is None:
-                text = ""
-            elif is_budget(self.spec):
-                text = str(value)
-            elif isinstance(value, float) and value.is_integer():
-                text = str(int(value))
-            else:
-                text = str(value)
-            self.editor.setText(text)
-        self.editor.blockSignals(False)
 
 
 class SettingsTab(QWidget):
@@ -119,6 +84,8 @@ class SettingsTab(QWidget):
         self._settle_timer = QTimer(self, singleShot=True, interval=SETTLE_MS)
         self._settle_timer.timeout.connect(self._settled)
 
+        actions = RowActions(edited=self._edited, commit=self._commit, reset=self.reset,
+                             pick_model=lambda file: self._pick_model(file=file), pick_folder=self._pick_folder)
         content = QWidget()
         content_layout = QVBoxLayout(content)
         for group, title in GROUPS:
@@ -128,7 +95,7 @@ class SettingsTab(QWidget):
             for name, spec, _default in all_settings():
                 if spec.group != group or name in HIDDEN_SETTINGS:
                     continue
-                row = self._make_row(name, spec)
+                row = build_row(name, spec, actions, locked=store.source(name) is Source.ENV)
                 self.rows[name] = row
                 label = QLabel(label_of(name))
                 label.setToolTip(f"{spec.flag}: {spec.help}")
@@ -203,80 +170,6 @@ class SettingsTab(QWidget):
         self.refresh()
 
     # ------------------------------------------------------------------ building rows
-
-    def _make_row(self, name: str, spec: Setting) -> SettingRow:
-        container = QWidget()
-        outer = QVBoxLayout(container)
-        outer.setContentsMargins(0, 0, 0, 0)
-        outer.setSpacing(1)
-        line = QHBoxLayout()
-        info: QLabel | None = None
-        if spec.kind == "choice":
-            editor: QWidget = QComboBox()
-            assert isinstance(editor, QComboBox)
-            for choice in spec.choices:
-                editor.addItem(STORAGE_HELP[choice] if name == "conversation_cache_storage" else choice, choice)
-            editor.currentIndexChanged.connect(lambda _i, n=name: self._commit(n))  # a choice is always whole
-            line.addWidget(editor, 1)
-        else:
-            editor = QLineEdit()
-            assert isinstance(editor, QLineEdit)
-            editor.textChanged.connect(lambda _t, n=name: self._edited(n))
-            editor.editingFinished.connect(lambda n=name: self._commit(n))
-            if spec.secret:
-                editor.setEchoMode(QLineEdit.EchoMode.Password)
-                editor.setPlaceholderText("none: every request is accepted")
-            line.addWidget(editor, 1)
-            if name == "model":
-                editor.setPlaceholderText("bundled SmolLM2-135M-Instruct (Q4_1 GGUF)")
-                file_button = QToolButton(text="File…")
-                file_button.clicked.connect(lambda: self._pick_model(file=True))
-                folder_button = QToolButton(text="Folder…")
-                folder_button.clicked.connect(lambda: self._pick_model(file=False))
-                line.addWidget(file_button)
-                line.addWidget(folder_button)
-            elif name in FOLDER_SETTINGS:
-                if name == "conversation_cache_dir":
-                    editor.setPlaceholderText(default_cache_dir())
-                else:
-                    editor.setPlaceholderText("unset: slot files disabled")
-                browse = QToolButton(text="Browse…")
-                browse.clicked.connect(lambda _=False, n=name: self._pick_folder(n))
-                line.addWidget(browse)
-            elif spec.secret:
-                show = QToolButton(text="Show")
-                show.setCheckable(True)
-                show.toggled.connect(lambda on, e=editor: e.setEchoMode(
-                    QLineEdit.EchoMode.Normal if on else QLineEdit.EchoMode.Password))
-                line.addWidget(show)
-            if spec.unit and spec.kind in ("int", "float"):
-                unit = QLabel("MiB (or GiB)" if is_budget(spec) else spec.unit)
-                line.addWidget(unit)
-            if is_budget(spec) or name == "conversation_cache_dir":
-                info = QLabel()
-                info.setStyleSheet("color: #555;")
-                line.addWidget(info)
-        editor.setToolTip(f"{spec.flag}: {spec.help}")
-        editor.setObjectName(name)
-        if spec.kind in ("int", "float") or name in ("host", "dtype", "log_level", "devices", "layer_split"):
-            # Short values: a narrow field, the unit and figures beside it, the rest of the line free.
-            line.setStretch(0, 0)
-            editor.setFixedWidth(180)
-            line.addStretch(1)
-        reset = QToolButton(text="Reset")
-        reset.setToolTip("Back to the default")
-        reset.clicked.connect(lambda _=False, n=name: self.reset(n))
-        line.addWidget(reset)
-        caption = QLabel()
-        caption.setWordWrap(True)
-        caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        outer.addLayout(line)
-        outer.addWidget(caption)
-        row = SettingRow(name, spec, editor, container, caption, info)
-        if self.store.source(name) is Source.ENV:
-            editor.setEnabled(False)
-            reset.setEnabled(False)
-        return row
 
     def reload(self) -> None:
         """Show the store's values again (after it was changed elsewhere)."""
