@@ -29,6 +29,26 @@ def fake_engine_command(*extra: str):
     return command
 
 
+def stand_in_window(qtbot, tmp_path):
+    """A main window (no tray) whose engine is the stand-in, on a free port; shut down after the test."""
+    from desktop.main_window import MainWindow
+    from desktop.settings import Paths
+
+    w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
+    w.engine.command_for = fake_engine_command()
+    w.store.set("port", 0)
+    qtbot.addWidget(w)
+    w.show()
+    yield w
+    w.shutdown_now()
+
+
+def wait_ready(qtbot, w) -> None:
+    from desktop.engine_process import EngineState
+
+    qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=15000)
+
+
 # ---------------------------------------------------------------------------------------------- the stand-in
 
 
