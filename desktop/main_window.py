@@ -245,7 +245,8 @@ class MainWindow(QMainWindow):
     def _on_ended(self, outcome: ProcessOutcome) -> None:
         if outcome.clean or self._quitting:
             return
-        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1])  # less "the engine ..."
+        # The last line is the supervisor's own "the engine ..." summary: the panel says it in words above.
+        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1])
         busy = busy_port(outcome.config_error)
         if busy:
             self.dispatcher.submit(lambda: port_owner(busy.port), lambda owner: self._got_port_owner(busy, owner))
