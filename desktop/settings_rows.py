@@ -112,7 +112,7 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
             line.addWidget(unit)
         if is_budget(spec) or name == "conversation_cache_dir":
             info = QLabel()
-            info.setStyleSheet("color: #555;")
+            info.setStyleSheet("color: #555; margin-left: 6px;")
             line.addWidget(info)
     editor.setToolTip(f"{spec.flag}: {spec.help}")
     editor.setObjectName(name)
