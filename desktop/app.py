@@ -22,6 +22,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="install a launcher and icon for this user (Linux), then exit")
     parser.add_argument("--config-dir", type=Path, help="folder for the settings file (default: the user config folder)")
     parser.add_argument("--state-dir", type=Path, help="folder for the engine pid file (default: the user state folder)")
+    parser.add_argument("--log-dir", type=Path,
+                        help="folder for the log files (default: the user log folder; with --state-dir, its logs/)")
     parser.add_argument("--no-engine", action="store_true", help="do not start the engine at launch")
     parser.add_argument("--hidden", action="store_true", help="start in the tray, without showing the window")
     parser.add_argument("--print-startup-time", action="store_true",
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     from desktop.settings import Paths
 
     defaults = Paths.default()
-    paths = Paths(config_dir=args.config_dir or defaults.config_dir, state_dir=args.state_dir or defaults.state_dir)
+    paths = Paths(config_dir=args.config_dir or defaults.config_dir, state_dir=args.state_dir or defaults.state_dir,
+                  log_dir=args.log_dir or (None if args.state_dir else defaults.log_dir))
     app = QApplication([sys.argv[0], *argv])
     app.setApplicationName("Strata Desktop")
     app.setDesktopFileName("strata-desktop")

@@ -29,6 +29,7 @@ from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signa
 
 import engine
 from desktop.client import EngineClient, Reply
+from desktop.engine_errors import config_error
 from desktop.settings import atomic_write
 from engine.config import EngineConfig
 
@@ -99,6 +100,7 @@ class ProcessOutcome:
     signalled: bool
     requested: bool  # the app asked it to stop
     error: str = ""  # it could not be started at all
+    config_error: str = ""  # it refused its configuration (exit status 2 and its error line): never retried
 
     @property
     def clean(self) -> bool:
@@ -107,6 +109,8 @@ class ProcessOutcome:
     def describe(self) -> str:
         if self.error:
             return self.error
+        if self.config_error:
+            return f"refused to start: {self.config_error}"
         if self.signalled:
             try:
                 name = signal.Signals(self.exit_code or 0).name
@@ -454,7 +458,8 @@ class EngineProcess(QObject):
             self._emit_line(self._partial)
             self._partial = ""
         signalled = exit_status == QProcess.ExitStatus.CrashExit
-        self._finish(ProcessOutcome(int(exit_code), signalled, self._stop_requested))
+        reason = config_error(int(exit_code), signalled, list(self.lines)[-20:])
+        self._finish(ProcessOutcome(int(exit_code), signalled, self._stop_requested, config_error=reason or ""))
 
     def _finish(self, outcome: ProcessOutcome) -> None:
         self._health_timer.stop()
@@ -477,6 +482,8 @@ class EngineProcess(QObject):
             config, self._next_config = self._next_config, None
             assert config is not None
             self.start(config)
+        elif outcome.config_error:
+            self._emit_line("strata-desktop: not restarting: the same settings would fail the same way")
         elif not outcome.requested and self.auto_restart and self.config is not None:
             if uptime > 60:
                 self._backoff_s = 1.0  # it ran a good while: this is a new failure, not a loop

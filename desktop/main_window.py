@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QIcon, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
@@ -18,15 +18,21 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from desktop import eviction
 from desktop.autostart import Autostart
+from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summary
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
+from desktop.crash_panel import CrashPanel
 from desktop.desktop_entry import resource_path
+from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, port_owner, setting_for_error
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
+from desktop.log_files import APP_PREFIX, LogFiles
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
-from desktop.monitor.report import number
+from desktop.monitor.conversations import merge_tiers
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
-from desktop.settings_tab import SettingsTab, label_of
+from desktop.settings_tab import SettingsTab
+from desktop.settings_words import label_of
 from desktop.tray import Tray, tray_available
 
 STATE_COLORS = {
@@ -35,6 +41,8 @@ STATE_COLORS = {
 }
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
+DEFAULT_SIZE = (1200, 780)
+MINIMUM_SIZE = (760, 520)  # the Monitor scrolls below its own comfortable size; the window never needs more
 
 
 def app_icon() -> QIcon:
@@ -56,7 +64,8 @@ class MainWindow(QMainWindow):
         self.paths = paths or Paths.default()
         self.setWindowTitle("Strata Desktop")
         self.setWindowIcon(app_icon())
-        self.resize(1200, 780)
+        self.setMinimumSize(*MINIMUM_SIZE)
+        self.resize(*default_size(self.screen().availableGeometry().size()))
 
         # Services
         self.dispatcher = Dispatcher(parent=self)
@@ -71,9 +80,11 @@ class MainWindow(QMainWindow):
         self.conversations: list[dict[str, Any]] | None = None
         self.last_purge: dict[str, Any] | None = None
         self.purge_box: QMessageBox | None = None
+        self.apply_box: QMessageBox | None = None  # the eviction warning before a live change
         self._quitting = False
         self._started = False
         self._painted = False
+        self.notice_kind: str | None = None
 
         # Views
         self.state_label = QLabel()
@@ -100,29 +111,18 @@ class MainWindow(QMainWindow):
         self.notice.setStyleSheet("QLabel#notice { background: #e3f2fd; padding: 6px; border-radius: 3px; }")
         self.notice.hide()
 
-        self.crash_panel = QWidget()
-        self.crash_panel.setObjectName("crashPanel")
-        self.crash_panel.setStyleSheet("QWidget#crashPanel { background: #ffebee; border: 1px solid #ef9a9a;"
-                                       " border-radius: 3px; }")
-        self.crash_text = QLabel()
-        self.crash_text.setWordWrap(True)
-        self.crash_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.crash_restart = QPushButton("Restart")
+        self.crash_panel = CrashPanel()
+        self.crash_text, self.crash_log = self.crash_panel.text, self.crash_panel.log
+        self.crash_restart, self.crash_logs = self.crash_panel.restart_button, self.crash_panel.logs_button
+        self.crash_settings = self.crash_panel.settings_button
         self.crash_restart.clicked.connect(self.start_engine)
-        self.crash_logs = QPushButton("Show logs")
-        crash_layout = QHBoxLayout(self.crash_panel)
-        crash_layout.addWidget(self.crash_text, 1)
-        crash_buttons = QVBoxLayout()
-        crash_buttons.addWidget(self.crash_restart)
-        crash_buttons.addWidget(self.crash_logs)
-        crash_buttons.addStretch(1)
-        crash_layout.addLayout(crash_buttons)
-        self.crash_panel.hide()
+        self.crash_settings.clicked.connect(self._open_failed_setting)
 
         self.monitor = MonitorTab()
         self.settings_tab = SettingsTab(self.store, self.autosaver, self.dispatcher.submit,
                                         autostart if autostart is not None else Autostart())
-        self.logs = LogsTab()
+        self.log_files = LogFiles(self.paths.logs)
+        self.logs = LogsTab(self.paths.logs)
         self.tabs = QTabWidget()
         self.tabs.addTab(self.monitor, "Monitor")
         self.tabs.addTab(self.settings_tab, "Settings")
@@ -136,6 +136,8 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.crash_panel)
         layout.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
+        # Made now, not on the first message: a status bar appearing later would grow the window.
+        self.statusBar().setSizeGripEnabled(True)
 
         self.use_tray = tray_available() if use_tray is None else use_tray
         self.tray = Tray(self.windowIcon(), self)
@@ -145,10 +147,11 @@ class MainWindow(QMainWindow):
         # Wiring
         self.engine.state_changed.connect(self._on_state)
         self.engine.line.connect(self.logs.append_line)
+        self.engine.line.connect(self.log_files.write_line)
         self.engine.url_changed.connect(self._on_url)
         self.engine.ended.connect(self._on_ended)
         self.engine.restart_scheduled.connect(
-            lambda s: self.show_notice(f"The engine crashed; restarting it in {s:g} s."))
+            lambda s: self.show_notice(f"The engine crashed; restarting it in {s:g} s.", kind="restart"))
         self.poller.memory.connect(self._on_memory)
         self.poller.metrics.connect(self._on_metrics)
         self.poller.conversations.connect(self._on_conversations)
@@ -168,8 +171,9 @@ class MainWindow(QMainWindow):
         self.tray.quit_requested.connect(self.quit)
 
         self._on_state(EngineState.STOPPED)
-        if self.load_messages:
-            self.show_notice("\n".join(self.load_messages))
+        messages = [*self.load_messages, *([self.log_files.error] if self.log_files.error else [])]
+        if messages:
+            self.show_notice("\n".join(messages))
 
     # ------------------------------------------------------------------ start-up
 
@@ -193,9 +197,9 @@ class MainWindow(QMainWindow):
     def _orphan_checked(self, result: Any) -> None:
         if isinstance(result, str):
             self.show_notice(result)
-            self.logs.append_line("strata-desktop: " + result)
+            self.app_line(result)
         elif isinstance(result, BaseException):
-            self.logs.append_line(f"strata-desktop: could not check for an orphaned engine: {result}")
+            self.app_line(f"could not check for an orphaned engine: {result}")
         if self.store.prefs.start_engine and not self._quitting:
             self.start_engine()
 
@@ -209,6 +213,7 @@ class MainWindow(QMainWindow):
 
     def stop_engine(self) -> None:
         self.engine.stop()
+        self.clear_notice("restart")  # stop() cancels a pending automatic restart
 
     def restart_engine(self) -> None:
         self.crash_panel.hide()
@@ -229,19 +234,43 @@ class MainWindow(QMainWindow):
         self._update_tray()
         if state is EngineState.READY:
             self.crash_panel.hide()
+            self.clear_notice("restart")
             self.poller.poll()
             self.fetch_cache_config()
         if state in (EngineState.STARTING, EngineState.STOPPED):
             self.url_label.setText("")
+        if state is EngineState.STARTING:
+            self.monitor.engine_restarted()
 
     def _on_ended(self, outcome: ProcessOutcome) -> None:
         if outcome.clean or self._quitting:
             return
-        tail = "\n".join(list(self.engine.lines)[-12:-1])
-        self.crash_text.setText(f"<b>The engine {outcome.describe()}.</b><br><pre>{_html_escape(tail)}</pre>")
-        self.crash_panel.show()
+        # The last line is the supervisor's own "the engine ..." summary: the panel says it in words above.
+        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1])
+        busy = busy_port(outcome.config_error)
+        if busy:
+            self.dispatcher.submit(lambda: port_owner(busy.port), lambda owner: self._got_port_owner(busy, owner))
+        self.monitor.set_engine_state(self.engine.state, text if outcome.config_error else "")
         if not self.isVisible():
-            self.tray.notify("Strata engine stopped", f"The engine {outcome.describe()}.")
+            self.tray.notify("Strata engine stopped", text)
+
+    def _got_port_owner(self, busy: BusyPort, owner: Any) -> None:
+        """The program holding the port, found off the GUI thread: name it in the panel (unless a newer run ended)."""
+        outcome = self.engine.outcome
+        if isinstance(owner, BaseException) or outcome is None or busy_port(outcome.config_error) != busy:
+            return
+        text = describe_busy_port(busy, owner)
+        self.crash_text.setText(text)
+        self.monitor.set_engine_state(self.engine.state, text)
+        self.app_line(text)
+
+    def open_setting(self, name: str) -> None:
+        """Show the Settings tab with the keyboard in one setting's field."""
+        self.tabs.setCurrentWidget(self.settings_tab)
+        self.settings_tab.focus_setting(name)
+
+    def _open_failed_setting(self) -> None:
+        self.open_setting(setting_for_error(self.engine.outcome.config_error if self.engine.outcome else ""))
 
     def fetch_cache_config(self) -> None:
         def done(reply: Reply) -> None:
@@ -261,7 +290,7 @@ class MainWindow(QMainWindow):
         self._update_tray()
 
     def _on_conversations(self, rows: list[dict[str, Any]]) -> None:
-        self.conversations = rows
+        self.conversations = merge_tiers(rows)  # one row per conversation, whichever tiers hold it
         self.monitor.set_conversations(rows)
         self._update_tray()
 
@@ -279,7 +308,26 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ settings
 
     def apply_live(self, changes: dict[str, Any]) -> None:
-        """Send live-changeable settings to the running engine."""
+        """Send live-changeable settings to the running engine; first ask if a smaller budget would evict."""
+        running = self.engine.config
+        cache = (self.metrics or {}).get("conversation_cache") or {}
+        storage = str(cache.get("storage") or (running.conversation_cache_storage if running else "ram"))
+        current = {k: getattr(running, k) for k in changes if running is not None and hasattr(running, k)}
+        evictions = eviction.estimate(self.conversations or [], storage, current, changes)
+        if not evictions:
+            self._send_live(changes)
+            return
+        self.apply_box = ask(self, "Apply a smaller budget", eviction.describe(evictions), "Apply",
+                             lambda result: self._evicting_apply_answered(changes, result))
+
+    def _evicting_apply_answered(self, changes: dict[str, Any], result: int) -> None:
+        self.apply_box = None
+        if result == QMessageBox.StandardButton.Yes:
+            self._send_live(changes)
+        else:
+            self.settings_tab.show_result("Not applied: the running engine keeps its budgets.", True)
+
+    def _send_live(self, changes: dict[str, Any]) -> None:
         sent = dict(changes)
 
         def done(reply: Reply) -> None:
@@ -300,35 +348,19 @@ class MainWindow(QMainWindow):
         self.engine.auto_restart = self.store.prefs.auto_restart
         if not self.store.prefs.auto_restart:
             self.engine.cancel_auto_restart()
+            self.clear_notice("restart")
 
     # ------------------------------------------------------------------ purge
 
     def purge_summary(self, tier: str) -> tuple[int, float | None]:
         """(conversations, bytes) that purging `tier` drops, as last reported by the engine."""
-        rows = self.conversations or []
-        cache = (self.metrics or {}).get("conversation_cache") or {}
-        if tier == "all":
-            count = len(rows)
-            parts = [number(cache, "bytes_ram"), number(cache, "bytes_disk")]
-            size = None if all(p is None for p in parts) else sum(p or 0 for p in parts)
-        else:
-            count = sum(1 for r in rows if tier in str(r.get("tier", "")).lower())
-            size = number(cache, f"bytes_{tier}")
-        return count, size
+        return purge_summary(self.conversations or [], self.metrics, tier)
 
     def request_purge(self, tier: str) -> None:
         """Ask for confirmation, naming what goes, then purge."""
         count, size = self.purge_summary(tier)
-        where = {"ram": "from RAM", "disk": "from disk", "all": "from RAM and disk"}[tier]
-        box = QMessageBox(QMessageBox.Icon.Warning, "Purge the conversation cache",
-                          f"Drop {count} parked conversation{'s' if count != 1 else ''} "
-                          f"({format_bytes(size)}) {where}?\n\nThey will be prefilled again when they come back.",
-                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
-        box.button(QMessageBox.StandardButton.Yes).setText("Purge")
-        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-        box.finished.connect(lambda result: self._purge_confirmed(tier, result))
-        self.purge_box = box
-        box.open()
+        self.purge_box = ask(self, "Purge the conversation cache", purge_question(count, size, tier), "Purge",
+                             lambda result: self._purge_confirmed(tier, result))
 
     def _purge_confirmed(self, tier: str, result: int) -> None:
         self.purge_box = None
@@ -359,9 +391,24 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ window, tray, quit
 
-    def show_notice(self, text: str) -> None:
+    def app_line(self, text: str) -> None:
+        """One line from the app itself, in the Logs tab and in desktop.log."""
+        line = APP_PREFIX + text
+        self.logs.append_line(line)
+        self.log_files.write_line(line)
+
+    def show_notice(self, text: str, kind: str = "info") -> None:
+        """The banner above the tabs; `kind` says which event may take it down again (clear_notice)."""
+        self.notice_kind = kind
         self.notice.setText(text)
         self.notice.show()
+
+    def clear_notice(self, kind: str) -> None:
+        """Hide the banner if it still shows a notice of `kind` (a newer one of another kind stays)."""
+        if self.notice_kind == kind:
+            self.notice.hide()
+            self.notice.clear()
+            self.notice_kind = None
 
     def show_window(self) -> None:
         self.show()
@@ -391,6 +438,7 @@ class MainWindow(QMainWindow):
         if self._quitting:
             return
         self._quitting = True
+        self.settings_tab.settle_now()
         self.autosaver.flush()
         self.hide()
         self.engine.cancel_auto_restart()
@@ -414,6 +462,7 @@ class MainWindow(QMainWindow):
         self.tray.hide()
         self.dispatcher.close(wait=True)
         self.client.close()
+        self.log_files.close()
         self.quit_finished.emit()
         app = QApplication.instance()
         if app is not None:
@@ -429,24 +478,12 @@ class MainWindow(QMainWindow):
         self.tray.hide()
         self.dispatcher.close(wait=True)
         self.client.close()
+        self.log_files.close()
         self._finished = True
 
 
-def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
-    """(conversations dropped, bytes dropped, "id: reason" of each skipped) from a /cache/purge answer."""
-    dropped = data.get("dropped")
-    if isinstance(dropped, dict):
-        count, size = dropped.get("conversations", 0), dropped.get("bytes")
-    else:
-        count, size = dropped or 0, data.get("bytes")
-    skipped = []
-    for item in data.get("skipped") or []:
-        if isinstance(item, dict):
-            skipped.append(f"{item.get('id')}: {item.get('reason')}")
-        elif isinstance(item, list | tuple) and len(item) == 2:
-            skipped.append(f"{item[0]}: {item[1]}")
-    return int(count), size, skipped
-
-
-def _html_escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+def default_size(available: QSize) -> tuple[int, int]:
+    """The first window size: DEFAULT_SIZE, shrunk to fit the screen's free area (a 1366x768 laptop included)."""
+    width = min(DEFAULT_SIZE[0], available.width() - 40)
+    height = min(DEFAULT_SIZE[1], available.height() - 60)  # room for the title bar and a panel
+    return max(width, MINIMUM_SIZE[0]), max(height, MINIMUM_SIZE[1])

@@ -49,13 +49,20 @@ class Paths:
 
     config_dir: Path
     state_dir: Path
+    log_dir: Path | None = None  # None: a "logs" folder in state_dir
 
     @classmethod
     def default(cls) -> Paths:
         return cls(
             config_dir=Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)),
             state_dir=Path(platformdirs.user_state_dir(APP_NAME, appauthor=False)),
+            log_dir=Path(platformdirs.user_log_dir(APP_NAME, appauthor=False)),
         )
+
+    @property
+    def logs(self) -> Path:
+        """Where the engine's and the app's log files go."""
+        return self.log_dir if self.log_dir is not None else self.state_dir / "logs"
 
     @property
     def settings_file(self) -> Path:

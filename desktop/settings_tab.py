@@ -8,9 +8,8 @@ offered for the rest, never forced.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import psutil
@@ -27,13 +26,13 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QScrollArea,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from desktop.autostart import Autostart
 from desktop.engine_process import EngineState
+from desktop.folders import FolderReport, check_folder
 from desktop.settings import (
     HIDDEN_SETTINGS,
     AutoSaver,
@@ -45,26 +44,12 @@ from desktop.settings import (
     is_budget,
     parse_mib,
 )
-from engine.config import EngineConfig, Setting, SettingError, all_settings, default_cache_dir
+from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row
+from desktop.settings_words import GROUPS, label_of, plain_error, risk_warning
+from desktop.widgets import guard_wheel
+from engine.config import EngineConfig, SettingError, all_settings, default_cache_dir, setting_of
 
-GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
-LABELS = {
-    "model": "Model", "alias": "Model id", "dtype": "Data type", "devices": "Devices", "layer_split": "Layer split",
-    "threads": "CPU threads", "ctx_size": "Context length", "parallel": "Parallel slots",
-    "prefill_chunk": "Prefill chunk", "host": "Host", "port": "Port", "api_key": "API key",
-    "slot_save_path": "Slot files folder", "log_level": "Log level",
-    "conversation_cache_storage": "Storage mode", "conversation_cache_mib": "RAM budget",
-    "conversation_cache_disk_mib": "Disk budget", "conversation_cache_dir": "Folder",
-    "conversation_cache_slots": "Most conversations", "conversation_cache_min_free_mib": "Keep free (floor)",
-    "conversation_cache_days": "Expiry", "conversation_cache_block_tokens": "Block size",
-    "conversation_cache_n_min": "Least tokens to restore", "conversation_cache_similarity": "Least overlap to restore",
-}
-STORAGE_HELP = {
-    "ram": "ram — in memory: fastest; gone when the engine stops",
-    "disk": "disk — in files: nothing kept in memory; survives restarts",
-    "tiered": "tiered — memory first; evictions and shutdown spill to disk",
-}
-FOLDER_SETTINGS = ("conversation_cache_dir", "slot_save_path")
+SETTLE_MS = 1200  # a pause in typing this long counts as done
 PREFS = (
     ("start_engine", "Start the engine when the app starts"),
     ("close_to_tray", "Closing the window keeps the engine serving from the tray"),
@@ -72,70 +57,11 @@ PREFS = (
 )
 
 
-def label_of(name: str) -> str:
-    return LABELS.get(name, name.replace("_", " ").capitalize())
-
-
-@dataclass(frozen=True, slots=True)
-class FolderReport:
-    """What a folder check found: the folder that exists (itself or its nearest parent), writable, free bytes."""
-
-    path: str
-    existing: str
-    writable: bool
-    free_bytes: int | None
-
-
-def check_folder(path: str) -> FolderReport:
-    """Blocking (disk access): run off the GUI thread."""
-    probe = os.path.abspath(os.path.expanduser(path))
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    writable = os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
-        free = None
-    return FolderReport(path, probe, writable, free)
-
-
-class SettingRow:
-    """The editor, caption and extras for one setting."""
-
-    def __init__(self, name: str, spec: Setting, editor: QWidget, container: QWidget, caption: QLabel,
-                 info: QLabel | None = None) -> None:
-        self.name, self.spec, self.editor, self.container, self.caption, self.info = (
-            name, spec, editor, container, caption, info)
-        self.error = ""
-
-    def text(self) -> str:
-        if isinstance(self.editor, QComboBox):
-            return str(self.editor.currentData())
-        assert isinstance(self.editor, QLineEdit)
-        return self.editor.text()
-
-    def set_value(self, value: Any) -> None:
-        self.editor.blockSignals(True)
-        if isinstance(self.editor, QComboBox):
-            self.editor.setCurrentIndex(max(0, self.editor.findData(value)))
-        else:
-            assert isinstance(self.editor, QLineEdit)
-            if value is None:
-                text = ""
-            elif is_budget(self.spec):
-                text = str(value)
-            elif isinstance(value, float) and value.is_integer():
-                text = str(int(value))
-            else:
-                text = str(value)
-            self.editor.setText(text)
-        self.editor.blockSignals(False)
-
-
 class SettingsTab(QWidget):
     apply_requested = Signal(dict)  # {field name: value} of live settings to send with PUT /cache/config
     restart_requested = Signal()
     prefs_changed = Signal()
+    committed = Signal(str)  # a setting's editing settled (its value stored when valid)
 
     def __init__(self, store: SettingsStore, autosaver: AutoSaver,
                  submit: Callable[[Callable[[], Any], Callable[[Any], None]], None],
@@ -153,7 +79,13 @@ class SettingsTab(QWidget):
         self.folder_reports: dict[str, FolderReport] = {}
         self._folder_timer = QTimer(self, singleShot=True, interval=300)
         self._folder_timer.timeout.connect(self._check_folders)
+        # Typing settles after a pause (or Enter / leaving the field): only then is a valid value stored.
+        self._settling: set[str] = set()
+        self._settle_timer = QTimer(self, singleShot=True, interval=SETTLE_MS)
+        self._settle_timer.timeout.connect(self._settled)
 
+        actions = RowActions(edited=self._edited, commit=self._commit, reset=self.reset,
+                             pick_model=lambda file: self._pick_model(file=file), pick_folder=self._pick_folder)
         content = QWidget()
         content_layout = QVBoxLayout(content)
         for group, title in GROUPS:
@@ -163,7 +95,7 @@ class SettingsTab(QWidget):
             for name, spec, _default in all_settings():
                 if spec.group != group or name in HIDDEN_SETTINGS:
                     continue
-                row = self._make_row(name, spec)
+                row = build_row(name, spec, actions, locked=store.source(name) is Source.ENV)
                 self.rows[name] = row
                 label = QLabel(label_of(name))
                 label.setToolTip(f"{spec.flag}: {spec.help}")
@@ -191,7 +123,8 @@ class SettingsTab(QWidget):
         app_layout.addWidget(self.file_label)
         content_layout.addWidget(app_box)
         content_layout.addStretch(1)
-        scroll = QScrollArea()
+        self._wheel_guard = guard_wheel(content)
+        scroll = self.scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setWidget(content)
 
@@ -238,79 +171,6 @@ class SettingsTab(QWidget):
 
     # ------------------------------------------------------------------ building rows
 
-    def _make_row(self, name: str, spec: Setting) -> SettingRow:
-        container = QWidget()
-        outer = QVBoxLayout(container)
-        outer.setContentsMargins(0, 0, 0, 0)
-        outer.setSpacing(1)
-        line = QHBoxLayout()
-        info: QLabel | None = None
-        if spec.kind == "choice":
-            editor: QWidget = QComboBox()
-            assert isinstance(editor, QComboBox)
-            for choice in spec.choices:
-                editor.addItem(STORAGE_HELP[choice] if name == "conversation_cache_storage" else choice, choice)
-            editor.currentIndexChanged.connect(lambda _i, n=name: self._edited(n))
-            line.addWidget(editor, 1)
-        else:
-            editor = QLineEdit()
-            assert isinstance(editor, QLineEdit)
-            editor.textChanged.connect(lambda _t, n=name: self._edited(n))
-            if spec.secret:
-                editor.setEchoMode(QLineEdit.EchoMode.Password)
-                editor.setPlaceholderText("none: every request is accepted")
-            line.addWidget(editor, 1)
-            if name == "model":
-                editor.setPlaceholderText("bundled SmolLM2-135M-Instruct (Q4_1 GGUF)")
-                file_button = QToolButton(text="File…")
-                file_button.clicked.connect(lambda: self._pick_model(file=True))
-                folder_button = QToolButton(text="Folder…")
-                folder_button.clicked.connect(lambda: self._pick_model(file=False))
-                line.addWidget(file_button)
-                line.addWidget(folder_button)
-            elif name in FOLDER_SETTINGS:
-                if name == "conversation_cache_dir":
-                    editor.setPlaceholderText(default_cache_dir())
-                else:
-                    editor.setPlaceholderText("unset: slot files disabled")
-                browse = QToolButton(text="Browse…")
-                browse.clicked.connect(lambda _=False, n=name: self._pick_folder(n))
-                line.addWidget(browse)
-            elif spec.secret:
-                show = QToolButton(text="Show")
-                show.setCheckable(True)
-                show.toggled.connect(lambda on, e=editor: e.setEchoMode(
-                    QLineEdit.EchoMode.Normal if on else QLineEdit.EchoMode.Password))
-                line.addWidget(show)
-            if spec.unit and spec.kind in ("int", "float"):
-                unit = QLabel("MiB (or GiB)" if is_budget(spec) else spec.unit)
-                line.addWidget(unit)
-            if is_budget(spec) or name == "conversation_cache_dir":
-                info = QLabel()
-                info.setStyleSheet("color: #555;")
-                line.addWidget(info)
-        editor.setToolTip(f"{spec.flag}: {spec.help}")
-        editor.setObjectName(name)
-        if spec.kind in ("int", "float") or name in ("host", "dtype", "log_level", "devices", "layer_split"):
-            # Short values: a narrow field, the unit and figures beside it, the rest of the line free.
-            line.setStretch(0, 0)
-            editor.setFixedWidth(180)
-            line.addStretch(1)
-        reset = QToolButton(text="Reset")
-        reset.setToolTip("Back to the default")
-        reset.clicked.connect(lambda _=False, n=name: self.reset(n))
-        line.addWidget(reset)
-        caption = QLabel()
-        caption.setWordWrap(True)
-        caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        outer.addLayout(line)
-        outer.addWidget(caption)
-        row = SettingRow(name, spec, editor, container, caption, info)
-        if self.store.source(name) is Source.ENV:
-            editor.setEnabled(False)
-            reset.setEnabled(False)
-        return row
-
     def reload(self) -> None:
         """Show the store's values again (after it was changed elsewhere)."""
         for name, row in self.rows.items():
@@ -336,18 +196,56 @@ class SettingsTab(QWidget):
         return text
 
     def _edited(self, name: str) -> None:
+        """A keystroke: check the text and show the verdict; store nothing until the editing settles."""
+        row = self.rows[name]
+        try:
+            self._validate(row)
+            row.error = ""
+        except SettingError as e:
+            self._refuse(row, e)
+        self._show_caption(row)
+        self._settling.add(name)
+        self._settle_timer.start()
+        self.refresh()
+
+    def _refuse(self, row: SettingRow, error: SettingError) -> None:
+        """Say in words why the typed value is refused; the engine's wording (with the flag) is the tooltip."""
+        row.error = plain_error(row.name, row.spec, row.text(), error, budget=is_budget(row.spec))
+        row.flag_error = str(error)
+
+    def _validate(self, row: SettingRow) -> Any:
+        """The parsed value of the row's text, checked as the store would check it (raises SettingError)."""
+        return setting_of(row.name).parse(self.parse_row(row))
+
+    def _settled(self) -> None:
+        names, self._settling = self._settling, set()
+        for name in sorted(names):
+            self._commit(name)
+
+    def settle_now(self) -> None:
+        """Commit what is being typed now (at quit): valid values are kept, others dropped."""
+        self._settle_timer.stop()
+        self._settled()
+
+    def _commit(self, name: str) -> None:
+        """Editing settled (Enter, focus left, a pause, a choice, a picked folder): store and save a valid value.
+
+        A value that does not parse is never stored; the store keeps the last valid one.
+        """
+        self._settling.discard(name)
         row = self.rows[name]
         try:
             self.store.set(name, self.parse_row(row))
             row.error = ""
         except SettingError as e:
-            row.error = str(e)
+            self._refuse(row, e)
         else:
             self.autosaver.schedule()
         self._show_caption(row)
         if name in FOLDER_SETTINGS or name == "model":
             self._folder_timer.start()
         self.refresh()
+        self.committed.emit(name)
 
     def set_text(self, name: str, text: str) -> None:
         """Type `text` into a setting's editor (as a user would)."""
@@ -357,6 +255,13 @@ class SettingsTab(QWidget):
         else:
             assert isinstance(row.editor, QLineEdit)
             row.editor.setText(text)
+            self._commit(name)  # a whole value put in at once (a picked folder): nothing to wait for
+
+    def focus_setting(self, name: str) -> None:
+        """Scroll to one setting and put the keyboard in its field."""
+        row = self.rows[name]
+        self.scroll.ensureWidgetVisible(row.container)
+        row.editor.setFocus()
 
     def reset(self, name: str) -> None:
         self.store.reset(name)
@@ -413,13 +318,23 @@ class SettingsTab(QWidget):
     def _show_caption(self, row: SettingRow) -> None:
         if row.error:
             row.caption.setText(row.error)
+            row.caption.setToolTip(row.flag_error)
             row.caption.setStyleSheet("color: #c62828;")
             row.editor.setStyleSheet("QLineEdit { border: 1px solid #c62828; }")
+            if row.info is not None:
+                row.info.setText("")  # a figure beside a refused value would contradict the error
             return
         row.editor.setStyleSheet("")
+        row.caption.setToolTip("")
         parts = ["applies live" if row.spec.live else "applies after a restart",
                  self.store.describe_source(row.name)]
-        warning = self._folder_warning(row.name)
+        unused = self._unused_in_mode(row.name)
+        if unused:
+            parts.insert(0, unused)
+        report = self.folder_reports.get("conversation_cache_dir")
+        risk = risk_warning(row.name, self._shown_value(row.name), row.text(), self.host_total,
+                            report.free_bytes if report else None)
+        warning = "; ".join(w for w in (self._folder_warning(row.name), risk) if w)
         if warning:
             parts.append(warning)
         row.caption.setText(" · ".join(parts))
@@ -427,15 +342,41 @@ class SettingsTab(QWidget):
         if row.info is not None:
             row.info.setText(self._info_text(row.name))
 
+    def _unused_in_mode(self, name: str) -> str:
+        """Why a budget does nothing in the chosen storage mode ("" when it is used)."""
+        mode = self.store.value("conversation_cache_storage")
+        if name == "conversation_cache_mib" and mode == "disk":
+            return "not used in disk mode"
+        if name == "conversation_cache_disk_mib" and mode == "ram":
+            return "not used in ram mode"
+        return ""
+
+    def _grey_unused(self) -> None:
+        """Grey out the budgets the storage mode does not use (their values are kept for another mode)."""
+        for name in ("conversation_cache_mib", "conversation_cache_disk_mib"):
+            row = self.rows[name]
+            enabled = not self._unused_in_mode(name) and self.store.source(name) is not Source.ENV
+            if row.editor.isEnabled() != enabled:
+                row.editor.setEnabled(enabled)
+                if not row.error:
+                    self._show_caption(row)
+
+    def _shown_value(self, name: str) -> Any:
+        """The value the field's text says (typed, maybe not stored yet), else the stored one."""
+        try:
+            return self._validate(self.rows[name])
+        except SettingError:
+            return self.store.value(name)
+
     def _info_text(self, name: str) -> str:
         if name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
-            value = format_mib(self.store.value(name))
+            value = format_mib(self._shown_value(name))
             total = f" · host RAM {format_bytes(self.host_total)}" if self.host_total else ""
             return f"= {value}{total}"
         if name == "conversation_cache_disk_mib":
             report = self.folder_reports.get("conversation_cache_dir")
             free = f" · free on disk {format_bytes(report.free_bytes)}" if report and report.free_bytes else ""
-            return f"= {format_mib(self.store.value(name))}{free}"
+            return f"= {format_mib(self._shown_value(name))}{free}"
         if name == "conversation_cache_dir" and self.effective_dir:
             return ""
         return ""
@@ -518,7 +459,8 @@ class SettingsTab(QWidget):
         return live, restart
 
     def refresh(self) -> None:
-        """Update the command line and what Apply / Restart would do."""
+        """Update the command line, the greyed budgets and what Apply / Restart would do."""
+        self._grey_unused()
         try:
             config = self.store.engine_config()
             self.command.setText(command_line(config))

@@ -48,7 +48,12 @@ SCRIPT = textwrap.dedent("""
         return False
 
     w = MainWindow(Paths(base / "cfg", base / "state"), use_tray=False, environ={})
-    for name, value in (("port", 0), ("conversation_cache_storage", "tiered"), ("conversation_cache_mib", 32),
+    import socket
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    free_port = probe.getsockname()[1]  # a real port number: port 0 would show its warning in the picture
+    probe.close()
+    for name, value in (("port", free_port), ("conversation_cache_storage", "tiered"), ("conversation_cache_mib", 32),
                         ("conversation_cache_disk_mib", 1024), ("conversation_cache_dir", str(base / "parked"))):
         w.store.set(name, value)
     w.resize(1280, 860)

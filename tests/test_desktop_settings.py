@@ -173,8 +173,9 @@ def test_settings_tab_validates_as_you_type_and_autosaves(qtbot, tmp_path):
 
     tab.set_text("port", "80x")
     row = tab.rows["port"]
-    assert row.error == '--port: expected a whole number from 0 to 65535, got "80x"'
+    assert row.error == 'Port must be a whole number from 0 to 65535, not "80x".', "plain words, not the flag"
     assert row.caption.text() == row.error
+    assert row.caption.toolTip() == '--port: expected a whole number from 0 to 65535, got "80x"', "the flag's text"
     assert store.value("port") == 8080
     assert "value(s) not accepted" in tab.pending.text()
 
@@ -243,4 +244,174 @@ def test_start_at_login_checkbox_writes_and_removes_the_entry(qtbot, tmp_path):
     assert autostart.read() == ["strata-desktop", "--hidden"]
     tab.login_box.setChecked(False)
     qtbot.waitUntil(lambda: not autostart.is_enabled() and tab.login_box.isEnabled(), timeout=3000)
+    dispatcher.close()
+
+
+def _wheel(widget, steps: int = -1) -> None:
+    """A real wheel event over the middle of `widget`, as the mouse sends it."""
+    from PySide6.QtCore import QPoint, QPointF, Qt
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    centre = QPointF(widget.rect().center())
+    event = QWheelEvent(centre, QPointF(widget.mapToGlobal(centre.toPoint())), QPoint(0, 0), QPoint(0, 120 * steps),
+                        Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
+    QApplication.sendEvent(widget, event)
+
+
+def test_wheel_over_an_unfocused_combo_box_scrolls_the_page_and_changes_nothing(qtbot, tmp_path):
+    from PySide6.QtWidgets import QComboBox, QScrollArea
+
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    saver = AutoSaver(store, dispatcher.submit, delay_ms=50)
+    tab = SettingsTab(store, saver, dispatcher.submit)
+    qtbot.addWidget(tab)
+    tab.resize(900, 400)  # shorter than the page: it scrolls
+    tab.show()
+    qtbot.waitExposed(tab)
+    scroll = tab.findChild(QScrollArea)
+    bar = scroll.verticalScrollBar()
+    assert bar.maximum() > 0
+    combos = [r.editor for r in tab.rows.values() if isinstance(r.editor, QComboBox)]
+    assert {c.objectName() for c in combos} >= {"conversation_cache_storage", "dtype", "log_level"}
+    for combo in combos:
+        before = combo.currentIndex()
+        scroll.ensureWidgetVisible(combo)
+        assert not combo.hasFocus()
+        _wheel(combo, -1)
+        _wheel(combo, +1)
+        assert combo.currentIndex() == before, f"{combo.objectName()} changed under an unfocused wheel"
+    assert store.values == {}
+    qtbot.wait(150)
+    assert not (tmp_path / "s.json").exists(), "nothing was saved"
+    _wheel(combos[0], +1)  # the page still scrolls under the pointer
+    bar.setValue(0)
+    _wheel(combos[0], -1)
+    assert bar.value() > 0, "the wheel over an unfocused combo box scrolls the page"
+    combos[0].setFocus()
+    qtbot.waitUntil(combos[0].hasFocus, timeout=2000)
+    before = combos[0].currentIndex()
+    _wheel(combos[0], -1)
+    assert combos[0].currentIndex() != before, "a focused combo box still takes the wheel"
+    dispatcher.close()
+
+
+def test_half_typed_values_are_never_saved_and_the_hint_follows_the_text(qtbot, tmp_path):
+    from PySide6.QtCore import Qt
+
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SETTLE_MS, SettingsTab
+
+    dispatcher = Dispatcher()
+    path = tmp_path / "s.json"
+    store = SettingsStore(path, environ={"STRATA_CONVERSATION_CACHE_STORAGE": "disk"})  # the disk budget is used
+    saver = AutoSaver(store, dispatcher.submit, delay_ms=50)
+    tab = SettingsTab(store, saver, dispatcher.submit)
+    qtbot.addWidget(tab)
+    tab.show()
+    row = tab.rows["conversation_cache_disk_mib"]
+    default = store.value("conversation_cache_disk_mib")
+    row.editor.setFocus()
+    row.editor.selectAll()
+    qtbot.keyClicks(row.editor, "12.5")  # "1", "12", "12." are all whole numbers on the way
+    assert row.error == ('Disk budget must be a size from 0 MiB to 1 PiB, in whole MiB or in GiB (e.g. 4096 or 4 GiB),'
+                         ' not "12.5".')
+    assert row.info.text() == "", "no figure beside a refused value"
+    qtbot.wait(SETTLE_MS + 300)
+    assert store.value("conversation_cache_disk_mib") == default, "nothing half-typed was stored"
+    assert not path.exists(), "nothing was saved"
+
+    row.editor.selectAll()
+    qtbot.keyClicks(row.editor, "-5")
+    assert row.error and row.info.text() == "" and "GiB" not in row.info.text()
+    row.editor.selectAll()
+    qtbot.keyClicks(row.editor, "3 GiB")
+    assert row.error == "" and row.info.text().startswith("= 3 GiB"), "the hint says what the text says"
+    assert store.value("conversation_cache_disk_mib") == default, "still typing: not stored yet"
+    with qtbot.waitSignal(tab.committed, timeout=SETTLE_MS + 2000):
+        pass  # a pause: the editing settled
+    assert store.value("conversation_cache_disk_mib") == 3072
+    qtbot.waitUntil(lambda: path.exists(), timeout=3000)
+    assert json.loads(path.read_text())["engine"] == {"conversation_cache_disk_mib": 3072}
+
+    port = tab.rows["port"]
+    port.editor.setFocus()
+    port.editor.selectAll()
+    qtbot.keyClicks(port.editor, "9090")
+    qtbot.keyClick(port.editor, Qt.Key.Key_Return)  # Enter settles at once
+    assert store.value("port") == 9090
+    dispatcher.close()
+
+
+def test_settings_are_labelled_in_words_and_refusals_never_show_a_flag(qtbot, tmp_path):
+    from PySide6.QtWidgets import QLabel
+
+    from desktop.client import Dispatcher
+    from desktop.settings import HIDDEN_SETTINGS
+    from desktop.settings_tab import SettingsTab
+    from desktop.settings_words import LABELS
+    from engine.config import all_settings
+
+    shown = [name for name, _, _ in all_settings() if name not in HIDDEN_SETTINGS]
+    assert [n for n in shown if n not in LABELS] == [], "every setting has its own label"
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    texts = {label.text() for label in tab.findChildren(QLabel)}
+    assert "Weights on the CPU" in texts and "Disk write buffer" in texts
+    assert not any(t.lower() in ("cpu weights", "write buffer mib") or "_" in t for t in texts if len(t) < 40)
+    for name, text in (("port", "eighty"), ("conversation_cache_disk_mib", "-5"), ("threads", "-1"),
+                       ("conversation_cache_similarity", "2"), ("ctx_size", ""), ("parallel", "0")):
+        tab.rows[name].editor.setText(text)
+        error = tab.rows[name].error
+        assert error and "--" not in error and error.startswith(LABELS[name]), (name, error)
+        assert tab.rows[name].caption.toolTip().startswith("--"), "the flag's own text is one hover away"
+    assert tab.rows["conversation_cache_disk_mib"].error.startswith("Disk budget must be a size from 0 MiB to 1 PiB")
+    dispatcher.close()
+
+
+def test_budgets_the_storage_mode_does_not_use_are_greyed(qtbot, tmp_path):
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    ram, disk = tab.rows["conversation_cache_mib"], tab.rows["conversation_cache_disk_mib"]
+    assert ram.editor.isEnabled() and not disk.editor.isEnabled(), "ram mode: no disk budget"
+    tab.set_text("conversation_cache_storage", "disk")
+    assert not ram.editor.isEnabled() and "not used in disk mode" in ram.caption.text()
+    assert disk.editor.isEnabled() and "not used" not in disk.caption.text()
+    tab.set_text("conversation_cache_storage", "tiered")
+    assert ram.editor.isEnabled() and disk.editor.isEnabled()
+    dispatcher.close()
+
+
+def test_risky_values_are_accepted_with_a_warning(qtbot, tmp_path):
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    qtbot.waitUntil(lambda: tab.host_total is not None, timeout=5000)
+    tab.set_text("port", "80")
+    assert store.value("port") == 80 and "administrator rights" in tab.rows["port"].caption.text()
+    tab.set_text("port", "0")
+    assert "cannot know it" in tab.rows["port"].caption.text()
+    tab.set_text("port", "8181")
+    assert "administrator" not in tab.rows["port"].caption.text()
+    tab.set_text("conversation_cache_mib", "16 TiB")  # the most it takes, more than any machine this runs on
+    row = tab.rows["conversation_cache_mib"]
+    assert "more than this computer's RAM" in row.caption.text()
+    tab.set_text("conversation_cache_mib", "4 GB")
+    assert store.value("conversation_cache_mib") == 4096 and "GB read as GiB" in row.caption.text()
+    assert "more than" not in row.caption.text() or tab.host_total < 4 << 30
     dispatcher.close()

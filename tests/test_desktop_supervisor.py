@@ -118,8 +118,32 @@ def test_exit_status_and_last_lines_of_a_failed_start(qtbot, supervisor):
     supervisor.command_for = fake_engine_command("--fail-at-start")
     supervisor.start(EngineConfig(port=0))
     wait_state(qtbot, supervisor, EngineState.CRASHED)
-    assert supervisor.outcome.describe() == "exited with status 2"
-    assert any("cannot load model" in line for line in supervisor.lines)
+    assert supervisor.outcome.describe() == "refused to start: cannot load the model: 'missing.gguf': no such file"
+    assert any("cannot load the model" in line for line in supervisor.lines)
+
+
+def test_a_refused_configuration_is_never_retried(qtbot, supervisor):
+    supervisor.command_for = fake_engine_command("--fail-at-start")
+    supervisor.auto_restart = True
+    delays: list[float] = []
+    supervisor.restart_scheduled.connect(delays.append)
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.CRASHED)
+    assert supervisor.outcome.config_error.startswith("cannot load the model")
+    assert any("not restarting" in line for line in supervisor.lines)
+    qtbot.wait(1500)  # longer than the first back-off: a retry would have started by now
+    assert delays == [] and supervisor.state is EngineState.CRASHED and not supervisor.running
+
+
+def test_exit_status_2_without_the_error_line_is_a_crash_and_is_retried(qtbot, supervisor):
+    supervisor.command_for = lambda config: [sys.executable, "-c", "import sys; print('boom'); sys.exit(2)"]
+    supervisor.auto_restart = True
+    delays: list[float] = []
+    supervisor.restart_scheduled.connect(delays.append)
+    supervisor.start(EngineConfig(port=0))
+    qtbot.waitUntil(lambda: delays == [1.0], timeout=10000)
+    assert supervisor.outcome.config_error == "" and supervisor.outcome.describe() == "exited with status 2"
+    supervisor.cancel_auto_restart()
 
 
 def test_missing_executable_is_reported(qtbot, supervisor):
@@ -189,3 +213,37 @@ def test_reap_orphan_leaves_a_live_apps_engine_and_unrelated_pids_alone(tmp_path
         assert sleeper.poll() is None and pid_file.exists()
     finally:
         sleeper.kill()
+
+
+def test_engine_error_lines_are_read_as_the_engine_prints_them():
+    from desktop.engine_errors import (
+        BusyPort,
+        PortOwner,
+        busy_port,
+        config_error,
+        describe_busy_port,
+        describe_config_error,
+    )
+
+    line = "strata serve: error: --host/--port: cannot listen on 127.0.0.1:8080: Address already in use"
+    reason = config_error(2, False, ["loading", line])
+    assert reason == "--host/--port: cannot listen on 127.0.0.1:8080: Address already in use"
+    assert config_error(1, False, [line]) is None and config_error(2, True, [line]) is None
+    assert config_error(2, False, ["Traceback (most recent call last):"]) is None
+    assert busy_port(reason) == BusyPort("127.0.0.1", 8080)
+    assert busy_port("--host/--port: cannot listen on 10.9.9.9:80: Cannot assign requested address") is None
+    unknown = PortOwner(None, None, "it belongs to another user or the system")
+    assert describe_busy_port(BusyPort("127.0.0.1", 8080), unknown) == (
+        "Port 8080 is in use by another program (which one is unknown: it belongs to another user or the system):"
+        " choose another port in Settings.")
+    assert describe_config_error("cannot load the model: /m.gguf: no such file") == (
+        "The engine could not load the model: /m.gguf: no such file. Change it in Settings and start the engine again.")
+
+
+def test_a_refused_start_points_at_its_setting():
+    from desktop.engine_errors import setting_for_error
+
+    assert setting_for_error("--host/--port: cannot listen on 127.0.0.1:80: Permission denied") == "port"
+    assert setting_for_error("--ctx-size: expected a whole number from 1 to 1048576, got \"0\"") == "ctx_size"
+    assert setting_for_error("conversation cache: folder is locked by another engine") == "conversation_cache_dir"
+    assert setting_for_error("cannot load the model: no such file") == "model"

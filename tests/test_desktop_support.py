@@ -29,6 +29,26 @@ def fake_engine_command(*extra: str):
     return command
 
 
+def stand_in_window(qtbot, tmp_path):
+    """A main window (no tray) whose engine is the stand-in, on a free port; shut down after the test."""
+    from desktop.main_window import MainWindow
+    from desktop.settings import Paths
+
+    w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
+    w.engine.command_for = fake_engine_command()
+    w.store.set("port", 0)
+    qtbot.addWidget(w)
+    w.show()
+    yield w
+    w.shutdown_now()
+
+
+def wait_ready(qtbot, w) -> None:
+    from desktop.engine_process import EngineState
+
+    qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=15000)
+
+
 # ---------------------------------------------------------------------------------------------- the stand-in
 
 
@@ -155,8 +175,12 @@ def serve(argv: list[str]) -> None:
             args[a] = argv[i + 1]
     if "--ignore-term" in argv:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--noisy" in argv:  # long log lines, as a traceback with long paths gives
+        for i in range(30):
+            print(f"stand-in: noisy line {i} " + "/very/long/path/segment" * 20, file=sys.stderr, flush=True)
     if "--fail-at-start" in argv:
-        print("stand-in: error: cannot load model 'missing.gguf': no such file", file=sys.stderr, flush=True)
+        # The engine's own words for a refused start (engine/cli.py): one error line, status 2.
+        print("strata serve: error: cannot load the model: 'missing.gguf': no such file", file=sys.stderr, flush=True)
         sys.exit(2)
     state = _State(args)
     server_ref: list = []

@@ -20,24 +20,17 @@ from PySide6.QtWidgets import QMessageBox
 from desktop.engine_process import EngineState
 from desktop.main_window import MainWindow
 from desktop.settings import Paths
-from tests.test_desktop_support import fake_engine_command
+from tests.test_desktop_support import fake_engine_command, stand_in_window, wait_ready
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
 def window(qtbot, tmp_path):
-    w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
-    w.engine.command_for = fake_engine_command()
-    w.store.set("port", 0)
-    qtbot.addWidget(w)
-    w.show()
-    yield w
-    w.shutdown_now()
+    yield from stand_in_window(qtbot, tmp_path)
 
 
-def ready(qtbot, w: MainWindow) -> None:
-    qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=15000)
+ready = wait_ready
 
 
 def test_start_shows_ready_and_the_monitor_renders_what_the_engine_reports(qtbot, window):
@@ -304,3 +297,73 @@ def test_frozen_serve_mode_never_loads_qt():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "2 False", out.stdout + out.stderr
     assert "--port" in out.stderr
+
+
+def test_crash_panel_with_long_log_lines_never_grows_the_window(qtbot, window):
+    """A 1366x768 laptop screen: the window fits, and a crash with a long log tail does not grow it."""
+    window.engine.command_for = fake_engine_command("--noisy")
+    window.resize(1200, 700)
+    qtbot.wait(50)
+    size = window.size()
+    assert window.minimumSizeHint().width() <= 1366 and window.minimumSizeHint().height() <= 700
+    window.start()
+    ready(qtbot, window)
+    os.kill(window.engine.pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: not window.crash_panel.isHidden(), timeout=5000)
+    qtbot.wait(100)
+    assert window.size() == size, "the window never grows by itself"
+    assert window.minimumSizeHint().height() <= 700 and window.minimumSizeHint().width() <= 1366
+    assert "noisy line 28" in window.crash_log.toPlainText(), "the log tail is shown, whole lines"
+    assert window.crash_log.maximumHeight() <= 200
+    for button in (window.crash_restart, window.crash_logs, window.restart_button):
+        top_left = button.mapTo(window, button.rect().topLeft())
+        bottom_right = button.mapTo(window, button.rect().bottomRight())
+        assert window.rect().contains(top_left) and window.rect().contains(bottom_right), button.text()
+
+
+def test_restart_banner_is_cleared_once_the_engine_is_ready_again(qtbot, window):
+    window.engine.auto_restart = True
+    window.start()
+    ready(qtbot, window)
+    os.kill(window.engine.pid, signal.SIGKILL)
+    qtbot.waitUntil(lambda: "restarting it in" in window.notice.text() and not window.notice.isHidden(), timeout=5000)
+    ready(qtbot, window)
+    for tab in (window.monitor, window.settings_tab, window.logs):
+        window.tabs.setCurrentWidget(tab)
+        assert window.notice.isHidden(), "the restart banner is gone once the engine is Ready"
+        assert window.monitor.banner.isHidden()
+    assert window.crash_panel.isHidden()
+
+
+def test_a_busy_port_names_its_owner_and_is_not_retried(qtbot, tmp_path):
+    """The real engine on a port this test holds: a configuration error with the owner named, not a crash loop."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
+    qtbot.addWidget(w)
+    w.store.set("port", port)
+    w.engine.auto_restart = True
+    delays: list[float] = []
+    w.engine.restart_scheduled.connect(delays.append)
+    try:
+        w.show()
+        w.start_engine()
+        qtbot.waitUntil(lambda: not w.crash_panel.isHidden(), timeout=60000)
+        me = psutil.Process()
+        expected = f"Port {port} is in use by {me.name()} (pid {me.pid}): choose another port in Settings."
+        qtbot.waitUntil(lambda: w.crash_text.text() == expected, timeout=10000)
+        assert "status 2" not in w.crash_text.text() and "crashed" not in w.notice.text()
+        assert w.monitor.banner.text().startswith(expected)
+        assert not w.crash_settings.isHidden()
+        qtbot.wait(1500)  # past the first back-off
+        assert delays == [] and not w.engine.running and w.engine.state is EngineState.CRASHED
+        w.crash_settings.click()
+        assert w.tabs.currentWidget() is w.settings_tab
+        qtbot.waitUntil(w.settings_tab.rows["port"].editor.hasFocus, timeout=2000)
+    finally:
+        w.shutdown_now()
+        holder.close()

@@ -21,6 +21,62 @@ def tier_label(tier: Any) -> str:
     return {"ram": "RAM", "disk": "disk", "ram+disk": "RAM + disk", "both": "RAM + disk"}.get(text.lower(), text)
 
 
+TIER_ORDER = {"ram": 0, "disk": 1}
+
+
+def merge_tiers(rows: list[Any]) -> list[dict[str, Any]]:
+    """One row per conversation id: the engine lists a conversation once per tier that holds it (tiered mode).
+
+    The merged row's tier is the list of tiers (RAM first); tokens the most any copy holds; bytes what all
+    copies take together, with `bytes_by_tier`; created the earliest, last used the latest; hits the most any
+    copy counted (a copy written to disk carries the hits it had then, so adding them would count twice).
+    Rows without an id are kept as they are. The first appearance fixes the order.
+    """
+    merged: dict[Any, dict[str, Any]] = {}
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        key = row.get("id")
+        if key is None:
+            out.append(row)
+            continue
+        tier = str(row.get("tier") or "")
+        size = number(row, "bytes")
+        have = merged.get(key)
+        if have is None:
+            have = dict(row)
+            have["tier"] = [tier] if tier else []
+            have["bytes_by_tier"] = {tier: size} if tier and size is not None else {}
+            merged[key] = have
+            out.append(have)
+            continue
+        if tier and tier not in have["tier"]:
+            have["tier"] = sorted([*have["tier"], tier], key=lambda t: (TIER_ORDER.get(t, 9), t))
+        if tier and size is not None:
+            have["bytes_by_tier"][tier] = size
+        for field, pick in (("tokens", max), ("hits", max), ("last_used", max), ("created", min)):
+            values = [v for v in (have.get(field), row.get(field)) if v is not None]
+            numeric = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+            if numeric and len(numeric) == len(values):
+                have[field] = pick(numeric)
+        sizes = list(have["bytes_by_tier"].values())
+        have["bytes"] = sum(sizes) if sizes else have.get("bytes")
+        have["pending"] = bool(have.get("pending")) or bool(row.get("pending"))
+    for row in out:
+        if isinstance(row.get("tier"), list) and len(row["tier"]) <= 1 and len(row.get("bytes_by_tier", {})) <= 1:
+            # Held by one tier: the engine's row as it was.
+            row["tier"] = row["tier"][0] if row["tier"] else None
+            row.pop("bytes_by_tier", None)
+    return out
+
+
+def tiers_of(row: dict[str, Any]) -> list[str]:
+    """The tiers that hold a (merged) conversation row, lower case."""
+    tier = row.get("tier")
+    return [str(t).lower() for t in tier] if isinstance(tier, list | tuple) else [str(tier or "").lower()]
+
+
 class ConversationsModel(QAbstractTableModel):
     COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits")
 
@@ -32,7 +88,7 @@ class ConversationsModel(QAbstractTableModel):
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
         """Replace the rows; the same conversations in the same order update in place (selection survives)."""
         self.now = time.time()
-        rows = [r for r in rows if isinstance(r, dict)]
+        rows = merge_tiers(rows)
         if [r.get("id") for r in rows] == [r.get("id") for r in self.rows]:
             self.rows = rows
             if rows:
@@ -65,6 +121,8 @@ class ConversationsModel(QAbstractTableModel):
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if role == Qt.ItemDataRole.ToolTipRole and col == 0:
             return str(row.get("id", ""))
+        if role == Qt.ItemDataRole.ToolTipRole and col == 2 and len(row.get("bytes_by_tier") or {}) > 1:
+            return " · ".join(f"{tier_label(t)} {format_bytes(b)}" for t, b in row["bytes_by_tier"].items())
         return None
 
     def _display(self, row: dict[str, Any], col: int) -> str:

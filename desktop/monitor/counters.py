@@ -162,6 +162,12 @@ def _rate(x: float | None) -> str:
 
 
 def _timing(c: dict[str, Any], key: str, mb_per_s: float | None) -> str:
+    """"last 4.0 ms · median 4.0 ms · p95 4.0 ms · 750 MB/s"; "–" while there was no such event (not "0.0 ms")."""
+    count = number(c, key, "count")
+    if count is None:  # an engine that does not count per timing: its event counter says the same
+        count = number(c, {"park_ms": "parks", "restore_ms": "restores"}[key])
+    if count == 0 or (count is None and number(c, key, "last") is None):
+        return "–"
     last, p50, p95 = number(c, key, "last"), number(c, key, "p50"), number(c, key, "p95")
     text = f"last {format_ms(last)} · median {format_ms(p50)} · p95 {format_ms(p95)}"
     if mb_per_s is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,8 @@ HOST_PEN = pg.mkPen("#2ca02c", width=2)
 FLOOR_PEN = pg.mkPen("#d62728", width=1, style=Qt.PenStyle.DashLine)
 PARK_BRUSH = pg.mkBrush("#ff7f0e")
 RESTORE_BRUSH = pg.mkBrush("#1f77b4")
+TIMING_TITLE = ("Park <span style='color:#ff7f0e'>&#9679;</span> and restore "
+                "<span style='color:#1f77b4'>&#9650;</span> times (recent events)")
 
 
 def _plot(title: str, y_label: str) -> pg.PlotWidget:
@@ -31,6 +34,7 @@ def _plot(title: str, y_label: str) -> pg.PlotWidget:
     item.showGrid(x=True, y=True, alpha=0.2)
     item.setMenuEnabled(False)
     item.getAxis("left").setWidth(56)  # the same width in every plot, so stacked time axes line up
+    item.getAxis("left").setStyle(showValues=False)  # until there is data (see _y_from_zero)
     item.setClipToView(True)
     item.setDownsampling(auto=True, mode="peak")
     w.setMinimumHeight(140)
@@ -38,8 +42,10 @@ def _plot(title: str, y_label: str) -> pg.PlotWidget:
 
 
 def _y_from_zero(plot: pg.PlotWidget, y: np.ndarray, at_least: float = 0.0) -> None:
+    """Y from zero to a little above the data; with nothing to show, no value scale (0–1 would read as data)."""
     finite = y[np.isfinite(y)]
     top = max(float(finite.max()) if finite.size else 0.0, at_least)
+    plot.getPlotItem().getAxis("left").setStyle(showValues=top > 0)
     plot.setYRange(0, top * 1.15 if top > 0 else 1.0, padding=0)
 
 
@@ -98,26 +104,40 @@ class MemoryPlots(QWidget):
 
 
 class TimingPlot(QWidget):
-    """Duration of each recent park and restore the engine reported, over time."""
+    """Duration of each recent park and restore the engine reported, over time.
+
+    The key is in the title, not a legend box inside the plot, so it never covers a point. Empty, the plot says
+    so and shows no value scale (pyqtgraph's default 0–1 range would read as a fake 0.2–0.8 ms).
+    """
+
+    EMPTY_TEXT = "no parks or restores yet"
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.plot = _plot("Park and restore times (recent events)", "ms")
-        self.plot.getPlotItem().addLegend(offset=(10, 5), brush=pg.mkBrush(255, 255, 255, 210))
+        self.plot = _plot(TIMING_TITLE, "ms")
         self.park = pg.ScatterPlotItem(size=7, brush=PARK_BRUSH, pen=None, name="park")
         self.restore = pg.ScatterPlotItem(size=7, brush=RESTORE_BRUSH, pen=None, symbol="t", name="restore")
         self.plot.addItem(self.park)
         self.plot.addItem(self.restore)
+        self.empty_label = pg.TextItem(self.EMPTY_TEXT, color="#777", anchor=(0.5, 0.5))
+        self.plot.addItem(self.empty_label, ignoreBounds=True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.plot)
         self._events: list[dict[str, Any]] = []
-        self._dirty = False
-        self._shown_key: tuple = ()
+        self._dirty = True
+        self._shown_key: tuple | None = None
+        self.empty = True
 
     def set_events(self, events: list[dict[str, Any]]) -> None:
         self._events = events
         self._dirty = True
+
+    def reset(self) -> None:
+        """A new engine: forget the previous one's events and time axis."""
+        self.set_events([])
+        self._shown_key = None
+        self.redraw()
 
     def redraw(self) -> None:
         if not self._dirty:
@@ -137,8 +157,17 @@ class TimingPlot(QWidget):
         self.park.setData(x=np.array(points["park"][0]), y=np.array(points["park"][1]))
         self.restore.setData(x=np.array(points["restore"][0]), y=np.array(points["restore"][1]))
         times = points["park"][0] + points["restore"][0]
-        if times:
-            # At least a minute wide, so a few events do not stretch over sub-second ticks.
-            hi = max(times)
-            lo = min(min(times), hi - 60)
-            self.plot.setXRange(lo, hi + 0.05 * (hi - lo), padding=0)
+        self.empty = not times
+        self.plot.getPlotItem().getAxis("left").setStyle(showValues=not self.empty)
+        self.empty_label.setVisible(self.empty)
+        if self.empty:
+            now = time.time()
+            self.plot.setXRange(now - 60, now, padding=0)
+            self.plot.setYRange(0, 1, padding=0)
+            self.empty_label.setPos(now - 30, 0.5)
+            return
+        # At least a minute wide, so a few events do not stretch over sub-second ticks.
+        hi = max(times)
+        lo = min(min(times), hi - 60)
+        self.plot.setXRange(lo, hi + 0.05 * (hi - lo), padding=0)
+        _y_from_zero(self.plot, np.array(points["park"][1] + points["restore"][1]))

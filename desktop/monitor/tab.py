@@ -9,10 +9,12 @@ from PySide6.QtCore import QSortFilterProxyModel, Qt, Signal
 from PySide6.QtGui import QAction, QHideEvent, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QFrame,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QMenu,
+    QScrollArea,
     QSplitter,
     QTableView,
     QToolButton,
@@ -25,6 +27,9 @@ from desktop.engine_process import EngineState
 from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
 from desktop.monitor.counters import CountersPanel
 from desktop.monitor.report import budget
+
+UNREACHABLE_AFTER = 3  # missed polls in a row before the "did not answer" banner shows
+CONTENT_MINIMUM_WIDTH = 720  # plots and counters readable side by side; a narrower window scrolls
 
 
 class MonitorTab(QWidget):
@@ -103,13 +108,21 @@ class MonitorTab(QWidget):
         self.splitter.addWidget(table_box)
         self.splitter.setStretchFactor(0, 3)
         self.splitter.setStretchFactor(1, 1)
+        # Below its comfortable size the content scrolls instead of squeezing rows into each other.
+        self.scroll = QScrollArea()
+        self.scroll.setObjectName("monitorScroll")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.splitter.setMinimumWidth(CONTENT_MINIMUM_WIDTH)  # its height floor: its parts' minimum heights
+        self.scroll.setWidget(self.splitter)
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
-        layout.addWidget(self.splitter, 1)
+        layout.addWidget(self.scroll, 1)
 
         self.metrics: dict[str, Any] = {}
         self.conversation_rows: list[dict[str, Any]] = []
         self.last_update: float | None = None
+        self.missed_polls = 0  # /metrics polls in a row without an answer
         self.state = EngineState.STOPPED
         self.set_engine_state(EngineState.STOPPED)
 
@@ -167,6 +180,13 @@ class MonitorTab(QWidget):
             if self.isVisible():
                 self.timings.redraw()
 
+    def engine_restarted(self) -> None:
+        """A new engine process: its park/restore history starts empty, on a new time axis."""
+        self._events = []
+        self.counters.set_events([])
+        if self.timings is not None:
+            self.timings.reset()
+
     def set_conversations_error(self, message: str) -> None:
         """The engine could not list its conversations: say so above the (last known) table."""
         self.table_title.setText(f"<b>Parked conversations</b> — the engine did not list them: {_escape(message)}")
@@ -197,19 +217,26 @@ class MonitorTab(QWidget):
             EngineState.CRASHED: "The engine stopped unexpectedly.",
         }[state]
         if detail:
-            text += " " + detail
+            # A crash with a known reason (a refused setting) says that instead of "unexpectedly".
+            text = detail if state is EngineState.CRASHED else f"{text} {detail}"
         if self.last_update is not None:
             text += f" Figures below are from {time.strftime('%H:%M:%S', time.localtime(self.last_update))}."
         self.banner.setText(text)
         self.banner.show()
 
     def set_unreachable(self, reason: str) -> None:
-        """The engine is running but did not answer /metrics."""
-        if self.state is EngineState.READY:
+        """The engine is running but did not answer /metrics: said after UNREACHABLE_AFTER misses in a row.
+
+        One slow answer (a long generation step) is normal; a banner blinking on and off with each would move
+        everything below it under the pointer.
+        """
+        self.missed_polls += 1
+        if self.state is EngineState.READY and self.missed_polls >= UNREACHABLE_AFTER:
             self.banner.setText(f"The engine did not answer: {reason}. Showing the last figures.")
             self.banner.show()
 
     def clear_unreachable(self) -> None:
+        self.missed_polls = 0
         if self.state is EngineState.READY:
             self.banner.hide()
 

@@ -1,0 +1,55 @@
+"""Purge and budget changes: what they drop, the question asked first, and what the engine says it did."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtWidgets import QMessageBox, QWidget
+
+from desktop.monitor.conversations import tiers_of
+from desktop.monitor.report import number
+from desktop.settings import format_bytes
+
+
+def ask(parent: QWidget, title: str, text: str, yes_text: str, answered: Callable[[int], None]) -> QMessageBox:
+    """A window-modal question with Cancel as the default; `answered` gets the button (Yes or Cancel)."""
+    box = QMessageBox(QMessageBox.Icon.Warning, title, text,
+                      QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, parent)
+    box.button(QMessageBox.StandardButton.Yes).setText(yes_text)
+    box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+    box.finished.connect(answered)
+    box.open()
+    return box
+
+
+def purge_summary(rows: list[dict[str, Any]], metrics: dict[str, Any] | None, tier: str) -> tuple[int, float | None]:
+    """(conversations, bytes) that purging `tier` drops: the listed rows (one per conversation) and the counters."""
+    cache = (metrics or {}).get("conversation_cache") or {}
+    if tier == "all":
+        parts = [number(cache, "bytes_ram"), number(cache, "bytes_disk")]
+        size = None if all(p is None for p in parts) else sum(p or 0 for p in parts)
+        return len(rows), size
+    return sum(1 for r in rows if tier in tiers_of(r)), number(cache, f"bytes_{tier}")
+
+
+def purge_question(count: int, size: float | None, tier: str) -> str:
+    where = {"ram": "from RAM", "disk": "from disk", "all": "from RAM and disk"}[tier]
+    return (f"Drop {count} parked conversation{'s' if count != 1 else ''} ({format_bytes(size)}) {where}?\n\n"
+            "They will be prefilled again when they come back.")
+
+
+def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
+    """(conversations dropped, bytes dropped, "id: reason" of each skipped) from a /cache/purge answer."""
+    dropped = data.get("dropped")
+    if isinstance(dropped, dict):
+        count, size = dropped.get("conversations", 0), dropped.get("bytes")
+    else:
+        count, size = dropped or 0, data.get("bytes")
+    skipped = []
+    for item in data.get("skipped") or []:
+        if isinstance(item, dict):
+            skipped.append(f"{item.get('id')}: {item.get('reason')}")
+        elif isinstance(item, list | tuple) and len(item) == 2:
+            skipped.append(f"{item[0]}: {item[1]}")
+    return int(count), size, skipped

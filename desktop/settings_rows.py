@@ -1,0 +1,137 @@
+"""One row of the Settings tab: the editor for a setting, its unit and figures, Reset, and the caption below."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QToolButton, QVBoxLayout, QWidget
+
+from desktop.settings import is_budget
+from desktop.settings_words import STORAGE_HELP
+from engine.config import Setting, default_cache_dir
+
+FOLDER_SETTINGS = ("conversation_cache_dir", "slot_save_path")
+
+
+@dataclass(frozen=True, slots=True)
+class RowActions:
+    """What a row's widgets call: by setting name (pick_model takes True for a file, False for a folder)."""
+
+    edited: Callable[[str], None]  # a keystroke
+    commit: Callable[[str], None]  # editing settled
+    reset: Callable[[str], None]
+    pick_model: Callable[[bool], None]
+    pick_folder: Callable[[str], None]
+
+
+class SettingRow:
+    """The editor, caption and extras for one setting."""
+
+    def __init__(self, name: str, spec: Setting, editor: QWidget, container: QWidget, caption: QLabel,
+                 info: QLabel | None = None) -> None:
+        self.name, self.spec, self.editor, self.container, self.caption, self.info = (
+            name, spec, editor, container, caption, info)
+        self.error = ""  # why the typed value is refused, in words ("" when accepted)
+        self.flag_error = ""  # the same in the engine's words, naming the flag
+
+    def text(self) -> str:
+        if isinstance(self.editor, QComboBox):
+            return str(self.editor.currentData())
+        assert isinstance(self.editor, QLineEdit)
+        return self.editor.text()
+
+    def set_value(self, value: Any) -> None:
+        self.editor.blockSignals(True)
+        if isinstance(self.editor, QComboBox):
+            self.editor.setCurrentIndex(max(0, self.editor.findData(value)))
+        else:
+            assert isinstance(self.editor, QLineEdit)
+            if value is None:
+                text = ""
+            elif is_budget(self.spec):
+                text = str(value)
+            elif isinstance(value, float) and value.is_integer():
+                text = str(int(value))
+            else:
+                text = str(value)
+            self.editor.setText(text)
+        self.editor.blockSignals(False)
+
+
+def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> SettingRow:
+    """The editor, its unit and figures, Reset and the caption for one setting; `locked`: set by the environment."""
+    container = QWidget()
+    outer = QVBoxLayout(container)
+    outer.setContentsMargins(0, 0, 0, 0)
+    outer.setSpacing(1)
+    line = QHBoxLayout()
+    info: QLabel | None = None
+    if spec.kind == "choice":
+        editor: QWidget = QComboBox()
+        assert isinstance(editor, QComboBox)
+        for choice in spec.choices:
+            editor.addItem(STORAGE_HELP[choice] if name == "conversation_cache_storage" else choice, choice)
+        editor.currentIndexChanged.connect(lambda _i, n=name: actions.commit(n))  # a choice is always whole
+        line.addWidget(editor, 1)
+    else:
+        editor = QLineEdit()
+        assert isinstance(editor, QLineEdit)
+        editor.textChanged.connect(lambda _t, n=name: actions.edited(n))
+        editor.editingFinished.connect(lambda n=name: actions.commit(n))
+        if spec.secret:
+            editor.setEchoMode(QLineEdit.EchoMode.Password)
+            editor.setPlaceholderText("none: every request is accepted")
+        line.addWidget(editor, 1)
+        if name == "model":
+            editor.setPlaceholderText("bundled SmolLM2-135M-Instruct (Q4_1 GGUF)")
+            file_button = QToolButton(text="File…")
+            file_button.clicked.connect(lambda: actions.pick_model(True))
+            folder_button = QToolButton(text="Folder…")
+            folder_button.clicked.connect(lambda: actions.pick_model(False))
+            line.addWidget(file_button)
+            line.addWidget(folder_button)
+        elif name in FOLDER_SETTINGS:
+            if name == "conversation_cache_dir":
+                editor.setPlaceholderText(default_cache_dir())
+            else:
+                editor.setPlaceholderText("unset: slot files disabled")
+            browse = QToolButton(text="Browse…")
+            browse.clicked.connect(lambda _=False, n=name: actions.pick_folder(n))
+            line.addWidget(browse)
+        elif spec.secret:
+            show = QToolButton(text="Show")
+            show.setCheckable(True)
+            show.toggled.connect(lambda on, e=editor: e.setEchoMode(
+                QLineEdit.EchoMode.Normal if on else QLineEdit.EchoMode.Password))
+            line.addWidget(show)
+        if spec.unit and spec.kind in ("int", "float"):
+            unit = QLabel("MiB (or GiB)" if is_budget(spec) else spec.unit)
+            line.addWidget(unit)
+        if is_budget(spec) or name == "conversation_cache_dir":
+            info = QLabel()
+            info.setStyleSheet("color: #555; margin-left: 6px;")
+            line.addWidget(info)
+    editor.setToolTip(f"{spec.flag}: {spec.help}")
+    editor.setObjectName(name)
+    if spec.kind in ("int", "float") or name in ("host", "dtype", "log_level", "devices", "layer_split"):
+        # Short values: a narrow field, the unit and figures beside it, the rest of the line free.
+        line.setStretch(0, 0)
+        editor.setFixedWidth(180)
+        line.addStretch(1)
+    reset = QToolButton(text="Reset")
+    reset.setToolTip("Back to the default")
+    reset.clicked.connect(lambda _=False, n=name: actions.reset(n))
+    line.addWidget(reset)
+    caption = QLabel()
+    caption.setWordWrap(True)
+    caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    outer.addLayout(line)
+    outer.addWidget(caption)
+    row = SettingRow(name, spec, editor, container, caption, info)
+    if locked:
+        editor.setEnabled(False)
+        reset.setEnabled(False)
+    return row

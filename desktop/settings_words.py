@@ -1,0 +1,112 @@
+"""The Settings tab's words: a label for every setting and plain-language messages for refused values.
+
+The engine's own messages name the flag (`--conversation-cache-disk-mib: expected ...`): right for the command
+line and the logs, not for a form. Here each says which field, what it takes, and what was typed.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.config import Setting, SettingError, all_settings
+
+GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
+LABELS = {
+    "model": "Model", "alias": "Model id", "dtype": "Data type", "devices": "Devices", "layer_split": "Layer split",
+    "threads": "CPU threads", "ctx_size": "Context length", "parallel": "Parallel slots",
+    "prefill_chunk": "Prefill chunk", "host": "Host", "port": "Port", "api_key": "API key",
+    "slot_save_path": "Slot files folder", "log_level": "Log level", "cpu_weights": "Weights on the CPU",
+    "conversation_cache_storage": "Storage mode", "conversation_cache_mib": "RAM budget",
+    "conversation_cache_disk_mib": "Disk budget", "conversation_cache_dir": "Folder",
+    "conversation_cache_write_buffer_mib": "Disk write buffer",
+    "conversation_cache_slots": "Most conversations", "conversation_cache_min_free_mib": "Keep free (floor)",
+    "conversation_cache_days": "Expiry", "conversation_cache_block_tokens": "Block size",
+    "conversation_cache_n_min": "Least tokens to restore", "conversation_cache_similarity": "Least overlap to restore",
+    "conversation_cache_spill_dir": "Spill folder",
+}
+STORAGE_HELP = {
+    "ram": "ram — in memory: fastest; gone when the engine stops",
+    "disk": "disk — in files: nothing kept in memory; survives restarts",
+    "tiered": "tiered — memory first; evictions and shutdown spill to disk",
+}
+SIZE_UNITS = (("PiB", 1 << 30), ("TiB", 1 << 20), ("GiB", 1 << 10), ("MiB", 1))
+
+
+def label_of(name: str) -> str:
+    """The words a setting is shown with; every setting has its own (asserted by the tests)."""
+    return LABELS.get(name, name.replace("_", " ").capitalize())
+
+
+def size_words(mib: float) -> str:
+    """0 -> "0 MiB", 1 << 30 -> "1 PiB", 1536 -> "1.5 GiB": the largest unit the size reaches."""
+    for unit, scale in SIZE_UNITS:
+        if mib >= scale:
+            return f"{mib / scale:g} {unit}"
+    return f"{mib:g} MiB"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _range(spec: Setting, unit: str = "") -> str:
+    lo, hi = spec.minimum, spec.maximum
+    suffix = f" {unit}" if unit else ""
+    if lo is not None and hi is not None:
+        return f" from {_number(lo)}{suffix} to {_number(hi)}{suffix}"
+    if lo is not None:
+        return f" of at least {_number(lo)}{suffix}"
+    if hi is not None:
+        return f" of at most {_number(hi)}{suffix}"
+    return ""
+
+
+FLAG_TO_LABEL = {spec.flag: label_of(name) for name, spec, _ in all_settings()}
+FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+
+
+def plain_error(name: str, spec: Setting, text: str, error: SettingError, budget: bool = False) -> str:
+    """A refused value in words: 'Disk budget must be a size from 0 MiB to 1 PiB, in whole MiB or ... not "-5".'"""
+    label = label_of(name)
+    typed = text.strip()
+    if typed == "" and spec.kind in ("int", "float", "path"):
+        return f"{label} needs a value."
+    if budget:
+        lo = size_words(spec.minimum or 0)
+        hi = size_words(spec.maximum) if spec.maximum is not None else "any size"
+        return f'{label} must be a size from {lo} to {hi}, in whole MiB or in GiB (e.g. 4096 or 4 GiB), not "{typed}".'
+    if spec.kind == "int":
+        return f'{label} must be a whole number{_range(spec, spec.unit)}, not "{typed}".'
+    if spec.kind == "float":
+        return f'{label} must be a number{_range(spec, spec.unit)}, not "{typed}".'
+    if spec.kind == "choice":
+        return f"{label} must be one of " + ", ".join(spec.choices) + f', not "{typed}".'
+    # Anything else (a rule across settings, say): the engine's words with each flag named as its field.
+    message = str(error)
+    message = re.sub(r"^--[a-z0-9-]+: ", "", message)
+    message = FLAG.sub(lambda m: FLAG_TO_LABEL.get(m.group(0), m.group(0)), message)
+    return f"{label}: {message[:1].lower()}{message[1:]}" if not message.startswith(label) else message
+
+
+DECIMAL_UNIT = re.compile(r"\d\s*(gb|tb|mb)\s*$", re.IGNORECASE)
+
+
+def risk_warning(name: str, value: object, text: str, host_ram: int | None, free_disk: int | None) -> str:
+    """A value that is accepted but likely not what was meant, in words ("" when nothing looks risky)."""
+    warnings = []
+    if name == "port" and isinstance(value, int):
+        if value == 0:
+            warnings.append("0 lets the system pick a different free port at every start: clients cannot know it")
+        elif value < 1024:
+            warnings.append("ports below 1024 need administrator rights on most systems")
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value * (1 << 20)
+        if name in ("conversation_cache_mib", "conversation_cache_min_free_mib") and host_ram and size > host_ram:
+            warnings.append(f"more than this computer's RAM ({size_words(host_ram / (1 << 20))})")
+        if name == "conversation_cache_disk_mib" and free_disk is not None and size > free_disk:
+            warnings.append(f"more than the free space on disk ({size_words(free_disk / (1 << 20))})")
+    m = DECIMAL_UNIT.search(text or "")
+    if m and name.endswith("_mib"):
+        unit = m.group(1).upper()
+        warnings.append(f"{unit} read as {unit[0]}iB (1024-based)")
+    return "; ".join(warnings)

@@ -1,0 +1,278 @@
+"""The Monitor, Settings questions and Logs against the stand-in engine: layout at small sizes, the timing plot,
+one row per conversation across tiers, the eviction warning, log files.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
+
+from desktop.engine_process import EngineState
+from tests.test_desktop_support import stand_in_window, wait_ready
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    yield from stand_in_window(qtbot, tmp_path)
+
+
+ready = wait_ready
+
+
+def _overlaps(widgets) -> list[tuple[str, str]]:
+    from PySide6.QtCore import QRect
+
+    rects = [(w.text() if hasattr(w, "text") else w.objectName(), QRect(w.mapToGlobal(w.rect().topLeft()), w.size()))
+             for w in widgets if w.isVisible()]
+    return [(a, b) for i, (a, ra) in enumerate(rects) for b, rb in rects[i + 1:] if ra.intersects(rb)]
+
+
+def test_monitor_at_800x560_scrolls_instead_of_overlapping_rows(qtbot, window):
+    from PySide6.QtWidgets import QLabel, QProgressBar
+
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.monitor.counters.labels["storage"].text() == "ram", timeout=5000)
+    window.resize(800, 560)
+    qtbot.wait(100)
+    assert window.size().width() == 800 and window.size().height() == 560, "800x560 is allowed"
+    window.resize(300, 200)
+    qtbot.wait(50)
+    assert window.width() >= 700 and window.height() >= 500, "a minimum size"
+    window.resize(800, 560)
+    qtbot.wait(100)
+    counters = window.monitor.counters
+    parts = counters.findChildren(QLabel) + counters.findChildren(QProgressBar)
+    for part in parts:
+        if part.isVisible():
+            assert part.height() >= part.minimumSizeHint().height(), f"{part.objectName()} squeezed"
+    assert _overlaps(parts) == []
+    assert window.monitor.table.height() >= window.monitor.table.minimumHeight()
+    assert window.monitor.scroll.verticalScrollBar().maximum() > 0, "the Monitor scrolls at this size"
+
+
+def test_layout_does_not_jump(qtbot, window):
+    """The status bar's first message and a missed poll or two during generation move nothing."""
+    window.resize(window.minimumSize())
+    qtbot.wait(50)
+    size = window.size()
+    central = window.centralWidget().geometry()
+    window.statusBar().showMessage("Purged all: dropped 2 conversation(s), 4.8 MiB.")
+    qtbot.wait(50)
+    assert window.size() == size and window.centralWidget().geometry() == central
+
+
+    # The Monitor alone (no poller answering in between): a missed poll is what the poller reports.
+    from desktop.monitor import MonitorTab
+
+    monitor = MonitorTab()
+    qtbot.addWidget(monitor)
+    monitor.set_engine_state(EngineState.READY)
+    monitor.resize(900, 700)
+    monitor.show()
+    qtbot.wait(20)
+    purge_at = monitor.purge_button.mapTo(monitor, monitor.purge_button.rect().topLeft())
+    monitor.set_unreachable("no answer within 2 s")
+    monitor.set_unreachable("no answer within 2 s")
+    qtbot.wait(20)
+    assert monitor.banner.isHidden(), "one or two missed polls (a long generation step) show nothing"
+    assert monitor.purge_button.mapTo(monitor, monitor.purge_button.rect().topLeft()) == purge_at
+    monitor.clear_unreachable()
+    monitor.set_unreachable("no answer within 2 s")
+    monitor.set_unreachable("no answer within 2 s")
+    assert monitor.banner.isHidden(), "an answer in between starts the count again"
+    monitor.set_unreachable("no answer within 2 s")
+    assert not monitor.banner.isHidden() and "did not answer" in monitor.banner.text()
+    monitor.clear_unreachable()
+    assert monitor.banner.isHidden()
+
+
+def test_timing_plot_empty_restart_and_legend(qtbot):
+    import time
+
+    from desktop.monitor import MonitorTab
+
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.ensure_plots()
+    tab.resize(1000, 700)
+    tab.show()
+    plot = tab.timings
+    plot.redraw()
+    item = plot.plot.getPlotItem()
+    assert item.legend is None, "no legend box inside the plot to cover points"
+    assert "Park" in item.titleLabel.text and "restore" in item.titleLabel.text
+    assert plot.empty and plot.empty_label.isVisible()
+    assert item.getAxis("left").style["showValues"] is False, "no made-up ms scale while empty"
+    from desktop.client import sample_memory
+
+    def scale_shown(plot_widget) -> bool:
+        return plot_widget.getPlotItem().getAxis("left").style["showValues"]
+
+    assert not scale_shown(tab.memory.engine_plot) and not scale_shown(tab.memory.host_plot)
+    tab.set_memory(sample_memory(None))  # no engine process: no engine memory, host memory known
+    assert not scale_shown(tab.memory.engine_plot) and scale_shown(tab.memory.host_plot)
+
+    old = time.time() - 3600  # the previous engine's events, an hour ago
+    tab.set_events([{"kind": "park", "time": old, "ms": 40.0}, {"kind": "restore", "time": old + 5, "ms": 9.0}])
+    assert not plot.empty and item.getAxis("left").style["showValues"] is True
+    lo, hi = item.viewRange()[0]
+    assert lo <= old <= hi
+    assert item.viewRange()[1][1] >= 40.0, "the points are inside the y range"
+
+    tab.engine_restarted()
+    lo, hi = item.viewRange()[0]
+    assert plot.empty and len(plot.park.data) == 0 and hi > time.time() - 5 and lo > old + 5
+    assert item.getAxis("left").style["showValues"] is False
+
+    timing = {"last": 0.0, "p50": 0.0, "p95": 0.0, "count": 0}
+    tab.set_metrics({"conversation_cache": {"parks": 0, "restores": 0, "park_ms": timing, "restore_ms": timing}})
+    assert tab.counters.labels["park_ms"].text() == "–" and tab.counters.labels["restore_ms"].text() == "–"
+    tab.set_metrics({"conversation_cache": {"parks": 0, "restores": 0, "park_ms": {"last": 0.0}}})
+    assert tab.counters.labels["park_ms"].text() == "–"
+
+
+def test_tiered_conversation_shows_once_with_its_history(qtbot):
+    """The engine lists a tiered conversation once per tier holding it; the table shows one row."""
+    from desktop.monitor import MonitorTab
+    from desktop.monitor.conversations import merge_tiers
+
+    listed = [
+        {"id": "conv-a", "tokens": 1200, "bytes": 3_000_000, "tier": "ram", "created": 100.0, "last_used": 200.0,
+         "hits": 4, "pending": False},
+        {"id": "conv-b", "tokens": 800, "bytes": 2_000_000, "tier": "disk", "created": 120.0, "last_used": 150.0,
+         "hits": 1, "pending": False},
+        {"id": "conv-a", "tokens": 1200, "bytes": 1_000_000, "tier": "disk", "created": 90.0, "last_used": 180.0,
+         "hits": 0, "pending": True},
+    ]
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.set_conversations(listed)
+    model = tab.model
+    assert model.rowCount() == 2
+    ids = [model.index(r, 0).data() for r in range(2)]
+    assert ids == ["conv-a", "conv-b"]
+    a = model.rows[0]
+    assert model.index(0, 3).data() == "RAM + disk" and model.index(1, 3).data() == "disk"
+    assert a["hits"] == 4 and a["created"] == 90.0 and a["last_used"] == 200.0 and a["pending"] is True
+    assert model.index(0, 6).data() == "4", "the hits it had in RAM are kept, not a new row with 0"
+    assert model.index(0, 2).data() == "3.8 MiB"
+    assert "RAM 2.9 MiB" in model.index(0, 2).data(Qt.ItemDataRole.ToolTipRole)
+    assert merge_tiers(listed[:2]) == listed[:2], "conversations in one tier pass through unchanged"
+    assert merge_tiers([{"tier": "ram"}, "junk"]) == [{"tier": "ram"}], "rows without an id kept, junk dropped"
+
+
+def test_purge_counts_a_tiered_conversation_once(qtbot, window):
+    window._on_conversations([{"id": "x", "tier": "ram", "bytes": 10}, {"id": "x", "tier": "disk", "bytes": 5}])
+    assert window.purge_summary("all")[0] == 1
+    assert window.purge_summary("ram")[0] == 1 and window.purge_summary("disk")[0] == 1
+
+
+def test_a_smaller_budget_says_what_it_evicts_and_asks_first(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.conversations is not None and len(window.conversations) == 2, timeout=5000)
+    qtbot.waitUntil(lambda: window.metrics is not None, timeout=5000)
+    tab = window.settings_tab
+    tab.set_text("conversation_cache_mib", "2")  # conv-a (2.9 MiB, in RAM) no longer fits
+    assert tab.apply_button.isEnabled()
+    tab.apply_button.click()
+    box = window.apply_box
+    assert box is not None, "asked before applying"
+    assert "drops 1 of 1 parked conversation (2.9 MiB) from RAM, to fit the RAM budget of 2 MiB" in box.text()
+    assert "estimate" in box.text()
+    box.button(QMessageBox.StandardButton.Cancel).click()
+    qtbot.waitUntil(lambda: "Not applied" in tab.result.text(), timeout=3000)
+    assert window.engine.config.conversation_cache_mib == 4096, "nothing was sent"
+    tab.apply_button.click()
+    window.apply_box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=5000)
+    assert window.engine.config.conversation_cache_mib == 2
+
+    tab.set_text("conversation_cache_mib", "8 GiB")  # growing evicts nothing: applied without a question
+    tab.apply_button.click()
+    assert window.apply_box is None
+    qtbot.waitUntil(lambda: window.engine.config.conversation_cache_mib == 8192, timeout=5000)
+
+
+def test_eviction_estimate_replays_lru():
+    from desktop import eviction
+
+    mib = 1 << 20
+    rows = [{"id": "new", "tier": "ram", "bytes": 10 * mib, "last_used": 300},
+            {"id": "mid", "tier": ["ram", "disk"], "bytes": 30 * mib, "bytes_by_tier": {"ram": 20 * mib, "disk": 10 * mib},
+             "last_used": 200},
+            {"id": "old", "tier": "disk", "bytes": 40 * mib, "last_used": 100}]
+    running = {"conversation_cache_mib": 2048, "conversation_cache_disk_mib": 2048, "conversation_cache_slots": 64}
+    ram = eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 25})
+    assert ram == [eviction.Eviction("ram", 1, 20 * mib, 2, "25 MiB", spilled=True)]
+    assert "moves 1 of 2 parked conversations (20.0 MiB) from RAM to disk" in eviction.describe(ram)
+    disk = eviction.estimate(rows, "tiered", running, {"conversation_cache_disk_mib": 45})
+    assert disk == [eviction.Eviction("disk", 1, 40 * mib, 2, "45 MiB")], "the older one goes"
+    assert eviction.estimate(rows, "ram", running, {"conversation_cache_disk_mib": 1}) == [], "disk unused"
+    slots = eviction.estimate(rows, "tiered", running, {"conversation_cache_slots": 1})
+    assert slots == [eviction.Eviction("slots", 2, 70 * mib, 3, "1 conversation")]
+    assert eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 4096}) == []
+
+
+def test_logs_tab_counts_filters_and_says_when_follow_is_off(qtbot):
+    from desktop.logs_tab import LogsTab
+
+    tab = LogsTab()
+    qtbot.addWidget(tab)
+    tab.show()
+    for i in range(30):
+        tab.append_line(f"{'WARNING' if i % 10 == 0 else 'INFO'} step {i}")
+    tab.search.setText("warning")
+    assert tab.search_status.text() == "3 matches"
+    tab.append_line("WARNING late")
+    assert tab.search_status.text() == "4 matches", "the count follows new lines"
+    tab.filter.setChecked(True)
+    assert tab.text().splitlines() == ["WARNING step 0", "WARNING step 10", "WARNING step 20", "WARNING late"]
+    tab.append_line("INFO hidden")
+    tab.append_line("WARNING shown")
+    assert tab.text().splitlines()[-1] == "WARNING shown" and "INFO hidden" not in tab.text()
+    tab.filter.setChecked(False)
+    assert len(tab.text().splitlines()) == 33, "every line is back"
+    assert tab.follow_off.isHidden()
+    tab.find_next()  # reading a match turns Follow off, and the tab says so
+    assert not tab.follow.isChecked() and not tab.follow_off.isHidden()
+    tab.follow.setChecked(True)
+    assert tab.follow_off.isHidden()
+    tab.search.setText("nothing like this")
+    assert tab.search_status.text() == "not found"
+
+
+def test_engine_and_app_lines_go_to_rotating_files_in_the_log_folder(qtbot, tmp_path):
+    from desktop.log_files import DESKTOP_LOG, ENGINE_LOG, LogFiles
+
+    files = LogFiles(tmp_path / "logs", max_bytes=2000, backups=2)
+    for i in range(100):
+        files.write_line(f"engine line {i} " + "x" * 40)
+    files.write_line("strata-desktop: the engine was killed by SIGKILL")
+    files.close()
+    engine_logs = sorted(p.name for p in (tmp_path / "logs").glob(ENGINE_LOG + "*"))
+    assert engine_logs == [ENGINE_LOG, ENGINE_LOG + ".1", ENGINE_LOG + ".2"], "rotated, two kept"
+    assert "engine line 99" in (tmp_path / "logs" / ENGINE_LOG).read_text()
+    assert all(p.stat().st_size <= 2100 for p in (tmp_path / "logs").iterdir())
+    desktop = (tmp_path / "logs" / DESKTOP_LOG).read_text()
+    assert "killed by SIGKILL" in desktop and "engine line" not in desktop
+
+
+def test_window_writes_the_logs_to_its_log_folder(qtbot, window):
+    window.start()
+    ready(qtbot, window)
+    logs = window.paths.logs
+    assert window.logs.log_dir == logs and window.logs.folder_button.isEnabled()
+    window.stop_button.click()
+    qtbot.waitUntil(lambda: window.engine.state is EngineState.STOPPED, timeout=10000)
+    window.shutdown_now()  # closes the files: what was queued is written
+    assert "strata: listening on" in (logs / "engine.log").read_text()
+    assert "strata-desktop: starting" in (logs / "desktop.log").read_text()
