@@ -344,7 +344,12 @@ def read_model_config(path: str) -> ModelConfig:
             if not os.path.isfile(config_path):
                 raise ModelLoadError(f"{config_path}: missing (an HF model folder needs config.json)")
             with open(config_path, encoding="utf-8") as f:
-                return ModelConfig.from_hf(json.load(f))
+                raw = json.load(f)
+            if _hybrid_loader(raw) is not None:
+                from engine.model.hybrid.loader import hybrid_config_from_hf
+
+                return hybrid_config_from_hf(raw)  # type: ignore[return-value]
+            return ModelConfig.from_hf(raw)
         reader = read_gguf(path)
         return _gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors}, path)
     except (ConfigError, ValueError) as e:
@@ -486,6 +491,17 @@ def _hf_canonical(name: str) -> str | None:
     return None
 
 
+def _hybrid_loader(raw_config: dict):
+    """The hybrid-model loader (engine.model.hybrid) when config.json names a hybrid architecture, else None."""
+    from engine.model.hybrid.config import hf_hybrid_architecture
+
+    if hf_hybrid_architecture(raw_config) is None:
+        return None
+    from engine.model.hybrid.loader import load_hybrid_hf
+
+    return load_hybrid_hf
+
+
 def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -539,6 +555,9 @@ def _load_hf(folder: str, stages, dtype: torch.dtype) -> LoadedModel:
             raw_config = json.load(f)
     except ValueError as e:
         raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+    hybrid = _hybrid_loader(raw_config)
+    if hybrid is not None:
+        return hybrid(folder, raw_config, stages, dtype)
     try:
         config = ModelConfig.from_hf(raw_config)
     except ConfigError as e:

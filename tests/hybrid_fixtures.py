@@ -1,0 +1,51 @@
+"""Tiny random-weight hybrid models (HF folders written by transformers' save_pretrained) for tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
+
+HYBRID_ARCHS = ("lfm2",)
+
+
+def tiny_hybrid_config(arch: str):
+    """A transformers config for a tiny `arch` model: 4 layers, attention at layers 1 and 3."""
+    import transformers
+
+    common = dict(
+        vocab_size=tiny_vocab_size(), hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, bos_token_id=None,
+        eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "lfm2":
+        return transformers.Lfm2Config(
+            **common, intermediate_size=96, block_multiple_of=16, conv_L_cache=3, norm_eps=1e-5,
+            layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
+
+
+def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) -> str:
+    """Write a random-weight `arch` hybrid under tmp_path (safetensors + tokenizer); returns the folder."""
+    import torch
+    import transformers
+
+    config = tiny_hybrid_config(arch)
+    folder = Path(tmp_path) / f"tiny-{arch}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Non-trivial norm weights and biases, so a missing or misplaced one shows in parity tests.
+        for name, param in model.named_parameters():
+            if "norm" in name or "layernorm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    transformers.utils.logging.disable_progress_bar()
+    model.save_pretrained(folder)
+    write_tokenizer_files(folder)
+    return str(folder)

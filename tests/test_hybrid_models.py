@@ -1,0 +1,150 @@
+"""Hybrid models (recurrent state + attention) against transformers on the same weights (float32, CPU):
+one-shot and chunked prefill, greedy decode, batching of slots, checkpoints inside a prefill chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import SeqChunk, load_model
+from engine.model.hybrid import HybridCausalLM
+from tests.hybrid_fixtures import HYBRID_ARCHS, write_tiny_hybrid
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+ATOL = 1e-4
+N_PROMPT = 200
+N_DECODE = 10
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny-hybrid")
+    return {arch: write_tiny_hybrid(root, arch) for arch in HYBRID_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def reference(hybrid_models) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per arch: (prompt + greedy continuation from transformers' generate, transformers' logits over it)."""
+    out = {}
+    for arch, path in hybrid_models.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        prompt = _prompt(model.config.vocab_size)
+        with torch.no_grad():
+            seq = model.generate(
+                prompt[None], max_new_tokens=N_DECODE, min_new_tokens=N_DECODE, do_sample=False, pad_token_id=0
+            )[0]
+            logits = model(seq[None]).logits[0]
+        out[arch] = (seq, logits)
+    return out
+
+
+def _prompt(vocab: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (N_PROMPT,), generator=g)
+
+
+def _load(path: str, stages=None):
+    lm = load_model(path, stages or [(torch.device("cpu"), 0, 4)], torch.float32)
+    assert isinstance(lm.model, HybridCausalLM)
+    return lm
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_one_shot_prefill_matches_transformers(hybrid_models, reference, arch):
+    lm = _load(hybrid_models[arch])
+    seq, ref = reference[arch]
+    kv, state = lm.model.new_buffers(2, 256)
+    ours = lm.model.forward_chunks([SeqChunk(1, 0, seq)], kv, state, all_logits=True)[0]
+    diff = _diff(ours, ref)
+    assert diff <= ATOL, f"{arch}: max |logit diff| {diff:.3g} > {ATOL} (logit scale {ref.abs().max():.3g})"
+    assert ref.abs().max() > 1.0, "logits too small for the comparison to mean anything"
+    assert state.positions[1] == len(seq)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("chunk", [1, 7, 64, 200])
+def test_chunked_prefill_then_greedy_decode_match_transformers(hybrid_models, reference, arch, chunk):
+    lm = _load(hybrid_models[arch])
+    seq, ref = reference[arch]
+    kv, state = lm.model.new_buffers(3, 256)
+    for a in range(0, N_PROMPT, chunk):
+        b = min(a + chunk, N_PROMPT)
+        got = lm.model.forward_chunks([SeqChunk(2, a, seq[a:b])], kv, state, all_logits=True)[0]
+        diff = _diff(got, ref[a:b])
+        assert diff <= ATOL, f"{arch}: prefill chunk [{a},{b}) differs from transformers by {diff:.3g}"
+    logits = ref[N_PROMPT - 1]
+    token = int(got[-1].argmax())
+    for pos in range(N_PROMPT, N_PROMPT + N_DECODE):
+        assert token == int(seq[pos]), f"{arch}: greedy token at {pos} is {token}, transformers chose {int(seq[pos])}"
+        logits = lm.model.forward_chunks([SeqChunk(2, pos, torch.tensor([token]))], kv, state)[0]
+        if pos + 1 < len(seq):
+            diff = _diff(logits, ref[pos])
+            assert diff <= ATOL, f"{arch}: decode at position {pos} differs from transformers by {diff:.3g}"
+        token = int(logits.argmax())
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_two_slots_batched_give_what_each_gives_alone(hybrid_models, arch):
+    lm = _load(hybrid_models[arch])
+    vocab = lm.config.vocab_size
+    prompts = {0: _prompt(vocab, seed=2)[:90], 2: _prompt(vocab, seed=3)[:130]}
+
+    def run(slots: list[int]) -> dict[int, list[torch.Tensor]]:
+        kv, state = lm.model.new_buffers(3, 256)
+        out = {s: [] for s in slots}
+        logits = lm.model.forward_chunks([SeqChunk(s, 0, prompts[s]) for s in slots], kv, state)
+        tokens = {s: int(logits[i].argmax()) for i, s in enumerate(slots)}
+        for s, row in zip(slots, logits, strict=True):
+            out[s].append(row)
+        for step in range(5):
+            chunks = [SeqChunk(s, len(prompts[s]) + step, torch.tensor([tokens[s]])) for s in slots]
+            logits = lm.model.forward_chunks(chunks, kv, state)
+            for i, s in enumerate(slots):
+                out[s].append(logits[i])
+                tokens[s] = int(logits[i].argmax())
+        return out
+
+    together = run([0, 2])
+    for s in (0, 2):
+        alone = run([s])[s]
+        for step, (a, b) in enumerate(zip(together[s], alone, strict=True)):
+            assert torch.equal(a, b), f"{arch}: slot {s} step {step} depends on its batch ({_diff(a, b):.3g})"
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_checkpoint_inside_a_prefill_chunk_resumes_like_the_full_prefill(hybrid_models, reference, arch):
+    """A snapshot taken at position 128 inside one 200-token chunk, restored into another slot, continues the
+    prompt from 128 with transformers' logits; the K/V rows below 128 are copied like the cache would."""
+    lm = _load(hybrid_models[arch])
+    seq, ref = reference[arch]
+    kv, state = lm.model.new_buffers(2, 256)
+    state.request_checkpoints(0, [64, 128, N_PROMPT])
+    lm.model.forward_chunks([SeqChunk(0, 0, seq[:N_PROMPT])], kv, state)
+    snaps = state.take_checkpoints(0)
+    assert sorted(snaps) == [64, 128, N_PROMPT]
+    final = state.read(0)
+    assert all(torch.equal(a, b) for a, b in zip(snaps[N_PROMPT].tensors, final.tensors, strict=True))
+    assert snaps[128].nbytes == lm.model.state_layout().bytes_per_slot
+
+    kv.write(1, 0, kv.read(0, 0, 128))
+    state.write(1, snaps[128])
+    got = lm.model.forward_chunks([SeqChunk(1, 128, seq[128:N_PROMPT])], kv, state, all_logits=True)[0]
+    diff = _diff(got, ref[128:N_PROMPT])
+    assert diff <= ATOL, f"{arch}: resumed from the checkpoint, logits differ from transformers by {diff:.3g}"
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_chunk_that_skips_the_state_position_is_refused(hybrid_models, arch):
+    lm = _load(hybrid_models[arch])
+    kv, state = lm.model.new_buffers(1, 64)
+    lm.model.forward_chunks([SeqChunk(0, 0, torch.arange(3, 13))], kv, state)
+    with pytest.raises(AssertionError, match="recurrent state is at 10"):
+        lm.model.forward_chunks([SeqChunk(0, 12, torch.arange(3, 6))], kv, state)
+    state.clear(0)
+    assert state.positions[0] == 0 and all(not t.any() for t in state.read(0).tensors)
