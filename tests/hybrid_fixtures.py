@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
-HYBRID_ARCHS = ("lfm2",)
+HYBRID_ARCHS = ("lfm2", "qwen3_5")
 
 
 def tiny_hybrid_config(arch: str):
@@ -25,6 +25,17 @@ def tiny_hybrid_config(arch: str):
             layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    if arch == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(
+            # Smaller weights: with large activations the L2-normalised DeltaNet keys amplify float32 rounding
+            # (transformers' own float32 forward then drifts ~1e-3 from a float64 one).
+            **{**common, "initializer_range": 0.08}, intermediate_size=128, head_dim=16, rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
     raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
 
 
@@ -41,8 +52,10 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) 
     with torch.no_grad():
         # Non-trivial norm weights and biases, so a missing or misplaced one shows in parity tests.
         for name, param in model.named_parameters():
-            if "norm" in name or "layernorm" in name:
-                param.uniform_(0.5, 1.5)
+            if "norm" in name:
+                # Qwen3.5 stores its RMSNorm weights (outside the DeltaNet) as w - 1.
+                centred = arch == "qwen3_5" and "linear_attn.norm" not in name
+                param.uniform_(-0.5, 0.5) if centred else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
     transformers.utils.logging.disable_progress_bar()

@@ -18,13 +18,22 @@ N_PROMPT = 200
 N_DECODE = 10
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread is an order of magnitude faster than two contended ones on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
 def hybrid_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny-hybrid")
     return {arch: write_tiny_hybrid(root, arch) for arch in HYBRID_ARCHS}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference(hybrid_models) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per arch: (prompt + greedy continuation from transformers' generate, transformers' logits over it)."""
     out = {}

@@ -98,13 +98,13 @@ def apply_conv(
     out = torch.empty_like(u)
     n = batch.n_single
     if n:
-        full = torch.cat((batch.gather_singles(part), u[:n].unsqueeze(1)), dim=1)  # [n, K, C]
+        full = torch.cat((batch.gather_singles(part).to(u.dtype), u[:n].unsqueeze(1)), dim=1)  # [n, K, C]
         out[:n] = causal_conv(full, weight, bias)[:, 0]
         batch.scatter_singles(part, full[:, 1:])
     for ch, lo, hi in batch.long_chunks():
-        full = torch.cat((batch.initial(part, ch), u[lo:hi]))
+        full = torch.cat((batch.initial(part, ch).to(u.dtype), u[lo:hi]))
         out[lo:hi] = causal_conv(full, weight, bias)
-        part[ch.slot] = full[hi - lo :]
+        part[ch.slot] = full[hi - lo :].to(part.dtype)
         for p in state.wanted(ch.slot, ch.start, ch.start + hi - lo):
             state.capture(ch.slot, p, layer, "conv", conv_rows_at(full, k, p - ch.start))
     return out

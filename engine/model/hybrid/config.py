@@ -19,9 +19,11 @@ LAYER_KINDS = (ATTENTION, SHORT_CONV, DELTA, MAMBA)
 # HF `architectures[0]` -> our architecture name (the `model_type` is accepted too).
 HF_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
-_MODEL_TYPES = {"lfm2": "lfm2"}
-ARCHITECTURES = ("lfm2",)
+_MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+ARCHITECTURES = ("lfm2", "qwen3_5")
 
 
 def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:

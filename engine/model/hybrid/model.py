@@ -83,7 +83,9 @@ class HybridCausalLM(torch.nn.Module):
         return [(d, sum(1 for li in attn if li < a), sum(1 for li in attn if li < b)) for d, a, b in self.stages]
 
     def state_layout(self) -> StateLayout:
-        return StateLayout.for_config(self.config, self.dtype)
+        """Recurrent state is kept in float32 whatever the weights' dtype: it accumulates over the whole
+        sequence, and it is small (a few MiB per slot even for large models)."""
+        return StateLayout.for_config(self.config, torch.float32)
 
     def new_buffers(self, n_slots: int, ctx: int) -> tuple[KVBuffers, RecurrentStateBuffers]:
         return (
