@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
-HYBRID_ARCHS = ("lfm2", "qwen3_5")
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid")
 
 
 def tiny_hybrid_config(arch: str):
@@ -35,6 +35,15 @@ def tiny_hybrid_config(arch: str):
             linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
+    if arch == "granitemoehybrid":  # dense (Granite-4.0-H-Micro-like), NoPE attention, non-trivial multipliers
+        return transformers.GraniteMoeHybridConfig(
+            **common, intermediate_size=128, shared_intermediate_size=128, num_local_experts=0,
+            num_experts_per_tok=0, rms_norm_eps=1e-6, tie_word_embeddings=False, position_embedding_type="nope",
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=32, mamba_conv_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=1.5,
         )
     raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
 

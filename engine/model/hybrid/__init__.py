@@ -1,6 +1,7 @@
 """Hybrid models: recurrent layers with a fixed-size per-slot state plus a few attention layers.
 
-Families: LFM2 (gated short convolutions), Qwen3.5 (gated DeltaNet + gated attention). Each is loaded from an HF folder and matched against
+Families: LFM2 (gated short convolutions), Qwen3.5 (gated DeltaNet + gated attention), Granite-4.0-H
+(Mamba-2, dense MLP). Each is loaded from an HF folder and matched against
 transformers in float32 (tests/test_hybrid_models.py).
 
 Pieces: `config` (HybridConfig), `recurrent_state` (RecurrentStateBuffers, StateSnapshot: the per-slot

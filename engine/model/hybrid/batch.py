@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers
 from engine.model.llama import SeqChunk
@@ -61,8 +62,8 @@ class Batch:
 
 def segment_edges(start: int, end: int, block: int, cuts: list[int]) -> list[int]:
     """Edges of the scan segments of a chunk [start, end): block boundaries at absolute multiples of `block`
-    (so chunked prefill at multiples of `block` reproduces one-shot prefill bit for bit) and the requested
-    checkpoint positions; always ends with `end`."""
+    (so a prefill chunked at multiples of `block` scans the same blocks as a one-shot prefill) and the
+    requested checkpoint positions; always ends with `end`."""
     first = (start // block + 1) * block
     edges = set(range(first, end, block)) | {p for p in cuts if start < p < end} | {end}
     return sorted(edges)
@@ -108,3 +109,31 @@ def apply_conv(
         for p in state.wanted(ch.slot, ch.start, ch.start + hi - lo):
             state.capture(ch.slot, p, layer, "conv", conv_rows_at(full, k, p - ch.start))
     return out
+
+
+def segment_decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(sum of log_decay over (s, t]) for s <= t, else 0: [..., L] -> [..., L(t), L(s)].
+
+    Summed per segment rather than as a difference of two running sums: over a block the running sum
+    reaches hundreds, and the difference of two such sums would lose the small decays to rounding."""
+    n = log_decay.shape[-1]
+    x = log_decay.unsqueeze(-1).expand(*log_decay.shape, n)  # x[..., t, s] = log_decay[t]
+    keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
+    seg = x.masked_fill(~keep, 0).cumsum(-2)
+    upper = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+    return seg.masked_fill(upper, float("-inf")).exp()
+
+
+_LANES = 32  # two AVX-512 vectors of float32: PyTorch's CPU loops step by two vectors, the rest runs scalar
+
+
+def lanewise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise transcendental `fn` on a [..., width] tensor with a small width (per-head
+    gates), computed so each row's result does not depend on the row count: PyTorch's CPU kernels compute
+    the tail of a tensor with scalar code that can differ from the vector code by an ulp, and which elements
+    fall in the tail depends on how many rows are batched. Rows padded to a multiple of `_LANES` never do."""
+    width = x.shape[-1]
+    pad = (-width) % _LANES
+    if x.device.type != "cpu" or (pad == 0 and x.is_contiguous()):
+        return fn(x)
+    return fn(F.pad(x, (0, pad)))[..., :width]

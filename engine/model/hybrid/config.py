@@ -21,9 +21,10 @@ HF_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
-_MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
-ARCHITECTURES = ("lfm2", "qwen3_5")
+_MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "granitemoehybrid": "granitemoehybrid"}
+ARCHITECTURES = ("lfm2", "qwen3_5", "granitemoehybrid")
 
 
 def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:

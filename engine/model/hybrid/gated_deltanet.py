@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.hybrid.batch import Batch, apply_conv, segment_edges
+from engine.model.hybrid.batch import Batch, apply_conv, lanewise, segment_decay, segment_edges
 from engine.model.hybrid.config import HybridConfig
 from engine.model.llama import _linear
 
@@ -34,7 +34,7 @@ def delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: q/k [B, H, Dk], v [B, H, Dv], g/beta [B, H], state [B, H, Dk, Dv] -> (o [B, H, Dv], state)."""
-    state = state * g.exp()[..., None, None]
+    state = state * lanewise(torch.exp, g)[..., None, None]
     remembered = (state * k[..., None]).sum(-2)
     delta = (v - remembered) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
@@ -47,8 +47,7 @@ def delta_rule_block(
     """One block, head-major: q/k [H, L, Dk], v [H, L, Dv], g/beta [H, L], state [H, Dk, Dv] -> (o [H, L, Dv], state)."""
     n = q.shape[1]
     cum = g.cumsum(-1)  # [H, L]
-    upper = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(upper, float("-inf")).exp()  # exp(G_t - G_s), s <= t
+    decay = segment_decay(g)  # exp(G_t - G_s), s <= t
     eye = torch.eye(n, dtype=q.dtype, device=q.device)
     system = eye + (beta[:, :, None] * (k @ k.transpose(1, 2)) * decay).tril(-1)
     rhs = torch.cat((beta[..., None] * v, beta[..., None] * cum.exp()[..., None] * k), dim=-1)
@@ -56,8 +55,7 @@ def delta_rule_block(
     dv = v.shape[-1]
     delta = solved[..., :dv] - solved[..., dv:] @ state
     out = cum.exp()[..., None] * (q @ state) + ((q @ k.transpose(1, 2)) * decay) @ delta
-    last = cum[:, -1:]
-    state = last.exp()[..., None] * state + (k * (last - cum).exp()[..., None]).transpose(1, 2) @ delta
+    state = cum[:, -1:].exp()[..., None] * state + (k * decay[:, -1, :, None]).transpose(1, 2) @ delta
     return out, state
 
 
@@ -99,8 +97,8 @@ class GatedDeltaNetMixer(torch.nn.Module):
         k = l2norm(k.float())
         if repeat > 1:  # each key head serves `repeat` consecutive value heads
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        beta = torch.sigmoid(b.float())
-        g = self.neg_a.float() * F.softplus(a.float() + self.dt_bias.float())
+        beta = lanewise(torch.sigmoid, b.float())
+        g = self.neg_a.float() * lanewise(F.softplus, a.float() + self.dt_bias.float())
 
         out = torch.empty(total, hv, dv, dtype=torch.float32, device=h.device)
         part = batch.state.part(self.layer, "ssm")
@@ -116,10 +114,8 @@ class GatedDeltaNetMixer(torch.nn.Module):
             for edge in segment_edges(ch.start, ch.start + hi - lo, BLOCK, cuts):
                 edge_hi = lo + edge - ch.start
                 rows = slice(edge_lo, edge_hi)
-                o, s = delta_rule_block(
-                    q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
-                    g[rows].transpose(0, 1), beta[rows].transpose(0, 1), s,
-                )
+                # Fresh contiguous copies: a view at another row offset may take another SIMD path.
+                o, s = delta_rule_block(*(t[rows].transpose(0, 1).contiguous() for t in (q, k, v, g, beta)), s)
                 out[rows] = o.transpose(0, 1)
                 if edge in cuts:
                     batch.state.capture(ch.slot, edge, self.layer, "ssm", s)

@@ -17,14 +17,14 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model.hybrid import lfm2, qwen3_5
+from engine.model.hybrid import granitemoehybrid, lfm2, qwen3_5
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
 from engine.model.loader import LoadedModel, _safetensors_files, _safetensors_header
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
-FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5}
+FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
 _PREFIXES = (("model.language_model.", "model."),)
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")

@@ -4,9 +4,10 @@
 recurrent state: one call runs any mix of chunks from different slots; attention layers write K/V rows of
 their slot into `kv` (a KVBuffers whose layers are the attention layers only, `kv_layout`/`kv_stages`);
 recurrent layers read the slot's state from `state` (RecurrentStateBuffers), advance it over the chunk and
-write it back. So a prompt prefilled in chunks gives the logits of a one-shot prefill (bit for bit when the
-chunk edges fall on the scan's block boundaries, else within float rounding), and one-token chunks of many
-slots (decode) run each recurrent update as one batched step.
+write it back. So a prompt prefilled in chunks gives the logits of a one-shot prefill within float rounding
+(the scans cut their blocks at absolute positions, so chunk edges on block boundaries change nothing in the
+recurrent layers), and one-token chunks of many slots (decode) run each recurrent update as one batched step.
+A slot's results do not depend on what it is batched with (bit for bit on CPU float32; see `batch.lanewise`).
 
 A chunk must start where its slot's state is (`state.positions[slot]`), or at 0 (a fresh sequence: the
 state starts at zero whatever the buffers hold). Checkpoints: `state.request_checkpoints(slot, positions)`
