@@ -157,3 +157,51 @@ def test_a_chunk_that_skips_the_state_position_is_refused(hybrid_models, arch):
         lm.model.forward_chunks([SeqChunk(0, 12, torch.arange(3, 6))], kv, state)
     state.clear(0)
     assert state.positions[0] == 0 and all(not t.any() for t in state.read(0).tensors)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_layer_split_over_two_stages_equals_one_stage(hybrid_models, arch):
+    """Each layer's K/V and recurrent state live on its stage; parked state is split-independent."""
+    cpu = torch.device("cpu")
+    one = _load(hybrid_models[arch])
+    two = _load(hybrid_models[arch], [(cpu, 0, 1), (cpu, 1, 4)])
+    assert two.model.kv_stages() == [(cpu, 0, 0), (cpu, 0, 2)]  # layer 0 is recurrent: no K/V on stage one
+    ids = _prompt(one.config.vocab_size)[:120]
+    (kv1, st1), (kv2, st2) = one.model.new_buffers(1, 128), two.model.new_buffers(1, 128)
+    a = one.model.forward_chunks([SeqChunk(0, 0, ids)], kv1, st1)
+    b = two.model.forward_chunks([SeqChunk(0, 0, ids)], kv2, st2)
+    assert torch.equal(a, b), f"{arch}: max diff {_diff(a, b):.3g}"
+    assert torch.equal(kv1.read(0, 0, 120), kv2.read(0, 0, 120))
+    s1, s2 = st1.read(0), st2.read(0)
+    assert s1.position == s2.position == 120
+    assert all(torch.equal(x, y) for x, y in zip(s1.tensors, s2.tensors, strict=True))
+    # A state parked under the split restores on one stage and continues identically.
+    st1.write(0, s2)
+    token = torch.tensor([int(a[0].argmax())])
+    c = one.model.forward_chunks([SeqChunk(0, 120, token)], kv1, st1)
+    d = two.model.forward_chunks([SeqChunk(0, 120, token)], kv2, st2)
+    assert torch.equal(c, d)
+
+
+def test_state_layout_covers_only_the_recurrent_layers(hybrid_models):
+    lm = _load(hybrid_models["qwen3_5"])
+    c = lm.config
+    layout = lm.model.state_layout()
+    assert [(p.layer, p.name) for p in layout.parts] == [(0, "conv"), (0, "ssm"), (2, "conv"), (2, "ssm")]
+    assert layout.parts[1].shape == (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim)
+    assert layout.parts[0].shape == (c.conv_kernel - 1, c.conv_channels)
+    assert lm.model.kv_layout().n_layers == 2
+    assert layout.describe()["dtype"] == "float32"
+
+
+def test_granite_mixture_of_experts_is_refused_clearly(tmp_path):
+    import json
+
+    from engine.errors import ModelLoadError
+    from engine.model.loader import read_model_config
+
+    config = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+              "num_local_experts": 32, "num_hidden_layers": 2, "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="num_local_experts is 32: Granite hybrid mixture-of-experts"):
+        read_model_config(str(tmp_path))
