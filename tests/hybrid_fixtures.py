@@ -71,3 +71,68 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) 
     model.save_pretrained(folder)
     write_tokenizer_files(folder)
     return str(folder)
+
+
+def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False) -> str:
+    """Convert the tiny `arch` HF model to GGUF as llama.cpp's converter does (tensor names from gguf's own
+    name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts with 0 for conv layers); 2-D
+    weights in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
+
+    if arch != "lfm2":
+        raise ValueError(f"arch: only lfm2 has a GGUF writer here, got {arch!r}")
+    folder = write_tiny_hybrid(tmp_path, arch)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    from engine.model.hybrid.lfm2 import mlp_size
+
+    n_layers = cfg["num_hidden_layers"]
+    path = Path(tmp_path) / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    writer.add_block_count(n_layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(mlp_size(cfg))
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+
+    spec = json.loads(tiny_tokenizer_json())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, n_layers)
+    for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+        out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert out is not None, f"no GGUF name for {name}"
+        w = w.astype(np.float32)
+        if ".conv.conv." in name:
+            w = w.squeeze(1)
+        if quantize and w.ndim == 2 and w.shape[1] % 32 == 0:
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(out, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(out, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -351,7 +351,12 @@ def read_model_config(path: str) -> ModelConfig:
                 return hybrid_config_from_hf(raw)  # type: ignore[return-value]
             return ModelConfig.from_hf(raw)
         reader = read_gguf(path)
-        return _gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors}, path)
+        meta = gguf_metadata(reader)
+        from engine.model.hybrid.gguf_loader import hybrid_gguf_config, is_hybrid_gguf
+
+        if is_hybrid_gguf(meta):
+            return hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path)  # type: ignore[return-value]
+        return _gguf_config(meta, {t.name for t in reader.tensors}, path)
     except (ConfigError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise
@@ -424,6 +429,10 @@ def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
 
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
+    from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf
+
+    if is_hybrid_gguf(meta):
+        return load_hybrid_gguf(path, stages, dtype)
     tensors = {}
     for t in reader.tensors:
         key = _gguf_canonical(t.name)
