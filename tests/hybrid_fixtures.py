@@ -74,8 +74,10 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) 
 
 
 def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False) -> str:
-    """Convert the tiny `arch` HF model to GGUF as llama.cpp's converter does (tensor names from gguf's own
-    name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts with 0 for conv layers); 2-D
+    """Convert the tiny `arch` HF model (lfm2 or granitemoehybrid) to GGUF as llama.cpp's converter does:
+    tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts with
+    0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
+    [groups, inner / groups], the shared MLP split into gate and up, q/k rows permuted as for llama. 2-D
     weights in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
     import json
 
@@ -83,28 +85,45 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     import numpy as np
     from safetensors.numpy import load_file
 
+    from engine.model.hybrid.lfm2 import mlp_size
     from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
 
-    if arch != "lfm2":
-        raise ValueError(f"arch: only lfm2 has a GGUF writer here, got {arch!r}")
+    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid"}.get(arch)
+    if gguf_arch is None:
+        raise ValueError(f"arch: only lfm2 and granitemoehybrid have a GGUF writer here, got {arch!r}")
     folder = write_tiny_hybrid(tmp_path, arch)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    from engine.model.hybrid.lfm2 import mlp_size
-
-    n_layers = cfg["num_hidden_layers"]
+    n_layers, n_heads, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    recurrent = {"conv", "linear_attention"}
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), "lfm2")
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
     writer.add_block_count(n_layers)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(mlp_size(cfg))
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv([0 if t in recurrent else n_kv for t in cfg["layer_types"]])
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+    if arch == "lfm2":
+        writer.add_feed_forward_length(mlp_size(cfg))
+        writer.add_layer_norm_rms_eps(cfg["norm_eps"])
+        writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+    else:
+        inner = cfg["mamba_expand"] * cfg["hidden_size"]
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        writer.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        writer.add_ssm_state_size(cfg["mamba_d_state"])
+        writer.add_ssm_group_count(cfg["mamba_n_groups"])
+        writer.add_ssm_inner_size(inner)
+        writer.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+        writer.add_embedding_scale(cfg["embedding_multiplier"])
+        writer.add_residual_scale(cfg["residual_multiplier"])
+        writer.add_attention_scale(cfg["attention_multiplier"])
+        writer.add_logit_scale(cfg["logits_scaling"])
+        writer.add_rope_scaling_finetuned(False)  # Granite-4.0-H attention is NoPE
 
     spec = json.loads(tiny_tokenizer_json())
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
@@ -119,14 +138,40 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, n_layers)
+    def permute(w: np.ndarray, heads: int) -> np.ndarray:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2 if arch == "lfm2" else gguf.MODEL_ARCH.GRANITE_HYBRID, n_layers)
+    out_tensors: list[tuple[str, np.ndarray]] = []
     for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+        w = w.astype(np.float32)
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        if name.endswith("shared_mlp.input_linear.weight"):
+            gate, up = np.split(w, 2, axis=0)
+            prefix = name.removesuffix("shared_mlp.input_linear.weight")
+            out_tensors += [(names.get_name(prefix + "mlp.gate_proj.weight", try_suffixes=(".weight",)), gate),
+                            (names.get_name(prefix + "mlp.up_proj.weight", try_suffixes=(".weight",)), up)]
+            continue
+        if name.endswith("shared_mlp.output_linear.weight"):
+            name = name.replace("shared_mlp.output_linear", "mlp.down_proj")
         out = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, f"no GGUF name for {name}"
-        w = w.astype(np.float32)
-        if ".conv.conv." in name:
+        if ".conv.conv." in name or ".conv1d.weight" in name:
             w = w.squeeze(1)
-        if quantize and w.ndim == 2 and w.shape[1] % 32 == 0:
+        elif name.endswith(".A_log"):
+            w = -np.exp(w).reshape(-1, 1)
+        elif name.endswith(".D"):
+            w = w.reshape(-1, 1)
+        elif name.endswith("mamba.norm.weight"):
+            w = w.reshape(cfg["mamba_n_groups"], -1)
+        elif arch != "lfm2" and name.endswith("self_attn.q_proj.weight"):
+            w = permute(w, n_heads)
+        elif arch != "lfm2" and name.endswith("self_attn.k_proj.weight"):
+            w = permute(w, n_kv)
+        out_tensors.append((out, w))
+    for out, w in out_tensors:
+        if quantize and w.ndim == 2 and w.shape[1] % 32 == 0 and "norm" not in out:  # norms stay float, as llama.cpp keeps them
             q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(out, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

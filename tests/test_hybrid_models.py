@@ -207,24 +207,34 @@ def test_granite_mixture_of_experts_is_refused_clearly(tmp_path):
         read_model_config(str(tmp_path))
 
 
-def test_lfm2_gguf_loads_the_same_model(tmp_path):
-    """An unquantised GGUF with llama.cpp's LFM2 names and keys gives the logits of its HF folder; a Q8_0 one
-    stays close."""
+@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid"])
+def test_gguf_loads_the_same_model(tmp_path, arch):
+    """An unquantised GGUF with llama.cpp's names, keys and tensor rewrites gives the logits of its HF folder;
+    a Q8_0 one gives those of the folder's weights rounded through Q8_0."""
     from engine.model.loader import read_model_config
     from tests.hybrid_fixtures import write_tiny_hybrid_gguf
 
-    path = write_tiny_hybrid_gguf(tmp_path, "lfm2")
-    from_gguf, from_folder = _load(path), _load(str(tmp_path / "tiny-lfm2"))
+    path = write_tiny_hybrid_gguf(tmp_path, arch)
+    from_gguf, from_folder = _load(path), _load(str(tmp_path / f"tiny-{arch}"))
     assert from_gguf.config.layer_kinds == from_folder.config.layer_kinds
     assert read_model_config(path) == from_gguf.config
     ids = _prompt(from_folder.config.vocab_size)[:100]
     assert from_gguf.tokenizer.encode("Hello, world!") == from_folder.tokenizer.encode("Hello, world!")
     a, b = (lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 128), all_logits=True)[0]
             for lm in (from_gguf, from_folder))
-    assert _diff(a, b) <= 1e-5, f"GGUF and HF folder differ by {_diff(a, b):.3g}"
-    quantized = _load(write_tiny_hybrid_gguf(tmp_path / "q8", "lfm2", quantize=True))
-    c = quantized.model.forward_chunks([SeqChunk(0, 0, ids)], *quantized.model.new_buffers(1, 128), all_logits=True)[0]
-    assert 0 < _diff(c, b) < 0.1 * b.abs().max().item(), f"Q8_0 logits differ by {_diff(c, b):.3g}"
+    assert _diff(a, b) <= 1e-5, f"{arch}: GGUF and HF folder differ by {_diff(a, b):.3g}"
+    # Q8_0: the same as the HF model with every quantised matrix rounded through Q8_0 in memory.
+    import gguf
+
+    quantized = _load(write_tiny_hybrid_gguf(tmp_path / "q8", arch, quantize=True))
+    for buf in from_folder.model.buffers():
+        if buf.dim() == 2 and buf.shape[1] % 32 == 0:
+            q8 = gguf.quants.quantize(buf.numpy(), gguf.GGMLQuantizationType.Q8_0)
+            buf.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+    c, d = (lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 128), all_logits=True)[0]
+            for lm in (quantized, from_folder))
+    assert _diff(c, d) <= ATOL, f"{arch}: the Q8_0 GGUF differs from Q8_0-rounded weights by {_diff(c, d):.3g}"
+    assert _diff(c, b) > 1e-3, "the Q8_0 file was not quantised"
 
 
 def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_path):
@@ -233,12 +243,12 @@ def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_pat
     from engine.errors import ModelLoadError
 
     path = tmp_path / "q.gguf"
-    writer = gguf.GGUFWriter(str(path), "granitehybrid")
+    writer = gguf.GGUFWriter(str(path), "qwen35")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="'granitehybrid' .* is not supported from GGUF yet; load its Hugging Face"):
+    with pytest.raises(ModelLoadError, match="'qwen35' .* is not supported from GGUF yet; load its Hugging Face"):
         load_model(str(path), [(torch.device("cpu"), 0, 1)], torch.float32)

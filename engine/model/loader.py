@@ -352,10 +352,10 @@ def read_model_config(path: str) -> ModelConfig:
             return ModelConfig.from_hf(raw)
         reader = read_gguf(path)
         meta = gguf_metadata(reader)
-        from engine.model.hybrid.gguf_loader import hybrid_gguf_config, is_hybrid_gguf
+        from engine.model.hybrid.gguf_loader import embed_rows, hybrid_gguf_config, is_hybrid_gguf
 
         if is_hybrid_gguf(meta):
-            return hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path)  # type: ignore[return-value]
+            return hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path, embed_rows(reader))  # type: ignore[return-value]
         return _gguf_config(meta, {t.name for t in reader.tensors}, path)
     except (ConfigError, ValueError) as e:
         if isinstance(e, ModelLoadError):
