@@ -127,25 +127,28 @@ def test_two_slots_batched_give_what_each_gives_alone(hybrid_models, arch):
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
-def test_checkpoint_inside_a_prefill_chunk_resumes_like_the_full_prefill(hybrid_models, reference, arch):
-    """A snapshot taken at position 128 inside one 200-token chunk, restored into another slot, continues the
-    prompt from 128 with transformers' logits; the K/V rows below 128 are copied like the cache would."""
+@pytest.mark.parametrize("at", [77, 128])
+def test_checkpoint_inside_a_prefill_chunk_resumes_like_the_full_prefill(hybrid_models, reference, arch, at):
+    """A snapshot taken at `at` inside one 200-token chunk (on a scan block edge or between edges), restored
+    into another slot, continues the prompt from there with transformers' logits; the K/V rows below `at`
+    are copied like the cache would."""
     lm = _load(hybrid_models[arch])
     seq, ref = reference[arch]
     kv, state = lm.model.new_buffers(2, 256)
-    state.request_checkpoints(0, [64, 128, N_PROMPT])
+    state.request_checkpoints(0, [at, 150, N_PROMPT])
     lm.model.forward_chunks([SeqChunk(0, 0, seq[:N_PROMPT])], kv, state)
     snaps = state.take_checkpoints(0)
-    assert sorted(snaps) == [64, 128, N_PROMPT]
+    assert sorted(snaps) == [at, 150, N_PROMPT] and state.take_checkpoints(0) == {}
     final = state.read(0)
     assert all(torch.equal(a, b) for a, b in zip(snaps[N_PROMPT].tensors, final.tensors, strict=True))
-    assert snaps[128].nbytes == lm.model.state_layout().bytes_per_slot
+    assert snaps[at].nbytes == lm.model.state_layout().bytes_per_slot
+    assert not all(torch.equal(a, b) for a, b in zip(snaps[at].tensors, final.tensors, strict=True))
 
-    kv.write(1, 0, kv.read(0, 0, 128))
-    state.write(1, snaps[128])
-    got = lm.model.forward_chunks([SeqChunk(1, 128, seq[128:N_PROMPT])], kv, state, all_logits=True)[0]
-    diff = _diff(got, ref[128:N_PROMPT])
-    assert diff <= ATOL, f"{arch}: resumed from the checkpoint, logits differ from transformers by {diff:.3g}"
+    kv.write(1, 0, kv.read(0, 0, at))
+    state.write(1, snaps[at])
+    got = lm.model.forward_chunks([SeqChunk(1, at, seq[at:N_PROMPT])], kv, state, all_logits=True)[0]
+    diff = _diff(got, ref[at:N_PROMPT])
+    assert diff <= ATOL, f"{arch}: resumed from the checkpoint at {at}, logits differ from transformers by {diff:.3g}"
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)

@@ -7,7 +7,7 @@ conversation's state is checked against, like `ModelConfig.describe()` for K/V).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model.config import ROPE_TYPES, ConfigError
@@ -75,7 +75,6 @@ class HybridConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
