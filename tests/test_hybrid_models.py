@@ -255,3 +255,20 @@ def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_pat
     writer.close()
     with pytest.raises(ModelLoadError, match="'qwen35' .* is not supported from GGUF yet; load its Hugging Face"):
         load_model(str(path), [(torch.device("cpu"), 0, 1)], torch.float32)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, arch):
+    cpu = [(torch.device("cpu"), 0, 4)]
+    ids = _prompt(300)[:70]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        lm = load_model(hybrid_models[arch], cpu, dtype)
+        kv, state = lm.model.new_buffers(2, 128)
+        assert kv.layout.dtype == dtype and state.layout.dtype == torch.float32
+        a = lm.model.forward_chunks([SeqChunk(0, 0, ids[:64])], kv, state)
+        b = lm.model.forward_chunks([SeqChunk(0, 64, ids[64:65]), SeqChunk(1, 0, ids[:5])], kv, state)
+        out[dtype] = torch.cat((a, b))
+    ref, low = out[torch.float32], out[torch.bfloat16]
+    assert low.dtype == torch.float32 and torch.isfinite(low).all()
+    assert _diff(low, ref) < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {_diff(low, ref):.3g} from float32"
