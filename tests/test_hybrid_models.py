@@ -272,3 +272,12 @@ def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, 
     ref, low = out[torch.float32], out[torch.bfloat16]
     assert low.dtype == torch.float32 and torch.isfinite(low).all()
     assert _diff(low, ref) < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {_diff(low, ref):.3g} from float32"
+
+
+def test_the_server_refuses_hybrid_models_clearly_until_it_runs_them(hybrid_models):
+    from engine.errors import ModelLoadError
+    from engine.model.loader import layer_bytes, read_model_config
+
+    shape = read_model_config(hybrid_models["lfm2"])
+    with pytest.raises(ModelLoadError, match="lfm2: hybrid models .* are not served yet"):
+        layer_bytes(shape, torch.float32, 1, 256)

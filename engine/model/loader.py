@@ -131,6 +131,11 @@ def plan_stages(
 def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int) -> int:
     """Estimated bytes one layer needs on its device: weights plus K/V for `n_slots` slots of `ctx` tokens
     (the `bytes_per_layer` of plan_stages)."""
+    if not isinstance(config, ModelConfig):  # engine.model.hybrid: loads and runs, not yet served by the engine
+        raise ModelLoadError(
+            f"{config.architecture}: hybrid models (recurrent state + attention) are not served yet; "
+            "supported architectures: llama, mistral, qwen2, qwen3"
+        )
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + 3 * c.hidden_size * c.intermediate_size
