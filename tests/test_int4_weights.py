@@ -154,7 +154,7 @@ def test_packing_in_row_slices_gives_the_kernel_bytes(monkeypatch):
 
 
 def _kv(lm):
-    from engine.runtime.kv_buffers import KVBuffers, KVLayout
+    from engine.kv import KVBuffers, KVLayout
 
     c = lm.config
     return KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), 1, 64, lm.model.stages)

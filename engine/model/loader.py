@@ -133,6 +133,11 @@ def plan_stages(
 def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int) -> int:
     """Estimated bytes one layer needs on its device: weights plus K/V for `n_slots` slots of `ctx` tokens
     (the `bytes_per_layer` of plan_stages)."""
+    if not isinstance(config, ModelConfig):  # engine.model.hybrid: loads and runs, not yet served by the engine
+        raise ModelLoadError(
+            f"{config.architecture}: hybrid models (recurrent state + attention) are not served yet; "
+            "supported architectures: llama, mistral, qwen2, qwen3"
+        )
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + 3 * c.hidden_size * c.intermediate_size
@@ -376,9 +381,19 @@ def read_model_config(path: str) -> ModelConfig:
             if not os.path.isfile(config_path):
                 raise ModelLoadError(f"{config_path}: missing (an HF model folder needs config.json)")
             with open(config_path, encoding="utf-8") as f:
-                return ModelConfig.from_hf(json.load(f))
+                raw = json.load(f)
+            if _hybrid_loader(raw) is not None:
+                from engine.model.hybrid.loader import hybrid_config_from_hf
+
+                return hybrid_config_from_hf(raw)  # type: ignore[return-value]
+            return ModelConfig.from_hf(raw)
         reader = read_gguf(path)
-        return _gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors}, path)
+        meta = gguf_metadata(reader)
+        from engine.model.hybrid.gguf_loader import embed_rows, hybrid_gguf_config, is_hybrid_gguf
+
+        if is_hybrid_gguf(meta):
+            return hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path, embed_rows(reader))  # type: ignore[return-value]
+        return _gguf_config(meta, {t.name for t in reader.tensors}, path)
     except (ConfigError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise
@@ -487,6 +502,10 @@ def _check_gguf_tensors(path: str, directory: list[_GGUFTensor], used: dict[str,
 def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
+    from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf
+
+    if is_hybrid_gguf(meta):
+        return load_hybrid_gguf(path, stages, dtype)
     directory = [_GGUFTensor.of(t) for t in reader.tensors]
     header_size = reader.data_offset
     # The reader holds a numpy view per metadata item (~160 MB for a 49K-token vocabulary): gone before the
@@ -577,6 +596,17 @@ def _hf_canonical(name: str) -> str | None:
     return None
 
 
+def _hybrid_loader(raw_config: dict):
+    """The hybrid-model loader (engine.model.hybrid) when config.json names a hybrid architecture, else None."""
+    from engine.model.hybrid.config import hf_hybrid_architecture
+
+    if hf_hybrid_architecture(raw_config) is None:
+        return None
+    from engine.model.hybrid.loader import load_hybrid_hf
+
+    return load_hybrid_hf
+
+
 def _safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -630,6 +660,9 @@ def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False
             raw_config = json.load(f)
     except ValueError as e:
         raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+    hybrid = _hybrid_loader(raw_config)
+    if hybrid is not None:
+        return hybrid(folder, raw_config, stages, dtype)
     try:
         config = ModelConfig.from_hf(raw_config)
     except ConfigError as e:

@@ -1,0 +1,114 @@
+"""The attention layers of hybrid models, over the existing K/V buffers (one K/V layer per attention layer).
+
+Variants by config: q/k RMSNorm over head_dim (LFM2, Qwen3.5), partial RoPE on the leading `rotary_dim`
+channels of a head (Qwen3.5) or none at all (Granite-4.0-H is NoPE), a sigmoid output gate whose rows sit
+interleaved with the query rows per head in q_proj (Qwen3.5), and a custom softmax scale (Granite).
+Keys are stored after RoPE, as in `engine.model.llama`, so the cache treats these K/V rows like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.hybrid.batch import Batch
+from engine.model.hybrid.config import HybridConfig
+from engine.model.llama import _linear
+
+
+class AttentionMixer(torch.nn.Module):
+    def __init__(
+        self,
+        config: HybridConfig,
+        kv_index: int,
+        *,
+        wqkv: torch.Tensor,
+        wo: torch.Tensor,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        c = config
+        q_rows = c.n_heads * c.head_dim * (2 if c.attention_gate else 1)
+        kv_rows = c.n_kv_heads * c.head_dim
+        assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
+        assert wo.shape == (c.hidden_size, c.n_heads * c.head_dim), ("wo", tuple(wo.shape))
+        assert (q_norm is None) == (k_norm is None) == (not c.qk_norm), "q/k norms must match config.qk_norm"
+        self.config = config
+        self.kv_index = kv_index
+        self.q_rows = q_rows
+        self.register_buffer("wqkv", wqkv, persistent=False)
+        self.register_buffer("wo", wo, persistent=False)
+        self.register_buffer("q_norm", q_norm, persistent=False)
+        self.register_buffer("k_norm", k_norm, persistent=False)
+
+    def forward(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        c = self.config
+        H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
+        total, n_single = batch.total, batch.n_single
+        qkv = _linear(h, self.wqkv, n_single)
+        gate = None
+        if c.attention_gate:
+            qg = qkv[:, : self.q_rows].view(total, H, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:].reshape(total, H * D)
+        else:
+            q = qkv[:, : self.q_rows].view(total, H, D)
+        k = qkv[:, self.q_rows : self.q_rows + KVH * D].view(total, KVH, D)
+        v = qkv[:, self.q_rows + KVH * D :].view(total, KVH, D)
+        if self.q_norm is not None:
+            q = _rms(q, self.q_norm, c.rms_norm_eps)
+            k = _rms(k, self.k_norm, c.rms_norm_eps)
+        if batch.cos is not None:
+            q, k = _rope(q, batch.cos, batch.sin), _rope(k, batch.cos, batch.sin)
+
+        k_cache, v_cache = batch.kv.layer(self.kv_index)
+        scale = c.softmax_scale
+        attn = torch.empty(total, H, D, dtype=h.dtype, device=h.device)
+        for i, ch in enumerate(batch.chunks):
+            lo, hi = batch.offsets[i], batch.offsets[i + 1]
+            end = ch.start + (hi - lo)
+            k_cache[ch.slot, ch.start : end] = k[lo:hi]
+            v_cache[ch.slot, ch.start : end] = v[lo:hi]
+            keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
+            if hi - lo == 1:
+                attn[lo] = _one_query(q[lo], keys, values, scale)
+                continue
+            mask = None
+            if ch.start:
+                rows = torch.arange(ch.start, end, device=h.device).unsqueeze(1)
+                mask = torch.arange(end, device=h.device).unsqueeze(0) <= rows
+            groups = H // KVH
+            kk = keys.repeat_interleave(groups, 0) if groups > 1 else keys
+            vv = values.repeat_interleave(groups, 0) if groups > 1 else values
+            out = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1), kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale
+            )
+            attn[lo:hi] = out.transpose(0, 1)
+        out = attn.view(total, H * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return _linear(out, self.wo, n_single)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate-half RoPE on the leading cos.shape[-1] channels of each head; the rest passes through."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    rot = rot * cos + rotated * sin
+    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
+
+
+def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [H, D] against k/v [KVH, L, D] -> [H, D] (two small bmm beat SDPA's per-call cost for one query)."""
+    kv_heads, d = k.shape[0], k.shape[2]
+    grouped = q.reshape(kv_heads, -1, d) * scale
+    scores = torch.bmm(grouped, k.transpose(1, 2)).float()
+    return torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v).reshape(-1, d)

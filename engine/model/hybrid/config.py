@@ -1,0 +1,162 @@
+"""The shape of a hybrid model (recurrent layers + a few attention layers), read from an HF config.json.
+
+One frozen dataclass for every hybrid family: the fields a family does not use keep their neutral
+defaults (0, 1.0), so `describe()` is one stable JSON-able identity per model (part of what a parked
+conversation's state is checked against, like `ModelConfig.describe()` for K/V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.model.config import ROPE_TYPES, ConfigError
+
+# Layer kinds. "attention" layers own K/V rows in the K/V buffers; the others own a fixed-size recurrent state.
+ATTENTION, SHORT_CONV, DELTA, MAMBA = "attention", "short_conv", "gated_delta", "mamba2"
+LAYER_KINDS = (ATTENTION, SHORT_CONV, DELTA, MAMBA)
+
+# HF `architectures[0]` -> our architecture name (the `model_type` is accepted too).
+HF_ARCHITECTURES = {
+    "Lfm2ForCausalLM": "lfm2",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+}
+_MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "granitemoehybrid": "granitemoehybrid"}
+ARCHITECTURES = ("lfm2", "qwen3_5", "granitemoehybrid")
+
+
+def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:
+    """Our architecture name when a parsed config.json describes a hybrid model this package runs, else None."""
+    for name in cfg.get("architectures") or []:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    return _MODEL_TYPES.get(str(cfg.get("model_type")))
+
+
+@dataclass(frozen=True, slots=True)
+class HybridConfig:
+    """Everything the hybrid forward pass needs; `layer_kinds[i]` says what layer i mixes tokens with."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_kinds: tuple[str, ...]
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rotary_dim: int = 0  # leading dims of a head that RoPE rotates (0 = no RoPE, NoPE attention)
+    attention_scale: float = 0.0  # softmax scale; 0 = head_dim ** -0.5
+    attention_gate: bool = False  # Qwen3.5: q_proj also yields a per-channel sigmoid gate on the output
+    qk_norm: bool = False
+    conv_kernel: int = 0  # short convolution width of the recurrent layers (LFM2 L_cache, d_conv)
+    conv_bias: bool = False
+    # gated DeltaNet (Qwen3.5)
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    # Mamba-2 (Granite-4.0-H)
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state_dim: int = 0
+    mamba_chunk: int = 256
+    mamba_dt_min: float = 0.0
+    mamba_dt_max: float = float("inf")
+    # Granite's scalar multipliers
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"unknown hybrid architecture {self.architecture!r}; expected one of {', '.join(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "n_heads", "n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}: expected a positive whole number, got {value!r}")
+        if not self.layer_kinds:
+            raise ConfigError("the model has no layers")
+        bad = sorted({k for k in self.layer_kinds if k not in LAYER_KINDS})
+        if bad:
+            raise ConfigError(f"unknown layer kind(s) {bad}; expected {', '.join(LAYER_KINDS)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ConfigError(f"rotary_dim must be even and at most head_dim ({self.head_dim}), got {self.rotary_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", "default")
+            if kind not in ROPE_TYPES:
+                raise ConfigError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if any(k != ATTENTION for k in self.layer_kinds) and self.conv_kernel < 1:
+            raise ConfigError(f"conv_kernel: recurrent layers need a convolution width >= 1, got {self.conv_kernel}")
+        if DELTA in self.layer_kinds:
+            for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(f"{name}: gated DeltaNet layers need a positive value")
+            if self.linear_v_heads % self.linear_k_heads:
+                raise ConfigError("linear_v_heads must be a multiple of linear_k_heads")
+        if MAMBA in self.layer_kinds:
+            for name in ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state_dim", "mamba_chunk"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(f"{name}: Mamba-2 layers need a positive value")
+            if self.mamba_heads % self.mamba_groups:
+                raise ConfigError("mamba_heads must be a multiple of mamba_groups")
+
+    # ------------------------------------------------------------ derived shapes
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the attention layers, in order (their K/V index is the position here)."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == ATTENTION)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k != ATTENTION)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution of a recurrent layer (0 when the model has none)."""
+        if SHORT_CONV in self.layer_kinds:
+            return self.hidden_size
+        if DELTA in self.layer_kinds:
+            return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+        if MAMBA in self.layer_kinds:
+            return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state_dim
+        return 0
+
+    def rope_shape(self) -> RopeShape:
+        """What `engine.model.rope.RotaryTable` reads, for the rotated part of a head."""
+        return RopeShape(self.rotary_dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
+
+    def describe(self) -> dict:
+        """JSON-able description; part of the identity of parked K/V and recurrent state."""
+        out = asdict(self)
+        out["layer_kinds"] = list(self.layer_kinds)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RopeShape:
+    """The fields of ModelConfig that RoPE reads (RotaryTable is duck-typed on them)."""
+
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int

@@ -1,0 +1,207 @@
+"""Hybrid models from GGUF files, with llama.cpp's tensor names and metadata keys.
+
+Supported:
+- `lfm2` (llama.cpp's LFM2: `shortconv.*` tensors, the final norm stored as `token_embd_norm`,
+  `attention.head_count_kv` per layer with 0 for the convolution layers, `shortconv.l_cache`);
+- `granitehybrid` with a dense MLP (Granite-4.0-H): `ssm_*` tensors as llama.cpp's Mamba-2 converter writes
+  them (ssm_a = -exp(A_log) and ssm_d as [heads, 1], ssm_norm as [groups, inner / groups], the conv squeezed
+  to 2-D, dt_bias as `ssm_dt.bias`), the shared MLP split into ffn_gate / ffn_up, q/k rows permuted as for
+  llama, the embeddings padded to a multiple of 8 rows, Granite's scales as `embedding_scale`,
+  `residual_scale`, `attention.scale`, `logit_scale`, RoPE only when `rope.scaling.finetuned` is set.
+llama.cpp's `qwen35` files are refused with a clear error for now: its converter also reorders the value
+heads and folds the +1 into the norms, and matching that needs its own parity test.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import torch
+import xxhash
+
+from engine.errors import ModelLoadError
+from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
+from engine.model.hybrid.loader import build_hybrid
+from engine.model.loader import LoadedModel, _read_gguf, _unpermute, gguf_metadata, read_gguf
+from engine.model.tokenizer import Tokenizer, TokenizerError
+
+GGUF_ARCHITECTURES = ("lfm2", "granitehybrid")
+NOT_YET = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "falcon-h1", "lfm2moe", "mamba2")
+
+_LFM2_LAYER_NAMES = {
+    "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
+    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "shortconv.in_proj.weight": "conv_in", "shortconv.in_proj.bias": "conv_in_bias",
+    "shortconv.conv.weight": "conv", "shortconv.conv.bias": "conv_bias",
+    "shortconv.out_proj.weight": "conv_out", "shortconv.out_proj.bias": "conv_out_bias",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+}
+_LFM2_GLOBAL_NAMES = {"token_embd.weight": "embed", "token_embd_norm.weight": "norm", "output.weight": "lm_head"}
+_GRANITE_LAYER_NAMES = {
+    "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
+    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
+    "ssm_in.weight": "ssm_in", "ssm_conv1d.weight": "conv", "ssm_conv1d.bias": "conv_bias", "ssm_dt.bias": "dt_bias",
+    "ssm_a": "neg_a", "ssm_d": "d_skip", "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "ssm_out",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+}
+_GRANITE_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+_NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES)}
+
+
+def is_hybrid_gguf(meta: dict) -> bool:
+    """The file's architecture is a hybrid one (supported, or refused with a reason by `hybrid_gguf_config`)."""
+    arch = meta.get("general.architecture")
+    return arch in GGUF_ARCHITECTURES or arch in NOT_YET
+
+
+def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> HybridConfig:
+    """The model's shape from GGUF metadata; `embed_rows` is the token embedding's row count (llama.cpp's
+    Mamba-2 converter pads the vocabulary, so the metadata's token count can be smaller)."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} (a hybrid model) is not supported from GGUF yet; "
+            f"load its Hugging Face folder instead (GGUF hybrids supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+
+    def key(name: str, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
+        return value
+
+    n_layers = int(key("block_count"))
+    kv = key("attention.head_count_kv")
+    kv_per_layer = [int(v) for v in kv] if isinstance(kv, list) else [int(kv)] * n_layers
+    if len(kv_per_layer) != n_layers:
+        raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv has {len(kv_per_layer)} entries for {n_layers} layers")
+    recurrent = SHORT_CONV if arch == "lfm2" else MAMBA
+    kinds = tuple(ATTENTION if n else recurrent for n in kv_per_layer)
+    attention_kv = sorted({n for n in kv_per_layer if n})
+    if len(attention_kv) > 1:
+        raise ModelLoadError(f"{path}: attention layers with different K/V head counts {attention_kv} are not supported")
+    hidden = int(key("embedding_length"))
+    n_heads = int(key("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
+    common = dict(
+        vocab_size=embed_rows,
+        hidden_size=hidden,
+        layer_kinds=kinds,
+        n_heads=n_heads,
+        n_kv_heads=attention_kv[0] if attention_kv else n_heads,
+        head_dim=head_dim,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+    )
+    if arch == "lfm2":
+        return HybridConfig(
+            architecture="lfm2", **common,
+            intermediate_size=int(key("feed_forward_length")),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(key("context_length", 128000)),
+            rotary_dim=head_dim, qk_norm=True,
+            conv_kernel=int(key("shortconv.l_cache")),
+            conv_bias=any(n.endswith(".shortconv.conv.bias") for n in tensor_names),
+        )
+    if int(meta.get(f"{arch}.expert_count") or 0) > 0:
+        raise ModelLoadError(f"{path}: Granite hybrid mixture-of-experts models are not supported yet; the dense ones are")
+    heads = int(key("ssm.time_step_rank"))
+    inner = int(key("ssm.inner_size"))
+    return HybridConfig(
+        architecture="granitemoehybrid", **common,
+        intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or key("feed_forward_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        rotary_dim=head_dim if meta.get(f"{arch}.rope.scaling.finetuned") else 0,
+        attention_scale=float(key("attention.scale", head_dim**-0.5)),
+        conv_kernel=int(key("ssm.conv_kernel")),
+        conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in tensor_names),
+        mamba_heads=heads,
+        mamba_head_dim=inner // heads,
+        mamba_groups=int(key("ssm.group_count")),
+        mamba_state_dim=int(key("ssm.state_size")),
+        embedding_multiplier=float(key("embedding_scale", 1.0)),
+        residual_multiplier=float(key("residual_scale", 1.0)),
+        logits_scaling=float(key("logit_scale", 1.0)),
+    )
+
+
+def embed_rows(reader) -> int:
+    """Rows of token_embd.weight (ggml lists dimensions fastest first)."""
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[-1])
+    return 0
+
+
+def _canonical(arch: str, name: str) -> str | None:
+    global_names, layer_names = _NAMES[arch]
+    if name in global_names:
+        return global_names[name]
+    if name.startswith("blk."):
+        _, index, rest = name.split(".", 2)
+        key = layer_names.get(rest)
+        if key is not None:
+            return f"{index}.{key}"
+    return None
+
+
+def load_hybrid_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
+    """Load a hybrid GGUF (any quantisation gguf can dequantise); identity as in `engine.model.loader`."""
+    import gguf
+    import numpy as np
+
+    reader = read_gguf(path)
+    meta = gguf_metadata(reader)
+    config = hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path, embed_rows(reader))
+    arch = meta["general.architecture"]
+    file_size = os.path.getsize(path)
+    tensors = {}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > file_size:
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        key = _canonical(arch, t.name)
+        if key is not None:
+            tensors[key] = t
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    except TokenizerError as e:
+        raise ModelLoadError(f"{path}: tokenizer: {e}") from None
+    content = xxhash.xxh3_128()
+
+    def get(key: str) -> torch.Tensor | None:
+        if key.endswith(".gate_up"):  # Granite's fused MLP input, split by the converter
+            gate, up = get(key.removesuffix("gate_up") + "gate"), get(key.removesuffix("gate_up") + "up")
+            return None if gate is None or up is None else torch.cat((gate, up))
+        if key.endswith(".a_log"):  # the file has A = -exp(A_log) as [heads, 1]
+            neg_a = get(key.removesuffix("a_log") + "neg_a")
+            return None if neg_a is None else (-neg_a).log().reshape(-1)
+        t = tensors.get(key)
+        if t is None:
+            return None
+        content.update(key.encode())
+        content.update(t.data)
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
+        w = torch.from_numpy(np.array(array, dtype=np.float32))
+        if key.endswith(".conv") and w.dim() == 2:  # llama.cpp squeezes the depthwise conv to [channels, width]
+            w = w.unsqueeze(1)
+        elif key.endswith((".d_skip", ".ssm_norm")):
+            w = w.reshape(-1)
+        elif arch == "granitehybrid" and key.endswith((".q", ".k")):
+            w = _unpermute(w, config.n_heads if key.endswith(".q") else config.n_kv_heads)
+        return w
+
+    model = build_hybrid(config, stages, dtype, get, path)
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<Q", file_size))
+    with open(path, "rb") as f:
+        h.update(f.read(reader.data_offset))
+    h.update(content.digest())
+    _read_gguf.cache_clear()  # drop the file mapping (Windows cannot replace a mapped file)
+    name = os.path.splitext(os.path.basename(path))[0]
+    return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)  # type: ignore[arg-type]

@@ -1,0 +1,116 @@
+"""Granite-4.0-H (`granitemoehybrid`) with a dense MLP: Mamba-2 layers + GQA attention layers (NoPE by default).
+
+Granite scales the embeddings (`embedding_multiplier`), each residual branch (`residual_multiplier`), the
+attention softmax (`attention_multiplier` is the scale itself) and divides the logits by `logits_scaling`.
+The mixture-of-experts variants (num_local_experts > 0) are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.model.hybrid.config import ATTENTION, MAMBA, ConfigError, HybridConfig
+from engine.model.hybrid.mamba2 import Mamba2Mixer
+
+_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+
+
+def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
+    if int(cfg.get("num_local_experts") or 0) > 0:
+        raise ConfigError(
+            f"num_local_experts is {cfg['num_local_experts']}: Granite hybrid mixture-of-experts models are not "
+            "supported yet; the dense ones (num_local_experts 0, e.g. Granite-4.0-H-Micro) are"
+        )
+    n_layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n_layers
+    unknown = sorted({t for t in types if t not in _KINDS})
+    if unknown:
+        raise ConfigError(f"layer_types: unknown Granite layer type(s) {unknown}; expected mamba or attention")
+    hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    heads = int(cfg.get("mamba_n_heads", 128))
+    inner = int(cfg.get("mamba_expand", 2)) * hidden
+    mamba_head_dim = cfg.get("mamba_d_head", "auto")
+    mamba_head_dim = inner // heads if mamba_head_dim in (None, "auto") else int(mamba_head_dim)
+    if heads * mamba_head_dim != inner:
+        raise ConfigError(f"mamba_n_heads ({heads}) x mamba_d_head ({mamba_head_dim}) must equal mamba_expand x hidden_size ({inner})")
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope.update(cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    kind = rope.get("type") or rope.get("rope_type") or "default"
+    scaling = None
+    if kind != "default":
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+        scaling["rope_type"] = kind
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    if cfg.get("attention_bias") or cfg.get("mamba_proj_bias"):
+        raise ConfigError("attention_bias / mamba_proj_bias: Granite hybrids with projection biases are not supported")
+    return HybridConfig(
+        architecture="granitemoehybrid",
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
+        layer_kinds=tuple(_KINDS[t] for t in types),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=head_dim if cfg.get("position_embedding_type") == "rope" else 0,
+        attention_scale=float(cfg.get("attention_multiplier", 1.0)),
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        mamba_heads=heads,
+        mamba_head_dim=mamba_head_dim,
+        mamba_groups=int(cfg.get("mamba_n_groups", 1)),
+        mamba_state_dim=int(cfg.get("mamba_d_state", 256)),
+        mamba_chunk=int(cfg.get("mamba_chunk_size", 256)),
+        mamba_dt_min=_float(limit[0]),
+        mamba_dt_max=_float(limit[1]),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+    )
+
+
+def _float(value: Any) -> float:
+    """A float from config.json; transformers writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "mixer_norm", "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o",
+    "mamba.in_proj.weight": "ssm_in", "mamba.conv1d.weight": "conv", "mamba.conv1d.bias": "conv_bias",
+    "mamba.dt_bias": "dt_bias", "mamba.A_log": "a_log", "mamba.D": "d_skip", "mamba.norm.weight": "ssm_norm",
+    "mamba.out_proj.weight": "ssm_out",
+    "shared_mlp.input_linear.weight": "gate_up", "shared_mlp.output_linear.weight": "down",
+}
+HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+
+
+def gate_up(config: HybridConfig, layer: int, need) -> torch.Tensor:
+    """The shared MLP's fused input projection: gate rows then up rows, as the builder expects."""
+    return need(f"{layer}.gate_up", (2 * config.intermediate_size, config.hidden_size))
+
+
+def build_mixer(config: HybridConfig, layer: int, need, opt, to) -> torch.nn.Module:
+    c, p = config, f"{layer}."
+    d, heads = c.hidden_size, c.mamba_heads
+    inner = heads * c.mamba_head_dim
+    conv = need(p + "conv", (c.conv_channels, 1, c.conv_kernel)).reshape(c.conv_channels, c.conv_kernel)
+    return Mamba2Mixer(
+        c, layer, w_in=to(need(p + "ssm_in", (inner + c.conv_channels + heads, d))), conv=to(conv),
+        conv_bias=to(need(p + "conv_bias", (c.conv_channels,))) if c.conv_bias else None,
+        a_log=to(need(p + "a_log", (heads,))), dt_bias=to(need(p + "dt_bias", (heads,))),
+        d_skip=to(need(p + "d_skip", (heads,))), norm=to(need(p + "ssm_norm", (inner,))),
+        w_out=to(need(p + "ssm_out", (d, inner))),
+    )

@@ -1,0 +1,191 @@
+"""Hybrid models from HF folders (config.json + safetensors): the family registry and the generic builder.
+
+A family module (lfm2, qwen3_5, granitemoehybrid) provides `config_from_hf(cfg) -> HybridConfig`, the
+map of its HF tensor names to canonical keys (`HF_LAYER_NAMES` after "model.layers.<i>.", `HF_GLOBAL_NAMES`),
+`build_mixer(config, layer, need, opt, to)` for its recurrent layers and `NORM_OFFSET` (Qwen3.5 stores
+RMSNorm weights as w - 1, so 1 is added once at load). Attention layers and the MLP are built here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from types import ModuleType
+
+import torch
+import xxhash
+
+from engine.errors import ModelLoadError
+from engine.model.hybrid import granitemoehybrid, lfm2, qwen3_5
+from engine.model.hybrid.attention import AttentionMixer
+from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
+from engine.model.hybrid.model import HybridCausalLM, HybridLayer
+from engine.model.loader import LoadedModel, _safetensors_files, _safetensors_header
+from engine.model.tokenizer import Tokenizer, TokenizerError
+
+FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
+# Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
+_PREFIXES = (("model.language_model.", "model."),)
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")
+
+
+def hybrid_config_from_hf(cfg: dict) -> HybridConfig:
+    """HybridConfig from a parsed config.json (a VLM wrapper's `text_config` is used when present)."""
+    arch = hf_hybrid_architecture(cfg)
+    if arch is None:
+        raise ConfigError(f"not a hybrid model this engine runs (architectures {cfg.get('architectures')})")
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        merged = dict(text)
+        merged.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        cfg = merged
+    try:
+        return FAMILIES[arch].config_from_hf(cfg)
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config.json has a malformed value: {e}") from None
+
+
+def build_hybrid(
+    config: HybridConfig, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, get, path: str
+) -> HybridCausalLM:
+    """The model on `stages` from `get(canonical key) -> CPU tensor | None`."""
+    c = config
+    if not stages or stages[0][1] != 0 or stages[-1][2] != c.n_layers:
+        raise ModelLoadError(f"{path}: stages {stages} do not cover the model's {c.n_layers} layers")
+    family = FAMILIES[c.architecture]
+    offset = float(getattr(family, "NORM_OFFSET", 0.0))
+
+    def opt(key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        t = get(key)
+        if t is not None and tuple(t.shape) != shape:
+            raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    def need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = opt(key, shape)
+        if t is None:
+            raise ModelLoadError(f"{path}: weight {key!r} is missing")
+        return t
+
+    def norm(key: str, size: int) -> torch.Tensor:
+        return need(key, (size,)) + offset
+
+    d, hd = c.hidden_size, c.head_dim
+    q_rows = c.n_heads * hd * (2 if c.attention_gate else 1)
+    kv_rows = c.n_kv_heads * hd
+    first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
+    embed_cpu = need("embed", (c.vocab_size, d))
+    layers: list[HybridLayer] = []
+    for device, a, b in stages:
+        device = torch.device(device)
+
+        def to(t: torch.Tensor, device: torch.device = device) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        for li in range(a, b):
+            p = f"{li}."
+            kind = c.layer_kinds[li]
+            if kind == ATTENTION:
+                wqkv = torch.cat((need(p + "q", (q_rows, d)), need(p + "k", (kv_rows, d)), need(p + "v", (kv_rows, d))))
+                mixer: torch.nn.Module = AttentionMixer(
+                    c, c.attention_layers.index(li), wqkv=to(wqkv), wo=to(need(p + "o", (d, c.n_heads * hd))),
+                    q_norm=to(norm(p + "q_norm", hd)) if c.qk_norm else None,
+                    k_norm=to(norm(p + "k_norm", hd)) if c.qk_norm else None,
+                )
+            else:
+                mixer = family.build_mixer(c, li, need, opt, to)
+            inter = c.intermediate_size
+            gate_up = family.gate_up(c, li, need) if hasattr(family, "gate_up") else torch.cat(
+                (need(p + "gate", (inter, d)), need(p + "up", (inter, d)))
+            )
+            layers.append(HybridLayer(
+                kind, mixer, mixer_norm=to(norm(p + "mixer_norm", d)), mlp_norm=to(norm(p + "mlp_norm", d)),
+                w_gate_up=to(gate_up), w_down=to(need(p + "down", (d, inter))),
+            ))
+    final_norm = norm("norm", d).to(device=last_device, dtype=dtype)
+    lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
+    if lm_head_cpu is None:
+        lm_head = embed_cpu
+    elif tuple(lm_head_cpu.shape) != (c.vocab_size, d):
+        raise ModelLoadError(f"{path}: weight 'lm_head' has shape {tuple(lm_head_cpu.shape)}")
+    else:
+        lm_head = lm_head_cpu
+    embed = embed_cpu.to(device=first_device, dtype=dtype).contiguous()
+    head = embed if lm_head is embed_cpu and last_device == first_device else lm_head.to(last_device, dtype).contiguous()
+    return HybridCausalLM(c, stages, embed=embed, layers=layers, norm=final_norm, lm_head=head)
+
+
+def _hf_canonical(family: ModuleType, name: str) -> str | None:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+    if name.startswith(_SKIPPED_PREFIXES):
+        return None
+    if name in family.HF_GLOBAL_NAMES:
+        return family.HF_GLOBAL_NAMES[name]
+    if name.startswith("model.layers."):
+        _, _, index, rest = name.split(".", 3)
+        key = family.HF_LAYER_NAMES.get(rest)
+        if key is not None:
+            return f"{index}.{key}"
+    return None
+
+
+def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype) -> LoadedModel:
+    """Load a hybrid HF folder; same identity rules as `engine.model.loader._load_hf` (config, file headers
+    and every weight's bytes in the fingerprint)."""
+    from safetensors import safe_open
+
+    try:
+        config = hybrid_config_from_hf(raw_config)
+    except ConfigError as e:
+        raise ModelLoadError(f"{os.path.join(folder, 'config.json')}: {e}") from None
+    family = FAMILIES[config.architecture]
+    files = _safetensors_files(folder)
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(config.describe(), sort_keys=True).encode())
+    for file in files:
+        h.update(os.path.basename(file).encode())
+        h.update(struct.pack("<Q", os.path.getsize(file)))
+        h.update(_safetensors_header(file))
+    try:
+        tokenizer = Tokenizer.from_hf_folder(folder)
+    except TokenizerError as e:
+        raise ModelLoadError(str(e)) from None
+    handles, where = {}, {}
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as e:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
+        handles[file] = handle
+        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            key = _hf_canonical(family, name)
+            if key is not None:
+                where[key] = (file, name)
+    content = xxhash.xxh3_128()
+
+    def get(key: str) -> torch.Tensor | None:
+        found = where.get(key)
+        if found is None:
+            return None
+        file, name = found
+        try:
+            tensor = handles[file].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
+        content.update(key.encode())
+        content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        return tensor.float()
+
+    if "lm_head" not in where and not config.tie_word_embeddings:
+        raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
+    model = build_hybrid(config, stages, dtype, get, folder)
+    h.update(content.digest())
+    name = os.path.basename(os.path.normpath(folder))
+    return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)  # type: ignore[arg-type]

@@ -1,0 +1,183 @@
+"""Tiny random-weight hybrid models (HF folders written by transformers' save_pretrained) for tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
+
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid")
+
+
+def tiny_hybrid_config(arch: str):
+    """A transformers config for a tiny `arch` model: 4 layers, attention at layers 1 and 3."""
+    import transformers
+
+    common = dict(
+        vocab_size=tiny_vocab_size(), hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, bos_token_id=None,
+        eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "lfm2":
+        return transformers.Lfm2Config(
+            **common, intermediate_size=96, block_multiple_of=16, conv_L_cache=3, norm_eps=1e-5,
+            layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(
+            # Smaller weights: with large activations the L2-normalised DeltaNet keys amplify float32 rounding
+            # (transformers' own float32 forward then drifts ~1e-3 from a float64 one).
+            **{**common, "initializer_range": 0.08}, intermediate_size=128, head_dim=16, rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
+    if arch == "granitemoehybrid":  # dense (Granite-4.0-H-Micro-like), NoPE attention, non-trivial multipliers
+        return transformers.GraniteMoeHybridConfig(
+            **common, intermediate_size=128, shared_intermediate_size=128, num_local_experts=0,
+            num_experts_per_tok=0, rms_norm_eps=1e-6, tie_word_embeddings=False, position_embedding_type="nope",
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=32, mamba_conv_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=1.5,
+        )
+    raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
+
+
+def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) -> str:
+    """Write a random-weight `arch` hybrid under tmp_path (safetensors + tokenizer); returns the folder."""
+    import torch
+    import transformers
+
+    config = tiny_hybrid_config(arch)
+    folder = Path(tmp_path) / f"tiny-{arch}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Non-trivial norm weights and biases, so a missing or misplaced one shows in parity tests.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                # Qwen3.5 stores its RMSNorm weights (outside the DeltaNet) as w - 1.
+                centred = arch == "qwen3_5" and "linear_attn.norm" not in name
+                param.uniform_(-0.5, 0.5) if centred else param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    transformers.utils.logging.disable_progress_bar()
+    model.save_pretrained(folder)
+    write_tokenizer_files(folder)
+    return str(folder)
+
+
+def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False) -> str:
+    """Convert the tiny `arch` HF model (lfm2 or granitemoehybrid) to GGUF as llama.cpp's converter does:
+    tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts with
+    0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
+    [groups, inner / groups], the shared MLP split into gate and up, q/k rows permuted as for llama. 2-D
+    weights in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from engine.model.hybrid.lfm2 import mlp_size
+    from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
+
+    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid"}.get(arch)
+    if gguf_arch is None:
+        raise ValueError(f"arch: only lfm2 and granitemoehybrid have a GGUF writer here, got {arch!r}")
+    folder = write_tiny_hybrid(tmp_path, arch)
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    n_layers, n_heads, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    recurrent = {"conv", "linear_attention"}
+    path = Path(tmp_path) / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv([0 if t in recurrent else n_kv for t in cfg["layer_types"]])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    if arch == "lfm2":
+        writer.add_feed_forward_length(mlp_size(cfg))
+        writer.add_layer_norm_rms_eps(cfg["norm_eps"])
+        writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+    else:
+        inner = cfg["mamba_expand"] * cfg["hidden_size"]
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        writer.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        writer.add_ssm_state_size(cfg["mamba_d_state"])
+        writer.add_ssm_group_count(cfg["mamba_n_groups"])
+        writer.add_ssm_inner_size(inner)
+        writer.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+        writer.add_embedding_scale(cfg["embedding_multiplier"])
+        writer.add_residual_scale(cfg["residual_multiplier"])
+        writer.add_attention_scale(cfg["attention_multiplier"])
+        writer.add_logit_scale(cfg["logits_scaling"])
+        writer.add_rope_scaling_finetuned(False)  # Granite-4.0-H attention is NoPE
+
+    spec = json.loads(tiny_tokenizer_json())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    def permute(w: np.ndarray, heads: int) -> np.ndarray:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2 if arch == "lfm2" else gguf.MODEL_ARCH.GRANITE_HYBRID, n_layers)
+    out_tensors: list[tuple[str, np.ndarray]] = []
+    for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+        w = w.astype(np.float32)
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        if name.endswith("shared_mlp.input_linear.weight"):
+            gate, up = np.split(w, 2, axis=0)
+            prefix = name.removesuffix("shared_mlp.input_linear.weight")
+            out_tensors += [(names.get_name(prefix + "mlp.gate_proj.weight", try_suffixes=(".weight",)), gate),
+                            (names.get_name(prefix + "mlp.up_proj.weight", try_suffixes=(".weight",)), up)]
+            continue
+        if name.endswith("shared_mlp.output_linear.weight"):
+            name = name.replace("shared_mlp.output_linear", "mlp.down_proj")
+        out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert out is not None, f"no GGUF name for {name}"
+        if ".conv.conv." in name or ".conv1d.weight" in name:
+            w = w.squeeze(1)
+        elif name.endswith(".A_log"):
+            w = -np.exp(w).reshape(-1, 1)
+        elif name.endswith(".D"):
+            w = w.reshape(-1, 1)
+        elif name.endswith("mamba.norm.weight"):
+            w = w.reshape(cfg["mamba_n_groups"], -1)
+        elif arch != "lfm2" and name.endswith("self_attn.q_proj.weight"):
+            w = permute(w, n_heads)
+        elif arch != "lfm2" and name.endswith("self_attn.k_proj.weight"):
+            w = permute(w, n_kv)
+        out_tensors.append((out, w))
+    for out, w in out_tensors:
+        if quantize and w.ndim == 2 and w.shape[1] % 32 == 0 and "norm" not in out:  # norms stay float, as llama.cpp keeps them
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(out, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(out, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
