@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv import KVBuffers
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers
 from engine.model.llama import SeqChunk
-from engine.kv import KVBuffers
 
 
 @dataclass(slots=True)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kv import KVBuffers, KVLayout
 from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import HybridConfig
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayout
 from engine.model.llama import SeqChunk, _linear, _logit_rows, rms_norm
 from engine.model.rope import RotaryTable
-from engine.kv import KVBuffers, KVLayout
 
 
 class HybridLayer(torch.nn.Module):
