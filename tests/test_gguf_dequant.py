@@ -67,10 +67,14 @@ def test_quantised_weights_decode_bit_identical_to_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_decoding_in_slices_gives_the_same_values(qtype, monkeypatch):
-    raw = random_tensor(qtype, 10, 768, seed=3)
-    whole = _ours("w", raw, qtype, (10, 768), "cpu")
-    monkeypatch.setattr(gguf_dequant, "_SLICE_VALUES", 700)  # slices of 2 super-blocks, the last one short
-    assert torch.equal(_bits(_ours("w", raw, qtype, (10, 768), "cpu")), _bits(whole))
+    raw = random_tensor(qtype, 9, 768, seed=3)
+    whole = _ours("w", raw, qtype, (9, 768), "cpu")
+    flat = torch.from_numpy(raw.reshape(-1).copy())
+    groups = q4_groups("w", flat, qtype, (9, 768)) if qtype == T.Q4_K else ()
+    monkeypatch.setattr(gguf_dequant, "_SLICE_VALUES", 700)  # 27 blocks in slices of 2, the last one short
+    assert torch.equal(_bits(_ours("w", raw, qtype, (9, 768), "cpu")), _bits(whole))
+    if groups:
+        assert all(torch.equal(a, b) for a, b in zip(q4_groups("w", flat, qtype, (9, 768)), groups, strict=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,7 +14,7 @@ import torch
 GROUP = 32
 # Rows quantised and packed at a time; a multiple of the packing kernel's blocks of 64 rows, so that packing
 # row slices gives the same bytes as packing the whole matrix (tests/test_int4_weights.py checks it).
-_ROWS = 4096
+_ROWS = 1024
 
 
 def available() -> bool:

@@ -1,0 +1,118 @@
+"""Write a GGUF of random weights laid out as llama.cpp's Q4_K_M, for load-time and memory measurements.
+
+    python tools/make_random_gguf.py OUT.gguf [--shape 1b|tiny] [--seed 0]
+
+Shape 1b: Llama-3.2-1B's (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, tied embeddings)
+with the bundled SmolLM2's vocabulary (49152 tokens; every tokenizer.* key is copied from it, so the engine
+loads and tokenizes the file), ~1.07 B weights. Types as Q4_K_M assigns them: Q4_K for the projections,
+Q6_K for attn_v and ffn_down of every other layer and for the (tied) token embedding, F32 for the norms.
+Block bytes are random except the float16 scale fields, which are small and finite; tensors are written one
+at a time, so the writer never holds more than one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gguf  # noqa: E402
+
+from engine.model import embedded_model_path  # noqa: E402
+
+SHAPES = {
+    "1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8),
+    "tiny": dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2),
+}
+# Offsets of the float16 fields in one block of the two block types written here.
+_F16_FIELDS = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,)}
+
+
+def random_blocks(rng: np.random.Generator, qtype, rows: int, cols: int, scale: float) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for at in _F16_FIELDS[qtype]:
+        raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    s = SHAPES[args.shape]
+    h, inter, n_layers, n_heads, n_kv = s["hidden"], s["inter"], s["layers"], s["heads"], s["kv_heads"]
+    hd = h // n_heads
+    vocab_reader = gguf.GGUFReader(embedded_model_path())
+    tok_fields = {k: f for k, f in vocab_reader.fields.items() if k.startswith("tokenizer.")}
+    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
+
+    w = gguf.GGUFWriter(args.out, "llama")
+    w.add_name(f"random-{args.shape}-q4_k_m")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_context_length(4096)
+    w.add_embedding_length(h)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    for key, f in tok_fields.items():
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), vtype, sub_type=sub)
+
+    q4k, q6k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    plan: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (n_vocab, h), q6k)]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        more_bits = q6k if i % 2 == 0 else q4k
+        plan += [
+            (p + "attn_norm.weight", (h,), None),
+            (p + "attn_q.weight", (n_heads * hd, h), q4k),
+            (p + "attn_k.weight", (n_kv * hd, h), q4k),
+            (p + "attn_v.weight", (n_kv * hd, h), more_bits),
+            (p + "attn_output.weight", (h, n_heads * hd), q4k),
+            (p + "ffn_norm.weight", (h,), None),
+            (p + "ffn_gate.weight", (inter, h), q4k),
+            (p + "ffn_up.weight", (inter, h), q4k),
+            (p + "ffn_down.weight", (h, inter), more_bits),
+        ]
+    plan.append(("output_norm.weight", (h,), None))
+    for name, shape, qtype in plan:
+        if qtype is None:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shape[:-1], shape[-1] // block * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+    for _name, shape, qtype in plan:
+        if qtype is None:
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
+        else:  # values of about +-0.02 (Q4_K: d * 6-bit scale * 4-bit code; Q6_K: d * int8 scale * (q - 32))
+            scale = 0.02 / (32 * 8) if qtype == q4k else 0.02 / (64 * 16)
+            w.write_tensor_data(random_blocks(rng, qtype, shape[0], shape[1], scale))
+    w.close()
+    print(f"wrote {args.out}: {len(plan)} tensors, {os.path.getsize(args.out) / 2**20:.0f} MiB, "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
