@@ -16,6 +16,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
+from engine.model import moe_loading
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.tokenizer import Tokenizer, TokenizerError
@@ -133,7 +134,8 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int)
     (the `bytes_per_layer` of plan_stages)."""
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + 3 * c.hidden_size * c.intermediate_size
+    mlp = max(moe_loading.mlp_weights(c, i) for i in range(c.n_layers))  # experts make layers differ
+    weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + mlp
     weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
     kv = 2 * n_slots * ctx * kv_rows
     return (weights + kv) * dtype.itemsize
@@ -226,6 +228,7 @@ def _build(
 ) -> CausalLM:
     _stage_checks(config, stages, path)
     c = config
+    get = moe_loading.fold_scales(c, get)  # GraniteMoE's multipliers into the weights; `get` itself elsewhere
 
     def need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = get(key)
@@ -259,13 +262,22 @@ def _build(
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,)), need(p + "k_bias", (kv_rows,)),
                                   need(p + "v_bias", (kv_rows,))))
                 bqkv = to(bqkv, device)
-            gate_up = torch.cat(
-                (need(p + "gate", (c.intermediate_size, c.hidden_size)), need(p + "up", (c.intermediate_size, c.hidden_size)))
-            )
+            if c.is_moe_layer(i):  # a sparse expert block instead of the dense MLP
+                moe = moe_loading.build_sparse_moe(c, i, get, need, lambda t, d=device: to(t, d), path)
+                w_gate_up = w_down = None
+            else:
+                moe = None
+                gate_up = torch.cat(
+                    (need(p + "gate", (c.intermediate_size, c.hidden_size)),
+                     need(p + "up", (c.intermediate_size, c.hidden_size)))
+                )
+                w_gate_up = to(gate_up, device)
+                w_down = to(need(p + "down", (c.hidden_size, c.intermediate_size)), device)
             q_norm = k_norm = None
             if c.qk_norm:
-                q_norm = to(need(p + "q_norm", (c.head_dim,)), device)
-                k_norm = to(need(p + "k_norm", (c.head_dim,)), device)
+                q_shape, k_shape = moe_loading.q_norm_shapes(c)
+                q_norm = to(need(p + "q_norm", q_shape), device)
+                k_norm = to(need(p + "k_norm", k_shape), device)
             layers.append(
                 DecoderLayer(
                     c,
@@ -274,14 +286,15 @@ def _build(
                     bqkv=bqkv,
                     wo=to(need(p + "o", (c.hidden_size, q_rows)), device),
                     mlp_norm=to(need(p + "mlp_norm", (c.hidden_size,)), device),
-                    w_gate_up=to(gate_up, device),
-                    w_down=to(need(p + "down", (c.hidden_size, c.intermediate_size)), device),
+                    w_gate_up=w_gate_up,
+                    w_down=w_down,
                     q_norm=q_norm,
                     k_norm=k_norm,
+                    moe=moe,
                 )
             )
     norm = to(need("norm", (c.hidden_size,)), last_device)
-    lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
+    lm_head_cpu = None if c.tie_word_embeddings and not moe_loading.output_is_separate(c) else get("lm_head")
     if lm_head_cpu is None:
         lm_head = embed if last_device == first_device else to(embed_cpu, last_device)
     else:
@@ -480,7 +493,7 @@ def _hf_canonical(name: str) -> str | None:
         return _HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = _HF_LAYER_NAMES.get(rest)
+        key = _HF_LAYER_NAMES.get(rest) or moe_loading.hf_layer_key(rest)
         if key is not None:
             return f"{index}.{key}"
     return None

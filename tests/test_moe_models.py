@@ -1,0 +1,166 @@
+"""Mixture-of-experts families against transformers on the same tiny random weights (float32, CPU), through the
+engine's own forward: whole prompts, chunked prefill then decode, two slots batched, routing ties, and a real
+`strata serve` answering the openai SDK."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from engine.errors import ModelLoadError
+from engine.model import SeqChunk, load_model, plan_stages
+from engine.model.loader import read_model_config
+from engine.model.moe import SparseMoe, expert_bytes
+from engine.runtime.kv_buffers import KVBuffers, KVLayout
+from tests.engine_process import engine_process
+from tests.moe_fixtures import EXPERT_SIZE, MOE_ARCHS, N_EXPERTS, write_tiny_moe_model
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+ATOL = 1e-4  # float32 on both sides; only summation orders differ
+TEXT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b  café 🙂 " * 2 + "Paris is"
+
+
+def _load(path: str):
+    return load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32)
+
+
+def _kv(lm, n_slots: int = 3, ctx: int = 256) -> KVBuffers:
+    c = lm.config
+    return KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), n_slots, ctx, lm.model.stages)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: write_tiny_moe_model(root, arch) for arch in MOE_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def reference(moe_models):
+    """transformers' logits for TEXT, per family, computed once."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def logits(arch: str, ids: torch.Tensor) -> torch.Tensor:
+        if arch not in cache:
+            model = transformers.AutoModelForCausalLM.from_pretrained(moe_models[arch], dtype=torch.float32).eval()
+            with torch.no_grad():
+                cache[arch] = model(ids[None]).logits[0]
+        return cache[arch]
+
+    return logits
+
+
+@pytest.fixture(scope="session")
+def loaded(moe_models):
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = _load(moe_models[arch])
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_logits_match_transformers(loaded, reference, arch):
+    lm = loaded(arch)
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    assert len(ids) >= 90
+    ref = reference(arch, ids)
+    ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
+    diff = _max_diff(ours, ref)
+    assert diff <= ATOL, f"{arch}: max abs logit diff {diff:.3g} > {ATOL} (logit scale {ref.abs().max():.3g})"
+    n_moe = sum(isinstance(layer.moe, SparseMoe) for layer in lm.model.layers)
+    assert n_moe == (2 if arch == "qwen3_moe" else 3)  # Qwen3-MoE's layer 1 is dense (mlp_only_layers)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_chunked_prefill_and_decode_equal_one_shot(loaded, reference, arch):
+    lm = loaded(arch)
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    ref = reference(arch, ids)
+    kv, n = _kv(lm), len(ids)
+    cuts = [0, 7, 40, n - 4]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        got = lm.model.forward_chunks([SeqChunk(2, a, ids[a:b])], kv, all_logits=True)[0]
+        diff = _max_diff(got, ref[a:b])
+        assert diff <= ATOL, f"{arch}: prefill chunk [{a},{b}) differs from transformers by {diff:.3g}"
+    for pos in range(n - 4, n):
+        got = lm.model.forward_chunks([SeqChunk(2, pos, ids[pos : pos + 1])], kv)[0]
+        diff = _max_diff(got, ref[pos])
+        assert diff <= ATOL, f"{arch}: decode at position {pos} differs from transformers by {diff:.3g}"
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_two_slots_batched_equal_alone(loaded, arch):
+    """A slot's logits are bitwise the same whether another slot's prefill and decodes share its forward calls
+    (so its tokens share experts' matmuls with the other slot's tokens)."""
+    lm = loaded(arch)
+    mine = torch.tensor(lm.tokenizer.encode(TEXT))
+    other = torch.tensor(lm.tokenizer.encode("Hello, world! This is a tiny tokenizer for tests."))
+
+    def run(batched: bool) -> list[torch.Tensor]:
+        kv = _kv(lm)
+        chunks = [SeqChunk(0, 0, mine)] + ([SeqChunk(1, 0, other)] if batched else [])
+        rows = [lm.model.forward_chunks(chunks, kv)[0]]
+        token = int(rows[-1].argmax())
+        for step in range(4):
+            chunks = [SeqChunk(0, len(mine) + step, torch.tensor([token]))]
+            if batched:
+                chunks.insert(0, SeqChunk(1, len(other) + step, torch.tensor([5 + step])))
+            logits = lm.model.forward_chunks(chunks, kv)
+            rows.append(logits[len(chunks) - 1])
+            token = int(rows[-1].argmax())
+        return rows
+
+    for step, (a, b) in enumerate(zip(run(False), run(True), strict=True)):
+        assert torch.equal(a, b), f"{arch} step {step}: logits differ by {_max_diff(a, b):.3g} when batched"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "granitemoe"])
+def test_routing_ties_resolve_as_in_transformers(tmp_path, arch):
+    """Every expert's router row the same: all experts tie for every token, and the experts picked (so the
+    logits) are transformers' own."""
+    path = write_tiny_moe_model(tmp_path, arch, same_router_rows=True)
+    lm = _load(path)
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))[:40]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
+    assert _max_diff(ours, ref) <= ATOL
+
+
+def test_expert_bytes_count_the_routed_experts(loaded):
+    lm = loaded("olmoe")
+    c = lm.config
+    per_layer = N_EXPERTS * 3 * c.hidden_size * EXPERT_SIZE * 4  # float32 gate, up, down of every expert
+    assert expert_bytes(lm.model) == c.n_layers * per_layer
+    dense = loaded("qwen3_moe")
+    assert expert_bytes(dense.model) == 2 * per_layer  # one of its three layers is dense
+
+
+def test_unsupported_expert_settings_are_refused_with_the_reason(tmp_path):
+    path = write_tiny_moe_model(tmp_path, "olmoe", clip_qkv=8.0)
+    with pytest.raises(ModelLoadError, match="clip_qkv 8.0: clipping q/k/v is not supported"):
+        read_model_config(path)
+
+
+def test_serves_a_chat_completion(moe_models):
+    with engine_process("--model", moe_models["qwen3_moe"], "--parallel", "2", "--ctx-size", "512",
+                        "--conversation-cache-mib", "0") as engine:
+        client = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello, world!"}],
+                                           max_tokens=6, temperature=0)
+    [choice] = r.choices
+    assert choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 6
+    assert isinstance(choice.message.content, str)
