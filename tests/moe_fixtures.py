@@ -64,9 +64,11 @@ def tiny_moe_config(arch: str, **overrides):
 
 
 def write_tiny_moe_model(root: str | os.PathLike, arch: str, *, name: str | None = None, seed: int = 0,
-                         same_router_rows: bool = False, **overrides) -> str:
+                         same_router_rows: bool = False, int4_grid: bool = False, **overrides) -> str:
     """Write a random-weight MoE model of `arch` under `root`; returns the folder. With `same_router_rows`
-    every expert's router row is the same, so all experts tie for every token (routing ties)."""
+    every expert's router row is the same, so all experts tie for every token (routing ties). With `int4_grid`
+    every matrix lies on a 4-bit grid per group of 32 (as a Q4_1 file's weights do), so 4-bit weights lose
+    nothing and what differs from float is the kernel's bfloat16 activations."""
     import torch
     import transformers
 
@@ -83,7 +85,17 @@ def write_tiny_moe_model(root: str | os.PathLike, arch: str, *, name: str | None
                 param.normal_(0.0, 0.5)
             elif same_router_rows and param.dim() == 2 and param.shape[0] == N_EXPERTS:
                 param.copy_(param[:1].expand_as(param))
+            elif int4_grid and param.dim() >= 2 and param.shape[-1] % 32 == 0:
+                param.copy_(_on_int4_grid(param))
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
     write_tokenizer_files(folder)
     return str(folder)
+
+
+def _on_int4_grid(w):
+    """`w` rounded to min + scale * q (q in 0..15) per group of 32 along its last dimension."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    return (low + scale * ((groups - low) / scale).round()).reshape(w.shape)

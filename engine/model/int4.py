@@ -70,4 +70,8 @@ def quantize_model(model: torch.nn.Module) -> tuple[int, int]:
         after += q.nbytes
         owner._buffers.pop(name, None)
         object.__setattr__(owner, name, q)
+    for layer in model.layers:  # mixture-of-experts layers: the experts (engine/model/moe.py)
+        if getattr(layer, "moe", None) is not None:
+            b, a = layer.moe.quantize_experts()
+            before, after = before + b, after + a
     return before, after

@@ -116,18 +116,21 @@ class SparseMoe(torch.nn.Module):
         return sum(_nbytes(w) for w in (self.gate_up, self.down))
 
     def quantize_experts(self) -> tuple[int, int]:
-        """Experts as 4-bit groups, one Int4Weight per expert and matrix (CPU only); returns (bytes before, after).
-
-        A matrix whose shape the packing kernel does not take stays in float.
-        """
+        """Experts (and the shared expert) as 4-bit groups through int4.Int4Weight, one per expert and matrix
+        (CPU only); returns (bytes before, after). The router and the shared expert's gate stay in float: they
+        are small, and routing decides which experts run at all. A matrix whose shape the packing kernel does
+        not take stays in float."""
         before = after = 0
-        for name in ("gate_up", "down"):
+        for name in ("gate_up", "down", "shared_gate_up", "shared_down"):
             w = getattr(self, name)
-            if not isinstance(w, torch.Tensor) or not int4.can_quantize(w[0]):
+            if not isinstance(w, torch.Tensor):
                 continue
-            packed = [int4.Int4Weight(w[e]) for e in range(w.shape[0])]
+            stacked = w.dim() == 3
+            if not int4.can_quantize(w[0] if stacked else w):
+                continue
+            packed = [int4.Int4Weight(w[e]) for e in range(w.shape[0])] if stacked else int4.Int4Weight(w)
             before += w.nbytes
-            after += sum(p.nbytes for p in packed)
+            after += _nbytes(packed)
             self._buffers.pop(name, None)
             object.__setattr__(self, name, packed)
         return before, after
@@ -144,19 +147,10 @@ _SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats w
 
 
 def _nbytes(w) -> int:
-    return w.nbytes if isinstance(w, torch.Tensor) else sum(p.nbytes for p in w)
+    return sum(p.nbytes for p in w) if isinstance(w, list) else w.nbytes
 
 
 def expert_bytes(model: torch.nn.Module) -> int:
     """Resident bytes of all routed experts of `model` (0 for a dense model): the expert arena."""
     return sum(layer.moe.expert_bytes for layer in model.layers if getattr(layer, "moe", None) is not None)
 
-
-def quantize_experts(model: torch.nn.Module) -> tuple[int, int]:
-    """`SparseMoe.quantize_experts` over every MoE layer of `model`; returns (bytes before, after)."""
-    before = after = 0
-    for layer in model.layers:
-        if getattr(layer, "moe", None) is not None:
-            b, a = layer.moe.quantize_experts()
-            before, after = before + b, after + a
-    return before, after
