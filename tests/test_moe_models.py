@@ -4,6 +4,8 @@ engine's own forward: whole prompts, chunked prefill then decode, two slots batc
 
 from __future__ import annotations
 
+import dataclasses
+
 import openai
 import pytest
 import torch
@@ -17,7 +19,7 @@ from engine.runtime.engine import Engine
 from engine.runtime.kv_buffers import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest, SamplingParams
 from tests.engine_process import engine_process
-from tests.moe_fixtures import EXPERT_SIZE, MOE_ARCHS, N_EXPERTS, write_tiny_moe_model
+from tests.moe_fixtures import EXPERT_SIZE, MOE_ARCHS, N_EXPERTS, write_tiny_moe_gguf, write_tiny_moe_model
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -140,6 +142,23 @@ def test_routing_ties_resolve_as_in_transformers(tmp_path, arch):
         ref = model(ids[None]).logits[0]
     ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
     assert _max_diff(ours, ref) <= ATOL
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_gguf_conversion_loads_the_same_model(tmp_path, arch):
+    """An unquantised GGUF with llama.cpp's expert tensors (ffn_*_exps, ffn_gate_inp, ffn_*_shexp) and
+    metadata (expert_count, expert_used_count, ...) gives the logits of the HF folder it came from."""
+    gguf_path = write_tiny_moe_gguf(tmp_path, arch)
+    from_gguf, from_folder = _load(gguf_path), _load(str(tmp_path / f"tiny-{arch}"))
+    assert from_gguf.config.architecture == arch
+    for field in dataclasses.fields(from_folder.config.moe):  # GGUF keeps Granite's multipliers in float32
+        got, want = getattr(from_gguf.config.moe, field.name), getattr(from_folder.config.moe, field.name)
+        assert got == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), field.name
+    ids = torch.tensor(from_folder.tokenizer.encode(TEXT))
+    a = from_gguf.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(from_gguf), all_logits=True)[0]
+    b = from_folder.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(from_folder), all_logits=True)[0]
+    diff = _max_diff(a, b)
+    assert diff <= ATOL, f"{arch}: GGUF vs HF folder max abs logit diff {diff:.3g}"
 
 
 def test_expert_bytes_count_the_routed_experts(loaded):

@@ -324,7 +324,7 @@ def _gguf_canonical(name: str) -> str | None:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        key = _GGUF_LAYER_NAMES.get(rest)
+        key = _GGUF_LAYER_NAMES.get(rest) or moe_loading.gguf_layer_key(rest)
         if key is not None:
             return f"{index}.{key}"
     return None
@@ -381,8 +381,10 @@ def gguf_metadata(reader) -> dict:
 
 def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2 or qwen3")
+    moe_arch = moe_loading.gguf_architecture(arch, meta)  # mixture-of-experts families
+    if arch not in ("llama", "mistral", "qwen2", "qwen3") and moe_arch is None:
+        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2, qwen3, "
+                             f"{', '.join(moe_loading.GGUF_ARCHITECTURE_NAMES)}")
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -401,12 +403,14 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         if original:
             scaling["original_max_position_embeddings"] = int(original)
     n_kv = key("attention.head_count_kv", n_heads)
+    n_layers = int(key("block_count"))
+    moe = moe_arch and moe_loading.gguf_moe_config(moe_arch, arch, meta, tensor_names, n_layers, path)
     return ModelConfig(
-        architecture=arch,
+        architecture=moe_arch or arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
         head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads),
@@ -417,6 +421,7 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        moe=moe or None,
     )
 
 
@@ -447,7 +452,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
     # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
-    permuted = config.architecture in ("llama", "mistral")
+    permuted = config.architecture in ("llama", "mistral", *moe_loading.GGUF_PERMUTED)
 
     def get(key: str) -> torch.Tensor | None:
         t = tensors.get(key)

@@ -20,6 +20,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 from engine.model.moe import SparseMoe
+from engine.model.moe_config import MoeConfig
 
 Getter = Callable[[str], "torch.Tensor | None"]
 
@@ -131,9 +132,18 @@ def build_sparse_moe(
         shared = {
             "shared_gate_up": to(torch.cat((need(p + "shared.gate", (s, h)), need(p + "shared.up", (s, h))))),
             "shared_down": to(need(p + "shared.down", (h, s))),
-            "shared_gate": to(need(p + "shared_gate", (1, h))),
+            "shared_gate": to(_shared_gate(get(p + "shared_gate"), h, p, path)),
         }
     return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=to(gate_up), down=to(down), **shared)
+
+
+def _shared_gate(t: torch.Tensor | None, h: int, p: str, path: str) -> torch.Tensor:
+    if t is None:
+        raise ModelLoadError(f"{path}: weight {p + 'shared_gate'!r} is missing")
+    if tuple(t.shape) == (h,):  # GGUF keeps it 1-D
+        t = t.view(1, h)
+    _check(t, (1, h), p + "shared_gate", path)
+    return t
 
 
 def _check(t: torch.Tensor, shape: tuple[int, ...], key: str, path: str) -> None:
@@ -148,3 +158,78 @@ def mlp_weights(config: ModelConfig, index: int) -> int:
         return 3 * c.hidden_size * c.intermediate_size
     shared = 3 * c.hidden_size * m.shared_expert_size + c.hidden_size if m.shared_expert_size else 0
     return m.n_experts * (3 * c.hidden_size * m.expert_size + c.hidden_size) + shared
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's names and metadata keys)
+
+# llama.cpp architecture -> ours; Mixtral files say "llama" and carry llama.expert_count.
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+GGUF_ARCHITECTURE_NAMES = tuple(_GGUF_ARCHITECTURES)
+_GGUF_LAYER_KEYS = {
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": "experts.gate",
+    "ffn_up_exps.weight": "experts.up",
+    "ffn_down_exps.weight": "experts.down",
+    "ffn_gate_shexp.weight": "shared.gate",
+    "ffn_up_shexp.weight": "shared.up",
+    "ffn_down_shexp.weight": "shared.down",
+    "ffn_gate_inp_shexp.weight": "shared_gate",
+}
+# Architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel and its subclasses).
+GGUF_PERMUTED = ("mixtral", "granitemoe")
+
+
+def gguf_layer_key(rest: str) -> str | None:
+    """The canonical key (without the layer prefix) of a GGUF layer tensor such as "ffn_up_exps.weight"."""
+    return _GGUF_LAYER_KEYS.get(rest)
+
+
+def gguf_architecture(gguf_arch: str | None, meta: dict) -> str | None:
+    """Our MoE architecture for a GGUF's general.architecture and metadata, or None for a dense file."""
+    if gguf_arch == "llama" and meta.get("llama.expert_count"):
+        return "mixtral"
+    return _GGUF_ARCHITECTURES.get(gguf_arch or "")
+
+
+def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str], n_layers: int,
+                    path: str) -> MoeConfig:
+    """Expert settings from `<gguf_arch>.expert_count`, `.expert_used_count`, `.expert_feed_forward_length`,
+    `.expert_shared_feed_forward_length`, `.expert_weights_norm` and Granite's `.embedding_scale`,
+    `.attention.scale`, `.residual_scale`, `.logit_scale`. Where a key is absent, llama.cpp's own choice for the
+    family holds (it renormalises Qwen3-MoE's and Mixtral's top-k weights, not Qwen2-MoE's or OLMoE's)."""
+
+    def key(name: str, default=None):
+        value = meta.get(f"{gguf_arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata {gguf_arch}.{name} is missing")
+        return value
+
+    gating = meta.get(f"{gguf_arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp: 1 softmax, 2 sigmoid
+        raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (expected 1, softmax)")
+    if meta.get(f"{gguf_arch}.expert_shared_count", 0) and arch != "qwen2_moe":
+        raise ModelLoadError(f"{path}: shared experts in {arch} are not supported (only Qwen2-MoE's)")
+    # Layers without a router tensor have a dense MLP (ffn_gate/ffn_up/ffn_down).
+    dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+    common = {
+        "n_experts": int(key("expert_count")),
+        "top_k": int(key("expert_used_count")),
+        "expert_size": int(meta.get(f"{gguf_arch}.expert_feed_forward_length") or key("feed_forward_length")),
+        "dense_layers": dense,
+    }
+    norm = bool(meta.get(f"{gguf_arch}.expert_weights_norm", arch in ("qwen3_moe", "mixtral")))
+    try:
+        if arch == "granitemoe":
+            moe = MoeConfig(**common, routing="topk_softmax", norm_topk_prob=False,
+                            embedding_multiplier=float(key("embedding_scale", 1.0)),
+                            attention_multiplier=float(key("attention.scale", 1.0)),
+                            residual_multiplier=float(key("residual_scale", 1.0)),
+                            logits_scaling=float(key("logit_scale", 1.0)))
+        else:
+            shared = int(key("expert_shared_feed_forward_length")) if arch == "qwen2_moe" else 0
+            moe = MoeConfig(**common, routing="softmax_topk", norm_topk_prob=norm or arch == "mixtral",
+                            shared_expert_size=shared)
+        moe.check(n_layers)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    return moe
