@@ -14,11 +14,12 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model import SeqChunk, int4, load_model, plan_stages
 from engine.model.loader import read_model_config
-from engine.model.moe import SparseMoe, expert_bytes
+from engine.model.moe import SparseMoe
 from engine.runtime.engine import Engine
 from engine.runtime.kv_buffers import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest, SamplingParams
 from tests.engine_process import engine_process
+from tests.model_fixtures import write_tiny_model
 from tests.moe_fixtures import EXPERT_SIZE, MOE_ARCHS, N_EXPERTS, write_tiny_moe_gguf, write_tiny_moe_model
 
 transformers = pytest.importorskip("transformers")
@@ -161,13 +162,15 @@ def test_gguf_conversion_loads_the_same_model(tmp_path, arch):
     assert diff <= ATOL, f"{arch}: GGUF vs HF folder max abs logit diff {diff:.3g}"
 
 
-def test_expert_bytes_count_the_routed_experts(loaded):
+def test_expert_bytes_count_the_routed_experts(loaded, tmp_path):
+    """The expert arena a model reports: every routed expert's weights, not the dense MLPs or shared expert."""
     lm = loaded("olmoe")
     c = lm.config
     per_layer = N_EXPERTS * 3 * c.hidden_size * EXPERT_SIZE * 4  # float32 gate, up, down of every expert
-    assert expert_bytes(lm.model) == c.n_layers * per_layer
-    dense = loaded("qwen3_moe")
-    assert expert_bytes(dense.model) == 2 * per_layer  # one of its three layers is dense
+    assert lm.model.expert_bytes == c.n_layers * per_layer
+    assert loaded("qwen3_moe").model.expert_bytes == 2 * per_layer  # one of its three layers is dense
+    assert loaded("qwen2_moe").model.expert_bytes == c.n_layers * per_layer  # the shared expert is not counted
+    assert _load(write_tiny_model(tmp_path, "llama")).model.expert_bytes == 0
 
 
 def test_unsupported_expert_settings_are_refused_with_the_reason(tmp_path):
@@ -202,14 +205,14 @@ def test_int4_experts_track_float(tmp_path, arch):
     with torch.inference_mode():
         ref_block = block(h, 0)
         ref = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
-        float_bytes = expert_bytes(lm.model)
+        float_bytes = lm.model.expert_bytes
         for layer in lm.model.layers:
             layer.moe.quantize_experts()
         got_block = block(h, 0)
         got = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
     assert isinstance(block.gate_up[N_EXPERTS - 1], int4.Int4Weight) and isinstance(block.down[0], int4.Int4Weight)
     assert isinstance(block.shared_gate_up, int4.Int4Weight) == (arch == "qwen2_moe")
-    assert expert_bytes(lm.model) < float_bytes / 5  # 4-bit codes plus a bfloat16 scale and zero per 32
+    assert lm.model.expert_bytes < float_bytes / 5  # 4-bit codes plus a bfloat16 scale and zero per 32
     relative = ((got_block - ref_block).norm() / ref_block.norm()).item()
     assert relative < 0.03, f"{arch}: int4 experts change the block's output by {relative:.3f} (relative)"
     same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

@@ -181,6 +181,11 @@ class CausalLM(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @property
+    def expert_bytes(self) -> int:
+        """Resident bytes of the routed experts' weights, the expert arena (0 for a dense model)."""
+        return sum(layer.moe.expert_bytes for layer in self.layers if layer.moe is not None)
+
     @torch.inference_mode()
     def forward_chunks(
         self, chunks: list[SeqChunk], kv: KVBuffers, all_logits: bool = False

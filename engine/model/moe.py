@@ -148,9 +148,3 @@ _SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats w
 
 def _nbytes(w) -> int:
     return sum(p.nbytes for p in w) if isinstance(w, list) else w.nbytes
-
-
-def expert_bytes(model: torch.nn.Module) -> int:
-    """Resident bytes of all routed experts of `model` (0 for a dense model): the expert arena."""
-    return sum(layer.moe.expert_bytes for layer in model.layers if getattr(layer, "moe", None) is not None)
-
