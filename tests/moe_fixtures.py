@@ -125,11 +125,11 @@ _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_p
 _EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
-def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0) -> str:
-    """Convert a tiny MoE HF model to an unquantised GGUF the way llama.cpp's converter does: experts stacked
-    into ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as ffn_*_shexp with its gate
-    1-D, q/k rows interleaved for the Llama-derived files (Mixtral, GraniteMoE). Returns the .gguf path; the HF
-    folder sits beside it."""
+def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0, quantize: bool = False) -> str:
+    """Convert a tiny MoE HF model to a GGUF the way llama.cpp's converter does: experts stacked into
+    ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as ffn_*_shexp with its gate 1-D,
+    q/k rows interleaved for the Llama-derived files (Mixtral, GraniteMoE); matrices and expert stacks in Q8_0
+    when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -201,7 +201,12 @@ def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0) ->
     for (index, part), by_expert in experts.items():
         out[f"blk.{index}.ffn_{part}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     for key, w in out.items():
-        writer.add_tensor(key, np.ascontiguousarray(w))
+        w = np.ascontiguousarray(w)
+        if quantize and w.ndim >= 2 and w.shape[-1] % 32 == 0:
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(key, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(key, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -162,6 +162,22 @@ def test_gguf_conversion_loads_the_same_model(tmp_path, arch):
     assert diff <= ATOL, f"{arch}: GGUF vs HF folder max abs logit diff {diff:.3g}"
 
 
+def test_q8_0_gguf_experts_dequantise_to_the_folder_model(tmp_path):
+    """Expert stacks stored quantised (Q8_0, 3-D) read back expert by expert: every expert matrix (and the
+    shared expert) equals the folder's within Q8_0's rounding (an expert out of place would differ by ~140%)."""
+    gguf_path = write_tiny_moe_gguf(tmp_path, "qwen2_moe", quantize=True)
+    from_gguf, from_folder = _load(gguf_path), _load(str(tmp_path / "tiny-qwen2_moe"))
+    for i, (a, b) in enumerate(zip(from_gguf.model.layers, from_folder.model.layers, strict=True)):
+        for name in ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate"):
+            got, want = getattr(a.moe, name), getattr(b.moe, name)
+            assert got.shape == want.shape, (i, name)
+            per_expert = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
+            assert per_expert.max().item() < 0.01, f"layer {i} {name}: relative error {per_expert.max():.3g}"
+    ids = torch.tensor(from_folder.tokenizer.encode(TEXT))
+    logits = from_gguf.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(from_gguf))
+    assert torch.isfinite(logits).all()
+
+
 def test_expert_bytes_count_the_routed_experts(loaded, tmp_path):
     """The expert arena a model reports: every routed expert's weights, not the dense MLPs or shared expert."""
     lm = loaded("olmoe")
