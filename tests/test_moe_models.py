@@ -21,6 +21,7 @@ from engine.runtime.requests import GenerationRequest, SamplingParams
 from tests.engine_process import engine_process
 from tests.model_fixtures import write_tiny_model
 from tests.moe_fixtures import EXPERT_SIZE, MOE_ARCHS, N_EXPERTS, write_tiny_moe_gguf, write_tiny_moe_model
+from tools.conversation_cache_parity import run_scenario
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -249,3 +250,12 @@ def test_int4_engine_packs_the_experts_and_decodes_deterministically(moe_models)
     finally:
         engine.close()
     assert len(runs[0]) == 12 and runs[0] == runs[1]
+
+
+def test_conversation_cache_restores_a_moe_conversation_exactly(moe_models):
+    """A/B/A on a MoE model (int4 experts, the CPU default): A's parked K/V restored after B gives the tokens of
+    A run straight through. The storage modes themselves do not depend on the model (tests/test_cache_*)."""
+    base = {"model": moe_models["qwen2_moe"], "ctx_size": 2048, "conversation_cache_storage": "ram",
+            "conversation_cache_min_free_mib": 0}
+    outcome = run_scenario("basic", base, n_words=60, max_tokens=12)
+    assert outcome.passed, outcome.detail
