@@ -132,6 +132,16 @@ def test_two_slots_batched_equal_alone(loaded, arch):
         assert torch.equal(a, b), f"{arch} step {step}: logits differ by {_max_diff(a, b):.3g} when batched"
 
 
+def test_layer_split_over_two_stages_equals_one_stage(moe_models, loaded):
+    one = loaded("qwen2_moe")
+    path = moe_models["qwen2_moe"]
+    two = load_model(path, plan_stages(read_model_config(path).n_layers, "cpu,cpu", "1,2"), torch.float32)
+    ids = torch.tensor(one.tokenizer.encode(TEXT))
+    a = one.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(one))
+    b = two.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(two))
+    assert torch.equal(a, b), f"max diff {_max_diff(a, b):.3g}"
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "granitemoe"])
 def test_routing_ties_resolve_as_in_transformers(tmp_path, arch):
     """Every expert's router row the same: all experts tie for every token, and the experts picked (so the
