@@ -48,6 +48,7 @@ class SparseMoe(torch.nn.Module):
 
     `gate_up` is [n_experts, 2 * expert_size, hidden] (each expert's gate rows, then its up rows), `down`
     [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert.
+    With a shared expert, `router` holds its gate as a last row.
     """
 
     def __init__(
@@ -74,19 +75,24 @@ class SparseMoe(torch.nn.Module):
             assert shared_gate_up.shape == (2 * s, h) and shared_down.shape == (h, s), "shared expert shape"
             assert shared_gate.shape == (1, h), ("shared_gate", tuple(shared_gate.shape))
         self.config = moe
+        if has_shared:
+            # The shared expert's gate is one more router row: one product for both, and a product with a
+            # single output column sums differently by row count under BLAS (batch invariance).
+            router = torch.cat((router, shared_gate))
         self.register_buffer("router", router, persistent=False)
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
         self.register_buffer("shared_gate_up", shared_gate_up, persistent=False)
         self.register_buffer("shared_down", shared_down, persistent=False)
-        self.register_buffer("shared_gate", shared_gate, persistent=False)
 
     def forward(self, h: torch.Tensor, n_single: int) -> torch.Tensor:
         """h [tokens, hidden] (the first `n_single` rows are one-token chunks) -> the block's output."""
-        weights, experts = route(_linear(h, self.router, n_single), self.config)
+        logits = _linear(h, self.router, n_single)
+        n_experts = self.config.n_experts
+        weights, experts = route(logits[:, :n_experts], self.config)
         out = self._routed(h, experts, weights.to(h.dtype), n_single)
         if self.shared_gate_up is not None:
-            gate = _sigmoid_column(_linear(h, self.shared_gate, n_single))
+            gate = _sigmoid_column(logits[:, n_experts:])
             out = out + gate * _mlp(h, self.shared_gate_up, self.shared_down, n_single)
         return out
 
@@ -105,7 +111,14 @@ class SparseMoe(torch.nn.Module):
             if not n:
                 continue
             rows = tokens[start : start + n]
-            y = _mlp(h.index_select(0, rows), self.gate_up[e], self.down[e], singles[e] if singles else 0)
+            n_one = singles[e] if singles else 0
+            x = h.index_select(0, rows)
+            # BLAS GEMMs run rows in blocks of 4 and the rows of a last, partial block through another kernel
+            # (other sums); an expert's row count changes with what is batched, so it is padded to whole blocks.
+            pad = -(n - n_one) % _ROW_BLOCK
+            if pad:
+                x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+            y = _mlp(x, self.gate_up[e], self.down[e], n_one)[:n]
             out.index_add_(0, rows, y * row_weights[start : start + n])
             start += n
         return out
@@ -117,8 +130,8 @@ class SparseMoe(torch.nn.Module):
 
     def quantize_experts(self) -> tuple[int, int]:
         """Experts (and the shared expert) as 4-bit groups through int4.Int4Weight, one per expert and matrix
-        (CPU only); returns (bytes before, after). The router and the shared expert's gate stay in float: they
-        are small, and routing decides which experts run at all. A matrix whose shape the packing kernel does
+        (CPU only); returns (bytes before, after). The router (with the shared expert's gate) stays in float: it is
+        small, and routing decides which experts run at all. A matrix whose shape the packing kernel does
         not take stays in float."""
         before = after = 0
         for name in ("gate_up", "down", "shared_gate_up", "shared_down"):
@@ -143,6 +156,7 @@ def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x.expand(-1, _SIMD_FLOATS).contiguous())[:, :1]
 
 
+_ROW_BLOCK = 4  # the row blocking of MKL's float GEMM (the multi-row part of an expert's rows is padded to it)
 _SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats with AVX-512)
 
 
