@@ -199,6 +199,23 @@ def random_blocks(qtype, rows: int, cols: int, seed: int = 0, scale: float | Non
     return raw.reshape(rows, -1)
 
 
+def add_tiny_tokenizer(writer) -> None:
+    """The tiny tokenizer (tokens, merges, special ids, ChatML template) as GGUF metadata on `writer`."""
+    spec = json.loads(tiny_tokenizer_json())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
 def write_tiny_gguf(
     tmp_path: str | os.PathLike,
     arch: str = "llama",
@@ -236,19 +253,7 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
 
-    spec = json.loads(tiny_tokenizer_json())
-    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
-    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    add_tiny_tokenizer(writer)
 
     def permute(w: np.ndarray, heads: int) -> np.ndarray:
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

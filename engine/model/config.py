@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+from engine.model.moe_config import HF_MOE_ARCHITECTURES, MOE_ARCHITECTURES, MoeConfig, moe_from_hf
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES)
 
 # HF `architectures[0]` / `model_type` -> our architecture name.
 _HF_ARCHITECTURES = {
@@ -13,6 +15,7 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    **HF_MOE_ARCHITECTURES,
 }
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -40,6 +43,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    moe: MoeConfig | None = None  # mixture-of-experts families only (engine/model/moe_config.py)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -56,10 +60,24 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ConfigError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ConfigError(f"{self.architecture}: expert settings are {'missing' if self.moe is None else 'unexpected'}")
+        if self.moe is not None:
+            try:
+                self.moe.check(self.n_layers)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` runs a sparse expert block instead of the dense MLP."""
+        return self.moe is not None and index not in self.moe.dense_layers
 
     def describe(self) -> dict:
         """JSON-able description; part of the identity of parked K/V."""
-        return asdict(self)
+        out = asdict(self)
+        if self.moe is None:
+            del out["moe"]  # dense models keep the identity they had before expert support
+        return out
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -85,6 +103,7 @@ class ModelConfig:
             kind = rope.pop("type", None) or rope.get("rope_type") or "default"
             rope["rope_type"] = kind
             scaling = None if kind == "default" else rope
+            moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -99,8 +118,10 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch == "qwen3",
+                attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
+                                    else cfg.get("attention_bias", arch == "qwen2")),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+                moe=moe,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
@@ -108,3 +129,10 @@ class ModelConfig:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"config.json has a malformed value: {e}") from None
+
+
+def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig:
+    try:
+        return moe_from_hf(arch, cfg)
+    except ValueError as e:  # what the expert settings lack or hold that this engine cannot run
+        raise ConfigError(f"config.json: {e}") from None

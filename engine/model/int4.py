@@ -103,6 +103,10 @@ def quantize_model(model: torch.nn.Module) -> tuple[int, int]:
         before += w.nbytes
         after += q.nbytes
         install(owner, name, q)
+    for layer in model.layers:  # mixture-of-experts layers: the experts (engine/model/moe.py)
+        if getattr(layer, "moe", None) is not None:
+            b, a = layer.moe.quantize_experts()
+            before, after = before + b, after + a
     return before, after
 
 

@@ -114,18 +114,23 @@ class DecoderLayer(torch.nn.Module):
         bqkv: torch.Tensor | None,
         wo: torch.Tensor,
         mlp_norm: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | None,
+        w_down: torch.Tensor | None,
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
+        moe: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
         c = config
         q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
         assert wo.shape == (c.hidden_size, q_rows), ("wo", tuple(wo.shape))
-        assert w_gate_up.shape == (2 * c.intermediate_size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
-        assert w_down.shape == (c.hidden_size, c.intermediate_size), ("w_down", tuple(w_down.shape))
+        if moe is None:
+            assert w_gate_up.shape == (2 * c.intermediate_size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
+            assert w_down.shape == (c.hidden_size, c.intermediate_size), ("w_down", tuple(w_down.shape))
+        else:  # a sparse expert block (engine/model/moe.py) instead of the dense MLP
+            assert w_gate_up is None and w_down is None, "a layer has either a dense MLP or experts"
+        self.moe = moe
         self.config = config
         self.register_buffer("attn_norm", attn_norm, persistent=False)
         self.register_buffer("wqkv", wqkv, persistent=False)
@@ -135,7 +140,13 @@ class DecoderLayer(torch.nn.Module):
         self.register_buffer("w_gate_up", w_gate_up, persistent=False)
         self.register_buffer("w_down", w_down, persistent=False)
         qk_norm = None
-        if q_norm is not None and k_norm is not None:
+        # OLMoE normalises q and k over their full widths (one weight per row of q, of k) before the head split.
+        full = q_norm is not None and c.n_heads > 1 and q_norm.shape == (q_rows,)
+        self.register_buffer("q_norm_full", q_norm if full else None, persistent=False)
+        self.register_buffer("k_norm_full", k_norm if full else None, persistent=False)
+        if full:
+            assert k_norm is not None and k_norm.shape == (kv_rows,), "full-width q norm needs a full-width k norm"
+        elif q_norm is not None and k_norm is not None:
             # One weight row per q head then per k head, so both norms run as one op on the q|k view.
             qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(c.n_kv_heads, -1)))
         self.register_buffer("qk_norm", qk_norm, persistent=False)
@@ -169,6 +180,11 @@ class CausalLM(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def expert_bytes(self) -> int:
+        """Resident bytes of the routed experts' weights, the expert arena (0 for a dense model)."""
+        return sum(layer.moe.expert_bytes for layer in self.layers if layer.moe is not None)
 
     @torch.inference_mode()
     def forward_chunks(
@@ -259,6 +275,10 @@ class CausalLM(torch.nn.Module):
         H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
         qkv = _linear(h, layer.wqkv, n_single, layer.bqkv)
+        if layer.q_norm_full is not None:  # OLMoE (DecoderLayer)
+            qw, kw = H * D, KVH * D
+            qkv = torch.cat((rms_norm(qkv[:, :qw], layer.q_norm_full, c.rms_norm_eps),
+                             rms_norm(qkv[:, qw : qw + kw], layer.k_norm_full, c.rms_norm_eps), qkv[:, qw + kw :]), 1)
         qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
         v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
         if layer.qk_norm is not None:
@@ -286,6 +306,8 @@ class CausalLM(torch.nn.Module):
         x = x + _linear(attn.view(total, H * D), layer.wo, n_single)
 
         h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+        if layer.moe is not None:
+            return x + layer.moe(h, n_single)
         gate_up = _linear(h, layer.w_gate_up, n_single)
         inter = c.intermediate_size
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

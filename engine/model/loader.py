@@ -16,7 +16,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_dequant, int4
+from engine.model import gguf_dequant, int4, moe_loading
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer
@@ -140,7 +140,8 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int)
         )
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + 3 * c.hidden_size * c.intermediate_size
+    mlp = max(moe_loading.mlp_weights(c, i) for i in range(c.n_layers))  # experts make layers differ
+    weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + mlp
     weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
     kv = 2 * n_slots * ctx * kv_rows
     return (weights + kv) * dtype.itemsize
@@ -253,6 +254,10 @@ def _build(
     _stage_checks(config, stages, path)
     assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
     c = config
+    folded = moe_loading.fold_scales(c, get)  # GraniteMoE's multipliers into the weights; `get` itself elsewhere
+    if folded is not get:
+        get, groups = folded, None  # a file's own 4-bit groups would bypass the folding
+    cpu = torch.device("cpu")
 
     def need(key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         t = get(key, device, dtype)
@@ -299,27 +304,40 @@ def _build(
             if c.attention_bias:
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
                                   need(p + "v_bias", (kv_rows,), device)))
-            w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
+            moe = None
+            if c.is_moe_layer(i):  # a sparse expert block instead of the dense MLP
+                moe = moe_loading.build_sparse_moe(
+                    c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu),
+                    lambda t, d=device: t.to(device=d, dtype=dtype).contiguous(), path,
+                )
+            else:
+                w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
             q_norm = k_norm = None
             if c.qk_norm:
-                q_norm = need(p + "q_norm", (c.head_dim,), device)
-                k_norm = need(p + "k_norm", (c.head_dim,), device)
+                q_shape, k_shape = moe_loading.q_norm_shapes(c)
+                q_norm = need(p + "q_norm", q_shape, device)
+                k_norm = need(p + "k_norm", k_shape, device)
             attn_norm = need(p + "attn_norm", (hidden,), device)
             w["wo"] = projection([(p + "o", (hidden, q_rows))], device)
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
-            w["w_down"] = projection([(p + "down", (hidden, inter))], device)
+            if moe is None:
+                w["w_down"] = projection([(p + "down", (hidden, inter))], device)
             layer = DecoderLayer(c, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
-                                 **{name: placeholder(t) for name, t in w.items()})
+                                 moe=moe, **{name: placeholder(t) for name, t in w.items()})
             for name, t in w.items():
                 if isinstance(t, Int4Weight):
                     int4.install(layer, name, t)
+            if moe is not None and int4_weights and device.type == "cpu":
+                moe.quantize_experts()  # the experts as 4-bit groups, one Int4Weight per expert and matrix
             layers.append(layer)
             # The layer's temporaries were freed among the kept weights; without this the heap keeps their
             # pages (~100 MB for SmolLM2 in int4, half its weights).
             _release_freed_memory()
     norm = need("norm", (hidden,), last_device)
-    # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point).
-    head_key = "embed" if c.tie_word_embeddings else "lm_head"
+    # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point);
+    # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.
+    separate = moe_loading.output_is_separate(c)
+    head_key = "embed" if c.tie_word_embeddings and not separate else "lm_head"
     if head_key == "embed" and not int4_weights:
         lm_head = embed if last_device == first_device else need("embed", (c.vocab_size, hidden), last_device)
     else:
@@ -352,7 +370,7 @@ def _gguf_canonical(name: str) -> str | None:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        key = _GGUF_LAYER_NAMES.get(rest)
+        key = _GGUF_LAYER_NAMES.get(rest) or moe_loading.gguf_layer_key(rest)
         if key is not None:
             return f"{index}.{key}"
     return None
@@ -419,8 +437,10 @@ def gguf_metadata(reader) -> dict:
 
 def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2 or qwen3")
+    moe_arch = moe_loading.gguf_architecture(arch, meta)  # mixture-of-experts families
+    if arch not in ("llama", "mistral", "qwen2", "qwen3") and moe_arch is None:
+        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2, qwen3, "
+                             f"{', '.join(moe_loading.GGUF_ARCHITECTURE_NAMES)}")
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -439,12 +459,14 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         if original:
             scaling["original_max_position_embeddings"] = int(original)
     n_kv = key("attention.head_count_kv", n_heads)
+    n_layers = int(key("block_count"))
+    moe = moe_arch and moe_loading.gguf_moe_config(moe_arch, arch, meta, tensor_names, n_layers, path)
     return ModelConfig(
-        architecture=arch,
+        architecture=moe_arch or arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
         head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads),
@@ -455,6 +477,7 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        moe=moe or None,
     )
 
 
@@ -541,7 +564,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
     # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
-    permuted = config.architecture in ("llama", "mistral")
+    permuted = config.architecture in ("llama", "mistral", *moe_loading.GGUF_PERMUTED)
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading, each tensor once
     hashed: set[str] = set()
 
@@ -606,7 +629,7 @@ def _hf_canonical(name: str) -> str | None:
         return _HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = _HF_LAYER_NAMES.get(rest)
+        key = _HF_LAYER_NAMES.get(rest) or moe_loading.hf_layer_key(rest)
         if key is not None:
             return f"{index}.{key}"
     return None

@@ -1,0 +1,164 @@
+"""The sparse mixture-of-experts block that replaces a decoder layer's dense MLP in MoE families.
+
+A router scores every expert for every token; each token runs its top-k experts and sums their outputs weighted
+by the routing weights. Tokens are grouped by expert: each expert that any token chose runs once, as one
+matmul over all the rows routed to it (a prefill of 1000 tokens makes at most n_experts expert calls, not
+1000 * top_k). Qwen2-MoE adds a shared expert that every token runs, behind a sigmoid gate.
+
+Numerics follow transformers exactly: the same routing ops on the same values in the same order (so ties
+between equal router scores go the same way: torch.topk on the float32 probabilities over experts in index
+order), and each token's expert outputs are summed in ascending expert order starting from zero, as
+transformers' `index_add_` loop does. The projections go through llama.py's `_linear`, so a row's result does
+not depend on how many other rows an expert got (the batch invariance llama.py's docstring describes): a
+slot's logits are the same alone and batched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import int4
+from engine.model.llama import _linear
+from engine.model.moe_config import MoeConfig
+
+
+def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, n_experts] -> (weights [tokens, k] float32, experts [tokens, k] int64)."""
+    if moe.routing == "softmax_topk":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+    assert moe.routing == "topk_softmax", moe.routing
+    top, experts = torch.topk(logits.float(), moe.top_k, dim=-1)
+    return torch.softmax(top, dim=-1), experts
+
+
+def _mlp(x: torch.Tensor, gate_up, down, n_single: int) -> torch.Tensor:
+    """SwiGLU over fused [gate; up] rows: down(silu(gate x) * up x)."""
+    gu = _linear(x, gate_up, n_single)
+    inter = gu.shape[1] // 2
+    return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, n_single)
+
+
+class SparseMoe(torch.nn.Module):
+    """Router + experts (+ an optional gated shared expert) of one layer.
+
+    `gate_up` is [n_experts, 2 * expert_size, hidden] (each expert's gate rows, then its up rows), `down`
+    [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert.
+    With a shared expert, `router` holds its gate as a last row.
+    """
+
+    def __init__(
+        self,
+        moe: MoeConfig,
+        hidden_size: int,
+        *,
+        router: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        e, inter, h = moe.n_experts, moe.expert_size, hidden_size
+        assert router.shape == (e, h), ("router", tuple(router.shape))
+        assert gate_up.shape == (e, 2 * inter, h), ("gate_up", tuple(gate_up.shape))
+        assert down.shape == (e, h, inter), ("down", tuple(down.shape))
+        has_shared = moe.shared_expert_size > 0
+        assert has_shared == (shared_gate_up is not None) == (shared_down is not None) == (shared_gate is not None)
+        if has_shared:
+            s = moe.shared_expert_size
+            assert shared_gate_up.shape == (2 * s, h) and shared_down.shape == (h, s), "shared expert shape"
+            assert shared_gate.shape == (1, h), ("shared_gate", tuple(shared_gate.shape))
+        self.config = moe
+        if has_shared:
+            # The shared expert's gate is one more router row: one product for both, and a product with a
+            # single output column sums differently by row count under BLAS (batch invariance).
+            router = torch.cat((router, shared_gate))
+        self.register_buffer("router", router, persistent=False)
+        self.register_buffer("gate_up", gate_up, persistent=False)
+        self.register_buffer("down", down, persistent=False)
+        self.register_buffer("shared_gate_up", shared_gate_up, persistent=False)
+        self.register_buffer("shared_down", shared_down, persistent=False)
+
+    def forward(self, h: torch.Tensor, n_single: int) -> torch.Tensor:
+        """h [tokens, hidden] (the first `n_single` rows are one-token chunks) -> the block's output."""
+        logits = _linear(h, self.router, n_single)
+        n_experts = self.config.n_experts
+        weights, experts = route(logits[:, :n_experts], self.config)
+        out = self._routed(h, experts, weights.to(h.dtype), n_single)
+        if self.shared_gate_up is not None:
+            gate = _sigmoid_column(logits[:, n_experts:])
+            out = out + gate * _mlp(h, self.shared_gate_up, self.shared_down, n_single)
+        return out
+
+    def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:
+        k, n_experts = self.config.top_k, self.config.n_experts
+        flat = experts.reshape(-1)
+        # Sorted by expert, and within an expert by token (a stable sort of token-major entries).
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_experts).tolist()
+        singles = torch.bincount(flat[: n_single * k], minlength=n_experts).tolist() if n_single else None
+        tokens = order // k
+        row_weights = weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows = tokens[start : start + n]
+            n_one = singles[e] if singles else 0
+            x = h.index_select(0, rows)
+            # BLAS GEMMs run rows in blocks of 4 and the rows of a last, partial block through another kernel
+            # (other sums); an expert's row count changes with what is batched, so it is padded to whole blocks.
+            pad = -(n - n_one) % _ROW_BLOCK
+            if pad:
+                x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+            y = _mlp(x, self.gate_up[e], self.down[e], n_one)[:n]
+            out.index_add_(0, rows, y * row_weights[start : start + n])
+            start += n
+        return out
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes the routed experts' weights occupy (what llama.cpp's --n-cpu-moe moves to host RAM)."""
+        return sum(_nbytes(w) for w in (self.gate_up, self.down))
+
+    def quantize_experts(self) -> tuple[int, int]:
+        """Experts (and the shared expert) as 4-bit groups through int4.Int4Weight, one per expert and matrix
+        (CPU only); returns (bytes before, after). The router (with the shared expert's gate) stays in float: it is
+        small, and routing decides which experts run at all. A matrix whose shape the packing kernel does
+        not take stays in float."""
+        before = after = 0
+        for name in ("gate_up", "down", "shared_gate_up", "shared_down"):
+            w = getattr(self, name)
+            if not isinstance(w, torch.Tensor):
+                continue
+            stacked = w.dim() == 3
+            if not int4.can_quantize(w[0] if stacked else w):
+                continue
+            packed = [int4.Int4Weight(w[e]) for e in range(w.shape[0])] if stacked else int4.Int4Weight(w)
+            before += w.nbytes
+            after += _nbytes(packed)
+            self._buffers.pop(name, None)
+            object.__setattr__(self, name, packed)
+        return before, after
+
+
+def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of a [tokens, 1] column, the same for a row whatever the number of rows: CPU kernels compute the
+    elements past the last whole vector with a scalar sigmoid that differs from the vector one in the last bit,
+    so the column is widened to whole vectors first."""
+    return torch.sigmoid(x.expand(-1, _SIMD_FLOATS).contiguous())[:, :1]
+
+
+_ROW_BLOCK = 4  # the row blocking of MKL's float GEMM (the multi-row part of an expert's rows is padded to it)
+_SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats with AVX-512)
+
+
+def _nbytes(w) -> int:
+    return sum(p.nbytes for p in w) if isinstance(w, list) else w.nbytes

@@ -1,0 +1,108 @@
+"""The expert settings of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GraniteMoE).
+
+Kept apart from config.py so the dense families' shape stays as it was: a dense ModelConfig has `moe=None` and
+describes itself exactly as before; a MoE one carries a MoeConfig, which is part of the identity of its K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe")
+
+HF_MOE_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "MixtralForCausalLM": "mixtral",
+    "GraniteMoeForCausalLM": "granitemoe",
+}
+
+# How router logits become (experts, weights):
+#   softmax_topk: softmax over all experts in float32, then top-k of the probabilities, optionally renormalised
+#                 over the chosen k (Qwen*, OLMoE; Mixtral always renormalises).
+#   topk_softmax: top-k of the logits, then softmax over those k (GraniteMoE).
+ROUTINGS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """Experts per layer, how tokens are routed to them, and the family's extras."""
+
+    n_experts: int
+    top_k: int
+    expert_size: int  # intermediate size of one expert
+    routing: str
+    norm_topk_prob: bool
+    shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert of this size behind a sigmoid gate; 0 = none
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of ModelConfig.intermediate_size (Qwen's
+    # mlp_only_layers / decoder_sparse_step)
+    # GraniteMoE's scalars (1.0 elsewhere); the loader folds them into the weights, the forward never sees them.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # the softmax scale; None = 1/sqrt(head_dim)
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def check(self, n_layers: int) -> None:
+        """ValueError saying what is wrong when these settings cannot describe a model of `n_layers` layers."""
+        for name in ("n_experts", "top_k", "expert_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive whole number, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.n_experts})")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing {self.routing!r}: expected one of {', '.join(ROUTINGS)}")
+        if self.shared_expert_size < 0:
+            raise ValueError(f"shared_expert_size: expected 0 or more, got {self.shared_expert_size}")
+        bad = [i for i in self.dense_layers if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"dense layers {bad} are outside the model's {n_layers} layers")
+
+
+def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
+    """The expert settings in an HF config.json of `arch`; ValueError naming what is missing or unsupported.
+
+    Defaults for keys a config may leave out are those of transformers' config class for the family.
+    """
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r}: only silu experts are supported")
+    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not n_experts:
+        raise ValueError("the number of experts (num_experts or num_local_experts) is missing")
+    top_k = cfg.get("num_experts_per_tok")
+    if not top_k:
+        raise ValueError("num_experts_per_tok is missing")
+    common = {"n_experts": int(n_experts), "top_k": int(top_k)}
+    n_layers = int(cfg["num_hidden_layers"])
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        step = int(cfg.get("decoder_sparse_step", 1))
+        only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        if step <= 0:
+            raise ValueError(f"decoder_sparse_step: expected a positive whole number, got {step}")
+        dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+        if arch == "qwen2_moe" and shared <= 0:
+            raise ValueError("shared_expert_intermediate_size is missing (Qwen2-MoE layers have a shared expert)")
+        return MoeConfig(**common, expert_size=int(cfg["moe_intermediate_size"]), routing="softmax_topk",
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_size=shared,
+                         dense_layers=dense)
+    expert_size = int(cfg["intermediate_size"])
+    if arch == "olmoe":
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError(f"clip_qkv {cfg['clip_qkv']!r}: clipping q/k/v is not supported (expected null)")
+        return MoeConfig(**common, expert_size=expert_size, routing="softmax_topk",
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if arch == "mixtral":
+        return MoeConfig(**common, expert_size=expert_size, routing="softmax_topk", norm_topk_prob=True)
+    if arch == "granitemoe":
+        return MoeConfig(
+            **common, expert_size=expert_size, routing="topk_softmax", norm_topk_prob=False,
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        )
+    raise ValueError(f"{arch}: not a mixture-of-experts architecture ({', '.join(MOE_ARCHITECTURES)})")

@@ -1,0 +1,235 @@
+"""Loading mixture-of-experts weights: checkpoint names -> canonical keys, one layer's SparseMoe, Granite's scalars.
+
+Canonical keys of a MoE layer i (what a loader's getter answers, as CPU tensors):
+  "i.router"                    [n_experts, hidden]
+  "i.experts.gate_up"           [n_experts, 2 * expert_size, hidden]   fused (transformers 5, GraniteMoE)
+  "i.experts.gate", ".up"       [n_experts, expert_size, hidden]       stacked (GGUF ffn_gate_exps / ffn_up_exps)
+  "i.experts.down"              [n_experts, hidden, expert_size]
+  "i.expert.E.gate", ".up", ".down"                                    one expert at a time (HF checkpoints)
+  "i.shared.gate", ".up", ".down", "i.shared_gate"                     Qwen2-MoE's shared expert and its gate
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.model.config import ModelConfig
+from engine.model.moe import SparseMoe
+from engine.model.moe_config import MoeConfig
+
+Getter = Callable[[str], "torch.Tensor | None"]
+
+_HF_FIXED = {
+    "mlp.gate.weight": "router",  # Qwen*, OLMoE
+    "block_sparse_moe.gate.weight": "router",  # Mixtral
+    "block_sparse_moe.router.layer.weight": "router",  # GraniteMoE
+    "mlp.experts.gate_up_proj": "experts.gate_up",  # transformers 5's own parameter names
+    "mlp.experts.down_proj": "experts.down",
+    "block_sparse_moe.input_linear.weight": "experts.gate_up",  # GraniteMoE: [gate; up] per expert
+    "block_sparse_moe.output_linear.weight": "experts.down",
+    "mlp.shared_expert.gate_proj.weight": "shared.gate",  # Qwen2-MoE
+    "mlp.shared_expert.up_proj.weight": "shared.up",
+    "mlp.shared_expert.down_proj.weight": "shared.down",
+    "mlp.shared_expert_gate.weight": "shared_gate",
+}
+_HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+_HF_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def hf_layer_key(rest: str) -> str | None:
+    """The canonical key (without the layer prefix) of an HF layer tensor name such as
+    "mlp.experts.3.up_proj.weight", or None when it is not a MoE tensor."""
+    key = _HF_FIXED.get(rest)
+    if key is not None:
+        return key
+    m = _HF_EXPERT.fullmatch(rest)
+    return f"expert.{m.group(1)}.{_HF_EXPERT_PART[m.group(2)]}" if m else None
+
+
+def q_norm_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the q and k norm weights: one per head dim (Qwen3*), or the full q / k width (OLMoE)."""
+    c = config
+    if c.architecture == "olmoe":
+        return (c.n_heads * c.head_dim,), (c.n_kv_heads * c.head_dim,)
+    return (c.head_dim,), (c.head_dim,)
+
+
+def fold_scales(config: ModelConfig, get: Getter) -> Getter:
+    """A getter that folds GraniteMoE's multipliers into the weights, so the forward pass needs none of them:
+    embeddings * embedding_multiplier, q rows * attention_multiplier * sqrt(head_dim) (SDPA then applies
+    1/sqrt(head_dim)), attention output and expert down rows * residual_multiplier, output rows / logits_scaling
+    (with tied embeddings, the unscaled embeddings / logits_scaling). Other models get `get` itself."""
+    m = config.moe
+    if m is None or (m.embedding_multiplier == m.residual_multiplier == m.logits_scaling == 1.0
+                     and m.attention_multiplier is None):
+        return get
+    q_scale = 1.0 if m.attention_multiplier is None else m.attention_multiplier * math.sqrt(config.head_dim)
+
+    def scaled(key: str, *where) -> torch.Tensor | None:  # `where`: the loader's device and dtype, passed on
+        if key == "lm_head" and config.tie_word_embeddings:
+            key = "embed_for_output"
+        t = get("embed" if key == "embed_for_output" else key, *where)
+        if t is None:
+            return None
+        part = key.rsplit(".", 1)[-1]
+        if key == "embed":
+            factor = m.embedding_multiplier
+        elif key in ("lm_head", "embed_for_output"):
+            factor = 1.0 / m.logits_scaling
+        elif part in ("q", "q_bias"):
+            factor = q_scale
+        elif part in ("o", "down"):  # every tensor that writes into the residual stream from inside a layer
+            factor = m.residual_multiplier
+        else:
+            return t
+        return t if factor == 1.0 else t * factor
+
+    return scaled
+
+
+def output_is_separate(config: ModelConfig) -> bool:
+    """Whether the output matrix must be built apart from the embeddings even when they are tied."""
+    m = config.moe
+    return m is not None and (m.embedding_multiplier != 1.0 or m.logits_scaling != 1.0)
+
+
+def build_sparse_moe(
+    config: ModelConfig,
+    index: int,
+    get: Getter,
+    need: Callable[[str, tuple[int, ...]], torch.Tensor],
+    to: Callable[[torch.Tensor], torch.Tensor],
+    path: str,
+) -> SparseMoe:
+    """Layer `index`'s expert block from canonical keys (see the module docstring), on the device `to` moves to."""
+    c, m = config, config.moe
+    assert m is not None and c.is_moe_layer(index), index
+    p = f"{index}."
+    e, inter, h = m.n_experts, m.expert_size, c.hidden_size
+    gate_up = get(p + "experts.gate_up")
+    if gate_up is None:
+        gate, up = get(p + "experts.gate"), get(p + "experts.up")
+        if gate is not None and up is not None:
+            _check(gate, (e, inter, h), p + "experts.gate", path)
+            _check(up, (e, inter, h), p + "experts.up", path)
+            gate_up = torch.cat((gate, up), dim=1)
+        else:
+            gate_up = torch.stack([torch.cat((need(f"{p}expert.{j}.gate", (inter, h)),
+                                              need(f"{p}expert.{j}.up", (inter, h)))) for j in range(e)])
+    _check(gate_up, (e, 2 * inter, h), p + "experts.gate_up", path)
+    down = get(p + "experts.down")
+    if down is None:
+        down = torch.stack([need(f"{p}expert.{j}.down", (h, inter)) for j in range(e)])
+    _check(down, (e, h, inter), p + "experts.down", path)
+    shared = {}
+    if m.shared_expert_size:
+        s = m.shared_expert_size
+        shared = {
+            "shared_gate_up": to(torch.cat((need(p + "shared.gate", (s, h)), need(p + "shared.up", (s, h))))),
+            "shared_down": to(need(p + "shared.down", (h, s))),
+            "shared_gate": to(_shared_gate(get(p + "shared_gate"), h, p, path)),
+        }
+    return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=to(gate_up), down=to(down), **shared)
+
+
+def _shared_gate(t: torch.Tensor | None, h: int, p: str, path: str) -> torch.Tensor:
+    if t is None:
+        raise ModelLoadError(f"{path}: weight {p + 'shared_gate'!r} is missing")
+    if tuple(t.shape) == (h,):  # GGUF keeps it 1-D
+        t = t.view(1, h)
+    _check(t, (1, h), p + "shared_gate", path)
+    return t
+
+
+def _check(t: torch.Tensor, shape: tuple[int, ...], key: str, path: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def mlp_weights(config: ModelConfig, index: int) -> int:
+    """Number of MLP weights of layer `index` (experts, router and shared expert for MoE layers)."""
+    c, m = config, config.moe
+    if not c.is_moe_layer(index):
+        return 3 * c.hidden_size * c.intermediate_size
+    shared = 3 * c.hidden_size * m.shared_expert_size + c.hidden_size if m.shared_expert_size else 0
+    return m.n_experts * (3 * c.hidden_size * m.expert_size + c.hidden_size) + shared
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's names and metadata keys)
+
+# llama.cpp architecture -> ours; Mixtral files say "llama" and carry llama.expert_count.
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+GGUF_ARCHITECTURE_NAMES = tuple(_GGUF_ARCHITECTURES)
+_GGUF_LAYER_KEYS = {
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": "experts.gate",
+    "ffn_up_exps.weight": "experts.up",
+    "ffn_down_exps.weight": "experts.down",
+    "ffn_gate_shexp.weight": "shared.gate",
+    "ffn_up_shexp.weight": "shared.up",
+    "ffn_down_shexp.weight": "shared.down",
+    "ffn_gate_inp_shexp.weight": "shared_gate",
+}
+# Architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel and its subclasses).
+GGUF_PERMUTED = ("mixtral", "granitemoe")
+
+
+def gguf_layer_key(rest: str) -> str | None:
+    """The canonical key (without the layer prefix) of a GGUF layer tensor such as "ffn_up_exps.weight"."""
+    return _GGUF_LAYER_KEYS.get(rest)
+
+
+def gguf_architecture(gguf_arch: str | None, meta: dict) -> str | None:
+    """Our MoE architecture for a GGUF's general.architecture and metadata, or None for a dense file."""
+    if gguf_arch == "llama" and meta.get("llama.expert_count"):
+        return "mixtral"
+    return _GGUF_ARCHITECTURES.get(gguf_arch or "")
+
+
+def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str], n_layers: int,
+                    path: str) -> MoeConfig:
+    """Expert settings from `<gguf_arch>.expert_count`, `.expert_used_count`, `.expert_feed_forward_length`,
+    `.expert_shared_feed_forward_length`, `.expert_weights_norm` and Granite's `.embedding_scale`,
+    `.attention.scale`, `.residual_scale`, `.logit_scale`. Where a key is absent, llama.cpp's own choice for the
+    family holds (it renormalises Qwen3-MoE's and Mixtral's top-k weights, not Qwen2-MoE's or OLMoE's)."""
+
+    def key(name: str, default=None):
+        value = meta.get(f"{gguf_arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata {gguf_arch}.{name} is missing")
+        return value
+
+    gating = meta.get(f"{gguf_arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp: 1 softmax, 2 sigmoid
+        raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (expected 1, softmax)")
+    if meta.get(f"{gguf_arch}.expert_shared_count", 0) and arch != "qwen2_moe":
+        raise ModelLoadError(f"{path}: shared experts in {arch} are not supported (only Qwen2-MoE's)")
+    # Layers without a router tensor have a dense MLP (ffn_gate/ffn_up/ffn_down).
+    dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+    common = {
+        "n_experts": int(key("expert_count")),
+        "top_k": int(key("expert_used_count")),
+        "expert_size": int(meta.get(f"{gguf_arch}.expert_feed_forward_length") or key("feed_forward_length")),
+        "dense_layers": dense,
+    }
+    norm = bool(meta.get(f"{gguf_arch}.expert_weights_norm", arch in ("qwen3_moe", "mixtral")))
+    try:
+        if arch == "granitemoe":
+            moe = MoeConfig(**common, routing="topk_softmax", norm_topk_prob=False,
+                            embedding_multiplier=float(key("embedding_scale", 1.0)),
+                            attention_multiplier=float(key("attention.scale", 1.0)),
+                            residual_multiplier=float(key("residual_scale", 1.0)),
+                            logits_scaling=float(key("logit_scale", 1.0)))
+        else:
+            shared = int(key("expert_shared_feed_forward_length")) if arch == "qwen2_moe" else 0
+            moe = MoeConfig(**common, routing="softmax_topk", norm_topk_prob=norm or arch == "mixtral",
+                            shared_expert_size=shared)
+        moe.check(n_layers)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    return moe
