@@ -125,6 +125,7 @@ class Engine:
 
         if config.threads:
             torch.set_num_threads(config.threads)
+        t0 = time.perf_counter()
         shape = read_model_config(config.model)  # header only; the open GGUF is reused by load_model
         ctx = min(config.ctx_size, shape.max_position_embeddings or config.ctx_size)
         first = plan_stages(shape.n_layers, config.devices, config.layer_split)
@@ -132,11 +133,17 @@ class Engine:
         # Planned again with the per-layer size: a device without memory for its layers is refused here.
         stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
                              bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx))
+        t1 = time.perf_counter()
         loaded = load_model(config.model, stages, dtype)
+        t2 = time.perf_counter()
         loaded.weights_format = _weights_format(config.cpu_weights, loaded, stages)
         if loaded.weights_format == "int4":
             _use_int4(loaded, stages)
-        return cls(config, loaded, stages)
+        t3 = time.perf_counter()
+        engine = cls(config, loaded, stages)
+        log.info("start-up phases: header %.2f s, weights %.2f s, int4 packing %.2f s, K/V + cache + warm-up %.2f s",
+                 t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        return engine
 
     def _make_cache(self, config: EngineConfig) -> Any:
         off = config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0
@@ -328,6 +335,8 @@ class Engine:
             "kv_bytes": self.kv.nbytes,
             "devices": [str(s.device) for s in self.kv.stages],
             "weights_format": self.weights_format,
+            "threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
         }
 
     def cache_stats(self) -> dict:
