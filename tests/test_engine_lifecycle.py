@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.engine_process import REPO, start_engine
+from tests.engine_process import REPO, engine_process, start_engine
 from tests.model_fixtures import write_tiny_model
 
 
@@ -91,3 +92,17 @@ def test_second_engine_on_the_same_cache_folder_is_refused_at_start(tiny_model, 
         assert first.get_status("/health") == 200  # the first engine keeps serving
     finally:
         first.stop()
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_threads_and_sleeping_workers_are_what_the_engine_runs_with(tiny_model, policy):
+    """--threads is honoured, idle OpenMP workers sleep by default, and a wait policy the user set stays."""
+    if policy is None and "OMP_WAIT_POLICY" in os.environ:
+        pytest.skip("OMP_WAIT_POLICY is set in this environment")
+    env = {"OMP_WAIT_POLICY": policy} if policy else {}
+    with engine_process("--model", tiny_model, "--threads", "1", "--conversation-cache-mib", "0", env=env) as engine:
+        request = urllib.request.Request(engine.base_url + "/metrics", headers={"Accept": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            stats = json.loads(response.read())["engine"]
+    assert stats["threads"] == 1
+    assert stats["omp_wait_policy"] == (policy or "PASSIVE")

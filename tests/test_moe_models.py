@@ -12,11 +12,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
+from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, int4, load_model, plan_stages
 from engine.model.loader import read_model_config
 from engine.model.moe import SparseMoe
 from engine.runtime.engine import Engine
-from engine.runtime.kv_buffers import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest, SamplingParams
 from tests.engine_process import engine_process
 from tests.model_fixtures import write_tiny_model

@@ -83,11 +83,15 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T as the kernel returns it, in bfloat16: callers that add it to a float32 tensor or write it
+        into one skip a conversion (bfloat16 -> float32 is exact, so the values are those of __call__)."""
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            x = x.contiguous().to(torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous().to(torch.bfloat16), self.packed, GROUP, self.scales_zeros
-        )
-        return y.to(x.dtype)
+        return self.mm(x).to(x.dtype)
 
 
 def quantize_model(model: torch.nn.Module) -> tuple[int, int]:

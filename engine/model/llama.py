@@ -63,9 +63,15 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring)."""
+    """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring).
+
+    With 4-bit weights the result is bfloat16; otherwise it has x's dtype."""
     if isinstance(w, Int4Weight):
-        y = w(x)
+        # bfloat16 as the kernel returns it: the callers add it to, or write it into, float32 tensors,
+        # which converts it exactly and saves a conversion pass per projection.
+        y = w.mm(x)
+        if bias is not None:
+            y = y.float()
     elif _onednn(w):
         n = x.shape[0]
         if n == 1:
@@ -232,6 +238,8 @@ class CausalLM(torch.nn.Module):
             cos, sin = self.rotary.get(max_pos, device, self.dtype)
             pos = positions.to(device)
             cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+            half = c.head_dim // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rolled-sign form, see _layer
             masks = {i: m.to(device) for i, m in plans.masks.items()}
             for li in range(first, end):
                 x = self._layer(self.layers[li], li, x, kv, ordered, plans, masks, cos, sin, n_single, total)
@@ -282,15 +290,16 @@ class CausalLM(torch.nn.Module):
         qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
         v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
         if layer.qk_norm is not None:
-            qk = _head_rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
-        half = D // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = qk * cos + rotated * sin
+            qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, c.rms_norm_eps)
+        # Rotate-half RoPE as one roll: roll(qk) * sin_rolled == cat(-qk2, qk1) * sin, bit for bit (the sign
+        # of the first half lives in sin_rolled, see forward_chunks). Promotes a bfloat16 qkv to x's dtype.
+        qk = qk * cos + qk.roll(D // 2, -1) * sin
         q, k = qk[:, :H], qk[:, H:]
 
         k_cache, v_cache = kv.layer(li)
         small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
-        attn = torch.empty(total, H, D, dtype=x.dtype, device=x.device)
+        one = len(chunks) == 1
+        attn = None if one else torch.empty(total, H, D, dtype=x.dtype, device=x.device)
         for i, ch in enumerate(chunks):
             lo, hi = plans.offsets[i], plans.offsets[i + 1]
             end = ch.start + (hi - lo)
@@ -298,19 +307,24 @@ class CausalLM(torch.nn.Module):
             v_cache[ch.slot, ch.start : end] = v[lo:hi]
             keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
             if hi - lo == 1 and small_float32:
-                attn[lo] = _decode_attention(q[lo], keys, values)
-                continue
-            query = q[lo:hi].transpose(0, 1).unsqueeze(0)
-            out = _attention(query, keys.unsqueeze(0), values.unsqueeze(0), masks.get(i), plans.causal[i])
-            attn[lo:hi] = out[0].transpose(0, 1)
-        x = x + _linear(attn.view(total, H * D), layer.wo, n_single)
+                out = _decode_attention(q[lo], keys, values)
+            else:
+                query = q[lo:hi].transpose(0, 1).unsqueeze(0)
+                out = _attention(query, keys.unsqueeze(0), values.unsqueeze(0), masks.get(i), plans.causal[i])
+                out = out[0].transpose(0, 1)
+            if one:
+                attn = out
+            else:
+                attn[lo:hi] = out
+        assert attn is not None
+        x = x + _linear(attn.reshape(total, H * D), layer.wo, n_single)
 
         h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
         if layer.moe is not None:
             return x + layer.moe(h, n_single)
         gate_up = _linear(h, layer.w_gate_up, n_single)
         inter = c.intermediate_size
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
         return x + _linear(act, layer.w_down, n_single)
 
 

@@ -136,6 +136,7 @@ class Engine:
 
         if config.threads:
             torch.set_num_threads(config.threads)
+        t0 = time.perf_counter()
         shape = read_model_config(config.model)  # header only; the open GGUF is reused by load_model
         ctx = min(config.ctx_size, shape.max_position_embeddings or config.ctx_size)
         first = plan_stages(shape.n_layers, config.devices, config.layer_split)
@@ -146,9 +147,14 @@ class Engine:
         weights_format = _weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
             _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
+        t1 = time.perf_counter()
         loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4")
         loaded.weights_format = weights_format
-        return cls(config, loaded, stages)
+        t2 = time.perf_counter()
+        engine = cls(config, loaded, stages)
+        log.info("start-up phases: header %.2f s, weights (int4 packing included) %.2f s, K/V + cache + warm-up %.2f s",
+                 t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return engine
 
     def _make_cache(self, config: EngineConfig) -> CacheAPI | None:
         off = config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0
@@ -358,6 +364,8 @@ class Engine:
             "kv_bytes": self.kv.nbytes,
             "devices": [str(s.device) for s in self.kv.stages],
             "weights_format": self.weights_format,
+            "threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
         }
 
     def cache_stats(self) -> dict:

@@ -54,12 +54,7 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            # Keep the smallest set whose mass reaches top_p (the first token always stays).
-            drop = cumulative - sorted_probs > p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            probs = _nucleus(probs, p.top_p)
         total = probs.sum()
         if not torch.isfinite(total) or total <= 0:
             return int(torch.argmax(logits).item())
@@ -71,3 +66,23 @@ class Sampler:
             if len(self._history) > self.params.repeat_last_n:
                 del self._history[0]
         self._counts[token] += 1
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs with everything outside the smallest set of most likely tokens whose mass reaches top_p zeroed
+    (the first token always stays).
+
+    Sorting the whole vocabulary took ~5 ms a token at 49K entries, a third of a CPU decode step; the set
+    almost always lies within the top few dozen tokens, so the search starts there and widens only when their
+    mass is not past top_p (a token whose preceding mass equals top_p exactly still belongs to the set).
+    """
+    n = probs.numel()
+    k = min(n, 64)
+    while True:
+        values, order = torch.topk(probs, k)  # sorted, largest first
+        cumulative = torch.cumsum(values, dim=-1)
+        if k == n or float(cumulative[-1]) > top_p:
+            break
+        k = min(n, k * 8)
+    drop = cumulative - values > top_p
+    return torch.zeros_like(probs).scatter_(0, order, values.masked_fill(drop, 0.0))
