@@ -164,8 +164,7 @@ def test_int4_decode_rows_are_batch_invariant_and_close_to_float32():
     prefill chunk and another decode; with the 4-bit projections (the Q4_1 codes themselves) and a float32
     output matrix they stay within 5 % (relative L2; 0.2-2.7 % seen) of the float32 weights' logits. The int4
     output matrix is the Q8_0 embedding re-quantised to 4 bits and moves them further (2-19 % seen)."""
-    from engine.runtime.kv_buffers import KVBuffers, KVLayout
-
+    from engine.kv import KVBuffers, KVLayout
     from engine.model import SeqChunk, embedded_model_path, load_model, plan_stages
     from engine.model.loader import read_model_config
 

@@ -323,7 +323,8 @@ def _build(
             if moe is None:
                 w["w_down"] = projection([(p + "down", (hidden, inter))], device)
             layer = DecoderLayer(c, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
-                                 moe=moe, **{name: placeholder(t) for name, t in w.items()})
+                                 moe=moe, **({"w_gate_up": None, "w_down": None}  # None: the experts replace them
+                                             | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
                 if isinstance(t, Int4Weight):
                     int4.install(layer, name, t)
