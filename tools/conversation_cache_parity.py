@@ -6,7 +6,14 @@ For each scenario, two engines with the same settings run in this process (no so
 Checks: the restored slot's K/V rows are byte-identical to what A held when parked, A's greedy continuation is
 token-identical to the reference, and the cache really reused the tokens (usage.cached_tokens).
 
+With --restart (disk, tiered) it also runs the sequence of a user who restarts: on one engine A, B, A's second
+turn; a new engine on the same folder (with --restart-layout, another device layout: a split's conversations
+resumed on one stage) runs B, then A's second turn again, reusing all of its prompt. The answer must be the first
+engine's, token for token, and the second engine's slot must end byte-identical to the first engine's (the
+recomputed last prompt token and every generated row included).
+
     python tools/conversation_cache_parity.py [--storage ram|disk|tiered] [--model PATH] [--devices cpu,cpu ...]
+        [--cpu-weights auto|float|int4] [--restart] [--restart-layout DEVICES[/SPLIT]]
 Exit status 0 when every scenario passes.
 """
 
@@ -175,6 +182,50 @@ def run_resplit(base: dict, other: dict, n_words: int, max_tokens: int) -> Outco
                                f"{len(a2_tokens)} tokens identical")
 
 
+def run_restart(base: dict, other: dict, n_words: int, max_tokens: int) -> Outcome:
+    """A, B, A2 on one engine; stop; B, A2 on a new engine over the same folder (with `other` settings)."""
+    layout = f"{other.get('devices', base['devices'])}/{other.get('layer_split', base.get('layer_split')) or 'one'}"
+    name = f"restart->{layout}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = EngineConfig(**{"conversation_cache_dir": tmp, **base})
+        assert config.conversation_cache_storage in ("disk", "tiered"), "a restart needs disk or tiered storage"
+        conv_a = _conversation("You are a careful assistant. " + _text(n_words, 1), "Summarise this for me.", 3)
+        conv_b = _conversation("You write short poems. " + _text(n_words, 2), "Write about the sea.", 4)
+        first = Engine.from_config(config)
+        try:
+            a1, _, _ = _generate(first, conv_a, max_tokens)
+            _generate(first, conv_b, max_tokens)  # parks A
+            turn2 = conv_a + [{"role": "assistant", "content": a1},
+                              {"role": "user", "content": "Now list three details you noticed."}]
+            _, x_tokens, _ = _generate(first, turn2, max_tokens)  # A restored, its new turn prefilled
+            first_tokens, first_kv = _slot_kv(first, 0)
+        finally:
+            first.close()  # parks A (with its answer) on disk
+        second = Engine.from_config(config.replace(**other))
+        try:
+            _generate(second, conv_b, max_tokens)
+            _, y_tokens, cached = _generate(second, turn2, max_tokens)
+            n_prompt = len(second.tokenizer.encode(second.tokenizer.render_chat(turn2), add_special_tokens=False))
+            stats = second.call(second.cache_stats).result()
+            second_tokens, second_kv = _slot_kv(second, 0)
+        finally:
+            second.close()
+    if stats.get("restores", 0) < 1 or cached < n_prompt - 1:
+        return Outcome(name, False, f"A was not restored whole (restores={stats.get('restores')}, "
+                                    f"cached_tokens={cached} of {n_prompt})")
+    if y_tokens != x_tokens:
+        return Outcome(name, False, f"continuation differs from the first engine's ({len(x_tokens)} tokens)")
+    if second_tokens != first_tokens:
+        return Outcome(name, False, "the slots hold different tokens")
+    diff = second_kv.view(torch.uint8) != first_kv.view(torch.uint8)  # bytes: [layers, 2, tokens, ...]
+    rows = diff.transpose(0, 2).flatten(1).any(1).nonzero().flatten().tolist()
+    if rows:
+        return Outcome(name, False, f"K/V rows differ from the first engine's at positions {rows[:4]} "
+                                    f"(the prompt has {n_prompt} tokens)")
+    return Outcome(name, True, f"cached_tokens={cached} of {n_prompt}, {len(y_tokens)} tokens identical, "
+                               f"{len(second_tokens)} K/V rows byte-identical")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--storage", choices=("ram", "disk", "tiered"), default="ram")
@@ -187,8 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only these (repeatable)")
     parser.add_argument("--resplit", action="append", default=[], metavar="DEVICES[/SPLIT]",
                         help="also park under --devices/--layer-split and resume under this layout (disk, tiered)")
+    parser.add_argument("--cpu-weights", default="auto", choices=("auto", "float", "int4"))
+    parser.add_argument("--restart", action="store_true",
+                        help="also run A, B, A2; restart; B, A2 (disk, tiered) on the same device layout")
+    parser.add_argument("--restart-layout", action="append", default=[], metavar="DEVICES[/SPLIT]",
+                        help="also run that sequence with the second engine on this layout (repeatable)")
     args = parser.parse_args(argv)
     base = {
+        "cpu_weights": args.cpu_weights,
         "model": args.model,
         "devices": args.devices,
         "layer_split": args.layer_split,
@@ -205,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     for layout in args.resplit if args.storage != "ram" else []:
         devices, _, split = layout.partition("/")
         outcome = run_resplit(base, {"devices": devices, "layer_split": split}, args.words, args.max_tokens)
+        failed += not outcome.passed
+        print(f"{'PASS' if outcome.passed else 'FAIL'} {args.storage:6s} {outcome.name:14s} {outcome.detail}",
+              flush=True)
+    restarts = ([{}] if args.restart else []) + [
+        {"devices": d, "layer_split": sp} for d, _, sp in (layout.partition("/") for layout in args.restart_layout)]
+    for other in restarts if args.storage != "ram" else []:
+        outcome = run_restart(base, other, args.words, args.max_tokens)
         failed += not outcome.passed
         print(f"{'PASS' if outcome.passed else 'FAIL'} {args.storage:6s} {outcome.name:14s} {outcome.detail}",
               flush=True)

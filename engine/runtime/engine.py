@@ -629,7 +629,7 @@ class Engine:
                 owners.append((slot, True))
                 n_decode += 1
             else:  # prefilling the prompt, one chunk per step
-                end = min(len(slot.prompt), pos + self.config.prefill_chunk)
+                end = _prefill_end(pos, len(slot.prompt), self.config.prefill_chunk)
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
                 owners.append((slot, end == len(slot.prompt)))
                 n_prefill += end - pos
@@ -709,6 +709,22 @@ class Engine:
                 if len(slot.tokens) >= MIN_PARK_TOKENS:
                     self._park(slot)
         self.cache.close(spill=keeps, deadline_s=deadline_s)
+
+
+def _prefill_end(pos: int, n_prompt: int, chunk: int) -> int:
+    """End of the next prefill chunk from `pos`: at most `chunk` tokens, and the prompt's last token alone.
+
+    A token's K/V and logits depend in their last bits on the chunk that computes it (attention kernels tile
+    by sequence length; a lone token takes another path than a row of a chunk). A prompt whose K/V is all
+    present again (a conversation restored after a restart, the same turn asked again, a slot that kept it)
+    recomputes only its last token, alone. Computing that token alone the first time too makes the logits
+    that pick the first output, and so a greedy continuation, identical whichever way the rest was chunked.
+    """
+    assert 0 <= pos < n_prompt and chunk > 0, (pos, n_prompt, chunk)
+    last = n_prompt - 1
+    if pos == last:
+        return n_prompt
+    return min(last, pos + chunk)
 
 
 def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
