@@ -276,7 +276,8 @@ def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, 
 
 def test_the_server_refuses_hybrid_models_clearly_until_it_runs_them(hybrid_models):
     from engine.errors import ModelLoadError
-    from engine.model.loader import layer_bytes, read_model_config
+    from engine.model.loader import read_model_config
+    from engine.model.planning import layer_bytes
 
     shape = read_model_config(hybrid_models["lfm2"])
     with pytest.raises(ModelLoadError, match="lfm2: hybrid models .* are not served yet"):

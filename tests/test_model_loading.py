@@ -37,7 +37,7 @@ def tiny_copy(tiny, tmp_path) -> str:
 
 @pytest.fixture(scope="module")
 def embedded_tokenizer() -> Tokenizer:
-    from engine.model.loader import gguf_metadata, read_gguf
+    from engine.model.gguf_loading import gguf_metadata, read_gguf
 
     return Tokenizer.from_gguf_metadata(gguf_metadata(read_gguf(embedded_model_path())))
 

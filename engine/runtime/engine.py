@@ -132,7 +132,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         """Plan devices, load the model and build the engine (raises ModelLoadError / ValueError)."""
-        from engine.model.loader import layer_bytes, load_model, plan_stages, read_model_config, resolve_dtype
+        from engine.model.loader import load_model, read_model_config, resolve_dtype
+        from engine.model.planning import layer_bytes, plan_stages
 
         if config.threads:
             torch.set_num_threads(config.threads)

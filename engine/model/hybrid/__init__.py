@@ -6,7 +6,7 @@ transformers in float32 (tests/test_hybrid_models.py).
 
 Pieces: `config` (HybridConfig), `recurrent_state` (RecurrentStateBuffers, StateSnapshot: the per-slot
 state beside the K/V buffers), `model` (HybridCausalLM.forward_chunks over K/V + state), `attention`,
-the mixers of each family, and `loader` (the family registry; `engine.model.loader` dispatches here when
+the mixers of each family, and `loader` (the family registry; `engine.model.hf_loading` dispatches here when
 config.json names a hybrid architecture).
 """
 

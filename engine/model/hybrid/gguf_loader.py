@@ -21,9 +21,10 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
+from engine.model.build import LoadedModel
+from engine.model.gguf_loading import _read_gguf, _unpermute, gguf_metadata, read_gguf
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
-from engine.model.loader import LoadedModel, _read_gguf, _unpermute, gguf_metadata, read_gguf
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 GGUF_ARCHITECTURES = ("lfm2", "granitehybrid")
@@ -149,7 +150,7 @@ def _canonical(arch: str, name: str) -> str | None:
 
 
 def load_hybrid_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
-    """Load a hybrid GGUF (any quantisation gguf can dequantise); identity as in `engine.model.loader`."""
+    """Load a hybrid GGUF (any quantisation gguf can dequantise); identity as in `engine.model.gguf_loading`."""
     import gguf
     import numpy as np
 

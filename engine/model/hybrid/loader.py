@@ -17,11 +17,12 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
+from engine.model.build import LoadedModel
+from engine.model.hf_loading import _safetensors_files, _safetensors_header
 from engine.model.hybrid import granitemoehybrid, lfm2, qwen3_5
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
-from engine.model.loader import LoadedModel, _safetensors_files, _safetensors_header
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
@@ -137,7 +138,7 @@ def _hf_canonical(family: ModuleType, name: str) -> str | None:
 
 
 def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype) -> LoadedModel:
-    """Load a hybrid HF folder; same identity rules as `engine.model.loader._load_hf` (config, file headers
+    """Load a hybrid HF folder; same identity rules as `engine.model.hf_loading._load_hf` (config, file headers
     and every weight's bytes in the fingerprint)."""
     from safetensors import safe_open
 

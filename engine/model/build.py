@@ -1,0 +1,170 @@
+"""Building the CausalLM from a tensor getter (the format readers' common back end), and what a load returns."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.model import int4, moe_loading
+from engine.model.config import ModelConfig
+from engine.model.int4 import Int4Weight
+from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what identifies it."""
+
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    name: str
+    path: str
+    fingerprint: str  # xxh3-128 of the file headers and of every tensor's bytes, hashed in the one loading read
+    dtype: torch.dtype
+
+
+def _stage_checks(config: ModelConfig, stages: list[tuple[torch.device, int, int]], path: str) -> None:
+    if not stages or stages[0][1] != 0 or stages[-1][2] != config.n_layers:
+        raise ModelLoadError(f"{path}: stages {stages} do not cover the model's {config.n_layers} layers")
+
+
+# A getter returns a canonical tensor ("embed", "norm", "lm_head", "rope_freqs", "<i>.q", "<i>.q_bias", ...)
+# on the device and in the dtype asked for, or None when the file does not have it. It reads and converts that
+# one tensor, so a load never holds more than the finished weights and the tensor in hand.
+Getter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
+# A groups getter returns a weight the file already holds as 4-bit groups of 32 as (codes, scale, minimum)
+# (int4.Int4Weight.from_groups), or None when the file holds it otherwise (then it is read with the Getter).
+Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+GroupsGetter = Callable[[str], "Groups | None"]
+
+
+def _build(
+    config: ModelConfig,
+    stages: list[tuple[torch.device, int, int]],
+    dtype: torch.dtype,
+    get: Getter,
+    path: str,
+    *,
+    int4_weights: bool = False,
+    groups: GroupsGetter | None = None,
+) -> CausalLM:
+    """The model from `get`'s tensors; with `int4_weights` its CPU projections and output matrix are built
+    as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor)."""
+    _stage_checks(config, stages, path)
+    assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
+    c = config
+    folded = moe_loading.fold_scales(c, get)  # GraniteMoE's multipliers into the weights; `get` itself elsewhere
+    if folded is not get:
+        get, groups = folded, None  # a file's own 4-bit groups would bypass the folding
+    cpu = torch.device("cpu")
+
+    def need(key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        t = get(key, device, dtype)
+        if t is None:
+            raise ModelLoadError(f"{path}: weight {key!r} is missing")
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t.contiguous()
+
+    def projection(parts: list[tuple[str, tuple[int, int]]], device: torch.device) -> torch.Tensor | Int4Weight:
+        """The weights `parts` stacked by rows: float, or with int4 weights on the CPU as 4-bit groups."""
+        rows, cols = sum(shape[0] for _, shape in parts), parts[0][1][1]
+        if not (int4_weights and device.type == "cpu" and int4.can_pack(rows, cols)):
+            ws = [need(key, shape, device) for key, shape in parts]
+            return ws[0] if len(ws) == 1 else torch.cat(ws)
+        stacked: list[Groups] = []
+        for key, shape in parts:
+            found = groups(key) if groups is not None else None
+            if found is None:
+                w = embed if key == "embed" and device == first_device else need(key, shape, device)
+                found = int4.quantize_groups(w)
+            elif tuple(found[0].shape) != shape:
+                raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(found[0].shape)}, expected {shape}")
+            stacked.append(found)
+        return Int4Weight.from_groups(*(torch.cat(p) for p in zip(*stacked, strict=True)), dtype=dtype)
+
+    def placeholder(w: torch.Tensor | Int4Weight) -> torch.Tensor:
+        # A module's buffer must be a tensor: an Int4Weight goes in after construction (int4.install).
+        return torch.empty(w.shape, device="meta") if isinstance(w, Int4Weight) else w
+
+    first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    hidden, inter = c.hidden_size, c.intermediate_size
+    embed = need("embed", (c.vocab_size, hidden), first_device)
+    layers: list[DecoderLayer] = []
+    for device, a, b in stages:
+        device = torch.device(device)
+        for i in range(a, b):
+            p = f"{i}."
+            # The order of the reads is the order of the weights in the fingerprint: keep it.
+            w = {"wqkv": projection([(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
+                                     (p + "v", (kv_rows, hidden))], device)}
+            bqkv = None
+            if c.attention_bias:
+                bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
+                                  need(p + "v_bias", (kv_rows,), device)))
+            moe = None
+            if c.is_moe_layer(i):  # a sparse expert block instead of the dense MLP
+                moe = moe_loading.build_sparse_moe(
+                    c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu),
+                    lambda t, d=device: t.to(device=d, dtype=dtype).contiguous(), path,
+                )
+            else:
+                w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
+            q_norm = k_norm = None
+            if c.qk_norm:
+                q_shape, k_shape = moe_loading.q_norm_shapes(c)
+                q_norm = need(p + "q_norm", q_shape, device)
+                k_norm = need(p + "k_norm", k_shape, device)
+            attn_norm = need(p + "attn_norm", (hidden,), device)
+            w["wo"] = projection([(p + "o", (hidden, q_rows))], device)
+            mlp_norm = need(p + "mlp_norm", (hidden,), device)
+            if moe is None:
+                w["w_down"] = projection([(p + "down", (hidden, inter))], device)
+            layer = DecoderLayer(c, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
+                                 moe=moe, **({"w_gate_up": None, "w_down": None}  # None: the experts replace them
+                                             | {name: placeholder(t) for name, t in w.items()}))
+            for name, t in w.items():
+                if isinstance(t, Int4Weight):
+                    int4.install(layer, name, t)
+            if moe is not None and int4_weights and device.type == "cpu":
+                moe.quantize_experts()  # the experts as 4-bit groups, one Int4Weight per expert and matrix
+            layers.append(layer)
+            # The layer's temporaries were freed among the kept weights; without this the heap keeps their
+            # pages (~100 MB for SmolLM2 in int4, half its weights).
+            _release_freed_memory()
+    norm = need("norm", (hidden,), last_device)
+    # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point);
+    # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.
+    separate = moe_loading.output_is_separate(c)
+    head_key = "embed" if c.tie_word_embeddings and not separate else "lm_head"
+    if head_key == "embed" and not int4_weights:
+        lm_head = embed if last_device == first_device else need("embed", (c.vocab_size, hidden), last_device)
+    else:
+        lm_head = projection([(head_key, (c.vocab_size, hidden))], last_device)
+    freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
+    model = CausalLM(c, stages, embed=embed, layers=layers, norm=norm, lm_head=placeholder(lm_head),
+                     rope_freq_factors=freq_factors)
+    if isinstance(lm_head, Int4Weight):
+        int4.install(model, "lm_head", lm_head)
+    _release_freed_memory()
+    return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps what many small objects freed, e.g. the
+    GGUF reader's, counted in RSS); a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import contextlib
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+

@@ -1,0 +1,236 @@
+"""GGUF files: the header and tensor directory, metadata -> ModelConfig, and the tensors (dequantised or as
+4-bit groups) handed to the model builder."""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from engine.errors import ModelLoadError
+from engine.model import gguf_dequant, moe_loading
+from engine.model.build import Groups, LoadedModel, _build, _release_freed_memory
+from engine.model.config import ModelConfig
+from engine.model.tokenizer import Tokenizer, TokenizerError
+
+_GGUF_LAYER_NAMES = {
+    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
+    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "mlp_norm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs",
+}
+
+
+def _gguf_canonical(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, index, rest = name.split(".", 2)
+        key = _GGUF_LAYER_NAMES.get(rest) or moe_loading.gguf_layer_key(rest)
+        if key is not None:
+            return f"{index}.{key}"
+    return None
+
+
+def read_gguf(path: str):  # -> gguf.GGUFReader
+    """Open a GGUF file (memory-mapped; the last one is reused); ModelLoadError when it is not a readable GGUF."""
+    stat = os.stat(path)
+    return _read_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_gguf(path: str, size: int, mtime_ns: int):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct/numpy errors on damaged files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def gguf_metadata(reader) -> dict:
+    """Every metadata field of an open GGUF as plain Python values."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field gguf cannot decode is skipped, and reported if it is needed
+            continue
+    return out
+
+
+def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    moe_arch = moe_loading.gguf_architecture(arch, meta)  # mixture-of-experts families
+    if arch not in ("llama", "mistral", "qwen2", "qwen3") and moe_arch is None:
+        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2, qwen3, "
+                             f"{', '.join(moe_loading.GGUF_ARCHITECTURE_NAMES)}")
+
+    def key(name: str, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
+        return value
+
+    hidden = int(key("embedding_length"))
+    n_heads = int(key("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    scaling = None
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind and kind != "none":
+        scaling = {"rope_type": kind, "factor": float(key("rope.scaling.factor"))}
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+    n_kv = key("attention.head_count_kv", n_heads)
+    n_layers = int(key("block_count"))
+    moe = moe_arch and moe_loading.gguf_moe_config(moe_arch, arch, meta, tensor_names, n_layers, path)
+    return ModelConfig(
+        architecture=moe_arch or arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        moe=moe or None,
+    )
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of q/k rows so RoPE uses the rotate-half convention."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class _GGUFTensor:
+    """What loading needs of one entry of a GGUF tensor directory (the reader itself is dropped early)."""
+
+    name: str
+    qtype: int  # a gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # outermost first (GGUF lists the innermost dimension first)
+    offset: int  # of its bytes in the file
+    n_bytes: int
+
+    @classmethod
+    def of(cls, t) -> _GGUFTensor:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        return cls(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes))
+
+
+def _check_gguf_tensors(path: str, directory: list[_GGUFTensor], used: dict[str, _GGUFTensor]) -> None:
+    """Refuse, before any tensor is read, a file whose tensor directory does not match its data: a tensor that
+    runs into the next one or past the end of the file, a type this loader cannot decode, a shape that is not
+    whole blocks."""
+    file_size = os.path.getsize(path)
+    ordered = sorted(directory, key=lambda t: t.offset)
+    for t, after in zip(ordered, [*ordered[1:], None], strict=True):
+        end = t.offset + t.n_bytes
+        if end > file_size:
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        if after is not None and end > after.offset:
+            raise ModelLoadError(
+                f"{path}: corrupt tensor directory: tensor {t.name} ({gguf_dequant.type_name(t.qtype)}, shape "
+                f"{t.shape}, {t.n_bytes} bytes) runs into tensor {after.name}"
+            )
+    for t in used.values():
+        try:
+            expected = gguf_dequant.tensor_bytes(t.name, t.qtype, t.shape)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        assert expected == t.n_bytes, (t.name, expected, t.n_bytes)  # gguf sizes a tensor the same way
+
+
+def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
+    reader = read_gguf(path)
+    meta = gguf_metadata(reader)
+    from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf
+
+    if is_hybrid_gguf(meta):
+        return load_hybrid_gguf(path, stages, dtype)
+    directory = [_GGUFTensor.of(t) for t in reader.tensors]
+    header_size = reader.data_offset
+    # The reader holds a numpy view per metadata item (~160 MB for a 49K-token vocabulary): gone before the
+    # weights are read, it does not add to the load's peak.
+    del reader
+    _read_gguf.cache_clear()
+    _release_freed_memory()
+    tensors = {}
+    for t in directory:
+        key = _gguf_canonical(t.name)
+        if key is not None:
+            tensors[key] = t
+    config = _gguf_config(meta, {t.name for t in directory}, path)
+    file_size = os.path.getsize(path)
+    _check_gguf_tensors(path, directory, tensors)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    except TokenizerError as e:
+        raise ModelLoadError(f"{path}: tokenizer: {e}") from None
+    # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
+    permuted = config.architecture in ("llama", "mistral", *moe_loading.GGUF_PERMUTED)
+    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading, each tensor once
+    hashed: set[str] = set()
+
+    def raw(key: str, device: torch.device) -> torch.Tensor:
+        """The tensor's bytes, read from the file (not through the reader's mapping, whose pages would stay
+        resident next to the converted weights) onto `device`."""
+        t = tensors[key]
+        data = torch.empty(t.n_bytes, dtype=torch.uint8)
+        f.seek(t.offset)
+        if f.readinto(memoryview(data.numpy())) != data.numel():
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        if key not in hashed:
+            hashed.add(key)
+            content.update(key.encode())
+            content.update(data.numpy())
+        return data.to(device)
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
+        t = tensors.get(key)
+        if t is None:
+            return None
+        w = gguf_dequant.dequantize(t.name, raw(key, device), t.qtype, t.shape, want)
+        if permuted and key.endswith((".q", ".k", ".q_bias", ".k_bias")):
+            w = _unpermute(w, config.n_heads if ".q" in key else config.n_kv_heads)
+        return w
+
+    def q4(key: str) -> Groups | None:
+        t = tensors.get(key)
+        if t is None or t.qtype not in gguf_dequant.Q4_GROUPED or len(t.shape) != 2:
+            return None
+        found = gguf_dequant.q4_groups(t.name, raw(key, torch.device("cpu")), t.qtype, t.shape)
+        if permuted and key.endswith((".q", ".k")):
+            heads = config.n_heads if key.endswith(".q") else config.n_kv_heads
+            found = tuple(_unpermute(x, heads) for x in found)
+        return found
+
+    with open(path, "rb") as f:
+        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4)
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<Q", file_size))
+    with open(path, "rb") as f:
+        h.update(f.read(header_size))  # header, metadata and tensor directory
+    h.update(content.digest())
+    name = os.path.splitext(os.path.basename(path))[0]
+    return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)
+

@@ -1,0 +1,159 @@
+"""HF model folders: config.json plus safetensors files (one, or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+import xxhash
+
+from engine.errors import ModelLoadError
+from engine.model import moe_loading
+from engine.model.build import LoadedModel, _build
+from engine.model.config import ConfigError, ModelConfig
+from engine.model.tokenizer import Tokenizer, TokenizerError
+
+_HF_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+}
+_HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+
+
+def _hf_canonical(name: str) -> str | None:
+    if name in _HF_GLOBAL_NAMES:
+        return _HF_GLOBAL_NAMES[name]
+    if name.startswith("model.layers."):
+        _, _, index, rest = name.split(".", 3)
+        key = _HF_LAYER_NAMES.get(rest) or moe_loading.hf_layer_key(rest)
+        if key is not None:
+            return f"{index}.{key}"
+    return None
+
+
+def _hybrid_loader(raw_config: dict):
+    """The hybrid-model loader (engine.model.hybrid) when config.json names a hybrid architecture, else None."""
+    from engine.model.hybrid.config import hf_hybrid_architecture
+
+    if hf_hybrid_architecture(raw_config) is None:
+        return None
+    from engine.model.hybrid.loader import load_hybrid_hf
+
+    return load_hybrid_hf
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise ModelLoadError(f"{os.path.join(folder, name)}: listed in the index but missing")
+        return [os.path.join(folder, n) for n in files]
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors files (and no model.safetensors.index.json)")
+    return [os.path.join(folder, n) for n in files]
+
+
+def _safetensors_header(path: str) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file; ModelLoadError if the file is short or bad."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file (header of {n} bytes, file of {size})")
+        header = f.read(n)
+    try:
+        meta = json.loads(header)
+    except ValueError:
+        raise ModelLoadError(f"{path}: safetensors header is not valid JSON") from None
+    end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ModelLoadError(
+            f"{path}: truncated safetensors file: tensors need {8 + n + end} bytes, the file has {size}"
+        )
+    return head + header
+
+
+def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
+    from safetensors import safe_open
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"{config_path}: missing (an HF model folder needs config.json)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw_config = json.load(f)
+    except ValueError as e:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+    hybrid = _hybrid_loader(raw_config)
+    if hybrid is not None:
+        return hybrid(folder, raw_config, stages, dtype)
+    try:
+        config = ModelConfig.from_hf(raw_config)
+    except ConfigError as e:
+        raise ModelLoadError(f"{config_path}: {e}") from None
+    files = _safetensors_files(folder)
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(config.describe(), sort_keys=True).encode())
+    for file in files:
+        h.update(os.path.basename(file).encode())
+        h.update(struct.pack("<Q", os.path.getsize(file)))
+        h.update(_safetensors_header(file))
+    try:
+        tokenizer = Tokenizer.from_hf_folder(folder)
+    except TokenizerError as e:
+        raise ModelLoadError(str(e)) from None
+
+    handles = {}
+    where: dict[str, tuple[str, str]] = {}
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as e:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
+        handles[file] = handle
+        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            key = _hf_canonical(name)
+            if key is not None:
+                where[key] = (file, name)
+
+    hashed: set[str] = set()
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
+        found = where.get(key)
+        if found is None:
+            return None
+        file, name = found
+        try:
+            tensor = handles[file].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
+        if key not in hashed:
+            hashed.add(key)
+            content.update(key.encode())
+            content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
+        return tensor.float().to(device=device, dtype=want)
+
+    if "lm_head" not in where and not config.tie_word_embeddings:
+        raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
+    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
+    model = _build(config, stages, dtype, get, folder, int4_weights=int4_weights)
+    h.update(content.digest())
+    name = os.path.basename(os.path.normpath(folder))
+    return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)

@@ -1,0 +1,120 @@
+"""Stage planning: which layers go on which device, and how many bytes a layer needs there."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from engine.errors import ModelLoadError
+from engine.model import moe_loading
+from engine.model.config import ModelConfig
+
+
+def plan_stages(
+    n_layers: int, devices: str, layer_split: str, *, bytes_per_layer: int = 0
+) -> list[tuple[torch.device, int, int]]:
+    """[(device, first_layer, end_layer)] covering all layers; ValueError with the reason when impossible.
+
+    `bytes_per_layer` (weights + K/V per layer, an estimate) enables the free-memory check.
+    """
+    if n_layers <= 0:
+        raise ValueError(f"n_layers must be positive, got {n_layers}")
+    device_list = _parse_devices(devices)
+    split = layer_split.strip()
+    if not split:
+        counts = [n_layers]
+        device_list = device_list[:1]
+    elif split == "auto":
+        if len(device_list) > n_layers:
+            raise ValueError(f"--layer-split auto: {len(device_list)} devices but only {n_layers} layers")
+        counts = _proportional([_free_bytes(d) for d in device_list], n_layers)
+    else:
+        try:
+            counts = [int(p) for p in split.split(",")]
+        except ValueError:
+            raise ValueError(f'--layer-split: expected auto or layer counts like "12,18", got "{layer_split}"') from None
+        if len(counts) != len(device_list):
+            raise ValueError(
+                f"--layer-split: {len(counts)} counts for {len(device_list)} devices ({devices}); give one per device"
+            )
+        if any(c <= 0 for c in counts):
+            raise ValueError(f"--layer-split: every device needs at least one layer, got {layer_split}")
+        if sum(counts) != n_layers:
+            raise ValueError(f"--layer-split: counts sum to {sum(counts)}, but the model has {n_layers} layers")
+    stages: list[tuple[torch.device, int, int]] = []
+    first = 0
+    for device, count in zip(device_list, counts, strict=True):
+        stages.append((device, first, first + count))
+        first += count
+    if bytes_per_layer > 0:
+        for device, a, b in stages:
+            need, free = (b - a) * bytes_per_layer, _free_bytes(device)
+            if need > free:
+                raise ValueError(
+                    f"{device}: {b - a} layers need about {need / 2**20:.0f} MiB, only {free / 2**20:.0f} MiB free; "
+                    "give it fewer layers with --layer-split or use another device"
+                )
+    return stages
+
+
+def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int) -> int:
+    """Estimated bytes one layer needs on its device: weights plus K/V for `n_slots` slots of `ctx` tokens
+    (the `bytes_per_layer` of plan_stages)."""
+    if not isinstance(config, ModelConfig):  # engine.model.hybrid: loads and runs, not yet served by the engine
+        raise ModelLoadError(
+            f"{config.architecture}: hybrid models (recurrent state + attention) are not served yet; "
+            "supported architectures: llama, mistral, qwen2, qwen3"
+        )
+    c = config
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    mlp = max(moe_loading.mlp_weights(c, i) for i in range(c.n_layers))  # experts make layers differ
+    weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + mlp
+    weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
+    kv = 2 * n_slots * ctx * kv_rows
+    return (weights + kv) * dtype.itemsize
+
+
+def _parse_devices(devices: str) -> list[torch.device]:
+    text = devices.strip() or "auto"
+    if text == "auto":
+        return [torch.device("cuda:0" if torch.cuda.is_available() else "cpu")]
+    out: list[torch.device] = []
+    for part in text.split(","):
+        try:
+            device = torch.device(part.strip())
+        except RuntimeError:
+            raise ValueError(f'--devices: unknown device "{part.strip()}"; expected cpu or cuda:N') from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--devices: {part.strip()} requested but CUDA is not available on this machine")
+            index = 0 if device.index is None else device.index
+            if index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"--devices: {part.strip()} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+                )
+            device = torch.device("cuda", index)
+        elif device.type != "cpu":
+            raise ValueError(f'--devices: unsupported device "{part.strip()}"; expected cpu or cuda:N')
+        out.append(device)
+    return out
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
+def _proportional(weights: list[int], total: int) -> list[int]:
+    """Split `total` layers in proportion to `weights`, at least one each, summing exactly to `total`."""
+    n = len(weights)
+    norm = sum(weights) or n
+    shares = [max(w, 0) / norm * total if sum(weights) else total / n for w in weights]
+    counts = [max(1, int(s)) for s in shares]
+    while sum(counts) > total:
+        i = max(range(n), key=lambda j: counts[j] - shares[j])
+        counts[i] -= 1
+    while sum(counts) < total:
+        i = max(range(n), key=lambda j: shares[j] - counts[j])
+        counts[i] += 1
+    return counts
