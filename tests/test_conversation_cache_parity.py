@@ -96,7 +96,7 @@ def test_split_conversation_resumes_on_one_stage_float():
 
 
 def test_a_prompts_last_token_is_computed_in_a_step_of_its_own():
-    from engine.runtime.engine import _prefill_end
+    from engine.runtime.scheduler import _prefill_end
 
     def chunks(start, n, chunk):
         out, pos = [], start

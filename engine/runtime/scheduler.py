@@ -1,0 +1,326 @@
+"""The engine thread's loop: the inbox, admission (slot choice, cache lookup, park and restore), one forward
+step over every active slot, emitting tokens, finishing requests, and the shutdown."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache.parts import kv_reader, kv_writer
+from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
+from engine.runtime.sampling import Sampler
+from engine.runtime.state import Active, Slot
+from engine.runtime.stats import STATS_INTERVAL_S, Stats
+from engine.runtime.stop_strings import StopStringFilter
+from engine.runtime.stream import RequestStream
+
+if TYPE_CHECKING:
+    from engine.cache.stats import CacheHit
+
+log = logging.getLogger("strata.engine")
+
+# A conversation shorter than this is cheaper to prefill again than to park; a hit that saves fewer tokens than
+# this over the live slot is not worth parking the slot's conversation for.
+MIN_PARK_TOKENS = 16
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    ta = torch.tensor(a[:n], dtype=torch.int64)
+    tb = torch.tensor(b[:n], dtype=torch.int64)
+    diff = (ta != tb).nonzero()
+    return int(diff[0].item()) if diff.numel() else n
+
+
+class Scheduler(Stats):
+    """Continuous batching over the slots; runs only on the engine thread."""
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                idle = not self._waiting and all(s.active is None for s in self.slots)
+                self._drain_inbox(block=idle)
+                if self._stop.is_set():
+                    break
+                self._drop_cancelled()
+                self._admit_waiting()
+                if any(s.active is not None for s in self.slots):
+                    try:
+                        self._step()
+                    except Exception as exc:  # a bug must not hang clients: fail their requests, keep serving
+                        log.exception("engine step failed")
+                        self._fail_active(f"internal error: {exc}")
+                if time.monotonic() - self._stats["published"] >= STATS_INTERVAL_S:
+                    self._publish_stats()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "submit":
+                self._waiting.append(payload)
+            elif kind == "call":
+                fn, future = payload
+                if future.set_running_or_notify_cancel():
+                    try:
+                        result = fn()
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        self._publish_stats()
+                        future.set_exception(exc)
+                    else:
+                        self._publish_stats()  # before the caller hears back, so its next stats read sees the change
+                        future.set_result(result)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        kept = []
+        for request, stream in self._waiting:
+            if stream.cancelled.is_set():
+                stream.put(TokenEvent(finish_reason="stop", usage=Usage(len(request.prompt_tokens), 0, 0)))
+            else:
+                kept.append((request, stream))
+        self._waiting = kept
+        for slot in self.slots:
+            if slot.active is not None and slot.active.stream.cancelled.is_set():
+                log.info("request %s cancelled by the client; slot %d freed", slot.active.request.request_id, slot.id)
+                self._finish(slot, "stop")
+
+    def _fail_active(self, message: str) -> None:
+        for slot in self.slots:
+            if slot.active is not None:
+                a = slot.active
+                a.stream.put(TokenEvent(finish_reason="error", error=message,
+                                        usage=Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)))
+                slot.active = None
+                # What the failed step wrote is unknown: forget the slot's contents.
+                slot.tokens = []
+
+    # ------------------------------------------------------------------ admission: slot choice + cache
+
+    def _admit_waiting(self) -> None:
+        admitted = False
+        while self._waiting:
+            free = [s for s in self.slots if s.active is None]
+            if not free:
+                break
+            request, stream = self._waiting.pop(0)
+            admitted = True
+            try:
+                self._admit(request, stream, free)
+            except Exception as exc:
+                log.exception("could not start request %s", request.request_id)
+                stream.put(TokenEvent(finish_reason="error", error=f"internal error: {exc}",
+                                      usage=Usage(len(request.prompt_tokens), 0, 0)))
+        if admitted:  # the next step may be long: show the busy slots and restores before it
+            self._publish_stats()
+
+    def _admit(self, request: GenerationRequest, stream: RequestStream, free: list[Slot]) -> None:
+        prompt = request.prompt_tokens
+        usable = len(prompt) - 1  # the last prompt token is always computed: its logits pick the first output
+        # The free slot whose live contents reuse the most of this prompt.
+        live = {s.id: min(common_prefix(s.tokens, prompt), usable) for s in free}
+        best = max(free, key=lambda s: (live[s.id], -s.last_used))
+        hit = None
+        if self.cache is not None:
+            hit = self.cache.lookup(prompt, live_prefix=live[best.id])
+            if hit is not None and hit.n_tokens - live[best.id] < MIN_PARK_TOKENS:
+                hit = None
+            if hit is None and live[best.id] < usable:
+                self.cache.record_miss()
+        if hit is not None:
+            # Restore into the least recently used free slot, parking what it holds.
+            slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
+            reused = self._restore_hit(slot, hit, prompt)
+        else:
+            slot = best if live[best.id] > 0 else min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
+            reused = live[slot.id]
+            self._park_if_losing(slot, reused)
+            slot.tokens = slot.tokens[:reused]
+
+        max_tokens = request.params.max_tokens or (self.ctx_size - len(prompt))
+        slot.prompt = list(prompt)
+        slot.active = Active(
+            request=request,
+            stream=stream,
+            sampler=Sampler(request.params, prompt),
+            stops=StopStringFilter(request.params.stop),
+            decoder=self.tokenizer.stream_decoder(),
+            cached_tokens=reused,
+            max_tokens=max_tokens,
+        )
+        slot.last_used = time.time()
+        stream.mark_started()
+        self._counters["requests"] += 1
+        self._counters["prompt_tokens"] += len(prompt)
+        self._counters["cached_tokens"] += reused
+
+    def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
+        """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
+
+        `protect` names a parked conversation this park must not evict (the hit about to be restored).
+        """
+        if self.cache is None or len(slot.tokens) <= keep or len(slot.tokens) < MIN_PARK_TOKENS:
+            return
+        self._park(slot, protect)
+
+    def _park(self, slot: Slot, protect: str | None = None) -> None:
+        assert self.cache is not None
+        tokens = list(slot.tokens)
+        try:
+            result = self.cache.park(tokens, kv_reader(lambda a, b: self.kv.read(slot.id, a, b)), keep=protect)
+        except Exception:  # the cache must never take a request down
+            log.exception("parking slot %d failed", slot.id)
+            return
+        if not result.parked:
+            log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), result.reason)
+
+    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int]) -> int:
+        """Park the slot's contents, then restore `hit` into it; on any failure the slot is a clean miss."""
+        assert self.cache is not None
+        self._park_if_losing(slot, 0, protect=hit.conversation_id)
+        slot.tokens = []
+        try:
+            result = self.cache.restore(
+                hit, kv_writer(lambda start, data: self._write_queued(slot, start, data, hit.n_tokens))
+            )
+        except Exception as exc:
+            log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
+            self.kv.clear(slot.id)
+            return 0
+        n = min(result.n_tokens, len(prompt) - 1)
+        slot.tokens = list(prompt[:n])
+        return n
+
+    def _write_queued(self, slot: Slot, start: int, data: torch.Tensor, end: int) -> None:
+        """Queue a restored piece into the slot; wait for all transfers once the last piece is queued."""
+        self.kv.write(slot.id, start, data, wait=False)
+        if start + data.shape[2] >= end:
+            self.kv.synchronize()
+
+    # ------------------------------------------------------------------ one forward step
+
+    def _step(self) -> None:
+        from engine.model.llama import SeqChunk
+
+        chunks: list[SeqChunk] = []
+        owners: list[tuple[Slot, bool]] = []  # (slot, produces a token this step)
+        n_prefill = n_decode = 0
+        for slot in self.slots:
+            a = slot.active
+            if a is None:
+                continue
+            pos = len(slot.tokens)
+            if a.next_token is not None:  # decoding: feed the last sampled token
+                chunks.append(SeqChunk(slot.id, pos, torch.tensor([a.next_token], dtype=torch.int64)))
+                owners.append((slot, True))
+                n_decode += 1
+            else:  # prefilling the prompt, one chunk per step
+                end = _prefill_end(pos, len(slot.prompt), self.config.prefill_chunk)
+                chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
+                owners.append((slot, end == len(slot.prompt)))
+                n_prefill += end - pos
+        t0 = time.perf_counter()
+        logits = self.model.forward_chunks(chunks, self.kv)
+        dt = time.perf_counter() - t0
+        self._note_rates(n_prefill, n_decode, dt)
+
+        for i, (slot, produces) in enumerate(owners):
+            a = slot.active
+            assert a is not None
+            chunk = chunks[i]
+            slot.tokens.extend(chunk.tokens.tolist())
+            if not produces:
+                continue
+            token = a.sampler.sample(logits[i])
+            self._emit(slot, token)
+
+    def _note_rates(self, n_prefill: int, n_decode: int, dt: float) -> None:
+        if dt <= 0:
+            return
+        if n_prefill >= 32 and n_decode == 0:
+            rate = n_prefill / dt
+            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
+            if self.cache is not None:
+                self.cache.prefill_tokens_per_s = self._prefill_rate
+        elif n_prefill == 0 and n_decode > 0:
+            rate = n_decode / dt
+            self._decode_rate = rate if self._decode_rate is None else 0.9 * self._decode_rate + 0.1 * rate
+
+    def _emit(self, slot: Slot, token: int) -> None:
+        a = slot.active
+        assert a is not None
+        a.generated.append(token)
+        self._counters["generated_tokens"] += 1
+        is_eos = token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
+        if is_eos:
+            self._finish(slot, "stop")
+            return
+        text = a.stops.push(a.decoder.push(token))
+        if a.stops.stopped:
+            if text:
+                a.stream.put(TokenEvent(text=text, token_id=token))
+            a.next_token = token
+            self._finish(slot, "stop")
+            return
+        a.stream.put(TokenEvent(text=text, token_id=token))
+        a.next_token = token
+        if len(a.generated) >= a.max_tokens or len(slot.tokens) + 1 >= self.ctx_size:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        a = slot.active
+        assert a is not None
+        tail = "" if a.stops.stopped else a.stops.push(a.decoder.flush()) + a.stops.flush()
+        usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
+        slot.active = None
+        slot.last_used = time.time()
+        self._publish_stats()  # before the client hears the end, so its next stats read counts this request
+        a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage))
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _shutdown(self, deadline_s: float) -> None:
+        for slot in self.slots:
+            if slot.active is not None:
+                self._finish(slot, "stop")
+        for request, stream in self._waiting:
+            stream.put(TokenEvent(finish_reason="error", error="the engine is shutting down",
+                                  usage=Usage(len(request.prompt_tokens), 0, 0)))
+        self._waiting = []
+        if self.cache is None:
+            return
+        keeps = self.config.conversation_cache_storage in ("tiered", "disk")
+        if keeps:
+            for slot in self.slots:
+                if len(slot.tokens) >= MIN_PARK_TOKENS:
+                    self._park(slot)
+        self.cache.close(spill=keeps, deadline_s=deadline_s)
+
+
+def _prefill_end(pos: int, n_prompt: int, chunk: int) -> int:
+    """End of the next prefill chunk from `pos`: at most `chunk` tokens, and the prompt's last token alone.
+
+    A token's K/V and logits depend in their last bits on the chunk that computes it (attention kernels tile
+    by sequence length; a lone token takes another path than a row of a chunk). A prompt whose K/V is all
+    present again (a conversation restored after a restart, the same turn asked again, a slot that kept it)
+    recomputes only its last token, alone. Computing that token alone the first time too makes the logits
+    that pick the first output, and so a greedy continuation, identical whichever way the rest was chunked.
+    """
+    assert 0 <= pos < n_prompt and chunk > 0, (pos, n_prompt, chunk)
+    last = n_prompt - 1
+    if pos == last:
+        return n_prompt
+    return min(last, pos + chunk)

@@ -1,0 +1,82 @@
+"""Engine start-up: the effective weights format, the cache and its identity, the warm-up step."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import __version__
+from engine.config import EngineConfig
+from engine.runtime.state import EngineState
+
+if TYPE_CHECKING:
+    from engine.cache.api import CacheAPI
+    from engine.cache.identity import CacheIdentity
+
+log = logging.getLogger("strata.engine")
+
+
+class Startup(EngineState):
+    """What the engine builds before it serves (and again for the cache when its settings change)."""
+
+    def _warm_up(self) -> None:
+        """One short prefill and one decode step before serving, so the first request (often a conversation
+        resumed after a restart) does not pay the kernels' one-time set-up."""
+        from engine.model.llama import SeqChunk
+
+        with torch.inference_mode():
+            prompt = torch.zeros(min(8, self.ctx_size - 1), dtype=torch.int64)
+            self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
+            self.model.forward_chunks([SeqChunk(0, len(prompt), prompt[:1])], self.kv)
+        self.kv.clear(0)
+
+    def _make_cache(self, config: EngineConfig) -> CacheAPI | None:
+        off = config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0
+        if off:
+            log.info("conversation cache off (--conversation-cache-mib 0)")
+            return None
+        from engine.cache import CacheSettings, ConversationCache
+
+        return ConversationCache(CacheSettings.from_engine_config(config), self._identity(),
+                                 engine_version=__version__)
+
+    def _identity(self) -> CacheIdentity:
+        """What parked K/V and session files must match to be restored here (block size is fixed at start)."""
+        if self.cache_identity is None:
+            from engine.cache import CacheIdentity
+
+            self.cache_identity = CacheIdentity(
+                model={
+                    **self.loaded.config.describe(),
+                    "weights": self.loaded.fingerprint,
+                    "weights_format": self.weights_format,  # int4 weights give other K/V than float ones
+                    "tokenizer": self.tokenizer.fingerprint,
+                },
+                layout=self.layout,
+                block_tokens=self.config.conversation_cache_block_tokens,
+            )
+        return self.cache_identity
+
+
+def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
+    """The effective --cpu-weights: auto means int4 where it applies (CPU, float32, kernels present)."""
+    if choice != "auto":
+        return choice
+    from engine.model import int4
+
+    on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in stages)
+    return "int4" if on_cpu and dtype == torch.float32 and int4.available() else "float"
+
+
+def _check_int4(dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> None:
+    """ValueError when `--cpu-weights int4` cannot apply."""
+    from engine.model import int4
+
+    if any(torch.device(d).type != "cpu" for d, _, _ in stages):
+        raise ValueError("--cpu-weights int4: only for models on the CPU; use --cpu-weights float with --devices cuda")
+    if dtype != torch.float32:
+        raise ValueError("--cpu-weights int4: needs --dtype float32 (or auto) on the CPU")
+    if not int4.available():
+        raise ValueError(f"--cpu-weights int4: this PyTorch ({torch.__version__}) has no CPU int4 kernels")

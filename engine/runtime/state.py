@@ -1,0 +1,81 @@
+"""What the engine holds: its slots, the request in each, and the attributes every part of the Engine reads.
+
+The Engine is built in layers, each a module of its own (state -> startup -> control -> stats -> scheduler ->
+engine): a layer may call what the layers below it define, and all of them read the attributes declared here,
+which `Engine.__init__` sets.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+from engine.kv import KVBuffers, KVLayout
+from engine.runtime.requests import GenerationRequest
+from engine.runtime.sampling import Sampler
+from engine.runtime.stop_strings import StopStringFilter
+from engine.runtime.stream import RequestStream
+
+if TYPE_CHECKING:
+    from engine.cache.api import CacheAPI
+    from engine.cache.identity import CacheIdentity
+
+log = logging.getLogger("strata.engine")
+
+
+@dataclass(slots=True)
+class Active:
+    """A request occupying a slot."""
+
+    request: GenerationRequest
+    stream: RequestStream
+    sampler: Sampler
+    stops: StopStringFilter
+    decoder: Any  # the tokenizer's StreamDecoder
+    cached_tokens: int
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None  # sampled, not yet fed through the model
+
+
+@dataclass(slots=True)
+class Slot:
+    """One row of the K/V buffers and what is in it."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V rows [0, len) are valid
+    active: Active | None = None
+    last_used: float = 0.0
+    prompt: list[int] = field(default_factory=list)  # the active request's prompt (prefill target)
+
+
+class EngineState:
+    """The attributes `Engine.__init__` sets, declared once for the layers that read them."""
+
+    config: EngineConfig
+    loaded: Any  # a LoadedModel (engine.model), with weights_format set by Engine.from_config
+    model: Any
+    tokenizer: Any
+    model_name: str
+    weights_format: str
+    ctx_size: int
+    n_slots: int
+    layout: KVLayout
+    kv: KVBuffers
+    slots: list[Slot]
+    started_at: float
+    state: str
+    cache_identity: CacheIdentity | None
+    cache: CacheAPI | None
+    _inbox: queue.SimpleQueue[tuple[str, Any]]
+    _waiting: list[tuple[GenerationRequest, RequestStream]]
+    _stop: threading.Event
+    _counters: dict[str, int]
+    _prefill_rate: float | None
+    _decode_rate: float | None
+    _stats: dict[str, Any]
+    _thread: threading.Thread
