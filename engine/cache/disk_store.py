@@ -2,6 +2,7 @@
 
 Owns (besides the files, through `DiskTier`) the disk index, the orphans (entries evicted while the writer held
 them), the results the writer has reported but the engine thread has not applied yet, and the writer itself.
+The park path (staged for the writer or written now) is `disk_parks`.
 
 The budget is planned in one place, `_room`: a park (staged or written now), a tiered spill and a budget
 change all ask it which LRU entries must go. Every move of an entry into the index has two phases: `_reserve`
@@ -20,15 +21,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.cache import disk_parks
 from engine.cache.disk_tier import DAY, DiskTier
 from engine.cache.errors import ParkRefused
 from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv
 from engine.cache.journal import Journal
 from engine.cache.lifecycle import EntryState
-from engine.cache.parts import Parts, ReadParts, parts_nbytes
+from engine.cache.parts import Parts, ReadParts
 from engine.cache.policy import plan_room
-from engine.cache.ram_tier import RESERVED, capture, inherit
+from engine.cache.ram_tier import RESERVED, inherit
 from engine.cache.settings import CacheSettings
 from engine.cache.staging import StagingBound
 from engine.cache.writer import DiskWriter, WriteJob, WriteResult
@@ -168,151 +170,8 @@ class DiskStore:
         self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None, *, background: bool = True
     ) -> tuple[Conv, int, int]:
         """Park on disk; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then.
-
-        With `background`, the new K/V is captured into host memory and queued for the writer: the park
-        returns without waiting on the disk and the entry is served from that copy until written, within the
-        staging bound. A park that cannot fit the bound (or without `background`) writes its files now.
-        """
-        if not self.usable or not self.settings.uses_disk:
-            raise ParkRefused("disk_unavailable", self.files.error or "no disk tier")
-        idx, b = self.index, self.identity.block_tokens
-        with self._lock:
-            candidates = [c for c in idx.prefixes_of(toks) if not c.failed]
-            superseded = [c for c in candidates if not idx.is_pinned(c)]
-            same = [c for c in candidates if c.n_tokens == len(toks)]  # parked (written or on its way)
-            if same:
-                same[0].last_used = time.time()
-                idx.touch(same[0].id)
-                if same[0].on_disk:
-                    self.files.touch(same[0])
-                return same[0], 0, 0
-            have, victims = self._room(
-                keys,
-                len(toks),
-                leaving={c.id for c in candidates},
-                exclude={keep} if keep else set(),
-                in_flight_ok=True,  # only the writer pins entries while the engine thread parks
-            )
-            n_tail = len(toks) - len(keys) * b
-            staged = (len(keys) - have) * self.identity.block_bytes + n_tail * self.identity.bytes_per_token
-            protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
-            background = background and self._writer is not None and self.staging.make_room(staged, protect)
-            res = self._reserve(keys, have, victims, pin_pending=not background)
-            # a staged entry continues its line's id even while that line's last version is being written
-            line = inherit(candidates if background else superseded)
-        if background:
-            return self._stage(toks, keys, read_parts, res, candidates, line)
-        return self._write_now(toks, keys, read_parts, res, superseded, line)
-
-    def _capture(self, read_parts: ReadParts, start: int, end: int) -> Parts:
-        return capture(self.identity, read_parts, start, end)
-
-    def _stage(self, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
-        """Capture a park's new K/V into host memory and queue its write; the entry is restorable at once."""
-        b, have = self.identity.block_tokens, len(res.reused)
-        conv_id, created, hits = line
-        idx = self.index
-        new_blocks: list[Block] = []
-        tail = None
-        try:
-            for i in range(have, len(keys)):
-                data = self._capture(read_parts, i * b, (i + 1) * b)
-                new_blocks.append(Block(keys[i], self.files.block_size(), data=data))
-            if len(toks) > len(keys) * b:
-                tail = self._capture(read_parts, len(keys) * b, len(toks))
-        except Exception as exc:
-            with self._lock:
-                self._rollback(res, {})
-            if isinstance(exc, ParkRefused):
-                raise
-            log.exception("conversation cache: reading the slot's K/V failed")
-            raise ParkRefused("read_error", f"reading the slot's K/V failed: {exc}") from None
-        with self._lock:
-            for cid in res.victims:
-                if cid in idx.convs:
-                    self._evict(cid)
-            previous = None
-            later: list[str] = []
-            for old in superseded:
-                if idx.convs.get(old.id) is not old:
-                    continue
-                if old.id == conv_id:
-                    # the same conversation line: this entry takes its place. The version written (or being
-                    # written) stays the file on disk, and comes back on a failed write, until this one's
-                    # manifest replaces it; a version only queued is superseded before it was ever written.
-                    previous = old if old.on_disk or old.busy else old.previous
-                    later += [c for c in old.supersedes if c != conv_id]
-                    if previous is not old:
-                        old.previous = None
-                    idx.remove(old.id)
-                else:
-                    later.append(old.id)  # dropped once this entry is written
-            conv = Conv(
-                conv_id,
-                toks,
-                keys,
-                self.files.manifest_size(len(toks)),
-                tail=tail,
-                created=created,
-                last_used=time.time(),
-                hits=hits,
-                state=EntryState.PENDING,
-                supersedes=later,
-                previous=previous,
-            )
-            self._publish(res, conv, new_blocks, {})
-            assert self._writer is not None
-            self._writer.submit(conv_id)
-        new_bytes = sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
-        return conv, new_bytes, len(res.victims)
-
-    def _write_now(self, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
-        """Write a conversation's new blocks and its manifest before returning."""
-        b, have = self.identity.block_tokens, len(res.reused)
-        conv_id, created, hits = line
-        idx = self.index
-
-        def capture(i: int):
-            return lambda: self._capture(read_parts, i * b, (i + 1) * b)
-
-        written: dict[str, int] = {}
-        try:
-            items = [(k, t) for k, t in res.pinned if t is not None]
-            items += [(keys[i], capture(i)) for i in range(have, len(keys))]
-            written = self.files.write_blocks(items)
-            n_tail = len(toks) - len(keys) * b
-            tail = self._capture(read_parts, len(keys) * b, len(toks)) if n_tail else None
-            conv = Conv(conv_id, toks, keys, 0, created=created, last_used=time.time(), hits=hits,
-                        state=EntryState.WRITING)
-            conv.nbytes = self.files.write_manifest(conv, tail)
-            conv.move(EntryState.WRITTEN)
-        except Exception as exc:
-            with self._lock:
-                self._rollback(res, written)
-            if isinstance(exc, ParkRefused):
-                raise
-            if isinstance(exc, OSError):
-                raise ParkRefused(
-                    "disk_error",
-                    f"writing to {self.files.folder} failed: {exc.strerror or exc}; nothing on disk was lost",
-                ) from None
-            log.exception("conversation cache: parking to disk failed")
-            raise ParkRefused("read_error", f"parking to disk failed: {exc}") from None
-        with self._lock:
-            new_blocks = [Block(keys[i], written[keys[i]], on_disk=True) for i in range(have, len(keys))]
-            for old in superseded:
-                if old.id not in idx.convs or idx.convs[old.id] is not old or idx.is_pinned(old):
-                    continue
-                if old.id == conv_id:
-                    idx.remove(old.id)  # its manifest file was just replaced by the new one
-                else:
-                    self.remove(old.id)
-                    self._journal.redirect(old.id, conv_id)
-            self._publish(res, conv, new_blocks, written)
-            for cid in res.victims:
-                if cid in idx.convs:
-                    self._evict(cid)
-        return conv, sum(written.values()) + conv.nbytes, len(res.victims)
+        See `disk_parks.park` for `background`."""
+        return disk_parks.park(self, toks, keys, read_parts, keep, background=background)
 
     # ------------------------------------------------------------------ tiered spills
 
@@ -519,3 +378,4 @@ class DiskStore:
         if written.on_disk and written.id not in self.index.convs:
             self.files.delete_conv(written, [])
         self.files.delete_blocks([k for k in written.keys if k not in self.index.blocks])
+
