@@ -87,10 +87,10 @@ class Setting:
                 raise self.error(raw)
             return self._check_bounds(value, raw)
         if self.kind == "float":
-            value = _parse_float(raw)
-            if value is None:
+            number = _parse_float(raw)
+            if number is None:
                 raise self.error(raw)
-            return self._check_bounds(value, raw)
+            return self._check_bounds(number, raw)
         if self.kind == "bool":
             if isinstance(raw, bool):
                 return raw

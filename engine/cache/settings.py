@@ -28,13 +28,13 @@ FROM_CONFIG: dict[str, tuple[str, int]] = {
     # whole bound is written to its files before the park returns instead.
     "spill_queue_bytes": ("conversation_cache_write_buffer_mib", MIB),
 }
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def _default(name: str) -> Any:
     """The cache setting's default, from the declaration of the EngineConfig field it comes from."""
     source, scale = FROM_CONFIG[name]
-    value = _DEFAULTS[source]
+    value: Any = _DEFAULTS[source]
     return value * scale if scale != 1 else value
 
 
