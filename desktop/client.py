@@ -19,6 +19,8 @@ from typing import Any
 import psutil
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
+from engine.contract import ContractError, ConversationsBody, EventsBody, MetricsBody, parse, to_json
+
 Callback = Callable[[Any], None]
 
 
@@ -264,18 +266,36 @@ class Poller(QObject):
     def _on_memory(self, sample: MemorySample) -> None:
         self.memory.emit(sample)
 
+    # Each answer is parsed with the engine's own contract (engine/contract.py): a shape the engine does not
+    # serve is an error shown in the app, never read as empty figures.
+
     def _on_metrics(self, reply: Reply) -> None:
-        if reply.ok and isinstance(reply.data, dict):
-            self.metrics.emit(reply.data)
-        else:
+        if not reply.ok:
             self.unreachable.emit(reply.error or f"HTTP {reply.status}")
+            return
+        try:
+            self.metrics.emit(to_json(parse(MetricsBody, reply.data, "GET /metrics")))
+        except ContractError as exc:
+            self.unreachable.emit(f"the engine's answer is not understood: {exc}")
 
     def _on_conversations(self, reply: Reply) -> None:
-        if reply.ok and isinstance(reply.data, dict):
-            self.conversations.emit(list(reply.data.get("conversations") or []))
-        elif reply.reachable:
-            self.conversations_failed.emit(reply.error)
+        if not reply.ok:
+            if reply.reachable:
+                self.conversations_failed.emit(reply.error)
+            return
+        try:
+            body = parse(ConversationsBody, reply.data, "GET /cache/conversations")
+        except ContractError as exc:
+            self.conversations_failed.emit(f"the engine's answer is not understood: {exc}")
+            return
+        self.conversations.emit([to_json(row) for row in body.conversations])
 
     def _on_events(self, reply: Reply) -> None:
-        if reply.ok and isinstance(reply.data, dict):
-            self.events.emit(list(reply.data.get("events") or []))
+        if not reply.ok:
+            return
+        try:
+            body = parse(EventsBody, reply.data, "GET /cache/events")
+        except ContractError as exc:
+            self.conversations_failed.emit(f"the engine's answer is not understood: {exc}")
+            return
+        self.events.emit([to_json(event) for event in body.events])

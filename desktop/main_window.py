@@ -34,6 +34,7 @@ from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
 from desktop.tray import Tray, tray_available
+from engine.contract import CacheConfigBody, ContractError, PurgeBody, parse, to_json
 
 STATE_COLORS = {
     EngineState.STOPPED: "#757575", EngineState.STARTING: "#1565c0", EngineState.LOADING: "#1565c0",
@@ -274,8 +275,14 @@ class MainWindow(QMainWindow):
 
     def fetch_cache_config(self) -> None:
         def done(reply: Reply) -> None:
-            if reply.ok and isinstance(reply.data, dict):
-                self.settings_tab.set_effective_dir(reply.data.get("effective_dir"))
+            if not reply.ok:
+                return
+            try:
+                body = parse(CacheConfigBody, reply.data, "GET /cache/config")
+            except ContractError as exc:
+                self.statusBar().showMessage(f"The engine's cache settings are not understood: {exc}", 15000)
+                return
+            self.settings_tab.set_effective_dir(body.effective_dir)
         self.client.request("GET", "/cache/config", done)
 
     # ------------------------------------------------------------------ polling results
@@ -331,16 +338,23 @@ class MainWindow(QMainWindow):
         sent = dict(changes)
 
         def done(reply: Reply) -> None:
-            if reply.ok:
-                if self.engine.config is not None:
-                    self.engine.config = self.engine.config.replace(**sent)
-                    self.settings_tab.set_engine(self.engine.state, self.engine.config)
-                names = ", ".join(f"{label_of(k)} = {v}" for k, v in sent.items())
-                self.settings_tab.show_result(f"Applied to the running engine: {names}.", True)
-                self.fetch_cache_config()
-                self.poller.poll()
-            else:
+            if not reply.ok:
                 self.settings_tab.show_result(f"The engine refused the change: {reply.error}", False)
+                return
+            try:
+                body = parse(CacheConfigBody, reply.data, "PUT /cache/config")
+            except ContractError as exc:
+                self.settings_tab.show_result(f"The engine's answer is not understood: {exc}", False)
+                return
+            # What the engine now runs with, from its answer (not what was sent: it may have normalised it).
+            now = {k: body.settings[k] for k in sent if k in body.settings}
+            if self.engine.config is not None:
+                self.engine.config = self.engine.config.replace(**body.settings)
+                self.settings_tab.set_engine(self.engine.state, self.engine.config)
+            self.settings_tab.set_effective_dir(body.effective_dir)
+            names = ", ".join(f"{label_of(k)} = {v}" for k, v in now.items())
+            self.settings_tab.show_result(f"Applied to the running engine: {names}.", True)
+            self.poller.poll()
 
         self.client.request("PUT", "/cache/config", done, json=sent, timeout=30.0)
 
@@ -373,7 +387,11 @@ class MainWindow(QMainWindow):
             if not reply.ok:
                 self.statusBar().showMessage(f"Purge failed: {reply.error}", 15000)
                 return
-            data = reply.data if isinstance(reply.data, dict) else {}
+            try:
+                data = to_json(parse(PurgeBody, reply.data, "POST /cache/purge"))
+            except ContractError as exc:
+                self.statusBar().showMessage(f"Purge: the engine's answer is not understood: {exc}", 15000)
+                return
             self.last_purge = data
             count, size, skipped = purge_outcome(data)
             text = f"Purged {tier}: dropped {count} conversation(s), {format_bytes(size)}"

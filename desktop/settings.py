@@ -128,7 +128,8 @@ def format_bytes(n: float | None) -> str:
 
 
 def is_budget(spec: Setting) -> bool:
-    return spec.kind == "int" and spec.unit == "MiB"
+    """A size in MiB, typed in MiB or GiB (the setting's declared UI kind)."""
+    return spec.ui == "size"
 
 
 def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: str = "strata serve") -> str:

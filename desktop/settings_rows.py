@@ -11,9 +11,9 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QToolBu
 
 from desktop.settings import is_budget
 from desktop.settings_words import STORAGE_HELP
-from engine.config import Setting, default_cache_dir
+from engine.config import Setting, all_settings, default_cache_dir
 
-FOLDER_SETTINGS = ("conversation_cache_dir", "slot_save_path")
+FOLDER_SETTINGS = tuple(name for name, spec, _ in all_settings() if spec.ui == "folder")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
     outer.setSpacing(1)
     line = QHBoxLayout()
     info: QLabel | None = None
-    if spec.kind == "choice":
+    if spec.ui == "choice":
         editor: QWidget = QComboBox()
         assert isinstance(editor, QComboBox)
         for choice in spec.choices:
@@ -81,11 +81,11 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
         assert isinstance(editor, QLineEdit)
         editor.textChanged.connect(lambda _t, n=name: actions.edited(n))
         editor.editingFinished.connect(lambda n=name: actions.commit(n))
-        if spec.secret:
+        if spec.ui == "secret":
             editor.setEchoMode(QLineEdit.EchoMode.Password)
             editor.setPlaceholderText("none: every request is accepted")
         line.addWidget(editor, 1)
-        if name == "model":
+        if spec.ui == "model":
             editor.setPlaceholderText("bundled SmolLM2-135M-Instruct (Q4_1 GGUF)")
             file_button = QToolButton(text="File…")
             file_button.clicked.connect(lambda: actions.pick_model(True))
@@ -93,7 +93,7 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
             folder_button.clicked.connect(lambda: actions.pick_model(False))
             line.addWidget(file_button)
             line.addWidget(folder_button)
-        elif name in FOLDER_SETTINGS:
+        elif spec.ui == "folder":
             if name == "conversation_cache_dir":
                 editor.setPlaceholderText(default_cache_dir())
             else:
@@ -101,7 +101,7 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
             browse = QToolButton(text="Browse…")
             browse.clicked.connect(lambda _=False, n=name: actions.pick_folder(n))
             line.addWidget(browse)
-        elif spec.secret:
+        elif spec.ui == "secret":
             show = QToolButton(text="Show")
             show.setCheckable(True)
             show.toggled.connect(lambda on, e=editor: e.setEchoMode(

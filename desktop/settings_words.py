@@ -11,19 +11,7 @@ import re
 from engine.config import Setting, SettingError, all_settings
 
 GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
-LABELS = {
-    "model": "Model", "alias": "Model id", "dtype": "Data type", "devices": "Devices", "layer_split": "Layer split",
-    "threads": "CPU threads", "ctx_size": "Context length", "parallel": "Parallel slots",
-    "prefill_chunk": "Prefill chunk", "host": "Host", "port": "Port", "api_key": "API key",
-    "slot_save_path": "Slot files folder", "log_level": "Log level", "cpu_weights": "Weights on the CPU",
-    "conversation_cache_storage": "Storage mode", "conversation_cache_mib": "RAM budget",
-    "conversation_cache_disk_mib": "Disk budget", "conversation_cache_dir": "Folder",
-    "conversation_cache_write_buffer_mib": "Disk write buffer",
-    "conversation_cache_slots": "Most conversations", "conversation_cache_min_free_mib": "Keep free (floor)",
-    "conversation_cache_days": "Expiry", "conversation_cache_block_tokens": "Block size",
-    "conversation_cache_n_min": "Least tokens to restore", "conversation_cache_similarity": "Least overlap to restore",
-    "conversation_cache_spill_dir": "Spill folder",
-}
+LABELS = {name: spec.label for name, spec, _ in all_settings()}  # declared with each setting (engine/config.py)
 STORAGE_HELP = {
     "ram": "ram — in memory: fastest; gone when the engine stops",
     "disk": "disk — in files: nothing kept in memory; survives restarts",
@@ -33,8 +21,8 @@ SIZE_UNITS = (("PiB", 1 << 30), ("TiB", 1 << 20), ("GiB", 1 << 10), ("MiB", 1))
 
 
 def label_of(name: str) -> str:
-    """The words a setting is shown with; every setting has its own (asserted by the tests)."""
-    return LABELS.get(name, name.replace("_", " ").capitalize())
+    """The words a setting is shown with, as its declaration gives them."""
+    return LABELS[name]
 
 
 def size_words(mib: float) -> str:

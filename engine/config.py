@@ -1,7 +1,7 @@
 """The engine's settings: one declaration per setting, read by the CLI, the HTTP API and the desktop app.
 
-Every setting is a field of `EngineConfig` whose metadata (`Setting`) carries its flag, help text, unit,
-bounds and whether it can change on a running engine. `engine.cli` builds argparse from it, `PUT /cache/config`
+Every setting is a field of `EngineConfig` whose metadata (`Setting`) carries its flag, label, UI kind, help text,
+unit, bounds and whether it can change on a running engine. `engine.cli` builds argparse from it, `PUT /cache/config`
 validates with it, and the desktop's Settings tab and settings file read it too. This module imports nothing
 heavy (no torch) so the desktop app can use it without paying torch's start-up cost.
 """
@@ -21,6 +21,9 @@ APP_NAME = "strata"
 STORAGE_MODES = ("ram", "disk", "tiered")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PURGE_TIERS = ("ram", "disk", "all")
+# How a form shows a setting: a line of text, a list of choices, a size in MiB (GiB accepted), a hidden key,
+# a folder (with Browse), or the model (a file or a folder).
+UI_KINDS = ("line", "choice", "size", "secret", "folder", "model")
 
 
 class SettingError(ValueError):
@@ -40,6 +43,8 @@ class Setting:
     help: str
     kind: str  # "int", "float", "str", "path", "choice", "bool", "optional_str", "optional_path"
     group: str  # "model", "runtime", "server", "cache"
+    label: str  # the words a form shows it with (the desktop's Settings tab)
+    ui: str = ""  # one of UI_KINDS; empty = what the kind implies (see __post_init__)
     unit: str = ""
     minimum: float | None = None
     maximum: float | None = None
@@ -47,6 +52,14 @@ class Setting:
     live: bool = False  # can change on a running engine through PUT /cache/config
     secret: bool = False  # never echoed back (API key)
     metavar: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.label, f"{self.flag}: every setting declares its label"
+        if not self.ui:
+            implied = ("choice" if self.kind == "choice" else "secret" if self.secret
+                       else "size" if self.kind == "int" and self.unit == "MiB" else "line")
+            object.__setattr__(self, "ui", implied)  # frozen: set once, here
+        assert self.ui in UI_KINDS, f"{self.flag}: ui {self.ui!r} is not one of {UI_KINDS}"
 
     def expectation(self) -> str:
         """Human wording of what a valid value looks like, used in every error message."""
@@ -74,10 +87,10 @@ class Setting:
                 raise self.error(raw)
             return self._check_bounds(value, raw)
         if self.kind == "float":
-            value = _parse_float(raw)
-            if value is None:
+            number = _parse_float(raw)
+            if number is None:
                 raise self.error(raw)
-            return self._check_bounds(value, raw)
+            return self._check_bounds(number, raw)
         if self.kind == "bool":
             if isinstance(raw, bool):
                 return raw
@@ -167,140 +180,161 @@ class EngineConfig:
 
     # -- model
     model: str = setting(
-        "", flag="--model", kind="str", group="model", metavar="PATH",
+        "", flag="--model", label="Model", ui="model", kind="str", group="model", metavar="PATH",
         help="GGUF file or Hugging Face folder (config.json + safetensors + tokenizer.json); "
         "empty = the bundled SmolLM2-135M-Instruct",
     )
     alias: str = setting(
-        "", flag="--alias", kind="str", group="model", metavar="NAME",
+        "", flag="--alias", label="Model id", kind="str", group="model", metavar="NAME",
         help="model id reported by /v1/models (default: the model file or folder name)",
     )
     dtype: str = setting(
-        "auto", flag="--dtype", kind="choice", group="model", choices=DTYPES,
+        "auto", flag="--dtype", label="Data type", kind="choice", group="model", choices=DTYPES,
         help="compute and K/V dtype; auto = float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported)",
     )
     devices: str = setting(
-        "auto", flag="--devices", kind="str", group="model", metavar="LIST",
+        "auto", flag="--devices", label="Devices", kind="str", group="model", metavar="LIST",
         help="comma-separated devices, e.g. cpu or cuda:0,cuda:1; auto = cuda:0 when available, else cpu",
     )
     layer_split: str = setting(
-        "", flag="--layer-split", kind="str", group="model", metavar="auto|L1,L2,...",
+        "", flag="--layer-split", label="Layer split", kind="str", group="model", metavar="auto|L1,L2,...",
         help="split layers across --devices: auto (by free memory) or layer counts per device; empty = one device",
     )
     cpu_weights: str = setting(
-        "auto", flag="--cpu-weights", kind="choice", group="model", choices=("auto", "float", "int4"),
+        "auto", flag="--cpu-weights", label="Weights on the CPU",
+        kind="choice", group="model", choices=("auto", "float", "int4"),
         help="int4: projection weights as 4-bit groups with bfloat16 activations on CPU (several times less memory "
         "read per token: ~3x faster decode; logits differ slightly from float32); float: float32 weights, logits "
         "as transformers computes them; auto: int4 when the model runs on the CPU in float32, else float",
     )
     threads: int = setting(
-        0, flag="--threads", kind="int", group="runtime", minimum=0, maximum=1024,
+        0, flag="--threads", label="CPU threads", kind="int", group="runtime", minimum=0, maximum=1024,
         help="CPU threads for compute (0 = PyTorch's default)",
     )
     # -- runtime
     ctx_size: int = setting(
-        8192, flag="--ctx-size", kind="int", group="runtime", unit="tokens", minimum=64, maximum=1 << 20,
+        8192, flag="--ctx-size", label="Context length",
+        kind="int", group="runtime", unit="tokens", minimum=64, maximum=1 << 20,
         help="context length of each slot (capped at the model's trained context)",
     )
     parallel: int = setting(
-        1, flag="--parallel", kind="int", group="runtime", minimum=1, maximum=256,
+        1, flag="--parallel", label="Parallel slots", kind="int", group="runtime", minimum=1, maximum=256,
         help="slots decoding at once; further requests wait in a queue",
     )
     prefill_chunk: int = setting(
-        512, flag="--prefill-chunk", kind="int", group="runtime", unit="tokens", minimum=16, maximum=65536,
+        512, flag="--prefill-chunk", label="Prefill chunk",
+        kind="int", group="runtime", unit="tokens", minimum=16, maximum=65536,
         help="prompt tokens computed per forward pass (chunked prefill)",
     )
     # -- server
     host: str = setting(
-        "127.0.0.1", flag="--host", kind="str", group="server", metavar="ADDR",
+        "127.0.0.1", flag="--host", label="Host", kind="str", group="server", metavar="ADDR",
         help="address to bind (127.0.0.1 keeps the server private to this machine)",
     )
     port: int = setting(
-        8080, flag="--port", kind="int", group="server", minimum=0, maximum=65535,
+        8080, flag="--port", label="Port", kind="int", group="server", minimum=0, maximum=65535,
         help="TCP port to listen on (0 = any free port, printed at start)",
     )
     api_key: str | None = setting(
-        None, flag="--api-key", kind="optional_str", group="server", secret=True, metavar="KEY",
+        None, flag="--api-key", label="API key",
+        kind="optional_str", group="server", secret=True, metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every route except GET /health",
     )
     allowed_hosts: str = setting(
-        "", flag="--allowed-hosts", kind="str", group="server", metavar="NAMES",
+        "", flag="--allowed-hosts", label="Allowed host names", kind="str", group="server", metavar="NAMES",
         help="comma-separated Host names the server also answers to, besides the bound address and 127.0.0.1, "
         "localhost, ::1 (needed to reach a server bound to 0.0.0.0 by name or IP); * = any Host (turns off the "
         "DNS-rebinding check)",
     )
     cors_origins: str = setting(
-        "", flag="--cors-origins", kind="str", group="server", metavar="ORIGINS",
+        "", flag="--cors-origins", label="Browser origins (CORS)",
+        kind="str", group="server", metavar="ORIGINS",
         help="comma-separated browser origins allowed to call the API (CORS), e.g. http://localhost:3000; "
         "* = any; empty = none: pages of other sites can neither read answers nor change anything",
     )
     max_request_mib: int = setting(
-        32, flag="--max-request-mib", kind="int", group="server", unit="MiB", minimum=1, maximum=4096,
+        32, flag="--max-request-mib", label="Largest request",
+        kind="int", group="server", unit="MiB", minimum=1, maximum=4096,
         help="largest request body accepted; a larger one is refused with 413",
     )
     queue_timeout: float = setting(
-        120.0, flag="--queue-timeout", kind="float", group="server", unit="s", minimum=0, maximum=86400,
+        120.0, flag="--queue-timeout", label="Queue timeout",
+        kind="float", group="server", unit="s", minimum=0, maximum=86400,
         help="how long a request may wait for a free slot before it is refused with 503 and Retry-After "
         "(0 = wait as long as it takes)",
     )
     slot_save_path: str | None = setting(
-        None, flag="--slot-save-path", kind="optional_path", group="server", metavar="DIR",
+        None, flag="--slot-save-path", label="Slot files folder", ui="folder",
+        kind="optional_path", group="server", metavar="DIR",
         help="folder for POST /slots/{id}?action=save|restore session files (unset = slot files disabled)",
     )
     log_level: str = setting(
-        "info", flag="--log-level", kind="choice", group="server", choices=("debug", "info", "warning", "error"),
+        "info", flag="--log-level", label="Log level",
+        kind="choice", group="server", choices=("debug", "info", "warning", "error"),
         help="log verbosity",
     )
     # -- conversation cache
     conversation_cache_storage: str = setting(
-        "ram", flag="--conversation-cache-storage", kind="choice", group="cache", choices=STORAGE_MODES, live=True,
+        "ram", flag="--conversation-cache-storage", label="Storage mode",
+        kind="choice", group="cache", choices=STORAGE_MODES, live=True,
         help="ram: park in host RAM; disk: park in files, nothing resident; tiered: RAM first, evictions and "
         "shutdown spill to disk",
     )
     conversation_cache_mib: int = setting(
-        4096, flag="--conversation-cache-mib", kind="int", group="cache", unit="MiB", minimum=0, maximum=1 << 24,
+        4096, flag="--conversation-cache-mib", label="RAM budget",
+        kind="int", group="cache", unit="MiB", minimum=0, maximum=1 << 24,
         live=True, help="RAM budget for parked conversations (0 = no RAM parking)",
     )
     conversation_cache_disk_mib: int = setting(
-        16384, flag="--conversation-cache-disk-mib", kind="int", group="cache", unit="MiB", minimum=0,
+        16384, flag="--conversation-cache-disk-mib", label="Disk budget",
+        kind="int", group="cache", unit="MiB", minimum=0,
         maximum=1 << 30, live=True, help="disk budget for parked conversations, counting file bytes",
     )
     conversation_cache_write_buffer_mib: int = setting(
-        256, flag="--conversation-cache-write-buffer-mib", kind="int", group="cache", unit="MiB", minimum=0,
+        256, flag="--conversation-cache-write-buffer-mib", label="Disk write buffer",
+        kind="int", group="cache", unit="MiB", minimum=0,
         maximum=1 << 20, live=True,
         help="RAM for parks and spills not yet written to disk (the most a disk park adds to RSS); when full the "
         "oldest pending spill is dropped, and a disk park larger than this is written before the switch continues",
     )
     conversation_cache_dir: str = setting(
-        "", flag="--conversation-cache-dir", kind="str", group="cache", live=True, metavar="DIR",
+        "", flag="--conversation-cache-dir", label="Folder", ui="folder",
+        kind="str", group="cache", live=True, metavar="DIR",
         help="folder for parked conversations (empty = the user cache folder); one subfolder per model",
     )
     conversation_cache_spill_dir: str = setting(
-        "", flag="--conversation-cache-spill-dir", kind="str", group="cache", metavar="DIR",
+        "", flag="--conversation-cache-spill-dir", label="Spill folder",
+        kind="str", group="cache", metavar="DIR",
         help="same as --conversation-cache-storage tiered --conversation-cache-dir DIR",
     )
     conversation_cache_slots: int = setting(
-        64, flag="--conversation-cache-slots", kind="int", group="cache", minimum=1, maximum=100000, live=True,
+        64, flag="--conversation-cache-slots", label="Most conversations",
+        kind="int", group="cache", minimum=1, maximum=100000, live=True,
         help="most conversations parked at once",
     )
     conversation_cache_min_free_mib: int = setting(
-        1024, flag="--conversation-cache-min-free-mib", kind="int", group="cache", unit="MiB", minimum=0,
+        1024, flag="--conversation-cache-min-free-mib", label="Keep free (floor)",
+        kind="int", group="cache", unit="MiB", minimum=0,
         maximum=1 << 24, live=True, help="refuse a RAM park that would leave less host memory available than this",
     )
     conversation_cache_days: float = setting(
-        30.0, flag="--conversation-cache-days", kind="float", group="cache", unit="days", minimum=0, maximum=36500,
+        30.0, flag="--conversation-cache-days", label="Expiry",
+        kind="float", group="cache", unit="days", minimum=0, maximum=36500,
         live=True, help="remove parked files older than this (0 = empty the folder at start)",
     )
     conversation_cache_block_tokens: int = setting(
-        64, flag="--conversation-cache-block-tokens", kind="int", group="cache", unit="tokens", minimum=16,
+        64, flag="--conversation-cache-block-tokens", label="Block size",
+        kind="int", group="cache", unit="tokens", minimum=16,
         maximum=4096, help="tokens per stored K/V block (blocks are shared between conversations)",
     )
     conversation_cache_n_min: int = setting(
-        0, flag="--conversation-cache-n-min", kind="int", group="cache", unit="tokens", minimum=0, maximum=1 << 24,
+        0, flag="--conversation-cache-n-min", label="Least tokens to restore",
+        kind="int", group="cache", unit="tokens", minimum=0, maximum=1 << 24,
         live=True, help="least tokens a hit must offer to be restored (0 = the cost model decides)",
     )
     conversation_cache_similarity: float = setting(
-        0.0, flag="--conversation-cache-similarity", kind="float", group="cache", minimum=0.0, maximum=0.999,
+        0.0, flag="--conversation-cache-similarity", label="Least overlap to restore",
+        kind="float", group="cache", minimum=0.0, maximum=0.999,
         live=True, help="least fraction of the request a hit must cover to be restored, in [0, 1)",
     )
 

@@ -86,6 +86,26 @@ def test_cache_conversations_and_events(http, alternated):
     assert 1 <= len(events) <= 2
 
 
+def test_every_body_the_desktop_reads_has_the_contract_shape(http, alternated):
+    from engine.contract import (
+        CacheConfigBody,
+        ConversationsBody,
+        EventsBody,
+        MetricsBody,
+        parse,
+        to_json,
+    )
+
+    for cls, path in ((MetricsBody, "/metrics"), (ConversationsBody, "/cache/conversations"),
+                      (EventsBody, "/cache/events"), (CacheConfigBody, "/cache/config")):
+        data = ok(http.get(path))
+        assert to_json(parse(cls, data)) == data, f"{path} round-trips through its contract type unchanged"
+    assert parse(ConversationsBody, ok(http.get("/cache/conversations"))).conversations
+    answer = parse(CacheConfigBody, ok(http.put("/cache/config", json={"conversation_cache_slots": "32"})))
+    assert answer.settings["conversation_cache_slots"] == 32 and answer.changed == ["conversation_cache_slots"]
+    ok(http.put("/cache/config", json={"conversation_cache_slots": 64}))
+
+
 def test_cache_config_reads_and_changes_live_settings(http):
     config = http.get("/cache/config").json()
     assert "conversation_cache_mib" in config["live"]
@@ -160,7 +180,10 @@ def test_slot_ids_are_ascii_digits_only(http, slot_id):
 
 
 def test_purge_reports_what_it_dropped(http, alternated):
+    from engine.contract import PurgeBody, parse
+
     result = ok(http.post("/cache/purge", json={"tier": "all"}))
+    assert parse(PurgeBody, result).tier == "all"
     assert result["tier"] == "all"
     assert result["dropped"]["conversations"] >= 1
     assert ok(http.get("/cache/conversations"))["conversations"] == []

@@ -95,3 +95,24 @@ def test_flag_reference_in_docs_is_up_to_date():
     proc = subprocess.run([sys.executable, os.path.join(root, "tools", "flags_doc.py"), "--check"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_each_setting_declares_its_own_label_and_a_ui_kind():
+    from engine.config import UI_KINDS, all_settings
+
+    labels = [spec.label for _, spec, _ in all_settings()]
+    assert all(labels) and len(set(labels)) == len(labels), "every setting has its own words"
+    assert {spec.ui for _, spec, _ in all_settings()} <= set(UI_KINDS)
+    assert setting_of("conversation_cache_mib").ui == "size" and setting_of("api_key").ui == "secret"
+    assert setting_of("conversation_cache_dir").ui == "folder" and setting_of("model").ui == "model"
+
+
+def test_cache_settings_defaults_are_the_engine_defaults():
+    import dataclasses
+
+    from engine.cache.settings import CacheSettings
+
+    derived = CacheSettings.from_engine_config(EngineConfig())
+    assert dataclasses.replace(derived, dir="") == CacheSettings(), "CacheSettings repeats no default of its own"
+    assert CacheSettings.from_engine_config(EngineConfig(conversation_cache_write_buffer_mib=3)).spill_queue_bytes \
+        == 3 << 20

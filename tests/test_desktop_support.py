@@ -17,6 +17,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+# Run as a script, the stand-in imports the engine's contract from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.contract import (  # noqa: E402
+    CacheConfigBody,
+    ConversationRow,
+    ConversationsBody,
+    Dropped,
+    Event,
+    EventsBody,
+    MetricsBody,
+    PurgeBody,
+    to_json,
+)
+
 FAKE_ENGINE = Path(__file__).resolve()
 
 
@@ -53,50 +67,61 @@ def wait_ready(qtbot, w) -> None:
 
 
 class _State:
+    """What the stand-in serves; every body is built from the engine's contract types (engine/contract.py)."""
+
     def __init__(self, args: dict[str, str]) -> None:
+        from engine.config import LIVE_SETTINGS, EngineConfig, setting_of
+
+        self.args = args
         self.ready_at = time.time() + float(args.get("--ready-after", "0"))
+        defaults = EngineConfig()
+        # Every live setting, from its flag (or the default), parsed as the engine parses it.
         self.settings = {
-            "conversation_cache_storage": args.get("--conversation-cache-storage", "ram"),
-            "conversation_cache_mib": int(args.get("--conversation-cache-mib", "4096")),
-            "conversation_cache_disk_mib": int(args.get("--conversation-cache-disk-mib", "16384")),
-            "conversation_cache_dir": args.get("--conversation-cache-dir", ""),
-            "conversation_cache_slots": int(args.get("--conversation-cache-slots", "64")),
-            "conversation_cache_min_free_mib": int(args.get("--conversation-cache-min-free-mib", "1024")),
+            name: setting_of(name).parse(args.get(setting_of(name).flag, getattr(defaults, name)))
+            for name in LIVE_SETTINGS
         }
         now = time.time()
         self.conversations = [
-            {"id": "conv-a", "tokens": 1200, "bytes": 3_000_000, "tier": "ram", "created": now - 30,
-             "last_used": now - 5, "hits": 2},
-            {"id": "conv-b", "tokens": 800, "bytes": 2_000_000, "tier": "disk", "created": now - 20,
-             "last_used": now - 10, "hits": 0},
+            ConversationRow(id="conv-a", tokens=1200, bytes=3_000_000, tier="ram", created=now - 30,
+                            last_used=now - 5, hits=2),
+            ConversationRow(id="conv-b", tokens=800, bytes=2_000_000, tier="disk", created=now - 20,
+                            last_used=now - 10, hits=0, on_disk=True),
         ]
         self.events = [
-            {"time": now - 12, "kind": "park", "conversation_id": "conv-a", "tokens": 1200, "bytes": 3_000_000,
-             "ms": 4.0, "tier": "ram"},
-            {"time": now - 6, "kind": "restore", "conversation_id": "conv-a", "tokens": 1200, "bytes": 3_000_000,
-             "ms": 2.0, "tier": "ram"},
+            Event(time=now - 12, kind="park", conversation_id="conv-a", tokens=1200, bytes=3_000_000, ms=4.0,
+                  tier="ram"),
+            Event(time=now - 6, kind="restore", conversation_id="conv-a", tokens=1200, bytes=3_000_000, ms=2.0,
+                  tier="ram"),
         ]
         self.lock = threading.Lock()
 
+    def cache_config(self, changed: list[str] | None = None) -> dict:
+        from engine.config import LIVE_SETTINGS
+
+        return to_json(CacheConfigBody(settings=dict(self.settings), live=list(LIVE_SETTINGS),
+                                       effective_dir="/tmp/stand-in-cache", enabled=True, changed=changed))
+
     def metrics(self) -> dict:
         with self.lock:
-            ram = sum(c["bytes"] for c in self.conversations if c["tier"] == "ram")
-            disk = sum(c["bytes"] for c in self.conversations if c["tier"] == "disk")
+            ram = sum(c.bytes for c in self.conversations if c.tier == "ram")
+            disk = sum(c.bytes for c in self.conversations if c.tier == "disk")
             s = self.settings
-            return {
-                "engine": {"model": "stand-in", "state": "ready", "slots": 1, "slots_busy": 0, "queued": 0,
-                           "requests": 3, "uptime_s": 12.0, "pid": os.getpid()},
-                "conversation_cache": {
+            timing = {"last": 4.0, "p50": 4.0, "p95": 4.0, "count": 1}
+            return to_json(MetricsBody(
+                engine={"model": "stand-in", "state": "ready", "slots": 1, "slots_busy": 0, "queued": 0,
+                        "requests": 3, "uptime_s": 12.0, "pid": os.getpid()},
+                # The flat report the engine's cache gives (engine/cache/stats.py CacheStats).
+                conversation_cache={
                     "enabled": True, "storage": s["conversation_cache_storage"], "dir": "/tmp/x",
-                    "budgets": {"ram_bytes": s["conversation_cache_mib"] << 20,
-                                "disk_bytes": s["conversation_cache_disk_mib"] << 20,
-                                "slots": s["conversation_cache_slots"],
-                                "min_free_bytes": s["conversation_cache_min_free_mib"] << 20},
+                    "ram_bytes": s["conversation_cache_mib"] << 20,
+                    "disk_bytes": s["conversation_cache_disk_mib"] << 20,
+                    "slots": s["conversation_cache_slots"],
+                    "min_free_bytes": s["conversation_cache_min_free_mib"] << 20, "block_tokens": 64,
                     "bytes_ram": ram, "bytes_disk": disk, "hits": 2, "misses": 1, "tokens_reused": 2400,
-                    "parks": 1, "restores": 1, "park_ms": {"last": 4.0, "p50": 4.0, "p95": 4.0},
-                    "restore_ms": {"last": 2.0, "p50": 2.0, "p95": 2.0},
+                    "parks": 1, "restores": 1, "park_ms": timing, "restore_ms": {**timing, "last": 2.0,
+                                                                              "p50": 2.0, "p95": 2.0},
                 },
-            }
+            ))
 
 
 def _make_handler(state: _State, server_ref: list):
@@ -125,13 +150,12 @@ def _make_handler(state: _State, server_ref: list):
                 self._send(200, state.metrics())
             elif url.path == "/cache/conversations":
                 with state.lock:
-                    self._send(200, {"conversations": list(state.conversations)})
+                    self._send(200, to_json(ConversationsBody(list(state.conversations))))
             elif url.path == "/cache/events":
                 limit = int(parse_qs(url.query).get("limit", ["100"])[0])
-                self._send(200, {"events": state.events[-limit:]})
+                self._send(200, to_json(EventsBody(state.events[-limit:])))
             elif url.path == "/cache/config":
-                self._send(200, {"settings": state.settings, "live": sorted(state.settings),
-                                 "effective_dir": "/tmp/stand-in-cache"})
+                self._send(200, state.cache_config())
             else:
                 self._send(404, {"error": {"message": f"no route {url.path}"}})
 
@@ -139,16 +163,27 @@ def _make_handler(state: _State, server_ref: list):
             if self.path != "/cache/config":
                 self._send(404, {"error": {"message": "no route"}})
                 return
+            from engine.config import SettingError, setting_of
+
             body = self._body()
-            if body.get("conversation_cache_storage") not in (None, "ram", "disk", "tiered"):
-                self._send(400, {"error": {"message": "conversation_cache_storage: expected ram, disk or tiered"}})
-                return
             unknown = [k for k in body if k not in state.settings]
             if unknown:
                 self._send(400, {"error": {"message": f"not a live setting: {unknown[0]}"}})
                 return
-            state.settings.update(body)
-            self._send(200, {"settings": state.settings, "changed": sorted(body)})
+            try:
+                parsed = {k: setting_of(k).parse(v) for k, v in body.items()}
+            except SettingError as exc:
+                self._send(400, {"error": {"message": str(exc)}})
+                return
+            if "--most-slots" in state.args:  # an engine that takes a value but caps it: its answer says so
+                cap = int(state.args["--most-slots"])
+                parsed = {k: min(v, cap) if k == "conversation_cache_slots" else v for k, v in parsed.items()}
+            changed = [k for k, v in parsed.items() if state.settings[k] != v]
+            state.settings.update(parsed)
+            if "--old-dialect" in sys.argv:  # the answer of an engine from before the contract
+                self._send(200, {"settings": state.settings, "changed": changed})
+                return
+            self._send(200, state.cache_config(changed))
 
         def do_POST(self) -> None:
             if self.path == "/shutdown":
@@ -158,10 +193,10 @@ def _make_handler(state: _State, server_ref: list):
             elif self.path == "/cache/purge":
                 tier = self._body().get("tier", "all")
                 with state.lock:
-                    gone = [c for c in state.conversations if tier == "all" or c["tier"] == tier]
+                    gone = [c for c in state.conversations if tier == "all" or c.tier == tier]
                     state.conversations = [c for c in state.conversations if c not in gone]
-                self._send(200, {"tier": tier, "dropped": {"conversations": len(gone),
-                                                           "bytes": sum(c["bytes"] for c in gone)}, "skipped": []})
+                dropped = Dropped(conversations=len(gone), bytes=sum(c.bytes for c in gone))
+                self._send(200, to_json(PurgeBody(tier=tier, dropped=dropped)))
             else:
                 self._send(404, {"error": {"message": "no route"}})
 

@@ -105,6 +105,27 @@ def test_engine_refusal_is_shown(qtbot, window):
     assert "not a live setting: threads" in window.settings_tab.result.text()
 
 
+def test_after_a_live_change_the_window_shows_the_engines_answer(qtbot, window):
+    window.engine.command_for = fake_engine_command("--most-slots", "40")
+    window.start()
+    ready(qtbot, window)
+    window.apply_live({"conversation_cache_slots": 50})
+    qtbot.waitUntil(lambda: "Applied" in window.settings_tab.result.text(), timeout=5000)
+    assert "Most conversations = 40" in window.settings_tab.result.text(), "the engine's value, not the one sent"
+    assert window.engine.config.conversation_cache_slots == 40
+
+
+def test_an_answer_of_an_unknown_shape_is_an_error_not_a_success(qtbot, window):
+    window.engine.command_for = fake_engine_command("--old-dialect")
+    window.start()
+    ready(qtbot, window)
+    window.apply_live({"conversation_cache_slots": 50})
+    qtbot.waitUntil(lambda: "not understood" in window.settings_tab.result.text(), timeout=5000)
+    text = window.settings_tab.result.text()
+    assert "PUT /cache/config: missing field 'live'" in text and "Applied" not in text
+    assert window.engine.config.conversation_cache_slots == 64, "nothing taken from an answer not understood"
+
+
 def test_stop_greys_the_monitor_and_crash_shows_restart(qtbot, window):
     window.start()
     ready(qtbot, window)
@@ -246,7 +267,7 @@ def test_building_the_window_never_imports_torch(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False ['engine', 'engine.config']"
+    assert out.stdout.strip() == "False ['engine', 'engine.config', 'engine.contract']"
 
 
 def test_install_desktop_entry_writes_a_valid_launcher(tmp_path):

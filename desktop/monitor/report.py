@@ -69,9 +69,8 @@ def format_ms(ms: float | None) -> str:
 
 
 def budget(cache: Any, key: str) -> float | None:
-    """A budget from the cache report: {"budgets": {key}} or flat {key} (ram_bytes, disk_bytes, slots, min_free_bytes)."""
-    value = number(cache, "budgets", key)
-    return value if value is not None else number(cache, key)
+    """A budget from the cache report (ram_bytes, disk_bytes, slots, min_free_bytes), as engine/cache/stats.py has it."""
+    return number(cache, key)
 
 
 def total(value: Any) -> float | None:

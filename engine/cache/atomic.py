@@ -11,6 +11,10 @@ import os
 import re
 import secrets
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12 on
 
 _TEMP_RE = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")
 
@@ -37,7 +41,7 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def write_all(fd: int, chunks: Iterable[object]) -> int:
+def write_all(fd: int, chunks: Iterable[Buffer]) -> int:
     """Write every buffer in `chunks` to `fd` (looping over short writes); returns bytes written."""
     total = 0
     for chunk in chunks:
@@ -49,7 +53,7 @@ def write_all(fd: int, chunks: Iterable[object]) -> int:
     return total
 
 
-def write_temp(final_path: str, chunks: Iterable[object], *, fsync: bool = True) -> tuple[str, int]:
+def write_temp(final_path: str, chunks: Iterable[Buffer], *, fsync: bool = True) -> tuple[str, int]:
     """Write `chunks` to a fresh temp file beside `final_path`; returns (temp path, bytes). Removes it on error."""
     tmp = temp_path(final_path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
@@ -75,7 +79,7 @@ def publish(pairs: list[tuple[str, str]], *, sync_dirs: bool = True) -> None:
             fsync_dir(folder)
 
 
-def atomic_write(path: str, chunks: Iterable[object]) -> int:
+def atomic_write(path: str, chunks: Iterable[Buffer]) -> int:
     """Write `path` atomically and durably; returns bytes written. Nothing is left under `path` on failure."""
     tmp, n = write_temp(path, chunks)
     try:

@@ -41,7 +41,7 @@ def raw_rates(nbytes: int, folder: str, file_bytes: int, repeat: int) -> dict[st
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     memcpy = nbytes / best(lambda: dst.copy_(src), repeat)
-    data = memoryview(src.numpy()).cast("B")
+    data = memoryview(src.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
     n_files = max(nbytes // file_bytes, 1)
 
     def write() -> None:
@@ -98,6 +98,7 @@ def measure_block(block: int, n_tokens: int, folder: str, repeat: int) -> dict[s
             assert cache.flush(600)
             written.append(time.perf_counter() - t0)
             hit = cache.lookup(tokens + [1])
+            assert hit is not None, "the conversation just parked is found"
             t0 = time.perf_counter()
             cache.restore(hit, kv_writer(lambda start, data: kv.write(1, start, data)))
             restores.append(time.perf_counter() - t0)

@@ -308,7 +308,9 @@ class DiskStore:
 
     def _report(self, result: WriteResult) -> None:
         """Phase two (writer thread, lock held): publish the written blocks and the entry, or mark it FAILED."""
-        conv, blocks = result.job.conv, result.job.extra
+        conv = result.job.conv
+        blocks = result.job.extra
+        assert isinstance(blocks, list), "the job carries the blocks phase one pinned"
         idx = self.index
         for blk in blocks:
             blk.pins -= 1

@@ -380,10 +380,10 @@ if os.name == "nt":  # pragma: no cover - exercised on Windows only
     import msvcrt
 
     def _lock_file(fd: int) -> None:
-        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]  # Windows-only names
 
     def _unlock_file(fd: int) -> None:
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
 
 else:
     import fcntl

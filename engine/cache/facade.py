@@ -309,7 +309,8 @@ class ConversationCache:
         """Drop every parked conversation of `tier` ("ram", "disk" or "all"); in-flight entries are skipped."""
         if tier not in TIERS:
             raise ValueError(f"tier: expected ram, disk or all, got {tier!r}")
-        dropped, freed, skipped = 0, 0, []
+        dropped, freed = 0, 0
+        skipped: list[tuple[str, str]] = []
         with self._lock:
             self._reap()
             if tier in ("ram", "all"):

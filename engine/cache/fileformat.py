@@ -70,7 +70,7 @@ class Header:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous tensor, without a copy."""
     assert t.is_contiguous() and t.device.type == "cpu", "file tensors must be contiguous host tensors"
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def encode_header(tensors: Sequence[tuple[str, torch.Tensor]], meta: dict[str, str]) -> bytes:
@@ -105,7 +105,7 @@ def _meta_checksum(meta: dict[str, str], table: dict[str, dict]) -> str:
     return xxhash.xxh3_128_hexdigest(canonical_json({"meta": body, "tensors": table}).encode())
 
 
-def file_chunks(header: bytes, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[object]:
+def file_chunks(header: bytes, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[bytes | memoryview]:
     """Buffers to write, in order, for a file made of `header` and `tensors`."""
     return [header, *(tensor_bytes(t) for _, t in tensors)]
 

@@ -13,6 +13,7 @@ under any other, or on one device.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,7 @@ class KVBuffers:
         layout: KVLayout,
         n_slots: int,
         ctx: int,
-        stages: list[tuple[torch.device | str, int, int]],
+        stages: Sequence[tuple[torch.device | str, int, int]],
     ) -> None:
         assert stages and stages[0][1] == 0 and stages[-1][2] == layout.n_layers, "stages must cover every layer"
         for (_, _, end), (_, first, _) in zip(stages, stages[1:], strict=False):

@@ -15,6 +15,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from engine.config import PURGE_TIERS
+from engine.contract import (
+    CacheConfigBody,
+    ConversationRow,
+    ConversationsBody,
+    Event,
+    EventsBody,
+    MetricsBody,
+    PurgeBody,
+    parse,
+    to_json,
+)
 from engine.errors import ApiError
 from engine.server.prometheus import render_prometheus
 from engine.server.schemas import StrictBody, parse_body
@@ -57,7 +68,7 @@ async def metrics(request: Request) -> Response:
     """Engine and conversation-cache stats, as JSON (default) or Prometheus text."""
     prometheus = _wants_prometheus(request)
     snapshot = require_engine(request).stats_snapshot()
-    body = {"engine": snapshot["engine"], "conversation_cache": snapshot["conversation_cache"]}
+    body = to_json(MetricsBody(engine=snapshot["engine"], conversation_cache=snapshot["conversation_cache"]))
     if prometheus:
         return Response(render_prometheus(body), media_type=CONTENT_TYPE_LATEST)
     return JSONResponse(body)
@@ -99,7 +110,8 @@ def whole_number(raw: str, what: str, param: str, limit: int = 10**9) -> int:
 
 @router.get("/cache/conversations")
 async def cache_conversations(request: Request) -> dict[str, Any]:
-    return {"conversations": require_engine(request).stats_snapshot()["conversations"]}
+    rows = require_engine(request).stats_snapshot()["conversations"]
+    return to_json(ConversationsBody([parse(ConversationRow, row) for row in rows]))
 
 
 @router.get("/cache/events")
@@ -111,7 +123,8 @@ async def cache_events(request: Request) -> dict[str, Any]:
     limit = int(raw)
     if not 1 <= limit <= MAX_EVENTS:
         raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {limit}", param="limit")
-    return {"events": engine.stats_snapshot()["events"][-limit:]}
+    events = engine.stats_snapshot()["events"][-limit:]
+    return to_json(EventsBody([parse(Event, event) for event in events]))
 
 
 @router.post("/cache/purge")
@@ -122,13 +135,13 @@ async def cache_purge(request: Request) -> dict[str, Any]:
     tier = parse_body(PurgeRequest, body).tier if body.strip() else "all"
     if tier not in PURGE_TIERS:
         raise ApiError(400, f"'tier': expected one of {', '.join(PURGE_TIERS)}, got {tier!r}", param="tier")
-    return await engine.run(lambda: engine.purge_cache(tier))
+    return to_json(parse(PurgeBody, await engine.run(lambda: engine.purge_cache(tier))))
 
 
 @router.get("/cache/config")
 async def get_cache_config(request: Request) -> dict[str, Any]:
     # Reads the engine's config and cache fields, which the engine thread replaces whole: safe from any thread.
-    return require_engine(request).cache_config()
+    return to_json(parse(CacheConfigBody, require_engine(request).cache_config()))
 
 
 @router.put("/cache/config")
@@ -145,7 +158,7 @@ async def put_cache_config(request: Request) -> dict[str, Any]:
         changes = changes["settings"]
     if not isinstance(changes, dict) or not changes:
         raise ApiError(400, "expected a JSON object of settings to change, e.g. {\"conversation_cache_mib\": 2048}")
-    return await engine.run(lambda: engine.update_cache_config(changes))
+    return to_json(parse(CacheConfigBody, await engine.run(lambda: engine.update_cache_config(changes))))
 
 
 @router.post("/shutdown")

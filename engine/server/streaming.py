@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
@@ -32,7 +32,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def engine_events(stream: Any, request: Request) -> AsyncIterator[TokenEvent]:
+async def engine_events(stream: Any, request: Request) -> AsyncGenerator[TokenEvent, None]:
     """The stream's events up to and including the final one.
 
     Raises ClientDisconnected when the client goes away first. Whenever iteration stops before the final event
