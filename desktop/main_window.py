@@ -1,4 +1,4 @@
-"""The main window: engine status and controls, the Monitor, Settings and Logs tabs, purge, tray and quit."""
+"""The main window: engine status and controls, the Monitor, Chat, Settings and Logs tabs, purge, tray and quit."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 from desktop import eviction
 from desktop.autostart import Autostart
 from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summary
+from desktop.chat_tab import ChatTab
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.crash_panel import CrashPanel
 from desktop.desktop_entry import resource_path
@@ -124,7 +125,9 @@ class MainWindow(QMainWindow):
         self.log_files = LogFiles(self.paths.logs)
         self.logs = LogsTab(self.paths.logs)
         self.tabs = QTabWidget()
+        self.chat = ChatTab()
         self.tabs.addTab(self.monitor, "Monitor")
+        self.tabs.addTab(self.chat, "Chat")
         self.tabs.addTab(self.settings_tab, "Settings")
         self.tabs.addTab(self.logs, "Logs")
         self.crash_logs.clicked.connect(lambda: self.tabs.setCurrentWidget(self.logs))
@@ -229,6 +232,7 @@ class MainWindow(QMainWindow):
         self.stop_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
         self.restart_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
         self.monitor.set_engine_state(state)
+        self.chat.set_engine(state, self.client.base_url, self.client.api_key)
         self.settings_tab.set_engine(state, self.engine.config if self.engine.running else None)
         self.poller.engine_pid = self.engine.pid
         self._update_tray()
@@ -456,6 +460,7 @@ class MainWindow(QMainWindow):
         if getattr(self, "_finished", False):
             return
         self._finished = True
+        self.chat.shutdown()
         self.engine.kill_and_wait()
         self.engine.close()
         self.poller.stop()
@@ -472,6 +477,7 @@ class MainWindow(QMainWindow):
         """Synchronous teardown for tests and aboutToQuit: nothing may keep running."""
         self._quitting = True
         self.autosaver.flush()
+        self.chat.shutdown()
         self.engine.kill_and_wait()
         self.engine.close()
         self.poller.stop()
