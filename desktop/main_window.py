@@ -34,12 +34,8 @@ from desktop.monitor.conversations import merge_tiers
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
-from desktop.tray import Tray, tray_available
+from desktop.tray import STATE_COLORS, Tray, tray_available
 
-STATE_COLORS = {
-    EngineState.STOPPED: "#757575", EngineState.STARTING: "#1565c0", EngineState.LOADING: "#1565c0",
-    EngineState.READY: "#2e7d32", EngineState.STOPPING: "#ef6c00", EngineState.CRASHED: "#c62828",
-}
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
 DEFAULT_SIZE = (1200, 780)
