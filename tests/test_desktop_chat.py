@@ -76,6 +76,18 @@ def test_chat_is_off_with_a_reason_until_the_engine_is_ready(qtbot):
     assert tab.send_button.isEnabled() and "start it" not in tab.status.text()
 
 
+def test_an_engine_that_cannot_be_reached_is_said_and_the_message_is_kept(qtbot):
+    tab = ChatTab()
+    qtbot.addWidget(tab)
+    tab.set_engine(EngineState.READY, "http://127.0.0.1:1", None)  # nothing listens on port 1
+    tab.input.setText("hello there")
+    with qtbot.waitSignal(tab.turn_failed, timeout=20000) as failed:
+        tab.send_button.click()
+    assert failed.args[0].startswith("Cannot reach the engine") and tab.status.text() == failed.args[0]
+    assert tab.current.messages == [] and tab.input.text() == "hello there", "ready to be sent again"
+    assert tab.send_button.isEnabled() and not tab.stop_button.isEnabled()
+
+
 def test_transcript_escapes_markup_and_names_the_conversation():
     c = Conversation([{"role": "user", "content": "<b>why</b> are apples red and pears green, asks Ann"},
                       {"role": "assistant", "content": "a & b"}],
@@ -130,6 +142,17 @@ def test_a_returning_conversation_is_restored_and_shown_in_the_monitor(qtbot, ap
     assert pump_until(lambda: cache().get("parks", 0) >= 1 and cache().get("restores", 0) >= 1, 20)
     assert pump_until(lambda: w.monitor.model.rowCount() >= 1, 20), "the parked conversation is listed"
     w.tabs.setCurrentWidget(tab)
+
+
+def test_a_refused_request_says_why_in_plain_words(qtbot, app_window):
+    tab = app_window.chat
+    tab.new_button.click()
+    tab.max_tokens.setValue(32768)  # more than the slot's context holds: the engine answers 400 with the numbers
+    tab.input.setText("Hello")
+    with qtbot.waitSignal(tab.turn_failed, timeout=TURN_TIMEOUT_MS) as failed:
+        tab.send_button.click()
+    assert failed.args[0].startswith("The engine refused the request:") and "context" in failed.args[0]
+    assert tab.input.text() == "Hello" and tab.current.messages == []
 
 
 def test_stop_cancels_the_answer_and_the_engine_serves_the_next_turn(qtbot, app_window):
