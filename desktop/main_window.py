@@ -1,4 +1,4 @@
-"""The main window: engine status and controls, the Monitor, Settings and Logs tabs, purge, tray and quit."""
+"""The main window: engine status and controls, the Monitor, Chat, Settings and Logs tabs, purge, tray and quit."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 from desktop import eviction
 from desktop.autostart import Autostart
 from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summary
+from desktop.chat_tab import ChatTab
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.crash_panel import CrashPanel
 from desktop.desktop_entry import resource_path
@@ -33,13 +34,9 @@ from desktop.monitor.conversations import merge_tiers
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
-from desktop.tray import Tray, tray_available
+from desktop.tray import STATE_COLORS, Tray, tray_available
 from engine.contract import CacheConfigBody, ContractError, PurgeBody, parse, to_json
 
-STATE_COLORS = {
-    EngineState.STOPPED: "#757575", EngineState.STARTING: "#1565c0", EngineState.LOADING: "#1565c0",
-    EngineState.READY: "#2e7d32", EngineState.STOPPING: "#ef6c00", EngineState.CRASHED: "#c62828",
-}
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
 DEFAULT_SIZE = (1200, 780)
@@ -125,7 +122,9 @@ class MainWindow(QMainWindow):
         self.log_files = LogFiles(self.paths.logs)
         self.logs = LogsTab(self.paths.logs)
         self.tabs = QTabWidget()
+        self.chat = ChatTab()
         self.tabs.addTab(self.monitor, "Monitor")
+        self.tabs.addTab(self.chat, "Chat")
         self.tabs.addTab(self.settings_tab, "Settings")
         self.tabs.addTab(self.logs, "Logs")
         self.crash_logs.clicked.connect(lambda: self.tabs.setCurrentWidget(self.logs))
@@ -230,6 +229,7 @@ class MainWindow(QMainWindow):
         self.stop_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
         self.restart_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
         self.monitor.set_engine_state(state)
+        self.chat.set_engine(state, self.client.base_url, self.client.api_key)
         self.settings_tab.set_engine(state, self.engine.config if self.engine.running else None)
         self.poller.engine_pid = self.engine.pid
         self._update_tray()
@@ -474,6 +474,7 @@ class MainWindow(QMainWindow):
         if getattr(self, "_finished", False):
             return
         self._finished = True
+        self.chat.shutdown()
         self.engine.kill_and_wait()
         self.engine.close()
         self.poller.stop()
@@ -490,6 +491,7 @@ class MainWindow(QMainWindow):
         """Synchronous teardown for tests and aboutToQuit: nothing may keep running."""
         self._quitting = True
         self.autosaver.flush()
+        self.chat.shutdown()
         self.engine.kill_and_wait()
         self.engine.close()
         self.poller.stop()

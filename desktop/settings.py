@@ -132,13 +132,35 @@ def is_budget(spec: Setting) -> bool:
     return spec.ui == "size"
 
 
+def secret_variable(flag: str) -> str:
+    """The environment variable the shown command line reads a secret from: --api-key -> STRATA_API_KEY."""
+    assert flag.startswith("--"), flag
+    return "STRATA_" + flag[2:].upper().replace("-", "_")
+
+
 def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: str = "strata serve") -> str:
-    """The `strata serve ...` command line equivalent to `config`, shell-quoted."""
+    """The `strata serve ...` command line equivalent to `config`, shell-quoted.
+
+    With `mask_secrets` a secret's value is replaced by a variable the shell expands (`--api-key
+    "$STRATA_API_KEY"`), so the line still works when pasted into a POSIX shell where that variable is set,
+    and the secret itself never shows on screen or in a clipboard.
+    """
     args = config.to_args()
-    if mask_secrets:
-        secret_flags = {spec.flag for _, spec, _ in all_settings() if spec.secret}
-        args = [("***" if i > 0 and args[i - 1] in secret_flags else a) for i, a in enumerate(args)]
-    return " ".join([program, *(shlex.quote(a) for a in args)])
+    secret_flags = {spec.flag for _, spec, _ in all_settings() if spec.secret} if mask_secrets else set()
+    words = [program]
+    for i, a in enumerate(args):
+        if i > 0 and args[i - 1] in secret_flags:
+            words.append(f'"${secret_variable(args[i - 1])}"')  # unquoted by shlex: the shell must expand it
+        else:
+            words.append(shlex.quote(a))
+    return " ".join(words)
+
+
+def secret_variables(config: EngineConfig) -> list[str]:
+    """The variables a masked command line of `config` reads (empty when it carries no secret)."""
+    args = config.to_args()
+    secret_flags = {spec.flag for _, spec, _ in all_settings() if spec.secret}
+    return [secret_variable(args[i - 1]) for i in range(1, len(args)) if args[i - 1] in secret_flags]
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QFont, QGuiApplication
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -43,10 +43,11 @@ from desktop.settings import (
     format_mib,
     is_budget,
     parse_mib,
+    secret_variables,
 )
 from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row
 from desktop.settings_words import GROUPS, label_of, plain_error, risk_warning
-from desktop.widgets import guard_wheel
+from desktop.widgets import CommandView, guard_wheel
 from engine.config import EngineConfig, SettingError, all_settings, default_cache_dir, setting_of
 
 SETTLE_MS = 1200  # a pause in typing this long counts as done
@@ -129,13 +130,12 @@ class SettingsTab(QWidget):
         scroll.setWidget(content)
 
         # Bottom: the command line and what applying would do.
-        self.command = QLineEdit()
-        self.command.setReadOnly(True)
-        mono = QFont("monospace")
-        mono.setStyleHint(QFont.StyleHint.Monospace)
-        self.command.setFont(mono)
+        self.command = CommandView()
         self.copy_button = QPushButton("Copy")
-        self.copy_button.setToolTip("Copy the command line (with the API key) to the clipboard")
+        self.copy_button.setToolTip("Copy the command line to the clipboard (a key stays out of it: the line "
+                                    "reads it from an environment variable)")
+        self.command_note = QLabel()  # how the shown line gets the secrets it does not show
+        self.command_note.setWordWrap(True)
         self.copy_button.clicked.connect(self.copy_command)
         self.pending = QLabel()
         self.pending.setWordWrap(True)
@@ -151,8 +151,9 @@ class SettingsTab(QWidget):
         cmd_row = QHBoxLayout()
         cmd_row.addWidget(QLabel("Command line:"))
         cmd_row.addWidget(self.command, 1)
-        cmd_row.addWidget(self.copy_button)
+        cmd_row.addWidget(self.copy_button, 0, Qt.AlignmentFlag.AlignTop)
         bl.addLayout(cmd_row)
+        bl.addWidget(self.command_note)
         act_row = QHBoxLayout()
         act_row.addWidget(self.pending, 1)
         act_row.addWidget(self.apply_button)
@@ -464,7 +465,10 @@ class SettingsTab(QWidget):
         try:
             config = self.store.engine_config()
             self.command.setText(command_line(config))
-            self.command.setCursorPosition(0)
+            names = secret_variables(config)
+            self.command_note.setText("Before pasting it into a shell, set " + " and ".join(
+                f"{n} to the key (export {n}=…)" for n in names) + "." if names else "")
+            self.command_note.setVisible(bool(names))
         except SettingError as e:  # the store refuses such values; shown rather than hidden if it happens
             self.command.setText(str(e))
         errors = [r for r in self.rows.values() if r.error]
@@ -499,4 +503,4 @@ class SettingsTab(QWidget):
         self.refresh()
 
     def copy_command(self) -> None:
-        QGuiApplication.clipboard().setText(command_line(self.store.engine_config(), mask_secrets=False))
+        QGuiApplication.clipboard().setText(command_line(self.store.engine_config()))

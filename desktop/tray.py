@@ -1,16 +1,43 @@
-"""The tray icon: engine status in the tooltip; Open, Start/Stop engine, Purge cache, Quit."""
+"""The tray icon: engine status in a coloured badge and the tooltip; Open, Start/Stop engine, Purge cache, Quit."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QObject, Signal
-from PySide6.QtGui import QAction, QIcon
+from PySide6.QtCore import QObject, QRectF, Qt, Signal
+from PySide6.QtGui import QAction, QBrush, QColor, QIcon, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from desktop.engine_process import EngineState
 from desktop.monitor.report import dig, number
 from desktop.settings import format_bytes
+
+STATE_COLORS = {
+    EngineState.STOPPED: "#757575", EngineState.STARTING: "#1565c0", EngineState.LOADING: "#1565c0",
+    EngineState.READY: "#2e7d32", EngineState.STOPPING: "#ef6c00", EngineState.CRASHED: "#c62828",
+}
+BADGE_SIZES = (16, 22, 32, 48, 64)
+BADGE_SHARE = 0.45  # the badge's diameter as a share of the icon: readable at 16 px
+
+
+def badged_icon(base: QIcon, state: EngineState) -> QIcon:
+    """`base` with a dot in the state's colour in its lower right corner: ready, starting, stopped, crashed at a
+    glance in the tray, where the tooltip needs a hover."""
+    color = QColor(STATE_COLORS[state])
+    icon = QIcon()
+    for size in BADGE_SIZES:
+        pixmap = QPixmap(size, size)
+        pixmap.fill(Qt.GlobalColor.transparent)
+        painter = QPainter(pixmap)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        base.paint(painter, 0, 0, size, size)
+        d = size * BADGE_SHARE
+        painter.setPen(QPen(QColor("white"), max(1.0, size / 16)))
+        painter.setBrush(QBrush(color))
+        painter.drawEllipse(QRectF(size - d - 0.5, size - d - 0.5, d, d))
+        painter.end()
+        icon.addPixmap(pixmap)
+    return icon
 
 
 def tray_available() -> bool:
@@ -56,7 +83,8 @@ class Tray(QObject):
         self.menu.addAction(self.purge_action)
         self.menu.addSeparator()
         self.menu.addAction(self.quit_action)
-        self.icon = QSystemTrayIcon(icon, self)
+        self.icons = {state: badged_icon(icon, state) for state in EngineState}  # drawn once, not per poll
+        self.icon = QSystemTrayIcon(self.icons[EngineState.STOPPED], self)
         self.icon.setContextMenu(self.menu)
         self.icon.activated.connect(self._activated)
         self.state = EngineState.STOPPED
@@ -69,6 +97,8 @@ class Tray(QObject):
         self.icon.hide()
 
     def update_status(self, state: EngineState, metrics: dict[str, Any] | None, parked: int | None) -> None:
+        if state is not self.state:  # the tooltip changes every poll; the icon only with the state
+            self.icon.setIcon(self.icons[state])
         self.state = state
         self.icon.setToolTip(tooltip_text(state, metrics, parked))
         stoppable = state in (EngineState.STARTING, EngineState.LOADING, EngineState.READY)

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from PySide6.QtCore import QEvent, QObject, Qt
-from PySide6.QtWidgets import QAbstractScrollArea, QAbstractSpinBox, QApplication, QComboBox, QWidget
+from PySide6.QtGui import QFont, QTextOption
+from PySide6.QtWidgets import (
+    QAbstractScrollArea,
+    QAbstractSpinBox,
+    QApplication,
+    QComboBox,
+    QPlainTextEdit,
+    QWidget,
+)
 
 
 class WheelGuard(QObject):
@@ -32,3 +40,29 @@ def guard_wheel(root: QWidget) -> WheelGuard:
         editor.setFocusPolicy(Qt.FocusPolicy.StrongFocus)  # the default WheelFocus would take focus on a scroll
         editor.installEventFilter(guard)
     return guard
+
+
+class CommandView(QPlainTextEdit):
+    """A read-only command line shown whole: wrapped to the width (anywhere, a long path included), in a
+    monospace font, a few lines high and scrolling beyond, selectable. It never widens the window.
+    """
+
+    LINES = 3
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setReadOnly(True)
+        self.setLineWrapMode(QPlainTextEdit.LineWrapMode.WidgetWidth)
+        self.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
+        mono = QFont("monospace")
+        mono.setStyleHint(QFont.StyleHint.Monospace)
+        self.setFont(mono)
+        margins = self.contentsMargins()
+        height = self.fontMetrics().lineSpacing() * self.LINES + 2 * self.document().documentMargin()
+        self.setFixedHeight(int(height) + margins.top() + margins.bottom() + 2)
+
+    def text(self) -> str:
+        return self.toPlainText()
+
+    def setText(self, text: str) -> None:  # noqa: N802 - the name QLineEdit and QLabel use
+        self.setPlainText(text)

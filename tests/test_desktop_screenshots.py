@@ -1,6 +1,6 @@
-"""Screenshots of the Monitor and Settings tabs with the real engine serving, taken under Xvfb.
+"""Screenshots of the Monitor, Settings and Chat tabs with the real engine serving, taken under Xvfb.
 
-Skipped unless STRATA_UPDATE_SCREENSHOTS=1: it rewrites docs/screenshots/monitor.png and settings.png.
+Skipped unless STRATA_UPDATE_SCREENSHOTS=1: it rewrites docs/screenshots/monitor.png, settings.png and chat.png.
 """
 
 from __future__ import annotations
@@ -87,6 +87,25 @@ SCRIPT = textwrap.dedent("""
     scroll.verticalScrollBar().setValue(group.y() - 4)
     pump(2)
     w.grab().save(str(out / "settings.png"))
+    chat = w.chat
+    w.tabs.setCurrentWidget(chat)
+    answered = []
+    chat.turn_finished.connect(answered.append)
+
+    def say(text):
+        n = len(answered)
+        chat.max_tokens.setValue(40)
+        chat.input.setText(text)
+        chat.send()
+        assert pump(180, lambda: len(answered) > n), "no answer in the Chat tab"
+
+    say("Why do apples turn brown after they are cut? Explain it simply for a child.")
+    chat.new_button.click()
+    say("Name three long rivers in Europe.")  # the one slot goes to this one: the apple conversation is parked
+    chat.pick(0)
+    say("And why does lemon juice stop it?")  # restored: most of its prompt comes back cached
+    pump(2)
+    w.grab().save(str(out / "chat.png"))
     w.shutdown_now()
     print("SCREENSHOTS OK", flush=True)
 """)
@@ -102,5 +121,5 @@ def test_update_screenshots(tmp_path):
     proc = subprocess.run(["xvfb-run", "-a", "-s", "-screen 0 1280x900x24", sys.executable, str(script),
                            str(tmp_path), str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=580)
     assert "SCREENSHOTS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in ("monitor.png", "settings.png"):
+    for name in ("monitor.png", "settings.png", "chat.png"):
         assert (out / name).stat().st_size > 10_000

@@ -116,13 +116,46 @@ def test_environment_overrides_the_file_and_says_so(tmp_path):
     assert json.loads(path.read_text())["engine"] == {"port": 9001}, "the environment is never written to the file"
 
 
-def test_command_line_masks_the_api_key():
+def test_command_line_masks_the_api_key_with_a_working_placeholder():
+    import subprocess
+
     config = EngineConfig(api_key="s3cret", conversation_cache_storage="disk", conversation_cache_dir="/a b")
     text = command_line(config)
     assert text.startswith("strata serve ")
-    assert "s3cret" not in text and "--api-key '***'" in text
+    assert "s3cret" not in text and '--api-key "$STRATA_API_KEY"' in text
     assert "--conversation-cache-dir '/a b'" in text
     assert "s3cret" in command_line(config, mask_secrets=False)
+    # Pasted into a real shell with the variable set, the line gives the engine exactly the configured arguments.
+    line = command_line(config, program="printf '%s\\n'")
+    out = subprocess.run(["sh", "-c", line], env={"STRATA_API_KEY": "s3cret", "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == config.to_args()
+
+
+def test_settings_tab_shows_the_command_line_whole_and_copies_it_without_the_key(qtbot, tmp_path):
+    from PySide6.QtGui import QGuiApplication
+
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    tab.resize(700, 600)
+    tab.show()
+    assert not tab.command_note.isVisibleTo(tab), "no key: nothing to explain"
+    long_dir = "/srv/" + "very-long-folder-name/" * 8 + "parked"
+    tab.set_text("conversation_cache_dir", long_dir)
+    tab.set_text("api_key", "s3cret")
+    expected = command_line(store.engine_config())
+    assert tab.command.text() == expected and long_dir in expected
+    qtbot.waitUntil(lambda: tab.command.document().blockCount() == 1 and tab.command.document().lineCount() > 1)
+    assert tab.command.horizontalScrollBar().maximum() == 0, "wrapped to the width, never cut or scrolled sideways"
+    assert tab.command_note.isVisibleTo(tab) and "export STRATA_API_KEY=" in tab.command_note.text()
+    tab.copy_button.click()
+    assert QGuiApplication.clipboard().text() == expected and "s3cret" not in expected
+    dispatcher.close()
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
