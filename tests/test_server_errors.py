@@ -26,7 +26,7 @@ def test_each_domain_error_is_one_status_in_openai_shape(kind, status, type_):
         raise kind("slot 3 is busy with a request; try again when it is idle", param="id")
 
     app.add_api_route("/boom", boom, methods=["POST"])
-    r = TestClient(app, raise_server_exceptions=False).post("/boom")
+    r = TestClient(app, base_url="http://127.0.0.1:8080", raise_server_exceptions=False).post("/boom")
     assert r.status_code == status
     assert r.json() == {"error": {"message": "slot 3 is busy with a request; try again when it is idle",
                                   "type": type_, "param": "id", "code": status}}
