@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--dir", default="")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    if args.dir and not os.path.isdir(args.dir):
+        parser.error(f"--dir: expected an existing folder to measure the disk in, got {args.dir!r}")
     folder = tempfile.mkdtemp(prefix="strata-bench-", dir=args.dir or None)
     try:
         nbytes = args.tokens * SMOLLM2.bytes_per_token
