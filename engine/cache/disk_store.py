@@ -217,6 +217,13 @@ class DiskStore:
 
     # ------------------------------------------------------------------ removal
 
+    def record_use(self, conv: Conv) -> None:
+        """A written conversation was used (restored, or parked again unchanged): its manifest keeps the new
+        last use and hit count, so a restart or a crash does not lose them. Called under the lock, which keeps
+        an eviction from removing the manifest while it is rewritten."""
+        if conv.on_disk and conv.id in self.index.convs:
+            self.index.bytes += self.files.touch(conv)
+
     def _evict(self, conv_id: str) -> None:
         """Evict an entry; one being written leaves the index now and its files once the writer is done."""
         conv = self.index.convs[conv_id]
