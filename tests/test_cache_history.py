@@ -107,3 +107,18 @@ def test_a_manifest_without_last_used_falls_back_to_its_mtime(tmp_path):
     [row] = again.conversations()
     assert row.id == cid and row.last_used == 1_500_000_000 and row.hits == 0
     again.close(spill=False)
+
+
+def test_a_restore_while_the_entry_is_being_written_reaches_its_manifest(tmp_path):
+    from tests.test_cache_writer import _while_being_written
+
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30), FakeSlots(ctx=8192)
+    tier, tokens, cid = _while_being_written(cache, slots, 270, lambda tokens, cid: _restore(cache, slots, tokens))
+    assert tier == "disk"
+    assert cache.flush(30)
+    hits = {c.id: c.hits for c in cache.conversations()}
+    assert hits[cid] == 1
+    cache.close(spill=False)
+    again = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30)
+    assert {c.id: c.hits for c in again.conversations()} == hits
+    again.close(spill=False)

@@ -296,8 +296,10 @@ class DiskTier:
             raise
         return sizes
 
-    def write_manifest(self, conv: Conv, tail: Parts | None) -> int:
-        """Write a conversation's manifest atomically (its blocks must be published first)."""
+    def write_manifest(self, conv: Conv, tail: Parts | None, *, history: tuple[float, int] | None = None) -> int:
+        """Write a conversation's manifest atomically (its blocks must be published first); `history` is the
+        (last_used, hits) to record when not the entry's own (the writer's copy, taken under the lock)."""
+        last_used, hits = (conv.last_used, conv.hits) if history is None else history
         header, tensors = conversation_file(
             self.identity,
             conv.tokens,
@@ -306,8 +308,8 @@ class DiskTier:
             engine_version=self.engine_version,
             conversation_id=conv.id,
             created=conv.created,
-            last_used=conv.last_used,
-            hits=conv.hits,
+            last_used=last_used,
+            hits=hits,
         )
         final = self.conv_path(conv.id)
         tmp, n = write_temp(final, file_chunks(header, tensors), fsync=True)
