@@ -147,6 +147,11 @@ def test_startup_index_keeps_good_files_and_removes_only_bad_files_of_ours(tmp_p
     good = [conversation(30 + i, 3 * BLOCK + 5) for i in range(5)]
     ids = [park_tokens(cache, slots, t).conversation_id for t in good]
     folder = folder_of(cache)
+    assert cache.flush(10)
+    old = time.time() - 40 * 86400
+    aged = cache.disk.index.convs[ids[3]]
+    aged.created = aged.last_used = old  # expired: its manifest says it was last used 40 days ago
+    cache.disk.record_use(aged)
     cache.close(spill=False)
     # a foreign model's file, copied in under our naming
     foreign = make_cache(identity({"architecture": "qwen2"}), storage="disk", dir=str(tmp_path / "f"))
@@ -162,8 +167,6 @@ def test_startup_index_keeps_good_files_and_removes_only_bad_files_of_ours(tmp_p
     with open(conv(ids[1]), "r+b") as f:  # truncated
         f.truncate(os.path.getsize(conv(ids[1])) - 10)
     _rewrite_header(conv(ids[2]), lambda h: h["__metadata__"].update(format_version="0"))
-    old = time.time() - 40 * 86400
-    os.utime(conv(ids[3]), (old, old))  # expired
     extra = {
         "conv-hacked-9.safetensors": b"x",
         ".conv-0123456789abcdef.safetensors.tmp-1-0badc0de": b"partial",

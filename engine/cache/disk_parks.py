@@ -46,8 +46,7 @@ def park(
         if same:
             same[0].last_used = time.time()
             idx.touch(same[0].id)
-            if same[0].on_disk:
-                store.files.touch(same[0])
+            store.record_use(same[0])
             return same[0], 0, 0
         have, victims = store._room(
             keys,

@@ -217,6 +217,13 @@ class DiskStore:
 
     # ------------------------------------------------------------------ removal
 
+    def record_use(self, conv: Conv) -> None:
+        """A written conversation was used (restored, or parked again unchanged): its manifest keeps the new
+        last use and hit count, so a restart or a crash does not lose them. Called under the lock, which keeps
+        an eviction from removing the manifest while it is rewritten."""
+        if conv.on_disk and self.index.convs.get(conv.id) is conv:
+            self.index.bytes += self.files.touch(conv)
+
     def _evict(self, conv_id: str) -> None:
         """Evict an entry; one being written leaves the index now and its files once the writer is done."""
         conv = self.index.convs[conv_id]
@@ -304,7 +311,9 @@ class DiskStore:
         blocks = [self.index.blocks[k] for k in conv.keys if not self.index.blocks[k].on_disk]
         for blk in blocks:
             blk.pins += 1
-        return WriteJob(conv, [(blk.key, blk.data) for blk in blocks], conv.tail, extra=blocks)
+        return WriteJob(
+            conv, [(blk.key, blk.data) for blk in blocks], conv.tail, extra=blocks, history=(conv.last_used, conv.hits)
+        )
 
     def _report(self, result: WriteResult) -> None:
         """Phase two (writer thread, lock held): publish the written blocks and the entry, or mark it FAILED."""
@@ -326,6 +335,8 @@ class DiskStore:
             if idx.convs.get(conv.id) is conv:
                 idx.bytes += result.manifest_bytes - conv.nbytes
             conv.nbytes = result.manifest_bytes
+            if (conv.last_used, conv.hits) != result.job.history:
+                self.record_use(conv)  # used while it was written: the manifest records the claim's history
             written = sum(result.sizes.values()) + result.manifest_bytes
             self._journal.count("spills")
             self._journal.count("bytes_spilled", written)

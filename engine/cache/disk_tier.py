@@ -171,10 +171,10 @@ class DiskTier:
         for conv_id, path in convs:
             try:
                 st = os.stat(path)
-                if days and now - st.st_mtime > days * DAY:
+                conv = self._read_manifest(path, conv_id, st.st_size, st.st_mtime)
+                if days and now - conv.last_used > days * DAY:
                     removed["expired"] += _unlink(path)
                     continue
-                conv = self._read_manifest(path, conv_id, st.st_size, st.st_mtime)
             except FileFormatError as exc:
                 log.info("conversation cache: removing %s (%s)", path, exc)
                 reason = {"alien": "foreign"}.get(exc.reason, exc.reason)
@@ -240,12 +240,16 @@ class DiskTier:
         keys = block_keys(self.identity.key, tokens, self.identity.block_tokens)
         if len(keys) != n_blocks:
             raise FileFormatError("corrupt", "block count does not match the token count")
+        # The history fields are vouched for by the header checksum; a manifest written before `last_used`
+        # existed falls back to its mtime (what it used to be), one without `created` to the same.
+        meta = header.meta
         try:
-            created, hits = float(header.meta.get("created", mtime)), int(header.meta.get("hits", "0"))
+            last_used = float(meta.get("last_used", mtime))
+            created, hits = float(meta.get("created", last_used)), max(0, int(meta.get("hits", "0")))
         except ValueError:
-            created, hits = mtime, 0
+            last_used, created, hits = mtime, mtime, 0
         return Conv(
-            conv_id, tokens, keys, size, created=created, last_used=mtime, hits=hits, state=EntryState.WRITTEN
+            conv_id, tokens, keys, size, created=created, last_used=last_used, hits=hits, state=EntryState.WRITTEN
         )
 
     # ------------------------------------------------------------------ writes
@@ -292,8 +296,10 @@ class DiskTier:
             raise
         return sizes
 
-    def write_manifest(self, conv: Conv, tail: Parts | None) -> int:
-        """Write a conversation's manifest atomically (its blocks must be published first)."""
+    def write_manifest(self, conv: Conv, tail: Parts | None, *, history: tuple[float, int] | None = None) -> int:
+        """Write a conversation's manifest atomically (its blocks must be published first); `history` is the
+        (last_used, hits) to record when not the entry's own (the writer's copy, taken under the lock)."""
+        last_used, hits = (conv.last_used, conv.hits) if history is None else history
         header, tensors = conversation_file(
             self.identity,
             conv.tokens,
@@ -302,7 +308,8 @@ class DiskTier:
             engine_version=self.engine_version,
             conversation_id=conv.id,
             created=conv.created,
-            hits=conv.hits,
+            last_used=last_used,
+            hits=hits,
         )
         final = self.conv_path(conv.id)
         tmp, n = write_temp(final, file_chunks(header, tensors), fsync=True)
@@ -334,10 +341,23 @@ class DiskTier:
         for key in keys:
             _unlink(self.block_path(key))
 
-    def touch(self, conv: Conv) -> None:
-        """Persist last use (the manifest's mtime) so LRU and expiry survive a restart."""
-        with contextlib.suppress(OSError):
-            os.utime(self.conv_path(conv.id))
+    def touch(self, conv: Conv) -> int:
+        """Persist a written conversation's last use and hits (a restore, a re-park of the same tokens) so the
+        list, LRU order and expiry survive a restart or a crash; returns the change in the manifest's bytes.
+
+        Only the manifest is rewritten (token ids and the partial tail block, read back and verified), atomically
+        as every manifest is; the block files are never touched. A failure is logged and leaves the old manifest,
+        which is still a valid file: only this use is then forgotten by a restart.
+        """
+        assert conv.on_disk, (conv.id, conv.state)
+        try:
+            n = self.write_manifest(conv, self.read_tail(conv))
+        except (OSError, FileFormatError) as exc:
+            log.warning("conversation cache: cannot record the use of %s on disk: %s", conv.id, exc)
+            return 0
+        # the header is padded to 4096 bytes, so a longer hit count can, rarely, change the file's size
+        delta, conv.nbytes = n - conv.nbytes, n
+        return delta
 
     # ------------------------------------------------------------------ reads
 

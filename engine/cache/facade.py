@@ -263,8 +263,8 @@ class ConversationCache:
             conv.last_used = time.time()
             if conv.id in index.convs:
                 index.touch(conv.id)
-            if disk is not None and self.disk is disk and conv.on_disk:
-                disk.files.touch(conv)
+            if disk is not None and self.disk is disk:
+                disk.record_use(conv)
             for name, value in (("restores", 1), ("hits", 1), ("tokens_reused", n), ("bytes_restored", nbytes)):
                 self._journal.count(name, value)
             self._journal.restored(tier, read_bytes, ms)

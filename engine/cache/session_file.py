@@ -40,9 +40,16 @@ def conversation_file(
     engine_version: str,
     conversation_id: str = "",
     created: float | None = None,
+    last_used: float | None = None,
     hits: int = 0,
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
-    """Header and tensors of a conversation file; `tail` holds tokens [n_blocks * block_tokens, len(tokens))."""
+    """Header and tensors of a conversation file; `tail` holds tokens [n_blocks * block_tokens, len(tokens)).
+
+    `created`, `last_used` (epoch seconds) and `hits` are the conversation's history, kept in the header so a
+    restart shows and orders it as it was (a file without `last_used`, written before it existed, is read
+    with its mtime instead).
+    """
+    now = time.time()
     n = len(tokens)
     n_tail = n - n_blocks * identity.block_tokens
     assert n_tail >= 0, (n, n_blocks)
@@ -63,7 +70,8 @@ def conversation_file(
         "n_blocks": str(n_blocks),
         "block_tokens": str(identity.block_tokens),
         "conversation_id": conversation_id,
-        "created": repr(time.time() if created is None else created),
+        "created": repr(now if created is None else created),
+        "last_used": repr(now if last_used is None else last_used),
         "hits": str(hits),
     }
     return encode_header(tensors, meta), tensors

@@ -28,6 +28,8 @@ class WriteJob:
     items: list[tuple[str, Parts | None]]
     tail: Parts | None
     extra: object = None  # the store's own bookkeeping for this job (the blocks it pinned)
+    # (last_used, hits) as of the claim, what the manifest records: the entry may be used while it is written
+    history: tuple[float, int] | None = None
 
 
 @dataclass(slots=True)
@@ -106,7 +108,7 @@ class DiskWriter(threading.Thread):
             if any(t is None for _, t in job.items):
                 raise RuntimeError("a pending block lost its RAM copy")
             result.sizes = self._files.write_blocks(job.items)
-            result.manifest_bytes = self._files.write_manifest(job.conv, job.tail)
+            result.manifest_bytes = self._files.write_manifest(job.conv, job.tail, history=job.history)
         except Exception as exc:  # disk full, read-only folder, ...: the write is dropped, never the engine
             result.error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         result.ms = (time.perf_counter() - t0) * 1000
