@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -156,6 +157,7 @@ def mlp_weights(config: ModelConfig, index: int) -> int:
     c, m = config, config.moe
     if not c.is_moe_layer(index):
         return 3 * c.hidden_size * c.intermediate_size
+    assert m is not None  # is_moe_layer is false without a MoE config
     shared = 3 * c.hidden_size * m.shared_expert_size + c.hidden_size if m.shared_expert_size else 0
     return m.n_experts * (3 * c.hidden_size * m.expert_size + c.hidden_size) + shared
 
@@ -211,7 +213,7 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
         raise ModelLoadError(f"{path}: shared experts in {arch} are not supported (only Qwen2-MoE's)")
     # Layers without a router tensor have a dense MLP (ffn_gate/ffn_up/ffn_down).
     dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
-    common = {
+    common: dict[str, Any] = {
         "n_experts": int(key("expert_count")),
         "top_k": int(key("expert_used_count")),
         "expert_size": int(meta.get(f"{gguf_arch}.expert_feed_forward_length") or key("feed_forward_length")),
