@@ -16,6 +16,14 @@ from engine.model.llama import _linear
 
 
 class ShortConvMixer(torch.nn.Module):
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module).
+    w_in: torch.Tensor
+    b_in: torch.Tensor | None
+    conv: torch.Tensor
+    conv_bias: torch.Tensor | None
+    w_out: torch.Tensor
+    b_out: torch.Tensor | None
+
     def __init__(
         self, config: HybridConfig, layer: int, *, w_in: torch.Tensor, conv: torch.Tensor,
         conv_bias: torch.Tensor | None, w_out: torch.Tensor, b_in: torch.Tensor | None = None,
