@@ -24,6 +24,8 @@ from engine.model.moe import SparseMoe
 from engine.model.moe_config import MoeConfig
 
 Getter = Callable[[str], "torch.Tensor | None"]
+# The loader's getter (engine.model.build.Getter, not imported from there: build imports this module).
+DeviceGetter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 
 _HF_FIXED = {
     "mlp.gate.weight": "router",  # Qwen*, OLMoE
@@ -60,7 +62,7 @@ def q_norm_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]
     return (c.head_dim,), (c.head_dim,)
 
 
-def fold_scales(config: ModelConfig, get: Getter) -> Getter:
+def fold_scales(config: ModelConfig, get: DeviceGetter) -> DeviceGetter:
     """A getter that folds GraniteMoE's multipliers into the weights, so the forward pass needs none of them:
     embeddings * embedding_multiplier, q rows * attention_multiplier * sqrt(head_dim) (SDPA then applies
     1/sqrt(head_dim)), attention output and expert down rows * residual_multiplier, output rows / logits_scaling
