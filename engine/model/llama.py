@@ -62,7 +62,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, w)[:n]
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring).
 
     With 4-bit weights the result is bfloat16; otherwise it has x's dtype."""
@@ -88,7 +88,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor 
     return y
 
 
-def _logit_rows(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight) -> torch.Tensor:
     """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch)."""
     if isinstance(w, Int4Weight):
         return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])]) if h.shape[0] > 1 else w(h)
