@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -27,6 +28,7 @@ class LoadedModel:
     path: str
     fingerprint: str  # xxh3-128 of the file headers and of every tensor's bytes, hashed in the one loading read
     dtype: torch.dtype
+    weights_format: str = "float"  # "float" or "int4"; set by Engine.from_config from its choice of weights
 
 
 def _stage_checks(config: ModelConfig, stages: list[tuple[torch.device, int, int]], path: str) -> None:
@@ -87,7 +89,8 @@ def _build(
             elif tuple(found[0].shape) != shape:
                 raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(found[0].shape)}, expected {shape}")
             stacked.append(found)
-        return Int4Weight.from_groups(*(torch.cat(p) for p in zip(*stacked, strict=True)), dtype=dtype)
+        codes, scale, minimum = (torch.cat(p) for p in zip(*stacked, strict=True))
+        return Int4Weight.from_groups(codes, scale, minimum, dtype=dtype)
 
     def placeholder(w: torch.Tensor | Int4Weight) -> torch.Tensor:
         # A module's buffer must be a tensor: an Int4Weight goes in after construction (int4.install).
@@ -111,9 +114,11 @@ def _build(
                                   need(p + "v_bias", (kv_rows,), device)))
             moe = None
             if c.is_moe_layer(i):  # a sparse expert block instead of the dense MLP
+                def to_layer(t: torch.Tensor, d: torch.device = device) -> torch.Tensor:
+                    return t.to(device=d, dtype=dtype).contiguous()
+
                 moe = moe_loading.build_sparse_moe(
-                    c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu),
-                    lambda t, d=device: t.to(device=d, dtype=dtype).contiguous(), path,
+                    c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu), to_layer, path,
                 )
             else:
                 w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
@@ -127,9 +132,10 @@ def _build(
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
             if moe is None:
                 w["w_down"] = projection([(p + "down", (hidden, inter))], device)
+            # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
-                                 moe=moe, **({"w_gate_up": None, "w_down": None}  # None: the experts replace them
-                                             | {name: placeholder(t) for name, t in w.items()}))
+                                 moe=moe, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
+                                                 | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
                 if isinstance(t, Int4Weight):
                     int4.install(layer, name, t)
@@ -144,6 +150,7 @@ def _build(
     # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.
     separate = moe_loading.output_is_separate(c)
     head_key = "embed" if c.tie_word_embeddings and not separate else "lm_head"
+    lm_head: torch.Tensor | Int4Weight
     if head_key == "embed" and not int4_weights:
         lm_head = embed if last_device == first_device else need("embed", (c.vocab_size, hidden), last_device)
     else:

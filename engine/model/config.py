@@ -96,7 +96,7 @@ class ModelConfig:
         try:
             hidden = int(cfg["hidden_size"])
             n_heads = int(cfg["num_attention_heads"])
-            rope = dict(cfg.get("rope_parameters") or {})
+            rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
             rope.update(cfg.get("rope_scaling") or {})
             theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
             rope.pop("rope_theta", None)

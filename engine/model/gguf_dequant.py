@@ -12,6 +12,7 @@ values (value = scale * code + minimum): the int4 CPU weights take them as they 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -177,13 +178,14 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * _iq4_table(b)[codes.long()]).view(n, QK_K)
 
 
-_BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+_BLOCK_DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
     T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
     T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
 }
-_PLAIN = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-SUPPORTED = frozenset(_PLAIN) | frozenset(_BLOCK_DECODERS)
+_PLAIN: dict[int, torch.dtype] = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+# The tables are keyed by int (a raw type read from a file looks them up) but their keys are all members.
+SUPPORTED = cast(frozenset[GGMLQuantizationType], frozenset(_PLAIN) | frozenset(_BLOCK_DECODERS))
 Q4_GROUPED = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 
 

@@ -75,6 +75,7 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     if arch not in ("llama", "mistral", "qwen2", "qwen3") and moe_arch is None:
         raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2, qwen3, "
                              f"{', '.join(moe_loading.GGUF_ARCHITECTURE_NAMES)}")
+    assert isinstance(arch, str)  # a dense name above, or a name gguf_architecture knows
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -197,12 +198,13 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         t = tensors[key]
         data = torch.empty(t.n_bytes, dtype=torch.uint8)
         f.seek(t.offset)
-        if f.readinto(memoryview(data.numpy())) != data.numel():
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on; it has it on 3.11 too.
+        if f.readinto(memoryview(data.numpy())) != data.numel():  # type: ignore[arg-type]
             raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
         if key not in hashed:
             hashed.add(key)
             content.update(key.encode())
-            content.update(data.numpy())
+            content.update(data.numpy())  # type: ignore[arg-type]  # a buffer (see above)
         return data.to(device)
 
     def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:

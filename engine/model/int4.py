@@ -9,6 +9,8 @@ Q4_0/Q4_1 GGUF's weights already lie on such a grid, so the 4-bit codes themselv
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 GROUP = 32
@@ -97,7 +99,8 @@ class Int4Weight:
 def quantize_model(model: torch.nn.Module) -> tuple[int, int]:
     """Replace the projection and output weights of a CPU model by Int4Weight; returns (bytes before, after)."""
     before = after = 0
-    targets = [(layer, name) for layer in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    layers = cast(torch.nn.ModuleList, model.layers)  # CausalLM and HybridCausalLM both hold a ModuleList
+    targets = [(layer, name) for layer in layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
     targets.append((model, "lm_head"))
     for owner, name in targets:
         w = getattr(owner, name)
@@ -107,9 +110,10 @@ def quantize_model(model: torch.nn.Module) -> tuple[int, int]:
         before += w.nbytes
         after += q.nbytes
         install(owner, name, q)
-    for layer in model.layers:  # mixture-of-experts layers: the experts (engine/model/moe.py)
-        if getattr(layer, "moe", None) is not None:
-            b, a = layer.moe.quantize_experts()
+    for layer in layers:  # mixture-of-experts layers: the experts (engine/model/moe.py)
+        moe = getattr(layer, "moe", None)  # a SparseMoe or None (dense layers)
+        if moe is not None:
+            b, a = moe.quantize_experts()
             before, after = before + b, after + a
     return before, after
 

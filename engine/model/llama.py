@@ -15,7 +15,9 @@ rows of one-token chunks go through a batched gemv (`bmm` over a broadcast weigh
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,9 @@ from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.rope import RotaryTable
+
+if TYPE_CHECKING:  # moe imports this module's kernels
+    from engine.model.moe import SparseMoe
 
 _MIN_GEMM_ROWS = 4
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -62,7 +67,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, w)[:n]
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring).
 
     With 4-bit weights the result is bfloat16; otherwise it has x's dtype."""
@@ -88,7 +93,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, n_single: int, bias: torch.Tensor 
     return y
 
 
-def _logit_rows(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight) -> torch.Tensor:
     """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch)."""
     if isinstance(w, Int4Weight):
         return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])]) if h.shape[0] > 1 else w(h)
@@ -111,6 +116,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer(torch.nn.Module):
     """One transformer block with fused q/k/v and gate/up projections."""
 
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
+    # int4 replaces the projection weights by Int4Weight ones (build, int4.quantize_model).
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor | Int4Weight
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor | Int4Weight
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor | Int4Weight | None
+    w_down: torch.Tensor | Int4Weight | None
+    q_norm_full: torch.Tensor | None
+    k_norm_full: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -124,7 +142,7 @@ class DecoderLayer(torch.nn.Module):
         w_down: torch.Tensor | None,
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
-        moe: torch.nn.Module | None = None,
+        moe: SparseMoe | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -132,6 +150,7 @@ class DecoderLayer(torch.nn.Module):
         assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
         assert wo.shape == (c.hidden_size, q_rows), ("wo", tuple(wo.shape))
         if moe is None:
+            assert w_gate_up is not None and w_down is not None, "a dense layer needs w_gate_up and w_down"
             assert w_gate_up.shape == (2 * c.intermediate_size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
             assert w_down.shape == (c.hidden_size, c.intermediate_size), ("w_down", tuple(w_down.shape))
         else:  # a sparse expert block (engine/model/moe.py) instead of the dense MLP
@@ -160,6 +179,12 @@ class DecoderLayer(torch.nn.Module):
 
 class CausalLM(torch.nn.Module):
     """A decoder-only language model whose layers may be spread over several devices (stages)."""
+
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
+    # int4 replaces the projection weights by Int4Weight ones (build, int4.quantize_model).
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor | Int4Weight
 
     def __init__(
         self,
@@ -190,7 +215,8 @@ class CausalLM(torch.nn.Module):
     @property
     def expert_bytes(self) -> int:
         """Resident bytes of the routed experts' weights, the expert arena (0 for a dense model)."""
-        return sum(layer.moe.expert_bytes for layer in self.layers if layer.moe is not None)
+        layers = cast(Iterable[DecoderLayer], self.layers)
+        return sum(layer.moe.expert_bytes for layer in layers if layer.moe is not None)
 
     @torch.inference_mode()
     def forward_chunks(
@@ -242,7 +268,7 @@ class CausalLM(torch.nn.Module):
             sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rolled-sign form, see _layer
             masks = {i: m.to(device) for i, m in plans.masks.items()}
             for li in range(first, end):
-                x = self._layer(self.layers[li], li, x, kv, ordered, plans, masks, cos, sin, n_single, total)
+                x = self._layer(cast(DecoderLayer, self.layers[li]), li, x, kv, ordered, plans, masks, cos, sin, n_single, total)
 
         if all_logits:
             h = rms_norm(x, self.norm, c.rms_norm_eps)
@@ -284,6 +310,7 @@ class CausalLM(torch.nn.Module):
         h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
         qkv = _linear(h, layer.wqkv, n_single, layer.bqkv)
         if layer.q_norm_full is not None:  # OLMoE (DecoderLayer)
+            assert layer.k_norm_full is not None  # set with q_norm_full (DecoderLayer)
             qw, kw = H * D, KVH * D
             qkv = torch.cat((rms_norm(qkv[:, :qw], layer.q_norm_full, c.rms_norm_eps),
                              rms_norm(qkv[:, qw : qw + kw], layer.k_norm_full, c.rms_norm_eps), qkv[:, qw + kw :]), 1)
@@ -315,6 +342,7 @@ class CausalLM(torch.nn.Module):
             if one:
                 attn = out
             else:
+                assert attn is not None  # allocated above for several chunks
                 attn[lo:hi] = out
         assert attn is not None
         x = x + _linear(attn.reshape(total, H * D), layer.wo, n_single)
@@ -322,6 +350,7 @@ class CausalLM(torch.nn.Module):
         h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
         if layer.moe is not None:
             return x + layer.moe(h, n_single)
+        assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
         gate_up = _linear(h, layer.w_gate_up, n_single)
         inter = c.intermediate_size
         act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]

@@ -51,6 +51,14 @@ class SparseMoe(torch.nn.Module):
     With a shared expert, `router` holds its gate as a last row.
     """
 
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
+    # quantize_experts replaces the expert weights by Int4Weight ones.
+    router: torch.Tensor
+    gate_up: torch.Tensor | list[int4.Int4Weight]
+    down: torch.Tensor | list[int4.Int4Weight]
+    shared_gate_up: torch.Tensor | int4.Int4Weight | None
+    shared_down: torch.Tensor | int4.Int4Weight | None
+
     def __init__(
         self,
         moe: MoeConfig,
@@ -72,12 +80,14 @@ class SparseMoe(torch.nn.Module):
         assert has_shared == (shared_gate_up is not None) == (shared_down is not None) == (shared_gate is not None)
         if has_shared:
             s = moe.shared_expert_size
+            assert shared_gate_up is not None and shared_down is not None and shared_gate is not None  # see above
             assert shared_gate_up.shape == (2 * s, h) and shared_down.shape == (h, s), "shared expert shape"
             assert shared_gate.shape == (1, h), ("shared_gate", tuple(shared_gate.shape))
         self.config = moe
         if has_shared:
             # The shared expert's gate is one more router row: one product for both, and a product with a
             # single output column sums differently by row count under BLAS (batch invariance).
+            assert shared_gate is not None  # has_shared (asserted above)
             router = torch.cat((router, shared_gate))
         self.register_buffer("router", router, persistent=False)
         self.register_buffer("gate_up", gate_up, persistent=False)

@@ -75,7 +75,7 @@ def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
     top_k = cfg.get("num_experts_per_tok")
     if not top_k:
         raise ValueError("num_experts_per_tok is missing")
-    common = {"n_experts": int(n_experts), "top_k": int(top_k)}
+    common: dict[str, Any] = {"n_experts": int(n_experts), "top_k": int(top_k)}
     n_layers = int(cfg["num_hidden_layers"])
     if arch in ("qwen3_moe", "qwen2_moe"):
         step = int(cfg.get("decoder_sparse_step", 1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,6 +24,8 @@ from engine.model.moe import SparseMoe
 from engine.model.moe_config import MoeConfig
 
 Getter = Callable[[str], "torch.Tensor | None"]
+# The loader's getter (engine.model.build.Getter, not imported from there: build imports this module).
+DeviceGetter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 
 _HF_FIXED = {
     "mlp.gate.weight": "router",  # Qwen*, OLMoE
@@ -59,7 +62,7 @@ def q_norm_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]
     return (c.head_dim,), (c.head_dim,)
 
 
-def fold_scales(config: ModelConfig, get: Getter) -> Getter:
+def fold_scales(config: ModelConfig, get: DeviceGetter) -> DeviceGetter:
     """A getter that folds GraniteMoE's multipliers into the weights, so the forward pass needs none of them:
     embeddings * embedding_multiplier, q rows * attention_multiplier * sqrt(head_dim) (SDPA then applies
     1/sqrt(head_dim)), attention output and expert down rows * residual_multiplier, output rows / logits_scaling
@@ -156,6 +159,7 @@ def mlp_weights(config: ModelConfig, index: int) -> int:
     c, m = config, config.moe
     if not c.is_moe_layer(index):
         return 3 * c.hidden_size * c.intermediate_size
+    assert m is not None  # is_moe_layer is false without a MoE config
     shared = 3 * c.hidden_size * m.shared_expert_size + c.hidden_size if m.shared_expert_size else 0
     return m.n_experts * (3 * c.hidden_size * m.expert_size + c.hidden_size) + shared
 
@@ -211,7 +215,7 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
         raise ModelLoadError(f"{path}: shared experts in {arch} are not supported (only Qwen2-MoE's)")
     # Layers without a router tensor have a dense MLP (ffn_gate/ffn_up/ffn_down).
     dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
-    common = {
+    common: dict[str, Any] = {
         "n_experts": int(key("expert_count")),
         "top_k": int(key("expert_used_count")),
         "expert_size": int(meta.get(f"{gguf_arch}.expert_feed_forward_length") or key("feed_forward_length")),

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.ext
@@ -94,14 +94,15 @@ class Tokenizer:
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
 
-        special = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        special = {k: v for k, v in special.items() if v}
+        texts = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {k: v for k, v in texts.items() if v}
         bos = backend.token_to_id(special["bos_token"]) if "bos_token" in special else None
         if bos is None:
             bos = _first_int(gen.get("bos_token_id", mcfg.get("bos_token_id")))
         eos: set[int] = set()
-        if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
-            eos.add(backend.token_to_id(special["eos_token"]))
+        eos_id = backend.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        if eos_id is not None:
+            eos.add(eos_id)
         for source in (gen.get("eos_token_id"), mcfg.get("eos_token_id")):
             eos.update(_ints(source))
         eos.update(_end_of_turn_ids(backend))
@@ -178,6 +179,7 @@ class Tokenizer:
         # not stall the server's event loop; for one text both give the same ids.
         ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            assert self.bos_token_id is not None  # add_bos is only set with a BOS token
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -251,7 +253,7 @@ class StreamDecoder:
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> FastTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [cast(tuple[str, str], tuple(m.split(" ", 1))) for m in merges]  # a merge is "left right"
     backend = FastTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     split = _SPLIT_BY_PRE.get(pre)
     if split is not None:
@@ -273,7 +275,7 @@ def _sentencepiece_bpe(
 ) -> FastTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = [cast(tuple[str, str], tuple(m.split(" ", 1))) for m in merges]  # a merge is "left right"
     else:
         pairs = _merges_from_scores(tokens, scores or [0.0] * len(tokens))
     unk = next((t for t, ty in zip(tokens, token_types, strict=False) if ty == 2), None)  # 2 = UNKNOWN

@@ -17,6 +17,12 @@ from engine.model.llama import _linear
 
 
 class AttentionMixer(torch.nn.Module):
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module).
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
     def __init__(
         self,
         config: HybridConfig,
@@ -56,9 +62,11 @@ class AttentionMixer(torch.nn.Module):
         k = qkv[:, self.q_rows : self.q_rows + KVH * D].view(total, KVH, D)
         v = qkv[:, self.q_rows + KVH * D :].view(total, KVH, D)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # the norms come in pairs (asserted in __init__)
             q = _rms(q, self.q_norm, c.rms_norm_eps)
             k = _rms(k, self.k_norm, c.rms_norm_eps)
         if batch.cos is not None:
+            assert batch.sin is not None  # cos and sin are set together
             q, k = _rope(q, batch.cos, batch.sin), _rope(k, batch.cos, batch.sin)
 
         k_cache, v_cache = batch.kv.layer(self.kv_index)

@@ -62,6 +62,14 @@ def delta_rule_block(
 class GatedDeltaNetMixer(torch.nn.Module):
     """in_proj (q|k|v, z, b, a) -> short conv + SiLU on q|k|v -> gated delta rule -> RMSNorm(o) * SiLU(z) -> out_proj."""
 
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module).
+    w_in: torch.Tensor
+    conv: torch.Tensor
+    neg_a: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    w_out: torch.Tensor
+
     def __init__(
         self, config: HybridConfig, layer: int, *, w_in: torch.Tensor, conv: torch.Tensor, a_log: torch.Tensor,
         dt_bias: torch.Tensor, norm: torch.Tensor, w_out: torch.Tensor,
@@ -115,7 +123,8 @@ class GatedDeltaNetMixer(torch.nn.Module):
                 edge_hi = lo + edge - ch.start
                 rows = slice(edge_lo, edge_hi)
                 # Fresh contiguous copies: a view at another row offset may take another SIMD path.
-                o, s = delta_rule_block(*(t[rows].transpose(0, 1).contiguous() for t in (q, k, v, g, beta)), s)
+                qb, kb, vb, gb, bb = (t[rows].transpose(0, 1).contiguous() for t in (q, k, v, g, beta))
+                o, s = delta_rule_block(qb, kb, vb, gb, bb, s)
                 out[rows] = o.transpose(0, 1)
                 if edge in cuts:
                     batch.state.capture(ch.slot, edge, self.layer, "ssm", s)

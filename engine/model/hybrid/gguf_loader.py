@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Any
 
 import torch
 import xxhash
@@ -86,7 +87,7 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
     hidden = int(key("embedding_length"))
     n_heads = int(key("attention.head_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=embed_rows,
         hidden_size=hidden,
         layer_kinds=kinds,

@@ -36,7 +36,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
     mamba_head_dim = inner // heads if mamba_head_dim in (None, "auto") else int(mamba_head_dim)
     if heads * mamba_head_dim != inner:
         raise ConfigError(f"mamba_n_heads ({heads}) x mamba_d_head ({mamba_head_dim}) must equal mamba_expand x hidden_size ({inner})")
-    rope = dict(cfg.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
     rope.update(cfg.get("rope_scaling") or {})
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
     kind = rope.get("type") or rope.get("rope_type") or "default"

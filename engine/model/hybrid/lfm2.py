@@ -16,6 +16,14 @@ from engine.model.llama import _linear
 
 
 class ShortConvMixer(torch.nn.Module):
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module).
+    w_in: torch.Tensor
+    b_in: torch.Tensor | None
+    conv: torch.Tensor
+    conv_bias: torch.Tensor | None
+    w_out: torch.Tensor
+    b_out: torch.Tensor | None
+
     def __init__(
         self, config: HybridConfig, layer: int, *, w_in: torch.Tensor, conv: torch.Tensor,
         conv_bias: torch.Tensor | None, w_out: torch.Tensor, b_in: torch.Tensor | None = None,
@@ -65,7 +73,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         kinds.append(ATTENTION if t == "full_attention" else SHORT_CONV)
     hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
-    rope = dict(cfg.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
     rope.update(cfg.get("rope_scaling") or {})
     theta = float(cfg.get("rope_theta", rope.pop("rope_theta", 1000000.0)))
     kind = rope.pop("type", None) or rope.get("rope_type") or "default"

@@ -50,6 +50,16 @@ def ssd_block(
 class Mamba2Mixer(torch.nn.Module):
     """in_proj (z, x|B|C, dt) -> short conv + SiLU on x|B|C -> SSD scan (+ D skip) -> gated grouped RMSNorm -> out_proj."""
 
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module).
+    w_in: torch.Tensor
+    conv: torch.Tensor
+    conv_bias: torch.Tensor | None
+    dt_bias: torch.Tensor
+    neg_a: torch.Tensor
+    d_skip: torch.Tensor
+    norm: torch.Tensor
+    w_out: torch.Tensor
+
     def __init__(
         self, config: HybridConfig, layer: int, *, w_in: torch.Tensor, conv: torch.Tensor,
         conv_bias: torch.Tensor | None, a_log: torch.Tensor, dt_bias: torch.Tensor, d_skip: torch.Tensor,

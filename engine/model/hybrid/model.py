@@ -20,6 +20,8 @@ depend on what it was batched with) and logits through `_logit_rows`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -27,12 +29,20 @@ from engine.kv import KVBuffers, KVLayout
 from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import HybridConfig
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayout
+from engine.model.int4 import Int4Weight
 from engine.model.llama import SeqChunk, _linear, _logit_rows, rms_norm
 from engine.model.rope import RotaryTable
 
 
 class HybridLayer(torch.nn.Module):
     """norm -> mixer (attention or recurrent) -> residual; norm -> gated MLP -> residual."""
+
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
+    # int4.quantize_model replaces the projection weights by Int4Weight ones.
+    mixer_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor | Int4Weight
+    w_down: torch.Tensor | Int4Weight
 
     def __init__(
         self, kind: str, mixer: torch.nn.Module, *, mixer_norm: torch.Tensor, mlp_norm: torch.Tensor,
@@ -50,6 +60,12 @@ class HybridLayer(torch.nn.Module):
 
 class HybridCausalLM(torch.nn.Module):
     """A hybrid decoder-only model whose layers may be spread over several devices (stages)."""
+
+    # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
+    # int4.quantize_model replaces the projection weights by Int4Weight ones.
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor | Int4Weight
 
     def __init__(
         self, config: HybridConfig, stages: list[tuple[torch.device, int, int]], *, embed: torch.Tensor,
@@ -139,7 +155,7 @@ class HybridCausalLM(torch.nn.Module):
                 pos = positions.to(device)
                 batch.cos, batch.sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
             for li in range(first, end):
-                x = self._layer(self.layers[li], x, batch)
+                x = self._layer(cast(HybridLayer, self.layers[li]), x, batch)
         for ch, n in zip(ordered, lengths, strict=True):
             state.finish_chunk(ch.slot, ch.start + n)
 

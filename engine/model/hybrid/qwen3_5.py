@@ -32,7 +32,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         kinds.append(ATTENTION if t == "full_attention" else DELTA)
     hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
-    rope = dict(cfg.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
     rope.update(cfg.get("rope_scaling") or {})
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000000.0)))
     factor = float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25)))

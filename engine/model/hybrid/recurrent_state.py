@@ -19,7 +19,7 @@ a prefill chunk (checkpoints) without a second pass: `request_checkpoints` befor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +93,7 @@ class StateSnapshot:
 class RecurrentStateBuffers:
     """Recurrent state for `n_slots` slots, each layer's parts on the device of the stage that owns the layer."""
 
-    def __init__(self, layout: StateLayout, n_slots: int, stages: list[tuple[torch.device | str, int, int]]) -> None:
+    def __init__(self, layout: StateLayout, n_slots: int, stages: Sequence[tuple[torch.device | str, int, int]]) -> None:
         assert stages and stages[0][1] == 0, "stages must start at layer 0"
         for (_, _, end), (_, first, _) in zip(stages, stages[1:], strict=False):
             assert end == first, "stages must be contiguous"
