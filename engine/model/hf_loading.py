@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 
 import torch
 import xxhash
@@ -90,7 +91,6 @@ def _safetensors_header(path: str) -> bytes:
 
 
 def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
-    from safetensors import safe_open
 
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
@@ -108,29 +108,9 @@ def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False
     except ConfigError as e:
         raise ModelLoadError(f"{config_path}: {e}") from None
     files = _safetensors_files(folder)
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(config.describe(), sort_keys=True).encode())
-    for file in files:
-        h.update(os.path.basename(file).encode())
-        h.update(struct.pack("<Q", os.path.getsize(file)))
-        h.update(_safetensors_header(file))
-    try:
-        tokenizer = Tokenizer.from_hf_folder(folder)
-    except TokenizerError as e:
-        raise ModelLoadError(str(e)) from None
-
-    handles = {}
-    where: dict[str, tuple[str, str]] = {}
-    for file in files:
-        try:
-            handle = safe_open(file, framework="pt")
-        except Exception as e:
-            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
-        handles[file] = handle
-        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-            key = _hf_canonical(name)
-            if key is not None:
-                where[key] = (file, name)
+    h = _header_fingerprint(config.describe(), files)
+    tokenizer = _folder_tokenizer(folder)
+    handles, where = _open_tensors(files, _hf_canonical)
 
     hashed: set[str] = set()
 
@@ -157,3 +137,41 @@ def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False
     h.update(content.digest())
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)
+
+
+def _header_fingerprint(description: dict, files: list[str]) -> xxhash.xxh3_128:
+    """The start of a folder's fingerprint: the config, then each file's name, size and safetensors header (the
+    weights' bytes are added as they are read)."""
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(description, sort_keys=True).encode())
+    for file in files:
+        h.update(os.path.basename(file).encode())
+        h.update(struct.pack("<Q", os.path.getsize(file)))
+        h.update(_safetensors_header(file))
+    return h
+
+
+def _folder_tokenizer(folder: str) -> Tokenizer:
+    try:
+        return Tokenizer.from_hf_folder(folder)
+    except TokenizerError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def _open_tensors(files: list[str], canonical: Callable[[str], str | None]) -> tuple[dict, dict[str, tuple[str, str]]]:
+    """Each file opened once, and where each canonical weight key lives: {key: (file, tensor name)}."""
+    from safetensors import safe_open
+
+    handles = {}
+    where: dict[str, tuple[str, str]] = {}
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except Exception as e:
+            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
+        handles[file] = handle
+        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            key = canonical(name)
+            if key is not None:
+                where[key] = (file, name)
+    return handles, where

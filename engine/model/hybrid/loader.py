@@ -8,9 +8,7 @@ RMSNorm weights as w - 1, so 1 is added once at load). Attention layers and the 
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from types import ModuleType
 
 import torch
@@ -18,12 +16,11 @@ import xxhash
 
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
-from engine.model.hf_loading import _safetensors_files, _safetensors_header
+from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
 from engine.model.hybrid import granitemoehybrid, lfm2, qwen3_5
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
-from engine.model.tokenizer import Tokenizer, TokenizerError
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
@@ -140,7 +137,6 @@ def _hf_canonical(family: ModuleType, name: str) -> str | None:
 def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype) -> LoadedModel:
     """Load a hybrid HF folder; same identity rules as `engine.model.hf_loading._load_hf` (config, file headers
     and every weight's bytes in the fingerprint)."""
-    from safetensors import safe_open
 
     try:
         config = hybrid_config_from_hf(raw_config)
@@ -148,27 +144,9 @@ def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype) ->
         raise ModelLoadError(f"{os.path.join(folder, 'config.json')}: {e}") from None
     family = FAMILIES[config.architecture]
     files = _safetensors_files(folder)
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(config.describe(), sort_keys=True).encode())
-    for file in files:
-        h.update(os.path.basename(file).encode())
-        h.update(struct.pack("<Q", os.path.getsize(file)))
-        h.update(_safetensors_header(file))
-    try:
-        tokenizer = Tokenizer.from_hf_folder(folder)
-    except TokenizerError as e:
-        raise ModelLoadError(str(e)) from None
-    handles, where = {}, {}
-    for file in files:
-        try:
-            handle = safe_open(file, framework="pt")
-        except Exception as e:
-            raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from None
-        handles[file] = handle
-        for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-            key = _hf_canonical(family, name)
-            if key is not None:
-                where[key] = (file, name)
+    h = _header_fingerprint(config.describe(), files)
+    tokenizer = _folder_tokenizer(folder)
+    handles, where = _open_tensors(files, lambda name: _hf_canonical(family, name))
     content = xxhash.xxh3_128()
 
     def get(key: str) -> torch.Tensor | None:
