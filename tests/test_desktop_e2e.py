@@ -23,6 +23,7 @@ from PySide6.QtWidgets import QApplication, QMessageBox
 from desktop.engine_process import EngineState, read_pid_file
 from desktop.main_window import MainWindow
 from desktop.settings import Paths
+from engine.config import EngineConfig
 
 openai = pytest.importorskip("openai")
 
@@ -214,8 +215,11 @@ def test_crash_is_shown_within_two_seconds_and_restart_brings_it_back(qtbot, app
     assert "killed by SIGKILL" in w.crash_text.text() and "Crashed" in w.state_label.text()
     w.crash_restart.click()
     qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=LOAD_TIMEOUT_MS)
-    # Restarted with the saved settings (tiered since the Settings test).
-    qtbot.waitUntil(lambda: cache(w).get("storage") == "tiered", timeout=10000)
+    # Restarted with the saved settings (tiered after the Settings test; whatever the file says when run alone).
+    default = EngineConfig().conversation_cache_storage
+    file = w.paths.settings_file
+    saved = json.loads(file.read_text())["engine"].get("conversation_cache_storage", default) if file.exists() else default
+    qtbot.waitUntil(lambda: cache(w).get("storage") == saved, timeout=10000)
 
 
 def test_quit_leaves_no_engine_process(qtbot, app_window):
