@@ -32,6 +32,7 @@ from desktop.client import EngineClient, Reply
 from desktop.engine_errors import config_error
 from desktop.settings import atomic_write
 from engine.config import EngineConfig
+from engine.contract import ContractError, HealthBody, parse
 
 LISTENING = re.compile(r"strata: listening on (https?://\S+)")
 LOG_LINES = 5000  # lines kept in memory for the Logs tab and the crash report
@@ -217,6 +218,7 @@ class EngineProcess(QObject):
     url_changed = Signal(object)  # str | None
     ended = Signal(object)  # ProcessOutcome
     restart_scheduled = Signal(float)  # seconds until an automatic restart
+    health_changed = Signal(object)  # HealthBody | None: the start-up phase while it loads
 
     def __init__(self, client: EngineClient, pid_file: Path | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -233,6 +235,7 @@ class EngineProcess(QObject):
         self.shutdown_grace_s = 20.0  # a tiered cache may need a while to spill
         self.terminate_grace_s = 5.0
         self.started_at: float | None = None
+        self.health: HealthBody | None = None  # the last /health answer of this run (None before the first)
         self._proc: QProcess | None = None
         # Pid-file writes and removals run off the GUI thread, in order.
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-pid-file")
@@ -293,6 +296,7 @@ class EngineProcess(QObject):
         self._proc = proc
         self._emit_line("strata-desktop: starting " + " ".join(self._masked(self.command)))
         self._set_url(None)
+        self._set_health(None)
         self._set_state(EngineState.STARTING)
         self.started_at = time.time()
         if sys.platform == "win32" and hasattr(proc, "setCreateProcessArgumentsModifier"):
@@ -435,10 +439,23 @@ class EngineProcess(QObject):
         self._health_in_flight = True
         self.client.request("GET", "/health", self._on_health, timeout=2.0)
 
+    def _set_health(self, health: HealthBody | None) -> None:
+        if health != self.health:
+            self.health = health
+            self.health_changed.emit(health)
+
     def _on_health(self, reply: Reply) -> None:
         self._health_in_flight = False
         if self.state not in (EngineState.STARTING, EngineState.LOADING):
             return
+        if reply.reachable:
+            try:
+                self._set_health(parse(HealthBody, reply.data, "GET /health"))
+            except ContractError as exc:  # the state still follows the status code; only the phase is unknown
+                message = f"strata-desktop: the engine's /health answer is not understood: {exc}"
+                if not self.lines or self.lines[-1] != message:  # once, not at every poll
+                    self._emit_line(message)
+                self._set_health(None)
         if reply.ok:
             self._health_timer.stop()
             self._set_state(EngineState.READY)

@@ -34,6 +34,7 @@ from desktop.monitor.conversations import merge_tiers
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
+from desktop.startup_view import StartupView
 from desktop.tray import STATE_COLORS, Tray, tray_available
 from engine.contract import CacheConfigBody, ContractError, PurgeBody, parse, to_json
 
@@ -95,8 +96,10 @@ class MainWindow(QMainWindow):
         self.stop_button.clicked.connect(self.stop_engine)
         self.restart_button = QPushButton("Restart engine")
         self.restart_button.clicked.connect(self.restart_engine)
+        self.startup = StartupView()  # the loading phase and its bar while the engine starts
         top = QHBoxLayout()
         top.addWidget(self.state_label)
+        top.addWidget(self.startup)
         top.addWidget(self.url_label, 1)
         top.addWidget(self.start_button)
         top.addWidget(self.stop_button)
@@ -149,6 +152,7 @@ class MainWindow(QMainWindow):
         self.engine.line.connect(self.logs.append_line)
         self.engine.line.connect(self.log_files.write_line)
         self.engine.url_changed.connect(self._on_url)
+        self.engine.health_changed.connect(self.startup.set_health)
         self.engine.ended.connect(self._on_ended)
         self.engine.restart_scheduled.connect(
             lambda s: self.show_notice(f"The engine crashed; restarting it in {s:g} s.", kind="restart"))
@@ -229,6 +233,7 @@ class MainWindow(QMainWindow):
         self.stop_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
         self.restart_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
         self.monitor.set_engine_state(state)
+        self.startup.set_state(state)
         self.chat.set_engine(state, self.client.base_url, self.client.api_key)
         self.settings_tab.set_engine(state, self.engine.config if self.engine.running else None)
         self.poller.engine_pid = self.engine.pid

@@ -159,7 +159,7 @@ def serve(config: EngineConfig) -> int:
         from engine.runtime.engine import Engine
 
         try:
-            engine = Engine.from_config(config)
+            engine = Engine.from_config(config, state.progress)
         except CacheError as exc:
             print(f"strata serve: error: conversation cache: {exc}", file=sys.stderr, flush=True)
             outcome["exit"] = 2

@@ -122,6 +122,19 @@ def _value(tp: Any, value: Any, where: str) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthBody:
+    """GET /health: 503 with status "loading" while the engine starts, 200 with "ok" once it serves.
+
+    `phase` is the start-up phase (engine/startup_progress.py PHASES; "ready" once ok), `progress` the fraction of
+    that phase done where the engine can tell (0..1), `elapsed_s` the seconds the start-up has taken so far."""
+
+    status: str
+    phase: str
+    elapsed_s: float
+    progress: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CacheConfigBody:
     """GET /cache/config; PUT /cache/config answers the same with `changed` (the names whose value changed)."""
 

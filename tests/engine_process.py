@@ -10,6 +10,7 @@ in `engine.logs()`, and is printed when start-up fails so the failure explains i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -48,14 +49,18 @@ class EngineProcess:
 
     def get_status(self, path: str) -> int:
         """HTTP status of GET `path` (0 when nothing answers)."""
+        return self.get_json(path)[0]
+
+    def get_json(self, path: str) -> tuple[int, object]:
+        """(HTTP status, decoded JSON body or None) of GET `path`; (0, None) when nothing answers."""
         request = urllib.request.Request(self.base_url + path, headers=self.headers())
         try:
             with urllib.request.urlopen(request, timeout=5) as response:
-                return response.status
+                return response.status, _json(response.read())
         except urllib.error.HTTPError as exc:
-            return exc.code
+            return exc.code, _json(exc.read())
         except OSError:
-            return 0
+            return 0, None
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -73,12 +78,14 @@ class EngineProcess:
 
 
 def start_engine(*args: str, api_key: str | None = None, timeout: float = 120.0, env: dict[str, str] | None = None,
-                 log_dir: str | None = None, stdin_pipe: bool = False, cwd: str = REPO) -> EngineProcess:
+                 log_dir: str | None = None, stdin_pipe: bool = False, cwd: str = REPO,
+                 health_log: list[tuple[int, object]] | None = None) -> EngineProcess:
     """Start `python -m engine serve --port 0 ARGS...` and return once GET /health answers 200.
 
     `api_key` is passed as --api-key and used for the health check. With `stdin_pipe`, stdin is a pipe the test
     may close (the engine shuts down when it does). `cwd` is the engine's working folder (the repository is put
-    on PYTHONPATH, so it imports the same code from anywhere).
+    on PYTHONPATH, so it imports the same code from anywhere). `health_log` receives every answer of
+    GET /health (status, body) while it waits, polled often, to follow the start-up phases.
     """
     argv = [sys.executable, "-m", "engine", "serve", "--port", "0", *args]
     if api_key is not None:
@@ -101,13 +108,25 @@ def start_engine(*args: str, api_key: str | None = None, timeout: float = 120.0,
                 break
             _check_running(engine, deadline, "print its address")
             time.sleep(0.05)
-        while engine.get_status("/health") != 200:
+        while True:
+            answer = engine.get_json("/health")
+            if health_log is not None and answer[0]:
+                health_log.append(answer)
+            if answer[0] == 200:
+                break
             _check_running(engine, deadline, "report healthy")
-            time.sleep(0.1)
+            time.sleep(0.01 if health_log is not None else 0.1)
     except BaseException:
         engine.stop(timeout=10)
         raise
     return engine
+
+
+def _json(data: bytes) -> object:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
 
 
 def _check_running(engine: EngineProcess, deadline: float, what: str) -> None:

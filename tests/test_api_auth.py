@@ -52,4 +52,6 @@ def test_every_route_refuses_a_request_without_the_key(engine, method, path):
 def test_health_answers_without_the_key_and_says_nothing_else(engine):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.get(engine.base_url + "/health", headers=headers, timeout=10)
-        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        body = r.json()
+        assert (r.status_code, body["status"], body["phase"]) == (200, "ok", "ready")
+        assert set(body) == {"status", "phase", "progress", "elapsed_s"}, "only the start-up state, nothing else"

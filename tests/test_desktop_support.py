@@ -26,6 +26,7 @@ from engine.contract import (  # noqa: E402
     Dropped,
     Event,
     EventsBody,
+    HealthBody,
     MetricsBody,
     PurgeBody,
     to_json,
@@ -73,7 +74,8 @@ class _State:
         from engine.config import LIVE_SETTINGS, EngineConfig, setting_of
 
         self.args = args
-        self.ready_at = time.time() + float(args.get("--ready-after", "0"))
+        self.started = time.time()
+        self.ready_at = self.started + float(args.get("--ready-after", "0"))
         defaults = EngineConfig()
         # Every live setting, from its flag (or the default), parsed as the engine parses it.
         self.settings = {
@@ -94,6 +96,15 @@ class _State:
                   tier="ram"),
         ]
         self.lock = threading.Lock()
+
+    def health(self) -> tuple[int, dict]:
+        """Loading: the weights phase, its fraction growing until --ready-after; then ok."""
+        now, wait = time.time(), float(self.args.get("--ready-after", "0"))
+        elapsed = now - self.started
+        if now >= self.ready_at:
+            return 200, to_json(HealthBody(status="ok", phase="ready", elapsed_s=elapsed, progress=1.0))
+        return 503, to_json(HealthBody(status="loading", phase="loading weights", elapsed_s=elapsed,
+                                       progress=round(min(elapsed / wait, 1.0), 2)))
 
     def cache_config(self, changed: list[str] | None = None) -> dict:
         from engine.config import LIVE_SETTINGS
@@ -144,8 +155,7 @@ def _make_handler(state: _State, server_ref: list):
         def do_GET(self) -> None:
             url = urlparse(self.path)
             if url.path == "/health":
-                ok = time.time() >= state.ready_at
-                self._send(200 if ok else 503, {"status": "ok" if ok else "loading"})
+                self._send(*state.health())
             elif url.path == "/metrics":
                 self._send(200, state.metrics())
             elif url.path == "/cache/conversations":

@@ -388,3 +388,35 @@ def test_a_busy_port_names_its_owner_and_is_not_retried(qtbot, tmp_path):
     finally:
         w.shutdown_now()
         holder.close()
+
+
+def test_start_up_shows_the_engines_loading_phase_and_bar_then_hides_them(qtbot, window):
+    """The stand-in reports 'loading weights' with a growing fraction for 3 s, as the engine's /health does."""
+    window.engine.command_for = fake_engine_command("--ready-after", "3")
+    header = window.state_label.parentWidget()
+    window.start()
+    view = window.startup
+    qtbot.waitUntil(lambda: view.isVisible() and view.phase.text().startswith("loading weights ·"), timeout=10000)
+    qtbot.waitUntil(lambda: view.bar.maximum() > 0 and view.bar.value() > 0, timeout=10000)
+    assert "%" in view.phase.text() and window.engine.health.phase == "loading weights"
+    height = header.height()
+    ready(qtbot, window)
+    assert view.isHidden(), "no start-up progress once the engine is Ready"
+    assert header.height() == height, "the header keeps its height when the progress goes"
+
+
+def test_start_up_view_says_the_phase_in_words_and_busy_when_the_fraction_is_unknown(qtbot):
+    from desktop.startup_view import StartupView, describe
+    from engine.contract import HealthBody
+
+    view = StartupView()
+    qtbot.addWidget(view)
+    view.set_state(EngineState.LOADING)
+    view.set_health(HealthBody(status="loading", phase="reading model file", elapsed_s=2.4))
+    assert view.phase.text() == "reading model file · 2 s"
+    assert (view.bar.minimum(), view.bar.maximum()) == (0, 0), "a busy bar where the engine cannot tell"
+    view.set_health(HealthBody(status="loading", phase="loading weights", elapsed_s=3.0, progress=0.25))
+    assert view.phase.text() == "loading weights · 25% · 3 s" and view.bar.value() == view.bar.maximum() // 4
+    assert describe(None) == "starting…"
+    view.set_state(EngineState.READY)
+    assert view.isHidden()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 
 from engine.config import EngineConfig
+from engine.contract import HealthBody, parse
 from engine.server.app import ServerState, create_app
+from engine.startup_progress import PHASES
 
 
 def client(**config) -> tuple[TestClient, ServerState]:
@@ -24,7 +26,8 @@ def assert_openai_error(response, status: int) -> dict:
 def test_health_reports_loading_and_other_routes_answer_503_while_the_model_loads():
     c, _ = client()
     r = c.get("/health")
-    assert (r.status_code, r.json()) == (503, {"status": "loading"})
+    body = parse(HealthBody, r.json())
+    assert (r.status_code, body.status, body.phase) == (503, "loading", PHASES[0])
     for method, path in [("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
                          ("get", "/metrics"), ("get", "/slots"), ("get", "/cache/conversations")]:
         err = assert_openai_error(getattr(c, method)(path), 503)
@@ -39,7 +42,7 @@ def test_unknown_route_and_wrong_method_are_openai_errors():
 
 def test_api_key_guards_every_route_but_health():
     c, _ = client(api_key="s3cret")
-    assert (c.get("/health").status_code, c.get("/health").json()) == (503, {"status": "loading"})
+    assert (c.get("/health").status_code, c.get("/health").json()["status"]) == (503, "loading")
     assert_openai_error(c.post("/health"), 401)  # only reading the health is open
     for path in ("/v1/models", "/metrics", "/nothing", "/health/x"):
         err = assert_openai_error(c.get(path), 401)

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from engine import startup_progress
 from engine.cache.atomic import is_temp_name, publish, write_temp
 from engine.cache.errors import CacheDirLockedError
 from engine.cache.fileformat import FileFormatError, file_chunks, read_header, read_tensor
@@ -142,7 +143,8 @@ class DiskTier:
         now = time.time()
         blocks: dict[str, tuple[int, float]] = {}
         convs: list[tuple[str, str]] = []
-        for name in names:
+        for done, name in enumerate(names):
+            startup_progress.report(done, len(names))  # GET /health shows the fraction while the engine starts
             path = os.path.join(self.folder, name)
             if is_temp_name(name) and OURS_RE.match(name[1 : name.rindex(".tmp-")]):
                 if os.path.isfile(path) and _unlink(path):

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import torch
 
+from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model import int4, moe_loading
 from engine.model.config import ModelConfig
@@ -101,6 +102,7 @@ def _build(
     hidden, inter = c.hidden_size, c.intermediate_size
     embed = need("embed", (c.vocab_size, hidden), first_device)
     layers: list[DecoderLayer] = []
+    n_layers = sum(b - a for _, a, b in stages)
     for device, a, b in stages:
         device = torch.device(device)
         for i in range(a, b):
@@ -145,6 +147,7 @@ def _build(
             # The layer's temporaries were freed among the kept weights; without this the heap keeps their
             # pages (~100 MB for SmolLM2 in int4, half its weights).
             _release_freed_memory()
+            startup_progress.report(len(layers), n_layers)  # GET /health shows the fraction while loading
     norm = need("norm", (hidden,), last_device)
     # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point);
     # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.

@@ -32,6 +32,7 @@ from engine.runtime.scheduler import Scheduler
 from engine.runtime.startup import _check_int4, _weights_format
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
+from engine.startup_progress import StartupProgress
 
 if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
@@ -44,7 +45,10 @@ T = TypeVar("T")
 class Engine(Scheduler):
     """Serves generation requests on a loaded model; see the module docstring for the threading rule."""
 
-    def __init__(self, config: EngineConfig, loaded: Any, stages: list[tuple[torch.device, int, int]]) -> None:
+    def __init__(self, config: EngineConfig, loaded: Any, stages: list[tuple[torch.device, int, int]],
+                 progress: StartupProgress | None = None) -> None:
+        progress = progress or StartupProgress()
+        progress.begin("allocating K/V")
         self.config = config
         self.loaded = loaded
         self.model = loaded.model
@@ -60,7 +64,9 @@ class Engine(Scheduler):
         self.started_at = time.time()
         self.state = "ok"
         self.cache_identity: CacheIdentity | None = None
+        progress.begin("building cache index")
         self.cache: CacheAPI | None = self._make_cache(config)
+        progress.begin("warming up")
         self._warm_up()
 
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -75,14 +81,17 @@ class Engine(Scheduler):
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
-        """Plan devices, load the model and build the engine (raises ModelLoadError / ValueError)."""
+    def from_config(cls, config: EngineConfig, progress: StartupProgress | None = None) -> Engine:
+        """Plan devices, load the model and build the engine (raises ModelLoadError / ValueError).
+
+        `progress` follows the start-up phases (GET /health shows them; the log line sums them up)."""
+        progress = progress or StartupProgress()
         from engine.model.loader import load_model, read_model_config, resolve_dtype
         from engine.model.planning import layer_bytes, plan_stages
 
         if config.threads:
             torch.set_num_threads(config.threads)
-        t0 = time.perf_counter()
+        progress.begin("reading model file")
         shape = read_model_config(config.model)  # header only; the open GGUF is reused by load_model
         ctx = min(config.ctx_size, shape.max_position_embeddings or config.ctx_size)
         first = plan_stages(shape.n_layers, config.devices, config.layer_split)
@@ -93,13 +102,14 @@ class Engine(Scheduler):
         weights_format = _weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
             _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
-        t1 = time.perf_counter()
-        loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4")
-        loaded.weights_format = weights_format
-        t2 = time.perf_counter()
-        engine = cls(config, loaded, stages)
-        log.info("start-up phases: header %.2f s, weights (int4 packing included) %.2f s, K/V + cache + warm-up %.2f s",
-                 t1 - t0, t2 - t1, time.perf_counter() - t2)
+        progress.begin("loading weights")  # int4 packing included: the 4-bit weights are built as they are read
+        # The model builder reports each layer built, the disk tier each file indexed (startup_progress.report).
+        with progress.reporting():
+            loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4")
+            loaded.weights_format = weights_format
+            engine = cls(config, loaded, stages, progress)
+        progress.finish()
+        log.info("start-up phases: %s", progress.summary())
         return engine
 
     # ------------------------------------------------------------------ public API (any thread)

@@ -48,9 +48,10 @@ class PurgeRequest(StrictBody):
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    if server_state(request).engine is None:
-        return JSONResponse({"status": "loading"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    """503 "loading" with the start-up phase while the model loads, 200 "ok" once the engine serves."""
+    state = server_state(request)
+    ready = state.engine is not None
+    return JSONResponse(to_json(state.progress.health(ready)), status_code=200 if ready else 503)
 
 
 def _wants_prometheus(request: Request) -> bool:

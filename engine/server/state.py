@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from engine.config import EngineConfig
 from engine.errors import ApiError
+from engine.startup_progress import StartupProgress
 
 if TYPE_CHECKING:
     from engine.runtime.engine import Engine
@@ -18,12 +19,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class ServerState:
-    """`engine` is None while the model loads: /health answers 503 "loading" and every other route 503."""
+    """`engine` is None while the model loads: /health answers 503 "loading" with the start-up phase from
+    `progress`, and every other route 503."""
 
     config: EngineConfig
     engine: Engine | None = None
     shutdown: Callable[[], None] | None = None  # set by the CLI; POST /shutdown calls it
     started: int = field(default_factory=lambda: int(time.time()))
+    progress: StartupProgress = field(default_factory=StartupProgress)  # the loader moves it on
 
 
 def server_state(request: Request) -> ServerState:

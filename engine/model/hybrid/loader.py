@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 import xxhash
 
+from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
@@ -105,6 +106,7 @@ def build_hybrid(
                 kind, mixer, mixer_norm=to(norm(p + "mixer_norm", d)), mlp_norm=to(norm(p + "mlp_norm", d)),
                 w_gate_up=to(gate_up), w_down=to(need(p + "down", (d, inter))),
             ))
+            startup_progress.report(len(layers), c.n_layers)  # GET /health shows the fraction while loading
     final_norm = norm("norm", d).to(device=last_device, dtype=dtype)
     lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
     if lm_head_cpu is None:
