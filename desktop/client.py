@@ -195,7 +195,8 @@ def sample_memory(pid: int | None) -> MemorySample:
 
 
 class Poller(QObject):
-    """Fetches what the Monitor shows on a timer. Detail fetches (conversations, events) only when asked for."""
+    """Fetches what the Monitor shows on a timer. The event log only when asked for (`detail`); the parked
+    conversations always, as the tray's count and a crash report (what was lost, what was kept) need them."""
 
     metrics = Signal(object)  # dict from /metrics
     conversations = Signal(object)  # list of dicts from /cache/conversations
@@ -235,8 +236,8 @@ class Poller(QObject):
         if self.client.base_url is None:
             return
         self._fetch("metrics", "/metrics", self._on_metrics)
+        self._fetch("conversations", "/cache/conversations", self._on_conversations)
         if self.detail:
-            self._fetch("conversations", "/cache/conversations", self._on_conversations)
             self._fetch("events", f"/cache/events?limit={self.EVENTS_LIMIT}", self._on_events)
 
     def _once(self, key: str, work: Callable[[], Any], done: Callback) -> None:

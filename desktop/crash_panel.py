@@ -41,6 +41,12 @@ class CrashPanel(QWidget):
         font = self.text.font()
         font.setBold(True)
         self.text.setFont(font)
+        self.cache_text = QLabel()  # what the crash cost the conversation cache (lost in RAM, kept on disk)
+        self.cache_text.setObjectName("crashCache")
+        self.cache_text.setWordWrap(True)
+        self.cache_text.setTextFormat(Qt.TextFormat.PlainText)
+        self.cache_text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.cache_text.hide()
         self.log = QPlainTextEdit()
         self.log.setObjectName("crashLog")
         self.log.setReadOnly(True)
@@ -56,6 +62,7 @@ class CrashPanel(QWidget):
         self.logs_button = QPushButton("Show logs")
         report = QVBoxLayout()
         report.addWidget(self.text)
+        report.addWidget(self.cache_text)
         report.addWidget(self.log)
         buttons = QVBoxLayout()
         buttons.addWidget(self.settings_button)
@@ -67,8 +74,9 @@ class CrashPanel(QWidget):
         layout.addLayout(buttons)
         self.hide()
 
-    def show_outcome(self, outcome: ProcessOutcome, lines: Sequence[str]) -> str:
-        """Show why the engine ended and the lines before; returns the sentence shown."""
+    def show_outcome(self, outcome: ProcessOutcome, lines: Sequence[str], cache: str = "") -> str:
+        """Show why the engine ended, what the conversation cache lost and kept (`cache`, "" when unknown or
+        beside the point) and the lines before; returns the sentence shown."""
         reason = outcome.config_error
         if reason:
             busy = busy_port(reason)
@@ -76,6 +84,8 @@ class CrashPanel(QWidget):
         else:
             text = f"The engine {outcome.describe()}."
         self.text.setText(text)
+        self.cache_text.setText(cache)
+        self.cache_text.setVisible(bool(cache))
         # A refused setting fails the same way again: the way out is Settings, and a retry is only a retry.
         self.settings_button.setVisible(bool(reason))
         self.restart_button.setText("Try again" if reason else "Restart")

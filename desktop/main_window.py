@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
@@ -24,6 +25,7 @@ from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summ
 from desktop.chat_tab import ChatTab
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.crash_panel import CrashPanel
+from desktop.crash_report import cache_loss
 from desktop.desktop_entry import resource_path
 from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, port_owner, setting_for_error
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
@@ -76,7 +78,9 @@ class MainWindow(QMainWindow):
         self.engine.auto_restart = self.store.prefs.auto_restart
         self.poller = Poller(self.client, BACKGROUND_INTERVAL_MS, self)
         self.metrics: dict[str, Any] | None = None
-        self.conversations: list[dict[str, Any]] | None = None
+        self.conversations: list[dict[str, Any]] | None = None  # merged: one row per conversation
+        self.conversation_rows: list[dict[str, Any]] | None = None  # as the engine lists them, one per tier
+        self.conversations_at = 0.0  # time.monotonic() of that snapshot
         self.last_purge: dict[str, Any] | None = None
         self.purge_box: QMessageBox | None = None
         self.apply_box: QMessageBox | None = None  # the eviction warning before a live change
@@ -247,18 +251,22 @@ class MainWindow(QMainWindow):
             self.url_label.setText("")
         if state is EngineState.STARTING:
             self.monitor.engine_restarted()
+            self.conversations = self.conversation_rows = None  # the earlier run's, not this one's
 
     def _on_ended(self, outcome: ProcessOutcome) -> None:
         if outcome.clean or self._quitting:
             return
         # The last line is the supervisor's own "the engine ..." summary: the panel says it in words above.
-        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1])
+        rows = self.conversation_rows
+        lost = "" if outcome.config_error or rows is None else cache_loss(
+            rows, time.monotonic() - self.conversations_at).describe()
+        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1], lost)
         busy = busy_port(outcome.config_error)
         if busy:
             self.dispatcher.submit(lambda: port_owner(busy.port), lambda owner: self._got_port_owner(busy, owner))
         self.monitor.set_engine_state(self.engine.state, text if outcome.config_error else "")
         if not self.isVisible():
-            self.tray.notify("Strata engine stopped", text)
+            self.tray.notify("Strata engine stopped", f"{text} {lost}".strip())
 
     def _got_port_owner(self, busy: BusyPort, owner: Any) -> None:
         """The program holding the port, found off the GUI thread: name it in the panel (unless a newer run ended)."""
@@ -303,6 +311,7 @@ class MainWindow(QMainWindow):
 
     def _on_conversations(self, rows: list[dict[str, Any]]) -> None:
         self.conversations = merge_tiers(rows)  # one row per conversation, whichever tiers hold it
+        self.conversation_rows, self.conversations_at = rows, time.monotonic()
         self.monitor.set_conversations(rows)
         self._update_tray()
 
