@@ -19,7 +19,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from desktop import eviction
 from desktop.autostart import Autostart
 from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summary
 from desktop.chat_tab import ChatTab
@@ -29,16 +28,16 @@ from desktop.crash_report import cache_loss
 from desktop.desktop_entry import resource_path
 from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, port_owner, setting_for_error
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
+from desktop.live_apply import LiveApply
 from desktop.log_files import APP_PREFIX, LogFiles
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
 from desktop.monitor.conversations import merge_tiers
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab
-from desktop.settings_words import label_of
 from desktop.startup_view import StartupView
 from desktop.tray import STATE_COLORS, Tray, tray_available
-from engine.contract import CacheConfigBody, ContractError, PurgeBody, parse, to_json
+from engine.contract import ContractError, PurgeBody, parse, to_json
 
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
@@ -83,7 +82,6 @@ class MainWindow(QMainWindow):
         self.conversations_at = 0.0  # time.monotonic() of that snapshot
         self.last_purge: dict[str, Any] | None = None
         self.purge_box: QMessageBox | None = None
-        self.apply_box: QMessageBox | None = None  # the eviction warning before a live change
         self._quitting = False
         self._started = False
         self._painted = False
@@ -168,7 +166,10 @@ class MainWindow(QMainWindow):
         self.poller.unreachable.connect(self.monitor.set_unreachable)
         self.monitor.purge_requested.connect(self.request_purge)
         self.monitor.visibility_changed.connect(self._monitor_visible)
-        self.settings_tab.apply_requested.connect(self.apply_live)
+        self.live = LiveApply(self, self.client, self.engine, self.settings_tab,
+                              lambda: (self.conversations or [], self.metrics), self.poller.poll,
+                              self.statusBar().showMessage)
+        self.settings_tab.apply_requested.connect(self.live.apply)
         self.settings_tab.restart_requested.connect(self.restart_engine)
         self.settings_tab.prefs_changed.connect(self._prefs_changed)
         self.autosaver.failed.connect(self.show_notice)
@@ -246,7 +247,7 @@ class MainWindow(QMainWindow):
             self.crash_panel.hide()
             self.clear_notice("restart")
             self.poller.poll()
-            self.fetch_cache_config()
+            self.live.fetch_cache_config()
         if state in (EngineState.STARTING, EngineState.STOPPED):
             self.url_label.setText("")
         if state is EngineState.STARTING:
@@ -286,18 +287,6 @@ class MainWindow(QMainWindow):
     def _open_failed_setting(self) -> None:
         self.open_setting(setting_for_error(self.engine.outcome.config_error if self.engine.outcome else ""))
 
-    def fetch_cache_config(self) -> None:
-        def done(reply: Reply) -> None:
-            if not reply.ok:
-                return
-            try:
-                body = parse(CacheConfigBody, reply.data, "GET /cache/config")
-            except ContractError as exc:
-                self.statusBar().showMessage(f"The engine's cache settings are not understood: {exc}", 15000)
-                return
-            self.settings_tab.set_effective_dir(body.effective_dir)
-        self.client.request("GET", "/cache/config", done)
-
     # ------------------------------------------------------------------ polling results
 
     def _on_memory(self, sample: MemorySample) -> None:
@@ -327,50 +316,6 @@ class MainWindow(QMainWindow):
         self.tray.update_status(self.engine.state, self.metrics if ready else None, parked)
 
     # ------------------------------------------------------------------ settings
-
-    def apply_live(self, changes: dict[str, Any]) -> None:
-        """Send live-changeable settings to the running engine; first ask if a smaller budget would evict."""
-        running = self.engine.config
-        cache = (self.metrics or {}).get("conversation_cache") or {}
-        storage = str(cache.get("storage") or (running.conversation_cache_storage if running else "ram"))
-        current = {k: getattr(running, k) for k in changes if running is not None and hasattr(running, k)}
-        evictions = eviction.estimate(self.conversations or [], storage, current, changes)
-        if not evictions:
-            self._send_live(changes)
-            return
-        self.apply_box = ask(self, "Apply a smaller budget", eviction.describe(evictions), "Apply",
-                             lambda result: self._evicting_apply_answered(changes, result))
-
-    def _evicting_apply_answered(self, changes: dict[str, Any], result: int) -> None:
-        self.apply_box = None
-        if result == QMessageBox.StandardButton.Yes:
-            self._send_live(changes)
-        else:
-            self.settings_tab.show_result("Not applied: the running engine keeps its budgets.", True)
-
-    def _send_live(self, changes: dict[str, Any]) -> None:
-        sent = dict(changes)
-
-        def done(reply: Reply) -> None:
-            if not reply.ok:
-                self.settings_tab.show_result(f"The engine refused the change: {reply.error}", False)
-                return
-            try:
-                body = parse(CacheConfigBody, reply.data, "PUT /cache/config")
-            except ContractError as exc:
-                self.settings_tab.show_result(f"The engine's answer is not understood: {exc}", False)
-                return
-            # What the engine now runs with, from its answer (not what was sent: it may have normalised it).
-            now = {k: body.settings[k] for k in sent if k in body.settings}
-            if self.engine.config is not None:
-                self.engine.config = self.engine.config.replace(**body.settings)
-                self.settings_tab.set_engine(self.engine.state, self.engine.config)
-            self.settings_tab.set_effective_dir(body.effective_dir)
-            names = ", ".join(f"{label_of(k)} = {v}" for k, v in now.items())
-            self.settings_tab.show_result(f"Applied to the running engine: {names}.", True)
-            self.poller.poll()
-
-        self.client.request("PUT", "/cache/config", done, json=sent, timeout=30.0)
 
     def _prefs_changed(self) -> None:
         self.engine.auto_restart = self.store.prefs.auto_restart

@@ -1,8 +1,10 @@
 """The Settings tab: every engine setting from `engine.config`'s table, validated as you type, saved automatically.
 
 Each row shows where its value comes from (default, settings file, environment) and whether it applies to a
-running engine live or after a restart. Apply sends the live ones through `PUT /cache/config`; a restart is
-offered for the rest, never forced.
+running engine live or after a restart. A live setting is applied to the running engine by itself once its edit
+settles and the value is valid (`apply_requested`, sent with `PUT /cache/config`; a folder only on Enter,
+leaving the field or a pick, never on a pause in typing); Apply sends again what was declined or refused, Revert
+goes back to what the engine runs. A restart is offered for the rest, never forced.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class SettingsTab(QWidget):
         self._settling: set[str] = set()
         self._settle_timer = QTimer(self, singleShot=True, interval=SETTLE_MS)
         self._settle_timer.timeout.connect(self._settled)
+        # One live apply at a time: `_applying` until show_result, `_apply_again` when an edit settled meanwhile.
+        self._applying = False
+        self._apply_again = False
 
         actions = RowActions(edited=self._edited, commit=self._commit, reset=self.reset,
                              pick_model=lambda file: self._pick_model(file=file), pick_folder=self._pick_folder)
@@ -139,8 +144,13 @@ class SettingsTab(QWidget):
         self.copy_button.clicked.connect(self.copy_command)
         self.pending = QLabel()
         self.pending.setWordWrap(True)
-        self.apply_button = QPushButton("Apply to running engine")
+        self.apply_button = QPushButton("Apply")
+        self.apply_button.setToolTip("Send the live settings to the running engine again (after a refusal or a "
+                                     "declined eviction); a settled edit is applied without it")
         self.apply_button.clicked.connect(self.apply)
+        self.revert_button = QPushButton("Revert")
+        self.revert_button.setToolTip("Go back to the values the running engine uses")
+        self.revert_button.clicked.connect(self.revert)
         self.restart_button = QPushButton("Restart engine")
         self.restart_button.clicked.connect(self.restart_requested)
         self.result = QLabel()
@@ -157,6 +167,7 @@ class SettingsTab(QWidget):
         act_row = QHBoxLayout()
         act_row.addWidget(self.pending, 1)
         act_row.addWidget(self.apply_button)
+        act_row.addWidget(self.revert_button)
         act_row.addWidget(self.restart_button)
         bl.addLayout(act_row)
         bl.addWidget(self.result)
@@ -221,15 +232,17 @@ class SettingsTab(QWidget):
     def _settled(self) -> None:
         names, self._settling = self._settling, set()
         for name in sorted(names):
-            self._commit(name)
+            self._commit(name, paused=True)
 
     def settle_now(self) -> None:
         """Commit what is being typed now (at quit): valid values are kept, others dropped."""
         self._settle_timer.stop()
         self._settled()
 
-    def _commit(self, name: str) -> None:
-        """Editing settled (Enter, focus left, a pause, a choice, a picked folder): store and save a valid value.
+    def _commit(self, name: str, paused: bool = False) -> None:
+        """Editing settled (Enter, focus left, a pause, a choice, a picked folder): store and save a valid value,
+        and apply it to the running engine when it is live (a folder not on a pause: a half-typed path would
+        move the cache to it).
 
         A value that does not parse is never stored; the store keeps the last valid one.
         """
@@ -246,6 +259,8 @@ class SettingsTab(QWidget):
         if name in FOLDER_SETTINGS or name == "model":
             self._folder_timer.start()
         self.refresh()
+        if not row.error and row.spec.live and not (paused and name in FOLDER_SETTINGS):
+            self.apply_live_changes()
         self.committed.emit(name)
 
     def set_text(self, name: str, text: str) -> None:
@@ -294,7 +309,8 @@ class SettingsTab(QWidget):
             self.login_box.setEnabled(True)
             if isinstance(result, BaseException):
                 self._got_login_state(not on)
-                self.show_result(f"Could not change start at login: {result}", False)
+                self.result.setText(f"Could not change start at login: {result}")
+                self.result.setStyleSheet("color: #c62828;")
 
         self._submit(lambda: autostart.set_enabled(on), done)
 
@@ -430,10 +446,16 @@ class SettingsTab(QWidget):
     # ------------------------------------------------------------------ engine side
 
     def set_engine(self, state: EngineState, running: EngineConfig | None) -> None:
-        """The engine's state and the config it runs with (None when not running)."""
+        """The engine's state and the config it runs with (None when not running); once it is Ready, what was
+        edited while it started is applied."""
+        became_ready = state is EngineState.READY and self.engine_state is not EngineState.READY
         self.engine_state = state
         self.running = running
+        if state is not EngineState.READY:
+            self._applying = self._apply_again = False  # no answer will come from an engine that is gone
         self.refresh()
+        if became_ready:
+            self.apply_live_changes()
 
     def set_effective_dir(self, path: str | None) -> None:
         self.effective_dir = path
@@ -474,7 +496,9 @@ class SettingsTab(QWidget):
         errors = [r for r in self.rows.values() if r.error]
         live, restart = self.differences()
         ready = self.engine_state is EngineState.READY
-        self.apply_button.setEnabled(ready and bool(live) and not errors)
+        self.apply_button.setVisible(bool(live))
+        self.apply_button.setEnabled(ready and bool(live) and not errors and not self._applying)
+        self.revert_button.setVisible(bool(live or restart))
         self.restart_button.setVisible(bool(restart) and self.running is not None)
         if errors:
             text = f"{len(errors)} value(s) not accepted: fix them to save and apply."
@@ -485,22 +509,61 @@ class SettingsTab(QWidget):
         else:
             bits = []
             if live:
-                bits.append("can apply live: " + ", ".join(label_of(n) for n in live))
+                verb = "applying live" if self._applying else "not applied yet"
+                bits.append(f"{verb}: " + ", ".join(label_of(n) for n in live))
             if restart:
                 bits.append("need a restart: " + ", ".join(label_of(n) for n in restart))
             text = "Changed — " + "; ".join(bits) + "."
         self.pending.setText(text)
 
+    def apply_live_changes(self) -> None:
+        """Send the live settings that differ from the running engine's, unless an apply is still in flight
+        (then once it answers) or a value is refused or the engine is not Ready."""
+        if self._applying:
+            self._apply_again = True
+            return
+        if self.engine_state is EngineState.READY and not any(r.error for r in self.rows.values()):
+            self.apply()
+
     def apply(self) -> None:
         live, _ = self.differences()
-        if live:
-            self.result.setText("Applying…")
+        if live and not self._applying:
+            self._applying = True
+            self.result.setText("Applying to the running engine…")
+            self.result.setStyleSheet("")
+            self.refresh()
             self.apply_requested.emit(live)
 
+    def revert(self) -> None:
+        """Every setting back to what the running engine uses (the file follows)."""
+        if self.running is None:
+            return
+        live, restart = self.differences()
+        kept: list[str] = []
+        for name in [*live, *restart]:
+            try:
+                self.store.set(name, getattr(self.running, name))
+            except SettingError:  # set by the environment since: its caption says so
+                kept.append(label_of(name))
+                continue
+            row = self.rows.get(name)
+            if row is not None:
+                row.error = ""
+                row.set_value(self.store.value(name))
+                self._show_caption(row)
+        self.autosaver.schedule()
+        self.result.setText("Reverted to what the running engine uses." + (
+            f" Set by the environment, not reverted: {', '.join(kept)}." if kept else ""))
+        self.refresh()
+
     def show_result(self, text: str, ok: bool) -> None:
+        """The outcome of an apply (the engine's answer, a refusal, a declined eviction)."""
+        again, self._applying, self._apply_again = self._apply_again, False, False
         self.result.setText(text)
         self.result.setStyleSheet("" if ok else "color: #c62828;")
         self.refresh()
+        if again:
+            self.apply_live_changes()  # an edit settled while the engine answered
 
     def copy_command(self) -> None:
         QGuiApplication.clipboard().setText(command_line(self.store.engine_config()))

@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from PySide6.QtCore import QEventLoop
+from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from desktop.engine_process import EngineState, read_pid_file
@@ -121,16 +123,45 @@ def test_storage_mode_change_in_settings_reaches_the_engine(qtbot, app_window):
     tab = w.settings_tab
     w.tabs.setCurrentWidget(tab)
     pid = w.engine.pid
-    tab.set_text("conversation_cache_storage", "tiered")
-    assert "can apply live: Storage mode" in tab.pending.text()
-    tab.apply_button.click()
-    qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=30000)
+    tab.set_text("conversation_cache_storage", "tiered")  # a choice is whole: applied with no Apply click
+    qtbot.waitUntil(lambda: "Applied to the running engine: Storage mode = tiered" in tab.result.text(),
+                    timeout=30000)
     w.tabs.setCurrentWidget(w.monitor)
     qtbot.waitUntil(lambda: cache(w).get("storage") == "tiered", timeout=10000)
     assert w.monitor.counters.labels["storage"].text().startswith("tiered")
     assert w.engine.pid == pid, "applied live, no restart"
     qtbot.waitUntil(lambda: w.paths.settings_file.exists(), timeout=5000)  # autosaved, debounced
     assert json.loads(w.paths.settings_file.read_text())["engine"]["conversation_cache_storage"] == "tiered"
+
+
+def test_a_typed_live_budget_applies_once_it_settles_and_a_restart_setting_offers_restart(qtbot, app_window):
+    w = app_window
+    tab = w.settings_tab
+    w.tabs.setCurrentWidget(tab)
+    pid = w.engine.pid
+    editor = tab.rows["conversation_cache_slots"].editor
+    editor.setFocus()
+    editor.selectAll()
+    QTest.keyClicks(editor, "48")  # typed, then a pause: settled, valid, live -> sent without a click
+    assert w.engine.config.conversation_cache_slots != 48, "nothing is sent while typing"
+    qtbot.waitUntil(lambda: "Applied to the running engine: Most conversations = 48" in tab.result.text(),
+                    timeout=30000)
+    http = httpx.get(w.engine.url + "/cache/config", timeout=10).json()
+    assert http["settings"]["conversation_cache_slots"] == 48, "the running engine took it"
+    assert tab.pending.text() == "The running engine uses these settings." and tab.apply_button.isHidden()
+    editor.selectAll()
+    QTest.keyClicks(editor, "4x")  # refused: never stored, never sent
+    qtbot.waitUntil(lambda: bool(tab.rows["conversation_cache_slots"].error), timeout=5000)
+    qtbot.wait(1500)  # past the settle pause
+    assert httpx.get(w.engine.url + "/cache/config", timeout=10).json()["settings"]["conversation_cache_slots"] == 48
+    tab.set_text("conversation_cache_slots", "48")
+    tab.set_text("ctx_size", "4096")  # not live: said, and Restart offered, never done by itself
+    assert "need a restart: Context length" in tab.pending.text() and not tab.restart_button.isHidden()
+    qtbot.wait(1500)
+    assert w.engine.pid == pid and w.engine.state is EngineState.READY
+    tab.revert_button.click()  # back to what the engine runs
+    assert tab.pending.text() == "The running engine uses these settings." and tab.restart_button.isHidden()
+    assert tab.rows["ctx_size"].text() == str(w.engine.config.ctx_size)
 
 
 SOAK_POLLS = 300  # /metrics answers drawn: a minute at the 200 ms refresh on a quiet machine, longer on a busy one

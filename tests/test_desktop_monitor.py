@@ -181,24 +181,22 @@ def test_a_smaller_budget_says_what_it_evicts_and_asks_first(qtbot, window):
     qtbot.waitUntil(lambda: window.conversations is not None and len(window.conversations) == 2, timeout=5000)
     qtbot.waitUntil(lambda: window.metrics is not None, timeout=5000)
     tab = window.settings_tab
-    tab.set_text("conversation_cache_mib", "2")  # conv-a (2.9 MiB, in RAM) no longer fits
-    assert tab.apply_button.isEnabled()
-    tab.apply_button.click()
-    box = window.apply_box
+    tab.set_text("conversation_cache_mib", "2")  # conv-a (2.9 MiB, in RAM) no longer fits: asked, not sent
+    box = window.live.box
     assert box is not None, "asked before applying"
     assert "drops 1 of 1 parked conversation (2.9 MiB) from RAM, to fit the RAM budget of 2 MiB" in box.text()
     assert "estimate" in box.text()
     box.button(QMessageBox.StandardButton.Cancel).click()
     qtbot.waitUntil(lambda: "Not applied" in tab.result.text(), timeout=3000)
     assert window.engine.config.conversation_cache_mib == 4096, "nothing was sent"
+    assert "not applied yet: RAM budget" in tab.pending.text(), "the file and the engine differ, and it says so"
     tab.apply_button.click()
-    window.apply_box.button(QMessageBox.StandardButton.Yes).click()
+    window.live.box.button(QMessageBox.StandardButton.Yes).click()
     qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=5000)
     assert window.engine.config.conversation_cache_mib == 2
 
     tab.set_text("conversation_cache_mib", "8 GiB")  # growing evicts nothing: applied without a question
-    tab.apply_button.click()
-    assert window.apply_box is None
+    assert window.live.box is None
     qtbot.waitUntil(lambda: window.engine.config.conversation_cache_mib == 8192, timeout=5000)
 
 

@@ -80,16 +80,14 @@ def test_live_setting_applies_and_restart_setting_is_offered_not_forced(qtbot, w
     ready(qtbot, window)
     tab = window.settings_tab
     assert tab.pending.text() == "The running engine uses these settings."
-    tab.set_text("conversation_cache_storage", "disk")
-    tab.set_text("ctx_size", "4096")
-    assert "can apply live: Storage mode" in tab.pending.text()
-    assert "need a restart: Context length" in tab.pending.text()
-    assert tab.apply_button.isEnabled() and not tab.restart_button.isHidden()
-    tab.apply_button.click()
-    qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=5000)
+    tab.set_text("conversation_cache_storage", "disk")  # a choice is whole: applied at once, no Apply click
+    assert "applying live: Storage mode" in tab.pending.text()
+    qtbot.waitUntil(lambda: "Applied to the running engine: Storage mode = disk" in tab.result.text(), timeout=5000)
     qtbot.waitUntil(lambda: window.monitor.counters.labels["storage"].text().startswith("disk"), timeout=5000)
     assert window.engine.state is EngineState.READY, "a live change does not restart"
-    assert "need a restart: Context length" in tab.pending.text() and not tab.apply_button.isEnabled()
+    tab.set_text("ctx_size", "4096")
+    assert "need a restart: Context length" in tab.pending.text() and not tab.restart_button.isHidden()
+    assert tab.apply_button.isHidden(), "nothing live is left to apply"
     pid = window.engine.pid
     tab.restart_button.click()
     qtbot.waitUntil(lambda: window.engine.state is EngineState.READY and window.engine.pid != pid, timeout=15000)
@@ -100,7 +98,7 @@ def test_live_setting_applies_and_restart_setting_is_offered_not_forced(qtbot, w
 def test_engine_refusal_is_shown(qtbot, window):
     window.start()
     ready(qtbot, window)
-    window.apply_live({"threads": 3})  # not a live setting: the engine says no
+    window.live.apply({"threads": 3})  # not a live setting: the engine says no
     qtbot.waitUntil(lambda: "refused" in window.settings_tab.result.text(), timeout=5000)
     assert "not a live setting: threads" in window.settings_tab.result.text()
 
@@ -109,7 +107,7 @@ def test_after_a_live_change_the_window_shows_the_engines_answer(qtbot, window):
     window.engine.command_for = fake_engine_command("--most-slots", "40")
     window.start()
     ready(qtbot, window)
-    window.apply_live({"conversation_cache_slots": 50})
+    window.live.apply({"conversation_cache_slots": 50})
     qtbot.waitUntil(lambda: "Applied" in window.settings_tab.result.text(), timeout=5000)
     assert "Most conversations = 40" in window.settings_tab.result.text(), "the engine's value, not the one sent"
     assert window.engine.config.conversation_cache_slots == 40
@@ -119,7 +117,7 @@ def test_an_answer_of_an_unknown_shape_is_an_error_not_a_success(qtbot, window):
     window.engine.command_for = fake_engine_command("--old-dialect")
     window.start()
     ready(qtbot, window)
-    window.apply_live({"conversation_cache_slots": 50})
+    window.live.apply({"conversation_cache_slots": 50})
     qtbot.waitUntil(lambda: "not understood" in window.settings_tab.result.text(), timeout=5000)
     text = window.settings_tab.result.text()
     assert "PUT /cache/config: missing field 'live'" in text and "Applied" not in text
@@ -420,3 +418,24 @@ def test_start_up_view_says_the_phase_in_words_and_busy_when_the_fraction_is_unk
     assert describe(None) == "starting…"
     view.set_state(EngineState.READY)
     assert view.isHidden()
+
+
+def test_a_folder_is_applied_on_enter_never_on_a_pause_in_typing(qtbot, window, tmp_path):
+    from PySide6.QtCore import Qt
+    from PySide6.QtTest import QTest
+
+    from desktop.settings_tab import SETTLE_MS
+
+    window.start()
+    ready(qtbot, window)
+    tab = window.settings_tab
+    editor = tab.rows["conversation_cache_dir"].editor
+    folder = str(tmp_path / "parked-here")
+    QTest.keyClicks(editor, folder)
+    qtbot.waitUntil(lambda: window.store.value("conversation_cache_dir") == folder, timeout=SETTLE_MS * 3)
+    qtbot.wait(300)
+    assert window.engine.config.conversation_cache_dir != folder, "a pause in a path is not the end of it"
+    assert "not applied yet: " in tab.pending.text()
+    QTest.keyClick(editor, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.engine.config.conversation_cache_dir == folder, timeout=5000)
+    assert tab.result.text().startswith("Applied to the running engine: ")

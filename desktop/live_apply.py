@@ -1,0 +1,97 @@
+"""Live settings reach the running engine: `PUT /cache/config` with the changed live settings, the eviction
+question first when a smaller budget would drop parked conversations, and the engine's answer shown.
+
+The Settings tab asks for an apply by itself once a live setting's edit settles and is valid (no Apply click);
+this object sends it, says what the engine now runs with (its answer, not what was sent: it may normalise a
+value) and hands the outcome back to the tab (`SettingsTab.show_result`), which may then send what was edited
+meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QObject
+from PySide6.QtWidgets import QMessageBox, QWidget
+
+from desktop import eviction
+from desktop.cache_actions import ask
+from desktop.client import EngineClient, Reply
+from desktop.engine_process import EngineProcess
+from desktop.settings_tab import SettingsTab
+from desktop.settings_words import label_of
+from engine.contract import CacheConfigBody, ContractError, parse
+
+Snapshot = Callable[[], "tuple[list[dict[str, Any]], dict[str, Any] | None]"]  # (merged conversations, metrics)
+
+
+class LiveApply(QObject):
+    """Sends the Settings tab's live changes to the engine; `box` is the eviction question while it is open."""
+
+    def __init__(self, window: QWidget, client: EngineClient, engine: EngineProcess, tab: SettingsTab,
+                 snapshot: Snapshot, polled: Callable[[], None], status: Callable[[str, int], None]) -> None:
+        super().__init__(window)
+        self.window, self.client, self.engine, self.tab = window, client, engine, tab
+        self.snapshot, self.polled, self.status = snapshot, polled, status
+        self.box: QMessageBox | None = None
+
+    def apply(self, changes: dict[str, Any]) -> None:
+        """Send live-changeable settings to the running engine; first ask if a smaller budget would evict."""
+        running = self.engine.config
+        conversations, metrics = self.snapshot()
+        cache = (metrics or {}).get("conversation_cache") or {}
+        storage = str(cache.get("storage") or (running.conversation_cache_storage if running else "ram"))
+        current = {k: getattr(running, k) for k in changes if running is not None and hasattr(running, k)}
+        evictions = eviction.estimate(conversations, storage, current, changes)
+        if not evictions:
+            self._send(changes)
+            return
+        self.box = ask(self.window, "Apply a smaller budget", eviction.describe(evictions), "Apply",
+                       lambda result: self._evicting_apply_answered(changes, result))
+
+    def _evicting_apply_answered(self, changes: dict[str, Any], result: int) -> None:
+        self.box = None
+        if result == QMessageBox.StandardButton.Yes:
+            self._send(changes)
+        else:
+            self.tab.show_result("Not applied: the running engine keeps its budgets. Apply sends it, Revert "
+                                 "goes back to what the engine runs.", True)
+
+    def _send(self, changes: dict[str, Any]) -> None:
+        sent = dict(changes)
+
+        def done(reply: Reply) -> None:
+            if not reply.ok:
+                self.tab.show_result(f"The engine refused the change: {reply.error}", False)
+                return
+            try:
+                body = parse(CacheConfigBody, reply.data, "PUT /cache/config")
+            except ContractError as exc:
+                self.tab.show_result(f"The engine's answer is not understood: {exc}", False)
+                return
+            # What the engine now runs with, from its answer (not what was sent: it may have normalised it).
+            now = {k: body.settings[k] for k in sent if k in body.settings}
+            if self.engine.config is not None:
+                self.engine.config = self.engine.config.replace(**body.settings)
+                self.tab.set_engine(self.engine.state, self.engine.config)
+            self.tab.set_effective_dir(body.effective_dir)
+            names = ", ".join(f"{label_of(k)} = {v}" for k, v in now.items())
+            self.tab.show_result(f"Applied to the running engine: {names}.", True)
+            self.polled()
+
+        self.client.request("PUT", "/cache/config", done, json=sent, timeout=30.0)
+
+    def fetch_cache_config(self) -> None:
+        """The folder the engine really uses (the setting may be empty: the default folder)."""
+        def done(reply: Reply) -> None:
+            if not reply.ok:
+                return
+            try:
+                body = parse(CacheConfigBody, reply.data, "GET /cache/config")
+            except ContractError as exc:
+                self.status(f"The engine's cache settings are not understood: {exc}", 15000)
+                return
+            self.tab.set_effective_dir(body.effective_dir)
+
+        self.client.request("GET", "/cache/config", done)
