@@ -4,14 +4,13 @@ One `EngineProcess` wraps one QProcess. States: stopped -> starting (spawned) ->
 says 503) -> ready (/health 200) -> stopping -> stopped, or crashed when it ends without being asked to.
 A stop asks the engine itself first (`POST /shutdown`, so a tiered cache spills to disk), then terminates,
 then kills after a deadline. A pid file records the running engine so that one orphaned by a crash of the
-app is found and stopped at the next launch (`reap_orphan`).
+app is found and stopped at the next launch (`desktop.pid_file.reap_orphan`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import re
 import signal
@@ -24,13 +23,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import psutil
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
 import engine
 from desktop.client import EngineClient, Reply
 from desktop.engine_errors import config_error
-from desktop.settings import atomic_write
+from desktop.pid_file import read_pid_file, write_pid_file
 from engine.config import EngineConfig
 from engine.contract import ContractError, HealthBody, parse
 
@@ -121,90 +119,6 @@ class ProcessOutcome:
         if self.exit_code == 0:
             return "exited normally"
         return f"exited with status {self.exit_code}"
-
-
-# ---------------------------------------------------------------------------------------------- pid file
-
-
-def process_create_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def write_pid_file(path: Path, pid: int, url: str | None, command: list[str]) -> None:
-    record = {
-        "pid": pid,
-        "create_time": process_create_time(pid),
-        "app_pid": os.getpid(),
-        "app_create_time": process_create_time(os.getpid()),
-        "url": url,
-        "command": command,
-    }
-    atomic_write(path, json.dumps(record, indent=1) + "\n")
-
-
-def read_pid_file(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
-
-
-def _same_process(pid: Any, create_time: Any) -> psutil.Process | None:
-    """The live process `pid` if it is the one that was recorded (pids are reused)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return None
-    try:
-        p = psutil.Process(pid)
-        if create_time is not None and abs(p.create_time() - float(create_time)) > 1.0:
-            return None
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return p
-    except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError, ValueError):
-        return None
-
-
-def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float = 10.0) -> str | None:
-    """Stop an engine left running by an app that is gone, then remove the pid file. Blocking: run off the GUI thread.
-
-    Returns what was done, for the user, or None when there was nothing to do.
-    """
-    record = read_pid_file(path)
-    if record is None:
-        with contextlib.suppress(OSError):
-            path.unlink()
-        return None
-    app = _same_process(record.get("app_pid"), record.get("app_create_time"))
-    if app is not None and app.pid != os.getpid():
-        return None  # its app is alive: not an orphan
-    engine = _same_process(record.get("pid"), record.get("create_time"))
-    message = None
-    if engine is not None:
-        # Ask it first so a tiered cache spills; then signals.
-        if client is not None and record.get("url"):
-            client.call("POST", str(record["url"]).rstrip("/") + "/shutdown", timeout=2.0)
-        try:
-            engine.wait(timeout=grace_s if client is not None and record.get("url") else 0.1)
-        except psutil.TimeoutExpired:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                engine.terminate()
-            try:
-                engine.wait(timeout=5)
-            except psutil.TimeoutExpired:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    engine.kill()
-                with contextlib.suppress(psutil.TimeoutExpired):
-                    engine.wait(timeout=5)
-        except psutil.NoSuchProcess:
-            pass
-        message = f"Stopped an engine (pid {engine.pid}) left running by an earlier session of the app."
-    with contextlib.suppress(OSError):
-        path.unlink()
-    return message
 
 
 # ---------------------------------------------------------------------------------------------- the process

@@ -9,11 +9,9 @@ from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QIcon, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
-    QHBoxLayout,
     QLabel,
     QMainWindow,
     QMessageBox,
-    QPushButton,
     QTabWidget,
     QVBoxLayout,
     QWidget,
@@ -27,16 +25,17 @@ from desktop.crash_panel import CrashPanel
 from desktop.crash_report import cache_loss
 from desktop.desktop_entry import resource_path
 from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, port_owner, setting_for_error
-from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome, reap_orphan
+from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome
+from desktop.header import EngineHeader
 from desktop.live_apply import LiveApply
 from desktop.log_files import APP_PREFIX, LogFiles
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
 from desktop.monitor.conversations import merge_tiers
+from desktop.pid_file import reap_orphan
 from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
 from desktop.settings_tab import SettingsTab
-from desktop.startup_view import StartupView
-from desktop.tray import STATE_COLORS, Tray, tray_available
+from desktop.tray import Tray, tray_available
 from engine.contract import ContractError, PurgeBody, parse, to_json
 
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
@@ -88,24 +87,13 @@ class MainWindow(QMainWindow):
         self.notice_kind: str | None = None
 
         # Views
-        self.state_label = QLabel()
-        self.state_label.setObjectName("engineState")
-        self.url_label = QLabel()
-        self.url_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.start_button = QPushButton("Start engine")
+        self.header = header = EngineHeader()
+        self.state_label, self.url_label, self.startup = header.state_label, header.url_label, header.startup
+        self.start_button, self.stop_button = header.start_button, header.stop_button
+        self.restart_button = header.restart_button
         self.start_button.clicked.connect(self.start_engine)
-        self.stop_button = QPushButton("Stop engine")
         self.stop_button.clicked.connect(self.stop_engine)
-        self.restart_button = QPushButton("Restart engine")
         self.restart_button.clicked.connect(self.restart_engine)
-        self.startup = StartupView()  # the loading phase and its bar while the engine starts
-        top = QHBoxLayout()
-        top.addWidget(self.state_label)
-        top.addWidget(self.startup)
-        top.addWidget(self.url_label, 1)
-        top.addWidget(self.start_button)
-        top.addWidget(self.stop_button)
-        top.addWidget(self.restart_button)
 
         self.notice = QLabel()
         self.notice.setObjectName("notice")
@@ -136,7 +124,7 @@ class MainWindow(QMainWindow):
 
         central = QWidget()
         layout = QVBoxLayout(central)
-        layout.addLayout(top)
+        layout.addWidget(header)
         layout.addWidget(self.notice)
         layout.addWidget(self.crash_panel)
         layout.addWidget(self.tabs, 1)
@@ -153,7 +141,7 @@ class MainWindow(QMainWindow):
         self.engine.state_changed.connect(self._on_state)
         self.engine.line.connect(self.logs.append_line)
         self.engine.line.connect(self.log_files.write_line)
-        self.engine.url_changed.connect(self._on_url)
+        self.engine.url_changed.connect(header.set_url)
         self.engine.health_changed.connect(self.startup.set_health)
         self.engine.ended.connect(self._on_ended)
         self.engine.restart_scheduled.connect(
@@ -228,17 +216,9 @@ class MainWindow(QMainWindow):
         self.crash_panel.hide()
         self.engine.restart(self.store.engine_config())
 
-    def _on_url(self, url: str | None) -> None:
-        self.url_label.setText(f"{url}/v1" if url else "")
-
     def _on_state(self, state: EngineState) -> None:
-        color = STATE_COLORS[state]
-        self.state_label.setText(f"<b style='color:{color}'>●</b> Engine: <b>{state.label}</b>")
-        self.start_button.setEnabled(not self.engine.running and state is not EngineState.STOPPING)
-        self.stop_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
-        self.restart_button.setEnabled(self.engine.running and state is not EngineState.STOPPING)
+        self.header.set_state(state, self.engine.running)
         self.monitor.set_engine_state(state)
-        self.startup.set_state(state)
         self.chat.set_engine(state, self.client.base_url, self.client.api_key)
         self.settings_tab.set_engine(state, self.engine.config if self.engine.running else None)
         self.poller.engine_pid = self.engine.pid
@@ -248,8 +228,6 @@ class MainWindow(QMainWindow):
             self.clear_notice("restart")
             self.poller.poll()
             self.live.fetch_cache_config()
-        if state in (EngineState.STARTING, EngineState.STOPPED):
-            self.url_label.setText("")
         if state is EngineState.STARTING:
             self.monitor.engine_restarted()
             self.conversations = self.conversation_rows = None  # the earlier run's, not this one's
@@ -432,15 +410,7 @@ class MainWindow(QMainWindow):
     def _finish_quit(self) -> None:
         if getattr(self, "_finished", False):
             return
-        self._finished = True
-        self.chat.shutdown()
-        self.engine.kill_and_wait()
-        self.engine.close()
-        self.poller.stop()
-        self.tray.hide()
-        self.dispatcher.close(wait=True)
-        self.client.close()
-        self.log_files.close()
+        self._teardown()
         self.quit_finished.emit()
         app = QApplication.instance()
         if app is not None:
@@ -450,6 +420,11 @@ class MainWindow(QMainWindow):
         """Synchronous teardown for tests and aboutToQuit: nothing may keep running."""
         self._quitting = True
         self.autosaver.flush()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """End everything the window runs: no engine, thread, timer or open file outlives it."""
+        self._finished = True
         self.chat.shutdown()
         self.engine.kill_and_wait()
         self.engine.close()
@@ -458,7 +433,6 @@ class MainWindow(QMainWindow):
         self.dispatcher.close(wait=True)
         self.client.close()
         self.log_files.close()
-        self._finished = True
 
 
 def default_size(available: QSize) -> tuple[int, int]:

@@ -9,9 +9,9 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QToolButton, QVBoxLayout, QWidget
 
-from desktop.settings import is_budget
+from desktop.settings import is_budget, parse_mib
 from desktop.settings_words import STORAGE_HELP
-from engine.config import Setting, all_settings, default_cache_dir
+from engine.config import Setting, SettingError, all_settings, default_cache_dir, setting_of
 
 FOLDER_SETTINGS = tuple(name for name, spec, _ in all_settings() if spec.ui == "folder")
 
@@ -42,6 +42,19 @@ class SettingRow:
             return str(self.editor.currentData())
         assert isinstance(self.editor, QLineEdit)
         return self.editor.text()
+
+    def parsed(self) -> Any:
+        """The typed text as a value (a budget in MiB from "4 GiB"); raises SettingError with the reason."""
+        text = self.text()
+        if is_budget(self.spec):
+            return parse_mib(text, self.spec)
+        if self.spec.kind in ("int", "float") and text.strip() == "":
+            raise SettingError(f"{self.spec.flag}: expected {self.spec.expectation()}, got an empty value")
+        return text
+
+    def validated(self) -> Any:
+        """The parsed value, checked as the store would check it (raises SettingError)."""
+        return setting_of(self.name).parse(self.parsed())
 
     def set_value(self, value: Any) -> None:
         self.editor.blockSignals(True)

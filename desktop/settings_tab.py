@@ -34,23 +34,20 @@ from PySide6.QtWidgets import (
 
 from desktop.autostart import Autostart
 from desktop.engine_process import EngineState
-from desktop.folders import FolderReport, check_folder
 from desktop.settings import (
     HIDDEN_SETTINGS,
     AutoSaver,
     SettingsStore,
     Source,
     command_line,
-    format_bytes,
-    format_mib,
     is_budget,
-    parse_mib,
     secret_variables,
 )
+from desktop.settings_captions import RowCaptions
 from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row
-from desktop.settings_words import GROUPS, label_of, plain_error, risk_warning
+from desktop.settings_words import GROUPS, label_of, plain_error
 from desktop.widgets import CommandView, guard_wheel
-from engine.config import EngineConfig, SettingError, all_settings, default_cache_dir, setting_of
+from engine.config import EngineConfig, SettingError, all_settings
 
 SETTLE_MS = 1200  # a pause in typing this long counts as done
 PREFS = (
@@ -78,10 +75,7 @@ class SettingsTab(QWidget):
         self.running: EngineConfig | None = None  # what the engine runs with
         self.engine_state = EngineState.STOPPED
         self.effective_dir: str | None = None
-        self.host_total: int | None = None
-        self.folder_reports: dict[str, FolderReport] = {}
-        self._folder_timer = QTimer(self, singleShot=True, interval=300)
-        self._folder_timer.timeout.connect(self._check_folders)
+        self.captions = RowCaptions(store, self.rows, submit, self)  # what each row says beneath its field
         # Typing settles after a pause (or Enter / leaving the field): only then is a valid value stored.
         self._settling: set[str] = set()
         self._settle_timer = QTimer(self, singleShot=True, interval=SETTLE_MS)
@@ -177,8 +171,8 @@ class SettingsTab(QWidget):
 
         for name, row in self.rows.items():
             row.set_value(store.value(name))
-            self._show_caption(row)
-        self._submit(lambda: psutil.virtual_memory().total, self._got_host_total)
+            self.captions.show(row)
+        self._submit(lambda: psutil.virtual_memory().total, self.captions.got_host_total)
         self.refresh()
 
     # ------------------------------------------------------------------ building rows
@@ -188,34 +182,25 @@ class SettingsTab(QWidget):
         for name, row in self.rows.items():
             if not row.error:
                 row.set_value(self.store.value(name))
-                self._show_caption(row)
+                self.captions.show(row)
         for name, box in self.pref_boxes.items():
             box.blockSignals(True)
             box.setChecked(getattr(self.store.prefs, name))
             box.blockSignals(False)
-        self._folder_timer.start()
+        self.captions.check_folders_soon()
         self.refresh()
 
     # ------------------------------------------------------------------ editing
-
-    def parse_row(self, row: SettingRow) -> Any:
-        """The value typed in `row`, parsed; raises SettingError with the reason."""
-        text = row.text()
-        if is_budget(row.spec):
-            return parse_mib(text, row.spec)
-        if row.spec.kind in ("int", "float") and text.strip() == "":
-            raise SettingError(f"{row.spec.flag}: expected {row.spec.expectation()}, got an empty value")
-        return text
 
     def _edited(self, name: str) -> None:
         """A keystroke: check the text and show the verdict; store nothing until the editing settles."""
         row = self.rows[name]
         try:
-            self._validate(row)
+            row.validated()
             row.error = ""
         except SettingError as e:
             self._refuse(row, e)
-        self._show_caption(row)
+        self.captions.show(row)
         self._settling.add(name)
         self._settle_timer.start()
         self.refresh()
@@ -224,10 +209,6 @@ class SettingsTab(QWidget):
         """Say in words why the typed value is refused; the engine's wording (with the flag) is the tooltip."""
         row.error = plain_error(row.name, row.spec, row.text(), error, budget=is_budget(row.spec))
         row.flag_error = str(error)
-
-    def _validate(self, row: SettingRow) -> Any:
-        """The parsed value of the row's text, checked as the store would check it (raises SettingError)."""
-        return setting_of(row.name).parse(self.parse_row(row))
 
     def _settled(self) -> None:
         names, self._settling = self._settling, set()
@@ -249,15 +230,15 @@ class SettingsTab(QWidget):
         self._settling.discard(name)
         row = self.rows[name]
         try:
-            self.store.set(name, self.parse_row(row))
+            self.store.set(name, row.parsed())
             row.error = ""
         except SettingError as e:
             self._refuse(row, e)
         else:
             self.autosaver.schedule()
-        self._show_caption(row)
+        self.captions.show(row)
         if name in FOLDER_SETTINGS or name == "model":
-            self._folder_timer.start()
+            self.captions.check_folders_soon()
         self.refresh()
         if not row.error and row.spec.live and not (paused and name in FOLDER_SETTINGS):
             self.apply_live_changes()
@@ -285,7 +266,7 @@ class SettingsTab(QWidget):
         row.error = ""
         row.set_value(self.store.value(name))
         self.autosaver.schedule()
-        self._show_caption(row)
+        self.captions.show(row)
         self.refresh()
 
     def _pref_toggled(self, name: str, on: bool) -> None:
@@ -330,119 +311,6 @@ class SettingsTab(QWidget):
         if path:
             self.set_text(name, path)
 
-    # ------------------------------------------------------------------ captions and checks
-
-    def _show_caption(self, row: SettingRow) -> None:
-        if row.error:
-            row.caption.setText(row.error)
-            row.caption.setToolTip(row.flag_error)
-            row.caption.setStyleSheet("color: #c62828;")
-            row.editor.setStyleSheet("QLineEdit { border: 1px solid #c62828; }")
-            if row.info is not None:
-                row.info.setText("")  # a figure beside a refused value would contradict the error
-            return
-        row.editor.setStyleSheet("")
-        row.caption.setToolTip("")
-        parts = ["applies live" if row.spec.live else "applies after a restart",
-                 self.store.describe_source(row.name)]
-        unused = self._unused_in_mode(row.name)
-        if unused:
-            parts.insert(0, unused)
-        report = self.folder_reports.get("conversation_cache_dir")
-        risk = risk_warning(row.name, self._shown_value(row.name), row.text(), self.host_total,
-                            report.free_bytes if report else None)
-        warning = "; ".join(w for w in (self._folder_warning(row.name), risk) if w)
-        if warning:
-            parts.append(warning)
-        row.caption.setText(" · ".join(parts))
-        row.caption.setStyleSheet("color: #b26a00;" if warning else "color: #666;")
-        if row.info is not None:
-            row.info.setText(self._info_text(row.name))
-
-    def _unused_in_mode(self, name: str) -> str:
-        """Why a budget does nothing in the chosen storage mode ("" when it is used)."""
-        mode = self.store.value("conversation_cache_storage")
-        if name == "conversation_cache_mib" and mode == "disk":
-            return "not used in disk mode"
-        if name == "conversation_cache_disk_mib" and mode == "ram":
-            return "not used in ram mode"
-        return ""
-
-    def _grey_unused(self) -> None:
-        """Grey out the budgets the storage mode does not use (their values are kept for another mode)."""
-        for name in ("conversation_cache_mib", "conversation_cache_disk_mib"):
-            row = self.rows[name]
-            enabled = not self._unused_in_mode(name) and self.store.source(name) is not Source.ENV
-            if row.editor.isEnabled() != enabled:
-                row.editor.setEnabled(enabled)
-                if not row.error:
-                    self._show_caption(row)
-
-    def _shown_value(self, name: str) -> Any:
-        """The value the field's text says (typed, maybe not stored yet), else the stored one."""
-        try:
-            return self._validate(self.rows[name])
-        except SettingError:
-            return self.store.value(name)
-
-    def _info_text(self, name: str) -> str:
-        if name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
-            value = format_mib(self._shown_value(name))
-            total = f" · host RAM {format_bytes(self.host_total)}" if self.host_total else ""
-            return f"= {value}{total}"
-        if name == "conversation_cache_disk_mib":
-            report = self.folder_reports.get("conversation_cache_dir")
-            free = f" · free on disk {format_bytes(report.free_bytes)}" if report and report.free_bytes else ""
-            return f"= {format_mib(self._shown_value(name))}{free}"
-        if name == "conversation_cache_dir" and self.effective_dir:
-            return ""
-        return ""
-
-    def _folder_warning(self, name: str) -> str:
-        report = self.folder_reports.get(name)
-        if report is None:
-            return ""
-        if name == "model":
-            return "" if report.writable or os.path.exists(report.path) else "not found"
-        if not report.writable:
-            return f"not writable: {report.existing}"
-        return ""
-
-    def _check_folders(self) -> None:
-        targets = {
-            "conversation_cache_dir": self.store.value("conversation_cache_dir") or default_cache_dir(),
-        }
-        if self.store.value("slot_save_path"):
-            targets["slot_save_path"] = self.store.value("slot_save_path")
-        else:
-            self.folder_reports.pop("slot_save_path", None)
-        model = self.store.value("model")
-
-        def work() -> dict[str, Any]:
-            out: dict[str, Any] = {name: check_folder(path) for name, path in targets.items()}
-            if model:
-                path = os.path.expanduser(model)
-                out["model"] = FolderReport(path, path, os.path.exists(path), None)
-            return out
-
-        self._submit(work, self._got_folder_reports)
-
-    def _got_folder_reports(self, result: Any) -> None:
-        if isinstance(result, BaseException):
-            return
-        self.folder_reports.pop("model", None)
-        self.folder_reports.update(result)
-        for name in ("conversation_cache_dir", "slot_save_path", "model", "conversation_cache_disk_mib"):
-            if not self.rows[name].error:
-                self._show_caption(self.rows[name])
-
-    def _got_host_total(self, result: Any) -> None:
-        if isinstance(result, int):
-            self.host_total = result
-            for name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
-                self._show_caption(self.rows[name])
-        self._check_folders()
-
     # ------------------------------------------------------------------ engine side
 
     def set_engine(self, state: EngineState, running: EngineConfig | None) -> None:
@@ -456,6 +324,11 @@ class SettingsTab(QWidget):
         self.refresh()
         if became_ready:
             self.apply_live_changes()
+
+    @property
+    def host_total(self) -> int | None:
+        """The host's RAM in bytes, once read (the budgets' figures and warnings use it)."""
+        return self.captions.host_total
 
     def set_effective_dir(self, path: str | None) -> None:
         self.effective_dir = path
@@ -483,7 +356,7 @@ class SettingsTab(QWidget):
 
     def refresh(self) -> None:
         """Update the command line, the greyed budgets and what Apply / Restart would do."""
-        self._grey_unused()
+        self.captions.grey_unused()
         try:
             config = self.store.engine_config()
             self.command.setText(command_line(config))
@@ -550,7 +423,7 @@ class SettingsTab(QWidget):
             if row is not None:
                 row.error = ""
                 row.set_value(self.store.value(name))
-                self._show_caption(row)
+                self.captions.show(row)
         self.autosaver.schedule()
         self.result.setText("Reverted to what the running engine uses." + (
             f" Set by the environment, not reverted: {', '.join(kept)}." if kept else ""))

@@ -22,8 +22,9 @@ from PySide6.QtCore import QEventLoop
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QMessageBox
 
-from desktop.engine_process import EngineState, read_pid_file
+from desktop.engine_process import EngineState
 from desktop.main_window import MainWindow
+from desktop.pid_file import read_pid_file
 from desktop.settings import Paths
 from engine.config import EngineConfig
 

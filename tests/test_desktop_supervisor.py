@@ -22,9 +22,8 @@ from desktop.engine_process import (
     ProcessOutcome,
     connect_url,
     engine_command,
-    read_pid_file,
-    reap_orphan,
 )
+from desktop.pid_file import read_pid_file, reap_orphan
 from engine.config import EngineConfig
 from tests.test_desktop_support import FAKE_ENGINE, fake_engine_command
 
