@@ -1,5 +1,5 @@
 """A crash report says what the conversation cache lost (RAM) and kept (disk): the real engine, parked
-conversations, SIGKILL, in ram and in disk storage; and the disk-kept conversation is back after the restart."""
+conversations, SIGKILL, in ram, disk and tiered storage; and the disk-kept conversation is back after the restart."""
 
 from __future__ import annotations
 
@@ -46,38 +46,46 @@ def test_loss_counts_a_conversation_once_and_a_written_copy_as_kept():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("storage", ["ram", "disk"])
-def test_a_killed_engine_reports_what_was_lost_and_kept(qtbot, tmp_path, storage):
+@pytest.mark.parametrize(("storage", "settings", "topics", "lost", "kept"), [
+    ("ram", {}, 2, 1, 0),  # the second conversation parks the first in RAM: gone with the process
+    ("disk", {}, 2, 0, 1),  # parked in a file: kept, and back after the restart
+    # RAM holds one conversation: the third parks the second, which pushes the first to disk (kept).
+    ("tiered", {"conversation_cache_mib": 16}, 3, 1, 1),
+], ids=["ram", "disk", "tiered"])
+def test_a_killed_engine_reports_what_was_lost_and_kept(qtbot, tmp_path, storage, settings, topics, lost, kept):
     w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
     qtbot.addWidget(w)
-    w.store.set("port", 0)
-    w.store.set("conversation_cache_storage", storage)
-    w.store.set("conversation_cache_dir", str(tmp_path / "parked"))
+    for name, value in {"port": 0, "conversation_cache_storage": storage,
+                        "conversation_cache_dir": str(tmp_path / "parked"), **settings}.items():
+        w.store.set(name, value)
     try:
         w.show()
         w.start()  # the poller, then the engine (the default preference)
         qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=LOAD_TIMEOUT_MS)
         client = openai.OpenAI(base_url=w.engine.url + "/v1", api_key="unused", timeout=120)
-        for topic in ("rivers", "bridges"):  # one slot: the second parks the first
+        for topic in ("rivers", "bridges", "violins")[:topics]:  # one slot: each parks the one before
             client.chat.completions.create(model="default", messages=conversation(topic), max_tokens=2,
                                            temperature=0)
-        # The app's own snapshot (the poller) must show the parked conversation, written when on disk.
-        written = (lambda r: r.get("on_disk")) if storage == "disk" else (lambda r: r.get("tier") == "ram")
-        qtbot.waitUntil(lambda: any(written(r) for r in w.conversation_rows or []), timeout=30000)
-        parked = {r["id"] for r in w.conversation_rows}
+
+        def snapshot() -> tuple[int, int]:
+            loss = cache_loss(w.conversation_rows or [], 0)
+            return loss.lost, loss.kept
+
+        # The app's own snapshot (the poller) shows them parked, and written where they go to disk.
+        qtbot.waitUntil(lambda: snapshot() == (lost, kept), timeout=30000)
+        on_disk = {r["id"] for r in w.conversation_rows if r.get("on_disk")}
         w.engine.auto_restart = False
         os.kill(w.engine.pid, signal.SIGKILL)
         qtbot.waitUntil(lambda: not w.crash_panel.isHidden(), timeout=10000)
         assert "killed by SIGKILL" in w.crash_text.text()
         said = w.crash_panel.cache_text.text()
         assert w.crash_panel.cache_text.isVisible()
-        if storage == "ram":
-            assert said.startswith(f"Lost: {len(parked)} parked conversation") and "Kept: none on disk" in said
-        else:
-            assert said.startswith("Lost: none. Kept: 1 parked conversation on disk") and "restored" in said
+        assert said.startswith(f"Lost: {lost} parked conversation" if lost else "Lost: none."), said
+        assert (f"Kept: {kept} parked conversation on disk" if kept else "Kept: none on disk") in said, said
+        if storage == "disk":
             w.crash_restart.click()
             qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=LOAD_TIMEOUT_MS)
-            qtbot.waitUntil(lambda: parked <= {r["id"] for r in w.conversation_rows or []}, timeout=30000)
+            qtbot.waitUntil(lambda: on_disk <= {r["id"] for r in w.conversation_rows or []}, timeout=30000)
             assert w.crash_panel.isHidden()
     finally:
         w.shutdown_now()
