@@ -74,15 +74,15 @@ class CrashPanel(QWidget):
         layout.addLayout(buttons)
         self.hide()
 
-    def show_outcome(self, outcome: ProcessOutcome, lines: Sequence[str], cache: str = "") -> str:
-        """Show why the engine ended, what the conversation cache lost and kept (`cache`, "" when unknown or
-        beside the point) and the lines before; returns the sentence shown."""
+    def show_outcome(self, outcome: ProcessOutcome, lines: Sequence[str], cache: str = "", note: str = "") -> str:
+        """Show why the engine ended (with `note`, e.g. the host was out of memory), what the conversation cache
+        lost and kept (`cache`, "" when unknown or beside the point) and the lines before; returns the text."""
         reason = outcome.config_error
         if reason:
             busy = busy_port(reason)
             text = describe_busy_port(busy, None) if busy else describe_config_error(reason)
         else:
-            text = f"The engine {outcome.describe()}."
+            text = f"The engine {outcome.describe()}." + (f" {note}" if note else "")
         self.text.setText(text)
         self.cache_text.setText(cache)
         self.cache_text.setVisible(bool(cache))

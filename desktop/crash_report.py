@@ -7,11 +7,17 @@ conversation once per tier that holds it; a disk row with `on_disk` is a publish
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from desktop.client import MemorySample
+from desktop.engine_process import ProcessOutcome
 from desktop.settings import format_bytes
+
+LOW_MEMORY_FRACTION = 0.05  # free RAM below this share of the total (or LOW_MEMORY_BYTES) counts as nearly none
+LOW_MEMORY_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +60,17 @@ def cache_loss(rows: Iterable[dict[str, Any]], age_s: float) -> CacheLoss:
     lost = {cid: t["ram"] + t["pending"] for cid, t in tiers.items() if cid not in kept}
     return CacheLoss(lost=len(lost), lost_bytes=sum(lost.values()), kept=len(kept), kept_bytes=sum(kept.values()),
                      age_s=max(age_s, 0.0))
+
+
+def memory_note(outcome: ProcessOutcome, sample: MemorySample | None) -> str:
+    """Why a SIGKILL nobody asked for may have come from the system: the host was nearly out of memory at the
+    app's last sample ("" when it was not, or the end was something else)."""
+    killed = outcome.signalled and not outcome.requested and outcome.exit_code == getattr(signal, "SIGKILL", 9)
+    if not killed or sample is None:
+        return ""
+    if sample.host_available > max(sample.host_total * LOW_MEMORY_FRACTION, LOW_MEMORY_BYTES):
+        return ""
+    engine = f", the engine using {format_bytes(sample.engine_rss)}" if sample.engine_rss else ""
+    return (f"The system was nearly out of memory ({format_bytes(sample.host_available)} of "
+            f"{format_bytes(sample.host_total)} free at the last sample{engine}): most likely its out-of-memory "
+            "killer ended the engine. Smaller RAM budgets, a smaller context or fewer slots need less.")

@@ -28,6 +28,7 @@ from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signa
 import engine
 from desktop.client import EngineClient, Reply
 from desktop.engine_errors import config_error
+from desktop.log_files import APP_PREFIX
 from desktop.pid_file import read_pid_file, write_pid_file
 from engine.config import EngineConfig
 from engine.contract import ContractError, HealthBody, parse
@@ -100,6 +101,7 @@ class ProcessOutcome:
     requested: bool  # the app asked it to stop
     error: str = ""  # it could not be started at all
     config_error: str = ""  # it refused its configuration (exit status 2 and its error line): never retried
+    last_line: str = ""  # its last line of output (a traceback's last line names the error)
 
     @property
     def clean(self) -> bool:
@@ -118,7 +120,7 @@ class ProcessOutcome:
             return f"was killed by {name}" if not self.requested else f"stopped ({name})"
         if self.exit_code == 0:
             return "exited normally"
-        return f"exited with status {self.exit_code}"
+        return f"exited with status {self.exit_code}" + (f": {self.last_line}" if self.last_line else "")
 
 
 # ---------------------------------------------------------------------------------------------- the process
@@ -389,8 +391,11 @@ class EngineProcess(QObject):
             self._emit_line(self._partial)
             self._partial = ""
         signalled = exit_status == QProcess.ExitStatus.CrashExit
-        reason = config_error(int(exit_code), signalled, list(self.lines)[-20:])
-        self._finish(ProcessOutcome(int(exit_code), signalled, self._stop_requested, config_error=reason or ""))
+        tail = list(self.lines)[-20:]
+        reason = config_error(int(exit_code), signalled, tail)
+        last = next((line.strip() for line in reversed(tail) if line.strip() and not line.startswith(APP_PREFIX)), "")
+        self._finish(ProcessOutcome(int(exit_code), signalled, self._stop_requested, config_error=reason or "",
+                                    last_line=last[:300]))
 
     def _finish(self, outcome: ProcessOutcome) -> None:
         self._health_timer.stop()

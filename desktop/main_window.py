@@ -22,7 +22,7 @@ from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summ
 from desktop.chat_tab import ChatTab
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
 from desktop.crash_panel import CrashPanel
-from desktop.crash_report import cache_loss
+from desktop.crash_report import cache_loss, memory_note
 from desktop.desktop_entry import resource_path
 from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, port_owner, setting_for_error
 from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome
@@ -79,6 +79,7 @@ class MainWindow(QMainWindow):
         self.conversations: list[dict[str, Any]] | None = None  # merged: one row per conversation
         self.conversation_rows: list[dict[str, Any]] | None = None  # as the engine lists them, one per tier
         self.conversations_at = 0.0  # time.monotonic() of that snapshot
+        self.memory: MemorySample | None = None  # the last sample (a crash report says if memory ran out)
         self.last_purge: dict[str, Any] | None = None
         self.purge_box: QMessageBox | None = None
         self._quitting = False
@@ -239,7 +240,8 @@ class MainWindow(QMainWindow):
         rows = self.conversation_rows
         lost = "" if outcome.config_error or rows is None else cache_loss(
             rows, time.monotonic() - self.conversations_at).describe()
-        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1], lost)
+        text = self.crash_panel.show_outcome(outcome, list(self.engine.lines)[:-1], lost,
+                                             memory_note(outcome, self.memory))
         busy = busy_port(outcome.config_error)
         if busy:
             self.dispatcher.submit(lambda: port_owner(busy.port), lambda owner: self._got_port_owner(busy, owner))
@@ -268,6 +270,7 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ polling results
 
     def _on_memory(self, sample: MemorySample) -> None:
+        self.memory = sample
         self.monitor.set_memory(sample)
 
     def _on_metrics(self, metrics: dict[str, Any]) -> None:

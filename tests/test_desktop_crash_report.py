@@ -89,3 +89,24 @@ def test_a_killed_engine_reports_what_was_lost_and_kept(qtbot, tmp_path, storage
             assert w.crash_panel.isHidden()
     finally:
         w.shutdown_now()
+
+
+def test_a_kill_when_memory_ran_out_says_so_and_a_status_names_its_last_line():
+    import time
+
+    from desktop.client import MemorySample
+    from desktop.crash_report import memory_note
+    from desktop.engine_process import ProcessOutcome
+
+    killed = ProcessOutcome(int(signal.SIGKILL), True, False)
+    gib = 1 << 30
+    low = MemorySample(time.time(), engine_rss=7 * gib, host_available=100 << 20, host_total=8 * gib)
+    plenty = MemorySample(time.time(), engine_rss=gib, host_available=4 * gib, host_total=8 * gib)
+    note = memory_note(killed, low)
+    assert note.startswith("The system was nearly out of memory (100.0 MiB of 8.0 GiB free at the last sample, "
+                           "the engine using 7.0 GiB): most likely its out-of-memory killer")
+    assert memory_note(killed, plenty) == "" and memory_note(killed, None) == ""
+    assert memory_note(ProcessOutcome(int(signal.SIGKILL), True, True), low) == "", "a kill the app asked for"
+    assert memory_note(ProcessOutcome(1, False, False), low) == ""
+    died = ProcessOutcome(1, False, False, last_line="RuntimeError: CUDA error: device-side assert triggered")
+    assert died.describe() == "exited with status 1: RuntimeError: CUDA error: device-side assert triggered"

@@ -141,7 +141,7 @@ def test_exit_status_2_without_the_error_line_is_a_crash_and_is_retried(qtbot, s
     supervisor.restart_scheduled.connect(delays.append)
     supervisor.start(EngineConfig(port=0))
     qtbot.waitUntil(lambda: delays == [1.0], timeout=10000)
-    assert supervisor.outcome.config_error == "" and supervisor.outcome.describe() == "exited with status 2"
+    assert supervisor.outcome.config_error == "" and supervisor.outcome.describe() == "exited with status 2: boom"
     supervisor.cancel_auto_restart()
 
 
