@@ -11,6 +11,9 @@ from desktop.monitor.conversations import tiers_of
 from desktop.monitor.report import number
 from desktop.settings import format_bytes
 
+# What the engine last reported: (conversations merged one row each, metrics); purge and eviction read it.
+Snapshot = Callable[[], "tuple[list[dict[str, Any]], dict[str, Any] | None]"]
+
 
 def ask(parent: QWidget, title: str, text: str, yes_text: str, answered: Callable[[int], None]) -> QMessageBox:
     """A window-modal question with Cancel as the default; `answered` gets the button (Yes or Cancel)."""

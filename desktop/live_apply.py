@@ -16,14 +16,12 @@ from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QMessageBox, QWidget
 
 from desktop import eviction
-from desktop.cache_actions import ask
+from desktop.cache_actions import Snapshot, ask
 from desktop.client import EngineClient, Reply
 from desktop.engine_process import EngineProcess
 from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
 from engine.contract import CacheConfigBody, ContractError, parse
-
-Snapshot = Callable[[], "tuple[list[dict[str, Any]], dict[str, Any] | None]"]  # (merged conversations, metrics)
 
 
 class LiveApply(QObject):

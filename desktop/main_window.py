@@ -11,16 +11,14 @@ from PySide6.QtWidgets import (
     QApplication,
     QLabel,
     QMainWindow,
-    QMessageBox,
     QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 from desktop.autostart import Autostart
-from desktop.cache_actions import ask, purge_outcome, purge_question, purge_summary
 from desktop.chat_tab import ChatTab
-from desktop.client import Dispatcher, EngineClient, MemorySample, Poller, Reply
+from desktop.client import Dispatcher, EngineClient, MemorySample, Poller
 from desktop.crash_panel import CrashPanel
 from desktop.crash_report import cache_loss, memory_note
 from desktop.desktop_entry import resource_path
@@ -33,10 +31,11 @@ from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
 from desktop.monitor.conversations import merge_tiers
 from desktop.pid_file import reap_orphan
-from desktop.settings import AutoSaver, Paths, SettingsStore, format_bytes
+from desktop.purge_flow import PurgeFlow
+from desktop.settings import AutoSaver, Paths, SettingsStore
 from desktop.settings_tab import SettingsTab
+from desktop.startup_view import describe
 from desktop.tray import Tray, tray_available
-from engine.contract import ContractError, PurgeBody, parse, to_json
 
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
@@ -80,8 +79,6 @@ class MainWindow(QMainWindow):
         self.conversation_rows: list[dict[str, Any]] | None = None  # as the engine lists them, one per tier
         self.conversations_at = 0.0  # time.monotonic() of that snapshot
         self.memory: MemorySample | None = None  # the last sample (a crash report says if memory ran out)
-        self.last_purge: dict[str, Any] | None = None
-        self.purge_box: QMessageBox | None = None
         self._quitting = False
         self._started = False
         self._painted = False
@@ -144,6 +141,7 @@ class MainWindow(QMainWindow):
         self.engine.line.connect(self.log_files.write_line)
         self.engine.url_changed.connect(header.set_url)
         self.engine.health_changed.connect(self.startup.set_health)
+        self.engine.health_changed.connect(lambda _health: self._update_tray())
         self.engine.ended.connect(self._on_ended)
         self.engine.restart_scheduled.connect(
             lambda s: self.show_notice(f"The engine crashed; restarting it in {s:g} s.", kind="restart"))
@@ -153,10 +151,12 @@ class MainWindow(QMainWindow):
         self.poller.events.connect(self.monitor.set_events)
         self.poller.conversations_failed.connect(self.monitor.set_conversations_error)
         self.poller.unreachable.connect(self.monitor.set_unreachable)
-        self.monitor.purge_requested.connect(self.request_purge)
+        self.purger = PurgeFlow(self, self.client, self.cache_snapshot, self.poller.poll,
+                                self.statusBar().showMessage)
+        self.monitor.purge_requested.connect(self.purger.request)
         self.monitor.visibility_changed.connect(self._monitor_visible)
         self.live = LiveApply(self, self.client, self.engine, self.settings_tab,
-                              lambda: (self.conversations or [], self.metrics), self.poller.poll,
+                              self.cache_snapshot, self.poller.poll,
                               self.statusBar().showMessage)
         self.settings_tab.apply_requested.connect(self.live.apply)
         self.settings_tab.restart_requested.connect(self.restart_engine)
@@ -269,6 +269,10 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ polling results
 
+    def cache_snapshot(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """The engine's last reported conversations (one row each) and metrics: what purge and eviction see."""
+        return self.conversations or [], self.metrics
+
     def _on_memory(self, sample: MemorySample) -> None:
         self.memory = sample
         self.monitor.set_memory(sample)
@@ -294,7 +298,9 @@ class MainWindow(QMainWindow):
     def _update_tray(self) -> None:
         ready = self.engine.state is EngineState.READY
         parked = len(self.conversations) if (ready and self.conversations is not None) else None
-        self.tray.update_status(self.engine.state, self.metrics if ready else None, parked)
+        health = self.engine.health
+        self.tray.update_status(self.engine.state, self.metrics if ready else None, parked,
+                                describe(health) if health is not None else "")
 
     # ------------------------------------------------------------------ settings
 
@@ -306,46 +312,10 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ purge
 
-    def purge_summary(self, tier: str) -> tuple[int, float | None]:
-        """(conversations, bytes) that purging `tier` drops, as last reported by the engine."""
-        return purge_summary(self.conversations or [], self.metrics, tier)
-
-    def request_purge(self, tier: str) -> None:
-        """Ask for confirmation, naming what goes, then purge."""
-        count, size = self.purge_summary(tier)
-        self.purge_box = ask(self, "Purge the conversation cache", purge_question(count, size, tier), "Purge",
-                             lambda result: self._purge_confirmed(tier, result))
-
-    def _purge_confirmed(self, tier: str, result: int) -> None:
-        self.purge_box = None
-        if result != QMessageBox.StandardButton.Yes:
-            return
-        self.purge(tier)
-
-    def purge(self, tier: str) -> None:
-        def done(reply: Reply) -> None:
-            if not reply.ok:
-                self.statusBar().showMessage(f"Purge failed: {reply.error}", 15000)
-                return
-            try:
-                data = to_json(parse(PurgeBody, reply.data, "POST /cache/purge"))
-            except ContractError as exc:
-                self.statusBar().showMessage(f"Purge: the engine's answer is not understood: {exc}", 15000)
-                return
-            self.last_purge = data
-            count, size, skipped = purge_outcome(data)
-            text = f"Purged {tier}: dropped {count} conversation(s), {format_bytes(size)}"
-            if skipped:
-                text += f"; skipped {len(skipped)} (" + "; ".join(skipped[:3]) + ")"
-            self.statusBar().showMessage(text + ".", 15000)
-            self.poller.poll()
-
-        self.client.request("POST", "/cache/purge", done, json={"tier": tier}, timeout=30.0)
-
     def _purge_from_tray(self) -> None:
         self.show_window()
         self.tabs.setCurrentWidget(self.monitor)
-        self.request_purge("all")
+        self.purger.request("all")
 
     # ------------------------------------------------------------------ window, tray, quit
 

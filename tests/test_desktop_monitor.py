@@ -171,8 +171,8 @@ def test_tiered_conversation_shows_once_with_its_history(qtbot):
 
 def test_purge_counts_a_tiered_conversation_once(qtbot, window):
     window._on_conversations([{"id": "x", "tier": "ram", "bytes": 10}, {"id": "x", "tier": "disk", "bytes": 5}])
-    assert window.purge_summary("all")[0] == 1
-    assert window.purge_summary("ram")[0] == 1 and window.purge_summary("disk")[0] == 1
+    assert window.purger.summary("all")[0] == 1
+    assert window.purger.summary("ram")[0] == 1 and window.purger.summary("disk")[0] == 1
 
 
 def test_a_smaller_budget_says_what_it_evicts_and_asks_first(qtbot, window):

@@ -61,16 +61,16 @@ def test_purge_confirms_with_counts_and_shows_the_result(qtbot, window):
     qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 2, timeout=5000)
     qtbot.waitUntil(lambda: window.metrics is not None, timeout=5000)
     window.monitor.purge_actions["ram"].trigger()
-    box = window.purge_box
+    box = window.purger.box
     assert box is not None and "Drop 1 parked conversation (2.9 MiB) from RAM?" in box.text()
     box.button(QMessageBox.StandardButton.Cancel).click()
     qtbot.wait(200)
-    assert window.last_purge is None
+    assert window.purger.last is None
     window.monitor.purge_actions["all"].trigger()
-    assert "Drop 2 parked conversations (4.8 MiB) from RAM and disk?" in window.purge_box.text()
-    window.purge_box.button(QMessageBox.StandardButton.Yes).click()
-    qtbot.waitUntil(lambda: window.last_purge is not None, timeout=5000)
-    assert window.last_purge["dropped"]["conversations"] == 2
+    assert "Drop 2 parked conversations (4.8 MiB) from RAM and disk?" in window.purger.box.text()
+    window.purger.box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: window.purger.last is not None, timeout=5000)
+    assert window.purger.last["dropped"]["conversations"] == 2
     assert "dropped 2 conversation(s), 4.8 MiB" in window.statusBar().currentMessage()
     qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 0, timeout=5000)
 
@@ -174,8 +174,8 @@ def test_tray_actions_and_tooltip(qtbot, window):
     tray.open_action.trigger()
     assert window.isVisible()
     tray.purge_action.trigger()
-    assert window.purge_box is not None and window.tabs.currentWidget() is window.monitor
-    window.purge_box.button(QMessageBox.StandardButton.Cancel).click()
+    assert window.purger.box is not None and window.tabs.currentWidget() is window.monitor
+    window.purger.box.button(QMessageBox.StandardButton.Cancel).click()
 
 
 def test_close_without_a_tray_quits(qtbot, window):
@@ -397,6 +397,7 @@ def test_start_up_shows_the_engines_loading_phase_and_bar_then_hides_them(qtbot,
     qtbot.waitUntil(lambda: view.isVisible() and view.phase.text().startswith("loading weights ·"), timeout=10000)
     qtbot.waitUntil(lambda: view.bar.maximum() > 0 and view.bar.value() > 0, timeout=10000)
     assert "%" in view.phase.text() and window.engine.health.phase == "loading weights"
+    assert window.tray.icon.toolTip().startswith("Strata — Loading model · loading weights · ")
     height = header.height()
     ready(qtbot, window)
     assert view.isHidden(), "no start-up progress once the engine is Ready"
