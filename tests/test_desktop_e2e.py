@@ -94,7 +94,7 @@ def test_abA_through_the_openai_sdk_shows_park_and_restore(qtbot, app_window):
     qtbot.waitUntil(lambda: labels["parks"].text().split(" / ")[1] not in ("0", "–"), timeout=5000)
     assert labels["tokens_saved"].text() not in ("0", "–")
     # The rate comes from /cache/events, polled apart from /metrics: wait for that poll too.
-    qtbot.waitUntil(lambda: labels["restore_ms"].text().startswith("last ") and "MB/s" in labels["restore_ms"].text(),
+    qtbot.waitUntil(lambda: labels["restore_ms"].text().startswith("last ") and "MiB/s" in labels["restore_ms"].text(),
                     timeout=10000)
     qtbot.waitUntil(lambda: w.monitor.model.rowCount() >= 1, timeout=10000)
     tiers = {w.monitor.model.index(r, 3).data() for r in range(w.monitor.model.rowCount())}

@@ -47,8 +47,9 @@ def test_start_shows_ready_and_the_monitor_renders_what_the_engine_reports(qtbot
     labels = window.monitor.counters.labels
     assert labels["hit_rate"].text().startswith("67%")
     assert labels["tokens_saved"].text() == "2\u202f400"
-    qtbot.waitUntil(lambda: "MB/s" in labels["park_ms"].text(), timeout=5000)
-    assert labels["park_ms"].text() == "last 4.0 ms · median 4.0 ms · p95 4.0 ms · 750 MB/s"
+    qtbot.waitUntil(lambda: "MiB/s" in labels["park_ms"].text(), timeout=5000)
+    assert labels["park_ms"].text() == "last 4.0 ms · median 4.0 ms · p95 4.0 ms · 715 MiB/s"  # 3 MB in 4 ms
+    assert labels["restore_ms"].text().endswith(" · 1\u202f431 MiB/s"), "one thousands separator everywhere"
     assert window.monitor.counters.ram_bar.format().startswith("2.9 MiB of 4.0 GiB")
     assert window.monitor.memory.floor_line.isVisible() and window.monitor.memory.floor_line.value() == 1024
     qtbot.waitUntil(lambda: window.monitor.memory.engine_rss.last() is not None, timeout=5000)

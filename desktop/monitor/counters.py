@@ -9,6 +9,8 @@ from PySide6.QtWidgets import QFormLayout, QGridLayout, QGroupBox, QLabel, QProg
 from desktop.monitor.report import budget, dig, format_age, format_count, format_ms, number, total
 from desktop.settings import format_bytes
 
+MIB = 1 << 20
+
 
 class BudgetBar(QProgressBar):
     """Used bytes against a budget, as a bar with the figures written on it."""
@@ -84,7 +86,7 @@ class CountersPanel(QWidget):
         for ev in events:
             kind, ms, size = ev.get("kind"), number(ev, "ms"), number(ev, "bytes")
             if kind in ("park", "restore") and ms and size:  # an incremental re-park may move no bytes
-                self._rates[kind] = size / 1e6 / (ms / 1e3)  # MB/s of the newest event (the list is oldest first)
+                self._rates[kind] = size / MIB / (ms / 1e3)  # MiB/s of the newest event (the list is oldest first)
         self._show_timings()
 
     def _show_timings(self) -> None:
@@ -158,11 +160,11 @@ class CountersPanel(QWidget):
 
 
 def _rate(x: float | None) -> str:
-    return "–" if x is None else f"{x:,.0f}"
+    return format_count(x)  # one thousands separator everywhere
 
 
-def _timing(c: dict[str, Any], key: str, mb_per_s: float | None) -> str:
-    """"last 4.0 ms · median 4.0 ms · p95 4.0 ms · 750 MB/s"; "–" while there was no such event (not "0.0 ms")."""
+def _timing(c: dict[str, Any], key: str, mib_per_s: float | None) -> str:
+    """"last 4.0 ms · median 4.0 ms · p95 4.0 ms · 715 MiB/s"; "–" while there was no such event (not "0.0 ms")."""
     count = number(c, key, "count")
     if count is None:  # an engine that does not count per timing: its event counter says the same
         count = number(c, {"park_ms": "parks", "restore_ms": "restores"}[key])
@@ -170,6 +172,6 @@ def _timing(c: dict[str, Any], key: str, mb_per_s: float | None) -> str:
         return "–"
     last, p50, p95 = number(c, key, "last"), number(c, key, "p50"), number(c, key, "p95")
     text = f"last {format_ms(last)} · median {format_ms(p50)} · p95 {format_ms(p95)}"
-    if mb_per_s is not None:
-        text += f" · {mb_per_s:,.0f} MB/s"
+    if mib_per_s is not None:
+        text += f" · {format_count(mib_per_s)} MiB/s"
     return text
