@@ -16,9 +16,11 @@ BAR_STEPS = 1000
 
 
 def describe(health: HealthBody | None) -> str:
-    """'loading weights · 45% · 3 s' (or 'starting…' before the engine answers)."""
-    if health is None or health.status != "loading":
+    """'loading weights · 45% · 3 s' ('starting…' before the engine answers, 'ready' once it serves)."""
+    if health is None:
         return "starting…"
+    if health.status != "loading":
+        return health.phase
     parts = [health.phase]
     if health.progress is not None:
         parts.append(f"{health.progress:.0%}")

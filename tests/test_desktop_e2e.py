@@ -27,6 +27,7 @@ from desktop.main_window import MainWindow
 from desktop.pid_file import read_pid_file
 from desktop.settings import Paths
 from engine.config import EngineConfig
+from engine.startup_progress import PHASES, READY_PHASE
 
 openai = pytest.importorskip("openai")
 
@@ -64,6 +65,13 @@ def app_window(qapp, tmp_path_factory):
     w = MainWindow(Paths(base / "cfg", base / "state"), use_tray=False, environ={})
     w.store.set("port", 0)
     w.store.set("conversation_cache_dir", str(base / "parked"))
+    w.seen = []  # (phase, header text, header shown) at each start-up phase the app was told of
+
+    def seen(health) -> None:
+        if health is not None:
+            w.seen.append((health.phase, w.startup.phase.text(), w.startup.isVisible()))
+
+    w.engine.health_changed.connect(seen)
     w.show()
     w.start()
     assert pump_until(lambda: w.engine.state is EngineState.READY, LOAD_TIMEOUT_MS / 1000), "\n".join(w.engine.lines)
@@ -78,6 +86,17 @@ def chat(w: MainWindow, messages: list[dict]) -> object:
 
 def cache(w: MainWindow) -> dict:
     return (w.metrics or {}).get("conversation_cache") or {}
+
+
+def test_the_header_showed_the_engines_start_up_phases_in_order(qtbot, app_window):
+    w = app_window
+    phases = [phase for phase, _, _ in w.seen]
+    assert phases and phases[-1] == READY_PHASE, w.seen
+    order = [PHASES.index(p) for p in dict.fromkeys(phases[:-1])]
+    assert order == sorted(order), f"phases went backwards: {phases}"
+    for phase, text, shown in w.seen:
+        assert shown and text.startswith(phase), (phase, text)
+    assert w.startup.isHidden(), "gone once the engine is Ready"
 
 
 def test_abA_through_the_openai_sdk_shows_park_and_restore(qtbot, app_window):
