@@ -210,17 +210,18 @@ class SettingsTab(QWidget):
         row.error = plain_error(row.name, row.spec, row.text(), error, budget=is_budget(row.spec))
         row.flag_error = str(error)
 
-    def _settled(self) -> None:
+    def _settled(self, apply: bool = True) -> None:
         names, self._settling = self._settling, set()
         for name in sorted(names):
-            self._commit(name, paused=True)
+            self._commit(name, paused=True, apply=apply)
 
     def settle_now(self) -> None:
-        """Commit what is being typed now (at quit): valid values are kept, others dropped."""
+        """Commit what is being typed now (at quit): valid values are kept, others dropped; nothing is sent to
+        an engine that is about to stop (it starts with them next time)."""
         self._settle_timer.stop()
-        self._settled()
+        self._settled(apply=False)
 
-    def _commit(self, name: str, paused: bool = False) -> None:
+    def _commit(self, name: str, paused: bool = False, apply: bool = True) -> None:
         """Editing settled (Enter, focus left, a pause, a choice, a picked folder): store and save a valid value,
         and apply it to the running engine when it is live (a folder not on a pause: a half-typed path would
         move the cache to it).
@@ -240,7 +241,7 @@ class SettingsTab(QWidget):
         if name in FOLDER_SETTINGS or name == "model":
             self.captions.check_folders_soon()
         self.refresh()
-        if not row.error and row.spec.live and not (paused and name in FOLDER_SETTINGS):
+        if apply and not row.error and row.spec.live and not (paused and name in FOLDER_SETTINGS):
             self.apply_live_changes()
         self.committed.emit(name)
 

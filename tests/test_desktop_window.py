@@ -441,3 +441,21 @@ def test_a_folder_is_applied_on_enter_never_on_a_pause_in_typing(qtbot, window, 
     QTest.keyClick(editor, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: window.engine.config.conversation_cache_dir == folder, timeout=5000)
     assert tab.result.text().startswith("Applied to the running engine: ")
+
+
+def test_quit_while_typing_keeps_the_value_and_sends_nothing_to_the_stopping_engine(qtbot, window):
+    import json
+
+    from PySide6.QtTest import QTest
+
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.conversations is not None and len(window.conversations) == 2, timeout=5000)
+    editor = window.settings_tab.rows["conversation_cache_mib"].editor
+    editor.selectAll()
+    QTest.keyClicks(editor, "2")  # would evict conv-a: applied live it would ask first
+    with qtbot.waitSignal(window.quit_finished, timeout=15000):
+        window.tray.quit_action.trigger()
+    assert window.live.box is None, "no question while quitting"
+    assert window.engine.config.conversation_cache_mib == 4096, "nothing sent"
+    assert json.loads(window.paths.settings_file.read_text())["engine"]["conversation_cache_mib"] == 2, "kept"
