@@ -31,9 +31,13 @@ def rank_of(priority: str) -> int:
     return PRIORITIES.index(priority)
 
 
-def precedence(conv: HasAttrs) -> Precedence:
+def precedence_of(priority: str, pinned: bool) -> Precedence:
     """Where a conversation stands in the eviction order: pinned after unpinned, then low < normal < high."""
-    return (1 if conv.pinned else 0, rank_of(conv.priority))
+    return (1 if pinned else 0, rank_of(priority))
+
+
+def precedence(conv: HasAttrs) -> Precedence:
+    return precedence_of(conv.priority, conv.pinned)
 
 
 def eviction_order(convs: Iterable[A]) -> list[A]:
