@@ -6,10 +6,11 @@ holds). Otherwise the cheapest victim is the one the cache would give up first (
 unpinned before pinned, low before normal before high), then the one with the fewest tokens to recompute, then
 the least recently used.
 
-A request that reuses at least MIN_PARK_TOKENS of a slot takes the slot it reuses most of, except a side call:
-a short prompt (below --side-call-tokens: a title, a summary) that shares less than half of itself with every
-slot. It is cheap to prefill anyway, so it takes the cheapest victim even when a slot shares a few tokens with
-it (a chat template's system prompt): it never displaces a long conversation while a cheaper slot is free.
+A request takes the slot it reuses most of when that reuse is at least MIN_PARK_TOKENS and at least what the
+slot loses (it continues the slot's conversation, or forks it): reusing a shared system prompt is not worth
+displacing a long conversation while a cheaper slot is free. A side call, a short prompt (below
+--side-call-tokens: a title, a summary) sharing less than half of itself with every slot, is cheap to prefill
+anyway: it always takes the cheapest victim. Every other request takes the cheapest victim too.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def choose_slot(free: Sequence[Slot], live: Mapping[int, int], n_prompt: int, si
     """The slot a request of `n_prompt` tokens takes when no cache hit is restored (`live`: its reuse per slot)."""
     assert free, "a request is admitted only when a slot is free"
     best = max(free, key=lambda s: (live[s.id], -s.last_used))
-    side_call = n_prompt < side_call_tokens and 2 * live[best.id] < n_prompt
-    if live[best.id] >= MIN_PARK_TOKENS and not side_call:
+    reuse = live[best.id]
+    side_call = n_prompt < side_call_tokens and 2 * reuse < n_prompt
+    if not side_call and reuse >= MIN_PARK_TOKENS and reuse >= len(best.tokens) - reuse:
         return best
     return cheapest(free, live)
