@@ -3,6 +3,7 @@ that leave the survivors untouched, attributes that survive a restart, and read-
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -261,3 +262,18 @@ def test_a_hit_is_the_exact_common_tokens_under_the_model_identity():
     assert hit is not None and hit.identity_key != cache.identity.key
     with pytest.raises(CacheRestoreError, match="another model identity"):
         cache.restore(hit, slots.writer(1))
+
+
+def test_a_restore_holds_exactly_the_tokens_its_hit_was_made_for():
+    cache, slots = make_cache(), FakeSlots()
+    a, b = conversation(11, 3 * BLOCK + 2), conversation(12, 3 * BLOCK + 2)
+    id_a = park_tokens(cache, slots, a).conversation_id
+    park_tokens(cache, slots, b)
+    hit_b = cache.lookup(b + [1])
+    # the same promise under another conversation's id: refused before a byte reaches the slot
+    wrong = dataclasses.replace(hit_b, conversation_id=id_a)
+    slots.kv.clear(1)
+    with pytest.raises(CacheRestoreError, match="no longer holds the hit's tokens"):
+        cache.restore(wrong, slots.writer(1))
+    assert not slots.kv.read(1, 0, len(b)).any()
+    assert cache.restore(hit_b, slots.writer(1)).n_tokens == len(b)

@@ -32,7 +32,7 @@ from engine.cache.disk_reads import disk_pieces, move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import CacheRestoreError, ParkRefused
-from engine.cache.identity import CacheIdentity, block_keys, token_array
+from engine.cache.identity import CacheIdentity, block_keys, token_array, tokens_key
 from engine.cache.index import Conv, TierIndex
 from engine.cache.journal import Journal
 from engine.cache.parts import Parts, ReadParts, WriteParts, first_tokens, n_tokens_of
@@ -125,7 +125,14 @@ class ConversationCache:
                 self._journal.declined_hit(reason)
                 return None
             return CacheHit(
-                conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key, conv.priority, conv.pinned
+                conv.id,
+                n,
+                tier,
+                n * self.identity.bytes_per_token,
+                self.identity.key,
+                conv.priority,
+                conv.pinned,
+                tokens_key(self.identity.key, toks[:n]),
             )
 
     def record_miss(self) -> None:
@@ -241,6 +248,9 @@ class ConversationCache:
             if not 0 < n <= conv.n_tokens:
                 self._journal.count("restore_failures")
                 raise CacheRestoreError(f"hit of {n} tokens does not fit conversation {conv.id} ({conv.n_tokens})")
+            if hit.tokens_key and tokens_key(self.identity.key, conv.tokens[:n]) != hit.tokens_key:
+                self._journal.count("restore_failures")
+                raise CacheRestoreError(f"conversation {conv.id} no longer holds the hit's tokens; prefill instead")
             n_full = min(len(conv.keys), math.ceil(n / b))
             use_tail = n > len(conv.keys) * b
             disk = self.disk if tier == "disk" else None

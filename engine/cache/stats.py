@@ -18,6 +18,7 @@ class CacheHit:
     identity_key: str = ""
     priority: str = "normal"  # the parked conversation's attributes, which the slot then holds
     pinned: bool = False
+    tokens_key: str = ""  # identity.tokens_key of the request's first n_tokens: the restore checks it holds them
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
