@@ -277,3 +277,16 @@ def test_a_restore_holds_exactly_the_tokens_its_hit_was_made_for():
         cache.restore(wrong, slots.writer(1))
     assert not slots.kv.read(1, 0, len(b)).any()
     assert cache.restore(hit_b, slots.writer(1)).n_tokens == len(b)
+
+
+def test_a_change_while_the_entry_is_being_written_reaches_its_manifest(tmp_path):
+    from tests.test_cache_writer import _while_being_written
+
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30), FakeSlots(ctx=8192)
+    _, _, cid = _while_being_written(cache, slots, 280, lambda tokens, cid: cache.set_attrs(cid, priority="high",
+                                                                                             pinned=True))
+    assert cache.flush(30)
+    cache.close(spill=False)
+    again = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30)
+    assert {(r.id, r.priority, r.pinned) for r in again.conversations()} >= {(cid, "high", True)}
+    again.close(spill=False)
