@@ -100,25 +100,37 @@ def _subagent(client, text: str, turns: int = 1) -> None:
 def test_the_parent_returns_to_its_cache_and_answers_as_if_alone(engines, alone, name):
     client = _client(engines[name])
     parallel = int(name[1])
+    http = httpx.Client(base_url=engines[name].base_url, timeout=30)
+    seen = 0
 
     def spawn(turn: int) -> None:
+        nonlocal seen
         if turn == 0:  # two subagents, at once where there are slots for them, then a side call
             with ThreadPoolExecutor(max_workers=parallel) as pool:
                 list(pool.map(lambda text: _subagent(client, text, turns=2), SUBAGENTS))
             _chat(client, [{"role": "system", "content": SYSTEM}, _user(SIDE_CALL)],
                   metadata={"strata_priority": "low"})
-        else:  # a side call alone, then one subagent comes back
-            _chat(client, [_user(SIDE_CALL + " again")])
+        else:  # a subagent without the system prompt, a side call sharing only it with the parent, one comes back
+            _chat(client, [_user("Subagent three: check the build. " + FILLER * 2)])
+            _chat(client, [{"role": "system", "content": SYSTEM}, _user("Name this session in three words.")])
             _subagent(client, SUBAGENTS[0], turns=1)
+            seen = len(http.get("/cache/events", params={"limit": 10000}).json()["events"])
 
     turns = _run_parent(client, spawn)
     assert [answer for answer, _ in turns] == alone
     for _, usage in turns[1:]:
         reused = usage.prompt_tokens_details.cached_tokens
         assert reused >= 0.9 * usage.prompt_tokens, (name, reused, usage.prompt_tokens)
-    rows = httpx.get(engines[name].base_url + "/cache/conversations", timeout=30).json()["conversations"]
-    parent_rows = [r for r in rows if r["client"] == "agent"]
-    assert all(r["priority"] == "high" for r in parent_rows)
+    rows = http.get("/cache/conversations").json()["conversations"]
+    parent = {r["id"] for r in rows if r["client"] == "agent"}
+    assert parent and all(r["priority"] == "high" for r in rows if r["id"] in parent)
+    # the last return: on one slot the parent was parked and comes back from the cache; on two, the side call (which
+    # shares the system prompt with the parent's slot only) and the subagent took the cheaper slot, so the parent's
+    # own slot was still live
+    events = http.get("/cache/events", params={"limit": 10000}).json()["events"][seen:]
+    restores = [e for e in events if e["kind"] == "restore" and e["conversation_id"] in parent]
+    assert len(restores) == (1 if parallel == 1 else 0), events
+    http.close()
 
 
 def _hammer_prompts() -> list[list[dict]]:
