@@ -226,6 +226,12 @@ class EngineConfig:
         kind="int", group="runtime", unit="tokens", minimum=16, maximum=65536,
         help="prompt tokens computed per forward pass (chunked prefill)",
     )
+    side_call_tokens: int = setting(
+        512, flag="--side-call-tokens", label="Side-call size", ui="line",
+        kind="int", group="runtime", unit="tokens", minimum=0, maximum=1 << 20,
+        help="a request with a shorter prompt that continues no slot (a title or summary call) takes the slot "
+        "whose loss is cheapest, not the one sharing a few of its tokens (0 = off)",
+    )
     # -- server
     host: str = setting(
         "127.0.0.1", flag="--host", label="Host", kind="str", group="server", metavar="ADDR",

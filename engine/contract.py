@@ -179,6 +179,10 @@ class ConversationRow:
     hits: int
     pending: bool = False
     on_disk: bool = False
+    priority: str = "normal"  # "high" | "normal" | "low"
+    pinned: bool = False
+    name: str = ""  # the first words of its first user message
+    client: str = ""  # X-Strata-Client / metadata strata_client, else the User-Agent's first product token
 
 
 @dataclass(frozen=True, slots=True)

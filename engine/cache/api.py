@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from engine.cache.attrs import ConvAttrs
 from engine.cache.parts import ReadParts, WriteParts
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
@@ -25,8 +26,14 @@ class CacheAPI(Protocol):
 
     def record_miss(self) -> None: ...
 
-    def park(self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None) -> ParkResult:
+    def park(
+        self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None, attrs: ConvAttrs = ...
+    ) -> ParkResult:
         """Park a slot's conversation; a refusal is a `ParkResult` with a reason, never an exception."""
+        ...
+
+    def set_attrs(self, conv_id: str, *, priority: str | None = None, pinned: bool | None = None) -> str:
+        """Change a parked conversation's priority and/or pin; returns its id (KeyError: not parked)."""
         ...
 
     def restore(self, hit: CacheHit, write_parts: WriteParts) -> RestoreResult:

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.cache.attrs import ConvAttrs
 from engine.cache.errors import ParkRefused
 from engine.cache.index import Block, Conv
 from engine.cache.lifecycle import EntryState
 from engine.cache.parts import Parts, ReadParts, parts_nbytes
+from engine.cache.policy import rank_of
 from engine.cache.ram_tier import capture, inherit
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ def park(
     keys: list[str],
     read_parts: ReadParts,
     keep: str | None,
+    attrs: ConvAttrs,
     *,
     background: bool = True,
 ) -> tuple[Conv, int, int]:
@@ -43,7 +46,10 @@ def park(
         candidates = [c for c in idx.prefixes_of(toks) if not c.failed]
         superseded = [c for c in candidates if not idx.is_pinned(c)]
         same = [c for c in candidates if c.n_tokens == len(toks)]  # parked (written or on its way)
+        resolved = attrs.resolve(candidates)
+        rank = rank_of(resolved[0])
         if same:
+            same[0].set_attrs(resolved)
             same[0].last_used = time.time()
             idx.touch(same[0].id)
             store.record_use(same[0])
@@ -53,25 +59,29 @@ def park(
             len(toks),
             leaving={c.id for c in candidates},
             exclude={keep} if keep else set(),
+            rank=rank,
             in_flight_ok=True,  # only the writer pins entries while the engine thread parks
         )
         n_tail = len(toks) - len(keys) * b
         staged = (len(keys) - have) * store.identity.block_bytes + n_tail * store.identity.bytes_per_token
         protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
-        background = background and store._writer is not None and store.staging.make_room(staged, protect)
+        background = background and store._writer is not None and store.staging.make_room(staged, protect, rank)
         res = store._reserve(keys, have, victims, pin_pending=not background)
         # a staged entry continues its line's id even while that line's last version is being written
         line = inherit(candidates if background else superseded)
     if background:
-        return _stage(store, toks, keys, read_parts, res, candidates, line)
-    return _write_now(store, toks, keys, read_parts, res, superseded, line)
+        conv, new_bytes, evicted = _stage(store, toks, keys, read_parts, res, candidates, line, resolved)
+    else:
+        conv, new_bytes, evicted = _write_now(store, toks, keys, read_parts, res, superseded, line, resolved)
+    return conv, new_bytes, evicted
 
 
 def _capture(store: DiskStore, read_parts: ReadParts, start: int, end: int) -> Parts:
     return capture(store.identity, read_parts, start, end)
 
 
-def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line,
+           attrs) -> tuple[Conv, int, int]:
     """Capture a park's new K/V into host memory and queue its write; the entry is restorable at once."""
     b, have = store.identity.block_tokens, len(res.reused)
     conv_id, created, hits = line
@@ -124,6 +134,7 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
             supersedes=later,
             previous=previous,
         )
+        conv.set_attrs(attrs)
         store._publish(res, conv, new_blocks, {})
         assert store._writer is not None
         store._writer.submit(conv_id)
@@ -131,7 +142,8 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
     return conv, new_bytes, len(res.victims)
 
 
-def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line,
+               attrs) -> tuple[Conv, int, int]:
     """Write a conversation's new blocks and its manifest before returning."""
     b, have = store.identity.block_tokens, len(res.reused)
     conv_id, created, hits = line
@@ -149,6 +161,7 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         tail = _capture(store, read_parts, len(keys) * b, len(toks)) if n_tail else None
         conv = Conv(conv_id, toks, keys, 0, created=created, last_used=time.time(), hits=hits,
                     state=EntryState.WRITING)
+        conv.set_attrs(attrs)
         conv.nbytes = store.files.write_manifest(conv, tail)
         conv.move(EntryState.WRITTEN)
     except Exception as exc:

@@ -81,6 +81,7 @@ def move_entries(old: DiskStore, new: DiskStore) -> None:
             tail = old.files.read_tail(conv) if conv.n_tokens % block_tokens else None
             copy = Conv(cid, conv.tokens, conv.keys, 0, created=conv.created, last_used=conv.last_used,
                         hits=conv.hits, state=EntryState.WRITING)
+            copy.set_attrs(conv.attrs)
             copy.nbytes = new.files.write_manifest(copy, tail)
             copy.move(EntryState.WRITTEN)
         except (OSError, FileFormatError) as exc:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.cache import disk_parks
+from engine.cache.attrs import ConvAttrs
 from engine.cache.disk_tier import DAY, DiskTier
 from engine.cache.errors import ParkRefused
 from engine.cache.identity import CacheIdentity
@@ -29,8 +30,8 @@ from engine.cache.index import Block, Conv
 from engine.cache.journal import Journal
 from engine.cache.lifecycle import EntryState
 from engine.cache.parts import Parts, ReadParts
-from engine.cache.policy import plan_room
-from engine.cache.ram_tier import RESERVED, inherit
+from engine.cache.policy import plan_room, rank_of
+from engine.cache.ram_tier import RESERVED, inherit, refuse_room
 from engine.cache.settings import CacheSettings
 from engine.cache.staging import StagingBound
 from engine.cache.writer import DiskWriter, WriteJob, WriteResult
@@ -82,11 +83,13 @@ class DiskStore:
         *,
         leaving: set[str],
         exclude: set[str],
+        rank: int,
         in_flight_ok: bool = False,
     ) -> tuple[int, list[str]]:
-        """(blocks already held, victims) for an entry of `keys`/`n_tokens` under the disk budget and slots.
+        """(blocks already held, victims) for an entry of `keys`/`n_tokens` and priority `rank` under the disk
+        budget and slots.
 
-        Raises ParkRefused("larger_than_budget" or "no_room"); nothing is changed here."""
+        Raises ParkRefused("larger_than_budget", "priority" or "no_room"); nothing is changed here."""
         s, idx, files = self.settings, self.index, self.files
         have = idx.matched_blocks(keys)
         manifest = files.manifest_size(n_tokens)
@@ -96,7 +99,7 @@ class DiskStore:
                 "larger_than_budget",
                 f"{total / MIB:.1f} MiB conversation is larger than the whole disk budget ({s.disk_bytes / MIB:.0f} MiB)",
             )
-        victims = plan_room(
+        plan = plan_room(
             idx,
             need_bytes=(len(keys) - have) * files.block_size() + manifest,
             budget=s.disk_bytes,
@@ -105,10 +108,11 @@ class DiskStore:
             leaving=leaving,
             exclude=exclude,
             in_flight_ok=in_flight_ok,
+            rank=rank,
         )
-        if victims is None:
-            raise ParkRefused("no_room", "no room on disk: the conversations that would have to go are in use")
-        return have, victims
+        if not plan.ok:
+            raise refuse_room(plan, "on disk")
+        return have, plan.victims
 
     def _reserve(self, keys: list[str], have: int, victims: list[str], *, pin_pending: bool) -> Reservation:
         res = Reservation(keys[:have], victims)
@@ -138,8 +142,8 @@ class DiskStore:
         self.files.delete_blocks([k for k in written if k not in self.index.blocks])
 
     def enforce_budget(self) -> None:
-        """Evict LRU entries (never one in flight) until the tier is within its budget and slot count."""
-        victims = plan_room(
+        """Evict entries in eviction order (never one in flight) until the tier is within its budget and slots."""
+        plan = plan_room(
             self.index,
             need_bytes=0,
             budget=self.settings.disk_bytes,
@@ -150,7 +154,7 @@ class DiskStore:
             adding=0,
             best_effort=True,
         )
-        for cid in victims or []:
+        for cid in plan.victims:
             if cid in self.index.convs:
                 self.remove(cid, reason="evict")
 
@@ -167,11 +171,18 @@ class DiskStore:
     # ------------------------------------------------------------------ parks (disk mode, tiered fallback)
 
     def park(
-        self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None, *, background: bool = True
+        self,
+        toks: np.ndarray,
+        keys: list[str],
+        read_parts: ReadParts,
+        keep: str | None,
+        attrs: ConvAttrs,
+        *,
+        background: bool = True,
     ) -> tuple[Conv, int, int]:
         """Park on disk; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then.
         See `disk_parks.park` for `background`."""
-        return disk_parks.park(self, toks, keys, read_parts, keep, background=background)
+        return disk_parks.park(self, toks, keys, read_parts, keep, attrs, background=background)
 
     # ------------------------------------------------------------------ tiered spills
 
@@ -181,14 +192,21 @@ class DiskStore:
         Caller holds the lock."""
         idx = self.index
         superseded = [c for c in idx.prefixes_of(conv.tokens) if not c.failed]
-        if any(c.n_tokens == conv.n_tokens for c in superseded):
+        for same in (c for c in superseded if c.n_tokens == conv.n_tokens):
+            if same.attrs != conv.attrs:  # changed in RAM (a PATCH) since it was written
+                same.set_attrs(conv.attrs)
+                self.record_use(same)
             return True  # already on disk (or on its way)
         try:
-            have, victims = self._room(conv.keys, conv.n_tokens, leaving={c.id for c in superseded}, exclude=set())
-        except ParkRefused:
+            have, victims = self._room(
+                conv.keys, conv.n_tokens, leaving={c.id for c in superseded}, exclude=set(), rank=rank_of(conv.priority)
+            )
+        except ParkRefused as exc:
             self._journal.count("spill_dropped")
-            self._journal.event("spill_drop", conv.id, conv.n_tokens, 0, 0.0, "disk", reason="no room on disk")
-            log.warning("conversation cache: no room on disk for %s (%d tokens); dropped", conv.id, conv.n_tokens)
+            if exc.reason == "priority":
+                self._journal.refused("priority")
+            self._journal.event("spill_drop", conv.id, conv.n_tokens, 0, 0.0, "disk", reason=str(exc))
+            log.warning("conversation cache: %s for %s (%d tokens); dropped", exc, conv.id, conv.n_tokens)
             return False
         # Hold the blocks this spill reuses: evicting a victim that shares them must not free them.
         res = self._reserve(conv.keys, have, victims, pin_pending=False)
@@ -208,6 +226,7 @@ class DiskStore:
             state=EntryState.PENDING,
             supersedes=[c.id for c in superseded],
         )
+        pending.set_attrs(conv.attrs)
         self._publish(res, pending, new_blocks, {})
         assert self._writer is not None
         self._writer.submit(conv_id)
@@ -312,7 +331,7 @@ class DiskStore:
         for blk in blocks:
             blk.pins += 1
         return WriteJob(
-            conv, [(blk.key, blk.data) for blk in blocks], conv.tail, extra=blocks, history=(conv.last_used, conv.hits)
+            conv, [(blk.key, blk.data) for blk in blocks], conv.tail, extra=blocks, history=conv.history
         )
 
     def _report(self, result: WriteResult) -> None:
@@ -335,8 +354,8 @@ class DiskStore:
             if idx.convs.get(conv.id) is conv:
                 idx.bytes += result.manifest_bytes - conv.nbytes
             conv.nbytes = result.manifest_bytes
-            if (conv.last_used, conv.hits) != result.job.history:
-                self.record_use(conv)  # used while it was written: the manifest records the claim's history
+            if conv.history != result.job.history:
+                self.record_use(conv)  # used or changed while it was written: the manifest records the claim's
             written = sum(result.sizes.values()) + result.manifest_bytes
             self._journal.count("spills")
             self._journal.count("bytes_spilled", written)

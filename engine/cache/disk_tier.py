@@ -19,10 +19,11 @@ import numpy as np
 
 from engine import startup_progress
 from engine.cache.atomic import is_temp_name, publish, write_temp
+from engine.cache.attrs import DEFAULT_PRIORITY, MAX_CLIENT_CHARS, MAX_NAME_CHARS, PRIORITIES
 from engine.cache.errors import CacheDirLockedError
 from engine.cache.fileformat import FileFormatError, file_chunks, read_header, read_tensor
 from engine.cache.identity import CacheIdentity, block_keys
-from engine.cache.index import Block, Conv, TierIndex
+from engine.cache.index import Block, Conv, History, TierIndex
 from engine.cache.lifecycle import EntryState
 from engine.cache.parts import Parts
 from engine.cache.session_file import block_file, check_conversation, check_identity, conversation_file
@@ -250,9 +251,11 @@ class DiskTier:
             created, hits = float(meta.get("created", last_used)), max(0, int(meta.get("hits", "0")))
         except ValueError:
             last_used, created, hits = mtime, mtime, 0
-        return Conv(
+        conv = Conv(
             conv_id, tokens, keys, size, created=created, last_used=last_used, hits=hits, state=EntryState.WRITTEN
         )
+        conv.set_attrs(_attrs_of(meta))
+        return conv
 
     # ------------------------------------------------------------------ writes
 
@@ -298,10 +301,10 @@ class DiskTier:
             raise
         return sizes
 
-    def write_manifest(self, conv: Conv, tail: Parts | None, *, history: tuple[float, int] | None = None) -> int:
+    def write_manifest(self, conv: Conv, tail: Parts | None, *, history: History | None = None) -> int:
         """Write a conversation's manifest atomically (its blocks must be published first); `history` is the
-        (last_used, hits) to record when not the entry's own (the writer's copy, taken under the lock)."""
-        last_used, hits = (conv.last_used, conv.hits) if history is None else history
+        `Conv.history` to record when not the entry's own (the writer's copy, taken under the lock)."""
+        last_used, hits, priority, pinned, name, client = conv.history if history is None else history
         header, tensors = conversation_file(
             self.identity,
             conv.tokens,
@@ -312,6 +315,7 @@ class DiskTier:
             created=conv.created,
             last_used=last_used,
             hits=hits,
+            attrs={"priority": priority, "pinned": "true" if pinned else "false", "name": name, "client": client},
         )
         final = self.conv_path(conv.id)
         tmp, n = write_temp(final, file_chunks(header, tensors), fsync=True)
@@ -388,6 +392,18 @@ class DiskTier:
             if conv.n_tokens % self.identity.block_tokens == 0:
                 return None
             return {s.name: read_tensor(f, header, s.name) for s in self.identity.parts}
+
+
+def _attrs_of(meta: dict[str, str]) -> tuple[str, bool, str, str]:
+    """A manifest's priority, pin, name and client; one written before they existed (or with a value this
+    version does not know) reads as the defaults: normal, unpinned, no name, no client."""
+    priority = meta.get("priority", DEFAULT_PRIORITY)
+    return (
+        priority if priority in PRIORITIES else DEFAULT_PRIORITY,
+        meta.get("pinned") == "true",
+        str(meta.get("name", ""))[:MAX_NAME_CHARS],
+        str(meta.get("client", ""))[:MAX_CLIENT_CHARS],
+    )
 
 
 def _fsync_path(path: str) -> None:

@@ -27,11 +27,12 @@ import threading
 import time
 from collections.abc import Sequence
 
+from engine.cache.attrs import NO_ATTRS, PRIORITIES, ConvAttrs
 from engine.cache.disk_reads import disk_pieces, move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import CacheRestoreError, ParkRefused
-from engine.cache.identity import CacheIdentity, block_keys, token_array
+from engine.cache.identity import CacheIdentity, block_keys, token_array, tokens_key
 from engine.cache.index import Conv, TierIndex
 from engine.cache.journal import Journal
 from engine.cache.parts import Parts, ReadParts, WriteParts, first_tokens, n_tokens_of
@@ -123,7 +124,16 @@ class ConversationCache:
             if reason:
                 self._journal.declined_hit(reason)
                 return None
-            return CacheHit(conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key)
+            return CacheHit(
+                conv.id,
+                n,
+                tier,
+                n * self.identity.bytes_per_token,
+                self.identity.key,
+                conv.priority,
+                conv.pinned,
+                tokens_key(self.identity.key, toks[:n]),
+            )
 
     def record_miss(self) -> None:
         with self._lock:
@@ -131,11 +141,19 @@ class ConversationCache:
 
     # ------------------------------------------------------------------ park
 
-    def park(self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None) -> ParkResult:
+    def park(
+        self,
+        tokens: Sequence[int],
+        read_parts: ReadParts,
+        *,
+        keep: str | None = None,
+        attrs: ConvAttrs = NO_ATTRS,
+    ) -> ParkResult:
         """Park a slot's conversation: `tokens` are exactly the tokens whose state `read_parts(start, end)` returns.
 
         Captures only blocks this tier does not hold yet. `keep` names a conversation that must not be evicted
-        (the hit about to be restored into this slot). Never raises for a refusal: see `ParkResult.reason`.
+        (the hit about to be restored into this slot). `attrs`: what the request said about the conversation
+        (unset values keep the parked line's, in any tier). Never raises for a refusal: see `ParkResult.reason`.
         """
         t0 = time.perf_counter()
         try:
@@ -151,8 +169,11 @@ class ConversationCache:
         if len(toks) == 0:
             return self._refuse("empty", "nothing to park", 0)
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
+        with self._lock:  # the line may live in another tier than the one this park lands in (tiered)
+            line = [c for _, index in self._tiers() for c in index.prefixes_of(toks) if not c.failed]
+            attrs = ConvAttrs(*attrs.resolve(line))
         try:
-            conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep)
+            conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep, attrs)
         except ParkRefused as exc:
             return self._refuse(exc.reason, str(exc), len(toks))
         ms = (time.perf_counter() - t0) * 1000
@@ -171,20 +192,23 @@ class ConversationCache:
         )
         return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
 
-    def _park(self, toks, keys, read_parts: ReadParts, keep: str | None) -> tuple[Conv, int, int, str]:
+    def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs) -> tuple[Conv, int, int, str]:
         if not self.settings.uses_ram:
             if self.disk is None:
                 raise ParkRefused("disk_unavailable", "no disk tier")
-            return (*self.disk.park(toks, keys, read_parts, keep), "disk")
+            return (*self.disk.park(toks, keys, read_parts, keep, attrs), "disk")
         try:
-            return (*self.ram.park(toks, keys, read_parts, keep), "ram")
+            return (*self.ram.park(toks, keys, read_parts, keep, attrs), "ram")
         except ParkRefused as exc:
-            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "min_free")
+            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "min_free", "priority")
             if not (fallback and self.disk is not None):
                 raise
             log.info("conversation cache: %s; parking on disk instead", exc)
-            # written before returning: staging it in RAM would defeat the reason RAM refused it
-            return (*self.disk.park(toks, keys, read_parts, keep, background=False), "disk")
+            # RAM is full of conversations that outrank this one: the disk may still take it, through the
+            # writer; refused for its size or the floor, it is written before returning (staging it in RAM
+            # would defeat the reason RAM refused it)
+            background = exc.reason == "priority"
+            return (*self.disk.park(toks, keys, read_parts, keep, attrs, background=background), "disk")
 
     def _refuse(self, reason: str, message: str, n_tokens: int) -> ParkResult:
         with self._lock:
@@ -224,6 +248,9 @@ class ConversationCache:
             if not 0 < n <= conv.n_tokens:
                 self._journal.count("restore_failures")
                 raise CacheRestoreError(f"hit of {n} tokens does not fit conversation {conv.id} ({conv.n_tokens})")
+            if hit.tokens_key and tokens_key(self.identity.key, conv.tokens[:n]) != hit.tokens_key:
+                self._journal.count("restore_failures")
+                raise CacheRestoreError(f"conversation {conv.id} no longer holds the hit's tokens; prefill instead")
             n_full = min(len(conv.keys), math.ceil(n / b))
             use_tail = n > len(conv.keys) * b
             disk = self.disk if tier == "disk" else None
@@ -341,11 +368,39 @@ class ConversationCache:
                     conv.hits,
                     pending=tier == "disk" and not conv.on_disk,
                     on_disk=tier == "disk" and conv.on_disk,
+                    priority=conv.priority,
+                    pinned=conv.pinned,
+                    name=conv.name,
+                    client=conv.client,
                 )
                 for tier, index in self._tiers()
                 for conv in index.convs.values()
             ]
         return sorted(rows, key=lambda r: r.last_used, reverse=True)
+
+    def set_attrs(self, conv_id: str, *, priority: str | None = None, pinned: bool | None = None) -> str:
+        """Change a parked conversation's priority and/or pin in every tier that holds it (a written manifest is
+        rewritten, so the change survives a restart); returns the id it is parked under now (a superseded id
+        leads to the conversation that continued it). Raises KeyError for an id not parked, ValueError for
+        a priority that is not one of PRIORITIES. Eviction follows the new values from the next park on."""
+        if priority is not None and priority not in PRIORITIES:
+            raise ValueError(f"priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
+        with self._lock:
+            self._reap()
+            found = self._find(CacheHit(conv_id, 0, "ram", 0))
+            if found is None:
+                raise KeyError(conv_id)
+            target = found[1].id
+            for tier, index in self._tiers():
+                conv = index.convs.get(target)
+                if conv is None:
+                    continue
+                old = conv.priority, conv.pinned
+                conv.priority = priority or conv.priority
+                conv.pinned = conv.pinned if pinned is None else pinned
+                if tier == "disk" and self.disk is not None and (conv.priority, conv.pinned) != old:
+                    self.disk.record_use(conv)  # a pending entry records it when written (its history changed)
+            return target
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -101,6 +101,11 @@ def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def tokens_key(identity_key: str, tokens: np.ndarray) -> str:
+    """Key of an exact token sequence under a model identity: what a hit promises its restore will hold."""
+    return xxhash.xxh3_128_hexdigest(identity_key.encode() + token_array(tokens).tobytes())
+
+
 def block_keys(
     identity_key: str, tokens: np.ndarray, block_tokens: int, *, limit: int | None = None
 ) -> list[str]:

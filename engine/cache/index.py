@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.cache.attrs import DEFAULT_PRIORITY
 from engine.cache.lifecycle import EntryState, check_transition
 from engine.cache.parts import Parts
+
+History = tuple[float, int, str, bool, str, str]  # (last_used, hits, priority, pinned, name, client)
 
 
 @dataclass(eq=False)
@@ -36,6 +39,12 @@ class Conv:
     created: float = 0.0
     last_used: float = 0.0
     hits: int = 0
+    # what the requests said about it (engine.cache.attrs); `pinned` is the user's pin, which budgets respect
+    # (engine.cache.policy), not an I/O hold (`pins`, `TierIndex.is_pinned`)
+    priority: str = DEFAULT_PRIORITY
+    pinned: bool = False
+    name: str = ""
+    client: str = ""
     state: EntryState = EntryState.RAM
     pins: int = 0  # restores reading the entry right now (engine thread); the writer's hold is WRITING
     error: str = ""  # why its write failed (state FAILED)
@@ -45,6 +54,18 @@ class Conv:
     # disk, pending: the written version this entry replaces under the same id (its manifest is still the file
     # on disk until this one is written); a failed or dropped write puts it back, so nothing on disk is lost
     previous: Conv | None = None
+
+    @property
+    def attrs(self) -> tuple[str, bool, str, str]:
+        return self.priority, self.pinned, self.name, self.client
+
+    def set_attrs(self, attrs: tuple[str, bool, str, str]) -> None:
+        self.priority, self.pinned, self.name, self.client = attrs
+
+    @property
+    def history(self) -> History:
+        """What its manifest records besides tokens and state: last use, hits and attributes."""
+        return (self.last_used, self.hits, *self.attrs)
 
     @property
     def n_tokens(self) -> int:

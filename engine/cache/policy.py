@@ -1,19 +1,49 @@
 """The cache's decisions, free of I/O and locks: which hit is worth restoring, and which entries make room.
 
-`decline_reason` weighs a hit against the user's thresholds and the restore cost model; `plan_room` picks the
-least recently used entries to evict so one more entry fits a tier's byte budget and slot count. Both read the
-state they are given and change nothing.
+`decline_reason` weighs a hit against the user's thresholds and the restore cost model; `eviction_order` is the
+one order in which every budget of every tier (RAM bytes, disk bytes, slot counts, the disk write buffer) takes
+conversations: unpinned before pinned, low before normal before high, least recently used first within a class;
+`plan_room` walks it to pick the entries to evict so one more entry fits a tier's byte budget and slot count,
+never taking one of a higher priority than the entry being added (a pin only orders: a pinned conversation
+goes when nothing unpinned that may go is left). They read the state they are given and change nothing.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
+from engine.cache.attrs import PRIORITIES, HasAttrs
 from engine.cache.identity import CacheIdentity
 from engine.cache.index import Conv, TierIndex
 from engine.cache.settings import CacheSettings
+
+A = TypeVar("A", bound=HasAttrs)
+Precedence = tuple[int, int]  # (pinned, priority rank): a larger value is kept longer
+
+
+def rank_of(priority: str) -> int:
+    """0 for low, 1 for normal, 2 for high: a park may evict only conversations of its rank or below."""
+    return PRIORITIES.index(priority)
+
+
+def precedence_of(priority: str, pinned: bool) -> Precedence:
+    """Where a conversation stands in the eviction order: pinned after unpinned, then low < normal < high."""
+    return (1 if pinned else 0, rank_of(priority))
+
+
+def precedence(conv: HasAttrs) -> Precedence:
+    return precedence_of(conv.priority, conv.pinned)
+
+
+def eviction_order(convs: Iterable[A]) -> list[A]:
+    """`convs` (given least recently used first) in the order budgets evict them: lowest precedence first,
+    least recently used first within a precedence (the sort is stable)."""
+    return sorted(convs, key=precedence)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -53,6 +83,18 @@ def decline_reason(
     return ""
 
 
+@dataclass(slots=True)
+class RoomPlan:
+    """What `plan_room` found: the entries to evict, or why no choice of them makes room."""
+
+    victims: list[str] = field(default_factory=list)
+    refused: str = ""  # "" (room made), "priority" (only higher-priority entries would do) or "no_room"
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+
 def plan_room(
     index: TierIndex,
     *,
@@ -65,13 +107,17 @@ def plan_room(
     adding: int = 1,
     in_flight_ok: bool = False,
     best_effort: bool = False,
-) -> list[str] | None:
-    """LRU entries of `index` to evict so `need_bytes` more fit `budget` and `adding` more entries fit `slots`.
+    rank: int | None = None,
+) -> RoomPlan:
+    """Entries of `index` to evict, in `eviction_order`, so `need_bytes` more fit `budget` and `adding` more
+    entries fit `slots`.
 
     `leaving` are entries this operation removes anyway; `keep_keys` blocks stay (the new entry holds them).
     `in_flight_ok`: entries with I/O in flight may be chosen too (the caller removes their files once the I/O
-    ends). Returns None when even evicting every candidate would not make room (then nothing is to be
-    evicted), unless `best_effort`, which returns every victim that helps.
+    ends). `rank`: the priority rank (`rank_of`) of the entry being added; an entry of a higher priority is
+    never chosen (None: any entry may go, as when a budget shrinks). When even evicting every candidate would
+    not make room, the plan is refused and says why ("priority" when entries were passed over for their
+    priority, else "no_room") and has no victims, unless `best_effort`, which keeps every victim that helps.
     """
     gone = set(leaving)
     freed_keys: set[str] = set()
@@ -91,15 +137,21 @@ def plan_room(
             bytes_after -= freed_by(index.convs[cid])
     count_after = len([c for c in index.convs if c not in leaving]) + adding
     victims: list[str] = []
-    for cid, conv in index.convs.items():
+    outranked = False
+    for conv in eviction_order(index.convs.values()):
         if bytes_after <= budget and count_after <= slots:
             break
+        cid = conv.id
         if cid in gone or cid in exclude or (index.is_pinned(conv) and not in_flight_ok):
+            continue
+        if rank is not None and rank_of(conv.priority) > rank:
+            outranked = True
             continue
         gone.add(cid)
         victims.append(cid)
         count_after -= 1
         bytes_after -= freed_by(conv)
-    if (bytes_after > budget or count_after > slots) and not best_effort:
-        return None
-    return victims
+    if bytes_after > budget or count_after > slots:
+        refused = "priority" if outranked else "no_room"
+        return RoomPlan(victims if best_effort else [], refused)
+    return RoomPlan(victims)

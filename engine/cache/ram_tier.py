@@ -16,12 +16,13 @@ from collections.abc import Callable
 import numpy as np
 import psutil
 
+from engine.cache.attrs import ConvAttrs
 from engine.cache.errors import CacheRestoreError, ParkRefused
 from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv, TierIndex
 from engine.cache.journal import Journal
 from engine.cache.parts import Parts, ReadParts, check_parts, parts_nbytes
-from engine.cache.policy import plan_room
+from engine.cache.policy import RoomPlan, plan_room, rank_of
 from engine.cache.settings import CacheSettings
 
 log = logging.getLogger("strata.cache")
@@ -36,6 +37,16 @@ def capture(identity: CacheIdentity, read_parts: ReadParts, start: int, end: int
         return check_parts(identity.parts, read_parts(start, end), end - start)
     except ValueError as exc:
         raise ParkRefused("read_error", f"the slot's state for tokens [{start}, {end}): {exc}") from None
+
+
+def refuse_room(plan: RoomPlan, where: str) -> ParkRefused:
+    """The refusal of a park `plan_room` found no room for ("priority" or "no_room")."""
+    if plan.refused == "priority":
+        return ParkRefused(
+            "priority",
+            f"no room {where}: only conversations of a higher priority (or pinned) would have to go",
+        )
+    return ParkRefused("no_room", f"no room {where}: the conversations that would have to go are in use")
 
 
 def inherit(superseded: list[Conv]) -> tuple[str, float, int]:
@@ -62,14 +73,18 @@ class RamTier:
         self._journal = journal
         self._on_evict = on_evict
 
-    def park(self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None) -> tuple[Conv, int, int]:
+    def park(
+        self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None, attrs: ConvAttrs
+    ) -> tuple[Conv, int, int]:
         """Park in RAM; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then."""
         s, idx, b = self.settings, self.index, self.identity.block_tokens
         bpt = self.identity.bytes_per_token
         with self._lock:
             superseded = idx.prefixes_of(toks)
+            resolved = attrs.resolve(superseded)
             same = [c for c in superseded if c.n_tokens == len(toks)]
             if same:
+                same[0].set_attrs(resolved)
                 same[0].last_used = time.time()
                 idx.touch(same[0].id)
                 return same[0], 0, 0
@@ -90,7 +105,7 @@ class RamTier:
                     f"parking {need / MIB:.1f} MiB would leave {max(available - need, 0) / MIB:.0f} MiB of host memory "
                     f"available, under the {s.min_free_bytes / MIB:.0f} MiB floor",
                 )
-            victims = plan_room(
+            plan = plan_room(
                 idx,
                 need_bytes=need,
                 budget=s.ram_bytes,
@@ -98,9 +113,11 @@ class RamTier:
                 keep_keys=set(keys),
                 leaving={c.id for c in superseded},
                 exclude={keep} if keep else set(),
+                rank=rank_of(resolved[0]),
             )
-            if victims is None:
-                raise ParkRefused("no_room", "no room: the conversations that would have to go are in use")
+            if not plan.ok:
+                raise refuse_room(plan, "in RAM")
+            victims = plan.victims
             idx.reserve(keys[:have], RESERVED)
             for cid in victims:
                 self.evict(cid)
@@ -128,6 +145,7 @@ class RamTier:
                 if old.id != conv_id:
                     self._journal.redirect(old.id, conv_id)
             conv = Conv(conv_id, toks, keys, own, tail=tail, created=created, last_used=time.time(), hits=hits)
+            conv.set_attrs(resolved)
             idx.add(conv, new_blocks)
             idx.release(keys[:have], RESERVED)
         new_bytes = sum(blk.nbytes for blk in new_blocks) + parts_nbytes(tail)
@@ -161,10 +179,11 @@ class RamTier:
         return conv, tensors
 
     def enforce_budget(self) -> None:
-        """Evict LRU conversations until the tier is within its budget and slot count (caller holds the lock)."""
+        """Evict conversations in eviction order until the tier is within its budget and slot count (caller holds
+        the lock)."""
         s = self.settings
         on = s.uses_ram
-        victims = plan_room(
+        plan = plan_room(
             self.index,
             need_bytes=0,
             budget=s.ram_bytes if on else 0,
@@ -176,7 +195,7 @@ class RamTier:
             in_flight_ok=True,
             best_effort=True,
         )
-        for cid in victims or []:
+        for cid in plan.victims:
             self.evict(cid)
 
     def purge(self) -> tuple[int, int]:

@@ -42,8 +42,11 @@ def conversation_file(
     created: float | None = None,
     last_used: float | None = None,
     hits: int = 0,
+    attrs: dict[str, str] | None = None,
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
     """Header and tensors of a conversation file; `tail` holds tokens [n_blocks * block_tokens, len(tokens)).
+
+    `attrs` are the conversation's priority, pinned ("true"/"false"), name and client, kept in the header too.
 
     `created`, `last_used` (epoch seconds) and `hits` are the conversation's history, kept in the header so a
     restart shows and orders it as it was (a file without `last_used`, written before it existed, is read
@@ -73,6 +76,7 @@ def conversation_file(
         "created": repr(now if created is None else created),
         "last_used": repr(now if last_used is None else last_used),
         "hits": str(hits),
+        **(attrs or {}),
     }
     return encode_header(tensors, meta), tensors
 

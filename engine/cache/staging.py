@@ -2,7 +2,9 @@
 
 Part of the disk store (it reads the store's index and drops its pending entries through the store); kept
 apart because it is the one rule about RAM in a tier that is otherwise about files. Dropped pending writes are
-counted in `spill_dropped` and logged. Every method runs with the cache's lock held.
+counted in `spill_dropped` and logged. Pending writes are dropped in the cache's eviction order (lowest
+priority first, oldest first within one), and never one of a higher priority than the write making room. Every method
+runs with the cache's lock held.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from engine.cache.parts import parts_nbytes
+from engine.cache.policy import eviction_order, rank_of
 
 if TYPE_CHECKING:
     from engine.cache.disk_store import DiskStore
@@ -51,8 +54,8 @@ class StagingBound:
             idx.add(prev, [])
         idx.release(prev.keys, token)
 
-    def make_room(self, nbytes: int, protect: set[str]) -> bool:
-        """Make `nbytes` more fit the bound by dropping the oldest pending writes (not in `protect`).
+    def make_room(self, nbytes: int, protect: set[str], rank: int) -> bool:
+        """Make `nbytes` more fit the bound by dropping pending writes (not in `protect`, none of a priority above `rank`).
 
         False, with nothing dropped, when even dropping every droppable one would not be enough."""
         if nbytes > self.limit:
@@ -63,10 +66,10 @@ class StagingBound:
         gone: set[str] = set()
         freed_keys: set[str] = set()
         plan: list[Conv] = []
-        for conv in list(idx.convs.values()):
+        for conv in eviction_order(idx.convs.values()):
             if over <= 0:
                 break
-            if conv.on_disk or conv.id in protect or idx.is_pinned(conv):
+            if conv.on_disk or conv.id in protect or idx.is_pinned(conv) or rank_of(conv.priority) > rank:
                 continue
             plan.append(conv)
             gone.add(conv.id)
@@ -83,14 +86,25 @@ class StagingBound:
         return True
 
     def bound(self, keep: str) -> None:
-        """Drop the oldest pending writes (never `keep`) while the RAM they hold exceeds the bound."""
+        """Drop pending writes while the RAM they hold exceeds the bound: never one of a higher priority than
+        `keep` (the write just queued), which goes itself when only such writes are left."""
         store = self._store
         idx = store.index
+        rank = rank_of(idx.convs[keep].priority)
         while self.pending_bytes() > self.limit:
             victim = next(
-                (c for c in idx.convs.values() if not c.on_disk and c.id != keep and not idx.is_pinned(c)), None
+                (
+                    c
+                    for c in eviction_order(idx.convs.values())
+                    if not c.on_disk and c.id != keep and not idx.is_pinned(c) and rank_of(c.priority) <= rank
+                ),
+                None,
             )
             if victim is None:
+                conv = idx.convs.get(keep)
+                if conv is not None and not conv.on_disk and not idx.is_pinned(conv):
+                    store._journal.refused("priority")
+                    self._drop(conv, "spill queue full of writes of a higher priority; dropped pending spill of %s (%d tokens)")
                 return
             self._drop(victim, "spill queue full; dropped pending spill of %s (%d tokens)")
 

@@ -16,6 +16,9 @@ class CacheHit:
     tier: str  # "ram" | "disk"
     nbytes: int  # K/V bytes written into the slot on restore
     identity_key: str = ""
+    priority: str = "normal"  # the parked conversation's attributes, which the slot then holds
+    pinned: bool = False
+    tokens_key: str = ""  # identity.tokens_key of the request's first n_tokens: the restore checks it holds them
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -75,6 +78,10 @@ class ConversationInfo:
     # its files are published: it survives a crash or a kill. False for RAM-tier conversations (in tiered mode
     # they reach the disk when RAM evicts them or at a clean shutdown) and for pending disk writes.
     on_disk: bool = False
+    priority: str = "normal"
+    pinned: bool = False
+    name: str = ""  # the first words of its first user message
+    client: str = ""  # who sent it: X-Strata-Client / strata_client, else the User-Agent's first product
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

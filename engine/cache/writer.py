@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache.disk_tier import DiskTier
-from engine.cache.index import Conv
+from engine.cache.index import Conv, History
 from engine.cache.parts import Parts
 
 
@@ -28,8 +28,9 @@ class WriteJob:
     items: list[tuple[str, Parts | None]]
     tail: Parts | None
     extra: object = None  # the store's own bookkeeping for this job (the blocks it pinned)
-    # (last_used, hits) as of the claim, what the manifest records: the entry may be used while it is written
-    history: tuple[float, int] | None = None
+    # `Conv.history` as of the claim, what the manifest records: the entry may be used (or its attributes
+    # changed) while it is written
+    history: History | None = None
 
 
 @dataclass(slots=True)

@@ -119,6 +119,21 @@ class Control(Startup):
             return []
         return [c.to_dict() for c in self.cache.conversations()]
 
+    def set_conversation(self, conv_id: str, *, priority: str | None, pinned: bool | None) -> list[dict]:
+        """Change a parked conversation's priority and/or pin; its rows (one per tier) as they are now."""
+        if self.cache is None:
+            raise NotFound(f"conversation {conv_id!r} is not parked: the conversation cache is off", param="id")
+        try:
+            target = self.cache.set_attrs(conv_id, priority=priority, pinned=pinned)
+        except KeyError:
+            raise NotFound(f"conversation {conv_id!r} is not parked; GET /cache/conversations lists those that are",
+                           param="id") from None
+        except ValueError as exc:
+            raise BadValue(str(exc), param="priority") from None
+        log.info("conversation %s: priority %s, pinned %s", target, priority or "unchanged",
+                 "unchanged" if pinned is None else pinned)
+        return [c.to_dict() for c in self.cache.conversations() if c.id == target]
+
     def cache_events(self, limit: int = 200) -> list[dict]:
         return [] if self.cache is None else self.cache.events(limit)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.cache.attrs import NO_ATTRS, ConvAttrs
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -34,6 +36,7 @@ class GenerationRequest:
     request_id: str
     prompt_tokens: list[int]
     params: SamplingParams
+    attrs: ConvAttrs = NO_ATTRS  # its conversation's priority, pin, name and client (metadata / X-Strata-*)
 
 
 @dataclass(slots=True)

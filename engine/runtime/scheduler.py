@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cache.attrs import DEFAULT_PRIORITY
 from engine.cache.parts import kv_reader, kv_writer
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
+from engine.runtime.slot_choice import MIN_PARK_TOKENS, cheapest, choose_slot
 from engine.runtime.state import Active, Slot
 from engine.runtime.stats import STATS_INTERVAL_S, Stats
 from engine.runtime.stop_strings import StopStringFilter
@@ -22,11 +24,6 @@ if TYPE_CHECKING:
     from engine.cache.stats import CacheHit
 
 log = logging.getLogger("strata.engine")
-
-# A conversation shorter than this is cheaper to prefill again than to park; a hit that saves fewer tokens than
-# this over the live slot is not worth parking the slot's conversation for.
-MIN_PARK_TOKENS = 16
-
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
@@ -130,25 +127,31 @@ class Scheduler(Stats):
     def _admit(self, request: GenerationRequest, stream: RequestStream, free: list[Slot]) -> None:
         prompt = request.prompt_tokens
         usable = len(prompt) - 1  # the last prompt token is always computed: its logits pick the first output
-        # The free slot whose live contents reuse the most of this prompt.
+        # The slot it would continue or displace (slot_choice), and what of the prompt that slot holds.
         live = {s.id: min(common_prefix(s.tokens, prompt), usable) for s in free}
-        best = max(free, key=lambda s: (live[s.id], -s.last_used))
+        slot = choose_slot(free, live, len(prompt), self.config.side_call_tokens)
         hit = None
         if self.cache is not None:
-            hit = self.cache.lookup(prompt, live_prefix=live[best.id])
-            if hit is not None and hit.n_tokens - live[best.id] < MIN_PARK_TOKENS:
+            hit = self.cache.lookup(prompt, live_prefix=live[slot.id])
+            if hit is not None and hit.n_tokens - live[slot.id] < MIN_PARK_TOKENS:
                 hit = None
-            if hit is None and live[best.id] < usable:
+            if hit is None and live[slot.id] < usable:
                 self.cache.record_miss()
+        attrs = request.attrs
         if hit is not None:
-            # Restore into the least recently used free slot, parking what it holds.
-            slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
+            # Restore into the slot whose loss is cheapest, parking what it holds.
+            slot = cheapest(free)
             reused = self._restore_hit(slot, hit, prompt)
+            slot.priority, slot.pinned = (hit.priority, hit.pinned) if reused else (DEFAULT_PRIORITY, False)
         else:
-            slot = best if live[best.id] > 0 else min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
             reused = live[slot.id]
             self._park_if_losing(slot, reused)
             slot.tokens = slot.tokens[:reused]
+            if not reused:
+                slot.priority, slot.pinned = DEFAULT_PRIORITY, False
+        slot.attrs = attrs
+        slot.priority = attrs.priority or slot.priority
+        slot.pinned = slot.pinned if attrs.pinned is None else attrs.pinned
 
         max_tokens = request.params.max_tokens or (self.ctx_size - len(prompt))
         slot.prompt = list(prompt)
@@ -180,7 +183,9 @@ class Scheduler(Stats):
         assert self.cache is not None
         tokens = list(slot.tokens)
         try:
-            result = self.cache.park(tokens, kv_reader(lambda a, b: self.kv.read(slot.id, a, b)), keep=protect)
+            result = self.cache.park(
+                tokens, kv_reader(lambda a, b: self.kv.read(slot.id, a, b)), keep=protect, attrs=slot.attrs
+            )
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.cache.attrs import DEFAULT_PRIORITY, NO_ATTRS, ConvAttrs
 from engine.config import EngineConfig
 from engine.kv import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest
@@ -51,6 +52,11 @@ class Slot:
     active: Active | None = None
     last_used: float = 0.0
     prompt: list[int] = field(default_factory=list)  # the active request's prompt (prefill target)
+    # the conversation it holds: what its last request said (handed to the cache when it is parked) and the
+    # priority and pin that decide how cheap it is to displace (engine.runtime.slot_choice)
+    attrs: ConvAttrs = NO_ATTRS
+    priority: str = DEFAULT_PRIORITY
+    pinned: bool = False
 
 
 class EngineState:

@@ -12,8 +12,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ConfigDict
 from starlette.background import BackgroundTask
 
+from engine.cache.attrs import PRIORITIES
 from engine.config import PURGE_TIERS
 from engine.contract import (
     CacheConfigBody,
@@ -44,6 +46,14 @@ class SlotFileRequest(StrictBody):
 
 class PurgeRequest(StrictBody):
     tier: str = "all"
+
+
+class ConversationPatch(StrictBody):
+    """PATCH /cache/conversations/{id}: what to change; any other field is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    priority: str | None = None
+    pinned: bool | None = None
 
 
 @router.get("/health")
@@ -112,6 +122,21 @@ def whole_number(raw: str, what: str, param: str, limit: int = 10**9) -> int:
 @router.get("/cache/conversations")
 async def cache_conversations(request: Request) -> dict[str, Any]:
     rows = require_engine(request).stats_snapshot()["conversations"]
+    return to_json(ConversationsBody([parse(ConversationRow, row) for row in rows]))
+
+
+@router.patch("/cache/conversations/{conv_id}")
+async def patch_conversation(conv_id: str, request: Request) -> dict[str, Any]:
+    """Change a parked conversation's priority and/or pin: {"priority": "high"|"normal"|"low", "pinned": bool}."""
+    engine = require_engine(request)
+    patch = parse_body(ConversationPatch, await request.body())
+    if patch.priority is None and patch.pinned is None:
+        raise ApiError(400, "expected a JSON object with \"priority\" (high, normal or low) and/or \"pinned\" "
+                       "(true or false)")
+    if patch.priority is not None and patch.priority not in PRIORITIES:
+        raise ApiError(400, f"'priority': expected one of high, normal, low, got {patch.priority!r}"[:200],
+                       param="priority")
+    rows = await engine.run(lambda: engine.set_conversation(conv_id, priority=patch.priority, pinned=patch.pinned))
     return to_json(ConversationsBody([parse(ConversationRow, row) for row in rows]))
 
 

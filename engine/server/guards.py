@@ -90,7 +90,7 @@ class OriginGuard:
         # Starlette answers allowed preflights and adds the CORS headers to allowed requests.
         self.app = app if not (self.origins or self.any_origin) else CORSMiddleware(
             app, allow_origins=["*"] if self.any_origin else sorted(self.origins), allow_methods=["*"],
-            allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"], max_age=600)
+            allow_headers=["Authorization", "Content-Type", "X-Strata-Priority", "X-Strata-Pin", "X-Strata-Client"], expose_headers=["Retry-After"], max_age=600)
 
     def allows(self, origin: str, host: str | None) -> bool:
         if self.any_origin or origin.lower().rstrip("/") in self.origins:

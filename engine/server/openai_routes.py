@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
+from engine.server.conversation_attrs import chat_attrs, completion_attrs
 from engine.server.errors import error_body, error_response
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
@@ -96,11 +97,12 @@ async def chat_completions(request: Request) -> Response:
     # Parsing and tokenising a large prompt takes seconds: on a worker thread, so every other route keeps answering.
     req = await run_in_threadpool(parse_body, ChatCompletionRequest, await request.body())
     check_common(req)
+    attrs = chat_attrs(req, request.headers)
     prompt, tools = await run_in_threadpool(chat_prompt, engine.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
-    stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    stream = engine.submit(GenerationRequest(request_id, prompt, params, attrs))
     refused = await _wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused
@@ -186,10 +188,11 @@ async def completions(request: Request) -> Response:
     check_common(req)
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, f"best_of other than 1 is not supported (got {req.best_of})", param="best_of")
+    attrs = completion_attrs(req, request.headers)
     prompt = await run_in_threadpool(completion_prompt, engine.tokenizer, req.prompt)
     params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS, engine.ctx_size)
     request_id = "cmpl-" + uuid.uuid4().hex
-    stream = engine.submit(GenerationRequest(request_id, prompt, params))
+    stream = engine.submit(GenerationRequest(request_id, prompt, params, attrs))
     refused = await _wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused

@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from engine import __version__
+from engine.cache.attrs import PRIORITIES
 from engine.config import LIVE_SETTINGS, setting_of
 from engine.server.control_routes import PurgeRequest, SlotFileRequest
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -73,6 +74,9 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     components["Error"] = ERROR_SCHEMA
     live = {"type": "object", "minProperties": 1, "additionalProperties": False,
             "properties": {name: _setting_schema(name) for name in LIVE_SETTINGS}}
+    conversation = {"type": "object", "minProperties": 1, "additionalProperties": False,
+                    "properties": {"priority": {"type": "string", "enum": list(PRIORITIES)},
+                                   "pinned": {"type": "boolean"}}}
     paths = doc["paths"]
     bodies = {
         ("/v1/chat/completions", "post"): _body(ChatCompletionRequest, components),
@@ -80,6 +84,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         ("/slots/{slot_id}", "post"): _body(SlotFileRequest, components, required=False),
         ("/cache/purge", "post"): _body(PurgeRequest, components, required=False),
         ("/cache/config", "put"): _body(live, components),
+        ("/cache/conversations/{conv_id}", "patch"): _body(conversation, components),
     }
     queries = {
         ("/metrics", "get"): [_query("format", {"type": "string", "enum": ["json", "prometheus"]})],

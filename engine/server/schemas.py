@@ -56,6 +56,8 @@ class SamplingFields(StrictBody):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    # OpenAI's metadata (string values); the strata_ keys carry the conversation's priority, pin and client
+    metadata: dict[str, str] | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
