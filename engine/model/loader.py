@@ -63,6 +63,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def resolve_kv_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    """K/V dtype for `name` ("auto" = the compute dtype, what the engine did before the choice existed)."""
+    if name == "auto":
+        return compute
+    if name not in _DTYPES:
+        raise ValueError(f"kv_dtype: expected one of auto, {', '.join(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
 def load_model(
     path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, *, int4_weights: bool = False
 ) -> LoadedModel:

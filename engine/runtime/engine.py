@@ -55,7 +55,10 @@ class Engine(Scheduler):
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.n_slots = config.parallel
-        self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, loaded.dtype)
+        from engine.model.loader import resolve_kv_dtype
+
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype)
+        self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, kv_dtype)
         self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
         self.slots = [Slot(i) for i in range(self.n_slots)]
         self.started_at = time.time()
