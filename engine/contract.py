@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
+from engine.figures import CacheFigures, EngineFigures
+
 T = TypeVar("T")
 
 
@@ -211,7 +213,7 @@ class EventsBody:
 
 @dataclass(frozen=True, slots=True)
 class MetricsBody:
-    """GET /metrics as JSON: the engine's figures and the cache's report (both objects of named figures)."""
+    """GET /metrics as JSON: the engine's figures and the cache's report, each figure declared in engine.figures."""
 
-    engine: dict[str, Any]
-    conversation_cache: dict[str, Any]
+    engine: EngineFigures
+    conversation_cache: CacheFigures

@@ -14,6 +14,7 @@ import torch
 
 from engine.cache import CacheDirLockedError, CacheRestoreError, ConversationCache
 from engine.kv import KVLayout
+from tests.cache_faults import arm_fault_points
 from tests.test_cache_support import (
     BLOCK,
     LAYOUT,
@@ -441,47 +442,6 @@ def _write_failure_and_read_only(tmp_path, resource, signal):
     again.close(spill=False)
 
 
-def _arm_fault_points(target: int, armed) -> None:
-    """In a child: SIGKILL this process at the `target`-th fault point counted once `armed()` is true.
-
-    Fault points lie inside every file write of the cache: halfway through each buffer written to a temp file,
-    between buffers, before and after each rename that publishes a file, and before each folder fsync."""
-    import signal
-
-    from engine.cache import atomic
-
-    count = [0]
-    real_write_all, real_replace, real_fsync_dir = atomic.write_all, os.replace, atomic.fsync_dir
-
-    def fault() -> None:
-        if armed():
-            if count[0] == target:
-                os.kill(os.getpid(), signal.SIGKILL)
-            count[0] += 1
-
-    def write_all(fd, chunks):
-        total = 0
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            half = len(view) // 2
-            fault()
-            total += real_write_all(fd, [view[:half]])
-            fault()
-            total += real_write_all(fd, [view[half:]])
-        return total
-
-    def replace(src, dst):
-        fault()
-        real_replace(src, dst)
-        fault()
-
-    def fsync_dir(folder):
-        fault()
-        real_fsync_dir(folder)
-
-    atomic.write_all, os.replace, atomic.fsync_dir = write_all, replace, fsync_dir
-
-
 def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
     """Children park (disk) or park and spill (tiered) in a loop, reporting each conversation once its files are
     published; each is killed at a seeded point inside a file write once it has reported a seeded number."""
@@ -505,7 +465,7 @@ def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
             try:
                 torch.set_num_threads(1)
                 reported: set[str] = set()
-                _arm_fault_points(target, lambda r=reported, n=min_reported: len(r) >= n)
+                arm_fault_points(target, lambda r=reported, n=min_reported: len(r) >= n)
                 c = make_cache(
                     storage=mode,
                     dir=str(tmp_path),

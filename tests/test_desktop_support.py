@@ -31,6 +31,7 @@ from engine.contract import (  # noqa: E402
     PurgeBody,
     to_json,
 )
+from engine.figures import CacheFigures, EngineFigures, Timing  # noqa: E402
 
 FAKE_ENGINE = Path(__file__).resolve()
 
@@ -117,21 +118,18 @@ class _State:
             ram = sum(c.bytes for c in self.conversations if c.tier == "ram")
             disk = sum(c.bytes for c in self.conversations if c.tier == "disk")
             s = self.settings
-            timing = {"last": 4.0, "p50": 4.0, "p95": 4.0, "count": 1}
             return to_json(MetricsBody(
-                engine={"model": "stand-in", "state": "ready", "slots": 1, "slots_busy": 0, "queued": 0,
-                        "requests": 3, "uptime_s": 12.0, "pid": os.getpid()},
-                # The flat report the engine's cache gives (engine/cache/stats.py CacheStats).
-                conversation_cache={
-                    "enabled": True, "storage": s["conversation_cache_storage"], "dir": "/tmp/x",
-                    "ram_bytes": s["conversation_cache_mib"] << 20,
-                    "disk_bytes": s["conversation_cache_disk_mib"] << 20,
-                    "slots": s["conversation_cache_slots"],
-                    "min_free_bytes": s["conversation_cache_min_free_mib"] << 20, "block_tokens": 64,
-                    "bytes_ram": ram, "bytes_disk": disk, "hits": 2, "misses": 1, "tokens_reused": 2400,
-                    "parks": 1, "restores": 1, "park_ms": timing, "restore_ms": {**timing, "last": 2.0,
-                                                                              "p50": 2.0, "p95": 2.0},
-                },
+                engine=EngineFigures(model="stand-in", state="ready", slots=1, slots_busy=0, queued=0,
+                                     requests=3, uptime_s=12.0, pid=os.getpid()),
+                conversation_cache=CacheFigures(
+                    enabled=True, storage=s["conversation_cache_storage"], dir="/tmp/x",
+                    ram_bytes=s["conversation_cache_mib"] << 20,
+                    disk_bytes=s["conversation_cache_disk_mib"] << 20,
+                    slots=s["conversation_cache_slots"],
+                    min_free_bytes=s["conversation_cache_min_free_mib"] << 20, block_tokens=64,
+                    bytes_ram=ram, bytes_disk=disk, hits=2, misses=1, tokens_reused=2400,
+                    parks=1, restores=1, park_ms=Timing(4.0, 4.0, 4.0, 1), restore_ms=Timing(2.0, 2.0, 2.0, 1),
+                ),
             ))
 
 

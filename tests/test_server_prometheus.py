@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.contract import MetricsBody
+from engine.figures import CacheFigures, EngineFigures, Timing, counter
 from engine.server.prometheus import render_prometheus
 
-STATS = {
-    "engine": {
-        "model": "SmolLM2-135M-Instruct", "state": "running", "slots": 4, "slots_busy": 1, "queued": 0,
-        "requests": 12, "prompt_tokens": 3400, "cached_tokens": 1200, "generated_tokens": 560,
-        "prefill_tokens_per_s": 310.5, "decode_tokens_per_s": 41.2, "uptime_s": 12.5, "pid": 4242,
-    },
-    "conversation_cache": {
-        "enabled": True, "storage": "tiered", "hits": 3, "misses": 1, "tokens_reused": 5000,
-        "ram": {"bytes_used": 1024, "budget_bytes": 4096}, "park_ms": {"last": 1.5, "p50": 1.2, "p95": None},
-        "tiers": ["ram", "disk"],
-    },
-}
+STATS = MetricsBody(
+    engine=EngineFigures(
+        model="SmolLM2-135M-Instruct", state="running", slots=4, slots_busy=1, queued=0,
+        requests=12, prompt_tokens=3400, cached_tokens=1200, generated_tokens=560,
+        prefill_tokens_per_s=310.5, decode_tokens_per_s=41.2, uptime_s=12.5, pid=4242, devices=["cpu"],
+    ),
+    conversation_cache=CacheFigures(
+        enabled=True, storage="tiered", hits=3, misses=1, tokens_reused=5000, bytes_ram=1024, ram_bytes=4096,
+        park_ms=Timing(last=1.5, p50=1.2, p95=2.0), refusals={"min_free": 2}, prefill_tokens_per_s=None,
+    ),
+)
 
 
-def _samples() -> dict[str, tuple[str, float, dict]]:
-    text = render_prometheus(STATS).decode()
+@dataclass(frozen=True, slots=True)
+class _WithReasons(EngineFigures):
+    """A figure added the documented way: one line declares a labelled counter."""
+
+    prefill_reasons: dict[str, int] = counter(label="reason", metric="prefill_reason")
+
+
+def _samples(body: MetricsBody = STATS) -> dict[str, tuple[str, float, dict]]:
+    text = render_prometheus(body).decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            out[sample.name] = (family.type, sample.value, sample.labels)
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sample.labels.items() if family.type == "counter")
+            out[key] = (family.type, sample.value, sample.labels)
     return out
 
 
@@ -39,17 +50,28 @@ def test_numbers_become_gauges_and_totals_become_counters():
 
 def test_nested_objects_join_keys_and_booleans_are_zero_or_one():
     samples = _samples()
-    assert samples["strata_conversation_cache_ram_bytes_used"][1] == 1024.0
+    assert samples["strata_conversation_cache_bytes_ram"][1] == 1024.0
     assert samples["strata_conversation_cache_park_ms_p50"][1] == 1.2
+    assert samples["strata_conversation_cache_refusals_min_free"][:2] == ("gauge", 2.0)
     assert samples["strata_conversation_cache_enabled"][1] == 1.0
-    assert "strata_conversation_cache_park_ms_p95" not in samples  # null: nothing measured yet
-    assert not any(name.startswith("strata_conversation_cache_tiers") for name in samples)
+    assert "strata_conversation_cache_prefill_tokens_per_s" not in samples  # null: nothing measured yet
+    assert not any(name.startswith("strata_engine_devices") for name in samples)  # lists are left out
+
+
+def test_a_labelled_counter_is_one_family_with_a_sample_per_key():
+    body = replace(STATS, engine=_WithReasons(**{f: getattr(STATS.engine, f) for f in ("model", "state")},
+                                              prefill_reasons={"diverged": 2, "cold": 5}))
+    samples = _samples(body)
+    assert samples["strata_prefill_reason_total{reason=cold}"][:2] == ("counter", 5.0)
+    assert samples["strata_prefill_reason_total{reason=diverged}"][:2] == ("counter", 2.0)
 
 
 def test_text_fields_are_labels_of_an_info_gauge():
     samples = _samples()
-    assert samples["strata_engine_info"][1:] == (1.0, {"model": "SmolLM2-135M-Instruct", "state": "running"})
-    assert samples["strata_conversation_cache_info"][2] == {"storage": "tiered"}
+    assert samples["strata_engine_info"][1:] == (1.0, {"kv_dtype": "", "model": "SmolLM2-135M-Instruct",
+                                                      "omp_wait_policy": "", "state": "running",
+                                                      "weights_format": ""})
+    assert samples["strata_conversation_cache_info"][2] == {"dir": "", "disk_error": "", "storage": "tiered"}
 
 
 def test_each_render_is_independent():

@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--layer-split", default="")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--words", type=int, default=300, help="words of system prompt per conversation")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only these (repeatable)")
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "devices": args.devices,
         "layer_split": args.layer_split,
         "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype,
         "ctx_size": 4096,
         "conversation_cache_storage": args.storage,
         "conversation_cache_min_free_mib": 0,

@@ -10,22 +10,9 @@ import time
 from collections import OrderedDict, deque
 
 from engine.cache.stats import TimingWindow
+from engine.figures import CacheFigures, counter_names
 
-COUNTERS = (
-    "hits",
-    "misses",
-    "tokens_reused",
-    "parks",
-    "restores",
-    "restore_failures",
-    "evictions",
-    "spills",
-    "spill_dropped",
-    "spill_failed",
-    "bytes_parked",
-    "bytes_restored",
-    "bytes_spilled",
-)
+COUNTERS = counter_names(CacheFigures)  # every total the cache reports, declared in engine.figures
 MAX_REDIRECTS = 4096
 
 

@@ -6,6 +6,11 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.figures import CacheFigures, Timing
+
+# The cache's report for /metrics: its figures are declared once, in engine.figures.
+CacheStats = CacheFigures
+
 
 @dataclass(frozen=True, slots=True)
 class CacheHit:
@@ -87,14 +92,6 @@ class ConversationInfo:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
-    last: float = 0.0
-    p50: float = 0.0
-    p95: float = 0.0
-    count: int = 0
-
-
 class TimingWindow:
     """The last `size` durations in ms, summarised as last/p50/p95."""
 
@@ -115,49 +112,3 @@ class TimingWindow:
             return ordered[min(len(ordered) - 1, int(round(p * (len(ordered) - 1))))]
 
         return Timing(last=self._values[-1], p50=pct(0.5), p95=pct(0.95), count=self.count)
-
-
-@dataclass(slots=True)
-class CacheStats:
-    """A snapshot of the cache for /metrics; `to_dict()` is its JSON form."""
-
-    enabled: bool
-    storage: str
-    dir: str
-    ram_bytes: int
-    disk_bytes: int
-    slots: int
-    min_free_bytes: int
-    block_tokens: int
-    bytes_ram: int = 0
-    bytes_disk: int = 0
-    bytes_pending: int = 0
-    entries_ram: int = 0
-    entries_disk: int = 0
-    blocks_ram: int = 0
-    blocks_disk: int = 0
-    hits: int = 0
-    misses: int = 0
-    tokens_reused: int = 0
-    parks: int = 0
-    restores: int = 0
-    restore_failures: int = 0
-    refusals: dict[str, int] = field(default_factory=dict)
-    declined: dict[str, int] = field(default_factory=dict)  # lookups whose hit the policy did not use
-    evictions: int = 0
-    spills: int = 0
-    spill_dropped: int = 0
-    spill_failed: int = 0
-    park_ms: Timing = field(default_factory=Timing)
-    restore_ms: Timing = field(default_factory=Timing)
-    bytes_parked: int = 0
-    bytes_restored: int = 0
-    bytes_spilled: int = 0
-    restore_bandwidth: dict[str, float] = field(
-        default_factory=dict
-    )  # bytes/s per tier, as the cost model uses
-    prefill_tokens_per_s: float | None = None
-    disk_error: str = ""
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

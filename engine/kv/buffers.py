@@ -12,12 +12,14 @@ under any other, or on one device.
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.kv.host_memory import lazy_zeros, zero_span
 from engine.kv.pinned_staging import PinnedStaging
 
 
@@ -83,11 +85,16 @@ class KVBuffers:
         self.n_slots = n_slots
         self.ctx = ctx
         self.stages: list[Stage] = []
+        self._maps: dict[int, mmap.mmap | None] = {}  # id of a CPU stage's k or v -> the map behind it
         for device, first, end in stages:
             device = torch.device(device)
             shape = (end - first, n_slots, ctx, layout.n_kv_heads, layout.head_dim)
-            k = torch.zeros(shape, dtype=layout.dtype, device=device)
-            v = torch.zeros(shape, dtype=layout.dtype, device=device)
+            if device.type == "cpu":  # resident only as rows are written: see host_memory
+                (k, k_map), (v, v_map) = lazy_zeros(shape, layout.dtype), lazy_zeros(shape, layout.dtype)
+                self._maps[id(k)], self._maps[id(v)] = k_map, v_map
+            else:
+                k = torch.zeros(shape, dtype=layout.dtype, device=device)
+                v = torch.zeros(shape, dtype=layout.dtype, device=device)
             self.stages.append(Stage(device, first, end, k, v))
         self._staging: dict[torch.device, PinnedStaging] = {}
         for stage in self.stages:
@@ -160,7 +167,12 @@ class KVBuffers:
             self.stages[-1].write_s += time.perf_counter() - t0
 
     def clear(self, slot: int) -> None:
-        """Zero a slot (used after a failed restore so no half-written state can be attended to)."""
+        """Zero a slot (used after a failed restore so no half-written state can be attended to); on the CPU
+        its pages go back to the kernel, so an erased slot holds no resident memory."""
         for stage in self.stages:
-            stage.k[:, slot].zero_()
-            stage.v[:, slot].zero_()
+            for t in (stage.k, stage.v):
+                if stage.device.type != "cpu":
+                    t[:, slot].zero_()
+                    continue
+                for layer in range(t.shape[0]):
+                    zero_span(t, self._maps.get(id(t)), t[layer, slot])

@@ -6,15 +6,15 @@ from __future__ import annotations
 import functools
 import os
 import struct
-from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from engine.errors import ModelLoadError
 from engine.model import gguf_dequant, moe_loading
-from engine.model.build import Groups, LoadedModel, _build, _release_freed_memory
+from engine.model.build import Groups, LoadedModel, _build
 from engine.model.config import ModelConfig
+from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 _GGUF_LAYER_NAMES = {
@@ -122,23 +122,7 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-@dataclass(frozen=True)
-class _GGUFTensor:
-    """What loading needs of one entry of a GGUF tensor directory (the reader itself is dropped early)."""
-
-    name: str
-    qtype: int  # a gguf.GGMLQuantizationType
-    shape: tuple[int, ...]  # outermost first (GGUF lists the innermost dimension first)
-    offset: int  # of its bytes in the file
-    n_bytes: int
-
-    @classmethod
-    def of(cls, t) -> _GGUFTensor:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        return cls(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes))
-
-
-def _check_gguf_tensors(path: str, directory: list[_GGUFTensor], used: dict[str, _GGUFTensor]) -> None:
+def _check_gguf_tensors(path: str, directory: list[GGUFTensor], used: dict[str, GGUFTensor]) -> None:
     """Refuse, before any tensor is read, a file whose tensor directory does not match its data: a tensor that
     runs into the next one or past the end of the file, a type this loader cannot decode, a shape that is not
     whole blocks."""
@@ -162,19 +146,16 @@ def _check_gguf_tensors(path: str, directory: list[_GGUFTensor], used: dict[str,
 
 
 def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
-    reader = read_gguf(path)
-    meta = gguf_metadata(reader)
+    header = read_gguf_header(path)  # the lean reader: metadata values and the directory, no numpy views
+    meta = header.metadata
     from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf
 
     if is_hybrid_gguf(meta):
         return load_hybrid_gguf(path, stages, dtype)
-    directory = [_GGUFTensor.of(t) for t in reader.tensors]
-    header_size = reader.data_offset
-    # The reader holds a numpy view per metadata item (~160 MB for a 49K-token vocabulary): gone before the
-    # weights are read, it does not add to the load's peak.
-    del reader
-    _read_gguf.cache_clear()
-    _release_freed_memory()
+    directory = header.tensors
+    header_size = header.data_offset
+    del header
+    forget_headers()
     tensors = {}
     for t in directory:
         key = _gguf_canonical(t.name)

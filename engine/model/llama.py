@@ -230,7 +230,7 @@ class CausalLM(torch.nn.Module):
         assert chunks, "forward_chunks needs at least one chunk"
         c = self.config
         assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.n_kv_heads, "K/V layout mismatch"
-        assert kv.layout.head_dim == c.head_dim and kv.layout.dtype == self.dtype, "K/V layout mismatch"
+        assert kv.layout.head_dim == c.head_dim and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
         slots = [ch.slot for ch in chunks]
         assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
         for ch in chunks:
@@ -333,6 +333,8 @@ class CausalLM(torch.nn.Module):
             k_cache[ch.slot, ch.start : end] = k[lo:hi]
             v_cache[ch.slot, ch.start : end] = v[lo:hi]
             keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
+            if keys.dtype != q.dtype:  # --kv-dtype narrower than the compute dtype: attend in the compute dtype
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             if hi - lo == 1 and small_float32:
                 out = _decode_attention(q[lo], keys, values)
             else:

@@ -14,7 +14,8 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.config import ConfigError, ModelConfig
-from engine.model.gguf_loading import _gguf_config, _load_gguf, gguf_metadata, read_gguf
+from engine.model.gguf_header import read_gguf_header
+from engine.model.gguf_loading import _gguf_config, _load_gguf, read_gguf
 from engine.model.hf_loading import _hybrid_loader, _load_hf
 from engine.model.tokenizer import TokenizerError
 
@@ -63,6 +64,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def resolve_kv_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    """K/V dtype for `name` ("auto" = the compute dtype, what the engine did before the choice existed)."""
+    if name == "auto":
+        return compute
+    if name not in _DTYPES:
+        raise ValueError(f"kv_dtype: expected one of auto, {', '.join(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
 def load_model(
     path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, *, int4_weights: bool = False
 ) -> LoadedModel:
@@ -108,13 +118,14 @@ def read_model_config(path: str) -> ModelConfig:
 
                 return hybrid_config_from_hf(raw)  # type: ignore[return-value]
             return ModelConfig.from_hf(raw)
-        reader = read_gguf(path)
-        meta = gguf_metadata(reader)
+        header = read_gguf_header(path)
+        meta = header.metadata
         from engine.model.hybrid.gguf_loader import embed_rows, hybrid_gguf_config, is_hybrid_gguf
 
         if is_hybrid_gguf(meta):
+            reader = read_gguf(path)  # the hybrid loader still reads through gguf-py's reader
             return hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path, embed_rows(reader))  # type: ignore[return-value]
-        return _gguf_config(meta, {t.name for t in reader.tensors}, path)
+        return _gguf_config(meta, {t.name for t in header.tensors}, path)
     except (ConfigError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise

@@ -13,6 +13,7 @@ import torch
 from engine import __version__
 from engine.config import setting_of
 from engine.errors import BadValue, Busy, NotFound, Refused
+from engine.figures import CacheFigures
 from engine.runtime.startup import Startup
 from engine.runtime.state import Slot
 
@@ -109,10 +110,13 @@ class Control(Startup):
             raise
         slot.tokens = list(tokens)
 
-    def cache_stats(self) -> dict:
+    def cache_figures(self) -> CacheFigures:
         if self.cache is None:
-            return {"enabled": False, "storage": self.config.conversation_cache_storage}
-        return self.cache.stats().to_dict()
+            return CacheFigures(enabled=False, storage=self.config.conversation_cache_storage)
+        return self.cache.stats()
+
+    def cache_stats(self) -> dict:
+        return self.cache_figures().to_dict()
 
     def cache_conversations(self) -> list[dict]:
         if self.cache is None:

@@ -26,6 +26,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import BadValue, Unavailable
+from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
@@ -58,7 +59,10 @@ class Engine(Scheduler):
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.n_slots = config.parallel
-        self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, loaded.dtype)
+        from engine.model.loader import resolve_kv_dtype
+
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype)
+        self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, kv_dtype)
         self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
         self.slots = [Slot(i) for i in range(self.n_slots)]
         self.started_at = time.time()
@@ -72,7 +76,7 @@ class Engine(Scheduler):
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._waiting: list[tuple[GenerationRequest, RequestStream]] = []
         self._stop = threading.Event()
-        self._counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        self._counters = dict.fromkeys(counter_names(EngineFigures), 0)  # declared in engine.figures
         self._prefill_rate: float | None = None  # tokens/s, smoothed
         self._decode_rate: float | None = None
         self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot

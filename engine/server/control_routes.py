@@ -79,10 +79,10 @@ async def metrics(request: Request) -> Response:
     """Engine and conversation-cache stats, as JSON (default) or Prometheus text."""
     prometheus = _wants_prometheus(request)
     snapshot = require_engine(request).stats_snapshot()
-    body = to_json(MetricsBody(engine=snapshot["engine"], conversation_cache=snapshot["conversation_cache"]))
+    body = MetricsBody(engine=snapshot["engine"], conversation_cache=snapshot["conversation_cache"])
     if prometheus:
         return Response(render_prometheus(body), media_type=CONTENT_TYPE_LATEST)
-    return JSONResponse(body)
+    return JSONResponse(to_json(body))
 
 
 @router.get("/slots")

@@ -1,13 +1,15 @@
-"""GET /metrics in Prometheus text format, derived mechanically from the JSON body so the two never disagree.
+"""GET /metrics in Prometheus text format, read from the typed figures (engine.figures) the JSON body carries.
 
-A numeric JSON leaf at path `engine.prompt_tokens` becomes `strata_engine_prompt_tokens`; nested objects join
-their keys with `_` (`conversation_cache.park_ms.p95` -> `strata_conversation_cache_park_ms_p95`). Booleans are
-0/1. Leaves named in COUNTERS are counters (exposed with `_total`), every other number is a gauge. String leaves
-become labels of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out.
+A numeric field `engine.prompt_tokens` becomes `strata_engine_prompt_tokens`; nested figures and dicts of numbers
+join their names with `_` (`conversation_cache.park_ms.p95` -> `strata_conversation_cache_park_ms_p95`).
+Booleans are 0/1. A field declared with `counter()` is a counter (exposed with `_total`); a dict declared with
+`counter(label=...)` is one labelled counter family; every other number is a gauge. Text fields become labels
+of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -15,13 +17,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from engine.contract import MetricsBody
+
 PREFIX = "strata"
-# Monotonic totals in the engine's and the conversation cache's stats.
-COUNTERS = frozenset({
-    "requests", "prompt_tokens", "cached_tokens", "generated_tokens",
-    "hits", "misses", "tokens_reused", "parks", "restores", "restore_failures", "evictions", "spills",
-    "spill_dropped", "spill_failed", "bytes_parked", "bytes_restored", "bytes_spilled",
-})
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -29,24 +27,37 @@ def _name(parts: list[str]) -> str:
     return _NOT_NAME.sub("_", "_".join([PREFIX, *parts]))
 
 
-def _walk(obj: Mapping[str, Any], path: list[str]) -> Iterator[tuple[list[str], Any]]:
-    for key, value in obj.items():
-        if isinstance(value, Mapping):
-            yield from _walk(value, [*path, str(key)])
+def _leaves(value: Any, path: list[str]) -> Iterator[tuple[list[str], Any, Mapping[str, Any]]]:
+    """(path, value, field metadata) of every leaf of a figures dataclass; dicts and nested figures recurse."""
+    for f in dataclasses.fields(value):
+        item = getattr(value, f.name)
+        if dataclasses.is_dataclass(item):
+            yield from _leaves(item, [*path, f.name])
+        elif isinstance(item, Mapping) and not f.metadata.get("label"):
+            for key, v in item.items():
+                yield [*path, f.name, str(key)], v, {}
         else:
-            yield [*path, str(key)], value
+            yield [*path, f.name], item, f.metadata
 
 
-class _StatsCollector:
-    """Renders the /metrics JSON sections; one instance per scrape, registered in a throwaway registry."""
+class _FiguresCollector:
+    """Renders the /metrics sections; one instance per scrape, registered in a throwaway registry."""
 
-    def __init__(self, sections: Mapping[str, Mapping[str, Any]]) -> None:
-        self._sections = sections
+    def __init__(self, body: MetricsBody) -> None:
+        self._body = body
 
     def collect(self) -> Iterator[Metric]:
-        for section, stats in self._sections.items():
+        for section in (f.name for f in dataclasses.fields(self._body)):
             labels: dict[str, str] = {}
-            for path, value in _walk(stats, [section]):
+            for path, value, meta in _leaves(getattr(self._body, section), [section]):
+                doc = f"{'.'.join(path)} in the /metrics JSON"
+                if meta.get("label"):
+                    name = _name([meta["metric"]]) if meta.get("metric") else _name(path)
+                    family = CounterMetricFamily(name, doc, labels=[meta["label"]])
+                    for key in sorted(value):
+                        family.add_metric([str(key)], value[key])
+                    yield family
+                    continue
                 if isinstance(value, str):
                     labels[_NOT_NAME.sub("_", "_".join(path[1:]))] = value
                     continue
@@ -54,12 +65,8 @@ class _StatsCollector:
                     value = int(value)
                 if not isinstance(value, int | float):
                     continue
-                name = _name(path)
-                doc = f"{'.'.join(path)} in the /metrics JSON"
-                if path[-1] in COUNTERS:
-                    yield CounterMetricFamily(name, doc, value=value)
-                else:
-                    yield GaugeMetricFamily(name, doc, value=value)
+                kind = CounterMetricFamily if meta.get("counter") else GaugeMetricFamily
+                yield kind(_name(path), doc, value=value)
             if labels:
                 info = GaugeMetricFamily(_name([section, "info"]), f"text fields of {section} in the /metrics JSON",
                                          labels=sorted(labels))
@@ -67,8 +74,8 @@ class _StatsCollector:
                 yield info
 
 
-def render_prometheus(sections: Mapping[str, Mapping[str, Any]]) -> bytes:
-    """Prometheus text exposition (format 0.0.4) of {"engine": {...}, "conversation_cache": {...}}."""
+def render_prometheus(body: MetricsBody) -> bytes:
+    """Prometheus text exposition (format 0.0.4) of the /metrics body."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(sections))
+    registry.register(_FiguresCollector(body))
     return generate_latest(registry)

@@ -1,0 +1,118 @@
+"""Every figure GET /metrics reports, declared once: the engine's and the conversation cache's.
+
+The engine builds these dataclasses, the server sends them (`engine.contract.MetricsBody`, JSON by field name),
+the desktop parses them strictly (`engine.contract.parse`: an unknown field or a wrong type is an error) and
+the Prometheus renderer reads their fields. Adding a figure is one line here (plus the code that measures it):
+
+    expert_arena_bytes: int = 0                      # a gauge
+    prefill_recomputed: int = counter()              # a monotonic total: `strata_<section>_<name>_total`
+    prefill_reasons: dict[str, int] = counter(label="reason", metric="prefill_reason")  # one labelled counter
+
+A figure's default is what an engine that does not measure it reports (so an older engine's answer still
+parses). Nested dataclasses and dicts of numbers become `<section>_<field>_<key>` gauges; text fields become
+labels of one `strata_<section>_info` gauge; lists and nulls are left out of the Prometheus text.
+This module imports only the standard library (the desktop loads it without torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def counter(*, label: str = "", metric: str = "") -> Any:
+    """A monotonic total (0 until counted). For a dict of totals, `label` names the Prometheus label its keys
+    become and `metric` the family's name (default: `<section>_<field>`)."""
+    meta = {"counter": True, "label": label, "metric": metric}
+    if label:
+        return field(default_factory=dict, metadata=meta)
+    return field(default=0, metadata=meta)
+
+
+def counter_names(cls: type) -> tuple[str, ...]:
+    """The plain (unlabelled) counters a figures class declares, in declaration order."""
+    return tuple(
+        f.name for f in dataclasses.fields(cls) if f.metadata.get("counter") and not f.metadata.get("label")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """The last durations of one operation in ms: the latest, the median and p95 of a window, and how many."""
+
+    last: float = 0.0
+    p50: float = 0.0
+    p95: float = 0.0
+    count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFigures:
+    """`engine` in GET /metrics."""
+
+    model: str
+    state: str
+    slots: int = 0
+    slots_busy: int = 0
+    queued: int = 0
+    requests: int = counter()
+    prompt_tokens: int = counter()
+    cached_tokens: int = counter()
+    generated_tokens: int = counter()
+    prefill_tokens_per_s: float | None = None  # None: nothing measured yet
+    decode_tokens_per_s: float | None = None
+    uptime_s: float = 0.0
+    stats_age_s: float = 0.0  # how old the published snapshot this answer comes from is
+    pid: int = 0
+    ctx_size: int = 0
+    kv_bytes: int = 0
+    kv_dtype: str = ""
+    devices: list[str] = field(default_factory=list)
+    weights_format: str = ""
+    threads: int = 0
+    omp_wait_policy: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFigures:
+    """`conversation_cache` in GET /metrics: the cache's settings, occupancy, counters and timings."""
+
+    enabled: bool
+    storage: str
+    dir: str = ""
+    ram_bytes: int = 0  # the RAM budget
+    disk_bytes: int = 0  # the disk budget
+    slots: int = 0
+    min_free_bytes: int = 0
+    block_tokens: int = 0
+    bytes_ram: int = 0  # what the RAM tier holds
+    bytes_disk: int = 0  # file bytes on disk
+    bytes_pending: int = 0  # RAM held by writes not on disk yet
+    entries_ram: int = 0
+    entries_disk: int = 0
+    blocks_ram: int = 0
+    blocks_disk: int = 0
+    hits: int = counter()
+    misses: int = counter()
+    tokens_reused: int = counter()
+    parks: int = counter()
+    restores: int = counter()
+    restore_failures: int = counter()
+    refusals: dict[str, int] = field(default_factory=dict)  # refused parks by reason
+    declined: dict[str, int] = field(default_factory=dict)  # lookups whose hit the policy did not use, by reason
+    evictions: int = counter()
+    spills: int = counter()
+    spill_dropped: int = counter()
+    spill_failed: int = counter()
+    park_ms: Timing = field(default_factory=Timing)
+    restore_ms: Timing = field(default_factory=Timing)
+    bytes_parked: int = counter()
+    bytes_restored: int = counter()
+    bytes_spilled: int = counter()
+    restore_bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s per tier, as the cost model uses
+    prefill_tokens_per_s: float | None = None
+    disk_error: str = ""  # why the disk tier is unusable; empty when fine
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,55 @@
+"""The lean GGUF header reader: the same metadata and tensor directory as gguf-py's reader, and a clear error
+for a file that is not a whole GGUF header."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import gguf
+import pytest
+
+from engine.errors import ModelLoadError
+from engine.model import embedded_model_path
+from engine.model.gguf_header import read_gguf_header
+from engine.model.gguf_loading import gguf_metadata
+from tests.model_fixtures import write_tiny_gguf
+
+
+def _as_gguf_py_reads(path: str):
+    reader = gguf.GGUFReader(path)
+    directory = [(t.name, int(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())),
+                  int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+    return gguf_metadata(reader), directory, reader.data_offset
+
+
+@pytest.mark.parametrize("which", ["bundled", "tiny"])
+def test_the_header_reads_as_gguf_py_reads_it(tmp_path, which):
+    path = embedded_model_path() if which == "bundled" else write_tiny_gguf(tmp_path, "llama")
+    meta, directory, data_offset = _as_gguf_py_reads(path)
+    header = read_gguf_header(path)
+    assert header.metadata == meta and header.data_offset == data_offset
+    assert [(t.name, int(t.qtype), t.shape, t.offset, t.n_bytes) for t in header.tensors] == directory
+    assert {type(v) for v in header.metadata.values()} <= {str, int, float, bool, list}
+
+
+def test_a_damaged_header_is_a_clear_error(tmp_path):
+    good = write_tiny_gguf(tmp_path, "llama")
+    with open(good, "rb") as f:
+        data = f.read()
+    cases = {
+        "truncated": (data[:4000], "not a readable GGUF file"),
+        "magic": (b"GGUX" + data[4:], "no GGUF magic"),
+        "version": (data[:4] + struct.pack("<I", 1) + data[8:], "GGUF version 1"),
+        "count": (data[:8] + struct.pack("<Q", 1 << 40) + data[16:], "implausible counts"),
+        "tiny": (data[:10], "too short for a GGUF header"),
+    }
+    for name, (content, words) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(content)
+        with pytest.raises(ModelLoadError, match=words) as info:
+            read_gguf_header(str(path))
+        assert str(path) in str(info.value)
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(good, copy)
+    assert read_gguf_header(str(copy)).tensors

@@ -1,0 +1,53 @@
+"""CPU K/V buffers cost resident memory only for the rows written, and a cleared slot gives its pages back."""
+
+from __future__ import annotations
+
+import gc
+
+import psutil
+import torch
+
+from engine.kv import KVBuffers, KVLayout
+
+MIB = 1 << 20
+
+
+def _rss() -> int:
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def test_kv_rows_become_resident_as_written_and_clearing_returns_them():
+    layout = KVLayout(n_layers=8, n_kv_heads=4, head_dim=64, dtype=torch.float32)  # 16 KiB per token
+    before = _rss()
+    kv = KVBuffers(layout, 2, 8192, [("cpu", 0, 4), ("cpu", 4, 8)])  # 256 MiB of K/V
+    assert kv.nbytes == 256 * MIB
+    assert _rss() - before < 32 * MIB  # nothing written yet: zero pages, not resident
+    assert torch.count_nonzero(kv.read(0, 0, 8192)) == 0  # reads as zeros all the same
+    data = torch.randn(layout.host_shape(2048))
+    kv.write(1, 100, data)  # a quarter of slot 1
+    grown = _rss() - before
+    assert 48 * MIB <= grown < 96 * MIB, grown / MIB  # the 32 MiB written, plus the 32 MiB of `data`
+    assert torch.equal(kv.read(1, 100, 2148), data)
+    k0, _ = kv.layer(0)
+    k0[0, 7].fill_(3.0)  # slot 0 is not touched by clearing slot 1
+    kv.clear(1)
+    assert torch.count_nonzero(kv.read(1, 0, 8192)) == 0
+    assert torch.count_nonzero(kv.read(0, 0, 8192)) == 4 * 64 and k0[0, 7, 0, 0] == 3.0
+    del data
+    assert _rss() - before < 32 * MIB  # the cleared rows went back to the kernel
+    kv.write(1, 0, torch.ones(layout.host_shape(10)))  # and a cleared slot is usable again
+    assert torch.equal(kv.read(1, 0, 10), torch.ones(layout.host_shape(10)))
+
+
+def test_clearing_zeroes_partial_pages_at_the_edges():
+    # rows of 3 heads x 5 dims x 2 bytes: a slot's span starts and ends inside pages
+    layout = KVLayout(n_layers=3, n_kv_heads=3, head_dim=5, dtype=torch.bfloat16)
+    kv = KVBuffers(layout, 3, 3001, [("cpu", 0, 3)])
+    for slot in range(3):
+        kv.write(slot, 0, torch.full(layout.host_shape(3001), slot + 1.0, dtype=torch.bfloat16))
+    kv.clear(1)
+    assert torch.count_nonzero(kv.read(1, 0, 3001)) == 0
+    for slot in (0, 2):
+        assert torch.equal(kv.read(slot, 0, 3001), torch.full(layout.host_shape(3001), slot + 1.0,
+                                                               dtype=torch.bfloat16))
