@@ -31,6 +31,7 @@ from engine.cache.disk_reads import disk_pieces, move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import CacheRestoreError, ParkRefused
+from engine.cache.explain import LookupReport
 from engine.cache.identity import CacheIdentity, block_keys, token_array
 from engine.cache.index import Conv, TierIndex
 from engine.cache.journal import Journal
@@ -43,6 +44,7 @@ from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResul
 log = logging.getLogger("strata.cache")
 MIB = 1 << 20
 TIERS = ("ram", "disk", "all")
+EXPLAIN_WINDOW = 8  # candidate tokens kept either side of where a prompt leaves it, to show as text
 
 
 class ConversationCache:
@@ -94,9 +96,13 @@ class ConversationCache:
 
     def lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> CacheHit | None:
         """The longest parked prefix of `tokens` worth restoring (beyond `live_prefix`), or None. Read-only."""
+        return self.explain_lookup(tokens, live_prefix=live_prefix)[0]
+
+    def explain_lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> tuple[CacheHit | None, LookupReport]:
+        """`lookup`, and what it saw: the best candidate, the policy's verdict, a loss that would have offered more."""
         toks = token_array(tokens)
         if len(toks) < 2 or not self.settings.enabled:
-            return None
+            return None, LookupReport()
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
         with self._lock:
             self._reap()  # a failed write gives its conversation's written version back before matching
@@ -108,10 +114,11 @@ class ConversationCache:
                     n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
                     if best is None or n > best[0]:
                         best = (n, tier, conv)
+            report = self._report(toks, best, live_prefix)
             if best is None or best[0] <= max(live_prefix, 0):
-                return None
+                return None, report
             n, tier, conv = best
-            reason = decline_reason(
+            verdict = decline_reason(
                 self.settings,
                 self.identity,
                 n=n,
@@ -120,10 +127,27 @@ class ConversationCache:
                 bandwidth=self._journal.bandwidth[tier],
                 prefill_tokens_per_s=self.prefill_tokens_per_s,
             )
-            if reason:
-                self._journal.declined_hit(reason)
-                return None
-            return CacheHit(conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key)
+            detail = {**verdict.detail(), "offered": n, "n_min": self.settings.n_min,
+                      "similarity": self.settings.similarity, "tier": tier}
+            report = dataclasses.replace(report, verdict=verdict.reason, verdict_detail=detail)
+            if verdict.reason:
+                self._journal.declined_hit(verdict.reason)
+                return None, report
+            return CacheHit(conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key), report
+
+    def _report(self, toks, best: tuple[int, str, Conv] | None, live_prefix: int) -> LookupReport:
+        """The candidate's part of a lookup's report, and the loss that would have offered more (lock held)."""
+        matched = best[0] if best is not None else 0
+        lost = self._journal.losses.best_match(toks, more_than=max(matched, live_prefix))
+        report = LookupReport() if lost is None else LookupReport(
+            loss=lost[0].describe(lost[1]), loss_kind=lost[0].kind, loss_refusal=lost[0].refusal)
+        if best is None or best[0] == 0:  # nothing shared: no candidate
+            return report
+        n, tier, conv = best
+        lo = max(0, n - EXPLAIN_WINDOW)
+        window = tuple(int(t) for t in conv.tokens[lo:n + EXPLAIN_WINDOW])
+        return dataclasses.replace(report, conversation_id=conv.id, tier=tier, matched=n,
+                                   candidate_tokens=conv.n_tokens, window=window, window_start=lo)
 
     def record_miss(self) -> None:
         with self._lock:
@@ -151,10 +175,18 @@ class ConversationCache:
         if len(toks) == 0:
             return self._refuse("empty", "nothing to park", 0)
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
+        with self._lock:
+            cause = self._journal.losses.begin("park", tokens=len(toks))
         try:
             conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep)
         except ParkRefused as exc:
+            with self._lock:
+                self._journal.losses.refused(toks, exc.reason)
             return self._refuse(exc.reason, str(exc), len(toks))
+        finally:
+            with self._lock:
+                self._journal.losses.begin("budget")
+        cause["conversation_id"] = conv.id  # the evictions it caused name the conversation that took the room
         ms = (time.perf_counter() - t0) * 1000
         with self._lock:
             self._journal.count("parks")
@@ -312,6 +344,7 @@ class ConversationCache:
         dropped, freed = 0, 0
         skipped: list[tuple[str, str]] = []
         with self._lock:
+            self._journal.losses.begin("purge")
             self._reap()
             if tier in ("ram", "all"):
                 dropped, freed = self.ram.purge()
@@ -407,6 +440,8 @@ class ConversationCache:
             return []
         if settings.block_tokens != old.block_tokens:
             raise ValueError("block_tokens cannot change on a running engine; restart with the new value")
+        with self._lock:
+            self._journal.losses.begin("settings change", changed=changed)
         wants_disk = settings.uses_disk
         new_disk = None
         if wants_disk and (self.disk is None or settings.dir != old.dir):

@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cache.explain import LookupReport
 from engine.cache.parts import kv_reader, kv_writer
+from engine.contract import RequestRecord
+from engine.runtime.explain import Admission, Candidate, explain
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.state import Active, Slot
@@ -134,21 +137,34 @@ class Scheduler(Stats):
         live = {s.id: min(common_prefix(s.tokens, prompt), usable) for s in free}
         best = max(free, key=lambda s: (live[s.id], -s.last_used))
         hit = None
+        report = LookupReport()
+        small_gain = False
         if self.cache is not None:
-            hit = self.cache.lookup(prompt, live_prefix=live[best.id])
+            hit, report = self.cache.explain_lookup(prompt, live_prefix=live[best.id])
             if hit is not None and hit.n_tokens - live[best.id] < MIN_PARK_TOKENS:
-                hit = None
+                hit, small_gain = None, True
             if hit is None and live[best.id] < usable:
                 self.cache.record_miss()
+        candidate = Candidate(f"slot {best.id}", live[best.id], best.tokens) if best.tokens else None
+        failed = ""
         if hit is not None:
             # Restore into the least recently used free slot, parking what it holds.
             slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
-            reused = self._restore_hit(slot, hit, prompt)
+            reused, failed = self._restore_hit(slot, hit, prompt)
+            # The request continues the parked conversation if it goes on from all of it (else it is a branch).
+            continues = reused > 0 and reused >= report.candidate_tokens
+            slot.conversation_id, slot.unnamed = (hit.conversation_id if continues else None), []
+            source = hit.tier if reused else "none"
         else:
             slot = best if live[best.id] > 0 else min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
             reused = live[slot.id]
             self._park_if_losing(slot, reused)
+            if not (reused and reused == len(slot.tokens)):  # not going on from all of it: another conversation
+                slot.conversation_id, slot.unnamed = None, []
             slot.tokens = slot.tokens[:reused]
+            source = "live" if reused else "none"
+        adm = Admission(prompt, reused, source, candidate, report, small_gain, failed)
+        self._record(request, slot, adm)
 
         max_tokens = request.params.max_tokens or (self.ctx_size - len(prompt))
         slot.prompt = list(prompt)
@@ -166,6 +182,25 @@ class Scheduler(Stats):
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(prompt)
         self._counters["cached_tokens"] += reused
+
+    def _record(self, request: GenerationRequest, slot: Slot, adm: Admission) -> None:
+        """Explain the admitted request and log it under the slot's conversation (never fails the request)."""
+        conversation_id = slot.conversation_id
+        try:
+            reason, detail = explain(adm, self.tokenizer.decode)
+        except Exception:  # an explanation must never take a request down
+            log.exception("explaining request %s failed", request.request_id)
+            reason, detail = "cold", {"error": "no explanation: see the engine log"}
+        self.requests.add(RequestRecord(
+            time=time.time(), request_id=request.request_id, conversation_id=conversation_id,
+            # name, client and priority travel on the request when the server parsed them
+            name=getattr(request, "name", ""), client=getattr(request, "client", ""),
+            priority=getattr(request, "priority", "normal"),
+            prompt_tokens=len(adm.prompt), reused_tokens=adm.reused, source=adm.source, reason=reason,
+            detail=detail,
+        ))
+        if conversation_id is None:
+            slot.unnamed.append(request.request_id)  # named when the slot's conversation is first parked
 
     def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
         """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
@@ -186,9 +221,14 @@ class Scheduler(Stats):
             return
         if not result.parked:
             log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), result.reason)
+            return
+        assert result.conversation_id is not None
+        self.requests.assign(slot.unnamed, result.conversation_id)
+        slot.conversation_id, slot.unnamed = result.conversation_id, []
 
-    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int]) -> int:
-        """Park the slot's contents, then restore `hit` into it; on any failure the slot is a clean miss."""
+    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int]) -> tuple[int, str]:
+        """Park the slot's contents, then restore `hit` into it: (tokens restored, "") or, on any failure, a clean
+        miss: (0, why)."""
         assert self.cache is not None
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
@@ -199,10 +239,10 @@ class Scheduler(Stats):
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
-            return 0
+            return 0, str(exc) or type(exc).__name__
         n = min(result.n_tokens, len(prompt) - 1)
         slot.tokens = list(prompt[:n])
-        return n
+        return n, ""
 
     def _write_queued(self, slot: Slot, start: int, data: torch.Tensor, end: int) -> None:
         """Queue a restored piece into the slot; wait for all transfers once the last piece is queued."""
@@ -264,6 +304,8 @@ class Scheduler(Stats):
         assert a is not None
         a.generated.append(token)
         self._counters["generated_tokens"] += 1
+        if len(a.generated) == 1:
+            self.requests.first_token(a.request.request_id, a.stream.submitted)
         is_eos = token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
         if is_eos:
             self._finish(slot, "stop")

@@ -23,6 +23,7 @@ from engine.runtime.stream import RequestStream
 if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
+    from engine.runtime.explain import RequestLog
 
 log = logging.getLogger("strata.engine")
 
@@ -51,6 +52,8 @@ class Slot:
     active: Active | None = None
     last_used: float = 0.0
     prompt: list[int] = field(default_factory=list)  # the active request's prompt (prefill target)
+    conversation_id: str | None = None  # the parked conversation its contents continue, once parked
+    unnamed: list[str] = field(default_factory=list)  # ids of requests it served before that id was known
 
 
 class EngineState:
@@ -78,4 +81,5 @@ class EngineState:
     _prefill_rate: float | None
     _decode_rate: float | None
     _stats: dict[str, Any]
+    requests: RequestLog
     _thread: threading.Thread

@@ -3,7 +3,9 @@
 A numeric JSON leaf at path `engine.prompt_tokens` becomes `strata_engine_prompt_tokens`; nested objects join
 their keys with `_` (`conversation_cache.park_ms.p95` -> `strata_conversation_cache_park_ms_p95`). Booleans are
 0/1. Leaves named in COUNTERS are counters (exposed with `_total`), every other number is a gauge. String leaves
-become labels of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out.
+become labels of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out. An object
+named in LABELLED (`engine.prefill_reasons`: requests by reason) is one counter with a label per key
+(`strata_prefill_reason_total{reason="evicted"}`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ COUNTERS = frozenset({
     "hits", "misses", "tokens_reused", "parks", "restores", "restore_failures", "evictions", "spills",
     "spill_dropped", "spill_failed", "bytes_parked", "bytes_restored", "bytes_spilled",
 })
+# Objects of counts by one label, as one labelled counter: path in the JSON -> (metric name, label name).
+LABELLED = {("engine", "prefill_reasons"): ("prefill_reason", "reason")}
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -46,7 +50,17 @@ class _StatsCollector:
     def collect(self) -> Iterator[Metric]:
         for section, stats in self._sections.items():
             labels: dict[str, str] = {}
+            for key, (metric, label) in LABELLED.items():
+                counts = stats.get(key[1]) if key[0] == section else None
+                if isinstance(counts, Mapping):
+                    family = CounterMetricFamily(_name([metric]), f"{'.'.join(key)} in the /metrics JSON",
+                                                 labels=[label])
+                    for name, n in sorted(counts.items()):
+                        family.add_metric([str(name)], n)
+                    yield family
             for path, value in _walk(stats, [section]):
+                if tuple(path[:2]) in LABELLED:
+                    continue
                 if isinstance(value, str):
                     labels[_NOT_NAME.sub("_", "_".join(path[1:]))] = value
                     continue
