@@ -15,6 +15,7 @@ eviction for a conversation that is in fact on disk. Every method runs with the 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,8 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.cache.index import Conv
 from engine.cache.policy import common_prefix
 
+EXPLAIN_WINDOW = 8  # candidate tokens kept either side of where a prompt leaves it, to show as text
 MAX_LOSSES = 256  # conversations remembered; the oldest loss is forgotten first
 # The budget that made room, by tier, as the flag a person would change.
 BYTE_BUDGETS = {"ram": "conversation-cache-mib", "disk": "conversation-cache-disk-mib"}
@@ -108,3 +111,20 @@ class Losses:
             if n > more_than and (best is None or n > best[1]):
                 best = (loss, n)
         return best
+
+
+def lookup_report(losses: Losses, toks: np.ndarray, best: tuple[int, str, Conv] | None,
+                  live_prefix: int) -> LookupReport:
+    """A lookup's report before the verdict: its best candidate (None, or (tokens matched, tier, entry)) and the
+    loss that would have offered more than it and the live slot (cache lock held)."""
+    matched = best[0] if best is not None else 0
+    lost = losses.best_match(toks, more_than=max(matched, live_prefix))
+    report = LookupReport() if lost is None else LookupReport(
+        loss=lost[0].describe(lost[1]), loss_kind=lost[0].kind, loss_refusal=lost[0].refusal)
+    if best is None or best[0] == 0:  # nothing shared: no candidate
+        return report
+    n, tier, conv = best
+    lo = max(0, n - EXPLAIN_WINDOW)
+    window = tuple(int(t) for t in conv.tokens[lo:n + EXPLAIN_WINDOW])
+    return dataclasses.replace(report, conversation_id=conv.id, tier=tier, matched=n,
+                               candidate_tokens=conv.n_tokens, window=window, window_start=lo)

@@ -31,7 +31,7 @@ from engine.cache.disk_reads import disk_pieces, move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import CacheRestoreError, ParkRefused
-from engine.cache.explain import LookupReport
+from engine.cache.explain import LookupReport, lookup_report
 from engine.cache.identity import CacheIdentity, block_keys, token_array
 from engine.cache.index import Conv, TierIndex
 from engine.cache.journal import Journal
@@ -44,7 +44,6 @@ from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResul
 log = logging.getLogger("strata.cache")
 MIB = 1 << 20
 TIERS = ("ram", "disk", "all")
-EXPLAIN_WINDOW = 8  # candidate tokens kept either side of where a prompt leaves it, to show as text
 
 
 class ConversationCache:
@@ -114,7 +113,7 @@ class ConversationCache:
                     n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
                     if best is None or n > best[0]:
                         best = (n, tier, conv)
-            report = self._report(toks, best, live_prefix)
+            report = lookup_report(self._journal.losses, toks, best, live_prefix)
             if best is None or best[0] <= max(live_prefix, 0):
                 return None, report
             n, tier, conv = best
@@ -134,20 +133,6 @@ class ConversationCache:
                 self._journal.declined_hit(verdict.reason)
                 return None, report
             return CacheHit(conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key), report
-
-    def _report(self, toks, best: tuple[int, str, Conv] | None, live_prefix: int) -> LookupReport:
-        """The candidate's part of a lookup's report, and the loss that would have offered more (lock held)."""
-        matched = best[0] if best is not None else 0
-        lost = self._journal.losses.best_match(toks, more_than=max(matched, live_prefix))
-        report = LookupReport() if lost is None else LookupReport(
-            loss=lost[0].describe(lost[1]), loss_kind=lost[0].kind, loss_refusal=lost[0].refusal)
-        if best is None or best[0] == 0:  # nothing shared: no candidate
-            return report
-        n, tier, conv = best
-        lo = max(0, n - EXPLAIN_WINDOW)
-        window = tuple(int(t) for t in conv.tokens[lo:n + EXPLAIN_WINDOW])
-        return dataclasses.replace(report, conversation_id=conv.id, tier=tier, matched=n,
-                                   candidate_tokens=conv.n_tokens, window=window, window_start=lo)
 
     def record_miss(self) -> None:
         with self._lock:
