@@ -166,6 +166,10 @@ class ConversationRow:
     hits: int
     pending: bool = False
     on_disk: bool = False
+    priority: str = "normal"
+    pinned: bool = False
+    name: str = ""
+    client: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,11 +191,13 @@ class Scheduler(Stats):
         except Exception:  # an explanation must never take a request down
             log.exception("explaining request %s failed", request.request_id)
             reason, detail = "cold", {"error": "no explanation: see the engine log"}
+        # Name, client and priority travel on the request as `attrs` (metadata / X-Strata-* headers) when the
+        # server parsed them; a priority left unset is the default.
+        attrs = getattr(request, "attrs", None)
         self.requests.add(RequestRecord(
             time=time.time(), request_id=request.request_id, conversation_id=conversation_id,
-            # name, client and priority travel on the request when the server parsed them
-            name=getattr(request, "name", ""), client=getattr(request, "client", ""),
-            priority=getattr(request, "priority", "normal"),
+            name=getattr(attrs, "name", "") or "", client=getattr(attrs, "client", "") or "",
+            priority=getattr(attrs, "priority", None) or "normal",
             prompt_tokens=len(adm.prompt), reused_tokens=adm.reused, source=adm.source, reason=reason,
             detail=detail,
         ))
