@@ -62,3 +62,15 @@ def test_the_record_of_losses_is_bounded_and_the_newest_are_kept():
     assert len(losses) == MAX_LOSSES
     assert cache.explain_lookup(convs[0] + [1])[1].loss is None, "the oldest loss is forgotten"
     assert cache.explain_lookup(convs[-2] + [1])[1].loss_kind == "evict"
+
+
+def test_the_record_of_losses_holds_a_bounded_number_of_tokens():
+    cache, slots = make_cache(slots=1), FakeSlots()
+    cache._journal.losses.max_tokens = 5 * BLOCK
+    convs = [conversation(400 + i, 2 * BLOCK) for i in range(5)]
+    for tokens in convs:
+        park_tokens(cache, slots, tokens)
+    kept = cache._journal.losses.records
+    assert sum(len(r.tokens) for r in kept) <= 5 * BLOCK and len(kept) == 2
+    assert cache.explain_lookup(convs[-2] + [1])[1].loss is not None
+    assert cache.explain_lookup(convs[0] + [1])[1].loss is None

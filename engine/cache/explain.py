@@ -28,6 +28,7 @@ from engine.cache.policy import common_prefix
 
 EXPLAIN_WINDOW = 8  # candidate tokens kept either side of where a prompt leaves it, to show as text
 MAX_LOSSES = 256  # conversations remembered; the oldest loss is forgotten first
+MAX_LOSS_TOKENS = 1 << 22  # and at most this many token ids in all (16 MiB), whatever the context length
 # The budget that made room, by tier, as the flag a person would change.
 BYTE_BUDGETS = {"ram": "conversation-cache-mib", "disk": "conversation-cache-disk-mib"}
 SLOT_BUDGET = "conversation-cache-slots"
@@ -85,6 +86,7 @@ class Losses:
 
     records: deque[Loss] = field(default_factory=lambda: deque(maxlen=MAX_LOSSES))
     cause: dict[str, Any] = field(default_factory=lambda: {"by": "budget"})
+    max_tokens: int = MAX_LOSS_TOKENS
 
     def begin(self, by: str, **about: Any) -> dict[str, Any]:
         """Name the cause of the evictions that follow (until the next `begin`); returns it to be completed."""
@@ -94,11 +96,17 @@ class Losses:
     def dropped(self, tokens: np.ndarray, conversation_id: str, kind: str, tier: str, *, slots_full: bool) -> None:
         """A parked conversation left `tier` (`slots_full`: the slot count, not the byte budget, made room)."""
         budget = (SLOT_BUDGET if slots_full else BYTE_BUDGETS.get(tier, "")) if kind == "evict" else ""
-        self.records.append(Loss(tokens, kind, tier, time.time(), conversation_id, self.cause, budget=budget))
+        self._add(Loss(tokens, kind, tier, time.time(), conversation_id, self.cause, budget=budget))
 
     def refused(self, tokens: np.ndarray, reason: str) -> None:
         """A park was refused: the conversation was never kept."""
-        self.records.append(Loss(tokens, "refuse", "", time.time(), None, self.cause, refusal=reason))
+        self._add(Loss(tokens, "refuse", "", time.time(), None, self.cause, refusal=reason))
+
+    def _add(self, loss: Loss) -> None:
+        self.records.append(loss)
+        total = sum(len(r.tokens) for r in self.records)
+        while len(self.records) > 1 and total > self.max_tokens:
+            total -= len(self.records.popleft().tokens)
 
     def best_match(self, tokens: np.ndarray, *, more_than: int) -> tuple[Loss, int] | None:
         """The most recent loss offering the longest prefix of `tokens`, if it beats `more_than` tokens."""
