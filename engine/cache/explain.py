@@ -126,7 +126,9 @@ def lookup_report(losses: Losses, toks: np.ndarray, best: tuple[int, str, Conv] 
     """A lookup's report before the verdict: its best candidate (None, or (tokens matched, tier, entry)) and the
     loss that would have offered more than it and the live slot (cache lock held)."""
     matched = best[0] if best is not None else 0
-    lost = losses.best_match(toks, more_than=max(matched, live_prefix))
+    offered = max(matched, live_prefix)
+    # Nothing can offer more than all of the prompt but its last token: no loss to look for then.
+    lost = losses.best_match(toks, more_than=offered) if offered < len(toks) - 1 else None
     report = LookupReport() if lost is None else LookupReport(
         loss=lost[0].describe(lost[1]), loss_kind=lost[0].kind, loss_refusal=lost[0].refusal)
     if best is None or best[0] == 0:  # nothing shared: no candidate
