@@ -183,3 +183,46 @@ def test_every_reason_reads_as_words():
     assert text("cost") == "not worth restoring (cost model)"
     assert text("evicted", kind="purge", when=40.0, by="purge") == "purged 60 s ago"
     assert text("restore_failed") == "restore failed" and text("something new") == "something new"
+
+
+def test_the_request_log_of_a_real_engine_and_a_parked_conversations_history(qtbot, tmp_path):
+    """The app starts the real engine (a tiny model); two conversations take turns on its one slot."""
+    import openai
+
+    from desktop.engine_process import EngineState
+    from desktop.main_window import MainWindow
+    from desktop.settings import Paths
+    from tests.model_fixtures import write_tiny_model
+
+    w = MainWindow(Paths(tmp_path / "cfg", tmp_path / "state"), use_tray=False, environ={})
+    for name, value in (("port", 0), ("parallel", 1), ("model", write_tiny_model(tmp_path, "llama")),
+                        ("ctx_size", 512), ("conversation_cache_dir", str(tmp_path / "parked")),
+                        ("conversation_cache_min_free_mib", 0)):
+        w.store.set(name, value)
+    qtbot.addWidget(w)
+    w.show()
+    w.tabs.setCurrentWidget(w.monitor)
+    try:
+        w.start()
+        qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=60000)
+        client = openai.OpenAI(base_url=w.client.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(text: str) -> str:
+            return client.completions.create(model="m", prompt=text, max_tokens=1, temperature=0).id
+
+        first = ask("The quick brown fox jumps over the lazy dog. " * 6)
+        ask("Paris is the capital of France; Berlin is the capital of Germany. " * 6)  # parks the first
+        back = ask("The quick brown fox jumps over the lazy dog. " * 6 + "Hello, world!")
+        monitor = w.monitor
+        qtbot.waitUntil(lambda: monitor.requests.model.rowCount() == 3 and monitor.model.rowCount() >= 1,
+                        timeout=15000)
+        newest = _cells(monitor.requests.model, 0)
+        assert newest[4] == "RAM" and newest[5].startswith("new tokens only"), newest
+        assert monitor.requests.model.rows[0]["request_id"] == back
+        line = monitor.requests.model.rows[0]["conversation_id"]
+        _select(qtbot, monitor, line)
+        history = monitor.requests.model.rows
+        assert [r["request_id"] for r in history] == [back, first], "its requests, newest first"
+        assert monitor.requests.summary.text().startswith("2 requests · reused ")
+    finally:
+        w.shutdown_now()
