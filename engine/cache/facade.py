@@ -117,15 +117,9 @@ class ConversationCache:
             if best is None or best[0] <= max(live_prefix, 0):
                 return None, report
             n, tier, conv = best
-            verdict = decline_reason(
-                self.settings,
-                self.identity,
-                n=n,
-                n_request=len(toks),
-                live_prefix=live_prefix,
-                bandwidth=self._journal.bandwidth[tier],
-                prefill_tokens_per_s=self.prefill_tokens_per_s,
-            )
+            verdict = decline_reason(self.settings, self.identity, n=n, n_request=len(toks), live_prefix=live_prefix,
+                                     bandwidth=self._journal.bandwidth[tier],
+                                     prefill_tokens_per_s=self.prefill_tokens_per_s)
             detail = {**verdict.detail(), "offered": n, "n_min": self.settings.n_min,
                       "similarity": self.settings.similarity, "tier": tier}
             report = dataclasses.replace(report, verdict=verdict.reason, verdict_detail=detail)
