@@ -1,15 +1,23 @@
-"""Purge and budget changes: what they drop, the question asked first, and what the engine says it did."""
+"""Purge, budget and conversation changes: what they drop, the question asked first, and what the engine says
+it did."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtWidgets import QMessageBox, QWidget
 
+from desktop.client import Reply, change_failure
+from desktop.monitor.conversation_controls import conversation_title
 from desktop.monitor.conversations import tiers_of
 from desktop.monitor.report import number
 from desktop.settings import format_bytes
+from engine.contract import ContractError, ConversationsBody, parse
+
+if TYPE_CHECKING:
+    from desktop.client import EngineClient
+    from desktop.monitor import MonitorTab
 
 # What the engine last reported: (conversations merged one row each, metrics); purge and eviction read it.
 Snapshot = Callable[[], "tuple[list[dict[str, Any]], dict[str, Any] | None]"]
@@ -56,3 +64,30 @@ def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
         elif isinstance(item, list | tuple) and len(item) == 2:
             skipped.append(f"{item[0]}: {item[1]}")
     return int(count), size, skipped
+
+
+def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_id: str, changes: dict[str, Any],
+                        poll: Callable[[], None]) -> None:
+    """PATCH a parked conversation's priority or pin; the controls show what the engine now has, or why not."""
+    row = next((r for r in monitor.model.rows if r.get("id") == conversation_id), {"id": conversation_id})
+    name = conversation_title(row)
+
+    def done(reply: Reply) -> None:
+        controls = monitor.controls
+        if not reply.ok:
+            controls.show_result(change_failure(name, reply), error=True)
+            return
+        try:
+            body = parse(ConversationsBody, reply.data, "PATCH /cache/conversations/{id}")
+        except ContractError as exc:
+            controls.show_result(f"The engine's answer is not understood: {exc}", error=True)
+            return
+        now = next((r for r in body.conversations if r.id == conversation_id), None)
+        if now is None:
+            controls.show_result(f"The engine's answer does not list {name}.", error=True)
+        else:
+            controls.show_result(f"{name}: {now.priority} priority, {'pinned' if now.pinned else 'not pinned'}.",
+                                 error=False)
+        poll()
+
+    client.change_conversation(conversation_id, changes, done)

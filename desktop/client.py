@@ -2,7 +2,7 @@
 
 `Dispatcher` is the one helper that runs a callable on a worker thread and hands its result (or exception) to a
 callback on the GUI thread. `EngineClient` issues the engine's HTTP calls through it. `Poller` fetches
-`/metrics`, `/cache/conversations` and `/cache/events` and samples memory with psutil on a timer, never
+`/metrics`, `/cache/conversations`, `/cache/events` and `/cache/requests` and samples memory with psutil on a timer, never
 starting a fetch while the previous one of the same kind is still in flight, so a slow engine cannot pile up
 requests.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +20,15 @@ from typing import Any
 import psutil
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
-from engine.contract import ContractError, ConversationsBody, EventsBody, MetricsBody, parse, to_json
+from engine.contract import (
+    ContractError,
+    ConversationsBody,
+    EventsBody,
+    MetricsBody,
+    RequestsBody,
+    parse,
+    to_json,
+)
 
 Callback = Callable[[Any], None]
 
@@ -155,10 +164,42 @@ class EngineClient(QObject):
         ok = 200 <= r.status_code < 300
         return Reply(ok, r.status_code, data, "" if ok else _error_message(r.status_code, data, r.text), elapsed)
 
+    def change_conversation(self, conversation_id: str, changes: dict[str, Any],
+                            callback: Callable[[Reply], None] | None = None) -> None:
+        """PATCH /cache/conversations/{id} with {"priority"?: "high"|"normal"|"low", "pinned"?: bool}."""
+        check_conversation_change(changes)
+        path = "/cache/conversations/" + urllib.parse.quote(conversation_id, safe="")
+        self.request("PATCH", path, callback, json=changes)
+
     def close(self) -> None:
         with self._http_lock:
             if self._http is not None:
                 self._http.close()
+
+
+PRIORITIES = ("high", "normal", "low")
+
+
+def check_conversation_change(changes: dict[str, Any]) -> None:
+    """What PATCH /cache/conversations/{id} takes: a priority and/or a pin, nothing else (ValueError otherwise)."""
+    unknown = set(changes) - {"priority", "pinned"}
+    if not changes or unknown:
+        raise ValueError(f"a conversation change is priority and/or pinned, got {sorted(changes)}")
+    if "priority" in changes and changes["priority"] not in PRIORITIES:
+        raise ValueError(f"priority: expected one of {', '.join(PRIORITIES)}, got {changes['priority']!r}")
+    if "pinned" in changes and not isinstance(changes["pinned"], bool):
+        raise ValueError(f"pinned: expected true or false, got {changes['pinned']!r}")
+
+
+def change_failure(name: str, reply: Reply) -> str:
+    """What to tell the user when the engine refused a conversation change: its own words, and what they mean."""
+    text = reply.error or f"HTTP {reply.status}"
+    if reply.status == 405 or (reply.status == 404 and "no route" in text):
+        return (f"This engine cannot change a conversation's priority or pin (it has no PATCH "
+                f"/cache/conversations/{{id}}; a newer engine has). The engine said: {text}")
+    if reply.status == 404:
+        return f"{name} is no longer parked, so there is nothing to change. The engine said: {text}"
+    return f"Could not change {name}: {text}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +243,13 @@ class Poller(QObject):
     conversations = Signal(object)  # list of dicts from /cache/conversations
     conversations_failed = Signal(str)  # the engine answered /cache/conversations with an error
     events = Signal(object)  # list of dicts from /cache/events
+    requests = Signal(object)  # list of dicts from /cache/requests (each request explained)
+    requests_failed = Signal(str)  # the engine could not give the request log
     memory = Signal(object)  # MemorySample
     unreachable = Signal(str)  # the engine did not answer /metrics
 
     EVENTS_LIMIT = 200
+    REQUESTS_LIMIT = 200
 
     def __init__(self, client: EngineClient, interval_ms: int = 1000, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -239,6 +283,7 @@ class Poller(QObject):
         self._fetch("conversations", "/cache/conversations", self._on_conversations)
         if self.detail:
             self._fetch("events", f"/cache/events?limit={self.EVENTS_LIMIT}", self._on_events)
+            self._fetch("requests", f"/cache/requests?limit={self.REQUESTS_LIMIT}", self._on_requests)
 
     def _once(self, key: str, work: Callable[[], Any], done: Callback) -> None:
         if key in self._in_flight:
@@ -300,3 +345,15 @@ class Poller(QObject):
             self.conversations_failed.emit(f"the engine's answer is not understood: {exc}")
             return
         self.events.emit([to_json(event) for event in body.events])
+
+    def _on_requests(self, reply: Reply) -> None:
+        if not reply.ok:
+            if reply.reachable:
+                self.requests_failed.emit(reply.error)
+            return
+        try:
+            body = parse(RequestsBody, reply.data, "GET /cache/requests")
+        except ContractError as exc:
+            self.requests_failed.emit(f"the engine's answer is not understood: {exc}")
+            return
+        self.requests.emit([to_json(record) for record in body.requests])

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from desktop.autostart import Autostart
+from desktop.cache_actions import change_conversation
 from desktop.chat_tab import ChatTab
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller
 from desktop.crash_panel import CrashPanel
@@ -149,6 +150,10 @@ class MainWindow(QMainWindow):
         self.poller.metrics.connect(self._on_metrics)
         self.poller.conversations.connect(self._on_conversations)
         self.poller.events.connect(self.monitor.set_events)
+        self.poller.requests.connect(self.monitor.set_requests)
+        self.poller.requests_failed.connect(self.monitor.requests.set_error)
+        self.monitor.conversation_change_requested.connect(
+            lambda cid, changes: change_conversation(self.client, self.monitor, cid, changes, self.poller.poll))
         self.poller.conversations_failed.connect(self.monitor.set_conversations_error)
         self.poller.unreachable.connect(self.monitor.set_unreachable)
         self.purger = PurgeFlow(self, self.client, self.cache_snapshot, self.poller.poll,

@@ -217,3 +217,40 @@ class MetricsBody:
 
     engine: EngineFigures
     conversation_cache: CacheFigures
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One completion request explained (GET /cache/requests): how much of its prompt was reused and from where,
+    and why the rest was computed.
+
+    `source`: "live" (the slot still held it), "ram", "disk", "checkpoint" or "none". `reason`: "new_tokens" (only
+    tokens nothing held), "diverged" (the prompt left the best candidate at `detail.diverged_at`), "evicted" (the
+    conversation was dropped: `detail` says when, by what and under which budget), "floor" (its park was refused
+    by --conversation-cache-min-free-mib), "refused" (its park was refused otherwise), "n_min", "similarity",
+    "cost" (a parked hit was declined; `detail` has the thresholds and both predicted times), "small_gain" (a hit
+    offered too few tokens over the live slot), "restore_failed", "cold" (nothing shared any of it).
+    `conversation_id` is the parked conversation it continues, once known (a request served before its
+    conversation was first parked gets the id when it is). `ttft_ms`: from the engine taking the request to its
+    first token (None until then, or when it produced none).
+    """
+
+    time: float
+    request_id: str
+    conversation_id: str | None
+    name: str
+    client: str
+    priority: str
+    prompt_tokens: int
+    reused_tokens: int
+    source: str
+    reason: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    ttft_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestsBody:
+    """GET /cache/requests: the most recent requests, oldest first."""
+
+    requests: list[RequestRecord]

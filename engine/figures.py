@@ -72,6 +72,8 @@ class EngineFigures:
     weights_format: str = ""
     threads: int = 0
     omp_wait_policy: str = ""
+    # requests by why their prompt was computed (engine.runtime.explain's reasons)
+    prefill_reasons: dict[str, int] = counter(label="reason", metric="prefill_reason")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ process a user would see, quickly and without torch. The end-to-end tests use th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -29,6 +30,8 @@ from engine.contract import (  # noqa: E402
     HealthBody,
     MetricsBody,
     PurgeBody,
+    RequestRecord,
+    RequestsBody,
     to_json,
 )
 from engine.figures import CacheFigures, EngineFigures, Timing  # noqa: E402
@@ -95,6 +98,19 @@ class _State:
                   tier="ram"),
             Event(time=now - 6, kind="restore", conversation_id="conv-a", tokens=1200, bytes=3_000_000, ms=2.0,
                   tier="ram"),
+        ]
+        # Requests explained (GET /cache/requests): conv-a came back from RAM, conv-b was evicted.
+        self.requests = [
+            RequestRecord(time=now - 14, request_id="cmpl-1", conversation_id="conv-a", name="Fix the parser",
+                          client="OpenAI/Python", priority="normal", prompt_tokens=1000, reused_tokens=0,
+                          source="none", reason="cold", detail={"computed": 1000}, ttft_ms=900.0),
+            RequestRecord(time=now - 6, request_id="cmpl-2", conversation_id="conv-a", name="Fix the parser",
+                          client="OpenAI/Python", priority="normal", prompt_tokens=1200, reused_tokens=1000,
+                          source="ram", reason="new_tokens", detail={"computed": 200}, ttft_ms=120.0),
+            RequestRecord(time=now - 3, request_id="cmpl-3", conversation_id="conv-b", name="", client="curl",
+                          priority="low", prompt_tokens=800, reused_tokens=0, source="none", reason="evicted",
+                          detail={"computed": 800, "kind": "evict", "tier": "ram", "when": now - 4, "by": "park",
+                                  "budget": "conversation-cache-mib", "matched": 799, "lost_tokens": 800}),
         ]
         self.lock = threading.Lock()
 
@@ -164,6 +180,9 @@ def _make_handler(state: _State, server_ref: list):
                 self._send(200, to_json(EventsBody(state.events[-limit:])))
             elif url.path == "/cache/config":
                 self._send(200, state.cache_config())
+            elif url.path == "/cache/requests":
+                limit = int(parse_qs(url.query).get("limit", ["1000"])[0])
+                self._send(200, to_json(RequestsBody(state.requests[-limit:])))
             else:
                 self._send(404, {"error": {"message": f"no route {url.path}"}})
 
@@ -192,6 +211,26 @@ def _make_handler(state: _State, server_ref: list):
                 self._send(200, {"settings": state.settings, "changed": changed})
                 return
             self._send(200, state.cache_config(changed))
+
+        def do_PATCH(self) -> None:
+            """PATCH /cache/conversations/{id} as COMMON's shape: or, with --no-patch, the answer of an engine
+            without the route (the real engine's 404 text)."""
+            url = urlparse(self.path)
+            if "--no-patch" in sys.argv or not url.path.startswith("/cache/conversations/"):
+                self._send(404, {"error": {"message": f"no route PATCH {url.path}; see docs/API.md for the "
+                                                      "endpoints"}})
+                return
+            conv_id = url.path.rsplit("/", 1)[1]
+            body = self._body()
+            with state.lock:
+                found = [c for c in state.conversations if c.id == conv_id]
+                if not found:
+                    self._send(404, {"error": {"message": f"no parked conversation {conv_id!r}"}})
+                    return
+                state.conversations = [dataclasses.replace(c, **body) if c.id == conv_id else c
+                                       for c in state.conversations]
+                rows = [c for c in state.conversations if c.id == conv_id]
+            self._send(200, to_json(ConversationsBody(rows)))
 
         def do_POST(self) -> None:
             if self.path == "/shutdown":

@@ -18,6 +18,7 @@ from tests.engine_process import engine_process
 from tests.model_fixtures import write_tiny_model
 
 STATS_ROUTES = ("/health", "/metrics", "/metrics?format=prometheus", "/cache/conversations", "/cache/events",
+                "/cache/requests",
                 "/cache/config", "/slots")
 
 

@@ -78,7 +78,8 @@ def tiers_of(row: dict[str, Any]) -> list[str]:
 
 
 class ConversationsModel(QAbstractTableModel):
-    COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits")
+    COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits", "Client", "Priority", "Pinned")
+    TEXT_COLUMNS = (0, 3, 7, 8, 9)
 
     def __init__(self, parent: Any = None) -> None:
         super().__init__(parent)
@@ -120,14 +121,14 @@ class ConversationsModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.TextAlignmentRole and col in (1, 2, 4, 5, 6):
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if role == Qt.ItemDataRole.ToolTipRole and col == 0:
-            return str(row.get("id", ""))
+            return f"{row.get('name')} · {row.get('id', '')}" if row.get("name") else str(row.get("id", ""))
         if role == Qt.ItemDataRole.ToolTipRole and col == 2 and len(row.get("bytes_by_tier") or {}) > 1:
             return " · ".join(f"{tier_label(t)} {format_bytes(b)}" for t, b in row["bytes_by_tier"].items())
         return None
 
     def _display(self, row: dict[str, Any], col: int) -> str:
-        if col == 0:
-            return str(row.get("id", "–"))
+        if col == 0:  # its name (the first words of its first user message) when the engine knows it
+            return str(row.get("name") or row.get("id", "–"))
         if col == 1:
             return format_count(number(row, "tokens"))
         if col == 2:
@@ -140,10 +141,18 @@ class ConversationsModel(QAbstractTableModel):
         if col == 5:
             t = timestamp(row.get("last_used"))
             return "–" if t is None else format_age(self.now - t) + " ago"
-        return format_count(number(row, "hits"))
+        if col == 6:
+            return format_count(number(row, "hits"))
+        if col == 7:
+            return str(row.get("client") or "–")
+        if col == 8:
+            return str(row.get("priority") or "normal")
+        return "pinned" if row.get("pinned") else ""
 
     def _sort_key(self, row: dict[str, Any], col: int) -> Any:
-        if col in (0, 3):
+        if col == 8:  # high first when ascending
+            return {"high": 0, "normal": 1, "low": 2}.get(str(row.get("priority") or "normal"), 3)
+        if col in self.TEXT_COLUMNS:
             return self._display(row, col)
         key = ("tokens", "bytes", None, "created", "last_used", "hits")[col - 1]
         value = timestamp(row.get(key)) if col in (4, 5) else number(row, key)

@@ -1,4 +1,6 @@
-"""The Monitor tab: memory plots, park/restore timings, counters, the parked-conversations table and Purge."""
+"""The Monitor tab: memory plots, park/restore timings, counters, the parked-conversations table with each one's
+priority and pin (and the control to change them), Purge, and the request log (every request explained; a
+selected conversation's requests are its reuse history)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ from PySide6.QtWidgets import (
 
 from desktop.client import MemorySample
 from desktop.engine_process import EngineState
+from desktop.monitor.conversation_controls import ConversationControls
 from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
 from desktop.monitor.counters import CountersPanel
 from desktop.monitor.report import budget
+from desktop.monitor.requests import RequestLogPanel
 
 UNREACHABLE_AFTER = 3  # missed polls in a row before the "did not answer" banner shows
 CONTENT_MINIMUM_WIDTH = 720  # plots and counters readable side by side; a narrower window scrolls
@@ -36,6 +40,7 @@ class MonitorTab(QWidget):
     """Renders what the engine reports; greyed, with its last figures, while the engine is not ready."""
 
     purge_requested = Signal(str)  # "ram" | "disk" | "all"
+    conversation_change_requested = Signal(str, dict)  # id, {"priority": ...} or {"pinned": ...}
     visibility_changed = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -81,6 +86,13 @@ class MonitorTab(QWidget):
             action.triggered.connect(lambda _=False, t=tier: self.purge_requested.emit(t))
             self.purge_actions[tier] = action
         self.purge_button.setMenu(menu)
+        self.controls = ConversationControls()
+        self.controls.change_requested.connect(self.conversation_change_requested)
+        self.table.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.table.customContextMenuRequested.connect(self._conversation_menu)
+        self.table.selectionModel().selectionChanged.connect(lambda *_: self._selection_changed())
+        self.requests = RequestLogPanel()
+        self.requests.show_all_requested.connect(self.table.clearSelection)
 
         table_box = QWidget()
         tl = QVBoxLayout(table_box)
@@ -91,6 +103,7 @@ class MonitorTab(QWidget):
         head.addWidget(self.purge_button)
         tl.addLayout(head)
         tl.addWidget(self.table)
+        tl.addWidget(self.controls)
 
         self.plots = QWidget()
         self._plots_layout = QVBoxLayout(self.plots)
@@ -106,8 +119,10 @@ class MonitorTab(QWidget):
         self.splitter = QSplitter(Qt.Orientation.Vertical)
         self.splitter.addWidget(top)
         self.splitter.addWidget(table_box)
+        self.splitter.addWidget(self.requests)
         self.splitter.setStretchFactor(0, 3)
         self.splitter.setStretchFactor(1, 1)
+        self.splitter.setStretchFactor(2, 1)
         # Below its comfortable size the content scrolls instead of squeezing rows into each other.
         self.scroll = QScrollArea()
         self.scroll.setObjectName("monitorScroll")
@@ -119,6 +134,7 @@ class MonitorTab(QWidget):
         layout.addWidget(self.banner)
         layout.addWidget(self.scroll, 1)
 
+        self.conversation_menu: QMenu | None = None
         self.metrics: dict[str, Any] = {}
         self.conversation_rows: list[dict[str, Any]] = []
         self.last_update: float | None = None
@@ -168,9 +184,48 @@ class MonitorTab(QWidget):
 
     def set_conversations(self, rows: list[dict[str, Any]]) -> None:
         self.conversation_rows = rows
+        before = (self.selected_conversation() or {}).get("id")
         self.model.set_rows(rows)
         self.counters.set_parked(len(self.model.rows))
+        if before is not None and self.selected_conversation() is None:
+            self._select(before)  # a new conversation in the list must not take the selection away
+        selected = self.selected_conversation()
+        if selected is not None or self.controls.row is not None:
+            self.controls.set_conversation(selected)  # its priority and pin as the engine lists them now
+
+    def _select(self, conversation_id: Any) -> None:
+        for i, row in enumerate(self.model.rows):
+            if row.get("id") == conversation_id:
+                self.table.selectRow(self.proxy.mapFromSource(self.model.index(i, 0)).row())
+                return
         self._update_counts()
+
+    def set_requests(self, records: list[dict[str, Any]]) -> None:
+        self.requests.set_records(records)
+
+    def selected_conversation(self) -> dict[str, Any] | None:
+        rows = self.table.selectionModel().selectedRows()
+        if not rows:
+            return None
+        source = self.proxy.mapToSource(rows[0])
+        return self.model.rows[source.row()] if 0 <= source.row() < len(self.model.rows) else None
+
+    def _selection_changed(self) -> None:
+        """The selected conversation's priority and pin in the controls, and its requests in the log."""
+        row = self.selected_conversation()
+        self.controls.set_conversation(row)
+        if row is None:
+            self.requests.set_conversation(None)
+        else:
+            self.requests.set_conversation(str(row.get("id")), str(row.get("name") or ""))
+
+    def _conversation_menu(self, pos: Any) -> None:
+        if self.selected_conversation() is None:
+            return
+        menu = QMenu(self.table)
+        self.controls.add_actions(menu)
+        menu.popup(self.table.viewport().mapToGlobal(pos))
+        self.conversation_menu = menu  # kept for tests and so it outlives this call
 
     def set_events(self, events: list[dict[str, Any]]) -> None:
         self._events = events
@@ -206,6 +261,8 @@ class MonitorTab(QWidget):
             if w is not None:
                 w.setEnabled(live)
         self.purge_button.setEnabled(live)
+        self.controls.setEnabled(live)
+        self.requests.table.setEnabled(live)
         if live:
             self.banner.hide()
             return

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from engine.cache.attrs import ConvAttrs
+from engine.cache.explain import LookupReport
 from engine.cache.parts import ReadParts, WriteParts
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
@@ -22,6 +23,10 @@ class CacheAPI(Protocol):
 
     def lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> CacheHit | None:
         """The longest parked prefix worth restoring beyond `live_prefix`, or None (read-only)."""
+        ...
+
+    def explain_lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> tuple[CacheHit | None, LookupReport]:
+        """`lookup` and what it saw (the best candidate, the policy's verdict, a loss that would have offered more)."""
         ...
 
     def record_miss(self) -> None: ...

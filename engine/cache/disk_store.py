@@ -272,6 +272,8 @@ class DiskStore:
         if self._writer is not None:
             self._writer.forget(conv_id)
         if reason:
+            full = len(idx.convs) + 1 >= self.settings.slots
+            self._journal.losses.dropped(conv.tokens, conv_id, reason, "disk", slots_full=full)
             if reason == "evict":
                 self._journal.count("evictions")
             self._journal.event(reason, conv_id, conv.n_tokens, before - idx.bytes - stuck, 0.0, "disk")

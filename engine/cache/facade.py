@@ -32,6 +32,7 @@ from engine.cache.disk_reads import disk_pieces, move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import CacheRestoreError, ParkRefused
+from engine.cache.explain import LookupReport, lookup_report
 from engine.cache.identity import CacheIdentity, block_keys, token_array, tokens_key
 from engine.cache.index import Conv, TierIndex
 from engine.cache.journal import Journal
@@ -95,9 +96,13 @@ class ConversationCache:
 
     def lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> CacheHit | None:
         """The longest parked prefix of `tokens` worth restoring (beyond `live_prefix`), or None. Read-only."""
+        return self.explain_lookup(tokens, live_prefix=live_prefix)[0]
+
+    def explain_lookup(self, tokens: Sequence[int], *, live_prefix: int = 0) -> tuple[CacheHit | None, LookupReport]:
+        """`lookup`, and what it saw: the best candidate, the policy's verdict, a loss that would have offered more."""
         toks = token_array(tokens)
         if len(toks) < 2 or not self.settings.enabled:
-            return None
+            return None, LookupReport()
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
         with self._lock:
             self._reap()  # a failed write gives its conversation's written version back before matching
@@ -109,31 +114,22 @@ class ConversationCache:
                     n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
                     if best is None or n > best[0]:
                         best = (n, tier, conv)
+            report = lookup_report(self._journal.losses, toks, best, live_prefix)
             if best is None or best[0] <= max(live_prefix, 0):
-                return None
+                return None, report
             n, tier, conv = best
-            reason = decline_reason(
-                self.settings,
-                self.identity,
-                n=n,
-                n_request=len(toks),
-                live_prefix=live_prefix,
-                bandwidth=self._journal.bandwidth[tier],
-                prefill_tokens_per_s=self.prefill_tokens_per_s,
-            )
-            if reason:
-                self._journal.declined_hit(reason)
-                return None
-            return CacheHit(
-                conv.id,
-                n,
-                tier,
-                n * self.identity.bytes_per_token,
-                self.identity.key,
-                conv.priority,
-                conv.pinned,
-                tokens_key(self.identity.key, toks[:n]),
-            )
+            verdict = decline_reason(self.settings, self.identity, n=n, n_request=len(toks), live_prefix=live_prefix,
+                                     bandwidth=self._journal.bandwidth[tier],
+                                     prefill_tokens_per_s=self.prefill_tokens_per_s)
+            detail = {**verdict.detail(), "offered": n, "n_min": self.settings.n_min,
+                      "similarity": self.settings.similarity, "tier": tier}
+            report = dataclasses.replace(report, verdict=verdict.reason, verdict_detail=detail)
+            if verdict.reason:
+                self._journal.declined_hit(verdict.reason)
+                return None, report
+            hit = CacheHit(conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key, conv.priority,
+                           conv.pinned, tokens_key(self.identity.key, toks[:n]))
+            return hit, report
 
     def record_miss(self) -> None:
         with self._lock:
@@ -172,10 +168,17 @@ class ConversationCache:
         with self._lock:  # the line may live in another tier than the one this park lands in (tiered)
             line = [c for _, index in self._tiers() for c in index.prefixes_of(toks) if not c.failed]
             attrs = ConvAttrs(*attrs.resolve(line))
+            cause = self._journal.losses.begin("park", tokens=len(toks))
         try:
             conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep, attrs)
         except ParkRefused as exc:
+            with self._lock:
+                self._journal.losses.refused(toks, exc.reason)
             return self._refuse(exc.reason, str(exc), len(toks))
+        finally:
+            with self._lock:
+                self._journal.losses.begin("budget")
+        cause["conversation_id"] = conv.id  # the evictions it caused name the conversation that took the room
         ms = (time.perf_counter() - t0) * 1000
         with self._lock:
             self._journal.count("parks")
@@ -339,6 +342,7 @@ class ConversationCache:
         dropped, freed = 0, 0
         skipped: list[tuple[str, str]] = []
         with self._lock:
+            self._journal.losses.begin("purge")
             self._reap()
             if tier in ("ram", "all"):
                 dropped, freed = self.ram.purge()
@@ -462,6 +466,8 @@ class ConversationCache:
             return []
         if settings.block_tokens != old.block_tokens:
             raise ValueError("block_tokens cannot change on a running engine; restart with the new value")
+        with self._lock:
+            self._journal.losses.begin("settings change", changed=changed)
         wants_disk = settings.uses_disk
         new_disk = None
         if wants_disk and (self.disk is None or settings.dir != old.dir):

@@ -1,5 +1,5 @@
 """What the cache has done, for /metrics and /cache/events: counters, refusals, declines, events, timings,
-the measured restore bandwidth per tier, and the id redirects of superseded conversations.
+the measured restore bandwidth per tier, the id redirects of superseded conversations, and what was lost.
 
 One `Journal` per cache, shared by its tiers; every method is called with the cache's lock held.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 
+from engine.cache.explain import Losses
 from engine.cache.stats import TimingWindow
 from engine.figures import CacheFigures, counter_names
 
@@ -26,6 +27,7 @@ class Journal:
         self.restore_ms = TimingWindow()
         self.bandwidth = {"ram": 4e9, "disk": 1e9}  # bytes/s; replaced by measurements after restores
         self.redirects: OrderedDict[str, str] = OrderedDict()
+        self.losses = Losses()  # what left the cache, so a later lookup can say why it is missing
 
     def count(self, name: str, n: int = 1) -> None:
         assert name in self.counts, name

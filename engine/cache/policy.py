@@ -53,6 +53,22 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A hit weighed: why it is not worth restoring ("" = use it) and the cost model's two predictions."""
+
+    reason: str  # "" | "n_min" | "similarity" | "cost"
+    restore_s: float | None = None  # predicted time to read the hit's blocks (None: no prefill rate measured yet)
+    prefill_s: float | None = None  # predicted time to prefill the tokens it would save
+
+    def detail(self) -> dict[str, float]:
+        """The predictions as a request explanation's detail (only those made)."""
+        out = {}
+        if self.restore_s is not None and self.prefill_s is not None:
+            out = {"predicted_restore_s": self.restore_s, "predicted_prefill_s": self.prefill_s}
+        return out
+
+
 def decline_reason(
     settings: CacheSettings,
     identity: CacheIdentity,
@@ -62,25 +78,27 @@ def decline_reason(
     live_prefix: int,
     bandwidth: float,
     prefill_tokens_per_s: float | None,
-) -> str:
-    """Why a hit of `n` tokens is not worth restoring ("n_min", "similarity", "cost"), or "" to use it.
+) -> Verdict:
+    """Whether a hit of `n` tokens is worth restoring: `Verdict.reason` is "n_min", "similarity", "cost" or "".
 
     Cost: reading whole blocks at the tier's measured `bandwidth` (bytes/s) must be faster than prefilling the
-    tokens the slot does not already hold (`live_prefix`) at the measured prefill rate.
+    tokens the slot does not already hold (`live_prefix`) at the measured prefill rate. The predictions are
+    made whenever a prefill rate is known, so a hit declined for a threshold still says what it would have cost.
     """
-    if settings.n_min and n < settings.n_min:
-        return "n_min"
-    if settings.similarity and n / n_request < settings.similarity:
-        return "similarity"
+    restore_s = prefill_s = None
     rate = prefill_tokens_per_s
     if rate and rate > 0:
         b = identity.block_tokens
         read_bytes = math.ceil(n / b) * b * identity.layout.bytes_per_token
         restore_s = read_bytes / bandwidth
         prefill_s = (n - max(live_prefix, 0)) / rate
-        if restore_s >= prefill_s:
-            return "cost"
-    return ""
+    if settings.n_min and n < settings.n_min:
+        return Verdict("n_min", restore_s, prefill_s)
+    if settings.similarity and n / n_request < settings.similarity:
+        return Verdict("similarity", restore_s, prefill_s)
+    if restore_s is not None and prefill_s is not None and restore_s >= prefill_s:
+        return Verdict("cost", restore_s, prefill_s)
+    return Verdict("", restore_s, prefill_s)
 
 
 @dataclass(slots=True)

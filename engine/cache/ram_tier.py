@@ -162,6 +162,7 @@ class RamTier:
         conv = idx.convs[conv_id]
         tensors = self.data_of(conv)
         before = idx.bytes
+        self._journal.losses.dropped(conv.tokens, conv_id, reason, "ram", slots_full=len(idx.convs) >= self.settings.slots)
         idx.remove(conv_id)
         freed = before - idx.bytes
         if reason == "evict":

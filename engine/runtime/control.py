@@ -97,12 +97,12 @@ class Control(Startup):
     def erase_slot(self, slot_id: int) -> dict:
         slot = self._slot_for_file_op(slot_id)
         n = len(slot.tokens)
-        slot.tokens = []
+        slot.tokens, slot.conversation_id, slot.unnamed = [], None, []
         self.kv.clear(slot.id)
         return {"id_slot": slot_id, "n_erased": n}
 
     def _write_slot(self, slot: Slot, tokens: list[int], kv: torch.Tensor) -> None:
-        slot.tokens = []
+        slot.tokens, slot.conversation_id, slot.unnamed = [], None, []  # a session file is no parked conversation
         try:
             self.kv.write(slot.id, 0, kv)
         except BaseException:

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.errors import BadValue, Unavailable
 from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
+from engine.runtime.explain import RequestLog
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.startup import _check_int4, _weights_format
@@ -79,6 +80,7 @@ class Engine(Scheduler):
         self._counters = dict.fromkeys(counter_names(EngineFigures), 0)  # declared in engine.figures
         self._prefill_rate: float | None = None  # tokens/s, smoothed
         self._decode_rate: float | None = None
+        self.requests = RequestLog()  # every request explained (GET /cache/requests)
         self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)

@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.attrs import DEFAULT_PRIORITY
+from engine.cache.explain import LookupReport
 from engine.cache.parts import kv_reader, kv_writer
+from engine.contract import RequestRecord
+from engine.runtime.explain import Admission, Candidate, explain
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.slot_choice import MIN_PARK_TOKENS, cheapest, choose_slot
@@ -130,28 +133,42 @@ class Scheduler(Stats):
         # The slot it would continue or displace (slot_choice), and what of the prompt that slot holds.
         live = {s.id: min(common_prefix(s.tokens, prompt), usable) for s in free}
         slot = choose_slot(free, live, len(prompt), self.config.side_call_tokens)
+        best = max(free, key=lambda s: (live[s.id], -s.last_used))  # the live slot sharing most (for the record)
         hit = None
+        report = LookupReport()
+        small_gain = False
         if self.cache is not None:
-            hit = self.cache.lookup(prompt, live_prefix=live[slot.id])
+            hit, report = self.cache.explain_lookup(prompt, live_prefix=live[slot.id])
             if hit is not None and hit.n_tokens - live[slot.id] < MIN_PARK_TOKENS:
-                hit = None
+                hit, small_gain = None, True
             if hit is None and live[slot.id] < usable:
                 self.cache.record_miss()
+        candidate = Candidate(f"slot {best.id}", live[best.id], best.tokens) if best.tokens else None
+        failed = ""
         attrs = request.attrs
         if hit is not None:
             # Restore into the slot whose loss is cheapest, parking what it holds.
             slot = cheapest(free)
-            reused = self._restore_hit(slot, hit, prompt)
+            reused, failed = self._restore_hit(slot, hit, prompt)
             slot.priority, slot.pinned = (hit.priority, hit.pinned) if reused else (DEFAULT_PRIORITY, False)
+            # The request continues the parked conversation if it goes on from all of it (else it is a branch).
+            continues = reused > 0 and reused >= report.candidate_tokens
+            slot.conversation_id, slot.unnamed = (hit.conversation_id if continues else None), []
+            source = hit.tier if reused else "none"
         else:
             reused = live[slot.id]
             self._park_if_losing(slot, reused)
+            if not (reused and reused == len(slot.tokens)):  # not going on from all of it: another conversation
+                slot.conversation_id, slot.unnamed = None, []
             slot.tokens = slot.tokens[:reused]
             if not reused:
                 slot.priority, slot.pinned = DEFAULT_PRIORITY, False
+            source = "live" if reused else "none"
         slot.attrs = attrs
         slot.priority = attrs.priority or slot.priority
         slot.pinned = slot.pinned if attrs.pinned is None else attrs.pinned
+        adm = Admission(prompt, reused, source, candidate, report, small_gain, failed)
+        self._record(request, slot, adm)
 
         max_tokens = request.params.max_tokens or (self.ctx_size - len(prompt))
         slot.prompt = list(prompt)
@@ -169,6 +186,26 @@ class Scheduler(Stats):
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(prompt)
         self._counters["cached_tokens"] += reused
+
+    def _record(self, request: GenerationRequest, slot: Slot, adm: Admission) -> None:
+        """Explain the admitted request and log it under the slot's conversation (never fails the request)."""
+        conversation_id = slot.conversation_id
+        try:
+            reason, detail = explain(adm, self.tokenizer.decode)
+        except Exception:  # an explanation must never take a request down
+            log.exception("explaining request %s failed", request.request_id)
+            reason, detail = "cold", {"error": "no explanation: see the engine log"}
+        # Name and client travel on the request (metadata / X-Strata-* headers); the priority is the slot's
+        # resolved one (a request that leaves it unset keeps the conversation's).
+        attrs = request.attrs
+        self.requests.add(RequestRecord(
+            time=time.time(), request_id=request.request_id, conversation_id=conversation_id,
+            name=attrs.name, client=attrs.client, priority=slot.priority,
+            prompt_tokens=len(adm.prompt), reused_tokens=adm.reused, source=adm.source, reason=reason,
+            detail=detail,
+        ))
+        if conversation_id is None:
+            slot.unnamed.append(request.request_id)  # named when the slot's conversation is first parked
 
     def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
         """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
@@ -191,9 +228,14 @@ class Scheduler(Stats):
             return
         if not result.parked:
             log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), result.reason)
+            return
+        assert result.conversation_id is not None
+        self.requests.assign(slot.unnamed, result.conversation_id)
+        slot.conversation_id, slot.unnamed = result.conversation_id, []
 
-    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int]) -> int:
-        """Park the slot's contents, then restore `hit` into it; on any failure the slot is a clean miss."""
+    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int]) -> tuple[int, str]:
+        """Park the slot's contents, then restore `hit` into it: (tokens restored, "") or, on any failure, a clean
+        miss: (0, why)."""
         assert self.cache is not None
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
@@ -204,10 +246,10 @@ class Scheduler(Stats):
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
-            return 0
+            return 0, str(exc) or type(exc).__name__
         n = min(result.n_tokens, len(prompt) - 1)
         slot.tokens = list(prompt[:n])
-        return n
+        return n, ""
 
     def _write_queued(self, slot: Slot, start: int, data: torch.Tensor, end: int) -> None:
         """Queue a restored piece into the slot; wait for all transfers once the last piece is queued."""
@@ -269,6 +311,8 @@ class Scheduler(Stats):
         assert a is not None
         a.generated.append(token)
         self._counters["generated_tokens"] += 1
+        if len(a.generated) == 1:
+            self.requests.first_token(a.request.request_id, a.stream.submitted)
         is_eos = token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
         if is_eos:
             self._finish(slot, "stop")

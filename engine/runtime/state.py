@@ -24,6 +24,7 @@ from engine.runtime.stream import RequestStream
 if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
+    from engine.runtime.explain import RequestLog
 
 log = logging.getLogger("strata.engine")
 
@@ -57,6 +58,8 @@ class Slot:
     attrs: ConvAttrs = NO_ATTRS
     priority: str = DEFAULT_PRIORITY
     pinned: bool = False
+    conversation_id: str | None = None  # the parked conversation its contents continue, once parked
+    unnamed: list[str] = field(default_factory=list)  # ids of requests it served before that id was known
 
 
 class EngineState:
@@ -84,4 +87,5 @@ class EngineState:
     _prefill_rate: float | None
     _decode_rate: float | None
     _stats: dict[str, Any]
+    requests: RequestLog
     _thread: threading.Thread

@@ -24,7 +24,7 @@ class Stats(Control):
 
     def stats_snapshot(self) -> dict[str, Any]:
         """The stats the engine thread last published (any thread, never waits on a step): "engine",
-        "conversation_cache", "conversations", "events", "slots". Published at each request's end, after each
+        "conversation_cache", "conversations", "events", "slots", "requests". Published at each request's end, after each
         `call`, and every STATS_INTERVAL_S while steps run, so a step of any length never delays a stats reader."""
         snap = self._stats
         engine = dataclasses.replace(snap["engine"], uptime_s=time.time() - self.started_at,
@@ -37,7 +37,7 @@ class Stats(Control):
             self._stats = {
                 "engine": self.engine_stats(), "conversation_cache": self.cache_figures(),
                 "conversations": self.cache_conversations(), "events": self.cache_events(1 << 30),
-                "slots": self.slots_info(), "published": time.monotonic(),
+                "slots": self.slots_info(), "requests": self.requests.snapshot(), "published": time.monotonic(),
             }
         except Exception:
             log.exception("publishing the stats snapshot failed; serving the previous one")
@@ -62,4 +62,5 @@ class Stats(Control):
             weights_format=self.weights_format,
             threads=torch.get_num_threads(),
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
+            prefill_reasons=dict(self.requests.reasons),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 from engine.runtime.requests import TokenEvent
 
@@ -18,6 +19,7 @@ class RequestStream:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        self.submitted = time.monotonic()  # when the engine got it: time to first token counts from here
         self.cancelled = threading.Event()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()

@@ -1,8 +1,8 @@
 """Routes for operators and the desktop app: /health, /metrics, /slots, /cache/*, /shutdown.
 
-The read-only routes (/metrics, /slots, /cache/conversations, /cache/events, GET /cache/config) never wait on the
-engine thread: they serve the snapshot it publishes (`Engine.stats_snapshot`) or read fields it replaces whole,
-so they answer at once while a step decodes or prefills. Routes that change state run on the engine thread."""
+The read-only routes (/metrics, /slots, /cache/conversations, /cache/events, /cache/requests, GET /cache/config)
+never wait on the engine thread: they serve the snapshot it publishes (`Engine.stats_snapshot`) or read fields it
+replaces whole, so they answer at once while a step decodes or prefills. Routes that change state run on the engine thread."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ from engine.contract import (
     EventsBody,
     MetricsBody,
     PurgeBody,
+    RequestsBody,
     parse,
     to_json,
 )
 from engine.errors import ApiError
+from engine.runtime.explain import REQUEST_LOG_SIZE
 from engine.server.prometheus import render_prometheus
 from engine.server.schemas import StrictBody, parse_body
 from engine.server.slot_names import check_slot_file_name
@@ -143,14 +145,29 @@ async def patch_conversation(conv_id: str, request: Request) -> dict[str, Any]:
 @router.get("/cache/events")
 async def cache_events(request: Request) -> dict[str, Any]:
     engine = require_engine(request)
-    raw = request.query_params.get("limit", "100")
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
-        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {raw[:40]!r}", param="limit")
-    limit = int(raw)
-    if not 1 <= limit <= MAX_EVENTS:
-        raise ApiError(400, f"'limit': expected a whole number in [1, {MAX_EVENTS}], got {limit}", param="limit")
+    limit = _limit(request, default=100, most=MAX_EVENTS)
     events = engine.stats_snapshot()["events"][-limit:]
     return to_json(EventsBody([parse(Event, event) for event in events]))
+
+
+@router.get("/cache/requests")
+async def cache_requests(request: Request) -> dict[str, Any]:
+    """The last requests explained (reused tokens, from where, why the rest was computed), oldest first."""
+    engine = require_engine(request)
+    limit = _limit(request, default=REQUEST_LOG_SIZE, most=REQUEST_LOG_SIZE)
+    records = engine.stats_snapshot()["requests"][-limit:]
+    return to_json(RequestsBody(list(records)))
+
+
+def _limit(request: Request, *, default: int, most: int) -> int:
+    """The `limit` query value: a whole number in [1, most]."""
+    raw = request.query_params.get("limit", str(default))
+    expected = f"'limit': expected a whole number in [1, {most}]"
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
+        raise ApiError(400, f"{expected}, got {raw[:40]!r}", param="limit")
+    if not 1 <= int(raw) <= most:
+        raise ApiError(400, f"{expected}, got {int(raw)}", param="limit")
+    return int(raw)
 
 
 @router.post("/cache/purge")

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from engine import __version__
 from engine.cache.attrs import PRIORITIES
 from engine.config import LIVE_SETTINGS, setting_of
+from engine.runtime.explain import REQUEST_LOG_SIZE
 from engine.server.control_routes import PurgeRequest, SlotFileRequest
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -89,6 +90,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     queries = {
         ("/metrics", "get"): [_query("format", {"type": "string", "enum": ["json", "prometheus"]})],
         ("/cache/events", "get"): [_query("limit", {"type": "integer", "minimum": 1, "maximum": 10000})],
+        ("/cache/requests", "get"): [_query("limit", {"type": "integer", "minimum": 1, "maximum": REQUEST_LOG_SIZE})],
         ("/slots/{slot_id}", "post"): [_query("action", {"type": "string", "enum": ["save", "restore", "erase"]},
                                               required=True)],
     }

@@ -1,0 +1,93 @@
+"""The selected parked conversation's priority and pin, and the control that changes them.
+
+A priority combo and a Pinned check box act on the conversation selected in the table (the table's context menu
+offers the same); each change is a `change_requested(id, {"priority": ...} | {"pinned": ...})` that the window
+sends as PATCH /cache/conversations/{id}. The engine's answer, or its refusal in its own words, shows beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QMenu, QWidget
+
+PRIORITY_LABELS = (("high", "High priority"), ("normal", "Normal priority"), ("low", "Low priority"))
+
+
+def conversation_title(row: dict[str, Any]) -> str:
+    return str(row.get("name") or row.get("id") or "?")
+
+
+class ConversationControls(QWidget):
+    change_requested = Signal(str, dict)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.row: dict[str, Any] | None = None
+        self.selected = QLabel("Select a conversation to change its priority or pin it.")
+        self.priority = QComboBox()
+        for value, text in PRIORITY_LABELS:
+            self.priority.addItem(text, value)
+        self.priority.setToolTip("Budgets evict low before normal before high; a lower-priority park never "
+                                 "evicts a higher-priority conversation")
+        self.pinned = QCheckBox("Pinned")
+        self.pinned.setToolTip("A pinned conversation is evicted only when nothing unpinned is left")
+        self.result = QLabel()
+        self.result.setObjectName("conversationResult")
+        self.result.setWordWrap(True)
+        self.priority.activated.connect(self._priority_chosen)
+        self.pinned.clicked.connect(lambda checked: self._request({"pinned": bool(checked)}))
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.selected, 1)
+        layout.addWidget(self.priority)
+        layout.addWidget(self.pinned)
+        layout.addWidget(self.result, 2)
+        self.set_conversation(None)
+
+    def set_conversation(self, row: dict[str, Any] | None) -> None:
+        """Show the selected conversation's priority and pin (as the engine last listed them); None = none."""
+        changed = (row or {}).get("id") != (self.row or {}).get("id")
+        self.row = row
+        self.priority.setEnabled(row is not None)
+        self.pinned.setEnabled(row is not None)
+        if changed:
+            self.result.clear()
+        if row is None:
+            self.selected.setText("Select a conversation to change its priority or pin it.")
+            return
+        self.selected.setText(f"<b>{conversation_title(row).replace('<', '&lt;')}</b>")
+        i = self.priority.findData(str(row.get("priority") or "normal"))
+        self.priority.setCurrentIndex(max(i, 0))
+        self.pinned.setChecked(bool(row.get("pinned")))
+
+    def add_actions(self, menu: QMenu) -> None:
+        """The same choices as a context menu for the selected conversation."""
+        if self.row is None:
+            return
+        current = str(self.row.get("priority") or "normal")
+        for value, text in PRIORITY_LABELS:
+            action = menu.addAction(text)
+            action.setCheckable(True)
+            action.setChecked(value == current)
+            action.triggered.connect(lambda _=False, v=value: self._request({"priority": v}))
+        menu.addSeparator()
+        pinned = bool(self.row.get("pinned"))
+        pin = menu.addAction("Unpin" if pinned else "Pin")
+        pin.triggered.connect(lambda _=False: self._request({"pinned": not pinned}))
+
+    def show_result(self, text: str, *, error: bool) -> None:
+        self.result.setStyleSheet("color: #a00000;" if error else "")
+        self.result.setText(text)
+
+    def _priority_chosen(self, index: int) -> None:
+        value = self.priority.itemData(index)
+        if self.row is not None and value != (self.row.get("priority") or "normal"):
+            self._request({"priority": value})
+
+    def _request(self, changes: dict[str, Any]) -> None:
+        if self.row is not None and self.row.get("id"):
+            self.result.setStyleSheet("")
+            self.result.setText("Asking the engine…")
+            self.change_requested.emit(str(self.row["id"]), changes)
