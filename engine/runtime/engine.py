@@ -77,6 +77,7 @@ class Engine(Scheduler):
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         """Plan devices, load the model and build the engine (raises ModelLoadError / ValueError)."""
+        from engine.model import moe_placement
         from engine.model.loader import load_model, read_model_config, resolve_dtype
         from engine.model.planning import layer_bytes, plan_stages
 
@@ -85,16 +86,18 @@ class Engine(Scheduler):
         t0 = time.perf_counter()
         shape = read_model_config(config.model)  # header only; the open GGUF is reused by load_model
         ctx = min(config.ctx_size, shape.max_position_embeddings or config.ctx_size)
+        cpu_experts = moe_placement.cpu_expert_layers(shape, config.moe_experts, config.moe_cpu_layers)
+        moe_placement.check_cpu_experts(cpu_experts)
         first = plan_stages(shape.n_layers, config.devices, config.layer_split)
         dtype = resolve_dtype(config.dtype, first[0][0])
         # Planned again with the per-layer size: a device without memory for its layers is refused here.
         stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
-                             bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx))
+                             bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx, cpu_experts))
         weights_format = _weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
             _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
         t1 = time.perf_counter()
-        loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4")
+        loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4", cpu_experts=cpu_experts)
         loaded.weights_format = weights_format
         t2 = time.perf_counter()
         engine = cls(config, loaded, stages)
