@@ -46,7 +46,7 @@ from desktop.settings import (
     secret_variables,
 )
 from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row
-from desktop.settings_words import GROUPS, label_of, plain_error, risk_warning
+from desktop.settings_words import GROUPS, arena_words, label_of, plain_error, risk_warning
 from desktop.widgets import CommandView, guard_wheel
 from engine.config import EngineConfig, SettingError, all_settings, default_cache_dir, setting_of
 
@@ -77,6 +77,7 @@ class SettingsTab(QWidget):
         self.engine_state = EngineState.STOPPED
         self.effective_dir: str | None = None
         self.host_total: int | None = None
+        self.expert_arena = 0  # the running engine's (set_expert_arena)
         self.folder_reports: dict[str, FolderReport] = {}
         self._folder_timer = QTimer(self, singleShot=True, interval=300)
         self._folder_timer.timeout.connect(self._check_folders)
@@ -335,7 +336,14 @@ class SettingsTab(QWidget):
         report = self.folder_reports.get("conversation_cache_dir")
         risk = risk_warning(row.name, self._shown_value(row.name), row.text(), self.host_total,
                             report.free_bytes if report else None)
-        warning = "; ".join(w for w in (self._folder_warning(row.name), risk) if w)
+        arena, arena_warns = "", False
+        if row.name == "conversation_cache_mib":  # a MoE model's expert arena, and what it leaves
+            arena, arena_warns = arena_words(self.expert_arena, self._shown_value(row.name),
+                                             self._shown_value("conversation_cache_min_free_mib"), self.host_total,
+                                             self.store.value("conversation_cache_storage"))
+            if arena and not arena_warns:
+                parts.append(arena)
+        warning = "; ".join(w for w in (self._folder_warning(row.name), risk, arena if arena_warns else "") if w)
         if warning:
             parts.append(warning)
         row.caption.setText(" · ".join(parts))
@@ -434,6 +442,13 @@ class SettingsTab(QWidget):
         self.engine_state = state
         self.running = running
         self.refresh()
+
+    def set_expert_arena(self, arena_bytes: int) -> None:
+        """The running engine's expert arena (engine.expert_arena_bytes; 0 for a dense model), said beside the
+        RAM budget."""
+        if arena_bytes != self.expert_arena:
+            self.expert_arena = arena_bytes
+            self._show_caption(self.rows["conversation_cache_mib"])
 
     def set_effective_dir(self, path: str | None) -> None:
         self.effective_dir = path

@@ -11,6 +11,7 @@ STATS = {
         "model": "SmolLM2-135M-Instruct", "state": "running", "slots": 4, "slots_busy": 1, "queued": 0,
         "requests": 12, "prompt_tokens": 3400, "cached_tokens": 1200, "generated_tokens": 560,
         "prefill_tokens_per_s": 310.5, "decode_tokens_per_s": 41.2, "uptime_s": 12.5, "pid": 4242,
+        "expert_arena_bytes": 7 << 30,
     },
     "conversation_cache": {
         "enabled": True, "storage": "tiered", "hits": 3, "misses": 1, "tokens_reused": 5000,
@@ -44,6 +45,12 @@ def test_nested_objects_join_keys_and_booleans_are_zero_or_one():
     assert samples["strata_conversation_cache_enabled"][1] == 1.0
     assert "strata_conversation_cache_park_ms_p95" not in samples  # null: nothing measured yet
     assert not any(name.startswith("strata_conversation_cache_tiers") for name in samples)
+
+
+def test_the_expert_arena_goes_by_its_own_name():
+    samples = _samples()
+    assert samples["strata_expert_arena_bytes"][:2] == ("gauge", float(7 << 30))
+    assert "strata_engine_expert_arena_bytes" not in samples
 
 
 def test_text_fields_are_labels_of_an_info_gauge():

@@ -179,7 +179,7 @@ class ConversationCache:
         try:
             return (*self.ram.park(toks, keys, read_parts, keep), "ram")
         except ParkRefused as exc:
-            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "min_free")
+            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "floor")
             if not (fallback and self.disk is not None):
                 raise
             log.info("conversation cache: %s; parking on disk instead", exc)

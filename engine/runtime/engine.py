@@ -27,6 +27,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import BadValue, Unavailable
 from engine.kv import KVBuffers, KVLayout
+from engine.model import moe_placement
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.startup import _check_int4, _weights_format
@@ -51,6 +52,7 @@ class Engine(Scheduler):
         self.tokenizer = loaded.tokenizer
         self.model_name = config.alias or loaded.name
         self.weights_format = getattr(loaded, "weights_format", "float")
+        self.expert_arena_bytes = moe_placement.arena_bytes(self.model.layers)  # 0 for a dense model
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.n_slots = config.parallel
@@ -77,7 +79,6 @@ class Engine(Scheduler):
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         """Plan devices, load the model and build the engine (raises ModelLoadError / ValueError)."""
-        from engine.model import moe_placement
         from engine.model.loader import load_model, read_model_config, resolve_dtype
         from engine.model.planning import layer_bytes, plan_stages
 

@@ -3,7 +3,8 @@
 A numeric JSON leaf at path `engine.prompt_tokens` becomes `strata_engine_prompt_tokens`; nested objects join
 their keys with `_` (`conversation_cache.park_ms.p95` -> `strata_conversation_cache_park_ms_p95`). Booleans are
 0/1. Leaves named in COUNTERS are counters (exposed with `_total`), every other number is a gauge. String leaves
-become labels of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out.
+become labels of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out. A leaf in
+NAMED goes by the name given there instead (`engine.expert_arena_bytes` is `strata_expert_arena_bytes`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ COUNTERS = frozenset({
     "hits", "misses", "tokens_reused", "parks", "restores", "restore_failures", "evictions", "spills",
     "spill_dropped", "spill_failed", "bytes_parked", "bytes_restored", "bytes_spilled",
 })
+# JSON path -> the metric's name after the prefix.
+NAMED: dict[tuple[str, ...], str] = {("engine", "expert_arena_bytes"): "expert_arena_bytes"}  # host RAM the routed experts occupy
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -54,7 +57,8 @@ class _StatsCollector:
                     value = int(value)
                 if not isinstance(value, int | float):
                     continue
-                name = _name(path)
+                renamed = NAMED.get(tuple(path))
+                name = _name([renamed] if renamed else path)
                 doc = f"{'.'.join(path)} in the /metrics JSON"
                 if path[-1] in COUNTERS:
                     yield CounterMetricFamily(name, doc, value=value)
