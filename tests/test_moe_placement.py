@@ -148,3 +148,23 @@ def test_engine_refuses_layers_the_model_does_not_have(grid_models):
         Engine.from_config(config)
     with pytest.raises(ValueError, match=r"--moe-experts: expected one of gpu, cpu"):
         EngineConfig(moe_experts="disk")
+
+
+@needs_int4
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (not run on the CPU-only machine)")
+def test_experts_in_host_ram_beside_a_gpu_model(grid_models):
+    """On a GPU: layer 0's experts in host RAM (4-bit groups, run on the CPU), the rest on the GPU; the hidden
+    states go to the CPU and back, and the model stays within int4's tolerance of transformers."""
+    path = grid_models["qwen2_moe"]
+    stages = plan_stages(read_model_config(path).n_layers, "cuda:0", "")
+    lm = load_model(path, stages, torch.float32, cpu_experts=frozenset({0}))
+    placed, other = lm.model.layers[0].moe, lm.model.layers[1].moe
+    assert placed.expert_device.type == "cpu" and other.expert_device.type == "cuda"
+    assert placed.router.device.type == "cuda" and placed.shared_gate_up.device.type == "cuda"
+    assert moe_placement.arena_bytes(lm.model.layers) == placed.expert_bytes
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    with torch.inference_mode():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids[None]).logits[0]
+        ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0].cpu()
+    error = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert error.median().item() < 0.02 and (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
