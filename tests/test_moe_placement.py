@@ -20,6 +20,7 @@ from engine.model.loader import read_model_config
 from engine.runtime.engine import Engine
 from tests.model_fixtures import write_tiny_model
 from tests.moe_fixtures import N_EXPERTS, TOP_K, write_tiny_moe_model
+from tools.conversation_cache_parity import run_restart, run_scenario
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -148,6 +149,18 @@ def test_engine_refuses_layers_the_model_does_not_have(grid_models):
         Engine.from_config(config)
     with pytest.raises(ValueError, match=r"--moe-experts: expected one of gpu, cpu"):
         EngineConfig(moe_experts="disk")
+
+
+@needs_int4
+def test_a_conversation_with_cpu_experts_parks_and_restores_exactly_across_a_restart(grid_models):
+    """A/B/A in disk storage with every layer's experts placed on the CPU (4-bit) and float weights elsewhere:
+    A restored after B gives the tokens of A run straight through, in the same engine and in a new one."""
+    base = {"model": grid_models["qwen2_moe"], "ctx_size": 2048, "devices": "cpu", "cpu_weights": "float",
+            "moe_experts": "cpu", "conversation_cache_storage": "disk", "conversation_cache_min_free_mib": 0}
+    outcome = run_scenario("basic", base, n_words=60, max_tokens=12)
+    assert outcome.passed, outcome.detail
+    outcome = run_restart(base, {}, n_words=60, max_tokens=12)
+    assert outcome.passed, outcome.detail
 
 
 @needs_int4
