@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, int4, load_model, moe, moe_placement, plan_stages
 from engine.model.loader import read_model_config
+from engine.model.moe_loading import routed_expert_weights
 from engine.runtime.engine import Engine
 from tests.model_fixtures import write_tiny_model
 from tests.moe_fixtures import N_EXPERTS, TOP_K, write_tiny_moe_model
@@ -56,6 +57,10 @@ def test_flags_pick_the_layers_whose_experts_go_to_the_cpu(grid_models, tmp_path
         layers(config, "gpu", 4)
     with pytest.raises(ValueError, match=r"--moe-experts cpu already puts every layer's experts on the CPU"):
         layers(config, "cpu", 2)
+    with pytest.raises(ValueError, match=r"the experts of 2 layers need about 0 MiB of host RAM as 4-bit groups, "
+                       r"only 0 MiB is available; place fewer layers on the CPU"):
+        moe_placement.check_cpu_experts(config, layers(config, "cpu", 0), available=1000)
+    moe_placement.check_cpu_experts(config, layers(config, "cpu", 0), available=1 << 30)
     dense = read_model_config(write_tiny_model(tmp_path, "llama"))
     with caplog.at_level(logging.WARNING, logger="strata.engine"):
         assert layers(dense, "cpu", 0) == layers(dense, "gpu", 7) == frozenset()
@@ -107,6 +112,7 @@ def test_the_arena_counts_experts_in_host_ram_and_the_identity_tells_placements_
     layer0 = split_lm.model.layers[0].moe.expert_bytes
     # Layer 0's experts as 4-bit groups, layer 2's still float32: on a CPU model both are in host RAM.
     assert layer0 < float_lm.model.layers[0].moe.expert_bytes / 5
+    assert layer0 == routed_expert_weights(split_lm.config) * moe_placement.INT4_BYTES_PER_WEIGHT  # the estimate
     assert moe_placement.arena_bytes(split_lm.model.layers) == layer0 + float_lm.model.layers[2].moe.expert_bytes
     assert moe_placement.describe(split_lm.model.layers) == {"experts": ["0:cpu:int4", "2:cpu:float"]}
     assert moe_placement.describe(float_lm.model.layers) == {"experts": ["0:cpu:float", "2:cpu:float"]}
@@ -152,11 +158,12 @@ def test_engine_refuses_layers_the_model_does_not_have(grid_models):
 
 
 @needs_int4
-def test_a_conversation_with_cpu_experts_parks_and_restores_exactly_across_a_restart(grid_models):
-    """A/B/A in disk storage with every layer's experts placed on the CPU (4-bit) and float weights elsewhere:
-    A restored after B gives the tokens of A run straight through, in the same engine and in a new one."""
+@pytest.mark.parametrize("storage", ["disk", "tiered"])
+def test_a_conversation_with_cpu_experts_parks_and_restores_exactly_across_a_restart(grid_models, storage):
+    """A/B/A with every layer's experts placed on the CPU (4-bit) and float weights elsewhere: A restored after
+    B gives the tokens of A run straight through, in the same engine and in a new one."""
     base = {"model": grid_models["qwen2_moe"], "ctx_size": 2048, "devices": "cpu", "cpu_weights": "float",
-            "moe_experts": "cpu", "conversation_cache_storage": "disk", "conversation_cache_min_free_mib": 0}
+            "moe_experts": "cpu", "conversation_cache_storage": storage, "conversation_cache_min_free_mib": 0}
     outcome = run_scenario("basic", base, n_words=60, max_tokens=12)
     assert outcome.passed, outcome.detail
     outcome = run_restart(base, {}, n_words=60, max_tokens=12)

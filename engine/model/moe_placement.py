@@ -23,10 +23,15 @@ from typing import Any
 
 import torch
 
+from engine.model import int4
+from engine.model.moe_loading import routed_expert_weights
+
 log = logging.getLogger("strata.engine")
 
 EXPERT_PLACES = ("gpu", "cpu")
-CPU = torch.device("cpu")
+# Bytes of one weight as int4.Int4Weight keeps it: half a byte of code, and a bfloat16 scale and zero per group
+# of 32 (tests/test_moe_placement.py checks it against a packed model).
+INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / 32
 
 
 def cpu_expert_layers(config: Any, experts: str, cpu_layers: int) -> frozenset[int]:
@@ -57,13 +62,19 @@ def cpu_expert_layers(config: Any, experts: str, cpu_layers: int) -> frozenset[i
     return frozenset(i for i in range(count) if config.is_moe_layer(i))
 
 
-def check_cpu_experts(layers: frozenset[int]) -> None:
-    """ValueError when experts are to live on the CPU but this PyTorch cannot run them as 4-bit groups."""
-    from engine.model import int4
-
-    if layers and not int4.available():
+def check_cpu_experts(config: Any, layers: frozenset[int], available: int) -> None:
+    """ValueError when experts are to live on the CPU but this PyTorch cannot run them as 4-bit groups, or when
+    they would not fit the `available` bytes of host memory."""
+    if not layers:
+        return
+    if not int4.available():
         raise ValueError(f"--moe-experts cpu / --moe-cpu-layers: experts on the CPU are kept as 4-bit groups, "
                          f"and this PyTorch ({torch.__version__}) has no CPU int4 kernels")
+    need = len(layers) * routed_expert_weights(config) * INT4_BYTES_PER_WEIGHT
+    if need > available:
+        raise ValueError(f"--moe-experts cpu / --moe-cpu-layers: the experts of {len(layers)} layers need about "
+                         f"{need / 2**20:.0f} MiB of host RAM as 4-bit groups, only {available / 2**20:.0f} MiB "
+                         "is available; place fewer layers on the CPU (--moe-cpu-layers N)")
 
 
 def arena_bytes(layers: Iterable[Any]) -> int:

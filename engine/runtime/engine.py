@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import psutil
 import torch
 
 from engine.config import EngineConfig
@@ -88,7 +89,7 @@ class Engine(Scheduler):
         shape = read_model_config(config.model)  # header only; the open GGUF is reused by load_model
         ctx = min(config.ctx_size, shape.max_position_embeddings or config.ctx_size)
         cpu_experts = moe_placement.cpu_expert_layers(shape, config.moe_experts, config.moe_cpu_layers)
-        moe_placement.check_cpu_experts(cpu_experts)
+        moe_placement.check_cpu_experts(shape, cpu_experts, psutil.virtual_memory().available)
         first = plan_stages(shape.n_layers, config.devices, config.layer_split)
         dtype = resolve_dtype(config.dtype, first[0][0])
         # Planned again with the per-layer size: a device without memory for its layers is refused here.
