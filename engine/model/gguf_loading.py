@@ -162,7 +162,7 @@ def _check_gguf_tensors(path: str, directory: list[_GGUFTensor], used: dict[str,
 
 
 def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
-             cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
+               cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
     reader = read_gguf(path)
     meta = gguf_metadata(reader)
     from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf

@@ -8,13 +8,13 @@ matmul over all the rows routed to it (a prefill of 1000 tokens makes at most n_
 Numerics follow transformers exactly: the same routing ops on the same values in the same order (so ties
 between equal router scores go the same way: torch.topk on the float32 probabilities over experts in index
 order), and each token's expert outputs are summed in ascending expert order starting from zero, as
-transformers' `index_add_` loop does.
+transformers' `index_add_` loop does. The projections go through llama.py's `_linear`, so a row's result does
+not depend on how many other rows an expert got (the batch invariance llama.py's docstring describes): a
+slot's logits are the same alone and batched.
 
 Placement (`--moe-experts cpu`, `--moe-cpu-layers N`, engine/model/moe_placement.py): a layer's routed experts
 may live on another device than the rest of the layer, in host RAM as 4-bit groups. The router and the shared
-expert run where the layer runs; the routed rows go to the experts' device, run there, and come back summed. The projections go through llama.py's `_linear`, so a row's result does
-not depend on how many other rows an expert got (the batch invariance llama.py's docstring describes): a
-slot's logits are the same alone and batched.
+expert run where the layer runs; the routed rows go to the experts' device, run there, and come back summed.
 """
 
 from __future__ import annotations
