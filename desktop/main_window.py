@@ -286,6 +286,7 @@ class MainWindow(QMainWindow):
         self.metrics = metrics
         self.monitor.clear_unreachable()
         self.monitor.set_metrics(metrics)
+        self.settings_tab.set_expert_arena(int((metrics.get("engine") or {}).get("expert_arena_bytes") or 0))
         self._update_tray()
 
     def _on_conversations(self, rows: list[dict[str, Any]]) -> None:

@@ -14,7 +14,7 @@ from PySide6.QtCore import QObject, QTimer
 from desktop.folders import FolderReport, check_folder
 from desktop.settings import SettingsStore, Source, format_bytes, format_mib
 from desktop.settings_rows import SettingRow
-from desktop.settings_words import risk_warning
+from desktop.settings_words import arena_words, risk_warning
 from engine.config import SettingError, default_cache_dir
 
 Submit = Callable[[Callable[[], Any], Callable[[Any], None]], None]
@@ -28,6 +28,7 @@ class RowCaptions(QObject):
         super().__init__(parent)
         self.store, self.rows, self._submit = store, rows, submit
         self.host_total: int | None = None
+        self.expert_arena = 0  # the running engine's (SettingsTab.set_expert_arena)
         self.folder_reports: dict[str, FolderReport] = {}
         self._folder_timer = QTimer(self, singleShot=True, interval=300)
         self._folder_timer.timeout.connect(self.check_folders)
@@ -56,7 +57,14 @@ class RowCaptions(QObject):
         report = self.folder_reports.get("conversation_cache_dir")
         risk = risk_warning(row.name, self._shown_value(row.name), row.text(), self.host_total,
                             report.free_bytes if report else None)
-        warning = "; ".join(w for w in (self._folder_warning(row.name), risk) if w)
+        arena, arena_warns = "", False
+        if row.name == "conversation_cache_mib":  # a MoE model's expert arena, and what it leaves
+            arena, arena_warns = arena_words(self.expert_arena, self._shown_value(row.name),
+                                             self._shown_value("conversation_cache_min_free_mib"), self.host_total,
+                                             self.store.value("conversation_cache_storage"))
+            if arena and not arena_warns:
+                parts.append(arena)
+        warning = "; ".join(w for w in (self._folder_warning(row.name), risk, arena if arena_warns else "") if w)
         if warning:
             parts.append(warning)
         row.caption.setText(" · ".join(parts))

@@ -331,6 +331,13 @@ class SettingsTab(QWidget):
         """The host's RAM in bytes, once read (the budgets' figures and warnings use it)."""
         return self.captions.host_total
 
+    def set_expert_arena(self, arena_bytes: int) -> None:
+        """The running engine's expert arena (engine.expert_arena_bytes; 0 for a dense model), said beside the
+        RAM budget."""
+        if arena_bytes != self.captions.expert_arena:
+            self.captions.expert_arena = arena_bytes
+            self.captions.show(self.rows["conversation_cache_mib"])
+
     def set_effective_dir(self, path: str | None) -> None:
         self.effective_dir = path
         row = self.rows["conversation_cache_dir"]

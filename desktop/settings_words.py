@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from desktop.settings import format_bytes
 from engine.config import Setting, SettingError, all_settings
 
 GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
@@ -98,3 +99,18 @@ def risk_warning(name: str, value: object, text: str, host_ram: int | None, free
         unit = m.group(1).upper()
         warnings.append(f"{unit} read as {unit[0]}iB (1024-based)")
     return "; ".join(warnings)
+
+
+def arena_words(arena: int, budget_mib: int, floor_mib: int, host_ram: int | None, mode: str) -> tuple[str, bool]:
+    """What a mixture-of-experts model's expert arena (routed experts in host RAM, `arena` bytes) leaves for
+    RAM parking, and whether that is a warning: too little room beside it, where disk storage fits ("" without
+    an arena)."""
+    if arena <= 0:
+        return "", False
+    mib = 1 << 20
+    text = f"the model's expert arena holds {format_bytes(arena)} of RAM"
+    room = (host_ram or 0) - arena - floor_mib * mib  # at most: the system and other programs need RAM too
+    if host_ram and mode != "disk" and budget_mib * mib > room:
+        return (f"{text}, leaving at most {format_bytes(max(room, 0))} above the floor: RAM parks will be refused"
+                " — disk storage keeps parking"), True
+    return text, False

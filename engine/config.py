@@ -213,6 +213,19 @@ class EngineConfig:
         "read per token: ~3x faster decode; logits differ slightly from float32); float: float32 weights, logits "
         "as transformers computes them; auto: int4 when the model runs on the CPU in float32, else float",
     )
+    moe_experts: str = setting(
+        "gpu", flag="--moe-experts", label="Experts on", kind="choice", group="model", choices=("gpu", "cpu"),
+        help="mixture-of-experts models: where the routed experts live; gpu: on their layer's device (--devices); "
+        "cpu: every layer's experts in host RAM as 4-bit groups, run on the CPU for the tokens routed to them "
+        "(attention, router and shared experts stay on the layer's device; their size is the expert arena, "
+        "which the conversation cache's RAM budget must fit beside); ignored for models without experts",
+    )
+    moe_cpu_layers: int = setting(
+        0, flag="--moe-cpu-layers", label="Expert layers on the CPU",
+        kind="int", group="model", unit="layers", minimum=0, maximum=4096, metavar="N",
+        help="with --moe-experts gpu: the first N layers' experts in host RAM as 4-bit groups, run on the CPU "
+        "(as llama.cpp's --n-cpu-moe); at most the model's layer count; ignored for models without experts",
+    )
     threads: int = setting(
         0, flag="--threads", label="CPU threads", kind="int", group="runtime", minimum=0, maximum=1024,
         help="CPU threads for compute (0 = PyTorch's default)",

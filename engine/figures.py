@@ -70,6 +70,8 @@ class EngineFigures:
     kv_dtype: str = ""
     devices: list[str] = field(default_factory=list)
     weights_format: str = ""
+    # routed experts resident in host RAM (--moe-experts cpu / --moe-cpu-layers): strata_expert_arena_bytes
+    expert_arena_bytes: int = field(default=0, metadata={"metric": "expert_arena_bytes"})
     threads: int = 0
     omp_wait_policy: str = ""
     # requests by why their prompt was computed (engine.runtime.explain's reasons)

@@ -99,7 +99,7 @@ def _on_int4_grid(w):
     """`w` rounded to min + scale * q (q in 0..15) per group of 32 along its last dimension."""
     groups = w.reshape(*w.shape[:-1], -1, 32)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = (high - low) / 15
+    scale = ((high - low) / 15).clamp_min(1e-30)  # a constant group (the zero padding row) stays as it is
     return (low + scale * ((groups - low) / scale).round()).reshape(w.shape)
 
 

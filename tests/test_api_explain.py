@@ -158,7 +158,7 @@ def test_a_park_refused_by_the_floor_is_the_reason(http, sdk, fresh):
     ask(sdk, tokens(100))  # the park of `a` is refused
     rec = record(http, ask(sdk, a + tokens(5)))
     assert (rec.source, rec.reason) == ("none", "floor")
-    assert rec.detail["refusal"] == "min_free" and rec.detail["matched"] == len(a)
+    assert rec.detail["refusal"] == "floor" and rec.detail["matched"] == len(a)
 
 
 def test_hits_declined_by_n_min_and_similarity_say_so(http, sdk, fresh):

@@ -176,7 +176,7 @@ def test_min_free_floor_refuses_and_logs(caplog):
     cache, slots = make_cache(min_free_bytes=1 << 50), FakeSlots()
     with caplog.at_level(logging.WARNING, logger="strata.cache"):
         result = park_tokens(cache, slots, conversation(30, 4 * BLOCK))
-    assert not result.parked and result.reason == "min_free"
+    assert not result.parked and result.reason == "floor"
     assert "floor" in caplog.text
     assert cache.stats().entries_ram == 0 and cache.stats().bytes_ram == 0
 

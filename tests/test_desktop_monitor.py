@@ -274,3 +274,42 @@ def test_window_writes_the_logs_to_its_log_folder(qtbot, window):
     window.shutdown_now()  # closes the files: what was queued is written
     assert "strata: listening on" in (logs / "engine.log").read_text()
     assert "strata-desktop: starting" in (logs / "desktop.log").read_text()
+
+
+def test_memory_panel_draws_the_expert_arena_as_its_own_band(qtbot):
+    """A MoE engine's expert arena (engine.expert_arena_bytes) is a shaded band from zero under the RSS line,
+    named with its size in the plot's title, from samples taken before the plots existed too; a dense model
+    has none."""
+    import time
+
+    import numpy as np
+
+    from desktop.client import MemorySample
+    from desktop.monitor import MonitorTab
+
+    mib = 1 << 20
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.set_metrics({"engine": {"expert_arena_bytes": 300 * mib}, "conversation_cache": {}})
+    now = time.time()
+    tab.set_memory(MemorySample(now - 2, 500 * mib, 8000 * mib, 16000 * mib))  # before the plots are built
+    tab.ensure_plots()
+    tab.resize(1000, 700)
+    tab.show()
+    tab.set_memory(MemorySample(now - 1, 520 * mib, 7990 * mib, 16000 * mib))
+    memory = tab.memory
+    memory.redraw()
+    x, y = memory.arena_curve.getData()
+    assert memory.arena_curve.isVisible() and list(y) == [300.0, 300.0] and len(x) == 2
+    assert memory.arena_curve.opts["fillLevel"] == 0 and memory.arena_curve.opts["fillBrush"] is not None
+    assert "expert arena 300 MiB" in memory.engine_plot.getPlotItem().titleLabel.text
+    assert memory.engine_plot.getPlotItem().viewRange()[1][1] >= 520, "RSS line and band inside the y range"
+    items = memory.engine_plot.getPlotItem().listDataItems()
+    assert items.index(memory.arena_curve) < items.index(memory.engine_curve), "the RSS line is drawn on top"
+
+    tab.set_metrics({"engine": {"expert_arena_bytes": 0}, "conversation_cache": {}})  # a dense model now
+    tab.set_memory(MemorySample(now, 400 * mib, 8100 * mib, 16000 * mib))
+    memory.redraw()
+    assert "expert arena" not in memory.engine_plot.getPlotItem().titleLabel.text
+    assert np.array_equal(memory.arena_curve.getData()[1], [300.0, 300.0, 0.0])
+    assert memory.arena_curve.isVisible(), "the earlier samples' band stays while they are in view"

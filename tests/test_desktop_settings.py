@@ -448,3 +448,32 @@ def test_risky_values_are_accepted_with_a_warning(qtbot, tmp_path):
     assert store.value("conversation_cache_mib") == 4096 and "GB read as GiB" in row.caption.text()
     assert "more than" not in row.caption.text() or tab.host_total < 4 << 30
     dispatcher.close()
+
+
+def test_the_ram_budget_says_what_a_moe_models_expert_arena_leaves(qtbot, tmp_path):
+    """Beside the RAM budget: the running engine's expert arena, and when the arena leaves less than the budget
+    above the floor, that RAM parks will be refused and disk storage keeps parking."""
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit)
+    qtbot.addWidget(tab)
+    qtbot.waitUntil(lambda: tab.host_total is not None, timeout=5000)
+    row = tab.rows["conversation_cache_mib"]
+    assert "expert arena" not in row.caption.text(), "a dense model (or none running) has no arena"
+    tab.set_expert_arena(100 << 20)
+    assert "expert arena holds 100.0 MiB of RAM" in row.caption.text() and "refused" not in row.caption.text()
+    assert "color: #666" in row.caption.styleSheet()
+    tab.set_expert_arena(tab.host_total - (2 << 30))  # 1 GiB left above the default 1 GiB floor, 4 GiB budget
+    assert "RAM parks will be refused — disk storage keeps parking" in row.caption.text()
+    assert "color: #b26a00" in row.caption.styleSheet(), "said as a warning"
+    tab.set_text("conversation_cache_mib", "512")
+    assert "refused" not in row.caption.text(), "a budget that fits beside the arena"
+    tab.set_text("conversation_cache_mib", "4096")
+    tab.set_text("conversation_cache_storage", "disk")
+    assert "expert arena" in row.caption.text() and "refused" not in row.caption.text()
+    tab.set_expert_arena(0)
+    assert "expert arena" not in row.caption.text()
+    dispatcher.close()

@@ -15,6 +15,7 @@ STATS = MetricsBody(
         model="SmolLM2-135M-Instruct", state="running", slots=4, slots_busy=1, queued=0,
         requests=12, prompt_tokens=3400, cached_tokens=1200, generated_tokens=560,
         prefill_tokens_per_s=310.5, decode_tokens_per_s=41.2, uptime_s=12.5, pid=4242, devices=["cpu"],
+        expert_arena_bytes=7 << 30,
     ),
     conversation_cache=CacheFigures(
         enabled=True, storage="tiered", hits=3, misses=1, tokens_reused=5000, bytes_ram=1024, ram_bytes=4096,
@@ -64,6 +65,12 @@ def test_a_labelled_counter_is_one_family_with_a_sample_per_key():
     samples = _samples(body)
     assert samples["strata_prefill_reason_total{reason=cold}"][:2] == ("counter", 5.0)
     assert samples["strata_prefill_reason_total{reason=diverged}"][:2] == ("counter", 2.0)
+
+
+def test_the_expert_arena_goes_by_its_own_name():
+    samples = _samples()
+    assert samples["strata_expert_arena_bytes"][:2] == ("gauge", float(7 << 30))
+    assert "strata_engine_expert_arena_bytes" not in samples
 
 
 def test_text_fields_are_labels_of_an_info_gauge():

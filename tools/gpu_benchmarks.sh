@@ -2,6 +2,8 @@
 # The CUDA runs recorded in docs/BENCHMARKS.md, batched for one lease of a one-GPU machine:
 #   tools/gpu_benchmarks.sh parity   # two-stage split on one GPU: A/B/A parity in every storage mode, resplit
 #   tools/gpu_benchmarks.sh bench    # random Llama-3-8B-shaped bf16: throughput vs transformers, split follow-ups
+#   tools/gpu_benchmarks.sh moe      # MoE experts in host RAM beside a GPU model: the placement test, then a
+#                                    # Qwen3-30B-A3B-shaped model (12 of its 48 layers) with experts on GPU vs CPU
 # Wheels missing on the machine (gguf, platformdirs) are installed from .whl/ when present. Output goes to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,5 +36,11 @@ split)
   [ -d /tmp/l8b ] || python3 tools/make_random_model.py /tmp/l8b --shape llama3-8b --dtype bfloat16 --device cuda
   python3 tools/split_bench.py --model /tmp/l8b --devices cuda:0,cuda:0 --layer-split 16,16 --tokens 11000 \
     --turns 4 --json "$OUT/split.json" 2>&1 | grep -v " INFO " | tee "$OUT/split.txt"
+  ;;
+moe)
+  python3 -m pytest -p no:cacheprovider -q -rs tests/test_moe_placement.py -k gpu_model 2>&1 | tail -3 \
+    | tee "$OUT/moe_placement.txt"
+  python3 tools/moe_bench.py --shape qwen3-30b-a3b --layers 12 --device cuda:0 --prompt-tokens 2048 \
+    --prefill-chunk 2048 --decode-tokens 64 2>&1 | grep -v " INFO " | tee "$OUT/moe.txt"
   ;;
 esac

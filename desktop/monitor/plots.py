@@ -1,4 +1,5 @@
-"""Scrolling plots: engine and host memory over wall-clock time, and park/restore timings of recent events."""
+"""Scrolling plots: engine and host memory over wall-clock time (with a MoE model's expert arena as a band),
+and park/restore timings of recent events."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ WINDOW_S = 300  # the memory plots scroll over the last 5 minutes
 ENGINE_PEN = pg.mkPen("#1f77b4", width=2)
 HOST_PEN = pg.mkPen("#2ca02c", width=2)
 FLOOR_PEN = pg.mkPen("#d62728", width=1, style=Qt.PenStyle.DashLine)
+ARENA_COLOR = "#9467bd"
+ARENA_PEN = pg.mkPen(ARENA_COLOR, width=1)
+ARENA_BRUSH = pg.mkBrush(148, 103, 189, 70)
+ENGINE_TITLE = "Engine memory (RSS of its process tree)"
 PARK_BRUSH = pg.mkBrush("#ff7f0e")
 RESTORE_BRUSH = pg.mkBrush("#1f77b4")
 TIMING_TITLE = ("Park <span style='color:#ff7f0e'>&#9679;</span> and restore "
@@ -50,15 +55,24 @@ def _y_from_zero(plot: pg.PlotWidget, y: np.ndarray, at_least: float = 0.0) -> N
 
 
 class MemoryPlots(QWidget):
-    """Engine RSS (its process tree) and free host memory with the cache's min-free floor."""
+    """Engine RSS (its process tree) and free host memory with the cache's min-free floor.
+
+    A mixture-of-experts model's expert arena (the routed experts resident in host RAM, which the engine
+    reports) is a shaded band from zero under the RSS line: the part of the engine's memory parked
+    conversations cannot have."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.engine_rss = RingBuffer(HISTORY)
         self.host_available = RingBuffer(HISTORY)
-        self.engine_plot = _plot("Engine memory (RSS of its process tree)", "MiB")
+        self.expert_arena = RingBuffer(HISTORY)
+        self.arena_bytes = 0  # the engine's last report; sampled with each memory sample
+        self.engine_plot = _plot(ENGINE_TITLE, "MiB")
         self.host_plot = _plot("Available host memory", "MiB")
         self.host_plot.setXLink(self.engine_plot)
+        # Added first, so the RSS line is drawn over the band.
+        self.arena_curve = self.engine_plot.plot(pen=ARENA_PEN, fillLevel=0, brush=ARENA_BRUSH)
+        self.arena_curve.setVisible(False)
         self.engine_curve = self.engine_plot.plot(pen=ENGINE_PEN, connect="finite")
         self.host_curve = self.host_plot.plot(pen=HOST_PEN, connect="finite")
         self.floor_line = pg.InfiniteLine(angle=0, pen=FLOOR_PEN, movable=False,
@@ -75,7 +89,17 @@ class MemoryPlots(QWidget):
     def add_sample(self, sample: MemorySample) -> None:
         self.engine_rss.append(sample.time, None if sample.engine_rss is None else sample.engine_rss / MIB)
         self.host_available.append(sample.time, sample.host_available / MIB)
+        self.expert_arena.append(sample.time, self.arena_bytes / MIB)
         self._dirty = True
+
+    def set_arena(self, arena_bytes: int) -> None:
+        """The expert arena the engine reports (0: a dense model, or experts in GPU memory)."""
+        self.arena_bytes = max(int(arena_bytes), 0)
+        title = ENGINE_TITLE
+        if self.arena_bytes:
+            title += (f" · <span style='color:{ARENA_COLOR}'>&#9632;</span> expert arena "
+                      f"{self.arena_bytes / MIB:.0f} MiB")
+        self.engine_plot.getPlotItem().setTitle(title, color="#333", size="10pt")
 
     def set_floor(self, floor_bytes: float | None) -> None:
         if floor_bytes is None:
@@ -93,8 +117,11 @@ class MemoryPlots(QWidget):
         hx, hy = self.host_available.data()
         self.engine_curve.setData(x, y)
         self.host_curve.setData(hx, hy)
+        ax, ay = self.expert_arena.data()
+        self.arena_curve.setVisible(bool(len(ay)) and float(ay.max()) > 0)
+        self.arena_curve.setData(ax, ay)
         # From zero, so a flat line looks flat instead of magnifying noise.
-        _y_from_zero(self.engine_plot, y)
+        _y_from_zero(self.engine_plot, y, float(ay.max()) if len(ay) else 0.0)
         floor = self.floor_line.value() if self.floor_line.isVisible() else 0.0
         _y_from_zero(self.host_plot, hy, floor)
         if len(x):

@@ -56,6 +56,7 @@ class MonitorTab(QWidget):
         self._pending_samples: list[MemorySample] = []
         self._events: list[dict[str, Any]] = []
         self._floor: float | None = None
+        self._arena = 0  # expert arena bytes (engine.expert_arena_bytes)
         self.counters = CountersPanel()
         self.model = ConversationsModel(self)
         self.proxy = QSortFilterProxyModel(self)
@@ -149,6 +150,7 @@ class MonitorTab(QWidget):
         from desktop.monitor.plots import MemoryPlots, TimingPlot
 
         self.memory, self.timings = MemoryPlots(), TimingPlot()
+        self.memory.set_arena(self._arena)  # before the replay: samples take the arena known when they are added
         self._plots_layout.removeWidget(self._plots_placeholder)
         self._plots_placeholder.deleteLater()
         self._plots_layout.addWidget(self.memory, 2)
@@ -177,8 +179,10 @@ class MonitorTab(QWidget):
         self.metrics = metrics
         self.last_update = time.time()
         self._floor = budget(metrics.get("conversation_cache"), "min_free_bytes")
+        self._arena = int((metrics.get("engine") or {}).get("expert_arena_bytes") or 0)
         if self.memory is not None:
             self.memory.set_floor(self._floor)
+            self.memory.set_arena(self._arena)
         self.counters.set_metrics(metrics)
         self._update_counts()
 

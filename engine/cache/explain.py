@@ -62,7 +62,7 @@ class Loss:
     conversation_id: str | None
     cause: dict[str, Any]  # shared with the operation that caused it, which may add the new entry's id
     budget: str = ""  # the flag whose limit made room (evictions only)
-    refusal: str = ""  # a refused park's reason ("min_free", "larger_than_budget", "no_room", ...)
+    refusal: str = ""  # a refused park's reason ("floor", "larger_than_budget", "no_room", ...)
 
     def describe(self, matched: int) -> dict[str, Any]:
         """The loss as a request explanation's detail (`matched`: the prompt tokens it would have offered)."""

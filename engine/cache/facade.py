@@ -203,7 +203,7 @@ class ConversationCache:
         try:
             return (*self.ram.park(toks, keys, read_parts, keep, attrs), "ram")
         except ParkRefused as exc:
-            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "min_free", "priority")
+            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "floor", "priority")
             if not (fallback and self.disk is not None):
                 raise
             log.info("conversation cache: %s; parking on disk instead", exc)

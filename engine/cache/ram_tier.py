@@ -101,7 +101,7 @@ class RamTier:
             available = psutil.virtual_memory().available
             if available - need < s.min_free_bytes:
                 raise ParkRefused(
-                    "min_free",
+                    "floor",
                     f"parking {need / MIB:.1f} MiB would leave {max(available - need, 0) / MIB:.0f} MiB of host memory "
                     f"available, under the {s.min_free_bytes / MIB:.0f} MiB floor",
                 )

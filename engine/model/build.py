@@ -56,9 +56,12 @@ def _build(
     *,
     int4_weights: bool = False,
     groups: GroupsGetter | None = None,
+    cpu_experts: frozenset[int] = frozenset(),
 ) -> CausalLM:
     """The model from `get`'s tensors; with `int4_weights` its CPU projections and output matrix are built
-    as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor)."""
+    as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor).
+    The routed experts of the layers in `cpu_experts` stay in host RAM as 4-bit groups whatever the layer's
+    device (engine/model/moe_placement.py)."""
     _stage_checks(config, stages, path)
     assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
     c = config
@@ -119,8 +122,12 @@ def _build(
                 def to_layer(t: torch.Tensor, d: torch.device = device) -> torch.Tensor:
                     return t.to(device=d, dtype=dtype).contiguous()
 
+                def to_host(t: torch.Tensor) -> torch.Tensor:  # experts placed in host RAM never visit `device`
+                    return t.to(device=cpu, dtype=dtype).contiguous()
+
                 moe = moe_loading.build_sparse_moe(
                     c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu), to_layer, path,
+                    to_experts=to_host if i in cpu_experts else to_layer,
                 )
             else:
                 w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
@@ -143,6 +150,8 @@ def _build(
                     int4.install(layer, name, t)
             if moe is not None and int4_weights and device.type == "cpu":
                 moe.quantize_experts()  # the experts as 4-bit groups, one Int4Weight per expert and matrix
+            elif moe is not None and i in cpu_experts:
+                moe.quantize_experts(shared=False)  # the shared expert runs where the layer runs, as it is
             layers.append(layer)
             # The layer's temporaries were freed among the kept weights; without this the heap keeps their
             # pages (~100 MB for SmolLM2 in int4, half its weights).

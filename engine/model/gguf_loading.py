@@ -145,7 +145,8 @@ def _check_gguf_tensors(path: str, directory: list[GGUFTensor], used: dict[str, 
         assert expected == t.n_bytes, (t.name, expected, t.n_bytes)  # gguf sizes a tensor the same way
 
 
-def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
+def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
+               cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
     header = read_gguf_header(path)  # the lean reader: metadata values and the directory, no numpy views
     meta = header.metadata
     from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf
@@ -208,7 +209,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         return found
 
     with open(path, "rb") as f:
-        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4)
+        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, cpu_experts=cpu_experts)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:

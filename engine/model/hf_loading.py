@@ -90,7 +90,8 @@ def _safetensors_header(path: str) -> bytes:
     return head + header
 
 
-def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False) -> LoadedModel:
+def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
+             cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
 
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
@@ -133,7 +134,7 @@ def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
-    model = _build(config, stages, dtype, get, folder, int4_weights=int4_weights)
+    model = _build(config, stages, dtype, get, folder, int4_weights=int4_weights, cpu_experts=cpu_experts)
     h.update(content.digest())
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)

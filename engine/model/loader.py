@@ -74,22 +74,25 @@ def resolve_kv_dtype(name: str, compute: torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, *, int4_weights: bool = False
+    path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, *, int4_weights: bool = False,
+    cpu_experts: frozenset[int] = frozenset(),
 ) -> LoadedModel:
     """Load a GGUF file or HF folder ("" = the embedded model) onto `stages` in `dtype`.
 
     `int4_weights` (`--cpu-weights int4`, float32 on the CPU): the projections and the output matrix are
-    built as 4-bit groups as they are read, a Q4_0 / Q4_1 / Q4_K tensor's from its own codes and scales."""
+    built as 4-bit groups as they are read, a Q4_0 / Q4_1 / Q4_K tensor's from its own codes and scales.
+    `cpu_experts`: layers whose routed experts stay in host RAM as 4-bit groups (moe_placement.cpu_expert_layers).
+    """
     path = path or embedded_model_path()
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or folder")
     try:
         if os.path.isdir(path):
-            return _load_hf(path, stages, dtype, int4_weights)
+            return _load_hf(path, stages, dtype, int4_weights, cpu_experts)
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == b"GGUF":
-            return _load_gguf(path, stages, dtype, int4_weights)
+            return _load_gguf(path, stages, dtype, int4_weights, cpu_experts)
         if path.endswith(".safetensors"):
             raise ModelLoadError(f"{path}: pass the folder that holds config.json and the .safetensors files")
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) and not an HF model folder")

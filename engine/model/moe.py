@@ -11,6 +11,10 @@ order), and each token's expert outputs are summed in ascending expert order sta
 transformers' `index_add_` loop does. The projections go through llama.py's `_linear`, so a row's result does
 not depend on how many other rows an expert got (the batch invariance llama.py's docstring describes): a
 slot's logits are the same alone and batched.
+
+Placement (`--moe-experts cpu`, `--moe-cpu-layers N`, engine/model/moe_placement.py): a layer's routed experts
+may live on another device than the rest of the layer, in host RAM as 4-bit groups. The router and the shared
+expert run where the layer runs; the routed rows go to the experts' device, run there, and come back summed.
 """
 
 from __future__ import annotations
@@ -100,7 +104,13 @@ class SparseMoe(torch.nn.Module):
         logits = _linear(h, self.router, n_single)
         n_experts = self.config.n_experts
         weights, experts = route(logits[:, :n_experts], self.config)
-        out = self._routed(h, experts, weights.to(h.dtype), n_single)
+        where = self.expert_device
+        if where == h.device:
+            out = self._routed(h, experts, weights.to(h.dtype), n_single)
+        else:
+            # Experts in host RAM: the hidden states and the routing go to them, their weighted sum comes back.
+            out = self._routed(h.to(where), experts.to(where), weights.to(where, h.dtype), n_single)
+            out = out.to(h.device, h.dtype)
         if self.shared_gate_up is not None:
             gate = _sigmoid_column(logits[:, n_experts:])
             out = out + gate * _mlp(h, self.shared_gate_up, self.shared_down, n_single)
@@ -134,17 +144,24 @@ class SparseMoe(torch.nn.Module):
         return out
 
     @property
+    def expert_device(self) -> torch.device:
+        """Where the routed experts' weights are (and so where they run)."""
+        w = self.gate_up[0] if isinstance(self.gate_up, list) else self.gate_up
+        return torch.device(w.device)
+
+    @property
     def expert_bytes(self) -> int:
         """Bytes the routed experts' weights occupy (what llama.cpp's --n-cpu-moe moves to host RAM)."""
         return sum(_nbytes(w) for w in (self.gate_up, self.down))
 
-    def quantize_experts(self) -> tuple[int, int]:
-        """Experts (and the shared expert) as 4-bit groups through int4.Int4Weight, one per expert and matrix
-        (CPU only); returns (bytes before, after). The router (with the shared expert's gate) stays in float: it is
-        small, and routing decides which experts run at all. A matrix whose shape the packing kernel does
-        not take stays in float."""
+    def quantize_experts(self, *, shared: bool = True) -> tuple[int, int]:
+        """Experts (and with `shared` the shared expert) as 4-bit groups through int4.Int4Weight, one per expert
+        and matrix (weights on the CPU only); returns (bytes before, after). The router (with the shared expert's
+        gate) stays in float: it is small, and routing decides which experts run at all. A matrix whose shape
+        the packing kernel does not take stays in float."""
         before = after = 0
-        for name in ("gate_up", "down", "shared_gate_up", "shared_down"):
+        names = ("gate_up", "down", "shared_gate_up", "shared_down") if shared else ("gate_up", "down")
+        for name in names:
             w = getattr(self, name)
             if not isinstance(w, torch.Tensor):
                 continue

@@ -108,8 +108,12 @@ def build_sparse_moe(
     need: Callable[[str, tuple[int, ...]], torch.Tensor],
     to: Callable[[torch.Tensor], torch.Tensor],
     path: str,
+    *,
+    to_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SparseMoe:
-    """Layer `index`'s expert block from canonical keys (see the module docstring), on the device `to` moves to."""
+    """Layer `index`'s expert block from canonical keys (see the module docstring), on the device `to` moves to;
+    the routed experts where `to_experts` moves them (`to` unless given; host RAM for experts placed there)."""
+    to_experts = to_experts or to
     c, m = config, config.moe
     assert m is not None and c.is_moe_layer(index), index
     p = f"{index}."
@@ -137,7 +141,8 @@ def build_sparse_moe(
             "shared_down": to(need(p + "shared.down", (h, s))),
             "shared_gate": to(_shared_gate(get(p + "shared_gate"), h, p, path)),
         }
-    return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=to(gate_up), down=to(down), **shared)
+    return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=to_experts(gate_up), down=to_experts(down),
+                     **shared)
 
 
 def _shared_gate(t: torch.Tensor | None, h: int, p: str, path: str) -> torch.Tensor:
@@ -161,7 +166,13 @@ def mlp_weights(config: ModelConfig, index: int) -> int:
         return 3 * c.hidden_size * c.intermediate_size
     assert m is not None  # is_moe_layer is false without a MoE config
     shared = 3 * c.hidden_size * m.shared_expert_size + c.hidden_size if m.shared_expert_size else 0
-    return m.n_experts * (3 * c.hidden_size * m.expert_size + c.hidden_size) + shared
+    return routed_expert_weights(c) + m.n_experts * c.hidden_size + shared
+
+
+def routed_expert_weights(config: ModelConfig) -> int:
+    """Number of routed-expert weights of one MoE layer (gate, up and down of every expert; 0 without experts)."""
+    m = config.moe
+    return 0 if m is None else m.n_experts * 3 * config.hidden_size * m.expert_size
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp's names and metadata keys)

@@ -57,9 +57,11 @@ def plan_stages(
     return stages
 
 
-def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int) -> int:
+def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int,
+                cpu_experts: frozenset[int] = frozenset()) -> int:
     """Estimated bytes one layer needs on its device: weights plus K/V for `n_slots` slots of `ctx` tokens
-    (the `bytes_per_layer` of plan_stages)."""
+    (the `bytes_per_layer` of plan_stages); the routed experts of the layers in `cpu_experts` are in host RAM,
+    not on the layer's device."""
     if not isinstance(config, ModelConfig):  # engine.model.hybrid: loads and runs, not yet served by the engine
         raise ModelLoadError(
             f"{config.architecture}: hybrid models (recurrent state + attention) are not served yet; "
@@ -67,7 +69,8 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int)
         )
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    mlp = max(moe_loading.mlp_weights(c, i) for i in range(c.n_layers))  # experts make layers differ
+    mlp = max(moe_loading.mlp_weights(c, i) - (moe_loading.routed_expert_weights(c) if i in cpu_experts else 0)
+              for i in range(c.n_layers))  # experts make layers differ
     weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + mlp
     weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
     kv = 2 * n_slots * ctx * kv_rows

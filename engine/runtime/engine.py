@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import psutil
 import torch
 
 from engine.config import EngineConfig
 from engine.errors import BadValue, Unavailable
 from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
+from engine.model import moe_placement
 from engine.runtime.explain import RequestLog
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
@@ -57,6 +59,7 @@ class Engine(Scheduler):
         self.tokenizer = loaded.tokenizer
         self.model_name = config.alias or loaded.name
         self.weights_format = getattr(loaded, "weights_format", "float")
+        self.expert_arena_bytes = moe_placement.arena_bytes(self.model.layers)  # 0 for a dense model
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.n_slots = config.parallel
@@ -100,18 +103,21 @@ class Engine(Scheduler):
         progress.begin("reading model file")
         shape = read_model_config(config.model)  # header only; the open GGUF is reused by load_model
         ctx = min(config.ctx_size, shape.max_position_embeddings or config.ctx_size)
+        cpu_experts = moe_placement.cpu_expert_layers(shape, config.moe_experts, config.moe_cpu_layers)
+        moe_placement.check_cpu_experts(shape, cpu_experts, psutil.virtual_memory().available)
         first = plan_stages(shape.n_layers, config.devices, config.layer_split)
         dtype = resolve_dtype(config.dtype, first[0][0])
         # Planned again with the per-layer size: a device without memory for its layers is refused here.
         stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
-                             bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx))
+                             bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx, cpu_experts))
         weights_format = _weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
             _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
         progress.begin("loading weights")  # int4 packing included: the 4-bit weights are built as they are read
         # The model builder reports each layer built, the disk tier each file indexed (startup_progress.report).
         with progress.reporting():
-            loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4")
+            loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4",
+                                cpu_experts=cpu_experts)
             loaded.weights_format = weights_format
             engine = cls(config, loaded, stages, progress)
         progress.finish()

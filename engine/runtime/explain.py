@@ -62,7 +62,7 @@ def explain(adm: Admission, decode: Decode) -> tuple[str, dict[str, Any]]:
         return report.verdict, {**computed, **report.verdict_detail, "conversation_id": report.conversation_id}
     if report.loss is not None and report.loss["matched"] > reused:
         if report.loss_kind == "refuse":
-            reason = "floor" if report.loss_refusal == "min_free" else "refused"
+            reason = "floor" if report.loss_refusal == "floor" else "refused"
         else:
             reason = "evicted"
         return reason, {**computed, **report.loss, "kind": report.loss_kind}

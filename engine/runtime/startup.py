@@ -9,6 +9,7 @@ import torch
 
 from engine import __version__
 from engine.config import EngineConfig
+from engine.model import moe_placement
 from engine.runtime.state import EngineState
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Startup(EngineState):
                     "weights": self.loaded.fingerprint,
                     "weights_format": self.weights_format,  # int4 weights give other K/V than float ones
                     "tokenizer": self.tokenizer.fingerprint,
+                    **moe_placement.describe(self.model.layers),  # experts' device and format (MoE models)
                 },
                 layout=self.layout,
                 block_tokens=self.config.conversation_cache_block_tokens,

@@ -71,6 +71,7 @@ class EngineState:
     tokenizer: Any
     model_name: str
     weights_format: str
+    expert_arena_bytes: int  # routed experts resident in host RAM (engine/model/moe_placement.py)
     ctx_size: int
     n_slots: int
     layout: KVLayout

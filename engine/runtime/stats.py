@@ -60,6 +60,7 @@ class Stats(Control):
             kv_dtype=str(self.kv.layout.dtype).removeprefix("torch."),
             devices=[str(s.device) for s in self.kv.stages],
             weights_format=self.weights_format,
+            expert_arena_bytes=self.expert_arena_bytes,  # routed experts resident in host RAM (MoE models)
             threads=torch.get_num_threads(),
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
             prefill_reasons=dict(self.requests.reasons),

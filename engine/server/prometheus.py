@@ -66,7 +66,7 @@ class _FiguresCollector:
                 if not isinstance(value, int | float):
                     continue
                 kind = CounterMetricFamily if meta.get("counter") else GaugeMetricFamily
-                yield kind(_name(path), doc, value=value)
+                yield kind(_name([meta["metric"]]) if meta.get("metric") else _name(path), doc, value=value)
             if labels:
                 info = GaugeMetricFamily(_name([section, "info"]), f"text fields of {section} in the /metrics JSON",
                                          labels=sorted(labels))
