@@ -61,6 +61,7 @@ class Engine(Scheduler):
         self.state = "ok"
         self.cache_identity: CacheIdentity | None = None
         self.cache: CacheAPI | None = self._make_cache(config)
+        self._configure_decode()
         self._warm_up()
 
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
