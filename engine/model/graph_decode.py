@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.kv import KVBuffers
 from engine.model.int4 import Int4Weight
-from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, _attention, _logit_rows, rms_norm
+from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, _logit_rows, rms_norm
 
 MIN_ATTENTION_LENGTH = 256
 
@@ -109,10 +109,23 @@ def decode_step(
         v_cache.index_put_((slots, pos), v)
         keys = k_cache[:, :length].index_select(0, slots).transpose(1, 2)  # [rows, KVH, length, D]
         values = v_cache[:, :length].index_select(0, slots).transpose(1, 2)
-        out = _attention(q.unsqueeze(2), keys, values, mask, False)  # [rows, H, 1, D]
-        x = model.attention_out_and_mlp(layer, x, out.reshape(n, H * D), n)
+        x = model.attention_out_and_mlp(layer, x, _masked_attention(q, keys, values, mask).reshape(n, H * D), n)
     h = rms_norm(x, model.norm, c.rms_norm_eps)
     return _logit_rows(h, model.lm_head, fast=not model.batch_invariant).float()
+
+
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [rows, H, D] against keys/values [rows, KVH, length, D] where mask [rows, 1, 1, length] -> [rows, H, D].
+
+    Two batched products and a float32 softmax, not SDPA: SDPA's choice for this shape on an H200 (cuDNN)
+    gave other bits from run to run on the same inputs (greedy tokens parted after 16-80 steps at 8 rows),
+    and its math path was slower; cuBLAS's batched products are reproducible."""
+    rows, H, D = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(rows, kv_heads, H // kv_heads, D) * D**-0.5
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [rows, KVH, G, D]
+    return out.reshape(rows, H, D)
 
 
 class GraphDecode:
@@ -164,6 +177,7 @@ class GraphDecode:
         ids = [int(ch.tokens[0]) for ch in chunks] + [0] * pad
         pos = [ch.start for ch in chunks] + [kv.ctx - 1] * pad
         slots = [ch.slot for ch in chunks] + [chunks[0].slot] * pad
+        kv.flush()  # restored rows still in staging: a replay does not pass through KVBuffers.layer
         self._inputs[:, :rows].copy_(torch.tensor([ids, pos, slots], dtype=torch.int64))
         logits = self._execute(rows, length)
         self.replays += 1
