@@ -7,7 +7,7 @@
   at each batch size, against the HBM roofline measured in the same run (every weight byte read once per step);
 - the greedy tokens of the captured steps against --no-cuda-graphs, same prompts, same batch;
 - restore and park of a --restore-tokens conversation, block by block as the cache moves it, through the pinned
-  staging ring with 1 copy thread and with the default count, against a pinned host-to-device copy.
+  staging ring (one transfer per block, as before, and gathered), against a pinned host-to-device copy.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.kv import KVBuffers, KVLayout, pinned_staging  # noqa: E402
+from engine.kv import KVBuffers, KVLayout  # noqa: E402
 from engine.model import SeqChunk, load_model, plan_stages  # noqa: E402
 from engine.model.graph_decode import configure  # noqa: E402
 from engine.model.loader import read_model_config  # noqa: E402
@@ -62,6 +62,7 @@ def roofline(lm) -> tuple[float, float]:
 
 
 def transfers(lm, n_tokens: int, block: int = 64) -> list[tuple[str, float]]:
+    """GB/s of a conversation's K/V moved block by block as the cache moves it, and of one pinned copy."""
     c = lm.config
     layout = KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype)
     kv = KVBuffers(layout, 1, n_tokens, lm.model.stages)
@@ -72,22 +73,24 @@ def transfers(lm, n_tokens: int, block: int = 64) -> list[tuple[str, float]]:
     seconds = min(timed(lambda: device_copy.copy_(pinned, non_blocking=True)) for _ in range(3))
     rows = [("pinned host->device copy", total / seconds / 1e9)]
     device_copy.resize_(0)
-    for threads in (1, pinned_staging.COPY_THREADS):
-        pinned_staging._pool = None
-        pinned_staging.COPY_THREADS = threads
 
-        def restore() -> None:
-            for i, b in enumerate(blocks):
-                kv.write(0, i * block, b, wait=False)
-            kv.synchronize()
+    def restore(per_block: bool) -> None:
+        for i, b in enumerate(blocks):
+            kv.write(0, i * block, b, wait=False)
+            if per_block:
+                kv.flush()  # one transfer per block, as before rows were gathered
+        kv.synchronize()
 
-        def park() -> None:
-            for i, b in enumerate(blocks):
-                kv.read(0, i * block, (i + 1) * block, out=b)
+    def park() -> None:
+        for i, b in enumerate(blocks):
+            kv.read(0, i * block, (i + 1) * block, out=b)
 
-        restore()
-        rows.append((f"restore, {threads} copy thread(s)", total / min(timed(restore) for _ in range(3)) / 1e9))
-        rows.append((f"park, {threads} copy thread(s)", total / min(timed(park) for _ in range(3)) / 1e9))
+    for per_block, name in ((True, "restore, a transfer per block"), (False, "restore, gathered")):
+        restore(per_block)
+        rows.append((name, total / min(timed(lambda p=per_block: restore(p)) for _ in range(3)) / 1e9))
+    expected = torch.cat(blocks, dim=2)
+    assert torch.equal(kv.read(0, 0, len(blocks) * block), expected), "restored K/V differs from the host copy"
+    rows.append(("park, block by block", total / min(timed(park) for _ in range(3)) / 1e9))
     return rows
 
 
