@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["metavar"] = spec.metavar
         else:
             kwargs["metavar"] = "N" if spec.kind in ("int", "float") else "VALUE"
+        if spec.kind == "bool":  # a switch: `--flag` alone means true; `--flag false` as to_args writes it
+            kwargs.update(nargs="?", const="true", metavar="true|false")
         aliases = [spec.flag] + (["-m"] if f.name == "model" else [])
         groups[spec.group].add_argument(*aliases, **kwargs)
     return parser

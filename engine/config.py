@@ -240,6 +240,16 @@ class EngineConfig:
         1, flag="--parallel", label="Parallel slots", kind="int", group="runtime", minimum=1, maximum=256,
         help="slots decoding at once; further requests wait in a queue",
     )
+    no_cuda_graphs: bool = setting(
+        False, flag="--no-cuda-graphs", label="No CUDA graphs", kind="bool", group="runtime",
+        help="on CUDA, run the decode step's kernels one by one instead of replaying captured graphs (one per "
+        "batch size and attention length, captured on first use): the same results, slower",
+    )
+    deterministic: bool = setting(
+        False, flag="--deterministic", label="Batch-invariant results", kind="bool", group="runtime",
+        help="on CUDA, make a slot's results independent of what shares its step (per-row kernels, no graphs; "
+        "slower with several slots); default: one GEMM over all rows and captured decode steps",
+    )
     prefill_chunk: int = setting(
         512, flag="--prefill-chunk", label="Prefill chunk",
         kind="int", group="runtime", unit="tokens", minimum=16, maximum=65536,

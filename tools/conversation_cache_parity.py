@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resplit", action="append", default=[], metavar="DEVICES[/SPLIT]",
                         help="also park under --devices/--layer-split and resume under this layout (disk, tiered)")
     parser.add_argument("--cpu-weights", default="auto", choices=("auto", "float", "int4"))
+    parser.add_argument("--deterministic", action="store_true", help="the engine's --deterministic (CUDA)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's --no-cuda-graphs")
     parser.add_argument("--restart", action="store_true",
                         help="also run A, B, A2; restart; B, A2 (disk, tiered) on the same device layout")
     parser.add_argument("--restart-layout", action="append", default=[], metavar="DEVICES[/SPLIT]",
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         "ctx_size": 4096,
         "conversation_cache_storage": args.storage,
         "conversation_cache_min_free_mib": 0,
+        "deterministic": args.deterministic,
+        "no_cuda_graphs": args.no_cuda_graphs,
     }
     failed = 0
     for name in args.scenario or SCENARIOS:

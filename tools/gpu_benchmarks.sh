@@ -4,6 +4,7 @@
 #   tools/gpu_benchmarks.sh bench    # random Llama-3-8B-shaped bf16: throughput vs transformers, split follow-ups
 #   tools/gpu_benchmarks.sh moe      # MoE experts in host RAM beside a GPU model: the placement test, then a
 #                                    # Qwen3-30B-A3B-shaped model (12 of its 48 layers) with experts on GPU vs CPU
+#   tools/gpu_benchmarks.sh decode   # the same model: decode modes at batch 1 and 8 vs the HBM roofline, K/V restore
 # Wheels missing on the machine (gguf, platformdirs) are installed from .whl/ when present. Output goes to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,16 +22,23 @@ python3 -c "import torch, platform; print('torch', torch.__version__, 'python', 
 case "${1:-parity}" in
 parity)
   [ -d /tmp/small ] || python3 tools/make_random_model.py /tmp/small --shape small --dtype bfloat16 --device cuda
-  for storage in ram disk tiered; do
-    python3 tools/conversation_cache_parity.py --model /tmp/small --devices cuda:0,cuda:0 --layer-split 4,4 \
-      --dtype bfloat16 --storage "$storage" --words 400 --max-tokens 24 \
-      --resplit cuda:0 --resplit cuda:0,cuda:0/2,6 2>&1 | grep -E "PASS|FAIL|Error|error" | tee -a "$OUT/parity.txt"
+  for mode in "" --deterministic; do  # the default (graphs, one GEMM) and the batch-invariant path
+    for storage in ram disk tiered; do
+      python3 tools/conversation_cache_parity.py --model /tmp/small --devices cuda:0,cuda:0 --layer-split 4,4 \
+        --dtype bfloat16 --storage "$storage" --words 400 --max-tokens 24 $mode \
+        --resplit cuda:0 --resplit cuda:0,cuda:0/2,6 2>&1 | grep -E "PASS|FAIL|Error|error" | tee -a "$OUT/parity.txt"
+    done
   done
   ;;
 bench)
   [ -d /tmp/l8b ] || python3 tools/make_random_model.py /tmp/l8b --shape llama3-8b --dtype bfloat16 --device cuda
   python3 tools/bench_throughput.py --model /tmp/l8b --device cuda:0 --dtype bfloat16 --prefill-chunk 2048 \
     --decode-tokens 128 2>&1 | grep -v "^INFO" | tee "$OUT/throughput.txt"
+  ;;
+decode)
+  [ -d /tmp/l8b ] || python3 tools/make_random_model.py /tmp/l8b --shape llama3-8b --dtype bfloat16 --device cuda
+  python3 tools/gpu_decode_bench.py --model /tmp/l8b --batches 1,8 --tokens 128 --restore-tokens 11000 2>&1 \
+    | grep -v " INFO " | tee "$OUT/decode.txt"
   ;;
 split)
   [ -d /tmp/l8b ] || python3 tools/make_random_model.py /tmp/l8b --shape llama3-8b --dtype bfloat16 --device cuda

@@ -106,8 +106,15 @@ class KVBuffers:
     def nbytes(self) -> int:
         return sum(s.k.nbytes + s.v.nbytes for s in self.stages)
 
+    def flush(self) -> None:
+        """Send restored rows still gathered in staging, so what reads the buffers next sees them."""
+        for staging in self._staging.values():
+            if staging.pending:
+                staging.flush()
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for all slots: two [n_slots, ctx, n_kv_heads, head_dim] views on its device."""
+        self.flush()
         stage = self.stages[self._stage_of_layer[layer]]
         i = layer - stage.first_layer
         return stage.k[i], stage.v[i]
@@ -116,6 +123,7 @@ class KVBuffers:
         """Copy tokens [start, end) of `slot` to host memory, layout [n_layers, 2, end-start, kv_heads, head_dim]."""
         assert 0 <= slot < self.n_slots and 0 <= start <= end <= self.ctx, (slot, start, end)
         n = end - start
+        self.flush()
         if out is None:
             out = torch.empty(self.layout.host_shape(n), dtype=self.layout.dtype)
         assert tuple(out.shape) == self.layout.host_shape(n) and out.dtype == self.layout.dtype
@@ -136,8 +144,10 @@ class KVBuffers:
     def write(self, slot: int, start: int, data: torch.Tensor, *, wait: bool = True) -> None:
         """Copy host K/V in the `read` layout into tokens [start, start + n) of `slot`, stage by stage.
 
-        With `wait=False`, transfers to a GPU may still be running on return (`data` must stay alive and
-        unchanged until `synchronize()`): a restore of many blocks queues them all and waits once.
+        With `wait=False`, transfers to a GPU may still be pending on return (`data` is already copied into
+        pinned staging, consecutive rows of a slot gathered into one transfer): a restore of many blocks queues
+        them all and waits once (`synchronize()`); anything that reads the buffers first (`layer`, `read`,
+        `clear`) sends what is gathered before it.
         """
         n = data.shape[2]
         assert 0 <= slot < self.n_slots and start >= 0 and start + n <= self.ctx, (slot, start, n)
@@ -151,8 +161,8 @@ class KVBuffers:
                 stage.k[:, slot, start : start + n].copy_(data[lo:hi, 0])
                 stage.v[:, slot, start : start + n].copy_(data[lo:hi, 1])
             else:
-                staging.to_device(stage.k[:, slot, start : start + n], data[lo:hi, 0])
-                staging.to_device(stage.v[:, slot, start : start + n], data[lo:hi, 1])
+                staging.queue(stage.k, slot, start, data[lo:hi, 0])
+                staging.queue(stage.v, slot, start, data[lo:hi, 1])
                 if wait:
                     staging.synchronize()
             stage.write_s += time.perf_counter() - t0
@@ -169,6 +179,7 @@ class KVBuffers:
     def clear(self, slot: int) -> None:
         """Zero a slot (used after a failed restore so no half-written state can be attended to); on the CPU
         its pages go back to the kernel, so an erased slot holds no resident memory."""
+        self.flush()
         for stage in self.stages:
             for t in (stage.k, stage.v):
                 if stage.device.type != "cpu":

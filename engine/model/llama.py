@@ -10,14 +10,16 @@ three classes (1, 2-3, 4+). So on CPU in float32 the projections run through one
 padded to at least 2 rows (oneDNN is also 1.5-2x faster than F.linear here), and logits are computed one
 row at a time (the 1-row kernel is the fastest for the large vocabulary matrix). Elsewhere (CUDA, bf16)
 rows of one-token chunks go through a batched gemv (`bmm` over a broadcast weight, bitwise equal to the
-1-row product) and rows of longer chunks through one GEMM padded to `_MIN_GEMM_ROWS` rows.
+1-row product) and rows of longer chunks through one GEMM padded to `_MIN_GEMM_ROWS` rows. That is the
+`--deterministic` path on CUDA; by default (`CausalLM.batch_invariant` False) every projection there is one
+GEMM over all rows, which reads each weight once per step instead of once per decoding row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,13 @@ class SeqChunk:
     tokens: torch.Tensor  # 1-D int64
 
 
+class DecodeRunner(Protocol):
+    """What forward_chunks hands a step to first (engine.model.graph_decode.GraphDecode)."""
+
+    def run(self, chunks: list[SeqChunk], kv: KVBuffers) -> torch.Tensor | None:
+        """Logits [len(chunks), vocab] (float32) of the step, or None to have forward_chunks compute it."""
+
+
 def _gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 1:
         return F.linear(x, w)
@@ -67,11 +76,17 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, w)[:n]
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, n_single: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, w: torch.Tensor | Int4Weight, n_single: int, bias: torch.Tensor | None = None, *, fast: bool = False
+) -> torch.Tensor:
     """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring).
 
+    `fast` (float weights off the oneDNN path, i.e. CUDA unless --deterministic): one GEMM over every row,
+    which reads the weights once for the whole batch; a row's last bits may then depend on the row count.
     With 4-bit weights the result is bfloat16; otherwise it has x's dtype."""
-    if isinstance(w, Int4Weight):
+    if fast and isinstance(w, torch.Tensor) and not _onednn(w):
+        y = F.linear(x, w)
+    elif isinstance(w, Int4Weight):
         # bfloat16 as the kernel returns it: the callers add it to, or write it into, float32 tensors,
         # which converts it exactly and saves a conversion pass per projection.
         y = w.mm(x)
@@ -93,8 +108,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor | Int4Weight, n_single: int, bias: 
     return y
 
 
-def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight) -> torch.Tensor:
-    """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch)."""
+def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight, *, fast: bool = False) -> torch.Tensor:
+    """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch); with `fast`
+    (see `_linear`) one GEMM over all rows."""
+    if fast and isinstance(w, torch.Tensor) and not _onednn(w):
+        return F.linear(h, w)
     if isinstance(w, Int4Weight):
         return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])]) if h.shape[0] > 1 else w(h)
     if _onednn(w):
@@ -207,6 +225,12 @@ class CausalLM(torch.nn.Module):
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.rotary = RotaryTable(config, rope_freq_factors)
+        # False: projections of a batch run as one GEMM (`_linear`'s fast path); the engine clears it on CUDA
+        # unless --deterministic. CPU float32 and int4 kernels are batch-invariant either way.
+        self.batch_invariant = True
+        # A runner of captured decode steps (engine.model.graph_decode.GraphDecode), set by the engine on CUDA;
+        # forward_chunks hands it steps of one-token chunks and computes itself what it declines.
+        self.graphs: DecodeRunner | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -228,6 +252,10 @@ class CausalLM(torch.nn.Module):
         each chunk, or with `all_logits` a list of [len_i, vocab] tensors in chunk order.
         """
         assert chunks, "forward_chunks needs at least one chunk"
+        if self.graphs is not None and not all_logits:
+            captured = self.graphs.run(chunks, kv)
+            if captured is not None:
+                return captured
         c = self.config
         assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.n_kv_heads, "K/V layout mismatch"
         assert kv.layout.head_dim == c.head_dim and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
@@ -270,12 +298,13 @@ class CausalLM(torch.nn.Module):
             for li in range(first, end):
                 x = self._layer(cast(DecoderLayer, self.layers[li]), li, x, kv, ordered, plans, masks, cos, sin, n_single, total)
 
+        fast = not self.batch_invariant
         if all_logits:
             h = rms_norm(x, self.norm, c.rms_norm_eps)
             # One-token chunks get the same per-row logits as without all_logits.
-            parts = [_logit_rows(h[:n_single], self.lm_head)] if n_single else []
+            parts = [_logit_rows(h[:n_single], self.lm_head, fast=fast)] if n_single else []
             if total > n_single:
-                parts.append(_linear(h[n_single:], self.lm_head, 0))
+                parts.append(_linear(h[n_single:], self.lm_head, 0, fast=fast))
             logits = torch.cat(parts).float() if len(parts) > 1 else parts[0].float()
             out = [logits[offsets[k] : offsets[k + 1]] for k in range(len(ordered))]
             result: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
@@ -284,7 +313,7 @@ class CausalLM(torch.nn.Module):
             return result
         if total != len(ordered):
             x = x.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device))
-        logits = _logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
+        logits = _logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head, fast=fast).float()
         if order == sorted(order):
             return logits
         inverse = torch.empty(len(order), dtype=torch.int64)
@@ -306,23 +335,8 @@ class CausalLM(torch.nn.Module):
         total: int,
     ) -> torch.Tensor:
         c = self.config
-        H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
-        h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-        qkv = _linear(h, layer.wqkv, n_single, layer.bqkv)
-        if layer.q_norm_full is not None:  # OLMoE (DecoderLayer)
-            assert layer.k_norm_full is not None  # set with q_norm_full (DecoderLayer)
-            qw, kw = H * D, KVH * D
-            qkv = torch.cat((rms_norm(qkv[:, :qw], layer.q_norm_full, c.rms_norm_eps),
-                             rms_norm(qkv[:, qw : qw + kw], layer.k_norm_full, c.rms_norm_eps), qkv[:, qw + kw :]), 1)
-        qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
-        v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
-        if layer.qk_norm is not None:
-            qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, c.rms_norm_eps)
-        # Rotate-half RoPE as one roll: roll(qk) * sin_rolled == cat(-qk2, qk1) * sin, bit for bit (the sign
-        # of the first half lives in sin_rolled, see forward_chunks). Promotes a bfloat16 qkv to x's dtype.
-        qk = qk * cos + qk.roll(D // 2, -1) * sin
-        q, k = qk[:, :H], qk[:, H:]
-
+        H, D = c.n_heads, c.head_dim
+        q, k, v = self.qkv(layer, x, cos, sin, n_single, total)
         k_cache, v_cache = kv.layer(li)
         small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
         one = len(chunks) == 1
@@ -347,16 +361,44 @@ class CausalLM(torch.nn.Module):
                 assert attn is not None  # allocated above for several chunks
                 attn[lo:hi] = out
         assert attn is not None
-        x = x + _linear(attn.reshape(total, H * D), layer.wo, n_single)
+        return self.attention_out_and_mlp(layer, x, attn.reshape(total, H * D), n_single)
 
+    def qkv(
+        self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_single: int, total: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's q [total, H, D], k and v [total, KVH, D] for x [total, hidden], RoPE applied (cos and sin
+        per row, sin in the rolled-sign form of forward_chunks)."""
+        c = self.config
+        H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
+        h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+        qkv = _linear(h, layer.wqkv, n_single, layer.bqkv, fast=not self.batch_invariant)
+        if layer.q_norm_full is not None:  # OLMoE (DecoderLayer)
+            assert layer.k_norm_full is not None  # set with q_norm_full (DecoderLayer)
+            qw, kw = H * D, KVH * D
+            qkv = torch.cat((rms_norm(qkv[:, :qw], layer.q_norm_full, c.rms_norm_eps),
+                             rms_norm(qkv[:, qw : qw + kw], layer.k_norm_full, c.rms_norm_eps), qkv[:, qw + kw :]), 1)
+        qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
+        v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
+        if layer.qk_norm is not None:
+            qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, c.rms_norm_eps)
+        # Rotate-half RoPE as one roll: roll(qk) * sin_rolled == cat(-qk2, qk1) * sin, bit for bit (the sign
+        # of the first half lives in sin_rolled, see forward_chunks). Promotes a bfloat16 qkv to x's dtype.
+        qk = qk * cos + qk.roll(D // 2, -1) * sin
+        return qk[:, :H], qk[:, H:], v
+
+    def attention_out_and_mlp(self, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, n_single: int) -> torch.Tensor:
+        """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual."""
+        c = self.config
+        fast = not self.batch_invariant
+        x = x + _linear(attn, layer.wo, n_single, fast=fast)
         h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
         if layer.moe is not None:
             return x + layer.moe(h, n_single)
         assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
-        gate_up = _linear(h, layer.w_gate_up, n_single)
+        gate_up = _linear(h, layer.w_gate_up, n_single, fast=fast)
         inter = c.intermediate_size
         act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
-        return x + _linear(act, layer.w_down, n_single)
+        return x + _linear(act, layer.w_down, n_single, fast=fast)
 
 
 def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

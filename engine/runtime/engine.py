@@ -74,6 +74,7 @@ class Engine(Scheduler):
         self.cache_identity: CacheIdentity | None = None
         progress.begin("building cache index")
         self.cache: CacheAPI | None = self._make_cache(config)
+        self._configure_decode()
         progress.begin("warming up")
         self._warm_up()
 

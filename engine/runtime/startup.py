@@ -31,7 +31,19 @@ class Startup(EngineState):
             prompt = torch.zeros(min(8, self.ctx_size - 1), dtype=torch.int64)
             self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
             self.model.forward_chunks([SeqChunk(0, len(prompt), prompt[:1])], self.kv)
-        self.kv.clear(0)
+            graphs = getattr(self.model, "graphs", None)
+            # Captured decode: the graph of every batch size for short conversations now, not in a request.
+            for rows in graphs.batches if graphs is not None else []:
+                self.model.forward_chunks([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)], self.kv)
+        for i in range(self.n_slots if getattr(self.model, "graphs", None) is not None else 1):
+            self.kv.clear(i)
+
+    def _configure_decode(self) -> None:
+        """The decode mode from --no-cuda-graphs and --deterministic (engine.model.graph_decode.configure)."""
+        from engine.model.graph_decode import configure
+
+        log.info(configure(self.model, self.n_slots, cuda_graphs=not self.config.no_cuda_graphs,
+                           deterministic=self.config.deterministic))
 
     def _make_cache(self, config: EngineConfig) -> CacheAPI | None:
         off = config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0
