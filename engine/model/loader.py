@@ -14,7 +14,8 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.config import ConfigError, ModelConfig
-from engine.model.gguf_loading import _gguf_config, _load_gguf, gguf_metadata, read_gguf
+from engine.model.gguf_header import read_header
+from engine.model.gguf_loading import _gguf_config, _load_gguf
 from engine.model.hf_loading import _hybrid_loader, _load_hf
 from engine.model.tokenizer import TokenizerError
 
@@ -108,13 +109,14 @@ def read_model_config(path: str) -> ModelConfig:
 
                 return hybrid_config_from_hf(raw)  # type: ignore[return-value]
             return ModelConfig.from_hf(raw)
-        reader = read_gguf(path)
-        meta = gguf_metadata(reader)
-        from engine.model.hybrid.gguf_loader import embed_rows, hybrid_gguf_config, is_hybrid_gguf
+        header = read_header(path)
+        meta, names = header.metadata, {t.name for t in header.tensors}
+        from engine.model.hybrid.gguf_loader import hybrid_gguf_config, is_hybrid_gguf
 
         if is_hybrid_gguf(meta):
-            return hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path, embed_rows(reader))  # type: ignore[return-value]
-        return _gguf_config(meta, {t.name for t in reader.tensors}, path)
+            rows = next((t.shape[0] for t in header.tensors if t.name == "token_embd.weight"), 0)
+            return hybrid_gguf_config(meta, names, path, rows)  # type: ignore[return-value]
+        return _gguf_config(meta, names, path)
     except (ConfigError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise
