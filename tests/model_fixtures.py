@@ -12,6 +12,14 @@ from functools import lru_cache
 from pathlib import Path
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Tiny models with sliding-window attention, as each family declares it (window of 8 tokens): Mistral on every
+# layer, Qwen2 from layer 1 on (use_sliding_window, max_window_layers), Gemma 3 on five layers of six (local
+# layers with their own RoPE base).
+SLIDING = {
+    "mistral": {"sliding_window": 8},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    "gemma3": {"sliding_window": 8},
+}
 
 CHATML_TEMPLATE = (
     "{%- if tools %}"
@@ -113,9 +121,10 @@ def tiny_hf_config(arch: str = "llama", **overrides):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }
     if arch not in classes:
-        raise ValueError(f"arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
+        raise ValueError(f"arch: expected one of {', '.join(classes)}, got {arch!r}")
     kwargs = dict(TINY_SIZES)
     kwargs.update(
         vocab_size=tiny_vocab_size(),
@@ -130,6 +139,10 @@ def tiny_hf_config(arch: str = "llama", **overrides):
     )
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "gemma3":  # six layers: five local, one global; a query scale unlike 1/sqrt(head_dim)
+        kwargs.update(num_hidden_layers=6, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=None,
+                      bos_token_id=None, hidden_activation="gelu_pytorch_tanh")
+        del kwargs["rope_theta"]  # rope_parameters per layer type: the defaults (1e6 global, 1e4 local)
     kwargs.update(overrides)
     return classes[arch](**kwargs)
 
@@ -150,7 +163,8 @@ def write_tiny_model(
         # Non-trivial norm weights, so a missing or misplaced norm shows in parity tests.
         for pname, param in model.named_parameters():
             if "norm" in pname:
-                param.uniform_(0.5, 1.5)
+                # Gemma's norms scale by (1 + w): the same effective range.
+                param.uniform_(-0.5, 0.5) if arch == "gemma3" else param.uniform_(0.5, 1.5)
             elif pname.endswith(".bias"):
                 param.normal_(0.0, 0.5)
     transformers.utils.logging.disable_progress_bar()
@@ -167,6 +181,10 @@ _GGUF_LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_GGUF_GEMMA_NAMES = {
+    **_GGUF_LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 
 
@@ -249,9 +267,13 @@ def write_tiny_gguf(
     writer.add_head_count_kv(n_kv)
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    gemma = arch == "gemma3"
+    rope = cfg["rope_parameters"]["full_attention"] if gemma else cfg["rope_parameters"]
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
+    if gemma:  # llama.cpp's gemma3 keys: the window; the period of 6 and the local base are implied
+        writer.add_sliding_window(cfg["sliding_window"])
 
     add_tiny_tokenizer(writer)
 
@@ -268,8 +290,10 @@ def write_tiny_gguf(
             out = "output.weight"
         else:
             _, _, index, rest = name.split(".", 3)
-            out = f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
+            out = f"blk.{index}.{(_GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES)[rest]}"
         w = w.astype(np.float32)
+        if gemma and "norm" in out:  # llama.cpp's converter stores Gemma's (1 + w)
+            w = w + 1.0
         if gguf_arch == "llama" and out.endswith(("attn_q.weight", "attn_q.bias")):
             w = permute(w, n_heads)
         elif gguf_arch == "llama" and out.endswith(("attn_k.weight", "attn_k.bias")):

@@ -141,9 +141,12 @@ def _build(
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
             if moe is None:
                 w["w_down"] = projection([(p + "down", (hidden, inter))], device)
+            post = {}
+            if c.gemma:  # the norms on the attention and MLP outputs
+                post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
-                                 moe=moe, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
+                                 moe=moe, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
                                                  | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
                 if isinstance(t, Int4Weight):

@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model.moe_config import HF_MOE_ARCHITECTURES, MOE_ARCHITECTURES, MoeConfig, moe_from_hf
+from engine.model.sliding import check_windows, hf_sliding_layers
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES)
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", *MOE_ARCHITECTURES)
 
 # HF `architectures[0]` / `model_type` -> our architecture name.
 _HF_ARCHITECTURES = {
@@ -15,8 +16,14 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
     **HF_MOE_ARCHITECTURES,
 }
+_HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # a config.json without `architectures`
+# Fields a dense Llama-family model leaves at these defaults; describe() omits them then, so the identity of
+# such a model's parked K/V stays what it was before they existed.
+_OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
+                      "query_pre_attn_scalar": None, "final_logit_softcapping": None}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -44,6 +51,13 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     moe: MoeConfig | None = None  # mixture-of-experts families only (engine/model/moe_config.py)
+    # Sliding-window attention (engine/model/sliding.py): the layers in `sliding_layers` see only the last
+    # `sliding_window` positions.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None = rope_theta
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -1/2 power; None = head_dim
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) when set
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -67,6 +81,18 @@ class ModelConfig:
                 self.moe.check(self.n_layers)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        problem = check_windows(self.sliding_window, self.sliding_layers, self.n_layers)
+        if problem:
+            raise ConfigError(problem)
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's layer: (1 + w) norms (stored as such), post-norms, GeGLU, embeddings scaled by sqrt(hidden)."""
+        return self.architecture == "gemma3"
+
+    def layer_window(self, index: int) -> int | None:
+        """The attention window of layer `index` (None = every earlier position)."""
+        return self.sliding_window if index in self.sliding_layers else None
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` runs a sparse expert block instead of the dense MLP."""
@@ -75,8 +101,11 @@ class ModelConfig:
     def describe(self) -> dict:
         """JSON-able description; part of the identity of parked K/V."""
         out = asdict(self)
-        if self.moe is None:
-            del out["moe"]  # dense models keep the identity they had before expert support
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if getattr(self, name) == default:
+                del out[name]  # models without the feature keep the identity they had before it existed
+        if "sliding_layers" in out:
+            out["sliding_layers"] = list(self.sliding_layers)
         return out
 
     @classmethod
@@ -88,6 +117,8 @@ class ModelConfig:
             model_type = cfg.get("model_type")
             if model_type in ARCHITECTURES and not archs:
                 arch = model_type
+            elif model_type in _HF_MODEL_TYPES and not archs:
+                arch = _HF_MODEL_TYPES[model_type]
             else:
                 shown = ", ".join(archs) or f"model_type {model_type!r}"
                 raise ConfigError(
@@ -96,32 +127,44 @@ class ModelConfig:
         try:
             hidden = int(cfg["hidden_size"])
             n_heads = int(cfg["num_attention_heads"])
-            rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
-            rope.update(cfg.get("rope_scaling") or {})
-            theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-            rope.pop("rope_theta", None)
-            kind = rope.pop("type", None) or rope.get("rope_type") or "default"
-            rope["rope_type"] = kind
-            scaling = None if kind == "default" else rope
+            n_layers = int(cfg["num_hidden_layers"])
+            params = dict(cfg.get("rope_parameters") or {})
+            gemma = arch == "gemma3"
+            if gemma:
+                _check_gemma(cfg)
+            local_theta = None
+            if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)
+                local = params.get("sliding_attention") or {}
+                local_theta = float(local.get("rope_theta", 10000.0)) if gemma else None
+                params = dict(params["full_attention"] or {})
+            elif gemma:
+                local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+            theta, scaling = _rope(params, cfg, 1_000_000.0 if gemma else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
+            window, sliding = _windows(arch, cfg, n_layers)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                n_layers=int(cfg["num_hidden_layers"]),
+                n_layers=n_layers,
                 n_heads=n_heads,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+                head_dim=int(cfg.get("head_dim") or (256 if gemma else hidden // n_heads)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
                                     else cfg.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
                 moe=moe,
+                sliding_window=window,
+                sliding_layers=sliding,
+                rope_local_theta=local_theta,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+                final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
@@ -129,6 +172,39 @@ class ModelConfig:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"config.json has a malformed value: {e}") from None
+
+
+def _rope(params: dict[str, Any], cfg: dict[str, Any], default_theta: float) -> tuple[float, dict | None]:
+    """(base, scaling or None) from `rope_parameters` (transformers 5) and/or `rope_theta`/`rope_scaling` (4.x)."""
+    rope = dict(params)
+    rope.update(cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", default_theta)))
+    rope.pop("rope_theta", None)
+    kind = rope.pop("type", None) or rope.get("rope_type") or "default"
+    rope["rope_type"] = kind
+    return theta, None if kind == "default" else rope
+
+
+def _check_gemma(cfg: dict[str, Any]) -> None:
+    """Refuse the Gemma 3 variants this engine does not run, naming the setting."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"gemma3: hidden_activation {act!r} is not supported (expected gelu_pytorch_tanh)")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ConfigError("gemma3: attn_logit_softcapping is not supported (expected null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("gemma3: use_bidirectional_attention is not supported (a causal model is expected)")
+
+
+def _windows(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    try:
+        return hf_sliding_layers(arch, cfg, n_layers)
+    except ValueError as e:  # a window declared where this engine does not run one, or malformed layer types
+        raise ConfigError(f"config.json: {e}") from None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig:

@@ -14,7 +14,9 @@ from engine.errors import ModelLoadError
 from engine.model import gguf_dequant, moe_loading
 from engine.model.build import Groups, LoadedModel, _build
 from engine.model.config import ModelConfig
+from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
 from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
+from engine.model.sliding import gguf_sliding_layers
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 _GGUF_LAYER_NAMES = {
@@ -23,6 +25,7 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
     "attn_norm.weight": "attn_norm", "ffn_norm.weight": "mlp_norm",
+    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_mlp_norm",  # Gemma 3
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs",
@@ -72,8 +75,8 @@ def gguf_metadata(reader) -> dict:
 def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     moe_arch = moe_loading.gguf_architecture(arch, meta)  # mixture-of-experts families
-    if arch not in ("llama", "mistral", "qwen2", "qwen3") and moe_arch is None:
-        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2, qwen3, "
+    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma3") and moe_arch is None:
+        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2, qwen3, gemma3, "
                              f"{', '.join(moe_loading.GGUF_ARCHITECTURE_NAMES)}")
     assert isinstance(arch, str)  # a dense name above, or a name gguf_architecture knows
 
@@ -96,6 +99,11 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     n_kv = key("attention.head_count_kv", n_heads)
     n_layers = int(key("block_count"))
     moe = moe_arch and moe_loading.gguf_moe_config(moe_arch, arch, meta, tensor_names, n_layers, path)
+    try:
+        window, sliding = gguf_sliding_layers(arch, meta, n_layers)
+        gemma = gguf_gemma_fields(arch, meta, n_layers, hidden, n_heads)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     return ModelConfig(
         architecture=moe_arch or arch,
         vocab_size=int(vocab),
@@ -113,6 +121,9 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         moe=moe or None,
+        sliding_window=window,
+        sliding_layers=sliding,
+        **gemma,
     )
 
 
@@ -169,6 +180,8 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
+    if config.gemma and not tokenizer.chat_template:  # llama.cpp's converter leaves Gemma's template out
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
     permuted = config.architecture in ("llama", "mistral", *moe_loading.GGUF_PERMUTED)
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading, each tensor once

@@ -72,6 +72,12 @@ def unsupported(model: CausalLM) -> str | None:
     weights = [model.lm_head] + [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
     if any(isinstance(w, Int4Weight) for w in weights):
         return "4-bit weights"
+    # The captured step attends every row up to its length bucket and has no post-norms, GeGLU, embedding
+    # scale or soft cap: those models decode eagerly (still one GEMM per projection).
+    if model.config.sliding_layers:
+        return "sliding-window layers"
+    if model.config.gemma:
+        return "Gemma layers"
     return None
 
 

@@ -26,15 +26,31 @@ _HF_LAYER_NAMES = {
 _HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
 
-def _hf_canonical(name: str) -> str | None:
+# Gemma's post_attention_layernorm normalises the attention output; its pre_feedforward_layernorm is the
+# MLP's input norm (what post_attention_layernorm is in the Llama family).
+_GEMMA_LAYER_NAMES = {
+    **_HF_LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "mlp_norm", "post_feedforward_layernorm.weight": "post_mlp_norm",
+}
+
+
+def _hf_canonical(name: str, layer_names: dict[str, str] = _HF_LAYER_NAMES) -> str | None:
     if name in _HF_GLOBAL_NAMES:
         return _HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = _HF_LAYER_NAMES.get(rest) or moe_loading.hf_layer_key(rest)
+        key = layer_names.get(rest) or moe_loading.hf_layer_key(rest)
         if key is not None:
             return f"{index}.{key}"
     return None
+
+
+def _gemma_canonical(name: str) -> str | None:
+    return _hf_canonical(name, _GEMMA_LAYER_NAMES)
+
+
+def _is_norm(key: str) -> bool:
+    return key == "norm" or key.endswith("_norm")
 
 
 def _hybrid_loader(raw_config: dict):
@@ -111,7 +127,7 @@ def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False
     files = _safetensors_files(folder)
     h = _header_fingerprint(config.describe(), files)
     tokenizer = _folder_tokenizer(folder)
-    handles, where = _open_tensors(files, _hf_canonical)
+    handles, where = _open_tensors(files, _gemma_canonical if config.gemma else _hf_canonical)
 
     hashed: set[str] = set()
 
@@ -129,6 +145,8 @@ def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False
             content.update(key.encode())
             content.update(tensor.reshape(-1).view(torch.uint8).numpy())
         # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
+        if config.gemma and _is_norm(key):  # Gemma's norms scale by (1 + w), computed in float32 (as GGUF stores it)
+            return (tensor.float() + 1.0).to(device=device, dtype=want)
         return tensor.float().to(device=device, dtype=want)
 
     if "lm_head" not in where and not config.tie_word_embeddings:

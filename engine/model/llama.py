@@ -1,4 +1,4 @@
-"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM) over explicit K/V buffers.
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, SmolLM, Gemma 3) over explicit K/V buffers.
 
 One call runs any mix of chunks from different slots (continuous batching): projections and the MLP run on
 the concatenated tokens, attention runs per chunk against that chunk's slot rows.
@@ -18,7 +18,7 @@ GEMM over all rows, which reads each weight once per step instead of once per de
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
@@ -28,6 +28,7 @@ from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.rope import RotaryTable
+from engine.model.sliding import first_key, window_mask
 
 if TYPE_CHECKING:  # moe imports this module's kernels
     from engine.model.moe import SparseMoe
@@ -146,6 +147,8 @@ class DecoderLayer(torch.nn.Module):
     q_norm_full: torch.Tensor | None
     k_norm_full: torch.Tensor | None
     qk_norm: torch.Tensor | None
+    post_attn_norm: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None
 
     def __init__(
         self,
@@ -161,6 +164,8 @@ class DecoderLayer(torch.nn.Module):
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
         moe: SparseMoe | None = None,
+        post_attn_norm: torch.Tensor | None = None,
+        post_mlp_norm: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -193,6 +198,10 @@ class DecoderLayer(torch.nn.Module):
             # One weight row per q head then per k head, so both norms run as one op on the q|k view.
             qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(c.n_kv_heads, -1)))
         self.register_buffer("qk_norm", qk_norm, persistent=False)
+        # Gemma: the attention output and the MLP output are normalised before they join the residual.
+        assert (post_attn_norm is not None) == (post_mlp_norm is not None) == c.gemma, "post-norms are Gemma's"
+        self.register_buffer("post_attn_norm", post_attn_norm, persistent=False)
+        self.register_buffer("post_mlp_norm", post_mlp_norm, persistent=False)
 
 
 class CausalLM(torch.nn.Module):
@@ -231,6 +240,12 @@ class CausalLM(torch.nn.Module):
         # A runner of captured decode steps (engine.model.graph_decode.GraphDecode), set by the engine on CUDA;
         # forward_chunks hands it steps of one-token chunks and computes itself what it declines.
         self.graphs: DecodeRunner | None = None
+        # Gemma 3's sliding layers rotate with their own, unscaled base.
+        self.rotary_local = None
+        if config.rope_local_theta is not None:
+            self.rotary_local = RotaryTable(replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+        # Gemma scales the embeddings by sqrt(hidden) in the weights' dtype (not folded: the output matrix is tied).
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=embed.dtype) if config.gemma else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -285,18 +300,22 @@ class CausalLM(torch.nn.Module):
         else:
             positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
         x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.device)
 
-        plans = _attention_plans(ordered, lengths, offsets)
+        plans = _attention_plans(ordered, lengths, offsets, c.sliding_window)
         for device, first, end in self.stages:
             x = x.to(device)
-            cos, sin = self.rotary.get(max_pos, device, self.dtype)
             pos = positions.to(device)
-            cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-            half = c.head_dim // 2
-            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rolled-sign form, see _layer
+            rope = _rope_rows(self.rotary, max_pos, pos, device, self.dtype)
+            local_rope = rope if self.rotary_local is None else _rope_rows(self.rotary_local, max_pos, pos, device, self.dtype)
             masks = {i: m.to(device) for i, m in plans.masks.items()}
+            window_masks = {i: m.to(device) for i, m in plans.window_masks.items()}
             for li in range(first, end):
-                x = self._layer(cast(DecoderLayer, self.layers[li]), li, x, kv, ordered, plans, masks, cos, sin, n_single, total)
+                local = c.layer_window(li) is not None
+                cos, sin = local_rope if local else rope
+                x = self._layer(cast(DecoderLayer, self.layers[li]), li, x, kv, ordered, plans,
+                                window_masks if local else masks, cos, sin, n_single, total)
 
         fast = not self.batch_invariant
         if all_logits:
@@ -305,7 +324,7 @@ class CausalLM(torch.nn.Module):
             parts = [_logit_rows(h[:n_single], self.lm_head, fast=fast)] if n_single else []
             if total > n_single:
                 parts.append(_linear(h[n_single:], self.lm_head, 0, fast=fast))
-            logits = torch.cat(parts).float() if len(parts) > 1 else parts[0].float()
+            logits = self._soft_cap(torch.cat(parts).float() if len(parts) > 1 else parts[0].float())
             out = [logits[offsets[k] : offsets[k + 1]] for k in range(len(ordered))]
             result: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
             for k, i in enumerate(order):
@@ -313,12 +332,16 @@ class CausalLM(torch.nn.Module):
             return result
         if total != len(ordered):
             x = x.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device))
-        logits = _logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head, fast=fast).float()
+        logits = self._soft_cap(_logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head, fast=fast).float())
         if order == sorted(order):
             return logits
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return logits.index_select(0, inverse.to(logits.device))
+
+    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _layer(
         self,
@@ -341,19 +364,24 @@ class CausalLM(torch.nn.Module):
         small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
         one = len(chunks) == 1
         attn = None if one else torch.empty(total, H, D, dtype=x.dtype, device=x.device)
+        window = c.layer_window(li)
+        causal = plans.causal if window is None else plans.window_causal
+        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         for i, ch in enumerate(chunks):
             lo, hi = plans.offsets[i], plans.offsets[i + 1]
             end = ch.start + (hi - lo)
             k_cache[ch.slot, ch.start : end] = k[lo:hi]
             v_cache[ch.slot, ch.start : end] = v[lo:hi]
-            keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
+            # A sliding layer reads only its window's rows (sliding.py); `masks` are then the window masks.
+            seen = first_key(ch.start, window)
+            keys, values = k_cache[ch.slot, seen:end].transpose(0, 1), v_cache[ch.slot, seen:end].transpose(0, 1)
             if keys.dtype != q.dtype:  # --kv-dtype narrower than the compute dtype: attend in the compute dtype
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
             if hi - lo == 1 and small_float32:
-                out = _decode_attention(q[lo], keys, values)
+                out = _decode_attention(q[lo], keys, values, scale)
             else:
                 query = q[lo:hi].transpose(0, 1).unsqueeze(0)
-                out = _attention(query, keys.unsqueeze(0), values.unsqueeze(0), masks.get(i), plans.causal[i])
+                out = _attention(query, keys.unsqueeze(0), values.unsqueeze(0), masks.get(i), causal[i], scale)
                 out = out[0].transpose(0, 1)
             if one:
                 attn = out
@@ -390,15 +418,24 @@ class CausalLM(torch.nn.Module):
         """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual."""
         c = self.config
         fast = not self.batch_invariant
-        x = x + _linear(attn, layer.wo, n_single, fast=fast)
+        attn_out = _linear(attn, layer.wo, n_single, fast=fast)
+        if layer.post_attn_norm is not None:  # Gemma 3
+            attn_out = rms_norm(attn_out.to(x.dtype), layer.post_attn_norm, c.rms_norm_eps)
+        x = x + attn_out
         h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
         if layer.moe is not None:
             return x + layer.moe(h, n_single)
         assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
         gate_up = _linear(h, layer.w_gate_up, n_single, fast=fast)
         inter = c.intermediate_size
-        act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
-        return x + _linear(act, layer.w_down, n_single, fast=fast)
+        if c.gemma:  # GeGLU with the tanh approximation of GeLU
+            act = F.gelu(gate_up[:, :inter].to(x.dtype), approximate="tanh") * gate_up[:, inter:]
+        else:
+            act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
+        mlp_out = _linear(act, layer.w_down, n_single, fast=fast)
+        if layer.post_mlp_norm is not None:
+            mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, c.rms_norm_eps)
+        return x + mlp_out
 
 
 def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -408,17 +445,32 @@ def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
+def _rope_rows(
+    table: RotaryTable, max_pos: int, pos: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of `pos` as [tokens, 1, head_dim], sin in the rolled-sign form _layer uses."""
+    cos, sin = table.get(max_pos, device, dtype)
+    cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    half = cos.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 @dataclass(slots=True)
 class _Plans:
     offsets: list[int]
     causal: list[bool]
     masks: dict[int, torch.Tensor]
+    window_causal: list[bool]  # the same for the sliding layers (empty for a model without them)
+    window_masks: dict[int, torch.Tensor]
 
 
-def _attention_plans(chunks: list[SeqChunk], lengths: list[int], offsets: list[int]) -> _Plans:
-    """Per chunk: no mask for one token (it sees every row), is_causal from position 0, else an offset mask."""
+def _attention_plans(chunks: list[SeqChunk], lengths: list[int], offsets: list[int], window: int | None) -> _Plans:
+    """Per chunk: no mask for one token (it sees every row), is_causal from position 0, else an offset mask;
+    and under `window`, over the window's rows only (sliding.window_mask)."""
     causal: list[bool] = []
     masks: dict[int, torch.Tensor] = {}
+    window_causal: list[bool] = []
+    window_masks: dict[int, torch.Tensor] = {}
     for i, (ch, n) in enumerate(zip(chunks, lengths, strict=True)):
         if n == 1:
             causal.append(False)
@@ -428,24 +480,33 @@ def _attention_plans(chunks: list[SeqChunk], lengths: list[int], offsets: list[i
             causal.append(False)
             rows = torch.arange(ch.start, ch.start + n).unsqueeze(1)
             masks[i] = torch.arange(ch.start + n).unsqueeze(0) <= rows
-    return _Plans(offsets, causal, masks)
+        if window is not None:
+            mask = None if n == 1 else window_mask(ch.start, n, window)
+            window_causal.append(n > 1 and mask is None)
+            if mask is not None:
+                window_masks[i] = mask
+    return _Plans(offsets, causal, masks, window_causal, window_masks)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """One query token against all rows: q [H, D], k/v [KVH, L, D] -> [H, D]. On CPU in float32 two small
-    bmm calls beat SDPA's per-call overhead for a single query (softmax in the input dtype, so float32 only)."""
+    bmm calls beat SDPA's per-call overhead for a single query (softmax in the input dtype, so float32 only).
+    `scale` multiplies the scores (None = 1/sqrt(D))."""
     kv_heads, d = k.shape[0], k.shape[2]
-    grouped = q.view(kv_heads, -1, d) * (d**-0.5)
+    grouped = q.view(kv_heads, -1, d) * (d**-0.5 if scale is None else scale)
     scores = torch.bmm(grouped, k.transpose(1, 2))
     return torch.bmm(torch.softmax(scores, dim=-1), v).view(-1, d)
 
 
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+    scale: float | None = None,
 ) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and not _HAS_GQA:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    kwargs = {"enable_gqa": True} if groups > 1 and _HAS_GQA else {}
+    kwargs: dict = {"enable_gqa": True} if groups > 1 and _HAS_GQA else {}
+    if scale is not None:
+        kwargs["scale"] = scale
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kwargs)

@@ -15,7 +15,7 @@ from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.gguf_header import read_gguf_header
-from engine.model.gguf_loading import _gguf_config, _load_gguf, read_gguf
+from engine.model.gguf_loading import _gguf_config, _load_gguf
 from engine.model.hf_loading import _hybrid_loader, _load_hf
 from engine.model.tokenizer import TokenizerError
 
@@ -122,13 +122,13 @@ def read_model_config(path: str) -> ModelConfig:
                 return hybrid_config_from_hf(raw)  # type: ignore[return-value]
             return ModelConfig.from_hf(raw)
         header = read_gguf_header(path)
-        meta = header.metadata
-        from engine.model.hybrid.gguf_loader import embed_rows, hybrid_gguf_config, is_hybrid_gguf
+        meta, names = header.metadata, {t.name for t in header.tensors}
+        from engine.model.hybrid.gguf_loader import hybrid_gguf_config, is_hybrid_gguf
 
         if is_hybrid_gguf(meta):
-            reader = read_gguf(path)  # the hybrid loader still reads through gguf-py's reader
-            return hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path, embed_rows(reader))  # type: ignore[return-value]
-        return _gguf_config(meta, {t.name for t in header.tensors}, path)
+            rows = next((t.shape[0] for t in header.tensors if t.name == "token_embd.weight"), 0)
+            return hybrid_gguf_config(meta, names, path, rows)  # type: ignore[return-value]
+        return _gguf_config(meta, names, path)
     except (ConfigError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise

@@ -65,7 +65,7 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int,
     if not isinstance(config, ModelConfig):  # engine.model.hybrid: loads and runs, not yet served by the engine
         raise ModelLoadError(
             f"{config.architecture}: hybrid models (recurrent state + attention) are not served yet; "
-            "supported architectures: llama, mistral, qwen2, qwen3"
+            "supported architectures: llama, mistral, qwen2, qwen3, gemma3"
         )
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim

@@ -129,7 +129,8 @@ class Tokenizer:
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, merges or [], meta.get("tokenizer.ggml.pre") or "default")
         elif kind == "llama":
-            backend = _sentencepiece_bpe(tokens, merges, meta.get("tokenizer.ggml.scores"), token_types)
+            backend = _sentencepiece_bpe(tokens, merges, meta.get("tokenizer.ggml.scores"), token_types,
+                                         add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", True))
         else:
             raise TokenizerError(f"tokenizer model {kind!r} is not supported (expected gpt2 or llama)")
         special_added = [
@@ -271,7 +272,8 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> FastToken
 
 
 def _sentencepiece_bpe(
-    tokens: list[str], merges: list[str] | None, scores: list[float] | None, token_types: list[int]
+    tokens: list[str], merges: list[str] | None, scores: list[float] | None, token_types: list[int],
+    *, add_space_prefix: bool = True,
 ) -> FastTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     if merges:
@@ -280,10 +282,12 @@ def _sentencepiece_bpe(
         pairs = _merges_from_scores(tokens, scores or [0.0] * len(tokens))
     unk = next((t for t, ty in zip(tokens, token_types, strict=False) if ty == 2), None)  # 2 = UNKNOWN
     backend = FastTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    # Sentencepiece's dummy prefix: a space before the text (and stripped from the decoded text), unless the
+    # file turns it off (tokenizer.ggml.add_space_prefix false: Gemma).
+    prefix = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return backend
 
 
