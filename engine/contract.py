@@ -166,6 +166,7 @@ class ConversationRow:
     hits: int
     pending: bool = False
     on_disk: bool = False
+    checkpoints: int = 0  # a hybrid model's recurrent-state checkpoints it can resume from (counted in bytes)
 
 
 @dataclass(frozen=True, slots=True)

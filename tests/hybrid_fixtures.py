@@ -5,9 +5,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread is an order of magnitude faster than two contended ones on a busy machine (a
+    module that imports this fixture runs with it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_hybrid_config(arch: str):

@@ -8,7 +8,7 @@ import torch
 
 from engine.model import SeqChunk, load_model
 from engine.model.hybrid import HybridCausalLM
-from tests.hybrid_fixtures import HYBRID_ARCHS, write_tiny_hybrid
+from tests.hybrid_fixtures import HYBRID_ARCHS, one_thread, write_tiny_hybrid  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -16,15 +16,6 @@ transformers.utils.logging.disable_progress_bar()
 ATOL = 1e-4
 N_PROMPT = 200
 N_DECODE = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is an order of magnitude faster than two contended ones on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -274,11 +265,17 @@ def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, 
     assert _diff(low, ref) < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {_diff(low, ref):.3g} from float32"
 
 
-def test_the_server_refuses_hybrid_models_clearly_until_it_runs_them(hybrid_models):
-    from engine.errors import ModelLoadError
+def test_a_hybrid_layer_is_planned_with_its_weights_kv_and_recurrent_state(hybrid_models):
+    """The stage planner's estimate covers the weights, an attention layer's K/V for every slot and context
+    token, and a recurrent layer's state per slot."""
     from engine.model.loader import read_model_config
     from engine.model.planning import layer_bytes
 
-    shape = read_model_config(hybrid_models["lfm2"])
-    with pytest.raises(ModelLoadError, match="lfm2: hybrid models .* are not served yet"):
-        layer_bytes(shape, torch.float32, 1, 256)
+    for arch in HYBRID_ARCHS:
+        shape = read_model_config(hybrid_models[arch])
+        one = layer_bytes(shape, torch.float32, 1, 256)
+        kv_rows = 2 * shape.n_kv_heads * shape.head_dim * 4
+        assert one >= 3 * shape.hidden_size * shape.intermediate_size * 4
+        long = layer_bytes(shape, torch.float32, 1, 8192)  # the attention layer is the largest from here on
+        assert layer_bytes(shape, torch.float32, 1, 16384) - long == 8192 * kv_rows
+        assert layer_bytes(shape, torch.float32, 3, 256) > layer_bytes(shape, torch.float32, 2, 256)

@@ -5,10 +5,10 @@ Threads: the engine thread makes every call except `stats`, `conversations` and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from engine.cache.parts import ReadParts, WriteParts
+from engine.cache.parts import Parts, ReadParts, WriteParts
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
 
@@ -25,12 +25,17 @@ class CacheAPI(Protocol):
 
     def record_miss(self) -> None: ...
 
-    def park(self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None) -> ParkResult:
-        """Park a slot's conversation; a refusal is a `ParkResult` with a reason, never an exception."""
+    def park(
+        self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None,
+        checkpoints: Mapping[int, Parts] | None = None,
+    ) -> ParkResult:
+        """Park a slot's conversation (a hybrid model's: with its recurrent-state `checkpoints` by position);
+        a refusal is a `ParkResult` with a reason, never an exception."""
         ...
 
     def restore(self, hit: CacheHit, write_parts: WriteParts) -> RestoreResult:
-        """Write the hit's K/V into the slot; raises CacheRestoreError before the first write when it cannot."""
+        """Write the hit's K/V into the slot (a hybrid model's: then its recurrent state, `write_parts(n, state
+        parts)`); raises CacheRestoreError before the first write when it cannot."""
         ...
 
     def purge(self, tier: str) -> PurgeResult: ...

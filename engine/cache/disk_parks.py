@@ -12,7 +12,7 @@ import numpy as np
 from engine.cache.errors import ParkRefused
 from engine.cache.index import Block, Conv
 from engine.cache.lifecycle import EntryState
-from engine.cache.parts import Parts, ReadParts, parts_nbytes
+from engine.cache.parts import NO_CHECKPOINTS, Checkpoints, Parts, ReadParts, parts_nbytes
 from engine.cache.ram_tier import capture, inherit
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ def park(
     keep: str | None,
     *,
     background: bool = True,
+    states: Checkpoints = NO_CHECKPOINTS,
 ) -> tuple[Conv, int, int]:
     """Park on disk; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then.
 
@@ -48,30 +49,36 @@ def park(
             idx.touch(same[0].id)
             store.record_use(same[0])
             return same[0], 0, 0
+        held = idx.matched_blocks(keys)
+        states = states.settled(held, lambda i: idx.blocks[keys[i]].state, b)
         have, victims = store._room(
             keys,
             len(toks),
             leaving={c.id for c in candidates},
             exclude={keep} if keep else set(),
             in_flight_ok=True,  # only the writer pins entries while the engine thread parks
+            states=states,
         )
         n_tail = len(toks) - len(keys) * b
-        staged = (len(keys) - have) * store.identity.block_bytes + n_tail * store.identity.bytes_per_token
+        staged = ((len(keys) - have) * store.identity.block_bytes + n_tail * store.identity.bytes_per_token
+                  + (states.new_blocks(have) + len(states.own)) * store.identity.state_bytes)
         protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
         background = background and store._writer is not None and store.staging.make_room(staged, protect)
         res = store._reserve(keys, have, victims, pin_pending=not background)
         # a staged entry continues its line's id even while that line's last version is being written
         line = inherit(candidates if background else superseded)
     if background:
-        return _stage(store, toks, keys, read_parts, res, candidates, line)
-    return _write_now(store, toks, keys, read_parts, res, superseded, line)
+        return _stage(store, toks, keys, read_parts, res, candidates, line, states)
+    return _write_now(store, toks, keys, read_parts, res, superseded, line, states)
 
 
-def _capture(store: DiskStore, read_parts: ReadParts, start: int, end: int) -> Parts:
-    return capture(store.identity, read_parts, start, end)
+def _capture(store: DiskStore, read_parts: ReadParts, start: int, end: int, state: Parts | None = None) -> Parts:
+    data = capture(store.identity, read_parts, start, end)
+    return data if state is None else {**data, **state}  # a checkpoint at a block's end is stored with it
 
 
-def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line,
+           states: Checkpoints) -> tuple[Conv, int, int]:
     """Capture a park's new K/V into host memory and queue its write; the entry is restorable at once."""
     b, have = store.identity.block_tokens, len(res.reused)
     conv_id, created, hits = line
@@ -80,8 +87,9 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
     tail = None
     try:
         for i in range(have, len(keys)):
-            data = _capture(store, read_parts, i * b, (i + 1) * b)
-            new_blocks.append(Block(keys[i], store.files.block_size(), data=data))
+            data = _capture(store, read_parts, i * b, (i + 1) * b, states.blocks.get(i))
+            has = i in states.blocks
+            new_blocks.append(Block(keys[i], store.files.block_size(has), data=data, state=has))
         if len(toks) > len(keys) * b:
             tail = _capture(store, read_parts, len(keys) * b, len(toks))
     except Exception as exc:
@@ -115,7 +123,7 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
             conv_id,
             toks,
             keys,
-            store.files.manifest_size(len(toks)),
+            store.files.manifest_size(len(toks), len(states.own)),
             tail=tail,
             created=created,
             last_used=time.time(),
@@ -123,22 +131,25 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
             state=EntryState.PENDING,
             supersedes=later,
             previous=previous,
+            checkpoints=dict(states.own),
         )
         store._publish(res, conv, new_blocks, {})
         assert store._writer is not None
         store._writer.submit(conv_id)
-    new_bytes = sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
+    new_bytes = (sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
+                 + len(states.own) * store.identity.state_bytes)
     return conv, new_bytes, len(res.victims)
 
 
-def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line) -> tuple[Conv, int, int]:
+def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line,
+               states: Checkpoints) -> tuple[Conv, int, int]:
     """Write a conversation's new blocks and its manifest before returning."""
     b, have = store.identity.block_tokens, len(res.reused)
     conv_id, created, hits = line
     idx = store.index
 
     def capture(i: int):
-        return lambda: _capture(store, read_parts, i * b, (i + 1) * b)
+        return lambda: _capture(store, read_parts, i * b, (i + 1) * b, states.blocks.get(i))
 
     written: dict[str, int] = {}
     try:
@@ -148,9 +159,10 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         n_tail = len(toks) - len(keys) * b
         tail = _capture(store, read_parts, len(keys) * b, len(toks)) if n_tail else None
         conv = Conv(conv_id, toks, keys, 0, created=created, last_used=time.time(), hits=hits,
-                    state=EntryState.WRITING)
+                    state=EntryState.WRITING, checkpoints=dict(states.own))
         conv.nbytes = store.files.write_manifest(conv, tail)
         conv.move(EntryState.WRITTEN)
+        conv.checkpoints = dict.fromkeys(conv.checkpoints)  # on disk now: RAM keeps only the positions
     except Exception as exc:
         with store._lock:
             store._rollback(res, written)
@@ -164,7 +176,8 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         log.exception("conversation cache: parking to disk failed")
         raise ParkRefused("read_error", f"parking to disk failed: {exc}") from None
     with store._lock:
-        new_blocks = [Block(keys[i], written[keys[i]], on_disk=True) for i in range(have, len(keys))]
+        new_blocks = [Block(keys[i], written[keys[i]], on_disk=True, state=i in states.blocks)
+                      for i in range(have, len(keys))]
         for old in superseded:
             if old.id not in idx.convs or idx.convs[old.id] is not old or idx.is_pinned(old):
                 continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ def conversation_file(
     created: float | None = None,
     last_used: float | None = None,
     hits: int = 0,
+    checkpoints: Mapping[int, Parts] | None = None,
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
     """Header and tensors of a conversation file; `tail` holds tokens [n_blocks * block_tokens, len(tokens)).
 
@@ -74,7 +75,42 @@ def conversation_file(
         "last_used": repr(now if last_used is None else last_used),
         "hits": str(hits),
     }
+    if identity.state_parts:  # a hybrid model: its own checkpoints (positions not at a block end)
+        positions = sorted(checkpoints or {})
+        assert all(0 < p <= n for p in positions), positions
+        for pos in positions:
+            parts = checkpoints[pos]  # type: ignore[index]
+            for spec in identity.state_parts:
+                t = parts[spec.name]
+                assert tuple(t.shape) == spec.dims and t.dtype == spec.dtype, (spec.name, tuple(t.shape))
+                tensors.append((checkpoint_tensor(pos, spec.name), t.contiguous()))
+        meta["checkpoints"] = canonical_json(positions)
     return encode_header(tensors, meta), tensors
+
+
+def checkpoint_tensor(position: int, part: str) -> str:
+    """The tensor name of one state part of a conversation's own checkpoint at `position`."""
+    return f"ck.{position}.{part}"
+
+
+def checkpoint_positions(header: Header, identity: CacheIdentity) -> list[int]:
+    """The positions of a hybrid conversation file's own checkpoints, each with every state part as the
+    identity says (FileFormatError "corrupt" otherwise); [] for an attention-only model."""
+    if not identity.state_parts:
+        return []
+    try:
+        positions = header.json_meta("checkpoints")
+        n = int(header.meta["n_tokens"])
+    except (KeyError, ValueError):
+        raise FileFormatError("corrupt", "a hybrid conversation file without its checkpoint list") from None
+    if not isinstance(positions, list) or not all(isinstance(p, int) and 0 < p <= n for p in positions):
+        raise FileFormatError("corrupt", "checkpoint positions outside the conversation")
+    for pos in positions:
+        for spec in identity.state_parts:
+            entry = header.tensors.get(checkpoint_tensor(pos, spec.name))
+            if entry is None or entry.shape != spec.dims or entry.dtype != spec.dtype:
+                raise FileFormatError("corrupt", f"checkpoint at {pos}: state part {spec.name} is missing or wrong")
+    return positions
 
 
 def block_file(identity: CacheIdentity, key: str, parts: Parts, *, engine_version: str):
@@ -84,6 +120,11 @@ def block_file(identity: CacheIdentity, key: str, parts: Parts, *, engine_versio
         t = parts[spec.name]
         assert tuple(t.shape) == spec.shape(identity.block_tokens) and t.dtype == spec.dtype, spec.name
         tensors.append((spec.name, t.contiguous()))
+    if identity.state_parts and identity.state_parts[0].name in parts:  # the checkpoint at the block's end
+        for spec in identity.state_parts:
+            t = parts[spec.name]
+            assert tuple(t.shape) == spec.dims and t.dtype == spec.dtype, spec.name
+            tensors.append((spec.name, t.contiguous()))
     meta = {
         "kind": "block",
         "engine_version": engine_version,

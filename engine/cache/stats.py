@@ -75,6 +75,7 @@ class ConversationInfo:
     # its files are published: it survives a crash or a kill. False for RAM-tier conversations (in tiered mode
     # they reach the disk when RAM evicts them or at a clean shutdown) and for pending disk writes.
     on_disk: bool = False
+    checkpoints: int = 0  # a hybrid model's recurrent-state checkpoints (its own and those in its blocks)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

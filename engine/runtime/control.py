@@ -61,6 +61,7 @@ class Control(Startup):
         from engine.cache.session_file import save_session
 
         slot = self._slot_for_file_op(slot_id)
+        self._refuse_hybrid_slot_file()
         path = self._session_path(filename)
         if not slot.tokens:
             raise BadValue(f"slot {slot_id} is empty: nothing to save", param="id")
@@ -77,6 +78,7 @@ class Control(Startup):
         from engine.cache.session_file import SessionFileError, load_session
 
         slot = self._slot_for_file_op(slot_id)
+        self._refuse_hybrid_slot_file()
         path = self._session_path(filename)
         if not os.path.isfile(path):
             raise NotFound(f"no session file named {os.path.basename(path)!r} in the slot save path", param="filename")
@@ -98,7 +100,15 @@ class Control(Startup):
         n = len(slot.tokens)
         slot.tokens = []
         self.kv.clear(slot.id)
+        if self.states is not None:
+            self.states.clear(slot.id)
         return {"id_slot": slot_id, "n_erased": n}
+
+    def _refuse_hybrid_slot_file(self) -> None:
+        if self.states is not None:
+            raise BadValue("slot files hold attention K/V only: a hybrid model's recurrent state cannot be saved "
+                           "or restored this way yet (its conversations are parked by the conversation cache)",
+                           param="action")
 
     def _write_slot(self, slot: Slot, tokens: list[int], kv: torch.Tensor) -> None:
         slot.tokens = []

@@ -29,6 +29,7 @@ from engine.errors import BadValue, Unavailable
 from engine.kv import KVBuffers, KVLayout
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
+from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_buffers
 from engine.runtime.startup import _check_int4, _weights_format
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
@@ -54,8 +55,15 @@ class Engine(Scheduler):
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.n_slots = config.parallel
-        self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, loaded.dtype)
-        self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
+        self.states: SlotStates | None = None
+        if hasattr(self.model, "new_buffers"):  # a hybrid model: K/V of its attention layers + recurrent state
+            every = checkpoint_interval(config.conversation_cache_checkpoint_tokens,
+                                        config.conversation_cache_block_tokens)
+            self.kv, self.states = hybrid_buffers(self.model, self.n_slots, self.ctx_size, every)
+            self.layout = self.kv.layout
+        else:
+            self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, loaded.dtype)
+            self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
         self.slots = [Slot(i) for i in range(self.n_slots)]
         self.started_at = time.time()
         self.state = "ok"
@@ -66,7 +74,8 @@ class Engine(Scheduler):
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._waiting: list[tuple[GenerationRequest, RequestStream]] = []
         self._stop = threading.Event()
-        self._counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        self._counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                          "restores_without_reuse": 0}
         self._prefill_rate: float | None = None  # tokens/s, smoothed
         self._decode_rate: float | None = None
         self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot

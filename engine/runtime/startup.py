@@ -28,9 +28,17 @@ class Startup(EngineState):
 
         with torch.inference_mode():
             prompt = torch.zeros(min(8, self.ctx_size - 1), dtype=torch.int64)
-            self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
-            self.model.forward_chunks([SeqChunk(0, len(prompt), prompt[:1])], self.kv)
+            self._forward([SeqChunk(0, 0, prompt)])
+            self._forward([SeqChunk(0, len(prompt), prompt[:1])])
         self.kv.clear(0)
+        if self.states is not None:
+            self.states.clear(0)
+
+    def _forward(self, chunks: list) -> torch.Tensor:
+        """One forward over `chunks` (a hybrid model also advances each slot's recurrent state)."""
+        if self.states is None:
+            return self.model.forward_chunks(chunks, self.kv)
+        return self.model.forward_chunks(chunks, self.kv, self.states.buffers)
 
     def _make_cache(self, config: EngineConfig) -> CacheAPI | None:
         off = config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0
@@ -56,6 +64,8 @@ class Startup(EngineState):
                 },
                 layout=self.layout,
                 block_tokens=self.config.conversation_cache_block_tokens,
+                # a hybrid model's recurrent state: its checkpoints are parked beside the attention K/V
+                state=self.states.buffers.layout.describe() if self.states is not None else None,
             )
         return self.cache_identity
 

@@ -23,6 +23,7 @@ from engine.runtime.stream import RequestStream
 if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
+    from engine.runtime.slot_states import SlotStates
 
 log = logging.getLogger("strata.engine")
 
@@ -66,6 +67,7 @@ class EngineState:
     n_slots: int
     layout: KVLayout
     kv: KVBuffers
+    states: SlotStates | None  # a hybrid model's recurrent state per slot (None for attention-only models)
     slots: list[Slot]
     started_at: float
     state: str

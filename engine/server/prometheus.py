@@ -20,7 +20,7 @@ PREFIX = "strata"
 COUNTERS = frozenset({
     "requests", "prompt_tokens", "cached_tokens", "generated_tokens",
     "hits", "misses", "tokens_reused", "parks", "restores", "restore_failures", "evictions", "spills",
-    "spill_dropped", "spill_failed", "bytes_parked", "bytes_restored", "bytes_spilled",
+    "spill_dropped", "spill_failed", "bytes_parked", "bytes_restored", "bytes_spilled", "restores_without_reuse",
 })
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 

@@ -1,0 +1,58 @@
+"""A, B, A on hybrid models (tiny random LFM2, Granite-4.0-H, Qwen3.5): conversation A parked with its recurrent
+state checkpoints while B runs, then A's next turn, is token-identical to A alone on a fresh engine, with
+byte-identical K/V and recurrent state, in ram, disk and tiered storage; an edited first message resumes from the
+checkpoint before the edit; after a restart (disk, tiered) the whole prompt is reused and the answer is the first
+engine's. Runs tools/conversation_cache_parity.py in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.hybrid_fixtures import HYBRID_ARCHS, one_thread, write_tiny_hybrid  # noqa: F401 (fixture)
+from tools.conversation_cache_parity import run_restart, run_scenario
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hybrid-parity")
+    return {arch: write_tiny_hybrid(root, arch) for arch in HYBRID_ARCHS}
+
+
+def _base(folder: str, storage: str) -> dict:
+    # checkpoints every block: the edited scenario's edit comes ~130 tokens in
+    return {"model": folder, "devices": "cpu", "ctx_size": 512, "conversation_cache_storage": storage,
+            "conversation_cache_min_free_mib": 0, "cpu_weights": "float", "prefill_chunk": 32,
+            "conversation_cache_checkpoint_tokens": 64}
+
+
+STORAGES = ("ram", "disk", "tiered")
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("scenario", ["basic", "edited"])
+def test_a_parked_hybrid_conversation_continues_as_if_it_never_left(folders, arch, storage, scenario):
+    outcome = run_scenario(scenario, _base(folders[arch], storage), n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
+    assert "recurrent state byte-identical" in outcome.detail
+
+
+@pytest.mark.parametrize("storage", ["disk", "tiered"])
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_hybrid_conversation_resumes_after_a_restart_as_the_first_engine_continued(folders, arch, storage):
+    outcome = run_restart(_base(folders[arch], storage), {}, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_hybrid_conversation_parked_on_a_two_stage_split_resumes_on_one_stage_and_on_another_split(folders, arch):
+    """Stage 0 holds a recurrent layer only (no K/V at all): each layer's state lives and is parked per stage,
+    in a split-independent layout."""
+    from tools.conversation_cache_parity import run_resplit
+
+    base = {**_base(folders[arch], "disk"), "devices": "cpu,cpu", "layer_split": "1,3"}
+    outcome = run_scenario("basic", base, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
+    for other in ({"devices": "cpu", "layer_split": ""}, {"devices": "cpu,cpu", "layer_split": "3,1"}):
+        outcome = run_resplit(base, other, n_words=40, max_tokens=8)
+        assert outcome.passed, outcome.detail
