@@ -56,3 +56,13 @@ def test_a_hybrid_conversation_parked_on_a_two_stage_split_resumes_on_one_stage_
     for other in ({"devices": "cpu", "layer_split": ""}, {"devices": "cpu,cpu", "layer_split": "3,1"}):
         outcome = run_resplit(base, other, n_words=40, max_tokens=8)
         assert outcome.passed, outcome.detail
+
+
+def test_a_qwen35_gguf_conversation_is_parked_and_resumed_like_its_hf_folder(tmp_path):
+    """The same through a GGUF file with llama.cpp's qwen35 names and rewrites."""
+    from tests.hybrid_fixtures import write_tiny_hybrid_gguf
+
+    base = _base(write_tiny_hybrid_gguf(tmp_path, "qwen3_5"), "disk")
+    for outcome in (run_scenario("edited", base, n_words=40, max_tokens=8),
+                    run_restart(base, {}, n_words=40, max_tokens=8)):
+        assert outcome.passed, outcome.detail

@@ -201,12 +201,13 @@ def test_granite_mixture_of_experts_is_refused_clearly(tmp_path):
         read_model_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5"])
 def test_gguf_loads_the_same_model(tmp_path, arch):
     """An unquantised GGUF with llama.cpp's names, keys and tensor rewrites gives the logits of its HF folder;
     a Q8_0 one gives those of the folder's weights rounded through Q8_0."""
+    from engine.model.hybrid.gguf_qwen35 import untile_v_heads
     from engine.model.loader import read_model_config
-    from tests.hybrid_fixtures import write_tiny_hybrid_gguf
+    from tests.hybrid_fixtures import _tile_v_heads, write_tiny_hybrid_gguf
 
     path = write_tiny_hybrid_gguf(tmp_path, arch)
     from_gguf, from_folder = _load(path), _load(str(tmp_path / f"tiny-{arch}"))
@@ -221,10 +222,17 @@ def test_gguf_loads_the_same_model(tmp_path, arch):
     import gguf
 
     quantized = _load(write_tiny_hybrid_gguf(tmp_path / "q8", arch, quantize=True))
-    for buf in from_folder.model.buffers():
+    for name, buf in from_folder.model.named_buffers():
         if buf.dim() == 2 and buf.shape[1] % 32 == 0:
-            q8 = gguf.quants.quantize(buf.numpy(), gguf.GGMLQuantizationType.Q8_0)
-            buf.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+            w = buf.numpy()
+            # llama.cpp tiles the value heads of Qwen3.5's DeltaNet output columns: its Q8_0 groups hold those
+            tiled = arch == "qwen3_5" and name.endswith("mixer.w_out")
+            c = from_folder.config
+            heads = (c.linear_k_heads, c.linear_v_heads // c.linear_k_heads, c.linear_v_dim) if tiled else ()
+            w = _tile_v_heads(w, 1, *heads) if tiled else w
+            q8 = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                                         gguf.GGMLQuantizationType.Q8_0))
+            buf.copy_(untile_v_heads(q8, 1, *heads) if tiled else q8)
     c, d = (lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 128), all_logits=True)[0]
             for lm in (quantized, from_folder))
     assert _diff(c, d) <= ATOL, f"{arch}: the Q8_0 GGUF differs from Q8_0-rounded weights by {_diff(c, d):.3g}"
@@ -237,14 +245,14 @@ def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_pat
     from engine.errors import ModelLoadError
 
     path = tmp_path / "q.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer = gguf.GGUFWriter(str(path), "qwen3next")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="'qwen35' .* is not supported from GGUF yet; load its Hugging Face"):
+    with pytest.raises(ModelLoadError, match="'qwen3next' .* is not supported from GGUF yet; load its Hugging Face"):
         load_model(str(path), [(torch.device("cpu"), 0, 1)], torch.float32)
 
 
