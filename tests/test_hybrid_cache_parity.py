@@ -7,6 +7,7 @@ engine's. Runs tools/conversation_cache_parity.py in-process."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.hybrid_fixtures import HYBRID_ARCHS, one_thread, write_tiny_hybrid  # noqa: F401 (fixture)
 from tools.conversation_cache_parity import run_restart, run_scenario
@@ -66,3 +67,34 @@ def test_a_qwen35_gguf_conversation_is_parked_and_resumed_like_its_hf_folder(tmp
     for outcome in (run_scenario("edited", base, n_words=40, max_tokens=8),
                     run_restart(base, {}, n_words=40, max_tokens=8)):
         assert outcome.passed, outcome.detail
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_hybrid_slot_saved_to_a_file_and_restored_continues_as_if_it_never_left(folders, arch, tmp_path):
+    """POST /slots/{id}?action=save|restore on a hybrid model: the file holds the K/V and the recurrent state
+    after its tokens; restored into an erased slot, the next turn is the one the slot would have computed."""
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from tools.conversation_cache_parity import _conversation, _generate, _slot_kv, _slot_state, _text
+
+    config = EngineConfig(**{**_base(folders[arch], "ram"), "conversation_cache_mib": 0,
+                             "slot_save_path": str(tmp_path)})
+    conv = _conversation("You are careful. " + _text(30, 1), "Summarise.", 3)
+    answers = []
+    for save in (False, True):
+        eng = Engine.from_config(config)
+        try:
+            a1, _, _ = _generate(eng, conv, 8)
+            if save:
+                tokens, kv = _slot_kv(eng, 0)
+                state = _slot_state(eng, 0)
+                eng.call(lambda e=eng: e.save_slot(0, "a.slot")).result()
+                eng.call(lambda e=eng: e.erase_slot(0)).result()
+                eng.call(lambda e=eng: e.restore_slot(0, "a.slot")).result()
+                assert _slot_kv(eng, 0)[0] == tokens and torch.equal(_slot_kv(eng, 0)[1], kv)
+                assert _slot_state(eng, 0) == state
+            turn2 = conv + [{"role": "assistant", "content": a1}, {"role": "user", "content": "More."}]
+            answers.append(_generate(eng, turn2, 8)[1:])
+        finally:
+            eng.close()
+    assert answers[1][0] == answers[0][0] and answers[1][1] > 0

@@ -26,7 +26,7 @@ from engine.cache.fileformat import (
     read_tensor,
 )
 from engine.cache.identity import CacheIdentity, canonical_json, identity_difference, token_array
-from engine.cache.parts import Parts
+from engine.cache.parts import Parts, check_state
 
 MAX_NAME_BYTES = 255
 
@@ -185,10 +185,18 @@ def check_conversation(header: Header, identity: CacheIdentity, *, session: bool
 
 
 def save_session(
-    path: str, identity: CacheIdentity, tokens: Sequence[int], kv: torch.Tensor, *, engine_version: str
+    path: str, identity: CacheIdentity, tokens: Sequence[int], kv: torch.Tensor, *, engine_version: str,
+    checkpoints: Mapping[int, Parts] | None = None,
 ) -> int:
-    """Write a slot's tokens and K/V ([n_layers, 2, n, kv_heads, head_dim]) to `path` atomically; returns bytes."""
+    """Write a slot's tokens and K/V ([n_layers, 2, n, kv_heads, head_dim]) to `path` atomically; returns bytes.
+
+    A hybrid model's slot also gives its recurrent-state `checkpoints` by position, the state after all n tokens
+    among them, stored as a parked conversation keeps its own."""
     toks = token_array(tokens)
+    if identity.state_parts:
+        if not checkpoints or len(toks) not in checkpoints:
+            raise ValueError("a hybrid model's session needs its recurrent state after its tokens")
+        checkpoints = {p: check_state(identity.state_parts, c) for p, c in checkpoints.items() if 0 < p <= len(toks)}
     if kv.device.type != "cpu":
         kv = kv.cpu()
     if tuple(kv.shape) != identity.layout.host_shape(len(toks)) or kv.dtype != identity.layout.dtype:
@@ -196,12 +204,20 @@ def save_session(
             f"session K/V has shape {tuple(kv.shape)} {kv.dtype}, expected "
             f"{identity.layout.host_shape(len(toks))} {identity.layout.dtype} for {len(toks)} tokens"
         )
-    header, tensors = conversation_file(identity, toks, {"kv": kv}, n_blocks=0, engine_version=engine_version)
+    header, tensors = conversation_file(identity, toks, {"kv": kv}, n_blocks=0, engine_version=engine_version,
+                                        checkpoints=checkpoints)
     return atomic_write(path, file_chunks(header, tensors))
 
 
 def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.Tensor]:
     """Read and fully verify a session file; raises SessionFileError before returning any data."""
+    tokens, kv, _ = load_session_parts(path, identity)
+    return tokens, kv
+
+
+def load_session_parts(path: str, identity: CacheIdentity) -> tuple[list[int], torch.Tensor, dict[int, Parts]]:
+    """`load_session` plus a hybrid model's recurrent-state checkpoints by position, the one after all the file's
+    tokens among them ({} for attention only)."""
     name = os.path.basename(path)
     try:
         with open(path, "rb", buffering=0) as f:
@@ -215,6 +231,13 @@ def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.T
                 for s in identity.parts
             }
             kv = parts["kv"]  # a slot takes attention K/V: the one part a model has today
+            states: dict[int, Parts] = {}
+            if identity.state_parts:
+                positions = checkpoint_positions(header, identity)
+                if int(header.meta["n_tokens"]) not in positions:
+                    raise FileFormatError("corrupt", "no recurrent state after its tokens")
+                states = {p: {s.name: read_tensor(f, header, checkpoint_tensor(p, s.name))
+                              for s in identity.state_parts} for p in positions}
     except FileNotFoundError:
         raise SessionFileError(f"session file {name!r} does not exist") from None
     except IsADirectoryError:
@@ -230,7 +253,7 @@ def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.T
         raise SessionFileError(f"session file {name!r} {what}: {exc}") from None
     except OSError as exc:
         raise SessionFileError(f"session file {name!r} cannot be read: {exc.strerror or exc}") from None
-    return tokens.tolist(), kv
+    return tokens.tolist(), kv, states
 
 
 def safe_session_path(folder: str, filename: str) -> str:

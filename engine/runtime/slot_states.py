@@ -137,11 +137,18 @@ class SlotStates:
             if "kv" in parts:
                 write_kv(start, parts["kv"])
             else:
-                from engine.model.hybrid import StateSnapshot
-
-                names = self._names()
-                self.put(slot, StateSnapshot(start, tuple(parts[n] for n in names)), {})
+                self.put(slot, self._snapshot(start, parts), {})
         return write
+
+    def put_parts(self, slot: int, position: int, checkpoints: dict[int, Parts]) -> None:
+        """A saved slot's state (the checkpoint at `position`, its last token) and its other checkpoints."""
+        snaps = {p: self._snapshot(p, parts) for p, parts in checkpoints.items()}
+        self.put(slot, snaps[position], snaps)
+
+    def _snapshot(self, position: int, parts: Parts) -> StateSnapshot:
+        from engine.model.hybrid import StateSnapshot
+
+        return StateSnapshot(position, tuple(parts[n] for n in self._names()))
 
     def _names(self) -> list[str]:
         if self._part_names is None:
