@@ -60,6 +60,7 @@ class EngineFigures:
     prompt_tokens: int = counter()
     cached_tokens: int = counter()
     generated_tokens: int = counter()
+    restores_without_reuse: int = counter()  # a hybrid restore that reused nothing (no usable checkpoint)
     prefill_tokens_per_s: float | None = None  # None: nothing measured yet
     decode_tokens_per_s: float | None = None
     uptime_s: float = 0.0

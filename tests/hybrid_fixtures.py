@@ -5,9 +5,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread is an order of magnitude faster than two contended ones on a busy machine (a
+    module that imports this fixture runs with it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_hybrid_config(arch: str):
@@ -74,11 +88,12 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) 
 
 
 def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False) -> str:
-    """Convert the tiny `arch` HF model (lfm2 or granitemoehybrid) to GGUF as llama.cpp's converter does:
-    tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts with
-    0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
-    [groups, inner / groups], the shared MLP split into gate and up, q/k rows permuted as for llama. 2-D
-    weights in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
+    """Convert the tiny `arch` HF model (lfm2, granitemoehybrid or qwen3_5) to GGUF as llama.cpp's converter
+    does: tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts
+    with 0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
+    [groups, inner / groups], the shared MLP split into gate and up, q/k rows permuted as for llama; for
+    Qwen3.5 A = -exp(A_log), 1 + w for the norms outside the DeltaNet and the value heads in tiled order
+    (`_tile_v_heads`). 2-D weights in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
     import json
 
     import gguf
@@ -88,9 +103,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     from engine.model.hybrid.lfm2 import mlp_size
     from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
 
-    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid"}.get(arch)
+    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "qwen3_5": "qwen35"}.get(arch)
     if gguf_arch is None:
-        raise ValueError(f"arch: only lfm2 and granitemoehybrid have a GGUF writer here, got {arch!r}")
+        raise ValueError(f"arch: only lfm2, granitemoehybrid and qwen3_5 have a GGUF writer here, got {arch!r}")
     folder = write_tiny_hybrid(tmp_path, arch)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
@@ -102,13 +117,30 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(n_heads)
-    writer.add_head_count_kv([0 if t in recurrent else n_kv for t in cfg["layer_types"]])
+    if arch == "qwen3_5":  # one K/V head count; the layer pattern as full_attention_interval
+        writer.add_head_count_kv(n_kv)
+        first = cfg["layer_types"].index("full_attention") + 1
+        assert all((t == "full_attention") == ((i + 1) % first == 0) for i, t in enumerate(cfg["layer_types"]))
+        writer.add_full_attention_interval(first)
+    else:
+        writer.add_head_count_kv([0 if t in recurrent else n_kv for t in cfg["layer_types"]])
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
     if arch == "lfm2":
         writer.add_feed_forward_length(mlp_size(cfg))
         writer.add_layer_norm_rms_eps(cfg["norm_eps"])
         writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+    elif arch == "qwen3_5":
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
+        writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(cfg["linear_key_head_dim"])
+        writer.add_ssm_group_count(cfg["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     else:
         inner = cfg["mamba_expand"] * cfg["hidden_size"]
         writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -141,10 +173,14 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     def permute(w: np.ndarray, heads: int) -> np.ndarray:
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2 if arch == "lfm2" else gguf.MODEL_ARCH.GRANITE_HYBRID, n_layers)
+    model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
+                  "qwen3_5": gguf.MODEL_ARCH.QWEN35}[arch]
+    names = gguf.get_tensor_name_map(model_arch, n_layers)
     out_tensors: list[tuple[str, np.ndarray]] = []
     for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
         w = w.astype(np.float32)
+        if arch == "qwen3_5":
+            w = _qwen35_rewrite(cfg, name, w)
         if name.endswith(".dt_bias"):
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
         if name.endswith("shared_mlp.input_linear.weight"):
@@ -160,14 +196,14 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         if ".conv.conv." in name or ".conv1d.weight" in name:
             w = w.squeeze(1)
         elif name.endswith(".A_log"):
-            w = -np.exp(w).reshape(-1, 1)
+            w = -np.exp(w) if arch == "qwen3_5" else -np.exp(w).reshape(-1, 1)
         elif name.endswith(".D"):
             w = w.reshape(-1, 1)
         elif name.endswith("mamba.norm.weight"):
             w = w.reshape(cfg["mamba_n_groups"], -1)
-        elif arch != "lfm2" and name.endswith("self_attn.q_proj.weight"):
+        elif arch == "granitemoehybrid" and name.endswith("self_attn.q_proj.weight"):
             w = permute(w, n_heads)
-        elif arch != "lfm2" and name.endswith("self_attn.k_proj.weight"):
+        elif arch == "granitemoehybrid" and name.endswith("self_attn.k_proj.weight"):
             w = permute(w, n_kv)
         out_tensors.append((out, w))
     for out, w in out_tensors:
@@ -181,3 +217,35 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def _tile_v_heads(w, axis: int, k_heads: int, per_k: int, head_dim: int):
+    """Value heads along `axis` from grouped by key head to llama.cpp's tiled order (the converter's reorder)."""
+    import numpy as np
+
+    shape = list(w.shape)
+    split = shape[:axis] + [k_heads, per_k, head_dim] + shape[axis + 1:]
+    return np.ascontiguousarray(np.swapaxes(w.reshape(split), axis, axis + 1).reshape(shape))
+
+
+def _qwen35_rewrite(cfg: dict, name: str, w):
+    """What llama.cpp's converter does to a Qwen3.5 tensor before naming it: 1 + w for the norms outside the
+    DeltaNet, and with fewer key than value heads the value heads tiled (A_log and the conv squeeze are done
+    by the caller, as for Granite)."""
+    import numpy as np
+
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return w + 1.0
+    k, v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    per_k, vd, qk = v // k, cfg["linear_value_head_dim"], 2 * k * cfg["linear_key_head_dim"]
+    if per_k == 1 or ".linear_attn." not in name:
+        return w
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        return np.concatenate((w[:qk], _tile_v_heads(w[qk:], 0, k, per_k, vd)))
+    if name.endswith(".in_proj_z.weight"):
+        return _tile_v_heads(w, 0, k, per_k, vd)
+    if name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return _tile_v_heads(w, 0, k, per_k, 1)
+    if name.endswith(".out_proj.weight"):
+        return _tile_v_heads(w, 1, k, per_k, vd)
+    return w

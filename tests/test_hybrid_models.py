@@ -8,7 +8,7 @@ import torch
 
 from engine.model import SeqChunk, load_model
 from engine.model.hybrid import HybridCausalLM
-from tests.hybrid_fixtures import HYBRID_ARCHS, write_tiny_hybrid
+from tests.hybrid_fixtures import HYBRID_ARCHS, one_thread, write_tiny_hybrid  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -16,15 +16,6 @@ transformers.utils.logging.disable_progress_bar()
 ATOL = 1e-4
 N_PROMPT = 200
 N_DECODE = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is an order of magnitude faster than two contended ones on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -210,12 +201,13 @@ def test_granite_mixture_of_experts_is_refused_clearly(tmp_path):
         read_model_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5"])
 def test_gguf_loads_the_same_model(tmp_path, arch):
     """An unquantised GGUF with llama.cpp's names, keys and tensor rewrites gives the logits of its HF folder;
     a Q8_0 one gives those of the folder's weights rounded through Q8_0."""
+    from engine.model.hybrid.gguf_qwen35 import untile_v_heads
     from engine.model.loader import read_model_config
-    from tests.hybrid_fixtures import write_tiny_hybrid_gguf
+    from tests.hybrid_fixtures import _tile_v_heads, write_tiny_hybrid_gguf
 
     path = write_tiny_hybrid_gguf(tmp_path, arch)
     from_gguf, from_folder = _load(path), _load(str(tmp_path / f"tiny-{arch}"))
@@ -230,10 +222,17 @@ def test_gguf_loads_the_same_model(tmp_path, arch):
     import gguf
 
     quantized = _load(write_tiny_hybrid_gguf(tmp_path / "q8", arch, quantize=True))
-    for buf in from_folder.model.buffers():
+    for name, buf in from_folder.model.named_buffers():
         if buf.dim() == 2 and buf.shape[1] % 32 == 0:
-            q8 = gguf.quants.quantize(buf.numpy(), gguf.GGMLQuantizationType.Q8_0)
-            buf.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+            w = buf.numpy()
+            # llama.cpp tiles the value heads of Qwen3.5's DeltaNet output columns: its Q8_0 groups hold those
+            tiled = arch == "qwen3_5" and name.endswith("mixer.w_out")
+            c = from_folder.config
+            heads = (c.linear_k_heads, c.linear_v_heads // c.linear_k_heads, c.linear_v_dim) if tiled else ()
+            w = _tile_v_heads(w, 1, *heads) if tiled else w
+            q8 = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                                         gguf.GGMLQuantizationType.Q8_0))
+            buf.copy_(untile_v_heads(q8, 1, *heads) if tiled else q8)
     c, d = (lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 128), all_logits=True)[0]
             for lm in (quantized, from_folder))
     assert _diff(c, d) <= ATOL, f"{arch}: the Q8_0 GGUF differs from Q8_0-rounded weights by {_diff(c, d):.3g}"
@@ -246,14 +245,14 @@ def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_pat
     from engine.errors import ModelLoadError
 
     path = tmp_path / "q.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer = gguf.GGUFWriter(str(path), "qwen3next")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="'qwen35' .* is not supported from GGUF yet; load its Hugging Face"):
+    with pytest.raises(ModelLoadError, match="'qwen3next' .* is not supported from GGUF yet; load its Hugging Face"):
         load_model(str(path), [(torch.device("cpu"), 0, 1)], torch.float32)
 
 
@@ -274,11 +273,17 @@ def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, 
     assert _diff(low, ref) < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {_diff(low, ref):.3g} from float32"
 
 
-def test_the_server_refuses_hybrid_models_clearly_until_it_runs_them(hybrid_models):
-    from engine.errors import ModelLoadError
+def test_a_hybrid_layer_is_planned_with_its_weights_kv_and_recurrent_state(hybrid_models):
+    """The stage planner's estimate covers the weights, an attention layer's K/V for every slot and context
+    token, and a recurrent layer's state per slot."""
     from engine.model.loader import read_model_config
     from engine.model.planning import layer_bytes
 
-    shape = read_model_config(hybrid_models["lfm2"])
-    with pytest.raises(ModelLoadError, match="lfm2: hybrid models .* are not served yet"):
-        layer_bytes(shape, torch.float32, 1, 256)
+    for arch in HYBRID_ARCHS:
+        shape = read_model_config(hybrid_models[arch])
+        one = layer_bytes(shape, torch.float32, 1, 256)
+        kv_rows = 2 * shape.n_kv_heads * shape.head_dim * 4
+        assert one >= 3 * shape.hidden_size * shape.intermediate_size * 4
+        long = layer_bytes(shape, torch.float32, 1, 8192)  # the attention layer is the largest from here on
+        assert layer_bytes(shape, torch.float32, 1, 16384) - long == 8192 * kv_rows
+        assert layer_bytes(shape, torch.float32, 3, 256) > layer_bytes(shape, torch.float32, 2, 256)

@@ -14,6 +14,9 @@ recomputed last prompt token and every generated row included).
 
     python tools/conversation_cache_parity.py [--storage ram|disk|tiered] [--model PATH] [--devices cpu,cpu ...]
         [--cpu-weights auto|float|int4] [--restart] [--restart-layout DEVICES[/SPLIT]]
+A hybrid model (recurrent layers + attention) is checked the same way, and its slot's recurrent state after A's
+second turn must be byte-identical to the reference's (or the first engine's); no restore may leave the prefill to
+start elsewhere than where it restored (`restores_without_reuse` stays 0).
 Exit status 0 when every scenario passes.
 """
 
@@ -77,6 +80,23 @@ def _slot_kv(engine: Engine, slot: int) -> tuple[list[int], torch.Tensor]:
     return engine.call(read).result()
 
 
+def _slot_state(engine: Engine, slot: int) -> tuple[int, bytes] | None:
+    """A hybrid model's slot: (its recurrent state's position, the state's bytes); None for attention only."""
+    if engine.states is None:
+        return None
+
+    def read():
+        snap = engine.states.read(slot)
+        return snap.position, b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in snap.tensors)
+
+    return engine.call(read).result()
+
+
+def _silent_restores(engine: Engine) -> int:
+    """Restores after which the prefill did not start where they restored (must stay 0)."""
+    return engine.call(engine.engine_stats).result()["restores_without_reuse"]
+
+
 def _conversation(system: str, first: str, seed: int) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": first + " " + _text(40, seed)}]
 
@@ -106,6 +126,7 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
             if name == "edited":
                 turn2[1] = {"role": "user", "content": "Summarise this briefly. " + _text(40, 3)}
             a2_ref, a2_ref_tokens, _ = _generate(ref, turn2, max_tokens)
+            ref_state = _slot_state(ref, 0)
         finally:
             ref.close()
 
@@ -125,11 +146,18 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
             stats = eng.call(eng.cache_stats).result()
             slot = next(s.id for s in eng.slots if s.tokens[: len(parked_tokens) // 2] == parked_tokens[: len(parked_tokens) // 2])
             restored_tokens, restored_kv = _slot_kv(eng, slot)
+            state, silent = _slot_state(eng, slot), _silent_restores(eng)
         finally:
             eng.close()
 
     if a2_tokens != a2_ref_tokens:
         return Outcome(name, False, f"continuation differs: {a2!r} vs reference {a2_ref!r}")
+    if silent:
+        return Outcome(name, False, f"{silent} restores did not resume where they restored (restores_without_reuse)")
+    # a hybrid model: the recurrent state after A's second turn is the reference's, byte for byte (not under
+    # pressure: A evicted is computed again from another start, equal to the reference only to float rounding)
+    if name != "pressure" and state != ref_state:
+        return Outcome(name, False, "the slot's recurrent state differs from the never-parked reference's")
     if name == "pressure":
         ok = cached == 0 or stats.get("evictions", 0) > 0
         return Outcome(name, ok, f"evictions={stats.get('evictions')} cached_tokens={cached}; output identical")
@@ -141,8 +169,9 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
     same = torch.equal(restored_kv[:, :, :n].view(torch.uint8), parked_kv[:, :, :n].view(torch.uint8))
     if not same:
         return Outcome(name, False, f"restored K/V differs from the parked K/V over {n} tokens")
+    hybrid = ", recurrent state byte-identical" if state is not None else ""
     return Outcome(name, True, f"{n} tokens restored byte-identical, {len(a2_tokens)} tokens identical, "
-                               f"cached_tokens={cached}")
+                               f"cached_tokens={cached}{hybrid}")
 
 
 def run_resplit(base: dict, other: dict, n_words: int, max_tokens: int) -> Outcome:
@@ -199,6 +228,7 @@ def run_restart(base: dict, other: dict, n_words: int, max_tokens: int) -> Outco
                               {"role": "user", "content": "Now list three details you noticed."}]
             _, x_tokens, _ = _generate(first, turn2, max_tokens)  # A restored, its new turn prefilled
             first_tokens, first_kv = _slot_kv(first, 0)
+            first_state = _slot_state(first, 0)
         finally:
             first.close()  # parks A (with its answer) on disk
         second = Engine.from_config(config.replace(**other))
@@ -208,6 +238,7 @@ def run_restart(base: dict, other: dict, n_words: int, max_tokens: int) -> Outco
             n_prompt = len(second.tokenizer.encode(second.tokenizer.render_chat(turn2), add_special_tokens=False))
             stats = second.call(second.cache_stats).result()
             second_tokens, second_kv = _slot_kv(second, 0)
+            second_state, silent = _slot_state(second, 0), _silent_restores(second)
         finally:
             second.close()
     if stats.get("restores", 0) < 1 or cached < n_prompt - 1:
@@ -217,6 +248,10 @@ def run_restart(base: dict, other: dict, n_words: int, max_tokens: int) -> Outco
         return Outcome(name, False, f"continuation differs from the first engine's ({len(x_tokens)} tokens)")
     if second_tokens != first_tokens:
         return Outcome(name, False, "the slots hold different tokens")
+    if silent:
+        return Outcome(name, False, f"{silent} restores did not resume where they restored (restores_without_reuse)")
+    if second_state != first_state:
+        return Outcome(name, False, "the slots' recurrent states differ")
     diff = second_kv.view(torch.uint8) != first_kv.view(torch.uint8)  # bytes: [layers, 2, tokens, ...]
     rows = diff.transpose(0, 2).flatten(1).any(1).nonzero().flatten().tolist()
     if rows:
@@ -242,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-weights", default="auto", choices=("auto", "float", "int4"))
     parser.add_argument("--deterministic", action="store_true", help="the engine's --deterministic (CUDA)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's --no-cuda-graphs")
+    parser.add_argument("--checkpoint-tokens", type=int, default=1024,
+                        help="hybrid models: --conversation-cache-checkpoint-tokens (the edited scenario resumes "
+                             "from the deepest checkpoint before the edit)")
     parser.add_argument("--restart", action="store_true",
                         help="also run A, B, A2; restart; B, A2 (disk, tiered) on the same device layout")
     parser.add_argument("--restart-layout", action="append", default=[], metavar="DEVICES[/SPLIT]",
@@ -259,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "conversation_cache_min_free_mib": 0,
         "deterministic": args.deterministic,
         "no_cuda_graphs": args.no_cuda_graphs,
+        "conversation_cache_checkpoint_tokens": args.checkpoint_tokens,
     }
     failed = 0
     for name in args.scenario or SCENARIOS:

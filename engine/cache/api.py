@@ -5,12 +5,12 @@ Threads: the engine thread makes every call except `stats`, `conversations` and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from engine.cache.attrs import ConvAttrs
 from engine.cache.explain import LookupReport
-from engine.cache.parts import ReadParts, WriteParts
+from engine.cache.parts import Parts, ReadParts, WriteParts
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
 
@@ -32,9 +32,11 @@ class CacheAPI(Protocol):
     def record_miss(self) -> None: ...
 
     def park(
-        self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None, attrs: ConvAttrs = ...
+        self, tokens: Sequence[int], read_parts: ReadParts, *, keep: str | None = None, attrs: ConvAttrs = ...,
+        checkpoints: Mapping[int, Parts] | None = None,
     ) -> ParkResult:
-        """Park a slot's conversation; a refusal is a `ParkResult` with a reason, never an exception."""
+        """Park a slot's conversation (a hybrid model's: with its recurrent-state `checkpoints` by position);
+        a refusal is a `ParkResult` with a reason, never an exception."""
         ...
 
     def set_attrs(self, conv_id: str, *, priority: str | None = None, pinned: bool | None = None) -> str:
@@ -42,7 +44,8 @@ class CacheAPI(Protocol):
         ...
 
     def restore(self, hit: CacheHit, write_parts: WriteParts) -> RestoreResult:
-        """Write the hit's K/V into the slot; raises CacheRestoreError before the first write when it cannot."""
+        """Write the hit's K/V into the slot (a hybrid model's: then its recurrent state, `write_parts(n, state
+        parts)`); raises CacheRestoreError before the first write when it cannot."""
         ...
 
     def purge(self, tier: str) -> PurgeResult: ...

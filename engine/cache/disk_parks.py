@@ -13,7 +13,7 @@ from engine.cache.attrs import ConvAttrs
 from engine.cache.errors import ParkRefused
 from engine.cache.index import Block, Conv
 from engine.cache.lifecycle import EntryState
-from engine.cache.parts import Parts, ReadParts, parts_nbytes
+from engine.cache.parts import NO_CHECKPOINTS, Checkpoints, Parts, ReadParts, parts_nbytes
 from engine.cache.policy import rank_of
 from engine.cache.ram_tier import capture, inherit
 
@@ -32,6 +32,7 @@ def park(
     attrs: ConvAttrs,
     *,
     background: bool = True,
+    states: Checkpoints = NO_CHECKPOINTS,
 ) -> tuple[Conv, int, int]:
     """Park on disk; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then.
 
@@ -54,6 +55,8 @@ def park(
             idx.touch(same[0].id)
             store.record_use(same[0])
             return same[0], 0, 0
+        held = idx.matched_blocks(keys)
+        states = states.settled(held, lambda i: idx.blocks[keys[i]].state, b)
         have, victims = store._room(
             keys,
             len(toks),
@@ -61,27 +64,28 @@ def park(
             exclude={keep} if keep else set(),
             rank=rank,
             in_flight_ok=True,  # only the writer pins entries while the engine thread parks
+            states=states,
         )
         n_tail = len(toks) - len(keys) * b
-        staged = (len(keys) - have) * store.identity.block_bytes + n_tail * store.identity.bytes_per_token
+        staged = ((len(keys) - have) * store.identity.block_bytes + n_tail * store.identity.bytes_per_token
+                  + (states.new_blocks(have) + len(states.own)) * store.identity.state_bytes)
         protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
         background = background and store._writer is not None and store.staging.make_room(staged, protect, rank)
         res = store._reserve(keys, have, victims, pin_pending=not background)
         # a staged entry continues its line's id even while that line's last version is being written
         line = inherit(candidates if background else superseded)
     if background:
-        conv, new_bytes, evicted = _stage(store, toks, keys, read_parts, res, candidates, line, resolved)
-    else:
-        conv, new_bytes, evicted = _write_now(store, toks, keys, read_parts, res, superseded, line, resolved)
-    return conv, new_bytes, evicted
+        return _stage(store, toks, keys, read_parts, res, candidates, line, resolved, states)
+    return _write_now(store, toks, keys, read_parts, res, superseded, line, resolved, states)
 
 
-def _capture(store: DiskStore, read_parts: ReadParts, start: int, end: int) -> Parts:
-    return capture(store.identity, read_parts, start, end)
+def _capture(store: DiskStore, read_parts: ReadParts, start: int, end: int, state: Parts | None = None) -> Parts:
+    data = capture(store.identity, read_parts, start, end)
+    return data if state is None else {**data, **state}  # a checkpoint at a block's end is stored with it
 
 
 def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line,
-           attrs) -> tuple[Conv, int, int]:
+           attrs, states: Checkpoints) -> tuple[Conv, int, int]:
     """Capture a park's new K/V into host memory and queue its write; the entry is restorable at once."""
     b, have = store.identity.block_tokens, len(res.reused)
     conv_id, created, hits = line
@@ -90,8 +94,9 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
     tail = None
     try:
         for i in range(have, len(keys)):
-            data = _capture(store, read_parts, i * b, (i + 1) * b)
-            new_blocks.append(Block(keys[i], store.files.block_size(), data=data))
+            data = _capture(store, read_parts, i * b, (i + 1) * b, states.blocks.get(i))
+            has = i in states.blocks
+            new_blocks.append(Block(keys[i], store.files.block_size(has), data=data, state=has))
         if len(toks) > len(keys) * b:
             tail = _capture(store, read_parts, len(keys) * b, len(toks))
     except Exception as exc:
@@ -125,7 +130,7 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
             conv_id,
             toks,
             keys,
-            store.files.manifest_size(len(toks)),
+            store.files.manifest_size(len(toks), len(states.own)),
             tail=tail,
             created=created,
             last_used=time.time(),
@@ -133,24 +138,26 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
             state=EntryState.PENDING,
             supersedes=later,
             previous=previous,
+            checkpoints=dict(states.own),
         )
         conv.set_attrs(attrs)
         store._publish(res, conv, new_blocks, {})
         assert store._writer is not None
         store._writer.submit(conv_id)
-    new_bytes = sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
+    new_bytes = (sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
+                 + len(states.own) * store.identity.state_bytes)
     return conv, new_bytes, len(res.victims)
 
 
 def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation, superseded: list[Conv], line,
-               attrs) -> tuple[Conv, int, int]:
+               attrs, states: Checkpoints) -> tuple[Conv, int, int]:
     """Write a conversation's new blocks and its manifest before returning."""
     b, have = store.identity.block_tokens, len(res.reused)
     conv_id, created, hits = line
     idx = store.index
 
     def capture(i: int):
-        return lambda: _capture(store, read_parts, i * b, (i + 1) * b)
+        return lambda: _capture(store, read_parts, i * b, (i + 1) * b, states.blocks.get(i))
 
     written: dict[str, int] = {}
     try:
@@ -160,10 +167,11 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         n_tail = len(toks) - len(keys) * b
         tail = _capture(store, read_parts, len(keys) * b, len(toks)) if n_tail else None
         conv = Conv(conv_id, toks, keys, 0, created=created, last_used=time.time(), hits=hits,
-                    state=EntryState.WRITING)
+                    state=EntryState.WRITING, checkpoints=dict(states.own))
         conv.set_attrs(attrs)
         conv.nbytes = store.files.write_manifest(conv, tail)
         conv.move(EntryState.WRITTEN)
+        conv.checkpoints = dict.fromkeys(conv.checkpoints)  # on disk now: RAM keeps only the positions
     except Exception as exc:
         with store._lock:
             store._rollback(res, written)
@@ -177,7 +185,8 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         log.exception("conversation cache: parking to disk failed")
         raise ParkRefused("read_error", f"parking to disk failed: {exc}") from None
     with store._lock:
-        new_blocks = [Block(keys[i], written[keys[i]], on_disk=True) for i in range(have, len(keys))]
+        new_blocks = [Block(keys[i], written[keys[i]], on_disk=True, state=i in states.blocks)
+                      for i in range(have, len(keys))]
         for old in superseded:
             if old.id not in idx.convs or idx.convs[old.id] is not old or idx.is_pinned(old):
                 continue

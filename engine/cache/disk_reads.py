@@ -17,9 +17,10 @@ log = logging.getLogger("strata.cache")
 
 
 def disk_pieces(
-    store: DiskStore, conv: Conv, blocks: list[Block], use_tail: bool
-) -> tuple[list[tuple[int, Parts]], int]:
-    """(start, state parts) pieces of a restore from RAM copies or files, and the bytes read; raises
+    store: DiskStore, conv: Conv, blocks: list[Block], use_tail: bool, own_state: int | None = None
+) -> tuple[list[tuple[int, Parts]], int, Parts | None]:
+    """(start, state parts) pieces of a restore from RAM copies or files, the bytes read, and the
+    conversation's own checkpoint at `own_state` (a hybrid model's restore that ends there); raises
     CacheRestoreError (after removing what is damaged). The caller pins `conv` and `blocks`, lock not held."""
     b = store.identity.block_tokens
     pieces: list[tuple[int, Parts]] = []
@@ -33,13 +34,18 @@ def disk_pieces(
                 if tail is None:
                     raise FileFormatError("corrupt", "manifest has no state for the partial block")
             pieces.append((len(conv.keys) * b, tail))
+        state = None
+        if own_state is not None:
+            state = conv.checkpoints.get(own_state)
+            if state is None:
+                state = store.files.read_checkpoints(conv, [own_state])[own_state]
     except (FileFormatError, OSError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         log.warning("conversation cache: conversation %s cannot be restored (%s); removing it", conv.id, message)
         with store._lock:
             _drop_broken(store, conv, blocks)
         raise CacheRestoreError(f"parked conversation {conv.id} is damaged ({message}); prefill instead") from None
-    return pieces, sum(parts_nbytes(p) for _, p in pieces)
+    return pieces, sum(parts_nbytes(p) for _, p in pieces) + parts_nbytes(state), state
 
 
 def _drop_broken(store: DiskStore, conv: Conv, blocks: list[Block]) -> None:
@@ -79,14 +85,15 @@ def move_entries(old: DiskStore, new: DiskStore) -> None:
             missing = [k for k in conv.keys if k not in new.index.blocks]
             sizes = new.files.write_blocks([(k, (lambda k=k: old.files.read_block(k))) for k in missing])
             tail = old.files.read_tail(conv) if conv.n_tokens % block_tokens else None
+            checkpoints = old.files.read_checkpoints(conv) if conv.checkpoints else {}
             copy = Conv(cid, conv.tokens, conv.keys, 0, created=conv.created, last_used=conv.last_used,
-                        hits=conv.hits, state=EntryState.WRITING)
+                        hits=conv.hits, state=EntryState.WRITING, checkpoints=dict.fromkeys(checkpoints))
             copy.set_attrs(conv.attrs)
-            copy.nbytes = new.files.write_manifest(copy, tail)
+            copy.nbytes = new.files.write_manifest(copy, tail, checkpoints=checkpoints)
             copy.move(EntryState.WRITTEN)
         except (OSError, FileFormatError) as exc:
             log.warning("conversation cache: could not move %s to %s: %s", cid, new.files.folder, exc)
             continue
-        new.index.add(copy, [Block(k, sizes[k], on_disk=True) for k in missing])
+        new.index.add(copy, [Block(k, sizes[k], on_disk=True, state=old.index.blocks[k].state) for k in missing])
         c, freed = old.index.remove(cid)
         old.files.delete_conv(c, freed)

@@ -29,7 +29,7 @@ from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv
 from engine.cache.journal import Journal
 from engine.cache.lifecycle import EntryState
-from engine.cache.parts import Parts, ReadParts
+from engine.cache.parts import NO_CHECKPOINTS, Checkpoints, Parts, ReadParts
 from engine.cache.policy import plan_room, rank_of
 from engine.cache.ram_tier import RESERVED, inherit, refuse_room
 from engine.cache.settings import CacheSettings
@@ -85,6 +85,7 @@ class DiskStore:
         exclude: set[str],
         rank: int,
         in_flight_ok: bool = False,
+        states: Checkpoints = NO_CHECKPOINTS,
     ) -> tuple[int, list[str]]:
         """(blocks already held, victims) for an entry of `keys`/`n_tokens` and priority `rank` under the disk
         budget and slots.
@@ -92,8 +93,9 @@ class DiskStore:
         Raises ParkRefused("larger_than_budget", "priority" or "no_room"); nothing is changed here."""
         s, idx, files = self.settings, self.index, self.files
         have = idx.matched_blocks(keys)
-        manifest = files.manifest_size(n_tokens)
-        total = len(keys) * files.block_size() + manifest
+        manifest = files.manifest_size(n_tokens, len(states.own))
+        checkpoints = len(states.blocks) * files.identity.state_bytes  # (a header allowance is in block_size)
+        total = len(keys) * files.block_size() + checkpoints + manifest
         if total > s.disk_bytes:
             raise ParkRefused(
                 "larger_than_budget",
@@ -101,7 +103,8 @@ class DiskStore:
             )
         plan = plan_room(
             idx,
-            need_bytes=(len(keys) - have) * files.block_size() + manifest,
+            need_bytes=(len(keys) - have) * files.block_size() + states.new_blocks(have) * files.identity.state_bytes
+            + manifest,
             budget=s.disk_bytes,
             slots=s.slots,
             keep_keys=set(keys),
@@ -179,10 +182,11 @@ class DiskStore:
         attrs: ConvAttrs,
         *,
         background: bool = True,
+        states: Checkpoints = NO_CHECKPOINTS,
     ) -> tuple[Conv, int, int]:
         """Park on disk; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then.
         See `disk_parks.park` for `background`."""
-        return disk_parks.park(self, toks, keys, read_parts, keep, attrs, background=background)
+        return disk_parks.park(self, toks, keys, read_parts, keep, attrs, background=background, states=states)
 
     # ------------------------------------------------------------------ tiered spills
 
@@ -199,7 +203,8 @@ class DiskStore:
             return True  # already on disk (or on its way)
         try:
             have, victims = self._room(
-                conv.keys, conv.n_tokens, leaving={c.id for c in superseded}, exclude=set(), rank=rank_of(conv.priority)
+                conv.keys, conv.n_tokens, leaving={c.id for c in superseded}, exclude=set(), rank=rank_of(conv.priority),
+                states=Checkpoints({}, dict(conv.checkpoints)),  # type: ignore[arg-type]
             )
         except ParkRefused as exc:
             self._journal.count("spill_dropped")
@@ -213,18 +218,20 @@ class DiskStore:
         for cid in victims:
             self.remove(cid, reason="evict")
         conv_id = conv.id if conv.id not in idx.convs else inherit([])[0]
-        new_blocks = [Block(k, self.files.block_size(), data=tensors[k]) for k in conv.keys[have:]]
+        new_blocks = [Block(k, self.files.block_size(self._has_state(tensors[k])), data=tensors[k],
+                            state=self._has_state(tensors[k])) for k in conv.keys[have:]]
         pending = Conv(
             conv_id,
             conv.tokens,
             list(conv.keys),
-            self.files.manifest_size(conv.n_tokens),
+            self.files.manifest_size(conv.n_tokens, len(conv.checkpoints)),
             tail=conv.tail,
             created=conv.created,
             last_used=conv.last_used,
             hits=conv.hits,
             state=EntryState.PENDING,
             supersedes=[c.id for c in superseded],
+            checkpoints=dict(conv.checkpoints),
         )
         pending.set_attrs(conv.attrs)
         self._publish(res, pending, new_blocks, {})
@@ -233,6 +240,11 @@ class DiskStore:
         if bounded:
             self.staging.bound(keep=conv_id)
         return True
+
+    def _has_state(self, parts: Parts | None) -> bool:
+        """A block's parts carry the checkpoint at its end."""
+        specs = self.identity.state_parts
+        return bool(specs) and parts is not None and specs[0].name in parts
 
     # ------------------------------------------------------------------ removal
 
@@ -352,6 +364,7 @@ class DiskStore:
         else:
             conv.move(EntryState.WRITTEN)
             conv.tail = None
+            conv.checkpoints = dict.fromkeys(conv.checkpoints)  # on disk now: RAM keeps only the positions
             conv.previous = None  # its manifest replaced the previous version's
             if idx.convs.get(conv.id) is conv:
                 idx.bytes += result.manifest_bytes - conv.nbytes

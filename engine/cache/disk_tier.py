@@ -26,7 +26,14 @@ from engine.cache.identity import CacheIdentity, block_keys
 from engine.cache.index import Block, Conv, History, TierIndex
 from engine.cache.lifecycle import EntryState
 from engine.cache.parts import Parts
-from engine.cache.session_file import block_file, check_conversation, check_identity, conversation_file
+from engine.cache.session_file import (
+    block_file,
+    check_conversation,
+    check_identity,
+    checkpoint_positions,
+    checkpoint_tensor,
+    conversation_file,
+)
 
 log = logging.getLogger("strata.cache")
 
@@ -142,7 +149,7 @@ class DiskTier:
             log.error("conversation cache: %s", self.error)
             return removed
         now = time.time()
-        blocks: dict[str, tuple[int, float]] = {}
+        blocks: dict[str, tuple[int, bool]] = {}  # key -> (file bytes, holds the checkpoint at its end)
         convs: list[tuple[str, str]] = []
         for done, name in enumerate(names):
             startup_progress.report(done, len(names))  # GET /health shows the fraction while the engine starts
@@ -160,12 +167,12 @@ class DiskTier:
                 removed["expired"] += _unlink(path)
                 continue
             if m := BLOCK_RE.match(name):
-                reason = self._check_block_file(path, m.group(1))
+                reason, state = self._check_block_file(path, m.group(1))
                 if reason:
                     removed[reason] += _unlink(path)
                 else:
                     st = os.stat(path)
-                    blocks[m.group(1)] = (st.st_size, st.st_mtime)
+                    blocks[m.group(1)] = (st.st_size, state)
             elif m := CONV_RE.match(name):
                 convs.append((m.group(1), path))
             else:
@@ -197,7 +204,8 @@ class DiskTier:
                 removed["orphan"] += _unlink(self.block_path(key))
                 del blocks[key]
         for conv in sorted(loaded, key=lambda c: c.last_used):
-            new = [Block(k, blocks[k][0], on_disk=True) for k in conv.keys if k not in self.index.blocks]
+            new = [Block(k, blocks[k][0], on_disk=True, state=blocks[k][1]) for k in conv.keys
+                   if k not in self.index.blocks]
             # the same block may appear twice in one conversation only if keys repeat, which chaining rules out
             self.index.add(conv, new)
         gone = {k: v for k, v in removed.items() if v}
@@ -211,32 +219,36 @@ class DiskTier:
         )
         return removed
 
-    def _check_block_file(self, path: str, key: str) -> str:
-        """Empty when the block file is usable (header only), else the reason to remove it."""
+    def _check_block_file(self, path: str, key: str) -> tuple[str, bool]:
+        """("", holds a checkpoint) when the block file is usable (header only), else (the reason to remove it, _)."""
         try:
             with open(path, "rb", buffering=0) as f:
                 header = read_header(f)
             check_identity(header, self.identity, kv_only=False)
             n = self.identity.block_tokens
+            state = {s.name for s in self.identity.state_parts}
+            names = {s.name for s in self.identity.parts}
+            has_state = bool(state) and set(header.tensors) == names | state
             ok = (
                 header.meta.get("kind") == "block"
                 and header.meta.get("block_key") == key
-                and set(header.tensors) == {s.name for s in self.identity.parts}
+                and (set(header.tensors) == names or has_state)
                 and all(
                     header.tensors[s.name].shape == s.shape(n) and header.tensors[s.name].dtype == s.dtype
-                    for s in self.identity.parts
+                    for s in self.identity.parts + (self.identity.state_parts if has_state else ())
                 )
             )
-            return "" if ok else "corrupt"
+            return ("" if ok else "corrupt"), has_state
         except FileFormatError as exc:
-            return {"alien": "foreign"}.get(exc.reason, exc.reason) if exc.reason in _REASONS else "corrupt"
+            return ({"alien": "foreign"}.get(exc.reason, exc.reason) if exc.reason in _REASONS else "corrupt"), False
         except OSError:
-            return "unreadable"
+            return "unreadable", False
 
     def _read_manifest(self, path: str, conv_id: str, size: int, mtime: float) -> Conv:
         with open(path, "rb", buffering=0) as f:
             header = read_header(f)
             n, n_blocks = check_conversation(header, self.identity, session=False)
+            positions = checkpoint_positions(header, self.identity)
             tokens = read_tensor(f, header, "tokens").numpy()
         if header.meta.get("conversation_id") != conv_id:
             raise FileFormatError("corrupt", "conversation id in the header does not match the file name")
@@ -252,26 +264,33 @@ class DiskTier:
         except ValueError:
             last_used, created, hits = mtime, mtime, 0
         conv = Conv(
-            conv_id, tokens, keys, size, created=created, last_used=last_used, hits=hits, state=EntryState.WRITTEN
+            conv_id, tokens, keys, size, created=created, last_used=last_used, hits=hits, state=EntryState.WRITTEN,
+            checkpoints=dict.fromkeys(positions),
         )
         conv.set_attrs(_attrs_of(meta))
         return conv
 
     # ------------------------------------------------------------------ writes
 
-    def manifest_size(self, n_tokens: int) -> int:
-        """Exact size of a manifest for `n_tokens` tokens (headers are padded to a fixed 4096-byte multiple)."""
+    def manifest_size(self, n_tokens: int, n_checkpoints: int = 0) -> int:
+        """Size of a manifest for `n_tokens` tokens and its own checkpoints (headers are padded to a 4096-byte
+        multiple; exact for an attention-only model)."""
         n_tail = n_tokens % self.identity.block_tokens
-        return self._header_size() + 4 * n_tokens + n_tail * self.identity.bytes_per_token
+        return (self._header_size(n_checkpoints) + 4 * n_tokens + n_tail * self.identity.bytes_per_token
+                + n_checkpoints * self.identity.state_bytes)
 
-    def block_size(self) -> int:
-        return self._header_size() + self.identity.block_bytes
+    def block_size(self, state: bool = False) -> int:
+        """Size of a block file (with the checkpoint at its end when `state`)."""
+        return self._header_size(1 if state else 0) + self.identity.block_bytes + (
+            self.identity.state_bytes if state else 0)
 
-    def _header_size(self) -> int:
+    def _header_size(self, n_checkpoints: int = 0) -> int:
         from engine.cache.fileformat import ALIGN
 
-        # identity JSON plus a generous allowance for the other fields, rounded to the payload alignment
-        return -(-(len(str(self.identity.describe())) + 2048) // ALIGN) * ALIGN
+        # identity JSON plus a generous allowance for the other fields (and ~200 bytes per checkpoint tensor
+        # entry), rounded to the payload alignment
+        entries = n_checkpoints * len(self.identity.state_parts) * 200
+        return -(-(len(str(self.identity.describe())) + 2048 + entries) // ALIGN) * ALIGN
 
     def write_blocks(self, items, *, sync: bool = True) -> dict[str, int]:
         """Write (key, parts-or-callable) block files atomically; returns {key: file bytes}.
@@ -301,10 +320,15 @@ class DiskTier:
             raise
         return sizes
 
-    def write_manifest(self, conv: Conv, tail: Parts | None, *, history: History | None = None) -> int:
+    def write_manifest(self, conv: Conv, tail: Parts | None, *, history: History | None = None,
+                       checkpoints: dict[int, Parts] | None = None) -> int:
         """Write a conversation's manifest atomically (its blocks must be published first); `history` is the
-        `Conv.history` to record when not the entry's own (the writer's copy, taken under the lock)."""
+        `Conv.history` to record when not the entry's own (the writer's copy, taken under the lock);
+        `checkpoints` its own checkpoints when not held by the entry (read back from its manifest)."""
         last_used, hits, priority, pinned, name, client = conv.history if history is None else history
+        if checkpoints is None:
+            assert all(v is not None for v in conv.checkpoints.values()), "checkpoints only on disk: read them"
+            checkpoints = conv.checkpoints  # type: ignore[assignment]
         header, tensors = conversation_file(
             self.identity,
             conv.tokens,
@@ -316,6 +340,7 @@ class DiskTier:
             last_used=last_used,
             hits=hits,
             attrs={"priority": priority, "pinned": "true" if pinned else "false", "name": name, "client": client},
+            checkpoints=checkpoints,
         )
         final = self.conv_path(conv.id)
         tmp, n = write_temp(final, file_chunks(header, tensors), fsync=True)
@@ -357,7 +382,7 @@ class DiskTier:
         """
         assert conv.on_disk, (conv.id, conv.state)
         try:
-            n = self.write_manifest(conv, self.read_tail(conv))
+            n = self.write_manifest(conv, self.read_tail(conv), checkpoints=self.read_checkpoints(conv))
         except (OSError, FileFormatError) as exc:
             log.warning("conversation cache: cannot record the use of %s on disk: %s", conv.id, exc)
             return 0
@@ -374,13 +399,33 @@ class DiskTier:
             check_identity(header, self.identity, kv_only=False)
             if header.meta.get("kind") != "block" or header.meta.get("block_key") != key:
                 raise FileFormatError("corrupt", f"block file {key[:12]}… holds another block")
-            parts = {s.name: read_tensor(f, header, s.name) for s in self.identity.parts}
+            state = self.identity.state_parts if self.identity.state_parts[:1] and (
+                self.identity.state_parts[0].name in header.tensors) else ()
+            parts = {s.name: read_tensor(f, header, s.name) for s in self.identity.parts + state}
         n = self.identity.block_tokens
         if any(tuple(parts[s.name].shape) != s.shape(n) for s in self.identity.parts):
             raise FileFormatError("corrupt", "a block part has the wrong shape")
         return parts
 
     def read_tail(self, conv: Conv) -> Parts | None:
+        with self._manifest(conv) as (f, header):
+            if conv.n_tokens % self.identity.block_tokens == 0:
+                return None
+            return {s.name: read_tensor(f, header, s.name) for s in self.identity.parts}
+
+    def read_checkpoints(self, conv: Conv, positions: list[int] | None = None) -> dict[int, Parts]:
+        """A hybrid conversation's own checkpoints (all, or those at `positions`), each part verified."""
+        with self._manifest(conv) as (f, header):
+            stored = checkpoint_positions(header, self.identity)
+            wanted = stored if positions is None else positions
+            if any(p not in stored for p in wanted):
+                raise FileFormatError("corrupt", "manifest lacks a checkpoint it was indexed with")
+            return {p: {s.name: read_tensor(f, header, checkpoint_tensor(p, s.name)) for s in self.identity.state_parts}
+                    for p in wanted}
+
+    @contextlib.contextmanager
+    def _manifest(self, conv: Conv):
+        """The open manifest of an indexed conversation and its header, checked to be what was indexed."""
         with open(self.conv_path(conv.id), "rb", buffering=0) as f:
             header = read_header(f)
             n, _ = check_conversation(header, self.identity, session=False)
@@ -389,9 +434,7 @@ class DiskTier:
             tokens = read_tensor(f, header, "tokens").numpy()
             if not np.array_equal(tokens, conv.tokens):
                 raise FileFormatError("corrupt", "manifest token ids changed on disk since it was indexed")
-            if conv.n_tokens % self.identity.block_tokens == 0:
-                return None
-            return {s.name: read_tensor(f, header, s.name) for s in self.identity.parts}
+            yield f, header
 
 
 def _attrs_of(meta: dict[str, str]) -> tuple[str, bool, str, str]:

@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.cache.attrs import NO_ATTRS, PRIORITIES, ConvAttrs
 from engine.cache.disk_reads import disk_pieces, move_entries
@@ -36,7 +36,15 @@ from engine.cache.explain import LookupReport, lookup_report
 from engine.cache.identity import CacheIdentity, block_keys, token_array, tokens_key
 from engine.cache.index import Conv, TierIndex
 from engine.cache.journal import Journal
-from engine.cache.parts import Parts, ReadParts, WriteParts, first_tokens, n_tokens_of
+from engine.cache.parts import (
+    Checkpoints,
+    Parts,
+    ReadParts,
+    WriteParts,
+    check_state,
+    first_tokens,
+    n_tokens_of,
+)
 from engine.cache.policy import common_prefix, decline_reason
 from engine.cache.ram_tier import RamTier
 from engine.cache.settings import CacheSettings
@@ -112,6 +120,8 @@ class ConversationCache:
                     if conv.failed:
                         continue
                     n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
+                    if self.identity.state_parts:  # a recurrent state resumes only where one was kept
+                        n = index.checkpoint_at_most(conv, n, self.identity.block_tokens)
                     if best is None or n > best[0]:
                         best = (n, tier, conv)
             report = lookup_report(self._journal.losses, toks, best, live_prefix)
@@ -127,7 +137,8 @@ class ConversationCache:
             if verdict.reason:
                 self._journal.declined_hit(verdict.reason)
                 return None, report
-            hit = CacheHit(conv.id, n, tier, n * self.identity.bytes_per_token, self.identity.key, conv.priority,
+            nbytes = n * self.identity.bytes_per_token + self.identity.state_bytes
+            hit = CacheHit(conv.id, n, tier, nbytes, self.identity.key, conv.priority,
                            conv.pinned, tokens_key(self.identity.key, toks[:n]))
             return hit, report
 
@@ -144,12 +155,15 @@ class ConversationCache:
         *,
         keep: str | None = None,
         attrs: ConvAttrs = NO_ATTRS,
+        checkpoints: Mapping[int, Parts] | None = None,
     ) -> ParkResult:
         """Park a slot's conversation: `tokens` are exactly the tokens whose state `read_parts(start, end)` returns.
 
         Captures only blocks this tier does not hold yet. `keep` names a conversation that must not be evicted
         (the hit about to be restored into this slot). `attrs`: what the request said about the conversation
-        (unset values keep the parked line's, in any tier). Never raises for a refusal: see `ParkResult.reason`.
+        (unset values keep the parked line's, in any tier). A hybrid model's `checkpoints` are its recurrent state
+        (state parts) by token position (<= len(tokens)); each is stored in the block it ends, else with the
+        conversation. Never raises for a refusal: see `ParkResult.reason`.
         """
         t0 = time.perf_counter()
         try:
@@ -165,12 +179,21 @@ class ConversationCache:
         if len(toks) == 0:
             return self._refuse("empty", "nothing to park", 0)
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
+        try:
+            states = Checkpoints.place(
+                {int(p): check_state(self.identity.state_parts, parts) for p, parts in (checkpoints or {}).items()},
+                len(toks), len(keys), self.identity.block_tokens,
+            )
+        except ValueError as exc:
+            return self._refuse("read_error", f"the slot's recurrent state: {exc}", len(toks))
+        if checkpoints and not self.identity.state_parts:
+            return self._refuse("read_error", "checkpoints given for a model without recurrent state", len(toks))
         with self._lock:  # the line may live in another tier than the one this park lands in (tiered)
             line = [c for _, index in self._tiers() for c in index.prefixes_of(toks) if not c.failed]
             attrs = ConvAttrs(*attrs.resolve(line))
             cause = self._journal.losses.begin("park", tokens=len(toks))
         try:
-            conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep, attrs)
+            conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep, attrs, states)
         except ParkRefused as exc:
             with self._lock:
                 self._journal.losses.refused(toks, exc.reason)
@@ -195,13 +218,14 @@ class ConversationCache:
         )
         return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
 
-    def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs) -> tuple[Conv, int, int, str]:
+    def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs,
+              states: Checkpoints) -> tuple[Conv, int, int, str]:
         if not self.settings.uses_ram:
             if self.disk is None:
                 raise ParkRefused("disk_unavailable", "no disk tier")
-            return (*self.disk.park(toks, keys, read_parts, keep, attrs), "disk")
+            return (*self.disk.park(toks, keys, read_parts, keep, attrs, states=states), "disk")
         try:
-            return (*self.ram.park(toks, keys, read_parts, keep, attrs), "ram")
+            return (*self.ram.park(toks, keys, read_parts, keep, attrs, states), "ram")
         except ParkRefused as exc:
             fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "floor", "priority")
             if not (fallback and self.disk is not None):
@@ -211,7 +235,8 @@ class ConversationCache:
             # writer; refused for its size or the floor, it is written before returning (staging it in RAM
             # would defeat the reason RAM refused it)
             background = exc.reason == "priority"
-            return (*self.disk.park(toks, keys, read_parts, keep, attrs, background=background), "disk")
+            return (*self.disk.park(toks, keys, read_parts, keep, attrs, background=background,
+                                    states=states), "disk")
 
     def _refuse(self, reason: str, message: str, n_tokens: int) -> ParkResult:
         with self._lock:
@@ -258,6 +283,13 @@ class ConversationCache:
             use_tail = n > len(conv.keys) * b
             disk = self.disk if tier == "disk" else None
             index = self.ram.index if disk is None else disk.index
+            own_state = None  # a hybrid model: the state at n is the conversation's own, else in block n_full - 1
+            if self.identity.state_parts:
+                if n in conv.checkpoints:
+                    own_state = n
+                elif not (0 < n == n_full * b and index.blocks[conv.keys[n_full - 1]].state):
+                    self._journal.count("restore_failures")
+                    raise CacheRestoreError(f"conversation {conv.id} keeps no recurrent state at {n} tokens")
             blocks = [index.blocks[k] for k in conv.keys[:n_full]]
             if disk is not None:  # reading: the entry and its blocks stay until done
                 conv.pins += 1
@@ -265,9 +297,10 @@ class ConversationCache:
                     blk.pins += 1
         try:
             if disk is None:
-                pieces, read_bytes = self.ram.pieces(conv, blocks, use_tail)
+                pieces, read_bytes, state = self.ram.pieces(conv, blocks, use_tail, own_state)
             else:
-                pieces, read_bytes = disk_pieces(disk, conv, blocks, use_tail)
+                pieces, read_bytes, state = disk_pieces(disk, conv, blocks, use_tail, own_state)
+            state, pieces = self._split_state(conv, pieces, state)
             self._check_pieces(conv, pieces)
         except CacheRestoreError:
             with self._lock:
@@ -286,8 +319,10 @@ class ConversationCache:
             have = n_tokens_of(specs, parts)
             take = min(have, n - start)
             write_parts(start, parts if take == have else first_tokens(specs, parts, take))
+        if state is not None:
+            write_parts(n, state)  # the recurrent state after exactly the n restored tokens
         ms = (time.perf_counter() - t0) * 1000
-        nbytes = n * self.identity.bytes_per_token
+        nbytes = n * self.identity.bytes_per_token + (self.identity.state_bytes if state is not None else 0)
         with self._lock:
             conv.hits += 1
             conv.last_used = time.time()
@@ -322,6 +357,23 @@ class ConversationCache:
                 return None
             conv_id = redirects[conv_id]
         return None
+
+    def _split_state(
+        self, conv: Conv, pieces: list[tuple[int, Parts]], state: Parts | None
+    ) -> tuple[Parts | None, list[tuple[int, Parts]]]:
+        """(the checkpoint to restore, the pieces' K/V without the checkpoints stored in blocks); for a hybrid
+        model the checkpoint is the conversation's own one or the last block's, verified against the identity."""
+        specs = self.identity.state_parts
+        if not specs:
+            return None, pieces
+        if state is None and pieces:
+            state = {s.name: pieces[-1][1][s.name] for s in specs if s.name in pieces[-1][1]}
+        try:
+            state = check_state(specs, state or {})
+        except ValueError as exc:
+            raise CacheRestoreError(f"conversation {conv.id}: stored recurrent state is wrong ({exc})") from None
+        token_names = {s.name for s in self.identity.parts}
+        return state, [(start, {k: v for k, v in p.items() if k in token_names}) for start, p in pieces]
 
     def _check_pieces(self, conv: Conv, pieces: list[tuple[int, Parts]]) -> None:
         """Every part of every piece has its spec's shape and dtype, and a full block's piece is a whole block."""
@@ -376,6 +428,7 @@ class ConversationCache:
                     pinned=conv.pinned,
                     name=conv.name,
                     client=conv.client,
+                    checkpoints=len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys),
                 )
                 for tier, index in self._tiers()
                 for conv in index.convs.values()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from engine.cache.parts import PartSpec, describe_parts, layout_parts
+from engine.cache.parts import PartSpec, describe_parts, layout_parts, state_specs
 from engine.kv import KVLayout
 
 FORMAT_VERSION = 1
@@ -34,6 +34,7 @@ class CacheIdentity:
     model: dict
     layout: KVLayout
     block_tokens: int
+    state: dict | None = None  # a hybrid model's recurrent state layout (`StateLayout.describe()`)
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -53,6 +54,8 @@ class CacheIdentity:
         }
         if self.parts != layout_parts(self.layout):
             out["parts"] = describe_parts(self.parts)
+        if self.state_parts:
+            out["state_parts"] = describe_parts(self.state_parts)
         return out
 
     @functools.cached_property
@@ -73,6 +76,16 @@ class CacheIdentity:
     def parts(self) -> tuple[PartSpec, ...]:
         """The state parts every parked block and tail holds (today: the attention K/V of every layer)."""
         return layout_parts(self.layout)
+
+    @functools.cached_property
+    def state_parts(self) -> tuple[PartSpec, ...]:
+        """The parts of one recurrent-state checkpoint (none for an attention-only model)."""
+        return state_specs(self.state) if self.state else ()
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one checkpoint, every state part together."""
+        return sum(spec.nbytes(0) for spec in self.state_parts)
 
     @property
     def bytes_per_token(self) -> int:

@@ -27,6 +27,7 @@ class Block:
     holders: set[str] = field(default_factory=set)
     pins: int = 0  # I/O in flight: never evicted or purged while > 0
     failed: bool = False
+    state: bool = False  # a hybrid model's recurrent state after the block's last token is stored with it
 
 
 @dataclass(eq=False)
@@ -36,6 +37,9 @@ class Conv:
     keys: list[str]  # keys of the full blocks
     nbytes: int  # own bytes: tail and token ids in RAM, the manifest file on disk
     tail: Parts | None = None  # state parts of the last partial block (RAM, or pending on disk)
+    # a hybrid model's checkpoints not at a block end (a prompt's end, its own end), by position: the state
+    # parts in RAM (or pending on disk), None once only the manifest on disk holds them
+    checkpoints: dict[int, Parts | None] = field(default_factory=dict)
     created: float = 0.0
     last_used: float = 0.0
     hits: int = 0
@@ -147,6 +151,16 @@ class TierIndex:
                 self.bytes -= blk.nbytes
                 freed.append(blk)
         return freed
+
+    def checkpoint_at_most(self, conv: Conv, n: int, block_tokens: int) -> int:
+        """The deepest position <= n where `conv`'s recurrent state is stored (its own, or a block's end), or 0."""
+        best = max((p for p in conv.checkpoints if p <= n), default=0)
+        for i in range(min(len(conv.keys), n // block_tokens) - 1, -1, -1):
+            if (i + 1) * block_tokens <= best:
+                break
+            if self.blocks[conv.keys[i]].state:
+                return (i + 1) * block_tokens
+        return best
 
     def touch(self, conv_id: str) -> None:
         self.convs.move_to_end(conv_id)

@@ -21,7 +21,7 @@ from engine.cache.errors import CacheRestoreError, ParkRefused
 from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv, TierIndex
 from engine.cache.journal import Journal
-from engine.cache.parts import Parts, ReadParts, check_parts, parts_nbytes
+from engine.cache.parts import NO_CHECKPOINTS, Checkpoints, Parts, ReadParts, check_parts, parts_nbytes
 from engine.cache.policy import RoomPlan, plan_room, rank_of
 from engine.cache.settings import CacheSettings
 
@@ -74,7 +74,8 @@ class RamTier:
         self._on_evict = on_evict
 
     def park(
-        self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None, attrs: ConvAttrs
+        self, toks: np.ndarray, keys: list[str], read_parts: ReadParts, keep: str | None, attrs: ConvAttrs,
+        states: Checkpoints = NO_CHECKPOINTS,
     ) -> tuple[Conv, int, int]:
         """Park in RAM; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then."""
         s, idx, b = self.settings, self.index, self.identity.block_tokens
@@ -89,10 +90,12 @@ class RamTier:
                 idx.touch(same[0].id)
                 return same[0], 0, 0
             have = idx.matched_blocks(keys)
+            states = states.settled(have, lambda i: idx.blocks[keys[i]].state, b)
             n_tail = len(toks) - len(keys) * b
-            own = n_tail * bpt + toks.nbytes
-            need = (len(keys) - have) * self.identity.block_bytes + own
-            total = len(keys) * self.identity.block_bytes + own
+            sb = self.identity.state_bytes
+            own = n_tail * bpt + toks.nbytes + len(states.own) * sb
+            need = (len(keys) - have) * self.identity.block_bytes + states.new_blocks(have) * sb + own
+            total = len(keys) * self.identity.block_bytes + len(states.blocks) * sb + own
             if total > s.ram_bytes:
                 raise ParkRefused(
                     "larger_than_budget",
@@ -126,7 +129,9 @@ class RamTier:
         try:
             for i in range(have, len(keys)):
                 data = capture(self.identity, read_parts, i * b, (i + 1) * b)
-                new_blocks.append(Block(keys[i], parts_nbytes(data), data=data))
+                if i in states.blocks:  # the checkpoint at this block's end is stored with it
+                    data = {**data, **states.blocks[i]}
+                new_blocks.append(Block(keys[i], parts_nbytes(data), data=data, state=i in states.blocks))
             if n_tail:
                 tail = capture(self.identity, read_parts, len(keys) * b, len(toks))
         except ParkRefused:
@@ -144,11 +149,12 @@ class RamTier:
                 idx.remove(old.id)
                 if old.id != conv_id:
                     self._journal.redirect(old.id, conv_id)
-            conv = Conv(conv_id, toks, keys, own, tail=tail, created=created, last_used=time.time(), hits=hits)
+            conv = Conv(conv_id, toks, keys, own, tail=tail, created=created, last_used=time.time(), hits=hits,
+                        checkpoints=dict(states.own))
             conv.set_attrs(resolved)
             idx.add(conv, new_blocks)
             idx.release(keys[:have], RESERVED)
-        new_bytes = sum(blk.nbytes for blk in new_blocks) + parts_nbytes(tail)
+        new_bytes = sum(blk.nbytes for blk in new_blocks) + parts_nbytes(tail) + len(states.own) * self.identity.state_bytes
         return conv, new_bytes, len(victims)
 
     def data_of(self, conv: Conv) -> dict[str, Parts | None]:
@@ -207,8 +213,11 @@ class RamTier:
             dropped += 1
         return dropped, freed
 
-    def pieces(self, conv: Conv, blocks: list[Block], use_tail: bool) -> tuple[list[tuple[int, Parts]], int]:
-        """(start, state parts) pieces of a restore and the bytes they hold; raises CacheRestoreError."""
+    def pieces(
+        self, conv: Conv, blocks: list[Block], use_tail: bool, own_state: int | None = None
+    ) -> tuple[list[tuple[int, Parts]], int, Parts | None]:
+        """(start, state parts) pieces of a restore, the bytes they hold, and the conversation's own checkpoint at
+        `own_state` (a hybrid model's restore that ends there); raises CacheRestoreError."""
         b = self.identity.block_tokens
         pieces: list[tuple[int, Parts]] = []
         for i, blk in enumerate(blocks):
@@ -219,4 +228,9 @@ class RamTier:
             if conv.tail is None:
                 raise CacheRestoreError(f"conversation {conv.id} has no tail data")
             pieces.append((len(conv.keys) * b, conv.tail))
-        return pieces, sum(parts_nbytes(p) for _, p in pieces)
+        state = None
+        if own_state is not None:
+            state = conv.checkpoints.get(own_state)
+            if state is None:
+                raise CacheRestoreError(f"conversation {conv.id} has no checkpoint at {own_state}")
+        return pieces, sum(parts_nbytes(p) for _, p in pieces) + parts_nbytes(state), state

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from engine.cache.fileformat import (
     read_tensor,
 )
 from engine.cache.identity import CacheIdentity, canonical_json, identity_difference, token_array
-from engine.cache.parts import Parts
+from engine.cache.parts import Parts, check_state
 
 MAX_NAME_BYTES = 255
 
@@ -43,6 +43,7 @@ def conversation_file(
     last_used: float | None = None,
     hits: int = 0,
     attrs: dict[str, str] | None = None,
+    checkpoints: Mapping[int, Parts] | None = None,
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
     """Header and tensors of a conversation file; `tail` holds tokens [n_blocks * block_tokens, len(tokens)).
 
@@ -78,7 +79,42 @@ def conversation_file(
         "hits": str(hits),
         **(attrs or {}),
     }
+    if identity.state_parts:  # a hybrid model: its own checkpoints (positions not at a block end)
+        positions = sorted(checkpoints or {})
+        assert all(0 < p <= n for p in positions), positions
+        for pos in positions:
+            parts = checkpoints[pos]  # type: ignore[index]
+            for spec in identity.state_parts:
+                t = parts[spec.name]
+                assert tuple(t.shape) == spec.dims and t.dtype == spec.dtype, (spec.name, tuple(t.shape))
+                tensors.append((checkpoint_tensor(pos, spec.name), t.contiguous()))
+        meta["checkpoints"] = canonical_json(positions)
     return encode_header(tensors, meta), tensors
+
+
+def checkpoint_tensor(position: int, part: str) -> str:
+    """The tensor name of one state part of a conversation's own checkpoint at `position`."""
+    return f"ck.{position}.{part}"
+
+
+def checkpoint_positions(header: Header, identity: CacheIdentity) -> list[int]:
+    """The positions of a hybrid conversation file's own checkpoints, each with every state part as the
+    identity says (FileFormatError "corrupt" otherwise); [] for an attention-only model."""
+    if not identity.state_parts:
+        return []
+    try:
+        positions = header.json_meta("checkpoints")
+        n = int(header.meta["n_tokens"])
+    except (KeyError, ValueError):
+        raise FileFormatError("corrupt", "a hybrid conversation file without its checkpoint list") from None
+    if not isinstance(positions, list) or not all(isinstance(p, int) and 0 < p <= n for p in positions):
+        raise FileFormatError("corrupt", "checkpoint positions outside the conversation")
+    for pos in positions:
+        for spec in identity.state_parts:
+            entry = header.tensors.get(checkpoint_tensor(pos, spec.name))
+            if entry is None or entry.shape != spec.dims or entry.dtype != spec.dtype:
+                raise FileFormatError("corrupt", f"checkpoint at {pos}: state part {spec.name} is missing or wrong")
+    return positions
 
 
 def block_file(identity: CacheIdentity, key: str, parts: Parts, *, engine_version: str):
@@ -88,6 +124,11 @@ def block_file(identity: CacheIdentity, key: str, parts: Parts, *, engine_versio
         t = parts[spec.name]
         assert tuple(t.shape) == spec.shape(identity.block_tokens) and t.dtype == spec.dtype, spec.name
         tensors.append((spec.name, t.contiguous()))
+    if identity.state_parts and identity.state_parts[0].name in parts:  # the checkpoint at the block's end
+        for spec in identity.state_parts:
+            t = parts[spec.name]
+            assert tuple(t.shape) == spec.dims and t.dtype == spec.dtype, spec.name
+            tensors.append((spec.name, t.contiguous()))
     meta = {
         "kind": "block",
         "engine_version": engine_version,
@@ -148,10 +189,18 @@ def check_conversation(header: Header, identity: CacheIdentity, *, session: bool
 
 
 def save_session(
-    path: str, identity: CacheIdentity, tokens: Sequence[int], kv: torch.Tensor, *, engine_version: str
+    path: str, identity: CacheIdentity, tokens: Sequence[int], kv: torch.Tensor, *, engine_version: str,
+    checkpoints: Mapping[int, Parts] | None = None,
 ) -> int:
-    """Write a slot's tokens and K/V ([n_layers, 2, n, kv_heads, head_dim]) to `path` atomically; returns bytes."""
+    """Write a slot's tokens and K/V ([n_layers, 2, n, kv_heads, head_dim]) to `path` atomically; returns bytes.
+
+    A hybrid model's slot also gives its recurrent-state `checkpoints` by position, the state after all n tokens
+    among them, stored as a parked conversation keeps its own."""
     toks = token_array(tokens)
+    if identity.state_parts:
+        if not checkpoints or len(toks) not in checkpoints:
+            raise ValueError("a hybrid model's session needs its recurrent state after its tokens")
+        checkpoints = {p: check_state(identity.state_parts, c) for p, c in checkpoints.items() if 0 < p <= len(toks)}
     if kv.device.type != "cpu":
         kv = kv.cpu()
     if tuple(kv.shape) != identity.layout.host_shape(len(toks)) or kv.dtype != identity.layout.dtype:
@@ -159,12 +208,20 @@ def save_session(
             f"session K/V has shape {tuple(kv.shape)} {kv.dtype}, expected "
             f"{identity.layout.host_shape(len(toks))} {identity.layout.dtype} for {len(toks)} tokens"
         )
-    header, tensors = conversation_file(identity, toks, {"kv": kv}, n_blocks=0, engine_version=engine_version)
+    header, tensors = conversation_file(identity, toks, {"kv": kv}, n_blocks=0, engine_version=engine_version,
+                                        checkpoints=checkpoints)
     return atomic_write(path, file_chunks(header, tensors))
 
 
 def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.Tensor]:
     """Read and fully verify a session file; raises SessionFileError before returning any data."""
+    tokens, kv, _ = load_session_parts(path, identity)
+    return tokens, kv
+
+
+def load_session_parts(path: str, identity: CacheIdentity) -> tuple[list[int], torch.Tensor, dict[int, Parts]]:
+    """`load_session` plus a hybrid model's recurrent-state checkpoints by position, the one after all the file's
+    tokens among them ({} for attention only)."""
     name = os.path.basename(path)
     try:
         with open(path, "rb", buffering=0) as f:
@@ -178,6 +235,13 @@ def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.T
                 for s in identity.parts
             }
             kv = parts["kv"]  # a slot takes attention K/V: the one part a model has today
+            states: dict[int, Parts] = {}
+            if identity.state_parts:
+                positions = checkpoint_positions(header, identity)
+                if int(header.meta["n_tokens"]) not in positions:
+                    raise FileFormatError("corrupt", "no recurrent state after its tokens")
+                states = {p: {s.name: read_tensor(f, header, checkpoint_tensor(p, s.name))
+                              for s in identity.state_parts} for p in positions}
     except FileNotFoundError:
         raise SessionFileError(f"session file {name!r} does not exist") from None
     except IsADirectoryError:
@@ -193,7 +257,7 @@ def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.T
         raise SessionFileError(f"session file {name!r} {what}: {exc}") from None
     except OSError as exc:
         raise SessionFileError(f"session file {name!r} cannot be read: {exc.strerror or exc}") from None
-    return tokens.tolist(), kv
+    return tokens.tolist(), kv, states
 
 
 def safe_session_path(folder: str, filename: str) -> str:

@@ -87,6 +87,7 @@ class ConversationInfo:
     pinned: bool = False
     name: str = ""  # the first words of its first user message
     client: str = ""  # who sent it: X-Strata-Client / strata_client, else the User-Agent's first product
+    checkpoints: int = 0  # a hybrid model's recurrent-state checkpoints (its own and those in its blocks)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

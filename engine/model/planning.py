@@ -5,7 +5,6 @@ from __future__ import annotations
 import psutil
 import torch
 
-from engine.errors import ModelLoadError
 from engine.model import moe_loading
 from engine.model.config import ModelConfig
 
@@ -62,11 +61,10 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int,
     """Estimated bytes one layer needs on its device: weights plus K/V for `n_slots` slots of `ctx` tokens
     (the `bytes_per_layer` of plan_stages); the routed experts of the layers in `cpu_experts` are in host RAM,
     not on the layer's device."""
-    if not isinstance(config, ModelConfig):  # engine.model.hybrid: loads and runs, not yet served by the engine
-        raise ModelLoadError(
-            f"{config.architecture}: hybrid models (recurrent state + attention) are not served yet; "
-            "supported architectures: llama, mistral, qwen2, qwen3, gemma3"
-        )
+    if not isinstance(config, ModelConfig):  # engine.model.hybrid: recurrent layers + attention layers
+        from engine.model.hybrid.sizes import layer_bytes as hybrid_layer_bytes
+
+        return hybrid_layer_bytes(config, dtype, n_slots, ctx)
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     mlp = max(moe_loading.mlp_weights(c, i) - (moe_loading.routed_expert_weights(c) if i in cpu_experts else 0)

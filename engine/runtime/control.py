@@ -68,14 +68,16 @@ class Control(Startup):
         os.makedirs(self.config.slot_save_path or ".", exist_ok=True)
         t0 = time.perf_counter()
         n = len(slot.tokens)
-        nbytes = save_session(path, self._identity(), slot.tokens, self.kv.read(slot.id, 0, n), engine_version=__version__)
+        checkpoints = self.states.park_checkpoints(slot.id, n) if self.states is not None else None
+        nbytes = save_session(path, self._identity(), slot.tokens, self.kv.read(slot.id, 0, n),
+                              engine_version=__version__, checkpoints=checkpoints)
         ms = (time.perf_counter() - t0) * 1000
         log.info("slot %d saved to %s: %d tokens, %d bytes, %.1f ms", slot_id, os.path.basename(path), n, nbytes, ms)
         return {"id_slot": slot_id, "filename": os.path.basename(path), "n_saved": n, "n_written": nbytes,
                 "timings": {"save_ms": ms}}
 
     def restore_slot(self, slot_id: int, filename: Any) -> dict:
-        from engine.cache.session_file import SessionFileError, load_session
+        from engine.cache.session_file import SessionFileError, load_session_parts
 
         slot = self._slot_for_file_op(slot_id)
         path = self._session_path(filename)
@@ -83,12 +85,12 @@ class Control(Startup):
             raise NotFound(f"no session file named {os.path.basename(path)!r} in the slot save path", param="filename")
         t0 = time.perf_counter()
         try:
-            tokens, kv = load_session(path, self._identity())
+            tokens, kv, states = load_session_parts(path, self._identity())
         except SessionFileError as exc:
             raise BadValue(f"{os.path.basename(path)}: {exc}", param="filename") from exc
         if len(tokens) > self.ctx_size:
             raise BadValue(f"the file holds {len(tokens)} tokens but a slot holds {self.ctx_size}", param="filename")
-        self._write_slot(slot, tokens, kv)
+        self._write_slot(slot, tokens, kv, states)
         ms = (time.perf_counter() - t0) * 1000
         log.info("slot %d restored from %s: %d tokens, %.1f ms", slot_id, os.path.basename(path), len(tokens), ms)
         return {"id_slot": slot_id, "filename": os.path.basename(path), "n_restored": len(tokens),
@@ -99,14 +101,22 @@ class Control(Startup):
         n = len(slot.tokens)
         slot.tokens, slot.conversation_id, slot.unnamed = [], None, []
         self.kv.clear(slot.id)
+        if self.states is not None:
+            self.states.clear(slot.id)
         return {"id_slot": slot_id, "n_erased": n}
 
-    def _write_slot(self, slot: Slot, tokens: list[int], kv: torch.Tensor) -> None:
+
+    def _write_slot(self, slot: Slot, tokens: list[int], kv: torch.Tensor, states: dict | None = None) -> None:
         slot.tokens, slot.conversation_id, slot.unnamed = [], None, []  # a session file is no parked conversation
         try:
             self.kv.write(slot.id, 0, kv)
+            if self.states is not None:  # a hybrid model: its state after exactly those tokens, its checkpoints
+                assert states and len(tokens) in states, "a hybrid model's session file carries its state"
+                self.states.put_parts(slot.id, len(tokens), states)
         except BaseException:
             self.kv.clear(slot.id)
+            if self.states is not None:
+                self.states.clear(slot.id)
             raise
         slot.tokens = list(tokens)
 

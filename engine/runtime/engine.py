@@ -26,13 +26,14 @@ import psutil
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import BadValue, Unavailable
+from engine.errors import BadValue, ModelLoadError, Unavailable
 from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
 from engine.model import moe_placement
 from engine.runtime.explain import RequestLog
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
+from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_buffers
 from engine.runtime.startup import _check_int4, _weights_format
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
@@ -66,8 +67,19 @@ class Engine(Scheduler):
         from engine.model.loader import resolve_kv_dtype
 
         kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype)
-        self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, kv_dtype)
-        self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
+        self.states: SlotStates | None = None
+        if hasattr(self.model, "new_buffers"):  # a hybrid model: K/V of its attention layers + recurrent state
+            if kv_dtype != loaded.dtype:
+                raise ModelLoadError(f"--kv-dtype {config.kv_dtype}: a hybrid model keeps its K/V and recurrent "
+                                     f"state in the compute dtype ({str(loaded.dtype).removeprefix('torch.')}); "
+                                     "expected --kv-dtype auto")
+            every = checkpoint_interval(config.conversation_cache_checkpoint_tokens,
+                                        config.conversation_cache_block_tokens)
+            self.kv, self.states = hybrid_buffers(self.model, self.n_slots, self.ctx_size, every)
+            self.layout = self.kv.layout
+        else:
+            self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, kv_dtype)
+            self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
         self.slots = [Slot(i) for i in range(self.n_slots)]
         self.started_at = time.time()
         self.state = "ok"

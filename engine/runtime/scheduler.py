@@ -107,6 +107,8 @@ class Scheduler(Stats):
                 slot.active = None
                 # What the failed step wrote is unknown: forget the slot's contents.
                 slot.tokens = []
+                if self.states is not None:
+                    self.states.clear(slot.id)
 
     # ------------------------------------------------------------------ admission: slot choice + cache
 
@@ -131,7 +133,7 @@ class Scheduler(Stats):
         prompt = request.prompt_tokens
         usable = len(prompt) - 1  # the last prompt token is always computed: its logits pick the first output
         # The slot it would continue or displace (slot_choice), and what of the prompt that slot holds.
-        live = {s.id: min(common_prefix(s.tokens, prompt), usable) for s in free}
+        live = {s.id: self._live_reuse(s, prompt, usable) for s in free}  # a hybrid: up to a checkpoint
         slot = choose_slot(free, live, len(prompt), self.config.side_call_tokens)
         best = max(free, key=lambda s: (live[s.id], -s.last_used))  # the live slot sharing most (for the record)
         hit = None
@@ -161,6 +163,8 @@ class Scheduler(Stats):
             if not (reused and reused == len(slot.tokens)):  # not going on from all of it: another conversation
                 slot.conversation_id, slot.unnamed = None, []
             slot.tokens = slot.tokens[:reused]
+            if self.states is not None:
+                self.states.rewind(slot.id, reused)
             if not reused:
                 slot.priority, slot.pinned = DEFAULT_PRIORITY, False
             source = "live" if reused else "none"
@@ -207,6 +211,11 @@ class Scheduler(Stats):
         if conversation_id is None:
             slot.unnamed.append(request.request_id)  # named when the slot's conversation is first parked
 
+    def _live_reuse(self, slot: Slot, prompt: list[int], usable: int) -> int:
+        """Tokens of the slot's contents this prompt can keep (a hybrid model: up to a state checkpoint)."""
+        common = min(common_prefix(slot.tokens, prompt), usable)
+        return common if self.states is None else self.states.reusable(slot.id, len(slot.tokens), common)
+
     def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
         """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
 
@@ -219,10 +228,10 @@ class Scheduler(Stats):
     def _park(self, slot: Slot, protect: str | None = None) -> None:
         assert self.cache is not None
         tokens = list(slot.tokens)
+        extra = {} if self.states is None else {"checkpoints": self.states.park_checkpoints(slot.id, len(tokens))}
         try:
-            result = self.cache.park(
-                tokens, kv_reader(lambda a, b: self.kv.read(slot.id, a, b)), keep=protect, attrs=slot.attrs
-            )
+            result = self.cache.park(tokens, kv_reader(lambda a, b: self.kv.read(slot.id, a, b)), keep=protect,
+                                     attrs=slot.attrs, **extra)
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return
@@ -239,15 +248,32 @@ class Scheduler(Stats):
         assert self.cache is not None
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
+
+        def write_kv(start: int, data: torch.Tensor) -> None:
+            self._write_queued(slot, start, data, hit.n_tokens)
+
         try:
             result = self.cache.restore(
-                hit, kv_writer(lambda start, data: self._write_queued(slot, start, data, hit.n_tokens))
+                hit, kv_writer(write_kv) if self.states is None else self.states.writer(slot.id, write_kv)
             )
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
+            if self.states is not None:
+                self.states.clear(slot.id)
             return 0, str(exc) or type(exc).__name__
         n = min(result.n_tokens, len(prompt) - 1)
+        if n <= 0 or (self.states is not None and self.states.position(slot.id) != n):
+            # A restore that leaves the prefill to start elsewhere than where it restored reuses nothing: a bug
+            # to see (llama.cpp #25913), not a silent full prefill.
+            held = self.states.position(slot.id) if self.states is not None else n
+            log.warning("restore of conversation %s did not resume at %d tokens (state at %d); prefilling "
+                        "from token 0", hit.conversation_id, n, held)
+            self._counters["restores_without_reuse"] += 1
+            self.kv.clear(slot.id)
+            if self.states is not None:
+                self.states.clear(slot.id)
+            return 0, f"the restored state is at {held} tokens, not at the {n} restored"
         slot.tokens = list(prompt[:n])
         return n, ""
 
@@ -276,12 +302,17 @@ class Scheduler(Stats):
                 n_decode += 1
             else:  # prefilling the prompt, one chunk per step
                 end = _prefill_end(pos, len(slot.prompt), self.config.prefill_chunk)
+                if self.states is not None:
+                    self.states.before_prefill(slot.id, pos, end, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
                 owners.append((slot, end == len(slot.prompt)))
                 n_prefill += end - pos
         t0 = time.perf_counter()
-        logits = self.model.forward_chunks(chunks, self.kv)
+        logits = self._forward(chunks)
         dt = time.perf_counter() - t0
+        if self.states is not None:
+            for slot, _ in owners:
+                self.states.after_prefill(slot.id, len(slot.prompt))
         self._note_rates(n_prefill, n_decode, dt)
 
         for i, (slot, produces) in enumerate(owners):

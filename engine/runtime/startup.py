@@ -29,14 +29,22 @@ class Startup(EngineState):
 
         with torch.inference_mode():
             prompt = torch.zeros(min(8, self.ctx_size - 1), dtype=torch.int64)
-            self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
-            self.model.forward_chunks([SeqChunk(0, len(prompt), prompt[:1])], self.kv)
+            self._forward([SeqChunk(0, 0, prompt)])
+            self._forward([SeqChunk(0, len(prompt), prompt[:1])])
             graphs = getattr(self.model, "graphs", None)
             # Captured decode: the graph of every batch size for short conversations now, not in a request.
             for rows in graphs.batches if graphs is not None else []:
-                self.model.forward_chunks([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)], self.kv)
+                self._forward([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)])
         for i in range(self.n_slots if getattr(self.model, "graphs", None) is not None else 1):
             self.kv.clear(i)
+            if self.states is not None:
+                self.states.clear(i)
+
+    def _forward(self, chunks: list) -> torch.Tensor:
+        """One forward over `chunks` (a hybrid model also advances each slot's recurrent state)."""
+        if self.states is None:
+            return self.model.forward_chunks(chunks, self.kv)
+        return self.model.forward_chunks(chunks, self.kv, self.states.buffers)
 
     def _configure_decode(self) -> None:
         """The decode mode from --no-cuda-graphs and --deterministic (engine.model.graph_decode.configure)."""
@@ -70,6 +78,8 @@ class Startup(EngineState):
                 },
                 layout=self.layout,
                 block_tokens=self.config.conversation_cache_block_tokens,
+                # a hybrid model's recurrent state: its checkpoints are parked beside the attention K/V
+                state=self.states.buffers.layout.describe() if self.states is not None else None,
             )
         return self.cache_identity
 

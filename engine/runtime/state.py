@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
     from engine.runtime.explain import RequestLog
+    from engine.runtime.slot_states import SlotStates
 
 log = logging.getLogger("strata.engine")
 
@@ -76,6 +77,7 @@ class EngineState:
     n_slots: int
     layout: KVLayout
     kv: KVBuffers
+    states: SlotStates | None  # a hybrid model's recurrent state per slot (None for attention-only models)
     slots: list[Slot]
     started_at: float
     state: str

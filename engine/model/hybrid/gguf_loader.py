@@ -8,8 +8,8 @@ Supported:
   to 2-D, dt_bias as `ssm_dt.bias`), the shared MLP split into ffn_gate / ffn_up, q/k rows permuted as for
   llama, the embeddings padded to a multiple of 8 rows, Granite's scales as `embedding_scale`,
   `residual_scale`, `attention.scale`, `logit_scale`, RoPE only when `rope.scaling.finetuned` is set.
-llama.cpp's `qwen35` files are refused with a clear error for now: its converter also reorders the value
-heads and folds the +1 into the norms, and matching that needs its own parity test.
+- `qwen35` (Qwen3.5, dense): `engine.model.hybrid.gguf_qwen35` undoes what llama.cpp's converter rewrites (the
+  value-head order, the +1 folded into the norms, -exp(A_log)).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import xxhash
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.gguf_loading import _read_gguf, _unpermute, gguf_metadata, read_gguf
+from engine.model.hybrid import gguf_qwen35
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
-GGUF_ARCHITECTURES = ("lfm2", "granitehybrid")
-NOT_YET = ("qwen35", "qwen35moe", "qwen3next", "nemotron_h", "falcon-h1", "lfm2moe", "mamba2")
+GGUF_ARCHITECTURES = ("lfm2", "granitehybrid", "qwen35")
+NOT_YET = ("qwen35moe", "qwen3next", "nemotron_h", "falcon-h1", "lfm2moe", "mamba2")
 
 _LFM2_LAYER_NAMES = {
     "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
@@ -49,7 +50,8 @@ _GRANITE_LAYER_NAMES = {
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
 }
 _GRANITE_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-_NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES)}
+_NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES),
+          "qwen35": (gguf_qwen35.GLOBAL_NAMES, gguf_qwen35.LAYER_NAMES)}
 
 
 def is_hybrid_gguf(meta: dict) -> bool:
@@ -67,6 +69,9 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
             f"{path}: GGUF architecture {arch!r} (a hybrid model) is not supported from GGUF yet; "
             f"load its Hugging Face folder instead (GGUF hybrids supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
+
+    if arch == "qwen35":
+        return gguf_qwen35.config(meta, tensor_names, path, embed_rows)
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -196,6 +201,8 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
             w = w.reshape(-1)
         elif arch == "granitehybrid" and key.endswith((".q", ".k")):
             w = _unpermute(w, config.n_heads if key.endswith(".q") else config.n_kv_heads)
+        if arch == "qwen35":
+            w = gguf_qwen35.fix(config, key, w)
         return w
 
     model = build_hybrid(config, stages, dtype, get, path)

@@ -1,0 +1,98 @@
+"""Hybrid models served by a real `strata serve` through the openai SDK: greedy output equals the model run
+alone (its own forward, one prefill then one token at a time), with chunked prefill, two slots decoding at once,
+a follow-up turn that reuses its slot's recurrent state, and a conversation that comes back after two others took
+both slots: restored from the conversation cache (K/V + recurrent-state checkpoint), listed with its checkpoints,
+and counted in /metrics without a single restore that reused nothing."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.engine_process import start_engine
+from tests.hybrid_fixtures import write_tiny_hybrid
+
+MAX_TOKENS = 8
+QUESTIONS = ["the river bends twice before the mill and the old road follows it", "apples ripen late"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hybrid-serve")
+    return {arch: write_tiny_hybrid(root, arch) for arch in ("lfm2", "granitemoehybrid", "qwen3_5")}
+
+
+def _messages(text: str) -> list[dict]:
+    return [{"role": "system", "content": "You answer. " * 6}, {"role": "user", "content": text}]
+
+
+def _alone(folder: str, conversations: list[list[dict]]) -> list[str]:
+    """Greedy tokens of the model run alone (no engine): prefill the whole prompt, then one token at a time."""
+    from engine.model import SeqChunk, load_model
+    from engine.model.loader import read_model_config
+
+    lm = load_model(folder, [(torch.device("cpu"), 0, read_model_config(folder).n_layers)], torch.float32)
+    out = []
+    for messages in conversations:
+        prompt = lm.tokenizer.encode(lm.tokenizer.render_chat(messages), add_special_tokens=False)
+        kv, state = lm.model.new_buffers(1, 512)
+        logits = lm.model.forward_chunks([SeqChunk(0, 0, torch.tensor(prompt))], kv, state)
+        tokens, pos = [], len(prompt)
+        for _ in range(MAX_TOKENS):
+            tokens.append(int(logits[0].argmax()))
+            logits = lm.model.forward_chunks([SeqChunk(0, pos, torch.tensor(tokens[-1:]))], kv, state)
+            pos += 1
+        out.append(lm.tokenizer.decode(tokens))
+    return out
+
+
+def _ask(client: openai.OpenAI, messages: list[dict]):
+    r = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                       extra_body={"ignore_eos": True})
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5"])
+def test_hybrid_model_served_matches_the_model_alone(folders, arch):
+    folder = folders[arch]
+    conversations = [_messages(q) for q in QUESTIONS]
+    reference = _alone(folder, conversations)
+    engine = start_engine("--model", folder, "--ctx-size", "512", "--parallel", "2", "--prefill-chunk", "16",
+                          "--cpu-weights", "float", "--threads", "1", "--conversation-cache-min-free-mib", "0")
+    try:
+        client = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(max_workers=2) as pool:  # both slots prefill and decode in the same steps
+            answers = list(pool.map(lambda m: _ask(client, m), conversations))
+        texts = [a.choices[0].message.content for a in answers]
+        assert texts == reference
+        assert all(a.usage.completion_tokens == MAX_TOKENS for a in answers)
+        # A follow-up of the first conversation reuses its slot's state: only the new tokens are computed.
+        follow = conversations[0] + [{"role": "assistant", "content": texts[0]}, {"role": "user", "content": "more"}]
+        again = _ask(client, follow)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert again.choices[0].message.content == _alone(folder, [follow])[0]
+        # Two other conversations take both slots (parking the first two), then the first comes back.
+        others = [_messages(f"{q} and then some other words {i}") for i, q in enumerate(QUESTIONS)]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(lambda m: _ask(client, m), others))
+        back = follow + [{"role": "assistant", "content": again.choices[0].message.content},
+                         {"role": "user", "content": "and then?"}]
+        resumed = _ask(client, back)
+        # at least from the previous prompt's end checkpoint (the state before its last token)
+        assert resumed.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+        assert resumed.choices[0].message.content == _alone(folder, [back])[0]
+        metrics = httpx.get(engine.base_url + "/metrics", timeout=10).json()
+        assert metrics["conversation_cache"]["restores"] >= 1
+        assert metrics["engine"]["restores_without_reuse"] == 0
+        rows = httpx.get(engine.base_url + "/cache/conversations", timeout=10).json()["conversations"]
+        assert rows and all(r["checkpoints"] >= 1 for r in rows)
+        text = httpx.get(engine.base_url + "/metrics", params={"format": "prometheus"}, timeout=10).text
+        assert "restores_without_reuse" in text
+    finally:
+        engine.stop()
+

@@ -1,0 +1,123 @@
+"""Switch-back time to first token of a hybrid model (recurrent layers + attention), conversation cache off and on.
+
+Two conversations of N prompt tokens (random token ids: no tokenizer involved) take turns on one slot; each
+return of conversation A adds a few tokens. With the cache off A is prefilled again from token 0; with it on,
+A's K/V and recurrent state are restored from its checkpoint at its end. Also: an edited message (A's prompt
+changed 100 tokens before its end) against a cold prefill, which resumes from the deepest checkpoint before the
+edit, and the bytes of one checkpoint. Runs two engines in this process.
+
+    python tools/hybrid_switch_bench.py --make qwen3_5 [--tokens 2048] [--storage ram]   # a random model
+    python tools/hybrid_switch_bench.py --model DIR [--tokens 2048,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.runtime.engine import Engine  # noqa: E402
+from engine.runtime.requests import GenerationRequest, SamplingParams  # noqa: E402
+
+VOCAB = 512
+
+
+def make_model(arch: str, out: str) -> str:
+    """A random-weight hybrid HF folder (8 layers, 3 recurrent : 1 attention, hidden 512) with a byte tokenizer."""
+    import transformers
+
+    from tools.make_random_model import write_tokenizer
+
+    common = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768,
+                  tie_word_embeddings=False)
+    recurrent = {"lfm2": "conv"}.get(arch, "linear_attention")
+    types = ([recurrent] * 3 + ["full_attention"]) * 2
+    if arch == "qwen3_5":
+        config = transformers.Qwen3_5TextConfig(
+            **common, head_dim=64, layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+            linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8)
+    elif arch == "lfm2":
+        config = transformers.Lfm2Config(**common, layer_types=types, conv_L_cache=3)
+    elif arch == "granitemoehybrid":
+        config = transformers.GraniteMoeHybridConfig(
+            **common, shared_intermediate_size=1536, num_local_experts=0, num_experts_per_tok=0, layer_types=types,
+            position_embedding_type="nope", mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
+            mamba_expand=2, mamba_chunk_size=256)
+    else:
+        raise SystemExit(f"--make: expected qwen3_5, lfm2 or granitemoehybrid, got {arch!r}")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    write_tokenizer(out)
+    return out
+
+
+def ask(engine: Engine, prompt: list[int]) -> tuple[float, int, list[int]]:
+    """(seconds to the first token, cached tokens, the greedy tokens)."""
+    t0, first, cached, tokens = time.perf_counter(), 0.0, 0, []
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for event in engine.submit(GenerationRequest(f"bench-{time.time_ns()}", prompt, params)):
+        assert event.error is None, event.error
+        if event.token_id is not None:
+            tokens.append(event.token_id)
+            first = first or time.perf_counter() - t0
+        if event.usage is not None:
+            cached = event.usage.cached_tokens
+    return first, cached, tokens
+
+
+def run(model: str, n: int, storage: str, cache_mib: int, folder: str) -> dict:
+    ids = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    engine = Engine.from_config(EngineConfig(
+        model=model, devices="cpu", ctx_size=2 * n + 256, cpu_weights="float", conversation_cache_mib=cache_mib,
+        conversation_cache_storage=storage, conversation_cache_dir=folder, conversation_cache_min_free_mib=0))
+    try:
+        a, b = ids
+        _, _, out = ask(engine, a)
+        ask(engine, b)
+        switch = []
+        for r in range(3):
+            a = a + out + [7, 8, 9]
+            t, cached, out = ask(engine, a)
+            switch.append(t)
+            ask(engine, b + [5, r])  # B takes the slot again
+        edited = a[: len(a) - 100] + [11, 12, 13]
+        t_edit, cached_edit, _ = ask(engine, edited)
+        state = engine.states.nbytes // engine.n_slots if engine.states is not None else 0
+    finally:
+        engine.close()
+    return {"switch_s": statistics.median(switch), "cached": cached, "edit_s": t_edit, "edit_cached": cached_edit,
+            "state_bytes": state}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--make", default="", help="write a random hybrid of this architecture and use it")
+    parser.add_argument("--tokens", default="2048")
+    parser.add_argument("--storage", choices=("ram", "disk", "tiered"), default="ram")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model(args.make, os.path.join(tmp, "model")) if args.make else args.model
+        print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, storage {args.storage}")
+        for n in (int(x) for x in args.tokens.split(",")):
+            off = run(model, n, "ram", 0, os.path.join(tmp, "off"))  # the cache off (ram storage, no budget)
+            on = run(model, n, args.storage, 4096, os.path.join(tmp, "on"))
+            print(f"{n} tokens: switch-back TTFT off {off['switch_s']:.3f} s, on {on['switch_s']:.3f} s "
+                  f"({off['switch_s'] / on['switch_s']:.1f}x, {on['cached']} cached); edited message off "
+                  f"{off['edit_s']:.3f} s, on {on['edit_s']:.3f} s ({on['edit_cached']} cached); "
+                  f"one checkpoint {on['state_bytes'] / 2**20:.2f} MiB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
