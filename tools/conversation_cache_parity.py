@@ -94,7 +94,7 @@ def _slot_state(engine: Engine, slot: int) -> tuple[int, bytes] | None:
 
 def _silent_restores(engine: Engine) -> int:
     """Restores after which the prefill did not start where they restored (must stay 0)."""
-    return engine.call(engine.engine_stats).result()["restores_without_reuse"]
+    return engine.call(engine.engine_stats).result().restores_without_reuse
 
 
 def _conversation(system: str, first: str, seed: int) -> list[dict]:
