@@ -13,7 +13,7 @@ from desktop.monitor.conversation_controls import conversation_title
 from desktop.monitor.conversations import tiers_of
 from desktop.monitor.report import number
 from desktop.settings import format_bytes
-from engine.contract import ContractError, ConversationsBody, parse
+from engine.contract import ContractError, ConversationsBody, PurgeBody, parse
 
 if TYPE_CHECKING:
     from desktop.client import EngineClient
@@ -91,3 +91,36 @@ def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_
         poll()
 
     client.change_conversation(conversation_id, changes, done)
+
+
+def drop_conversation(parent: QWidget, client: EngineClient, monitor: MonitorTab, conversation_id: str,
+                      poll: Callable[[], None]) -> QMessageBox:
+    """Ask, then DELETE one parked conversation; the controls show what the engine dropped, or why not."""
+    row = next((r for r in monitor.model.rows if r.get("id") == conversation_id), {"id": conversation_id})
+    name = conversation_title(row)
+    size = f" ({format_bytes(row['bytes'])})" if isinstance(row.get("bytes"), int) else ""
+
+    def done(reply: Reply) -> None:
+        controls = monitor.controls
+        if not reply.ok:
+            said = reply.error or f"HTTP {reply.status}"
+            controls.show_result(f"{name} is no longer parked. The engine said: {said}" if reply.status == 404
+                                 else f"Could not drop {name}: {said}", error=True)
+            return
+        try:
+            body = parse(PurgeBody, reply.data, "DELETE /cache/conversations/{id}")
+        except ContractError as exc:
+            controls.show_result(f"The engine's answer is not understood: {exc}", error=True)
+            return
+        if body.skipped:
+            controls.show_result(f"{name} stays on disk: {body.skipped[0].reason}.", error=True)
+        else:
+            controls.show_result(f"Dropped {name} ({format_bytes(body.dropped.bytes)}).", error=False)
+        poll()
+
+    def answered(button: int) -> None:
+        if button == QMessageBox.StandardButton.Yes:
+            client.drop_conversation(conversation_id, done)
+
+    return ask(parent, "Drop conversation", f"Drop {name}{size} from the conversation cache? Its next turn is "
+               "computed from the start.", "Drop", answered)

@@ -171,6 +171,10 @@ class EngineClient(QObject):
         path = "/cache/conversations/" + urllib.parse.quote(conversation_id, safe="")
         self.request("PATCH", path, callback, json=changes)
 
+    def drop_conversation(self, conversation_id: str, callback: Callable[[Reply], None] | None = None) -> None:
+        """DELETE /cache/conversations/{id}: drop one parked conversation from every tier."""
+        self.request("DELETE", "/cache/conversations/" + urllib.parse.quote(conversation_id, safe=""), callback)
+
     def close(self) -> None:
         with self._http_lock:
             if self._http is not None:

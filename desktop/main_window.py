@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from desktop.autostart import Autostart
-from desktop.cache_actions import change_conversation
+from desktop.cache_actions import change_conversation, drop_conversation
 from desktop.chat_tab import ChatTab
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller
 from desktop.crash_panel import CrashPanel
@@ -154,6 +154,8 @@ class MainWindow(QMainWindow):
         self.poller.requests_failed.connect(self.monitor.requests.set_error)
         self.monitor.conversation_change_requested.connect(
             lambda cid, changes: change_conversation(self.client, self.monitor, cid, changes, self.poller.poll))
+        self.monitor.conversation_drop_requested.connect(
+            lambda cid: drop_conversation(self, self.client, self.monitor, cid, self.poller.poll))
         self.poller.conversations_failed.connect(self.monitor.set_conversations_error)
         self.poller.unreachable.connect(self.monitor.set_unreachable)
         self.purger = PurgeFlow(self, self.client, self.cache_snapshot, self.poller.poll,

@@ -135,3 +135,22 @@ def test_patch_of_an_unknown_conversation_is_404(http, parked):
     response = http.patch("/cache/conversations/0123456789abcdef", json={"priority": "low"})
     assert response.status_code == 404
     assert "is not parked" in response.json()["error"]["message"]
+
+
+def test_delete_drops_one_conversation_and_leaves_the_others(client, http, parked):
+    _ask(client, "Epsilon conversation to be dropped from its row " + FILLER)
+    _ask(client, "Zeta " + FILLER)  # parks Epsilon
+    before = _rows(http)
+    epsilon = _row(before, "Epsilon")
+    response = http.delete(f"/cache/conversations/{epsilon.id}")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["dropped"]["conversations"] == 1 and body["dropped"]["bytes"] > 0 and body["skipped"] == []
+    after = _rows(http)
+    assert all(row.id != epsilon.id for row in after.values()), "the dropped conversation is gone"
+    assert {r.id for r in before.values()} - {epsilon.id} <= {r.id for r in after.values()}, "the others stay"
+    again = http.delete(f"/cache/conversations/{epsilon.id}")
+    assert again.status_code == 404 and "is not parked" in again.json()["error"]["message"]
+    reply = _ask(client, "Epsilon conversation to be dropped from its row " + FILLER)
+    cached = reply.usage.prompt_tokens_details.cached_tokens if reply.usage.prompt_tokens_details else 0
+    assert cached < reply.usage.prompt_tokens // 2, "nothing of the dropped conversation is restored"

@@ -93,6 +93,21 @@ def test_a_selected_conversation_shows_its_history_and_its_priority_changes_on_t
     assert log.model.rowCount() == 3 and monitor.selected_conversation() is None
 
 
+def test_a_conversation_is_dropped_from_its_row_after_the_question(qtbot, window):
+    from PySide6.QtWidgets import QMessageBox
+
+    monitor = _started(qtbot, window)
+    _select(qtbot, monitor, "conv-b")
+    monitor.controls.drop.click()
+    qtbot.waitUntil(lambda: window.findChild(QMessageBox) is not None, timeout=5000)
+    box = window.findChild(QMessageBox)
+    assert "Drop" in box.text() and box.defaultButton() is box.button(QMessageBox.StandardButton.Cancel)
+    box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: "Dropped" in monitor.controls.result.text(), timeout=5000)
+    qtbot.waitUntil(lambda: all(r.get("id") != "conv-b" for r in monitor.model.rows), timeout=5000)
+    assert any(r.get("id") == "conv-a" for r in monitor.model.rows), "only the chosen one goes"
+
+
 def test_an_engine_without_the_route_is_said_in_its_own_words(qtbot, window):
     window.engine.command_for = fake_engine_command("--no-patch")
     monitor = _started(qtbot, window)

@@ -232,6 +232,19 @@ def _make_handler(state: _State, server_ref: list):
                 rows = [c for c in state.conversations if c.id == conv_id]
             self._send(200, to_json(ConversationsBody(rows)))
 
+        def do_DELETE(self) -> None:
+            """DELETE /cache/conversations/{id}: drops the conversation (every tier's row), as the engine does."""
+            url = urlparse(self.path)
+            conv_id = url.path.rsplit("/", 1)[1]
+            with state.lock:
+                gone = [c for c in state.conversations if c.id == conv_id]
+                state.conversations = [c for c in state.conversations if c.id != conv_id]
+            if not url.path.startswith("/cache/conversations/") or not gone:
+                self._send(404, {"error": {"message": f"conversation {conv_id!r} is not parked"}})
+                return
+            dropped = Dropped(conversations=1, bytes=sum(c.bytes for c in gone))
+            self._send(200, to_json(PurgeBody(tier="all", dropped=dropped)))
+
         def do_POST(self) -> None:
             if self.path == "/shutdown":
                 self._send(202, {"status": "shutting down"})

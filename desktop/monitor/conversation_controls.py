@@ -2,7 +2,8 @@
 
 A priority combo and a Pinned check box act on the conversation selected in the table (the table's context menu
 offers the same); each change is a `change_requested(id, {"priority": ...} | {"pinned": ...})` that the window
-sends as PATCH /cache/conversations/{id}. The engine's answer, or its refusal in its own words, shows beside them.
+sends as PATCH /cache/conversations/{id}; "Drop…" is a `drop_requested(id)` the window asks about, then sends as
+DELETE /cache/conversations/{id}. The engine's answer, or its refusal in its own words, shows beside them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QMenu, QWidget
+from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QMenu, QPushButton, QWidget
 
 PRIORITY_LABELS = (("high", "High priority"), ("normal", "Normal priority"), ("low", "Low priority"))
 
@@ -21,6 +22,7 @@ def conversation_title(row: dict[str, Any]) -> str:
 
 class ConversationControls(QWidget):
     change_requested = Signal(str, dict)
+    drop_requested = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -33,6 +35,9 @@ class ConversationControls(QWidget):
                                  "evicts a higher-priority conversation")
         self.pinned = QCheckBox("Pinned")
         self.pinned.setToolTip("A pinned conversation is evicted only when nothing unpinned is left")
+        self.drop = QPushButton("Drop…")
+        self.drop.setToolTip("Drop this conversation from the cache (RAM and disk); its next turn is computed again")
+        self.drop.clicked.connect(self._drop)
         self.result = QLabel()
         self.result.setObjectName("conversationResult")
         self.result.setWordWrap(True)
@@ -43,6 +48,7 @@ class ConversationControls(QWidget):
         layout.addWidget(self.selected, 1)
         layout.addWidget(self.priority)
         layout.addWidget(self.pinned)
+        layout.addWidget(self.drop)
         layout.addWidget(self.result, 2)
         self.set_conversation(None)
 
@@ -52,6 +58,7 @@ class ConversationControls(QWidget):
         self.row = row
         self.priority.setEnabled(row is not None)
         self.pinned.setEnabled(row is not None)
+        self.drop.setEnabled(row is not None)
         if changed:
             self.result.clear()
         if row is None:
@@ -76,6 +83,8 @@ class ConversationControls(QWidget):
         pinned = bool(self.row.get("pinned"))
         pin = menu.addAction("Unpin" if pinned else "Pin")
         pin.triggered.connect(lambda _=False: self._request({"pinned": not pinned}))
+        menu.addSeparator()
+        menu.addAction("Drop…").triggered.connect(lambda _=False: self._drop())
 
     def show_result(self, text: str, *, error: bool) -> None:
         self.result.setStyleSheet("color: #a00000;" if error else "")
@@ -85,6 +94,10 @@ class ConversationControls(QWidget):
         value = self.priority.itemData(index)
         if self.row is not None and value != (self.row.get("priority") or "normal"):
             self._request({"priority": value})
+
+    def _drop(self) -> None:
+        if self.row is not None and self.row.get("id"):
+            self.drop_requested.emit(str(self.row["id"]))
 
     def _request(self, changes: dict[str, Any]) -> None:
         if self.row is not None and self.row.get("id"):

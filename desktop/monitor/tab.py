@@ -41,6 +41,7 @@ class MonitorTab(QWidget):
 
     purge_requested = Signal(str)  # "ram" | "disk" | "all"
     conversation_change_requested = Signal(str, dict)  # id, {"priority": ...} or {"pinned": ...}
+    conversation_drop_requested = Signal(str)  # id
     visibility_changed = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -89,6 +90,7 @@ class MonitorTab(QWidget):
         self.purge_button.setMenu(menu)
         self.controls = ConversationControls()
         self.controls.change_requested.connect(self.conversation_change_requested)
+        self.controls.drop_requested.connect(self.conversation_drop_requested)
         self.table.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.table.customContextMenuRequested.connect(self._conversation_menu)
         self.table.selectionModel().selectionChanged.connect(lambda *_: self._selection_changed())

@@ -39,6 +39,10 @@ class CacheAPI(Protocol):
         a refusal is a `ParkResult` with a reason, never an exception."""
         ...
 
+    def drop(self, conv_id: str) -> PurgeResult:
+        """Drop one parked conversation from every tier (KeyError when not parked)."""
+        ...
+
     def set_attrs(self, conv_id: str, *, priority: str | None = None, pinned: bool | None = None) -> str:
         """Change a parked conversation's priority and/or pin; returns its id (KeyError: not parked)."""
         ...

@@ -298,17 +298,22 @@ class DiskStore:
         would come back at the next start. Caller holds the lock."""
         dropped, freed, skipped = 0, 0, []
         for cid in list(self.index.convs):
-            conv = self.index.convs[cid]
-            if self.index.is_pinned(conv):
-                skipped.append((cid, "being written to or read from disk"))
-                continue
-            error = self.files.remove_manifest(conv)
-            if error:
-                skipped.append((cid, f"its files cannot be removed from {self.files.folder}: {error}"))
+            why = self.removable(cid)
+            if why:
+                skipped.append((cid, why))
                 continue
             freed += self.remove(cid, reason="purge")
             dropped += 1
         return dropped, freed, skipped
+
+    def removable(self, conv_id: str) -> str:
+        """Remove an entry's manifest so it is gone for good; "" when done, else why it stays (in flight, or a
+        manifest that cannot be removed: it would come back at the next start). Caller holds the lock."""
+        conv = self.index.convs[conv_id]
+        if self.index.is_pinned(conv):
+            return "being written to or read from disk"
+        error = self.files.remove_manifest(conv)
+        return f"its files cannot be removed from {self.files.folder}: {error}" if error else ""
 
     # ------------------------------------------------------------------ the writer and what it reports
 

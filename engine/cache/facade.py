@@ -410,6 +410,35 @@ class ConversationCache:
         )
         return PurgeResult(dropped, freed, skipped, tier)
 
+    def drop(self, conv_id: str) -> PurgeResult:
+        """Drop one parked conversation from every tier that holds it (a person's choice, like a purge of one: it
+        is recorded as purged, never spilled). Raises KeyError for an id not parked. On disk, an entry being
+        written or read, or whose manifest cannot be removed, stays and is reported as skipped."""
+        with self._lock:
+            self._reap()
+            in_ram = conv_id in self.ram.index.convs
+            on_disk = self.disk is not None and conv_id in self.disk.index.convs
+            if not (in_ram or on_disk):
+                raise KeyError(conv_id)
+            self._journal.losses.begin("purge")
+            try:
+                dropped = freed = 0
+                skipped: list[tuple[str, str]] = []
+                if in_ram:
+                    freed, dropped = self.ram.evict(conv_id, spill=False, reason="purge"), 1
+                if on_disk:
+                    assert self.disk is not None
+                    why = self.disk.removable(conv_id)
+                    if why:
+                        skipped.append((conv_id, why))
+                    else:
+                        freed, dropped = freed + self.disk.remove(conv_id, reason="purge"), 1
+            finally:
+                self._journal.losses.begin("budget")
+        log.info("conversation cache: dropped %s (%.1f MiB)%s", conv_id, freed / MIB,
+                 f"; skipped on disk: {skipped[0][1]}" if skipped else "")
+        return PurgeResult(dropped, freed, skipped, "all")
+
     def conversations(self) -> list[ConversationInfo]:
         """Every parked conversation, most recently used first."""
         with self._lock:

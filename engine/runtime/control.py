@@ -148,6 +148,18 @@ class Control(Startup):
                  "unchanged" if pinned is None else pinned)
         return [c.to_dict() for c in self.cache.conversations() if c.id == target]
 
+    def drop_conversation(self, conv_id: str) -> dict:
+        """Drop one parked conversation from every tier; what was dropped and what was skipped (a PurgeBody)."""
+        if self.cache is None:
+            raise NotFound(f"conversation {conv_id!r} is not parked: the conversation cache is off", param="id")
+        try:
+            result = self.cache.drop(conv_id).to_dict()
+        except KeyError:
+            raise NotFound(f"conversation {conv_id!r} is not parked; GET /cache/conversations lists those that are",
+                           param="id") from None
+        log.info("conversation %s dropped: %s", conv_id, result)
+        return result
+
     def cache_events(self, limit: int = 200) -> list[dict]:
         return [] if self.cache is None else self.cache.events(limit)
 

@@ -142,6 +142,14 @@ async def patch_conversation(conv_id: str, request: Request) -> dict[str, Any]:
     return to_json(ConversationsBody([parse(ConversationRow, row) for row in rows]))
 
 
+@router.delete("/cache/conversations/{conv_id}")
+async def delete_conversation(conv_id: str, request: Request) -> dict[str, Any]:
+    """Drop one parked conversation from every tier; answers what was dropped and skipped, as /cache/purge."""
+    engine = require_engine(request)
+    result = await engine.run(lambda: engine.drop_conversation(conv_id))
+    return to_json(parse(PurgeBody, result))
+
+
 @router.get("/cache/events")
 async def cache_events(request: Request) -> dict[str, Any]:
     engine = require_engine(request)
