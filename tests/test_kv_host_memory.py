@@ -18,24 +18,25 @@ def _rss() -> int:
 
 
 def test_kv_rows_become_resident_as_written_and_clearing_returns_them():
+    # RSS is measured only across steps that allocate nothing else big (the full suite's allocators keep what
+    # earlier tests freed, so a delta spanning a large temporary would measure the allocator, not the map).
     layout = KVLayout(n_layers=8, n_kv_heads=4, head_dim=64, dtype=torch.float32)  # 16 KiB per token
     before = _rss()
     kv = KVBuffers(layout, 2, 8192, [("cpu", 0, 4), ("cpu", 4, 8)])  # 256 MiB of K/V
     assert kv.nbytes == 256 * MIB
     assert _rss() - before < 32 * MIB  # nothing written yet: zero pages, not resident
-    assert torch.count_nonzero(kv.read(0, 0, 8192)) == 0  # reads as zeros all the same
     data = torch.randn(layout.host_shape(2048))
+    before_write = _rss()
     kv.write(1, 100, data)  # a quarter of slot 1
-    grown = _rss() - before
-    assert 48 * MIB <= grown < 96 * MIB, grown / MIB  # the 32 MiB written, plus the 32 MiB of `data`
-    assert torch.equal(kv.read(1, 100, 2148), data)
+    written = _rss()
+    assert 30 * MIB <= written - before_write < 48 * MIB, (written - before_write) / MIB  # the 32 MiB written
+    assert torch.equal(kv.read(1, 2000, 2148), data[:, :, 1900:])  # a small read: no large temporary
     k0, _ = kv.layer(0)
     k0[0, 7].fill_(3.0)  # slot 0 is not touched by clearing slot 1
     kv.clear(1)
+    assert written - _rss() >= 24 * MIB  # the cleared rows went back to the kernel
     assert torch.count_nonzero(kv.read(1, 0, 8192)) == 0
-    assert torch.count_nonzero(kv.read(0, 0, 8192)) == 4 * 64 and k0[0, 7, 0, 0] == 3.0
-    del data
-    assert _rss() - before < 32 * MIB  # the cleared rows went back to the kernel
+    assert torch.count_nonzero(kv.read(0, 0, 8192)) == 4 * 64 and k0[0, 7, 0, 0] == 3.0  # zeros all the same
     kv.write(1, 0, torch.ones(layout.host_shape(10)))  # and a cleared slot is usable again
     assert torch.equal(kv.read(1, 0, 10), torch.ones(layout.host_shape(10)))
 
