@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from engine.cache import restores
 from engine.cache.attrs import NO_ATTRS, PRIORITIES, ConvAttrs
-from engine.cache.disk_reads import disk_pieces, move_entries
+from engine.cache.disk_reads import move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
-from engine.cache.errors import CacheRestoreError, ParkRefused
+from engine.cache.errors import ParkRefused
 from engine.cache.explain import LookupReport, lookup_report
 from engine.cache.identity import CacheIdentity, block_keys, token_array, tokens_key
 from engine.cache.index import Conv, TierIndex
@@ -42,8 +42,6 @@ from engine.cache.parts import (
     ReadParts,
     WriteParts,
     check_state,
-    first_tokens,
-    n_tokens_of,
 )
 from engine.cache.policy import common_prefix, decline_reason
 from engine.cache.ram_tier import RamTier
@@ -258,132 +256,12 @@ class ConversationCache:
         """Validate and gather the hit's state in host memory, then `write_parts(start, parts)` for [0, hit.n_tokens).
 
         Raises CacheRestoreError before the first `write_parts` when anything is wrong; exceptions of `write_parts`
-        itself propagate (the engine then clears the slot).
+        itself propagate (the engine then clears the slot). See restores.py.
         """
-        t0 = time.perf_counter()
-        b = self.identity.block_tokens
-        with self._lock:
-            self._reap()
-            if hit.identity_key and hit.identity_key != self.identity.key:
-                self._journal.count("restore_failures")
-                raise CacheRestoreError("the hit was made for another model identity; prefill instead")
-            found = self._find(hit)
-            if found is None:
-                self._journal.count("restore_failures")
-                raise CacheRestoreError(f"conversation {hit.conversation_id} is no longer parked; prefill instead")
-            tier, conv = found
-            n = hit.n_tokens
-            if not 0 < n <= conv.n_tokens:
-                self._journal.count("restore_failures")
-                raise CacheRestoreError(f"hit of {n} tokens does not fit conversation {conv.id} ({conv.n_tokens})")
-            if hit.tokens_key and tokens_key(self.identity.key, conv.tokens[:n]) != hit.tokens_key:
-                self._journal.count("restore_failures")
-                raise CacheRestoreError(f"conversation {conv.id} no longer holds the hit's tokens; prefill instead")
-            n_full = min(len(conv.keys), math.ceil(n / b))
-            use_tail = n > len(conv.keys) * b
-            disk = self.disk if tier == "disk" else None
-            index = self.ram.index if disk is None else disk.index
-            own_state = None  # a hybrid model: the state at n is the conversation's own, else in block n_full - 1
-            if self.identity.state_parts:
-                if n in conv.checkpoints:
-                    own_state = n
-                elif not (0 < n == n_full * b and index.blocks[conv.keys[n_full - 1]].state):
-                    self._journal.count("restore_failures")
-                    raise CacheRestoreError(f"conversation {conv.id} keeps no recurrent state at {n} tokens")
-            blocks = [index.blocks[k] for k in conv.keys[:n_full]]
-            if disk is not None:  # reading: the entry and its blocks stay until done
-                conv.pins += 1
-                for blk in blocks:
-                    blk.pins += 1
-        try:
-            if disk is None:
-                pieces, read_bytes, state = self.ram.pieces(conv, blocks, use_tail, own_state)
-            else:
-                pieces, read_bytes, state = disk_pieces(disk, conv, blocks, use_tail, own_state)
-            state, pieces = self._split_state(conv, pieces, state)
-            self._check_pieces(conv, pieces)
-        except CacheRestoreError:
-            with self._lock:
-                self._journal.count("restore_failures")
-            raise
-        finally:
-            if disk is not None:
-                with self._lock:
-                    conv.pins -= 1
-                    for blk in blocks:
-                        blk.pins -= 1
-        specs = self.identity.parts
-        for start, parts in pieces:
-            if start >= n:
-                break
-            have = n_tokens_of(specs, parts)
-            take = min(have, n - start)
-            write_parts(start, parts if take == have else first_tokens(specs, parts, take))
-        if state is not None:
-            write_parts(n, state)  # the recurrent state after exactly the n restored tokens
-        ms = (time.perf_counter() - t0) * 1000
-        nbytes = n * self.identity.bytes_per_token + (self.identity.state_bytes if state is not None else 0)
-        with self._lock:
-            conv.hits += 1
-            conv.last_used = time.time()
-            if conv.id in index.convs:
-                index.touch(conv.id)
-            if disk is not None and self.disk is disk:
-                disk.record_use(conv)
-            for name, value in (("restores", 1), ("hits", 1), ("tokens_reused", n), ("bytes_restored", nbytes)):
-                self._journal.count(name, value)
-            self._journal.restored(tier, read_bytes, ms)
-            self._journal.event("restore", conv.id, n, nbytes, ms, tier)
-        log.info(
-            "conversation cache: restored %s from %s: %d tokens, %.1f MiB, %.1f ms",
-            conv.id,
-            tier,
-            n,
-            nbytes / MIB,
-            ms,
-        )
-        return RestoreResult(n, nbytes, ms, tier)
+        return restores.restore(self, hit, write_parts)
 
     def _find(self, hit: CacheHit) -> tuple[str, Conv] | None:
-        conv_id = hit.conversation_id
-        redirects = self._journal.redirects
-        for _ in range(16):
-            tiers = sorted(self._tiers(), key=lambda t: t[0] != hit.tier)
-            for tier, index in tiers:
-                conv = index.convs.get(conv_id)
-                if conv is not None and not conv.failed and conv.n_tokens >= hit.n_tokens:
-                    return tier, conv
-            if conv_id not in redirects:
-                return None
-            conv_id = redirects[conv_id]
-        return None
-
-    def _split_state(
-        self, conv: Conv, pieces: list[tuple[int, Parts]], state: Parts | None
-    ) -> tuple[Parts | None, list[tuple[int, Parts]]]:
-        """(the checkpoint to restore, the pieces' K/V without the checkpoints stored in blocks); for a hybrid
-        model the checkpoint is the conversation's own one or the last block's, verified against the identity."""
-        specs = self.identity.state_parts
-        if not specs:
-            return None, pieces
-        if state is None and pieces:
-            state = {s.name: pieces[-1][1][s.name] for s in specs if s.name in pieces[-1][1]}
-        try:
-            state = check_state(specs, state or {})
-        except ValueError as exc:
-            raise CacheRestoreError(f"conversation {conv.id}: stored recurrent state is wrong ({exc})") from None
-        token_names = {s.name for s in self.identity.parts}
-        return state, [(start, {k: v for k, v in p.items() if k in token_names}) for start, p in pieces]
-
-    def _check_pieces(self, conv: Conv, pieces: list[tuple[int, Parts]]) -> None:
-        """Every part of every piece has its spec's shape and dtype, and a full block's piece is a whole block."""
-        specs, b = self.identity.parts, self.identity.block_tokens
-        for start, parts in pieces:
-            n = n_tokens_of(specs, parts) if set(parts) == {s.name for s in specs} else -1
-            if n < 0 or (start < len(conv.keys) * b and n != b) or any(
-                tuple(parts[s.name].shape) != s.shape(n) or parts[s.name].dtype != s.dtype for s in specs
-            ):
-                raise CacheRestoreError(f"conversation {conv.id}: stored state has the wrong parts, shape or dtype")
+        return restores.find_entry(self, hit)
 
     # ------------------------------------------------------------------ purge, listing, stats, events
 
