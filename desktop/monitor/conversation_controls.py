@@ -59,7 +59,7 @@ class ConversationControls(QWidget):
         self.priority.setEnabled(row is not None)
         self.pinned.setEnabled(row is not None)
         self.drop.setEnabled(row is not None)
-        if changed:
+        if changed and row is not None:  # another conversation: its own result; none selected: keep the last
             self.result.clear()
         if row is None:
             self.selected.setText("Select a conversation to change its priority or pin it.")

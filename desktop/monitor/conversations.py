@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt
+from PySide6.QtCore import Qt
 
 from desktop.monitor.report import format_age, format_count, number, timestamp
+from desktop.monitor.rows_model import Index, RowsModel
 from desktop.settings import format_bytes
 
 SORT_ROLE = Qt.ItemDataRole.UserRole + 1
-Index = QModelIndex | QPersistentModelIndex
 
 
 def tier_label(tier: Any) -> str:
@@ -77,13 +77,12 @@ def tiers_of(row: dict[str, Any]) -> list[str]:
     return [str(t).lower() for t in tier] if isinstance(tier, list | tuple) else [str(tier or "").lower()]
 
 
-class ConversationsModel(QAbstractTableModel):
+class ConversationsModel(RowsModel):
     COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits", "Client", "Priority", "Pinned")
     TEXT_COLUMNS = (0, 3, 7, 8, 9)
 
     def __init__(self, parent: Any = None) -> None:
         super().__init__(parent)
-        self.rows: list[dict[str, Any]] = []
         self.now = time.time()
 
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
@@ -99,21 +98,10 @@ class ConversationsModel(QAbstractTableModel):
         self.rows = rows
         self.endResetModel()
 
-    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
-        return 0 if parent.isValid() else len(self.rows)
-
-    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
-        return 0 if parent.isValid() else len(self.COLUMNS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return self.COLUMNS[section]
-        return None
-
     def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if not index.isValid() or index.row() >= len(self.rows):
+        row, col = self.row_at(index), index.column()
+        if row is None:
             return None
-        row, col = self.rows[index.row()], index.column()
         if role == Qt.ItemDataRole.DisplayRole:
             return self._display(row, col)
         if role == SORT_ROLE:

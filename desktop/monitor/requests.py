@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Any
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -24,8 +24,8 @@ from PySide6.QtWidgets import (
 )
 
 from desktop.monitor.report import format_age, format_count, format_ms, number
+from desktop.monitor.rows_model import Index, RowsModel
 
-Index = QModelIndex | QPersistentModelIndex
 SOURCES = {"live": "live slot", "ram": "RAM", "disk": "disk", "checkpoint": "checkpoint", "none": "–"}
 
 
@@ -97,33 +97,19 @@ def history_summary(records: list[dict[str, Any]]) -> str:
     return f"{n} request{'s' if n != 1 else ''} · reused {_pct(reused, prompt)} of their prompt tokens · {ttft}"
 
 
-class RequestsModel(QAbstractTableModel):
+class RequestsModel(RowsModel):
     COLUMNS = ("Time", "Conversation", "Prompt", "Reused", "Source", "Reason", "TTFT")
 
-    def __init__(self, parent: Any = None) -> None:
-        super().__init__(parent)
-        self.rows: list[dict[str, Any]] = []  # newest first
-
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
+        """The engine's records (oldest first), shown newest first."""
         self.beginResetModel()
         self.rows = list(reversed(rows))
         self.endResetModel()
 
-    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
-        return 0 if parent.isValid() else len(self.rows)
-
-    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
-        return 0 if parent.isValid() else len(self.COLUMNS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return self.COLUMNS[section]
-        return None
-
     def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if not index.isValid() or index.row() >= len(self.rows):
+        row, col = self.row_at(index), index.column()
+        if row is None:
             return None
-        row, col = self.rows[index.row()], index.column()
         if role == Qt.ItemDataRole.DisplayRole:
             return self._display(row, col)
         if role == Qt.ItemDataRole.ToolTipRole and col == 5:

@@ -1,0 +1,36 @@
+"""A read-only table of dict rows under fixed column titles: what the Monitor's tables share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt
+
+Index = QModelIndex | QPersistentModelIndex
+
+
+class RowsModel(QAbstractTableModel):
+    """`rows` (dicts) under `COLUMNS`; a subclass says how a row reads (`data`) and how rows arrive."""
+
+    COLUMNS: tuple[str, ...] = ()
+
+    def __init__(self, parent: Any = None) -> None:
+        super().__init__(parent)
+        self.rows: list[dict[str, Any]] = []
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
+        return 0 if parent.isValid() else len(self.COLUMNS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return self.COLUMNS[section]
+        return None
+
+    def row_at(self, index: Index) -> dict[str, Any] | None:
+        """The row an index points into, or None for an invalid index or one past the rows."""
+        if not index.isValid() or index.row() >= len(self.rows):
+            return None
+        return self.rows[index.row()]
