@@ -137,6 +137,16 @@ def test_patch_of_an_unknown_conversation_is_404(http, parked):
     assert "is not parked" in response.json()["error"]["message"]
 
 
+def test_a_conversation_keeps_its_system_prompts_first_words(client, http, parked):
+    system = "You are a terse assistant that answers in one short line and never more than that, ever"
+    for text in ("Eta conversation with a system prompt " + FILLER, "Theta " + FILLER):  # Theta parks Eta
+        client.chat.completions.create(model="m", max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": text}])
+    eta = _row(_rows(http), "Eta")
+    assert eta.system == "You are a terse assistant that answers in one", "whole words, at most 48 characters"
+    assert _row(_rows(http), "Alpha").system == "", "no system message: no system words"
+
+
 def test_delete_drops_one_conversation_and_leaves_the_others(client, http, parked):
     _ask(client, "Epsilon conversation to be dropped from its row " + FILLER)
     _ask(client, "Zeta " + FILLER)  # parks Epsilon

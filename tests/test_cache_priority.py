@@ -184,9 +184,11 @@ def test_attributes_are_kept_by_the_line_and_survive_a_restart(tmp_path):
     slots, where = FakeSlots(), str(tmp_path)
     cache = make_cache(storage="disk", dir=where)
     first = conversation(5, 2 * BLOCK + 3)
-    cid = park_tokens(cache, slots, first, attrs=ConvAttrs("high", True, "Fix the parser", "aider/0.8")).conversation_id
+    cid = park_tokens(cache, slots, first, attrs=ConvAttrs("high", True, "Fix the parser", "aider/0.8",
+                                                                  "You are a careful coder")).conversation_id
     # the next turn says nothing about priority or pin: it keeps the line's, and its name
-    longer = park_tokens(cache, slots, first + [1, 2, 3, 4], attrs=ConvAttrs(name="other words", client="x"))
+    longer = park_tokens(cache, slots, first + [1, 2, 3, 4], attrs=ConvAttrs(name="other words", client="x",
+                                                                     system="other system"))
     assert longer.conversation_id == cid
     assert cache.set_attrs(cid, priority="low") == cid
     assert cache.flush(10)
@@ -194,6 +196,7 @@ def test_attributes_are_kept_by_the_line_and_survive_a_restart(tmp_path):
     again = make_cache(storage="disk", dir=where)
     [row] = again.conversations()
     assert (row.id, row.priority, row.pinned, row.name, row.client) == (cid, "low", True, "Fix the parser", "x")
+    assert row.system == "You are a careful coder", "the system words stay those the line started with"
     with pytest.raises(KeyError):
         again.set_attrs("0123456789abcdef", pinned=False)
     with pytest.raises(ValueError, match="priority: expected one of low, normal, high, got 'urgent'"):
@@ -212,7 +215,7 @@ def test_a_manifest_without_attributes_reads_as_normal_and_unpinned(tmp_path):
         header = read_header(f)
         tensors = [(name, read_tensor(f, header, name)) for name in header.tensors]
     assert header.meta["priority"] == "high" and header.meta["pinned"] == "true"
-    meta = {k: v for k, v in header.meta.items() if k not in ("priority", "pinned", "name", "client")}
+    meta = {k: v for k, v in header.meta.items() if k not in ("priority", "pinned", "name", "client", "system")}
     tmp, _ = write_temp(path, file_chunks(encode_header(tensors, meta), tensors))
     publish([(tmp, path)])
     again = make_cache(storage="disk", dir=where)

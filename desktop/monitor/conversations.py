@@ -71,6 +71,14 @@ def merge_tiers(rows: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def name_tooltip(row: dict[str, Any]) -> str:
+    """What hovering a conversation's name shows: its first words, its system prompt's, and its id."""
+    lines = [f"{row['name']} · {row.get('id', '')}" if row.get("name") else str(row.get("id", ""))]
+    if row.get("system"):
+        lines.append(f"System: {row['system']}")
+    return "\n".join(lines)
+
+
 def tiers_of(row: dict[str, Any]) -> list[str]:
     """The tiers that hold a (merged) conversation row, lower case."""
     tier = row.get("tier")
@@ -109,7 +117,7 @@ class ConversationsModel(RowsModel):
         if role == Qt.ItemDataRole.TextAlignmentRole and col in (1, 2, 4, 5, 6):
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if role == Qt.ItemDataRole.ToolTipRole and col == 0:
-            return f"{row.get('name')} · {row.get('id', '')}" if row.get("name") else str(row.get("id", ""))
+            return name_tooltip(row)
         if role == Qt.ItemDataRole.ToolTipRole and col == 2 and len(row.get("bytes_by_tier") or {}) > 1:
             return " · ".join(f"{tier_label(t)} {format_bytes(b)}" for t, b in row["bytes_by_tier"].items())
         return None

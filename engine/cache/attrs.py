@@ -1,4 +1,5 @@
-"""A parked conversation's attributes, set by the requests that build it: priority, pin, name and client.
+"""A parked conversation's attributes, set by the requests that build it: priority, pin, name, client and the
+first words of its system prompt.
 
 A request may leave priority or pin unset (None): a conversation that continues a parked line then keeps that
 line's values (set by an earlier request or by `PATCH /cache/conversations/{id}`), a new one gets the defaults.
@@ -22,6 +23,7 @@ class HasAttrs(Protocol):
     pinned: bool
     name: str
     client: str
+    system: str
     last_used: float
 
 
@@ -33,21 +35,24 @@ class ConvAttrs:
     pinned: bool | None = None
     name: str = ""
     client: str = ""
+    system: str = ""  # the first words of its system prompt (shown on hover beside the name)
 
     def __post_init__(self) -> None:
         assert self.priority is None or self.priority in PRIORITIES, self.priority
-        assert len(self.name) <= MAX_NAME_CHARS and len(self.client) <= MAX_CLIENT_CHARS, (self.name, self.client)
+        assert len(self.name) <= MAX_NAME_CHARS and len(self.system) <= MAX_NAME_CHARS, (self.name, self.system)
+        assert len(self.client) <= MAX_CLIENT_CHARS, self.client
 
-    def resolve(self, line: Sequence[HasAttrs]) -> tuple[str, bool, str, str]:
-        """(priority, pinned, name, client) of an entry that continues `line` (the entries it supersedes).
+    def resolve(self, line: Sequence[HasAttrs]) -> tuple[str, bool, str, str, str]:
+        """(priority, pinned, name, client, system) of an entry that continues `line` (the entries it supersedes).
 
-        The line's most recent entry speaks for it; the name stays the one the line started with."""
+        The line's most recent entry speaks for it; the name and system words stay those the line started with."""
         latest = max(line, key=lambda c: c.last_used) if line else None
         priority = self.priority or (latest.priority if latest else DEFAULT_PRIORITY)
         pinned = self.pinned if self.pinned is not None else bool(latest and latest.pinned)
         name = (latest.name if latest and latest.name else "") or self.name
         client = self.client or (latest.client if latest else "")
-        return priority, pinned, name, client
+        system = (latest.system if latest and latest.name else "") or self.system
+        return priority, pinned, name, client, system
 
 
 NO_ATTRS = ConvAttrs()

@@ -325,7 +325,7 @@ class DiskTier:
         """Write a conversation's manifest atomically (its blocks must be published first); `history` is the
         `Conv.history` to record when not the entry's own (the writer's copy, taken under the lock);
         `checkpoints` its own checkpoints when not held by the entry (read back from its manifest)."""
-        last_used, hits, priority, pinned, name, client = conv.history if history is None else history
+        last_used, hits, priority, pinned, name, client, system = conv.history if history is None else history
         if checkpoints is None:
             assert all(v is not None for v in conv.checkpoints.values()), "checkpoints only on disk: read them"
             checkpoints = conv.checkpoints  # type: ignore[assignment]
@@ -339,7 +339,8 @@ class DiskTier:
             created=conv.created,
             last_used=last_used,
             hits=hits,
-            attrs={"priority": priority, "pinned": "true" if pinned else "false", "name": name, "client": client},
+            attrs={"priority": priority, "pinned": "true" if pinned else "false", "name": name, "client": client,
+                   "system": system},
             checkpoints=checkpoints,
         )
         final = self.conv_path(conv.id)
@@ -437,15 +438,16 @@ class DiskTier:
             yield f, header
 
 
-def _attrs_of(meta: dict[str, str]) -> tuple[str, bool, str, str]:
-    """A manifest's priority, pin, name and client; one written before they existed (or with a value this
-    version does not know) reads as the defaults: normal, unpinned, no name, no client."""
+def _attrs_of(meta: dict[str, str]) -> tuple[str, bool, str, str, str]:
+    """A manifest's priority, pin, name, client and system words; one written before they existed (or with a
+    value this version does not know) reads as the defaults: normal, unpinned, no name, no client, no system."""
     priority = meta.get("priority", DEFAULT_PRIORITY)
     return (
         priority if priority in PRIORITIES else DEFAULT_PRIORITY,
         meta.get("pinned") == "true",
         str(meta.get("name", ""))[:MAX_NAME_CHARS],
         str(meta.get("client", ""))[:MAX_CLIENT_CHARS],
+        str(meta.get("system", ""))[:MAX_NAME_CHARS],
     )
 
 

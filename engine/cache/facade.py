@@ -335,6 +335,7 @@ class ConversationCache:
                     pinned=conv.pinned,
                     name=conv.name,
                     client=conv.client,
+                    system=conv.system,
                     checkpoints=len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys),
                 )
                 for tier, index in self._tiers()

@@ -15,7 +15,7 @@ from engine.cache.attrs import DEFAULT_PRIORITY
 from engine.cache.lifecycle import EntryState, check_transition
 from engine.cache.parts import Parts
 
-History = tuple[float, int, str, bool, str, str]  # (last_used, hits, priority, pinned, name, client)
+History = tuple[float, int, str, bool, str, str, str]  # (last_used, hits, priority, pinned, name, client, system)
 
 
 @dataclass(eq=False)
@@ -49,6 +49,7 @@ class Conv:
     pinned: bool = False
     name: str = ""
     client: str = ""
+    system: str = ""
     state: EntryState = EntryState.RAM
     pins: int = 0  # restores reading the entry right now (engine thread); the writer's hold is WRITING
     error: str = ""  # why its write failed (state FAILED)
@@ -60,11 +61,11 @@ class Conv:
     previous: Conv | None = None
 
     @property
-    def attrs(self) -> tuple[str, bool, str, str]:
-        return self.priority, self.pinned, self.name, self.client
+    def attrs(self) -> tuple[str, bool, str, str, str]:
+        return self.priority, self.pinned, self.name, self.client, self.system
 
-    def set_attrs(self, attrs: tuple[str, bool, str, str]) -> None:
-        self.priority, self.pinned, self.name, self.client = attrs
+    def set_attrs(self, attrs: tuple[str, bool, str, str, str]) -> None:
+        self.priority, self.pinned, self.name, self.client, self.system = attrs
 
     @property
     def history(self) -> History:

@@ -42,7 +42,8 @@ def _param(where: str) -> str:
     return where if where.startswith("metadata.") else where.lower()
 
 
-def request_attrs(metadata: Mapping[str, Any] | None, headers: Mapping[str, str], first_user_text: str) -> ConvAttrs:
+def request_attrs(metadata: Mapping[str, Any] | None, headers: Mapping[str, str], first_user_text: str,
+                  system_text: str = "") -> ConvAttrs:
     """The conversation attributes of one request (`headers` with lower-case names, as Starlette gives them)."""
     metadata = metadata or {}
     unknown = sorted(k for k in metadata if k.startswith("strata_") and k not in FIELDS.values())
@@ -63,14 +64,18 @@ def request_attrs(metadata: Mapping[str, Any] | None, headers: Mapping[str, str]
         pinned = PIN_VALUES[value.strip().lower()]
     given = _given("client", metadata, headers)
     client = given[0] if given is not None else headers.get("user-agent", "").split(" ", 1)[0]
-    return ConvAttrs(priority, pinned, conversation_name(first_user_text), _printable(client)[:MAX_CLIENT_CHARS])
+    return ConvAttrs(priority, pinned, conversation_name(first_user_text), _printable(client)[:MAX_CLIENT_CHARS],
+                     conversation_name(system_text))
 
 
 def chat_attrs(req: ChatCompletionRequest, headers: Mapping[str, str]) -> ConvAttrs:
-    """A chat request's attributes; its name comes from its first user message."""
+    """A chat request's attributes; its name comes from its first user message, its system words from its first
+    system (or developer) message."""
     first = next((i for i, m in enumerate(req.messages) if m.role == "user"), None)
     text = "" if first is None else content_text(req.messages[first].content, f"messages[{first}].content")
-    return request_attrs(req.metadata, headers, (text or "")[:4096])
+    sys_i = next((i for i, m in enumerate(req.messages) if m.role in ("system", "developer")), None)
+    system = "" if sys_i is None else content_text(req.messages[sys_i].content, f"messages[{sys_i}].content")
+    return request_attrs(req.metadata, headers, (text or "")[:4096], (system or "")[:4096])
 
 
 def completion_attrs(req: CompletionRequest, headers: Mapping[str, str]) -> ConvAttrs:
