@@ -15,7 +15,7 @@ import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
@@ -29,6 +29,8 @@ from engine.contract import (
     parse,
     to_json,
 )
+
+T = TypeVar("T")  # a contract body type (engine.contract)
 
 Callback = Callable[[Any], None]
 
@@ -328,36 +330,33 @@ class Poller(QObject):
         except ContractError as exc:
             self.unreachable.emit(f"the engine's answer is not understood: {exc}")
 
-    def _on_conversations(self, reply: Reply) -> None:
+    def _parsed(self, reply: Reply, cls: type[T], where: str, failed: Any | None) -> T | None:
+        """The reply's body as `cls`, or None; a refusal from a reachable engine, or an answer not understood, is
+        said on `failed` (when given)."""
         if not reply.ok:
-            if reply.reachable:
-                self.conversations_failed.emit(reply.error)
-            return
+            if reply.reachable and failed is not None:
+                failed.emit(reply.error)
+            return None
         try:
-            body = parse(ConversationsBody, reply.data, "GET /cache/conversations")
+            return parse(cls, reply.data, where)
         except ContractError as exc:
-            self.conversations_failed.emit(f"the engine's answer is not understood: {exc}")
-            return
-        self.conversations.emit([to_json(row) for row in body.conversations])
+            if failed is not None:
+                failed.emit(f"the engine's answer is not understood: {exc}")
+            return None
+
+    def _on_conversations(self, reply: Reply) -> None:
+        body = self._parsed(reply, ConversationsBody, "GET /cache/conversations", self.conversations_failed)
+        if body is not None:
+            self.conversations.emit([to_json(row) for row in body.conversations])
 
     def _on_events(self, reply: Reply) -> None:
-        if not reply.ok:
+        if not reply.ok:  # the event log is a view of the past: a failed poll says nothing new
             return
-        try:
-            body = parse(EventsBody, reply.data, "GET /cache/events")
-        except ContractError as exc:
-            self.conversations_failed.emit(f"the engine's answer is not understood: {exc}")
-            return
-        self.events.emit([to_json(event) for event in body.events])
+        body = self._parsed(reply, EventsBody, "GET /cache/events", self.conversations_failed)
+        if body is not None:
+            self.events.emit([to_json(event) for event in body.events])
 
     def _on_requests(self, reply: Reply) -> None:
-        if not reply.ok:
-            if reply.reachable:
-                self.requests_failed.emit(reply.error)
-            return
-        try:
-            body = parse(RequestsBody, reply.data, "GET /cache/requests")
-        except ContractError as exc:
-            self.requests_failed.emit(f"the engine's answer is not understood: {exc}")
-            return
-        self.requests.emit([to_json(record) for record in body.requests])
+        body = self._parsed(reply, RequestsBody, "GET /cache/requests", self.requests_failed)
+        if body is not None:
+            self.requests.emit([to_json(record) for record in body.requests])
