@@ -140,8 +140,10 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
                 _generate(eng, _conversation("Another task. " + _text(n_words, 7), "Go.", 8), 4)
             _generate(eng, conv_b, max_tokens)  # takes slot 0 (or slot 1 with --parallel 2)
             if name == "parallel":
-                # Fill both slots with other conversations so A must come back through the cache.
-                _generate(eng, _conversation("Third. " + _text(n_words, 5), "Go.", 6), 4)
+                # Fill both slots with other conversations so A must come back through the cache: each longer
+                # than A, so the slot choice (fewest tokens lost first) takes A's and B's slots, not each other's.
+                for i, seed in enumerate((5, 9)):
+                    _generate(eng, _conversation(f"Other {i}. " + _text(n_words + 30, seed), "Go.", seed + 1), 4)
             a2, a2_tokens, cached = _generate(eng, turn2, max_tokens)
             stats = eng.call(eng.cache_stats).result()
             slot = next(s.id for s in eng.slots if s.tokens[: len(parked_tokens) // 2] == parked_tokens[: len(parked_tokens) // 2])
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resplit", action="append", default=[], metavar="DEVICES[/SPLIT]",
                         help="also park under --devices/--layer-split and resume under this layout (disk, tiered)")
     parser.add_argument("--cpu-weights", default="auto", choices=("auto", "float", "int4"))
+    parser.add_argument("--moe-experts", default="gpu", choices=("gpu", "cpu"), help="the engine's --moe-experts")
+    parser.add_argument("--moe-cpu-layers", type=int, default=0, help="the engine's --moe-cpu-layers")
     parser.add_argument("--deterministic", action="store_true", help="the engine's --deterministic (CUDA)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's --no-cuda-graphs")
     parser.add_argument("--checkpoint-tokens", type=int, default=1024,
@@ -296,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         "conversation_cache_storage": args.storage,
         "conversation_cache_min_free_mib": 0,
         "deterministic": args.deterministic,
+        "moe_experts": args.moe_experts,
+        "moe_cpu_layers": args.moe_cpu_layers,
         "no_cuda_graphs": args.no_cuda_graphs,
         "conversation_cache_checkpoint_tokens": args.checkpoint_tokens,
     }
