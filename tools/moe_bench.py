@@ -52,8 +52,9 @@ SHAPES = {
 }
 
 
-def write_model(out: str, shape: str, layers: int | None, dtype: torch.dtype) -> str:
-    """A random Qwen3-MoE folder of `shape` under `out` (reused when its config is already there)."""
+def write_model(out: str, shape: str, layers: int | None, dtype: torch.dtype, device: str = "cpu") -> str:
+    """A random Qwen3-MoE folder of `shape` under `out` (reused when its config is already there); the random
+    numbers are drawn on `device` (a GPU draws the 30B shape's in seconds)."""
     import transformers
 
     sizes = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
@@ -66,7 +67,8 @@ def write_model(out: str, shape: str, layers: int | None, dtype: torch.dtype) ->
         bos_token_id=256, eos_token_id=258, pad_token_id=0, **sizes,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
     del model
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device(args.device)
     dtype = resolve_dtype("auto", device)  # float32 on the CPU, bfloat16 on a GPU, as `strata serve` picks
-    path = write_model(args.out, args.shape, args.layers or None, dtype)
+    path = write_model(args.out, args.shape, args.layers or None, dtype, args.device)
     config = read_model_config(path)
     stages = plan_stages(config.n_layers, args.device, "")
     reference = hf_model(path, dtype, device)
