@@ -8,6 +8,10 @@ edit, and the bytes of one checkpoint. Runs two engines in this process.
 
     python tools/hybrid_switch_bench.py --make qwen3_5 [--tokens 2048] [--storage ram]   # a random model
     python tools/hybrid_switch_bench.py --model DIR [--tokens 2048,4096]
+    python tools/hybrid_switch_bench.py --make qwen3_5 --shape qwen3.5-9b --device cuda:0 --tokens 16384
+
+`--shape qwen3.5-9b` (Qwen3.5 only) writes that model's shape (hidden 4096, 32 layers, 24 DeltaNet, vocab 248320)
+in bfloat16, its random numbers drawn on --device.
 """
 
 from __future__ import annotations
@@ -24,17 +28,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.model.hybrid import fla_kernels  # noqa: E402
 from engine.runtime.engine import Engine  # noqa: E402
 from engine.runtime.requests import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 512
 
 
-def make_model(arch: str, out: str) -> str:
-    """A random-weight hybrid HF folder (8 layers, 3 recurrent : 1 attention, hidden 512) with a byte tokenizer."""
+# Qwen3.5-9B's text model: the config keys that differ from the small shape below.
+QWEN35_9B = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                 num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_key_head_dim=128,
+                 linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+                 max_position_embeddings=262144)
+
+
+def make_model(arch: str, out: str, shape: str = "small", device: str = "cpu") -> str:
+    """A random-weight hybrid HF folder (8 layers, 3 recurrent : 1 attention, hidden 512) with a byte tokenizer;
+    `shape` "qwen3.5-9b": that model's shape in bfloat16 (random numbers drawn on `device`)."""
     import transformers
 
     from tools.make_random_model import write_tokenizer
+
+    if shape != "small" and arch != "qwen3_5":
+        raise SystemExit(f"--shape {shape}: only for --make qwen3_5")
 
     common = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768,
@@ -42,9 +58,12 @@ def make_model(arch: str, out: str) -> str:
     recurrent = {"lfm2": "conv"}.get(arch, "linear_attention")
     types = ([recurrent] * 3 + ["full_attention"]) * 2
     if arch == "qwen3_5":
-        config = transformers.Qwen3_5TextConfig(
-            **common, head_dim=64, layer_types=types, linear_conv_kernel_dim=4, linear_key_head_dim=64,
-            linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8)
+        small = dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
+                     linear_num_value_heads=8)
+        if shape == "qwen3.5-9b":
+            small, types = {}, ([recurrent] * 3 + ["full_attention"]) * 8
+            common.update(QWEN35_9B)
+        config = transformers.Qwen3_5TextConfig(**{**common, **small}, layer_types=types, linear_conv_kernel_dim=4)
     elif arch == "lfm2":
         config = transformers.Lfm2Config(**common, layer_types=types, conv_L_cache=3)
     elif arch == "granitemoehybrid":
@@ -55,8 +74,11 @@ def make_model(arch: str, out: str) -> str:
     else:
         raise SystemExit(f"--make: expected qwen3_5, lfm2 or granitemoehybrid, got {arch!r}")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32 if shape == "small" else torch.bfloat16)
     model.save_pretrained(out)
+    del model
     write_tokenizer(out)
     return out
 
@@ -75,10 +97,10 @@ def ask(engine: Engine, prompt: list[int]) -> tuple[float, int, list[int]]:
     return first, cached, tokens
 
 
-def run(model: str, n: int, storage: str, cache_mib: int, folder: str) -> dict:
+def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu") -> dict:
     ids = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
     engine = Engine.from_config(EngineConfig(
-        model=model, devices="cpu", ctx_size=2 * n + 256, cpu_weights="float", conversation_cache_mib=cache_mib,
+        model=model, devices=device, ctx_size=2 * n + 256, cpu_weights="float", conversation_cache_mib=cache_mib,
         conversation_cache_storage=storage, conversation_cache_dir=folder, conversation_cache_min_free_mib=0))
     try:
         a, b = ids
@@ -105,13 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--make", default="", help="write a random hybrid of this architecture and use it")
     parser.add_argument("--tokens", default="2048")
     parser.add_argument("--storage", choices=("ram", "disk", "tiered"), default="ram")
+    parser.add_argument("--shape", choices=("small", "qwen3.5-9b"), default="small", help="with --make")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--no-fla", action="store_true", help="CUDA: the PyTorch delta rule even with fla-core")
+    parser.add_argument("--cache-mib", type=int, default=4096, help="the cache's budget when on")
     args = parser.parse_args(argv)
+    fla_kernels.ENABLED = not args.no_fla
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(args.make, os.path.join(tmp, "model")) if args.make else args.model
-        print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, storage {args.storage}")
+        model = make_model(args.make, os.path.join(tmp, "model"), args.shape, args.device) if args.make else args.model
+        print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, storage {args.storage}, "
+              f"device {args.device}, fla-core {fla_kernels.usable(torch.device(args.device))}")
         for n in (int(x) for x in args.tokens.split(",")):
-            off = run(model, n, "ram", 0, os.path.join(tmp, "off"))  # the cache off (ram storage, no budget)
-            on = run(model, n, args.storage, 4096, os.path.join(tmp, "on"))
+            off = run(model, n, "ram", 0, os.path.join(tmp, "off"), args.device)  # the cache off (no budget)
+            on = run(model, n, args.storage, args.cache_mib, os.path.join(tmp, "on"), args.device)
             print(f"{n} tokens: switch-back TTFT off {off['switch_s']:.3f} s, on {on['switch_s']:.3f} s "
                   f"({off['switch_s'] / on['switch_s']:.1f}x, {on['cached']} cached); edited message off "
                   f"{off['edit_s']:.3f} s, on {on['edit_s']:.3f} s ({on['edit_cached']} cached); "

@@ -10,8 +10,8 @@ and o = exp(G) Q S0 + (Q K^T * exp(G_t - G_s))_{s<=t} delta, S_L = exp(G_L) S0 +
 Blocks sit at absolute multiples of `BLOCK` tokens and also end at requested checkpoint positions, so the
 state there is captured on the way (no second pass).
 
-A fused CUDA kernel (fla-core's chunk_gated_delta_rule) could replace `delta_rule_chunk` behind an optional
-extra; this PyTorch path is the reference and the fallback.
+On CUDA with the optional extra `fla` installed, prefill goes through fla-core's fused kernel instead
+(`fla_kernels`); this PyTorch path is the reference and the fallback.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.hybrid import fla_kernels
 from engine.model.hybrid.batch import Batch, apply_conv, lanewise, segment_decay, segment_edges
 from engine.model.hybrid.config import HybridConfig
 from engine.model.llama import _linear
@@ -115,17 +116,22 @@ class GatedDeltaNetMixer(torch.nn.Module):
             o, new = delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], batch.gather_singles(part).float())
             out[:n] = o
             batch.scatter_singles(part, new)
+        fused = fla_kernels.usable(h.device)
         for ch, lo, hi in batch.long_chunks():
             s = batch.initial(part, ch).float()
             cuts = batch.state.wanted(ch.slot, ch.start, ch.start + hi - lo)
+            edges = (fla_kernels.segment_edges if fused else segment_edges)(ch.start, ch.start + hi - lo, BLOCK, cuts)
             edge_lo = lo
-            for edge in segment_edges(ch.start, ch.start + hi - lo, BLOCK, cuts):
+            for edge in edges:
                 edge_hi = lo + edge - ch.start
                 rows = slice(edge_lo, edge_hi)
-                # Fresh contiguous copies: a view at another row offset may take another SIMD path.
-                qb, kb, vb, gb, bb = (t[rows].transpose(0, 1).contiguous() for t in (q, k, v, g, beta))
-                o, s = delta_rule_block(qb, kb, vb, gb, bb, s)
-                out[rows] = o.transpose(0, 1)
+                if fused:
+                    out[rows], s = fla_kernels.chunk(q[rows], k[rows], v[rows], g[rows], beta[rows], s)
+                else:
+                    # Fresh contiguous copies: a view at another row offset may take another SIMD path.
+                    qb, kb, vb, gb, bb = (t[rows].transpose(0, 1).contiguous() for t in (q, k, v, g, beta))
+                    o, s = delta_rule_block(qb, kb, vb, gb, bb, s)
+                    out[rows] = o.transpose(0, 1)
                 if edge in cuts:
                     batch.state.capture(ch.slot, edge, self.layer, "ssm", s)
                 edge_lo = edge_hi
