@@ -1,11 +1,15 @@
 """GPU decode modes and K/V transfers on one loaded model, in one run (the figures of docs/BENCHMARKS.md):
 
     python tools/gpu_decode_bench.py --model DIR [--batches 1,8] [--tokens 128] [--restore-tokens 11000]
+                                     [--gpu-weights bf16,int4]
 
 - decode tok/s for each mode (`--deterministic`: per-row kernels, eagerly, as before; `--no-cuda-graphs`: one
   GEMM per projection, the captured step's function run eagerly; default: the same, replayed from CUDA graphs)
   at each batch size, against the HBM roofline measured in the same run (every weight byte read once per step);
 - the greedy tokens of the captured steps against --no-cuda-graphs, same prompts, same batch;
+- with `--gpu-weights bf16,int4`: the same model's weights then made 4-bit groups in place (engine.model.gpu_weights),
+  both default modes again, the int4/bf16 ratio, a 2048-token prefill in each format, and the int4 logits' relative
+  difference from bf16 over a prompt;
 - restore and park of a --restore-tokens conversation, block by block as the cache moves it, through the pinned
   staging ring (one transfer per block, as before, and gathered), against a pinned host-to-device copy.
 """
@@ -22,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.kv import KVBuffers, KVLayout  # noqa: E402
-from engine.model import SeqChunk, load_model, plan_stages  # noqa: E402
+from engine.model import SeqChunk, gpu_weights, load_model, plan_stages  # noqa: E402
 from engine.model.graph_decode import configure  # noqa: E402
 from engine.model.loader import read_model_config  # noqa: E402
 
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per slot")
     parser.add_argument("--restore-tokens", type=int, default=11000)
+    parser.add_argument("--gpu-weights", default="bf16", help="formats to run in turn: bf16, or bf16,int4")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     t = time.perf_counter()
@@ -115,29 +120,62 @@ def main(argv: list[str] | None = None) -> int:
              ("default, CUDA graphs", True, False)]
     results: dict[tuple[str, int], float] = {}
     tokens: dict[tuple[str, int], list[list[int]]] = {}
-    for batch in batches:
-        prompts = [torch.randint(0, c.vocab_size, (args.prompt,), generator=gen) for _ in range(batch)]
-        kv = KVBuffers(layout, batch, args.prompt + args.tokens + 8, lm.model.stages)
-        for name, graphs, deterministic in modes:
-            configure(lm.model, batch, cuda_graphs=graphs, deterministic=deterministic)
-            decode(lm, kv, prompts, 8)  # warm-up (and graph capture)
-            best = 0.0
-            for _ in range(2):
-                rate, out = decode(lm, kv, prompts, args.tokens)
-                best = max(best, rate)
-            results[(name, batch)], tokens[(name, batch)] = best, out
-        del kv
-        lm.model.graphs = None  # frees the graphs captured over this batch's K/V
+    formats = args.gpu_weights.split(",")
+    probe = torch.randint(0, c.vocab_size, (2048,), generator=gen)
+    logits: dict[str, torch.Tensor] = {}
+    prefill: dict[str, float] = {}
+    names: list[str] = []
+    for fmt in formats:
+        if fmt == "int4":
+            before, after = gpu_weights.quantize_model(lm.model)
+            print(f"int4: {before / 2**30:.2f} GiB of projection weights as {after / 2**30:.2f} GiB")
+        fmt_modes = [(f"{fmt}, {n}" if fmt != "bf16" else n, g, d) for n, g, d in modes if fmt == "bf16" or not d]
+        names += [n for n, _, _ in fmt_modes]
+        probe_kv = KVBuffers(layout, 1, probe.numel() + 8, lm.model.stages)
+        configure(lm.model, 1, cuda_graphs=False, deterministic=False)
+
+        def run(kv: KVBuffers = probe_kv, every: bool = False) -> torch.Tensor:
+            out = lm.model.forward_chunks([SeqChunk(0, 0, probe)], kv, all_logits=every)
+            return out[0] if every else out
+
+        logits[fmt] = run(every=True).float()
+        prefill[fmt] = probe.numel() / min(timed(run) for _ in range(3))
+        del probe_kv
+        for batch in batches:
+            prompts = [torch.randint(0, c.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(batch))
+                       for _ in range(batch)]
+            kv = KVBuffers(layout, batch, args.prompt + args.tokens + 8, lm.model.stages)
+            for name, graphs, deterministic in fmt_modes:
+                configure(lm.model, batch, cuda_graphs=graphs, deterministic=deterministic)
+                decode(lm, kv, prompts, 8)  # warm-up (and graph capture)
+                best = 0.0
+                for _ in range(2):
+                    rate, out = decode(lm, kv, prompts, args.tokens)
+                    best = max(best, rate)
+                results[(name, batch)], tokens[(name, batch)] = best, out
+            del kv
+            lm.model.graphs = None  # frees the graphs captured over this batch's K/V
     rows = transfers(lm, args.restore_tokens) if args.restore_tokens else []
     print()
     print(f"{'decode tok/s':<34}" + "".join(f"{'batch ' + str(b):>12}" for b in batches))
-    for name, _, _ in modes:
+    for name in names:
         print(f"{name:<34}" + "".join(f"{results[(name, b)]:12.1f}" for b in batches))
-    print(f"{'roofline x batch':<34}" + "".join(f"{roof * b:12.0f}" for b in batches))
-    for b in batches:
-        same = tokens[("default, CUDA graphs", b)] == tokens[("default, --no-cuda-graphs", b)]
-        n = sum(len(t) for t in tokens[("default, CUDA graphs", b)])
-        print(f"batch {b}: graph tokens {'IDENTICAL to' if same else 'DIFFER from'} --no-cuda-graphs ({n} tokens)")
+    print(f"{'roofline x batch (bf16)':<34}" + "".join(f"{roof * b:12.0f}" for b in batches))
+    for fmt in formats:
+        prefix = "" if fmt == "bf16" else f"{fmt}, "
+        for b in batches:
+            graph, eager = tokens[(prefix + "default, CUDA graphs", b)], tokens[(prefix + "default, --no-cuda-graphs", b)]
+            n = sum(len(t) for t in graph)
+            print(f"{fmt} batch {b}: graph tokens {'IDENTICAL to' if graph == eager else 'DIFFER from'} "
+                  f"--no-cuda-graphs ({n} tokens)")
+        print(f"{fmt}: prefill {probe.numel()} tokens {prefill[fmt]:.0f} tok/s")
+    if "int4" in formats and "bf16" in formats:
+        for b in batches:
+            ratio = results[("int4, default, CUDA graphs", b)] / results[("default, CUDA graphs", b)]
+            print(f"int4 / bf16, CUDA graphs, batch {b}: {ratio:.2f}x")
+        err = (logits["int4"] - logits["bf16"]).norm(dim=-1) / logits["bf16"].norm(dim=-1)
+        print(f"int4 logits vs bf16 over {probe.numel()} positions: relative difference median {err.median():.3f}, "
+              f"max {err.max():.3f}")
     print(f"{'K/V transfer, ' + str(args.restore_tokens) + ' tokens':<34}{'GB/s':>12}")
     for name, rate in rows:
         print(f"{name:<34}{rate:12.1f}")

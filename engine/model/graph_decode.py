@@ -10,7 +10,8 @@ repeat the first row's slot at position ctx - 1, a row no valid K/V lives at whi
 (a step with a row at ctx - 1 runs eagerly), and their logits are dropped.
 
 Everything else stays eager in `CausalLM.forward_chunks`: prefill chunks, mixed steps, models on several
-devices, mixture-of-experts layers (their routing reads token counts back to the host), 4-bit weights.
+devices, mixture-of-experts layers (their routing reads token counts back to the host), CPU 4-bit weights (CUDA
+4-bit ones, `engine.model.gpu_weights`, are captured).
 
 The captured function is plain PyTorch and runs as well without capture (`capture=False`, any device): the
 graph computes bit for bit what that eager run computes, which is how the GPU check compares them.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv import KVBuffers
+from engine.model.gpu_weights import CudaInt4Weight
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, _logit_rows, rms_norm
 
@@ -70,8 +72,8 @@ def unsupported(model: CausalLM) -> str | None:
     if any(layer.moe is not None for layer in layers):
         return "mixture-of-experts layers"
     weights = [model.lm_head] + [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-    if any(isinstance(w, Int4Weight) for w in weights):
-        return "4-bit weights"
+    if any(isinstance(w, Int4Weight) and not isinstance(w, CudaInt4Weight) for w in weights):
+        return "CPU 4-bit weights"
     # The captured step attends every row up to its length bucket and has no post-norms, GeGLU, embedding
     # scale or soft cap: those models decode eagerly (still one GEMM per projection).
     if model.config.sliding_layers:

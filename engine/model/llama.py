@@ -92,7 +92,7 @@ def _linear(
         # which converts it exactly and saves a conversion pass per projection.
         y = w.mm(x)
         if bias is not None:
-            y = y.float()
+            y = y.to(x.dtype)
     elif _onednn(w):
         n = x.shape[0]
         if n == 1:
@@ -115,7 +115,9 @@ def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight, *, fast: bool = F
     if fast and isinstance(w, torch.Tensor) and not _onednn(w):
         return F.linear(h, w)
     if isinstance(w, Int4Weight):
-        return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])]) if h.shape[0] > 1 else w(h)
+        if fast or h.shape[0] == 1:  # CUDA 4-bit weights (engine.model.gpu_weights): one call over all rows
+            return w(h)
+        return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])])
     if _onednn(w):
         if h.shape[0] == 1:
             return _onednn_linear(h, w)

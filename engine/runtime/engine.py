@@ -34,7 +34,7 @@ from engine.runtime.explain import RequestLog
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_buffers
-from engine.runtime.startup import _check_int4, _weights_format
+from engine.runtime.startup import _check_int4, _gpu_weights_format, _quantize_gpu_weights, _weights_format
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
 from engine.startup_progress import StartupProgress
@@ -126,11 +126,15 @@ class Engine(Scheduler):
         weights_format = _weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
             _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
+        gpu_format = _gpu_weights_format(config.gpu_weights, dtype, stages)
         progress.begin("loading weights")  # int4 packing included: the 4-bit weights are built as they are read
         # The model builder reports each layer built, the disk tier each file indexed (startup_progress.report).
         with progress.reporting():
             loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4",
                                 cpu_experts=cpu_experts)
+            if gpu_format == "int4":
+                _quantize_gpu_weights(loaded)
+                weights_format = "int4"
             loaded.weights_format = weights_format
             engine = cls(config, loaded, stages, progress)
         progress.finish()

@@ -94,6 +94,22 @@ def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.de
     return "int4" if on_cpu and dtype == torch.float32 and int4.available() else "float"
 
 
+def _gpu_weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
+    """The effective --gpu-weights ("bf16" or "int4"), checked before the load (ValueError when int4 cannot apply)."""
+    from engine.model import gpu_weights
+
+    return gpu_weights.resolve(choice, dtype, all(torch.device(d).type == "cuda" for d, _, _ in stages))
+
+
+def _quantize_gpu_weights(loaded) -> None:
+    """--gpu-weights int4 on a loaded CUDA model: its projection and output weights become 4-bit groups."""
+    from engine.model import gpu_weights
+
+    before, after = gpu_weights.quantize_model(loaded.model)
+    log.info("--gpu-weights int4: %.0f MiB of projection weights as %.0f MiB of 4-bit groups", before / 2**20,
+             after / 2**20)
+
+
 def _check_int4(dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> None:
     """ValueError when `--cpu-weights int4` cannot apply."""
     from engine.model import int4
