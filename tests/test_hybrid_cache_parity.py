@@ -40,18 +40,8 @@ def test_a_parked_hybrid_conversation_continues_as_if_it_never_left(folders, arc
     assert scenario == "pressure" or "recurrent state byte-identical" in outcome.detail
 
 
-# The tiny Qwen3.5-MoE's first answer re-renders into tokens that diverge from the generated ones 1 token past a
-# block end (321 of a 64-token block ending at 320), and no checkpoint is taken during decode: the first engine
-# resumes its second turn at the prompt-end checkpoint (315) and prefills rows 315-320 again, whose last bits
-# differ from the decoded rows the cache already holds for that block (stored once, by key); the restarted engine
-# gets the decoded rows. Same tokens, K/V and state off in the last bits. Not about experts: dense Qwen3.5's
-# decoded and prefilled rows differ the same way; a checkpoint at each block end crossed in decode would fix it.
-_DECODE_ROWS = pytest.mark.xfail(strict=True, reason="a re-prefilled block's rows differ from the decoded ones")
-RESTART_ARCHS = [pytest.param(a, marks=_DECODE_ROWS) if a == "qwen3_5_moe" else a for a in HYBRID_ARCHS]
-
-
 @pytest.mark.parametrize("storage", ["disk", "tiered"])
-@pytest.mark.parametrize("arch", RESTART_ARCHS)
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_a_hybrid_conversation_resumes_after_a_restart_as_the_first_engine_continued(folders, arch, storage):
     outcome = run_restart(_base(folders[arch], storage), {}, n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail
@@ -110,3 +100,28 @@ def test_a_hybrid_slot_saved_to_a_file_and_restored_continues_as_if_it_never_lef
         finally:
             eng.close()
     assert answers[1][0] == answers[0][0] and answers[1][1] > 0
+
+
+def test_decode_takes_a_checkpoint_at_each_block_end_it_crosses(folders):
+    """An answer generated past a block end leaves a checkpoint there: when the answer comes back re-rendered
+    into other tokens a little past that end, the next turn resumes at the block end instead of re-prefilling
+    rows of a block the cache already holds (those would differ from the decoded ones in their last bits; the
+    tiny Qwen3.5-MoE's restart scenario above hits exactly that)."""
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+    from tools.conversation_cache_parity import _conversation
+
+    eng = Engine.from_config(EngineConfig(**{**_base(folders["qwen3_5"], "ram"), "conversation_cache_mib": 0}))
+    try:
+        conv = _conversation("You are careful.", "Go on.", 1)
+        ids = eng.tokenizer.encode(eng.tokenizer.render_chat(conv), add_special_tokens=False)
+        prompt = len(ids)
+        block_end = (prompt // 64 + 1) * 64  # the first block end past the prompt (checkpoints every 64)
+        params = SamplingParams(temperature=0.0, max_tokens=block_end - prompt + 4, ignore_eos=True)
+        tokens = [e.token_id for e in eng.submit(GenerationRequest("across", ids, params)) if e.token_id is not None]
+        assert prompt + len(tokens) - 1 > block_end  # decode fed the tokens across it
+        positions = eng.call(lambda: sorted(eng.states.checkpoints[0])).result()
+    finally:
+        eng.close()
+    assert block_end in positions and prompt - 1 in positions, positions
