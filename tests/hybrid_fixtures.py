@@ -119,8 +119,11 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     does: tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts
     with 0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
     [groups, inner / groups], the shared MLP split into gate and up, q/k rows permuted as for llama; for
-    Qwen3.5 A = -exp(A_log), 1 + w for the norms outside the DeltaNet and the value heads in tiled order
-    (`_tile_v_heads`). 2-D weights in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
+    Qwen3.5 and Qwen3.5-MoE A = -exp(A_log), 1 + w for the norms outside the DeltaNet and the value heads in tiled
+    order (`_tile_v_heads`); for Qwen3-Next the same without the tiling, in_proj_qkvz regrouped into attn_qkv and
+    attn_gate (`_qwen_moe_rewrite`, which also stacks the experts of both MoE families). 2-D weights but the routers
+    in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it (Qwen3-Next's without dense
+    layers: llama.cpp's qwen3next has none)."""
     import json
 
     import gguf

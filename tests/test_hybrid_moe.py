@@ -112,3 +112,22 @@ def test_gguf_expert_layers_without_a_shared_expert_or_with_sigmoid_gating_are_r
     # multi-token-prediction layers after the model's own are not part of it
     mtp = {**meta, "qwen3next.block_count": 5, "qwen3next.nextn_predict_layers": 1}
     assert gguf_qwen35.config(mtp, names, path, rows).n_layers == 4
+
+
+def test_hf_configs_the_experts_cannot_describe_are_refused_with_the_reason(folders, tmp_path):
+    import json
+    import shutil
+
+    for arch, change, message in (
+        ("qwen3_5_moe", {"num_experts_per_tok": 8}, r"num_experts_per_tok \(8\) exceeds the number of experts \(4\)"),
+        ("qwen3_next", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("qwen3_next", {"moe_intermediate_size": None}, "moe_intermediate_size"),
+    ):
+        folder = tmp_path / f"{arch}-{next(iter(change))}"
+        shutil.copytree(folders[arch], folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(change)
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ModelLoadError, match=message):
+            read_model_config(str(folder))
