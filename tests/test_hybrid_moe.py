@@ -131,3 +131,42 @@ def test_hf_configs_the_experts_cannot_describe_are_refused_with_the_reason(fold
         (folder / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ModelLoadError, match=message):
             read_model_config(str(folder))
+
+
+# llama.cpp's converter wrapped for a tiny model: our test tokenizer is not one whose pre-tokenizer it knows, so
+# that one lookup answers "default" (what the fixture GGUFs say); every tensor and key is the converter's own.
+_CONVERT = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+import conversion.base as base
+for cls in vars(base).values():
+    if isinstance(cls, type) and hasattr(cls, "get_vocab_base_pre"):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "default"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32", "--no-mtp"]
+convert_hf_to_gguf.main()
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_a_gguf_written_by_llama_cpps_own_converter_gives_the_hf_logits(tmp_path, arch):
+    """The fixture's GGUF writer imitates llama.cpp's converter; this runs the converter itself (its source tree
+    in LLAMA_CPP_SRC, e.g. the b11434 sdist) on the tiny HF model and loads what it wrote."""
+    import os
+    import subprocess
+    import sys
+
+    src = os.environ.get("LLAMA_CPP_SRC", "")
+    if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
+        pytest.skip("set LLAMA_CPP_SRC to a llama.cpp source tree to run its converter")
+    folder = write_tiny_hybrid(tmp_path, arch, overrides={"mlp_only_layers": []} if arch == "qwen3_next" else None)
+    out = str(tmp_path / f"{arch}.gguf")
+    done = subprocess.run([sys.executable, "-c", _CONVERT, src, folder, out], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for path in (out, folder):
+        lm = load_model(path, CPU, torch.float32)
+        logits.append(lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 256), all_logits=True)[0])
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
