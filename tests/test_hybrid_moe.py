@@ -148,10 +148,11 @@ convert_hf_to_gguf.main()
 """
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "qwen3_5"])
 def test_a_gguf_written_by_llama_cpps_own_converter_gives_the_hf_logits(tmp_path, arch):
     """The fixture's GGUF writer imitates llama.cpp's converter; this runs the converter itself (its source tree
-    in LLAMA_CPP_SRC, e.g. the b11434 sdist) on the tiny HF model and loads what it wrote."""
+    in LLAMA_CPP_SRC, e.g. the b11434 sdist) on the tiny HF model and loads what it wrote (the dense Qwen3.5 too,
+    whose GGUF loader the MoE families share)."""
     import os
     import subprocess
     import sys
