@@ -372,9 +372,9 @@ class EngineConfig:
     conversation_cache_checkpoint_tokens: int = setting(
         1024, flag="--conversation-cache-checkpoint-tokens", label="Checkpoint interval", ui="line",
         kind="int", group="cache", unit="tokens", minimum=0, maximum=1 << 20,
-        help="hybrid models: keep the recurrent state every this many prompt tokens (rounded up to a multiple of "
-        "the block size) and at every prompt's end, parked with the conversation; a prefix match resumes from "
-        "the deepest one (0 = prompt ends only)",
+        help="hybrid models: keep the recurrent state every this many tokens, prompt or answer (rounded up to a "
+        "multiple of the block size) and at every prompt's end, parked with the conversation; a prefix match "
+        "resumes from the deepest one (0 = prompt ends only)",
     )
     conversation_cache_n_min: int = setting(
         0, flag="--conversation-cache-n-min", label="Least tokens to restore",

@@ -10,6 +10,9 @@ import pytest
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid")
+HYBRID_ARCHS += ("qwen3_next", "qwen3_5_moe")  # gated DeltaNet with experts
+# families whose RMSNorm weights (outside the DeltaNet) are stored as w - 1
+_CENTRED_NORMS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,6 +53,8 @@ def tiny_hybrid_config(arch: str):
             linear_num_value_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         )
+    if arch in ("qwen3_next", "qwen3_5_moe"):
+        return _qwen_moe_config(arch, common)
     if arch == "granitemoehybrid":  # dense (Granite-4.0-H-Micro-like), NoPE attention, non-trivial multipliers
         return transformers.GraniteMoeHybridConfig(
             **common, intermediate_size=128, shared_intermediate_size=128, num_local_experts=0,
@@ -62,12 +67,34 @@ def tiny_hybrid_config(arch: str):
     raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
 
 
-def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) -> str:
-    """Write a random-weight `arch` hybrid under tmp_path (safetensors + tokenizer); returns the folder."""
+def _qwen_moe_config(arch: str, common: dict):
+    """Qwen3-Next (a dense MLP on layer 2 through mlp_only_layers, experts elsewhere) or Qwen3.5-MoE (experts on
+    every layer): 4 experts, 2 per token, a gated shared expert, the DeltaNet and attention shapes of tiny Qwen3.5."""
+    import transformers
+
+    shape = dict(
+        **{**common, "initializer_range": 0.08}, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    if arch == "qwen3_next":
+        return transformers.Qwen3NextConfig(**shape, intermediate_size=128, decoder_sparse_step=1,
+                                            mlp_only_layers=[2], norm_topk_prob=True)
+    return transformers.Qwen3_5MoeTextConfig(**shape)
+
+
+def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, overrides: dict | None = None) -> str:
+    """Write a random-weight `arch` hybrid under tmp_path (safetensors + tokenizer); returns the folder.
+    `overrides`: config attributes set on top of `tiny_hybrid_config(arch)`."""
     import torch
     import transformers
 
     config = tiny_hybrid_config(arch)
+    for name, value in (overrides or {}).items():
+        setattr(config, name, value)
     folder = Path(tmp_path) / f"tiny-{arch}"
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -77,7 +104,7 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) 
         for name, param in model.named_parameters():
             if "norm" in name:
                 # Qwen3.5 stores its RMSNorm weights (outside the DeltaNet) as w - 1.
-                centred = arch == "qwen3_5" and "linear_attn.norm" not in name
+                centred = arch in _CENTRED_NORMS and "linear_attn.norm" not in name
                 param.uniform_(-0.5, 0.5) if centred else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
@@ -92,8 +119,11 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     does: tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts
     with 0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
     [groups, inner / groups], the shared MLP split into gate and up, q/k rows permuted as for llama; for
-    Qwen3.5 A = -exp(A_log), 1 + w for the norms outside the DeltaNet and the value heads in tiled order
-    (`_tile_v_heads`). 2-D weights in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
+    Qwen3.5 and Qwen3.5-MoE A = -exp(A_log), 1 + w for the norms outside the DeltaNet and the value heads in tiled
+    order (`_tile_v_heads`); for Qwen3-Next the same without the tiling, in_proj_qkvz regrouped into attn_qkv and
+    attn_gate (`_qwen_moe_rewrite`, which also stacks the experts of both MoE families). 2-D weights but the routers
+    in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it (Qwen3-Next's without dense
+    layers: llama.cpp's qwen3next has none)."""
     import json
 
     import gguf
@@ -103,10 +133,12 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     from engine.model.hybrid.lfm2 import mlp_size
     from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
 
-    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "qwen3_5": "qwen35"}.get(arch)
+    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "qwen3_5": "qwen35", "qwen3_next": "qwen3next",
+                 "qwen3_5_moe": "qwen35moe"}.get(arch)
     if gguf_arch is None:
-        raise ValueError(f"arch: only lfm2, granitemoehybrid and qwen3_5 have a GGUF writer here, got {arch!r}")
-    folder = write_tiny_hybrid(tmp_path, arch)
+        raise ValueError(f"arch: no GGUF writer here for {arch!r}")
+    # llama.cpp's qwen3next has no dense-MLP layers: its converter cannot name one
+    folder = write_tiny_hybrid(tmp_path, arch, overrides={"mlp_only_layers": []} if arch == "qwen3_next" else None)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     n_layers, n_heads, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -117,11 +149,15 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(n_heads)
-    if arch == "qwen3_5":  # one K/V head count; the layer pattern as full_attention_interval
+    qwen = arch in _CENTRED_NORMS  # the gated-DeltaNet families
+    if qwen:  # one K/V head count; the layer pattern as full_attention_interval (and for the MoE ones per layer)
         writer.add_head_count_kv(n_kv)
         first = cfg["layer_types"].index("full_attention") + 1
         assert all((t == "full_attention") == ((i + 1) % first == 0) for i, t in enumerate(cfg["layer_types"]))
         writer.add_full_attention_interval(first)
+        if arch != "qwen3_5":
+            writer.add_array(f"{gguf_arch}.attention.recurrent_layers",
+                             [t == "linear_attention" for t in cfg["layer_types"]])
     else:
         writer.add_head_count_kv([0 if t in recurrent else n_kv for t in cfg["layer_types"]])
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
@@ -130,8 +166,14 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_feed_forward_length(mlp_size(cfg))
         writer.add_layer_norm_rms_eps(cfg["norm_eps"])
         writer.add_shortconv_l_cache(cfg["conv_L_cache"])
-    elif arch == "qwen3_5":
-        writer.add_feed_forward_length(cfg["intermediate_size"])
+    elif qwen:
+        if "intermediate_size" in cfg:  # Qwen3.5-MoE has none
+            writer.add_feed_forward_length(cfg["intermediate_size"])
+        if arch != "qwen3_5":  # Qwen2-MoE's keys (the converter writes no expert_weights_norm)
+            writer.add_expert_count(cfg["num_experts"])
+            writer.add_expert_used_count(cfg["num_experts_per_tok"])
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
@@ -174,12 +216,18 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
-                  "qwen3_5": gguf.MODEL_ARCH.QWEN35}[arch]
+                  "qwen3_5": gguf.MODEL_ARCH.QWEN35, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
+                  "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE}[arch]
     names = gguf.get_tensor_name_map(model_arch, n_layers)
     out_tensors: list[tuple[str, np.ndarray]] = []
-    for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    if arch in ("qwen3_next", "qwen3_5_moe"):
+        weights, out_tensors = _qwen_moe_rewrite(cfg, weights)
+    for name, w in weights.items():
         w = w.astype(np.float32)
-        if arch == "qwen3_5":
+        if arch == "qwen3_next" and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            w = w + 1.0
+        elif qwen and arch != "qwen3_next":
             w = _qwen35_rewrite(cfg, name, w)
         if name.endswith(".dt_bias"):
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
@@ -196,7 +244,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         if ".conv.conv." in name or ".conv1d.weight" in name:
             w = w.squeeze(1)
         elif name.endswith(".A_log"):
-            w = -np.exp(w) if arch == "qwen3_5" else -np.exp(w).reshape(-1, 1)
+            w = -np.exp(w) if qwen else -np.exp(w).reshape(-1, 1)
         elif name.endswith(".D"):
             w = w.reshape(-1, 1)
         elif name.endswith("mamba.norm.weight"):
@@ -207,7 +255,8 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             w = permute(w, n_kv)
         out_tensors.append((out, w))
     for out, w in out_tensors:
-        if quantize and w.ndim == 2 and w.shape[1] % 32 == 0 and "norm" not in out:  # norms stay float, as llama.cpp keeps them
+        # norms and the routers stay float, as llama.cpp keeps them
+        if quantize and w.ndim == 2 and w.shape[1] % 32 == 0 and "norm" not in out and "ffn_gate_inp" not in out:
             q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(out, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -217,6 +266,36 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def _qwen_moe_rewrite(cfg: dict, weights: dict) -> tuple[dict, list]:
+    """What llama.cpp's Qwen2-MoE / Qwen3-Next converter does before naming: each layer's experts stacked into
+    [experts, ...] tensors, and Qwen3-Next's fused per-key-head in_proj_qkvz regrouped into attn_qkv (q | k | v)
+    and attn_gate (z). Returns (the tensors still to name, the (GGUF name, tensor) pairs already named)."""
+    import re
+
+    import numpy as np
+
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    rest, named = {}, []
+    nk, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    per_k = cfg["linear_num_value_heads"] // nk
+    for name, w in weights.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = w
+        elif name.endswith("linear_attn.in_proj_qkvz.weight"):
+            layer = name.split(".")[2]
+            g = w.astype(np.float32).reshape(nk, 2 * dk + 2 * per_k * dv, -1)
+            q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + per_k * dv], axis=1)
+            named.append((f"blk.{layer}.attn_qkv.weight",
+                          np.concatenate([t.reshape(-1, g.shape[-1]) for t in (q, k, v)])))
+            named.append((f"blk.{layer}.attn_gate.weight", np.ascontiguousarray(z.reshape(-1, g.shape[-1]))))
+        else:
+            rest[name] = w
+    for (prefix, part), by_index in experts.items():
+        rest[f"{prefix}.{part}.weight"] = np.stack([by_index[i] for i in sorted(by_index)])
+    return rest, named
 
 
 def _tile_v_heads(w, axis: int, k_heads: int, per_k: int, head_dim: int):

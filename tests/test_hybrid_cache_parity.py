@@ -100,3 +100,28 @@ def test_a_hybrid_slot_saved_to_a_file_and_restored_continues_as_if_it_never_lef
         finally:
             eng.close()
     assert answers[1][0] == answers[0][0] and answers[1][1] > 0
+
+
+def test_decode_takes_a_checkpoint_at_each_block_end_it_crosses(folders):
+    """An answer generated past a block end leaves a checkpoint there: when the answer comes back re-rendered
+    into other tokens a little past that end, the next turn resumes at the block end instead of re-prefilling
+    rows of a block the cache already holds (those would differ from the decoded ones in their last bits; the
+    tiny Qwen3.5-MoE's restart scenario above hits exactly that)."""
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+    from tools.conversation_cache_parity import _conversation
+
+    eng = Engine.from_config(EngineConfig(**{**_base(folders["qwen3_5"], "ram"), "conversation_cache_mib": 0}))
+    try:
+        conv = _conversation("You are careful.", "Go on.", 1)
+        ids = eng.tokenizer.encode(eng.tokenizer.render_chat(conv), add_special_tokens=False)
+        prompt = len(ids)
+        block_end = (prompt // 64 + 1) * 64  # the first block end past the prompt (checkpoints every 64)
+        params = SamplingParams(temperature=0.0, max_tokens=block_end - prompt + 4, ignore_eos=True)
+        tokens = [e.token_id for e in eng.submit(GenerationRequest("across", ids, params)) if e.token_id is not None]
+        assert prompt + len(tokens) - 1 > block_end  # decode fed the tokens across it
+        positions = eng.call(lambda: sorted(eng.states.checkpoints[0])).result()
+    finally:
+        eng.close()
+    assert block_end in positions and prompt - 1 in positions, positions

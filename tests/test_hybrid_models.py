@@ -201,7 +201,7 @@ def test_granite_mixture_of_experts_is_refused_clearly(tmp_path):
         read_model_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def test_gguf_loads_the_same_model(tmp_path, arch):
     """An unquantised GGUF with llama.cpp's names, keys and tensor rewrites gives the logits of its HF folder;
     a Q8_0 one gives those of the folder's weights rounded through Q8_0."""
@@ -223,10 +223,10 @@ def test_gguf_loads_the_same_model(tmp_path, arch):
 
     quantized = _load(write_tiny_hybrid_gguf(tmp_path / "q8", arch, quantize=True))
     for name, buf in from_folder.model.named_buffers():
-        if buf.dim() == 2 and buf.shape[1] % 32 == 0:
+        if buf.dim() == 2 and buf.shape[1] % 32 == 0 and not name.endswith("moe.router"):  # routers stay float
             w = buf.numpy()
             # llama.cpp tiles the value heads of Qwen3.5's DeltaNet output columns: its Q8_0 groups hold those
-            tiled = arch == "qwen3_5" and name.endswith("mixer.w_out")
+            tiled = arch in ("qwen3_5", "qwen3_5_moe") and name.endswith("mixer.w_out")
             c = from_folder.config
             heads = (c.linear_k_heads, c.linear_v_heads // c.linear_k_heads, c.linear_v_dim) if tiled else ()
             w = _tile_v_heads(w, 1, *heads) if tiled else w
@@ -245,14 +245,14 @@ def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_pat
     from engine.errors import ModelLoadError
 
     path = tmp_path / "q.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3next")
+    writer = gguf.GGUFWriter(str(path), "lfm2moe")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="'qwen3next' .* is not supported from GGUF yet; load its Hugging Face"):
+    with pytest.raises(ModelLoadError, match="'lfm2moe' .* is not supported from GGUF yet; load its Hugging Face"):
         load_model(str(path), [(torch.device("cpu"), 0, 1)], torch.float32)
 
 
@@ -270,7 +270,11 @@ def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, 
         out[dtype] = torch.cat((a, b))
     ref, low = out[torch.float32], out[torch.bfloat16]
     assert low.dtype == torch.float32 and torch.isfinite(low).all()
-    assert _diff(low, ref) < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {_diff(low, ref):.3g} from float32"
+    rows = (low - ref).abs().amax(-1)
+    # With experts, bfloat16 rounding may route a token whose top-k is a near tie to another expert (a discrete
+    # change of that row); the typical row must still track float32.
+    drift = rows.median().item() if lm.config.moe is not None else rows.max().item()
+    assert drift < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {drift:.3g} from float32"
 
 
 def test_a_hybrid_layer_is_planned_with_its_weights_kv_and_recurrent_state(hybrid_models):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +42,18 @@ _HF_FIXED = {
 }
 _HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
 _HF_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+class MoeShape(Protocol):
+    """What building an expert block reads of a model's config (ModelConfig, or a hybrid model's HybridConfig)."""
+
+    @property
+    def moe(self) -> MoeConfig | None: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def is_moe_layer(self, index: int) -> bool: ...
 
 
 def hf_layer_key(rest: str) -> str | None:
@@ -102,7 +114,7 @@ def output_is_separate(config: ModelConfig) -> bool:
 
 
 def build_sparse_moe(
-    config: ModelConfig,
+    config: MoeShape,
     index: int,
     get: Getter,
     need: Callable[[str, tuple[int, ...]], torch.Tensor],

@@ -64,7 +64,7 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int,
     if not isinstance(config, ModelConfig):  # engine.model.hybrid: recurrent layers + attention layers
         from engine.model.hybrid.sizes import layer_bytes as hybrid_layer_bytes
 
-        return hybrid_layer_bytes(config, dtype, n_slots, ctx)
+        return hybrid_layer_bytes(config, dtype, n_slots, ctx, cpu_experts)
     c = config
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     mlp = max(moe_loading.mlp_weights(c, i) - (moe_loading.routed_expert_weights(c) if i in cpu_experts else 0)

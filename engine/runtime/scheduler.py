@@ -297,6 +297,8 @@ class Scheduler(Stats):
                 continue
             pos = len(slot.tokens)
             if a.next_token is not None:  # decoding: feed the last sampled token
+                if self.states is not None:  # a block end crossed in decode gets its checkpoint too
+                    self.states.before_prefill(slot.id, pos, pos + 1, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor([a.next_token], dtype=torch.int64)))
                 owners.append((slot, True))
                 n_decode += 1

@@ -4,7 +4,9 @@ A recurrent layer's state is valid only after exactly the tokens it absorbed: it
 the way K/V rows can. So each slot keeps host copies of its state at chosen positions (checkpoints), taken by
 the prefill itself (`RecurrentStateBuffers.request_checkpoints`, no second pass):
 - every `every` tokens (absolute multiples, `--conversation-cache-checkpoint-tokens` rounded up to a multiple of
-  the cache's block size, so each falls on a block boundary), and
+  the cache's block size, so each falls on a block boundary), in decode too (a generated answer that is sent
+  back re-rendered into other tokens resumes from the last block end before the change, so the rows of a block the
+  cache already holds are never computed a second way: decoded and prefilled rows differ in their last bits), and
 - at the end of every prompt (the state before its last token, which is computed alone: a request that asks the
   same prompt again, or a restart that finds the whole prompt parked, resumes exactly there).
 A slot reuses its own contents up to the deepest checkpoint within the common prefix (or all of them when the

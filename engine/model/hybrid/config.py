@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model.config import ROPE_TYPES, ConfigError
+from engine.model.moe_config import MoeConfig
 
 # Layer kinds. "attention" layers own K/V rows in the K/V buffers; the others own a fixed-size recurrent state.
 ATTENTION, SHORT_CONV, DELTA, MAMBA = "attention", "short_conv", "gated_delta", "mamba2"
@@ -22,9 +23,14 @@ HF_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 _MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "granitemoehybrid": "granitemoehybrid"}
-ARCHITECTURES = ("lfm2", "qwen3_5", "granitemoehybrid")
+_MODEL_TYPES |= {"qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+ARCHITECTURES: tuple[str, ...] = ("lfm2", "qwen3_5", "granitemoehybrid")
+ARCHITECTURES += ("qwen3_next", "qwen3_5_moe")
 
 
 def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:
@@ -75,6 +81,8 @@ class HybridConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # mixture-of-experts MLP (Qwen3-Next, Qwen3.5-MoE): the layers not in moe.dense_layers run experts
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -110,12 +118,21 @@ class HybridConfig:
                     raise ConfigError(f"{name}: Mamba-2 layers need a positive value")
             if self.mamba_heads % self.mamba_groups:
                 raise ConfigError("mamba_heads must be a multiple of mamba_groups")
+        if self.moe is not None:
+            try:
+                self.moe.check(self.n_layers)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     # ------------------------------------------------------------ derived shapes
 
     @property
     def n_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` runs a sparse expert block instead of the dense MLP."""
+        return self.moe is not None and index not in self.moe.dense_layers
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -149,6 +166,10 @@ class HybridConfig:
         """JSON-able description; part of the identity of parked K/V and recurrent state."""
         out = asdict(self)
         out["layer_kinds"] = list(self.layer_kinds)
+        if self.moe is None:
+            del out["moe"]  # a dense model's identity keeps the form it had before experts existed
+        else:
+            out["moe"]["dense_layers"] = list(self.moe.dense_layers)
         return out
 
 

@@ -8,8 +8,9 @@ Supported:
   to 2-D, dt_bias as `ssm_dt.bias`), the shared MLP split into ffn_gate / ffn_up, q/k rows permuted as for
   llama, the embeddings padded to a multiple of 8 rows, Granite's scales as `embedding_scale`,
   `residual_scale`, `attention.scale`, `logit_scale`, RoPE only when `rope.scaling.finetuned` is set.
-- `qwen35` (Qwen3.5, dense): `engine.model.hybrid.gguf_qwen35` undoes what llama.cpp's converter rewrites (the
-  value-head order, the +1 folded into the norms, -exp(A_log)).
+- `qwen35` (Qwen3.5), `qwen35moe` (Qwen3.5-MoE) and `qwen3next` (Qwen3-Next): `engine.model.hybrid.gguf_qwen35`
+  undoes what llama.cpp's converter rewrites (the value-head order, the +1 folded into the norms, -exp(A_log),
+  Qwen3-Next's regrouped qkvz); their experts have Qwen2-MoE's tensor names and keys.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
+from engine.model import moe_loading
 from engine.model.build import LoadedModel
 from engine.model.gguf_loading import _read_gguf, _unpermute, gguf_metadata, read_gguf
 from engine.model.hybrid import gguf_qwen35
@@ -29,8 +31,9 @@ from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfi
 from engine.model.hybrid.loader import build_hybrid
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
-GGUF_ARCHITECTURES = ("lfm2", "granitehybrid", "qwen35")
-NOT_YET = ("qwen35moe", "qwen3next", "nemotron_h", "falcon-h1", "lfm2moe", "mamba2")
+GGUF_ARCHITECTURES: tuple[str, ...] = ("lfm2", "granitehybrid", "qwen35")
+GGUF_ARCHITECTURES += ("qwen35moe", "qwen3next")
+NOT_YET = ("nemotron_h", "falcon-h1", "lfm2moe", "mamba2")
 
 _LFM2_LAYER_NAMES = {
     "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
@@ -52,6 +55,7 @@ _GRANITE_LAYER_NAMES = {
 _GRANITE_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES),
           "qwen35": (gguf_qwen35.GLOBAL_NAMES, gguf_qwen35.LAYER_NAMES)}
+_NAMES |= {arch: _NAMES["qwen35"] for arch in gguf_qwen35.GGUF_ARCHITECTURES}
 
 
 def is_hybrid_gguf(meta: dict) -> bool:
@@ -70,7 +74,7 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
             f"load its Hugging Face folder instead (GGUF hybrids supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
 
-    if arch == "qwen35":
+    if arch in gguf_qwen35.GGUF_ARCHITECTURES:
         return gguf_qwen35.config(meta, tensor_names, path, embed_rows)
 
     def key(name: str, default=None):
@@ -149,13 +153,13 @@ def _canonical(arch: str, name: str) -> str | None:
         return global_names[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        key = layer_names.get(rest)
+        key = layer_names.get(rest) or moe_loading.gguf_layer_key(rest)  # experts: the MoE families' names
         if key is not None:
             return f"{index}.{key}"
     return None
 
 
-def load_hybrid_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
+def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
     """Load a hybrid GGUF (any quantisation gguf can dequantise); identity as in `engine.model.gguf_loading`."""
     import gguf
     import numpy as np
@@ -179,7 +183,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
     content = xxhash.xxh3_128()
 
     def get(key: str) -> torch.Tensor | None:
-        if key.endswith(".gate_up"):  # Granite's fused MLP input, split by the converter
+        if key.endswith(".gate_up") and not key.endswith(".experts.gate_up"):  # Granite's MLP input, split by the converter
             gate, up = get(key.removesuffix("gate_up") + "gate"), get(key.removesuffix("gate_up") + "up")
             return None if gate is None or up is None else torch.cat((gate, up))
         if key.endswith(".a_log"):  # the file has A = -exp(A_log) as [heads, 1]
@@ -201,11 +205,11 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
             w = w.reshape(-1)
         elif arch == "granitehybrid" and key.endswith((".q", ".k")):
             w = _unpermute(w, config.n_heads if key.endswith(".q") else config.n_kv_heads)
-        if arch == "qwen35":
+        if arch in gguf_qwen35.GGUF_ARCHITECTURES:
             w = gguf_qwen35.fix(config, key, w)
         return w
 
-    model = build_hybrid(config, stages, dtype, get, path)
+    model = build_hybrid(config, stages, dtype, get, path, cpu_experts)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:

@@ -1,9 +1,10 @@
 """Hybrid models from HF folders (config.json + safetensors): the family registry and the generic builder.
 
-A family module (lfm2, qwen3_5, granitemoehybrid) provides `config_from_hf(cfg) -> HybridConfig`, the
+A family module (lfm2, qwen3_5, granitemoehybrid, qwen3_next, qwen3_5_moe) provides `config_from_hf(cfg) -> HybridConfig`, the
 map of its HF tensor names to canonical keys (`HF_LAYER_NAMES` after "model.layers.<i>.", `HF_GLOBAL_NAMES`),
 `build_mixer(config, layer, need, opt, to)` for its recurrent layers and `NORM_OFFSET` (Qwen3.5 stores
-RMSNorm weights as w - 1, so 1 is added once at load). Attention layers and the MLP are built here.
+RMSNorm weights as w - 1, so 1 is added once at load). Attention layers and the MLP are built here: dense, or
+the sparse expert block (`moe_mlp`) on the layers `HybridConfig.moe` marks.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import xxhash
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
+from engine.model import moe_loading
 from engine.model.build import LoadedModel
 from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
-from engine.model.hybrid import granitemoehybrid, lfm2, qwen3_5
+from engine.model.hybrid import granitemoehybrid, lfm2, moe_mlp, qwen3_5, qwen3_5_moe, qwen3_next
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
+FAMILIES |= {"qwen3_next": qwen3_next, "qwen3_5_moe": qwen3_5_moe}
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
 _PREFIXES = (("model.language_model.", "model."),)
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")
@@ -50,9 +53,11 @@ def hybrid_config_from_hf(cfg: dict) -> HybridConfig:
 
 
 def build_hybrid(
-    config: HybridConfig, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, get, path: str
+    config: HybridConfig, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, get, path: str,
+    cpu_experts: frozenset[int] = frozenset(),
 ) -> HybridCausalLM:
-    """The model on `stages` from `get(canonical key) -> CPU tensor | None`."""
+    """The model on `stages` from `get(canonical key) -> CPU tensor | None`; the routed experts of the layers in
+    `cpu_experts` stay in host RAM as 4-bit groups (engine/model/moe_placement.py)."""
     c = config
     if not stages or stages[0][1] != 0 or stages[-1][2] != c.n_layers:
         raise ModelLoadError(f"{path}: stages {stages} do not cover the model's {c.n_layers} layers")
@@ -99,12 +104,14 @@ def build_hybrid(
             else:
                 mixer = family.build_mixer(c, li, need, opt, to)
             inter = c.intermediate_size
-            gate_up = family.gate_up(c, li, need) if hasattr(family, "gate_up") else torch.cat(
-                (need(p + "gate", (inter, d)), need(p + "up", (inter, d)))
-            )
+            moe = moe_mlp.build(c, li, get, need, to, path, dtype, cpu_experts)  # None: a dense MLP
+            mlp = {"moe": moe} if moe is not None else {
+                "w_gate_up": to(family.gate_up(c, li, need) if hasattr(family, "gate_up") else torch.cat(
+                    (need(p + "gate", (inter, d)), need(p + "up", (inter, d))))),
+                "w_down": to(need(p + "down", (d, inter))),
+            }
             layers.append(HybridLayer(
-                kind, mixer, mixer_norm=to(norm(p + "mixer_norm", d)), mlp_norm=to(norm(p + "mlp_norm", d)),
-                w_gate_up=to(gate_up), w_down=to(need(p + "down", (d, inter))),
+                kind, mixer, mixer_norm=to(norm(p + "mixer_norm", d)), mlp_norm=to(norm(p + "mlp_norm", d)), **mlp,
             ))
             startup_progress.report(len(layers), c.n_layers)  # GET /health shows the fraction while loading
     final_norm = norm("norm", d).to(device=last_device, dtype=dtype)
@@ -130,13 +137,14 @@ def _hf_canonical(family: ModuleType, name: str) -> str | None:
         return family.HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = family.HF_LAYER_NAMES.get(rest)
+        key = family.HF_LAYER_NAMES.get(rest) or moe_loading.hf_layer_key(rest)  # experts: the MoE families' names
         if key is not None:
             return f"{index}.{key}"
     return None
 
 
-def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype) -> LoadedModel:
+def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
+                   cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
     """Load a hybrid HF folder; same identity rules as `engine.model.hf_loading._load_hf` (config, file headers
     and every weight's bytes in the fingerprint)."""
 
@@ -166,7 +174,7 @@ def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype) ->
 
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
-    model = build_hybrid(config, stages, dtype, get, folder)
+    model = build_hybrid(config, stages, dtype, get, folder, cpu_experts)
     h.update(content.digest())
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)  # type: ignore[arg-type]

@@ -31,27 +31,32 @@ from engine.model.hybrid.config import HybridConfig
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayout
 from engine.model.int4 import Int4Weight
 from engine.model.llama import SeqChunk, _linear, _logit_rows, rms_norm
+from engine.model.moe import SparseMoe
 from engine.model.rope import RotaryTable
 
 
 class HybridLayer(torch.nn.Module):
-    """norm -> mixer (attention or recurrent) -> residual; norm -> gated MLP -> residual."""
+    """norm -> mixer (attention or recurrent) -> residual; norm -> gated MLP (or experts) -> residual."""
 
     # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
     # int4.quantize_model replaces the projection weights by Int4Weight ones.
     mixer_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor | Int4Weight
-    w_down: torch.Tensor | Int4Weight
+    w_gate_up: torch.Tensor | Int4Weight | None
+    w_down: torch.Tensor | Int4Weight | None
 
     def __init__(
         self, kind: str, mixer: torch.nn.Module, *, mixer_norm: torch.Tensor, mlp_norm: torch.Tensor,
-        w_gate_up: torch.Tensor, w_down: torch.Tensor,
+        w_gate_up: torch.Tensor | None = None, w_down: torch.Tensor | None = None, moe: SparseMoe | None = None,
     ) -> None:
         super().__init__()
-        assert w_gate_up.shape[0] == 2 * w_down.shape[1], (tuple(w_gate_up.shape), tuple(w_down.shape))
+        # a layer has a dense MLP or an expert block (Qwen3-Next, Qwen3.5-MoE), never both
+        assert (moe is None) == (w_gate_up is not None) == (w_down is not None), "dense MLP xor experts"
+        assert w_gate_up is None or w_down is None or w_gate_up.shape[0] == 2 * w_down.shape[1], (
+            tuple(w_gate_up.shape), tuple(w_down.shape))
         self.kind = kind
         self.mixer = mixer
+        self.moe = moe
         self.register_buffer("mixer_norm", mixer_norm, persistent=False)
         self.register_buffer("mlp_norm", mlp_norm, persistent=False)
         self.register_buffer("w_gate_up", w_gate_up, persistent=False)
@@ -189,9 +194,13 @@ class HybridCausalLM(torch.nn.Module):
         y = layer.mixer(h, batch)
         x = x + y * c.residual_multiplier if c.residual_multiplier != 1.0 else x + y
         h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-        gate_up = _linear(h, layer.w_gate_up, batch.n_single)
-        inter = layer.w_down.shape[1]
-        y = _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, batch.n_single)
+        if layer.moe is not None:
+            y = layer.moe(h, batch.n_single)
+        else:
+            assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (see HybridLayer)
+            gate_up = _linear(h, layer.w_gate_up, batch.n_single)
+            inter = layer.w_down.shape[1]
+            y = _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, batch.n_single)
         return x + y * c.residual_multiplier if c.residual_multiplier != 1.0 else x + y
 
 

@@ -15,11 +15,19 @@ import torch
 
 from engine.model.hybrid.config import ATTENTION, DELTA, ConfigError, HybridConfig
 from engine.model.hybrid.gated_deltanet import GatedDeltaNetMixer
+from engine.model.moe_config import MoeConfig
 
 NORM_OFFSET = 1.0
 
 
 def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
+    return text_config(cfg, "qwen3_5", int(cfg["intermediate_size"]))
+
+
+def text_config(cfg: dict[str, Any], architecture: str, intermediate_size: int, moe: MoeConfig | None = None
+                ) -> HybridConfig:
+    """The shape shared by the gated-DeltaNet families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: the same config keys
+    and layer types); each names itself and gives its dense MLP size and its experts."""
     n_layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:
@@ -28,7 +36,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
     kinds = []
     for t in types:
         if t not in ("full_attention", "linear_attention"):
-            raise ConfigError(f"layer_types: unknown Qwen3.5 layer type {t!r}; expected full_attention or linear_attention")
+            raise ConfigError(f"layer_types: unknown layer type {t!r}; expected full_attention or linear_attention")
         kinds.append(ATTENTION if t == "full_attention" else DELTA)
     hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
@@ -43,12 +51,14 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
                                                                "mrope_interleaved", "type")}
         scaling["rope_type"] = kind
     if cfg.get("attention_bias"):
-        raise ConfigError("attention_bias: Qwen3.5 attention with biases is not supported")
+        raise ConfigError("attention_bias: attention with biases is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {cfg['hidden_act']!r}: only silu is supported")
     return HybridConfig(
-        architecture="qwen3_5",
+        architecture=architecture,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=intermediate_size,
         layer_kinds=tuple(kinds),
         n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
@@ -66,6 +76,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         linear_v_heads=int(cfg.get("linear_num_value_heads", 32)),
         linear_k_dim=int(cfg.get("linear_key_head_dim", 128)),
         linear_v_dim=int(cfg.get("linear_value_head_dim", 128)),
+        moe=moe,
     )
 
 
@@ -85,11 +96,19 @@ HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "n
 def build_mixer(config: HybridConfig, layer: int, need, opt, to) -> torch.nn.Module:
     c, p = config, f"{layer}."
     d, hv = c.hidden_size, c.linear_v_heads
-    value_dim = hv * c.linear_v_dim
     w_in = torch.cat((
-        need(p + "dn_qkv", (c.conv_channels, d)), need(p + "dn_z", (value_dim, d)),
+        need(p + "dn_qkv", (c.conv_channels, d)), need(p + "dn_z", (hv * c.linear_v_dim, d)),
         need(p + "dn_b", (hv, d)), need(p + "dn_a", (hv, d)),
     ))
+    return deltanet_mixer(c, layer, w_in, need, to)
+
+
+def deltanet_mixer(config: HybridConfig, layer: int, w_in: torch.Tensor, need, to) -> GatedDeltaNetMixer:
+    """The gated DeltaNet of `layer` around its input projection `w_in` (rows q | k | v | z | b | a, value heads
+    grouped by key head) from the layer's other canonical keys."""
+    c, p = config, f"{layer}."
+    d, hv = c.hidden_size, c.linear_v_heads
+    value_dim = hv * c.linear_v_dim
     conv = need(p + "conv", (c.conv_channels, 1, c.conv_kernel)).reshape(c.conv_channels, c.conv_kernel)
     return GatedDeltaNetMixer(
         c, layer, w_in=to(w_in), conv=to(conv), a_log=to(need(p + "a_log", (hv,))),
