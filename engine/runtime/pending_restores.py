@@ -1,0 +1,88 @@
+"""Restores whose read runs off the engine thread, so the other slots keep decoding while one conversation is
+read back from disk.
+
+The engine thread decides a restore (the cache's read-only lookup, `begin_restore`'s checks and pins) and parks
+what the chosen slot held; a reader thread then reads and verifies the parked pieces (file reads and xxhash
+release the GIL); the slot meanwhile is *restoring*: not free, not in the batch, its K/V rows untouched. When the
+read is done the reader wakes the engine thread, which at the top of its next loop copies the pieces into the
+slot (a memcpy, `RestoreRead.deliver`) and starts the request, which then prefills what is past the restore. A
+failed read is a clean miss for that slot only.
+
+The same shape fits the incoming side of a GPU transfer (the reader waits for a device-to-host or peer copy
+instead of files); nothing else in the engine needs to change for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.cache.restores import RestoreRead
+    from engine.runtime.state import Slot
+
+log = logging.getLogger("strata.engine")
+READERS = 1  # one reader: restores queue behind each other, never compete for the disk or the cores
+
+
+@dataclass(slots=True)
+class Pending:
+    """A slot waiting for its restore's read."""
+
+    slot: Slot
+    read: RestoreRead
+    future: Future[None]
+    context: Any  # what admission decided, handed back when the read is done
+    tokens_at_start: int  # the engine's generated-token count when the read started
+
+
+class PendingRestores:
+    """The slots whose restore is being read, and the reader thread (engine thread only, but for the reader)."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake  # puts something into the engine's inbox, so a blocked loop notices a finished read
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def start(self, slot: Slot, read: RestoreRead, context: Any, tokens_now: int) -> None:
+        """Read `read` in the background; `slot` is restoring until `ready()` hands it back."""
+        assert slot.active is None and not slot.restoring and slot.id not in self._pending, slot.id
+        assert not slot.tokens, "a restoring slot holds nothing until its data arrived"
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="strata-restore")
+        slot.restoring = True
+        future = self._pool.submit(read.read)
+        future.add_done_callback(lambda _f: self._wake())
+        self._pending[slot.id] = Pending(slot, read, future, context, tokens_now)
+
+    def ready(self) -> list[Pending]:
+        """The restores whose read is done, no longer pending; their slots are restoring until the caller
+        delivers them and sets `slot.restoring = False`."""
+        done = [p for p in self._pending.values() if p.future.done()]
+        for p in done:
+            del self._pending[p.slot.id]
+            assert p.read.done, "the reader finished without completing the read"
+        return done
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending read is done (a cache reconfigure or the shutdown)."""
+        futures = [p.future for p in self._pending.values()]
+        if futures:
+            wait_futures(futures, timeout=timeout)
+
+    def close(self, timeout: float = 30.0) -> list[Pending]:
+        """Finish what is being read and stop the reader; returns the restores never delivered."""
+        self.wait(timeout)
+        left = list(self._pending.values())
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        return left
