@@ -341,7 +341,8 @@ class ConversationCache:
                     name=conv.name,
                     client=conv.client,
                     system=conv.system,
-                    checkpoints=len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys),
+                    checkpoints=(n := len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys)),
+                    checkpoint_bytes=n * self.identity.state_bytes,
                 )
                 for tier, index in self._tiers()
                 for conv in index.convs.values()
