@@ -56,7 +56,8 @@ class CacheAPI(Protocol):
 
     def begin_restore(self, hit: CacheHit) -> RestoreRead:
         """`restore` split so the read can run on another thread: checks now (CacheRestoreError), then
-        `read()` (any thread, never raises), then `deliver(write_parts)` on the engine thread."""
+        `read()` (any thread, never raises), then `deliver(write_parts)` on the engine thread (with
+        `persist_use=False`, `persist_use()` afterwards on any thread rewrites a disk entry's manifest)."""
         ...
 
     def purge(self, tier: str) -> PurgeResult: ...

@@ -120,9 +120,10 @@ class RestoreRead:
             self.read_ms = (time.perf_counter() - t0) * 1000
             self.done = True
 
-    def deliver(self, write_parts: WriteParts) -> RestoreResult:
+    def deliver(self, write_parts: WriteParts, *, persist_use: bool = True) -> RestoreResult:
         """Write the read pieces into the slot and count the restore (engine thread, after `read`); raises the
-        read's CacheRestoreError before any write."""
+        read's CacheRestoreError before any write. `persist_use=False`: the caller runs `persist_use()` later,
+        on another thread (the manifest rewrite is a file write and an fsync)."""
         assert self.done, "deliver() before read() finished: the slot's rows would be written from nothing"
         cache, conv, n = self.cache, self.conv, self.n
         if self.error is not None:
@@ -147,7 +148,7 @@ class RestoreRead:
             conv.last_used = time.time()
             if conv.id in index.convs:
                 index.touch(conv.id)
-            if disk is not None and cache.disk is disk:
+            if persist_use and disk is not None and cache.disk is disk:
                 disk.record_use(conv)
             for name, value in (("restores", 1), ("hits", 1), ("tokens_reused", n), ("bytes_restored", nbytes)):
                 cache._journal.count(name, value)
@@ -157,6 +158,16 @@ class RestoreRead:
                  conv.id, tier, n, nbytes / MIB, ms, self.read_ms)
         self.pieces, self.state = [], None  # the slot holds them now
         return RestoreResult(n, nbytes, ms, tier)
+
+    def persist_use(self) -> None:
+        """Rewrite a disk entry's manifest with its new last use and hit count (any thread, after `deliver`);
+        an entry evicted or superseded meanwhile is skipped (`record_use` checks under the lock)."""
+        cache, disk = self.cache, self.disk
+        if disk is None:
+            return
+        with cache._lock:
+            if cache.disk is disk:
+                disk.record_use(self.conv)
 
 
 def find_entry(cache: ConversationCache, hit: CacheHit) -> tuple[str, Conv] | None:

@@ -5,8 +5,9 @@ The engine thread decides a restore (the cache's read-only lookup, `begin_restor
 what the chosen slot held; a reader thread then reads and verifies the parked pieces (file reads and xxhash
 release the GIL); the slot meanwhile is *restoring*: not free, not in the batch, its K/V rows untouched. When the
 read is done the reader wakes the engine thread, which at the top of its next loop copies the pieces into the
-slot (a memcpy, `RestoreRead.deliver`) and starts the request, which then prefills what is past the restore. A
-failed read is a clean miss for that slot only.
+slot (a memcpy, `RestoreRead.deliver`) and starts the request, which then prefills what is past the restore; the
+reader then rewrites the entry's manifest with its new last use and hits (a file write and an fsync, which on a
+busy disk took longer than the read). A failed read is a clean miss for that slot only.
 
 The same shape fits the incoming side of a GPU transfer (the reader waits for a device-to-host or peer copy
 instead of files); nothing else in the engine needs to change for it.
@@ -71,6 +72,11 @@ class PendingRestores:
             assert p.read.done, "the reader finished without completing the read"
         return done
 
+    def persist(self, read: RestoreRead) -> None:
+        """Rewrite the restored entry's manifest (its last use, its hits) on the reader, not the engine thread."""
+        assert self._pool is not None, "persist() after a read started the reader"
+        self._pool.submit(read.persist_use)
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending read is done (a cache reconfigure or the shutdown)."""
         futures = [p.future for p in self._pending.values()]
@@ -83,6 +89,6 @@ class PendingRestores:
         left = list(self._pending.values())
         self._pending.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True)  # manifest rewrites queued behind the reads land before the cache closes
             self._pool = None
         return left

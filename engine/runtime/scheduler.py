@@ -288,6 +288,8 @@ class Scheduler(Stats):
             request, hit = p.context[0], p.context[2]
             reused, failed = self._restore_hit(p.slot, hit, request.prompt_tokens, p.read)
             p.slot.restoring = False
+            if reused:
+                self._restores.persist(p.read)
             read = {"ms": round(p.read.read_ms, 3),
                     "tokens_meanwhile": self._counters["generated_tokens"] - p.tokens_at_start}
             self._start_restored(p.slot, p.context, reused, failed, read)
@@ -307,7 +309,7 @@ class Scheduler(Stats):
 
         try:
             writer = kv_writer(write_kv) if self.states is None else self.states.writer(slot.id, write_kv)
-            result = self.cache.restore(hit, writer) if read is None else read.deliver(writer)
+            result = self.cache.restore(hit, writer) if read is None else read.deliver(writer, persist_use=False)
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
