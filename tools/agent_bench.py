@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
     parser.add_argument("--llama-cache-reuse", type=int, default=256,
                         help="llama-server --cache-reuse: the least tokens of a chunk it shifts to reuse")
+    parser.add_argument("--llama-args", default="", help="extra llama-server flags (e.g. \"--poll 0\")")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.turns < 2:
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         argv = [args.llama_server, "-m", args.model or embedded_model_path(), "--port", str(port), "-c",
                 str(ctx * args.parallel), "-np", str(args.parallel), "--cache-ram", str(args.cache_mib),
-                "--cache-reuse", str(args.llama_cache_reuse)]
+                "--cache-reuse", str(args.llama_cache_reuse), *args.llama_args.split()]
         print(" ".join(argv), flush=True)
         server = Server(argv)
         try:

@@ -15,6 +15,7 @@ from engine.cache.explain import LookupReport
 from engine.cache.parts import kv_reader, kv_writer
 from engine.contract import RequestRecord
 from engine.runtime.explain import Admission, Candidate, explain
+from engine.runtime.pending_restores import Looked
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.slot_choice import MIN_PARK_TOKENS, cheapest, choose_slot
@@ -151,7 +152,7 @@ class Scheduler(Stats):
         if hit is not None:
             # Restore into the slot whose loss is cheapest, parking what it holds.
             slot = cheapest(free)
-            looked = (request, stream, hit, candidate, report, small_gain)
+            looked = Looked(request, stream, hit, candidate, report, small_gain)
             if hit.tier == "disk":  # a read from files: off this thread, the slot starts in _join_restores
                 self._read_in_background(slot, looked)
             else:  # RAM: a memcpy, here
@@ -170,7 +171,7 @@ class Scheduler(Stats):
             source = "live" if reused else "none"
             self._start(request, stream, slot, Admission(prompt, reused, source, candidate, report, small_gain))
 
-    def _start_restored(self, slot: Slot, looked: tuple, reused: int, failed: str,
+    def _start_restored(self, slot: Slot, looked: Looked, reused: int, failed: str,
                         read: dict[str, Any] | None = None) -> None:
         """Start a request whose hit was restored (`reused` tokens) or failed to (0, `failed`: a clean miss)."""
         request, stream, hit, candidate, report, small_gain = looked
@@ -263,11 +264,11 @@ class Scheduler(Stats):
         self.requests.assign(slot.unnamed, result.conversation_id)
         slot.conversation_id, slot.unnamed = result.conversation_id, []
 
-    def _read_in_background(self, slot: Slot, looked: tuple) -> None:
+    def _read_in_background(self, slot: Slot, looked: Looked) -> None:
         """Park the slot's contents and start reading the hit off this thread (engine.runtime.pending_restores);
         a hit that fails its checks starts the request at once, a clean miss."""
         assert self.cache is not None
-        hit = looked[2]
+        hit = looked.hit
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
         try:
@@ -279,13 +280,15 @@ class Scheduler(Stats):
                 self.states.clear(slot.id)
             self._start_restored(slot, looked, 0, str(exc) or type(exc).__name__)
             return
-        self._restores.start(slot, read, looked, self._counters["generated_tokens"])
-        looked[1].mark_started()  # it has its slot: the queue timeout no longer applies
+        n, sid = hit.n_tokens, slot.id
+        self._restores.start(slot, read, looked, self._counters["generated_tokens"],
+                             prepare=lambda: self.kv.populate(sid, 0, n))
+        looked.stream.mark_started()  # it has its slot: the queue timeout no longer applies
 
     def _join_restores(self) -> None:
         """Copy each finished background read into its slot and start the slot's request (it joins the batch)."""
         for p in self._restores.ready():
-            request, hit = p.context[0], p.context[2]
+            request, hit = p.context.request, p.context.hit
             reused, failed = self._restore_hit(p.slot, hit, request.prompt_tokens, p.read)
             p.slot.restoring = False
             if reused:
@@ -430,8 +433,8 @@ class Scheduler(Stats):
     def _shutdown(self, deadline_s: float) -> None:
         for p in self._restores.close(timeout=deadline_s / 2):  # read, never delivered: the slot stays empty
             p.slot.restoring = False
-            p.context[1].put(TokenEvent(finish_reason="error", error="the engine is shutting down",
-                                        usage=Usage(len(p.context[0].prompt_tokens), 0, 0)))
+            p.context.stream.put(TokenEvent(finish_reason="error", error="the engine is shutting down",
+                                            usage=Usage(len(p.context.request.prompt_tokens), 0, 0)))
         for slot in self.slots:
             if slot.active is not None:
                 self._finish(slot, "stop")
