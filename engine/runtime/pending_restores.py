@@ -60,11 +60,15 @@ class Pending:
 
 def _read_then(read: RestoreRead, prepare: Callable[[], None] | None) -> None:
     read.read()
-    if prepare is not None and read.error is None:
-        try:
-            prepare()
-        except Exception:  # only a speed-up: the copy then faults the pages in itself
-            log.exception("preparing slot pages for a restore failed")
+    if prepare is not None and read.error is None:  # only a speed-up: on failure the copy faults the pages in
+        _logged(prepare, "preparing slot pages for a restore failed")
+
+
+def _logged(fn: Callable[[], None], what: str) -> None:
+    try:
+        fn()
+    except Exception:  # on the reader nobody waits for the result: say it in the log
+        log.exception(what)
 
 
 class PendingRestores:
@@ -104,7 +108,7 @@ class PendingRestores:
     def persist(self, read: RestoreRead) -> None:
         """Rewrite the restored entry's manifest (its last use, its hits) on the reader, not the engine thread."""
         assert self._pool is not None, "persist() after a read started the reader"
-        self._pool.submit(read.persist_use)
+        self._pool.submit(_logged, read.persist_use, "recording a restore's use on disk failed")
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending read is done (a cache reconfigure or the shutdown)."""
