@@ -186,6 +186,7 @@ class ConversationRow:
     name: str = ""  # the first words of its first user message
     client: str = ""  # X-Strata-Client / metadata strata_client, else the User-Agent's first product token
     checkpoints: int = 0  # a hybrid model's recurrent-state checkpoints it can resume from (counted in bytes)
+    checkpoint_bytes: int = 0  # what those checkpoints take (part of `bytes`)
     system: str = ""  # the first words of its system prompt (the list shows them on hover)
 
 

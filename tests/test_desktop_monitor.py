@@ -313,3 +313,33 @@ def test_memory_panel_draws_the_expert_arena_as_its_own_band(qtbot):
     assert "expert arena" not in memory.engine_plot.getPlotItem().titleLabel.text
     assert np.array_equal(memory.arena_curve.getData()[1], [300.0, 300.0, 0.0])
     assert memory.arena_curve.isVisible(), "the earlier samples' band stays while they are in view"
+
+
+def test_a_hybrid_conversation_shows_its_checkpoints_and_their_bytes(qtbot):
+    """Rows from a real hybrid-model cache, in the shape GET /cache/conversations answers: the list shows how many
+    checkpoints a conversation can resume from and what they take; an attention-only row shows none."""
+    from desktop.monitor import MonitorTab
+    from desktop.settings import format_bytes
+    from engine.contract import ConversationRow, ConversationsBody, parse, to_json
+    from tests.test_cache_checkpoints import Slots, hybrid, park
+    from tests.test_cache_support import BLOCK, conversation, make_cache
+
+    ident = hybrid()
+    cache, slots = make_cache(ident, storage="ram"), Slots()
+    tokens = conversation(2, 3 * BLOCK + 5)
+    assert park(cache, slots, tokens, [BLOCK, 2 * BLOCK + 3, len(tokens)]).parked
+    rows = [c.to_dict() for c in cache.conversations()]
+    cache.close(spill=False)
+    body = to_json(ConversationsBody([parse(ConversationRow, r) for r in rows]))["conversations"]
+    assert body[0]["checkpoints"] == 3 and body[0]["checkpoint_bytes"] == 3 * ident.state_bytes
+    plain = {**body[0], "id": "plain", "checkpoints": 0, "checkpoint_bytes": 0}
+
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.set_conversations([*body, plain])
+    model = tab.model
+    col = model.COLUMNS.index("Checkpoints")
+    assert model.headerData(col, Qt.Orientation.Horizontal) == "Checkpoints"
+    assert model.index(0, col).data() == f"3 · {format_bytes(3 * ident.state_bytes)}"
+    assert "resume" in model.index(0, col).data(Qt.ItemDataRole.ToolTipRole)
+    assert model.index(1, col).data() == "–"

@@ -175,10 +175,10 @@ def test_the_conversations_table_shows_name_client_priority_and_pin(qtbot):
         {"id": "c2", "tokens": 10, "bytes": 100, "tier": "ram", "created": 1.0, "last_used": 1.0, "hits": 0},
     ])
     m = tab.model
-    assert _cells(m, 0)[0] == "Fix the parser" and _cells(m, 0)[7:] == ["OpenAI/Python", "high", "pinned"]
+    assert _cells(m, 0)[0] == "Fix the parser" and _cells(m, 0)[7:10] == ["OpenAI/Python", "high", "pinned"]
     assert m.index(0, 0).data(Qt.ItemDataRole.ToolTipRole) == "Fix the parser · c1\nSystem: You are a careful coder"
     assert m.index(1, 0).data(Qt.ItemDataRole.ToolTipRole) == "c2", "no name, no system words: the id alone"
-    assert _cells(m, 1)[0] == "c2" and _cells(m, 1)[7:] == ["–", "normal", ""], "an older engine's row"
+    assert _cells(m, 1)[0] == "c2" and _cells(m, 1)[7:] == ["–", "normal", "", "–"], "an older engine's row"
 
 
 def test_every_reason_reads_as_words():

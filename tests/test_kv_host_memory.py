@@ -52,3 +52,23 @@ def test_clearing_zeroes_partial_pages_at_the_edges():
     for slot in (0, 2):
         assert torch.equal(kv.read(slot, 0, 3001), torch.full(layout.host_shape(3001), slot + 1.0,
                                                                dtype=torch.bfloat16))
+
+
+def test_populating_a_slot_makes_its_pages_resident_and_changes_no_byte():
+    """What a restore reader does before the engine thread copies a conversation in: the slot's pages are
+    faulted in (so the copy pays no page faults), every byte of every slot stays what it was."""
+    from engine.kv.host_memory import populate
+
+    layout = KVLayout(n_layers=8, n_kv_heads=4, head_dim=64, dtype=torch.float32)  # 16 KiB per token
+    kv = KVBuffers(layout, 2, 4096, [("cpu", 0, 8)])
+    kv.write(0, 0, torch.ones(layout.host_shape(300)))
+    kv.write(1, 50, torch.full(layout.host_shape(7), 2.0))  # inside the range populated below
+    if not populate(kv.layer(0)[0][0, 1, 4000:4096]):
+        return  # a kernel without MADV_POPULATE_WRITE: populate does nothing, and says so
+    before = _rss()
+    kv.populate(1, 0, 2048)
+    assert _rss() - before >= 28 * MIB  # the 32 MiB of slot 1's first 2048 tokens are resident now
+    assert torch.equal(kv.read(1, 50, 57), torch.full(layout.host_shape(7), 2.0))
+    assert torch.count_nonzero(kv.read(1, 0, 50)) == 0 and torch.count_nonzero(kv.read(1, 57, 4096)) == 0
+    assert torch.equal(kv.read(0, 0, 300), torch.ones(layout.host_shape(300)))
+    assert torch.count_nonzero(kv.read(0, 300, 4096)) == 0

@@ -7,7 +7,11 @@ turn's reused fraction (cached / prompt tokens), its time to first token against
 warm turns, and, from GET /cache/requests, why the final turn computed what it did. The workload runs twice:
 without priorities, then with `strata_priority` high for parents and low for subagents (metadata and the
 X-Strata-Priority header). With --llama-server PATH (or $LLAMA_SERVER) it also runs on llama.cpp's server with
-the same GGUF (its host-RAM prompt cache, one slot per --parallel).
+the same GGUF (the bundled model's file unless --model): its own prompt cache (`--cache-ram` = --cache-mib, idle
+slots saved to it, `--cache-reuse` = --llama-cache-reuse), one slot per --parallel, and prints both side by side:
+per session whether the final turn was reused and its time to first token. (llama-server's `--slot-save-path`
+saves and restores slots only when asked through its /slots API, which an OpenAI client never does, so it is
+not used.)
 
     python tools/agent_bench.py --sessions 2 --subagents 2 --main-tokens 1024 --sub-tokens 512 --parallel 2
 """
@@ -37,7 +41,7 @@ def turn(client: Any, model: str, messages: list[dict], max_tokens: int, priorit
     if priority is not None:
         extra = {"metadata": {"strata_priority": priority}, "extra_headers": {"X-Strata-Priority": priority}}
     t0 = time.perf_counter()
-    first, text, usage, request_id = None, "", None, ""
+    first, text, usage, request_id, timings = None, "", None, "", None
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                             stream=True, stream_options={"include_usage": True}, **extra)
     for chunk in stream:
@@ -48,8 +52,11 @@ def turn(client: Any, model: str, messages: list[dict], max_tokens: int, priorit
             text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             usage = chunk.usage
+        timings = getattr(chunk, "timings", None) or timings  # llama-server's own figures (cache_n: reused)
     details = getattr(usage, "prompt_tokens_details", None)
     cached = (getattr(details, "cached_tokens", 0) or 0) if details else 0
+    if not cached and isinstance(timings, dict):
+        cached = int(timings.get("cache_n") or 0)
     prompt = usage.prompt_tokens if usage is not None else 0
     return {"s": first if first is not None else time.perf_counter() - t0, "text": text, "prompt": prompt,
             "cached": cached, "id": request_id}
@@ -134,6 +141,18 @@ def report(label: str, results: list[dict]) -> None:
               f"{r.get('final_reason', '–')} |", flush=True)
 
 
+def side_by_side(label: str, ours: list[dict], theirs: list[dict]) -> None:
+    """Per session: the final turn's reused fraction and TTFT on Strata and on llama-server."""
+    print(f"\n{label}")
+    print("| session | Strata: final reused | Strata: final TTFT | llama.cpp: final reused | llama.cpp: final TTFT |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for a, b in zip(ours, theirs, strict=True):
+        def share(r: dict) -> str:
+            return f"{r['final_cached'] / r['final_prompt']:.0%}" if r["final_prompt"] else "–"
+        print(f"| {a['session']} | {share(a)} | {a['final_s']:.3f} s | {share(b)} | {b['final_s']:.3f} s |",
+              flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=2, help="agent sessions at once")
@@ -148,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="")
     parser.add_argument("--engine-args", default="", help="extra `strata serve` flags")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
+    parser.add_argument("--llama-cache-reuse", type=int, default=256,
+                        help="llama-server --cache-reuse: the least tokens of a chunk it shifts to reuse")
+    parser.add_argument("--llama-args", default="", help="extra llama-server flags (e.g. \"--poll 0\")")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.turns < 2:
@@ -177,15 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         from engine.model.loader import embedded_model_path
 
         port = free_port()
-        server = Server([args.llama_server, "-m", args.model or embedded_model_path(), "--port", str(port), "-c",
-                         str(ctx * args.parallel), "-np", str(args.parallel), "--cache-ram", str(args.cache_mib)])
+        argv = [args.llama_server, "-m", args.model or embedded_model_path(), "--port", str(port), "-c",
+                str(ctx * args.parallel), "-np", str(args.parallel), "--cache-ram", str(args.cache_mib),
+                "--cache-reuse", str(args.llama_cache_reuse), *args.llama_args.split()]
+        print(" ".join(argv), flush=True)
+        server = Server(argv)
         try:
+            t0 = time.perf_counter()
             server.wait_ready(port)
             results = run(server, args, use_priorities=False)
         finally:
             server.stop()
-        report("llama.cpp server (host-RAM prompt cache)", results)
+        report(f"llama.cpp server (prompt cache, --cache-reuse {args.llama_cache_reuse}; "
+               f"{time.perf_counter() - t0:.0f} s)", results)
         out["llama"] = {"results": results}
+        for mode, label in MODES:
+            side_by_side(f"Strata ({label}) beside llama.cpp", out[mode]["results"], results)
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -29,7 +29,8 @@ def merge_tiers(rows: list[Any]) -> list[dict[str, Any]]:
 
     The merged row's tier is the list of tiers (RAM first); tokens the most any copy holds; bytes what all
     copies take together, with `bytes_by_tier`; created the earliest, last used the latest; hits the most any
-    copy counted (a copy written to disk carries the hits it had then, so adding them would count twice).
+    copy counted (a copy written to disk carries the hits it had then, so adding them would count twice);
+    checkpoints (and their bytes) the most any copy holds.
     Rows without an id are kept as they are. The first appearance fixes the order.
     """
     merged: dict[Any, dict[str, Any]] = {}
@@ -55,7 +56,8 @@ def merge_tiers(rows: list[Any]) -> list[dict[str, Any]]:
             have["tier"] = sorted([*have["tier"], tier], key=lambda t: (TIER_ORDER.get(t, 9), t))
         if tier and size is not None:
             have["bytes_by_tier"][tier] = size
-        for field, pick in (("tokens", max), ("hits", max), ("last_used", max), ("created", min)):
+        for field, pick in (("tokens", max), ("hits", max), ("last_used", max), ("created", min),
+                            ("checkpoints", max), ("checkpoint_bytes", max)):
             values = [v for v in (have.get(field), row.get(field)) if v is not None]
             numeric = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
             if numeric and len(numeric) == len(values):
@@ -79,6 +81,15 @@ def name_tooltip(row: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def checkpoints_label(row: dict[str, Any]) -> str:
+    """A hybrid conversation's checkpoints and their bytes ("3 · 1.2 MiB"); "–" for none (attention-only)."""
+    n = number(row, "checkpoints")
+    if not n:
+        return "–"
+    size = number(row, "checkpoint_bytes")
+    return format_count(n) + ("" if size is None else f" · {format_bytes(size)}")
+
+
 def tiers_of(row: dict[str, Any]) -> list[str]:
     """The tiers that hold a (merged) conversation row, lower case."""
     tier = row.get("tier")
@@ -86,7 +97,8 @@ def tiers_of(row: dict[str, Any]) -> list[str]:
 
 
 class ConversationsModel(RowsModel):
-    COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits", "Client", "Priority", "Pinned")
+    COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits", "Client", "Priority", "Pinned",
+               "Checkpoints")
     TEXT_COLUMNS = (0, 3, 7, 8, 9)
 
     def __init__(self, parent: Any = None) -> None:
@@ -114,10 +126,13 @@ class ConversationsModel(RowsModel):
             return self._display(row, col)
         if role == SORT_ROLE:
             return self._sort_key(row, col)
-        if role == Qt.ItemDataRole.TextAlignmentRole and col in (1, 2, 4, 5, 6):
+        if role == Qt.ItemDataRole.TextAlignmentRole and col in (1, 2, 4, 5, 6, 10):
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if role == Qt.ItemDataRole.ToolTipRole and col == 0:
             return name_tooltip(row)
+        if role == Qt.ItemDataRole.ToolTipRole and col == 10 and number(row, "checkpoints"):
+            return ("Recurrent-state checkpoints (a hybrid model): token positions this conversation can resume "
+                    "from, and what they take of its size")
         if role == Qt.ItemDataRole.ToolTipRole and col == 2 and len(row.get("bytes_by_tier") or {}) > 1:
             return " · ".join(f"{tier_label(t)} {format_bytes(b)}" for t, b in row["bytes_by_tier"].items())
         return None
@@ -143,13 +158,17 @@ class ConversationsModel(RowsModel):
             return str(row.get("client") or "–")
         if col == 8:
             return str(row.get("priority") or "normal")
-        return "pinned" if row.get("pinned") else ""
+        if col == 9:
+            return "pinned" if row.get("pinned") else ""
+        return checkpoints_label(row)
 
     def _sort_key(self, row: dict[str, Any], col: int) -> Any:
         if col == 8:  # high first when ascending
             return {"high": 0, "normal": 1, "low": 2}.get(str(row.get("priority") or "normal"), 3)
         if col in self.TEXT_COLUMNS:
             return self._display(row, col)
+        if col == 10:
+            return number(row, "checkpoints") or 0
         key = ("tokens", "bytes", None, "created", "last_used", "hits")[col - 1]
         value = timestamp(row.get(key)) if col in (4, 5) else number(row, key)
         if col in (4, 5) and value is not None:

@@ -1,6 +1,7 @@
 """The one interface the runtime and the server use: what `Engine` depends on (`ConversationCache` is it).
 
-Threads: the engine thread makes every call except `stats`, `conversations` and `events`, which any thread may.
+Threads: the engine thread makes every call except `stats`, `conversations` and `events`, which any thread may,
+and `RestoreRead.read`, which a restore reader thread makes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Protocol
 from engine.cache.attrs import ConvAttrs
 from engine.cache.explain import LookupReport
 from engine.cache.parts import Parts, ReadParts, WriteParts
+from engine.cache.restores import RestoreRead
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
 
@@ -50,6 +52,12 @@ class CacheAPI(Protocol):
     def restore(self, hit: CacheHit, write_parts: WriteParts) -> RestoreResult:
         """Write the hit's K/V into the slot (a hybrid model's: then its recurrent state, `write_parts(n, state
         parts)`); raises CacheRestoreError before the first write when it cannot."""
+        ...
+
+    def begin_restore(self, hit: CacheHit) -> RestoreRead:
+        """`restore` split so the read can run on another thread: checks now (CacheRestoreError), then
+        `read()` (any thread, never raises), then `deliver(write_parts)` on the engine thread (with
+        `persist_use=False`, `persist_use()` afterwards on any thread rewrites a disk entry's manifest)."""
         ...
 
     def purge(self, tier: str) -> PurgeResult: ...

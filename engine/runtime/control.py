@@ -30,7 +30,7 @@ class Control(Startup):
         return [
             {
                 "id": s.id,
-                "state": "busy" if s.active else "idle",
+                "state": "busy" if s.active or s.restoring else "idle",
                 "n_tokens": len(s.tokens),
                 "n_ctx": self.ctx_size,
                 "last_used": s.last_used or None,
@@ -42,7 +42,7 @@ class Control(Startup):
         if not 0 <= slot_id < self.n_slots:
             raise NotFound(f"slot {slot_id} does not exist; slots are 0..{self.n_slots - 1}", param="id")
         slot = self.slots[slot_id]
-        if slot.active is not None:
+        if slot.active is not None or slot.restoring:
             raise Busy(f"slot {slot_id} is busy with a request; try again when it is idle", param="id")
         return slot
 
@@ -203,6 +203,7 @@ class Control(Startup):
                 raise BadValue(str(exc), param=name) from exc
         new_config = self.config.replace(**parsed)
         changed = [n for n in parsed if getattr(self.config, n) != getattr(new_config, n)]
+        self._restores.wait()  # a read in flight finishes on the cache it began on (its pins hold its files)
         if self.cache is None and changed:
             from engine.cache.errors import CacheError
 

@@ -31,6 +31,7 @@ from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
 from engine.model import moe_placement
 from engine.runtime.explain import RequestLog
+from engine.runtime.pending_restores import PendingRestores
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_buffers
@@ -97,6 +98,7 @@ class Engine(Scheduler):
         self._prefill_rate: float | None = None  # tokens/s, smoothed
         self._decode_rate: float | None = None
         self.requests = RequestLog()  # every request explained (GET /cache/requests)
+        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)))  # disk reads off this thread
         self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,7 @@ from engine.cache.explain import LookupReport
 from engine.cache.parts import kv_reader, kv_writer
 from engine.contract import RequestRecord
 from engine.runtime.explain import Admission, Candidate, explain
+from engine.runtime.pending_restores import Looked
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.slot_choice import MIN_PARK_TOKENS, cheapest, choose_slot
@@ -24,6 +25,7 @@ from engine.runtime.stop_strings import StopStringFilter
 from engine.runtime.stream import RequestStream
 
 if TYPE_CHECKING:
+    from engine.cache.restores import RestoreRead
     from engine.cache.stats import CacheHit
 
 log = logging.getLogger("strata.engine")
@@ -46,9 +48,10 @@ class Scheduler(Stats):
         with torch.inference_mode():
             while not self._stop.is_set():
                 idle = not self._waiting and all(s.active is None for s in self.slots)
-                self._drain_inbox(block=idle)
+                self._drain_inbox(block=idle)  # a finished background read wakes it ("wake")
                 if self._stop.is_set():
                     break
+                self._join_restores()
                 self._drop_cancelled()
                 self._admit_waiting()
                 if any(s.active is not None for s in self.slots):
@@ -115,7 +118,7 @@ class Scheduler(Stats):
     def _admit_waiting(self) -> None:
         admitted = False
         while self._waiting:
-            free = [s for s in self.slots if s.active is None]
+            free = [s for s in self.slots if s.active is None and not s.restoring]
             if not free:
                 break
             request, stream = self._waiting.pop(0)
@@ -146,17 +149,15 @@ class Scheduler(Stats):
             if hit is None and live[slot.id] < usable:
                 self.cache.record_miss()
         candidate = Candidate(f"slot {best.id}", live[best.id], best.tokens) if best.tokens else None
-        failed = ""
-        attrs = request.attrs
         if hit is not None:
             # Restore into the slot whose loss is cheapest, parking what it holds.
             slot = cheapest(free)
-            reused, failed = self._restore_hit(slot, hit, prompt)
-            slot.priority, slot.pinned = (hit.priority, hit.pinned) if reused else (DEFAULT_PRIORITY, False)
-            # The request continues the parked conversation if it goes on from all of it (else it is a branch).
-            continues = reused > 0 and reused >= report.candidate_tokens
-            slot.conversation_id, slot.unnamed = (hit.conversation_id if continues else None), []
-            source = hit.tier if reused else "none"
+            looked = Looked(request, stream, hit, candidate, report, small_gain)
+            if hit.tier == "disk":  # a read from files: off this thread, the slot starts in _join_restores
+                self._read_in_background(slot, looked)
+            else:  # RAM: a memcpy, here
+                reused, failed = self._restore_hit(slot, hit, prompt)
+                self._start_restored(slot, looked, reused, failed)
         else:
             reused = live[slot.id]
             self._park_if_losing(slot, reused)
@@ -168,11 +169,29 @@ class Scheduler(Stats):
             if not reused:
                 slot.priority, slot.pinned = DEFAULT_PRIORITY, False
             source = "live" if reused else "none"
+            self._start(request, stream, slot, Admission(prompt, reused, source, candidate, report, small_gain))
+
+    def _start_restored(self, slot: Slot, looked: Looked, reused: int, failed: str,
+                        read: dict[str, Any] | None = None) -> None:
+        """Start a request whose hit was restored (`reused` tokens) or failed to (0, `failed`: a clean miss)."""
+        request, stream, hit, candidate, report, small_gain = looked
+        slot.priority, slot.pinned = (hit.priority, hit.pinned) if reused else (DEFAULT_PRIORITY, False)
+        # The request continues the parked conversation if it goes on from all of it (else it is a branch).
+        continues = reused > 0 and reused >= report.candidate_tokens
+        slot.conversation_id, slot.unnamed = (hit.conversation_id if continues else None), []
+        source = hit.tier if reused else "none"
+        adm = Admission(request.prompt_tokens, reused, source, candidate, report, small_gain, failed)
+        self._start(request, stream, slot, adm, read)
+
+    def _start(self, request: GenerationRequest, stream: RequestStream, slot: Slot, adm: Admission,
+               read: dict[str, Any] | None = None) -> None:
+        """The admitted request takes `slot`, which holds its first `adm.reused` tokens."""
+        assert not slot.restoring and slot.active is None, slot.id
+        prompt, reused, attrs = request.prompt_tokens, adm.reused, request.attrs
         slot.attrs = attrs
         slot.priority = attrs.priority or slot.priority
         slot.pinned = slot.pinned if attrs.pinned is None else attrs.pinned
-        adm = Admission(prompt, reused, source, candidate, report, small_gain, failed)
-        self._record(request, slot, adm)
+        self._record(request, slot, adm, read)
 
         max_tokens = request.params.max_tokens or (self.ctx_size - len(prompt))
         slot.prompt = list(prompt)
@@ -191,14 +210,17 @@ class Scheduler(Stats):
         self._counters["prompt_tokens"] += len(prompt)
         self._counters["cached_tokens"] += reused
 
-    def _record(self, request: GenerationRequest, slot: Slot, adm: Admission) -> None:
-        """Explain the admitted request and log it under the slot's conversation (never fails the request)."""
+    def _record(self, request: GenerationRequest, slot: Slot, adm: Admission, read: dict[str, Any] | None) -> None:
+        """Explain the admitted request and log it under the slot's conversation (never fails the request);
+        `read`: how its restore's background read went (detail `restore_read`)."""
         conversation_id = slot.conversation_id
         try:
             reason, detail = explain(adm, self.tokenizer.decode)
         except Exception:  # an explanation must never take a request down
             log.exception("explaining request %s failed", request.request_id)
             reason, detail = "cold", {"error": "no explanation: see the engine log"}
+        if read is not None:
+            detail = {**detail, "restore_read": read}
         # Name and client travel on the request (metadata / X-Strata-* headers); the priority is the slot's
         # resolved one (a request that leaves it unset keeps the conversation's).
         attrs = request.attrs
@@ -242,20 +264,55 @@ class Scheduler(Stats):
         self.requests.assign(slot.unnamed, result.conversation_id)
         slot.conversation_id, slot.unnamed = result.conversation_id, []
 
-    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int]) -> tuple[int, str]:
-        """Park the slot's contents, then restore `hit` into it: (tokens restored, "") or, on any failure, a clean
-        miss: (0, why)."""
+    def _read_in_background(self, slot: Slot, looked: Looked) -> None:
+        """Park the slot's contents and start reading the hit off this thread (engine.runtime.pending_restores);
+        a hit that fails its checks starts the request at once, a clean miss."""
         assert self.cache is not None
+        hit = looked.hit
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
+        try:
+            read = self.cache.begin_restore(hit)
+        except Exception as exc:
+            log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
+            self.kv.clear(slot.id)
+            if self.states is not None:
+                self.states.clear(slot.id)
+            self._start_restored(slot, looked, 0, str(exc) or type(exc).__name__)
+            return
+        n, sid = hit.n_tokens, slot.id
+        self._restores.start(slot, read, looked, self._counters["generated_tokens"],
+                             prepare=lambda: self.kv.populate(sid, 0, n))
+        looked.stream.mark_started()  # it has its slot: the queue timeout no longer applies
+
+    def _join_restores(self) -> None:
+        """Copy each finished background read into its slot and start the slot's request (it joins the batch)."""
+        for p in self._restores.ready():
+            request, hit = p.context.request, p.context.hit
+            reused, failed = self._restore_hit(p.slot, hit, request.prompt_tokens, p.read)
+            p.slot.restoring = False
+            if reused:
+                self._restores.persist(p.read)
+            read = {"ms": round(p.read.read_ms, 3),
+                    "tokens_meanwhile": self._counters["generated_tokens"] - p.tokens_at_start}
+            self._start_restored(p.slot, p.context, reused, failed, read)
+
+    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int],
+                     read: RestoreRead | None = None) -> tuple[int, str]:
+        """Park the slot's contents, then restore `hit` into it: (tokens restored, "") or, on any failure, a clean
+        miss: (0, why). With `read` (a finished background read) the slot was parked when the read began."""
+        assert self.cache is not None
+        if read is None:
+            self._park_if_losing(slot, 0, protect=hit.conversation_id)
+            slot.tokens = []
+        assert not slot.tokens and slot.active is None, "restoring into a slot that holds or serves something"
 
         def write_kv(start: int, data: torch.Tensor) -> None:
             self._write_queued(slot, start, data, hit.n_tokens)
 
         try:
-            result = self.cache.restore(
-                hit, kv_writer(write_kv) if self.states is None else self.states.writer(slot.id, write_kv)
-            )
+            writer = kv_writer(write_kv) if self.states is None else self.states.writer(slot.id, write_kv)
+            result = self.cache.restore(hit, writer) if read is None else read.deliver(writer, persist_use=False)
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
@@ -295,6 +352,7 @@ class Scheduler(Stats):
             a = slot.active
             if a is None:
                 continue
+            assert not slot.restoring, f"slot {slot.id} is restoring and must not be stepped"
             pos = len(slot.tokens)
             if a.next_token is not None:  # decoding: feed the last sampled token
                 if self.states is not None:  # a block end crossed in decode gets its checkpoint too
@@ -375,6 +433,10 @@ class Scheduler(Stats):
     # ------------------------------------------------------------------ shutdown
 
     def _shutdown(self, deadline_s: float) -> None:
+        for p in self._restores.close(timeout=deadline_s / 2):  # read, never delivered: the slot stays empty
+            p.slot.restoring = False
+            p.context.stream.put(TokenEvent(finish_reason="error", error="the engine is shutting down",
+                                            usage=Usage(len(p.context.request.prompt_tokens), 0, 0)))
         for slot in self.slots:
             if slot.active is not None:
                 self._finish(slot, "stop")

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
     from engine.runtime.explain import RequestLog
+    from engine.runtime.pending_restores import PendingRestores
     from engine.runtime.slot_states import SlotStates
 
 log = logging.getLogger("strata.engine")
@@ -61,6 +62,7 @@ class Slot:
     pinned: bool = False
     conversation_id: str | None = None  # the parked conversation its contents continue, once parked
     unnamed: list[str] = field(default_factory=list)  # ids of requests it served before that id was known
+    restoring: bool = False  # waiting for a restore's read (engine.runtime.pending_restores): not free, not stepped
 
 
 class EngineState:
@@ -91,4 +93,5 @@ class EngineState:
     _decode_rate: float | None
     _stats: dict[str, Any]
     requests: RequestLog
+    _restores: PendingRestores
     _thread: threading.Thread

@@ -43,7 +43,7 @@ class Stats(Control):
             log.exception("publishing the stats snapshot failed; serving the previous one")
 
     def engine_stats(self) -> EngineFigures:
-        busy = sum(1 for s in self.slots if s.active)
+        busy = sum(1 for s in self.slots if s.active or s.restoring)
         return EngineFigures(
             model=self.model_name,
             state=self.state,

@@ -1,0 +1,114 @@
+"""A conversation restored from disk is read off the engine thread: on `--parallel 2`, another conversation's
+stream keeps producing tokens while the parked one is read and verified, its answer is what it is alone, and a
+damaged parked file makes only the restoring conversation a clean miss. Real `strata serve` processes, the
+bundled model, real files, the official openai SDK."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.engine_process import engine_process
+
+# A large parked conversation (about 1,300 tokens), so its restore reads many block files.
+SYSTEM = ("You are a meticulous librarian. You answer in one short sentence. The catalogue lists atlases, "
+          "herbariums, ship logs, railway timetables and the letters of a lighthouse keeper. ") * 30
+A_FIRST = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What do the ship logs record?"}]
+B_PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and her cat."}]
+B_TOKENS = 96
+FLAGS = ("--ctx-size", "2048", "--conversation-cache-storage", "disk", "--conversation-cache-min-free-mib", "0")
+
+
+def _client(engine) -> openai.OpenAI:
+    return openai.OpenAI(base_url=engine.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _a_second(a1: str) -> list[dict]:
+    return A_FIRST + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And the timetables?"}]
+
+
+def _b_stream(client: openai.OpenAI, chunks: list[str], started: threading.Event) -> None:
+    """Stream B greedily, collecting its text; `started` is set once it has produced a few tokens."""
+    stream = client.chat.completions.create(model="m", messages=B_PROMPT, max_tokens=B_TOKENS, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks.append(chunk.choices[0].delta.content)
+            if len(chunks) >= 3:
+                started.set()
+    started.set()  # also when B failed early: the test then fails on B's text, not by waiting
+
+
+@pytest.fixture(scope="module")
+def parked(tmp_path_factory):
+    """A folder holding conversation A parked on disk (and nothing else), A's first answer, and B's answer
+    alone (the reference its stream beside A's restore must reproduce)."""
+    folder = tmp_path_factory.mktemp("parked")
+    with engine_process(*FLAGS, "--parallel", "1", "--conversation-cache-dir", str(folder)) as engine:
+        client = _client(engine)
+        b = client.chat.completions.create(model="m", messages=B_PROMPT, max_tokens=B_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        a1 = client.chat.completions.create(model="m", messages=A_FIRST, max_tokens=8, temperature=0)
+        with httpx.Client(base_url=engine.base_url, timeout=30) as http:  # B was parked when A took the slot
+            for row in http.get("/cache/conversations").json()["conversations"]:
+                assert http.delete(f"/cache/conversations/{row['id']}").status_code == 200
+        assert engine.stop() == 0, engine.logs()  # a clean shutdown parks A's live slot on disk
+    return folder, a1.choices[0].message.content, a1.usage.prompt_tokens, b.choices[0].message.content
+
+
+def _a_beside_b(folder, a1: str) -> tuple[object, str, dict, str]:
+    """On --parallel 2: B streams, and once it produced tokens A's second turn comes back. (A's usage, B's
+    text, A's request record, the engine log)."""
+    with engine_process(*FLAGS, "--parallel", "2", "--conversation-cache-dir", str(folder)) as engine:
+        assert "conversation cache ready: 1 conversations" in engine.logs()
+        client = _client(engine)
+        chunks: list[str] = []
+        started = threading.Event()
+        b = threading.Thread(target=_b_stream, args=(client, chunks, started))
+        b.start()
+        assert started.wait(300)
+        a2 = client.chat.completions.create(model="m", messages=_a_second(a1), max_tokens=4, temperature=0)
+        b.join(300)
+        records = httpx.get(engine.base_url + "/cache/requests", timeout=30).json()["requests"]
+        logs = engine.logs()
+    a_records = [r for r in records if r["name"].startswith("What do the ship logs")]
+    assert len(a_records) == 1, records
+    return a2.usage, "".join(chunks), a_records[0], logs
+
+
+def test_a_disk_restore_runs_while_another_slot_keeps_streaming(parked, tmp_path):
+    folder, a1, a1_prompt_tokens, b_alone = parked
+    shutil.copytree(folder, tmp_path / "cache")
+    usage, b_text, record, logs = _a_beside_b(tmp_path / "cache", a1)
+
+    assert record["source"] == "disk", record
+    assert usage.prompt_tokens_details.cached_tokens >= a1_prompt_tokens - 1
+    # Between the read's start and the slot joining the batch, B's slot went on producing tokens (with the read
+    # on the engine thread it produced none: every slot waited for the files).
+    read = record["detail"]["restore_read"]
+    assert read["tokens_meanwhile"] >= 1, record
+    assert read["ms"] > 0
+    assert b_text == b_alone  # B beside the restore computed exactly what it computed alone
+    assert "restored" in logs
+
+
+def test_a_damaged_parked_file_is_a_clean_miss_for_the_restoring_slot_only(parked, tmp_path):
+    folder, a1, _, b_alone = parked
+    shutil.copytree(folder, tmp_path / "cache")
+    blocks = list((tmp_path / "cache").rglob("blk-*.safetensors"))
+    assert blocks
+    for path in blocks:  # one flipped byte in each block's K/V payload: only the checksum can tell
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    usage, b_text, record, logs = _a_beside_b(tmp_path / "cache", a1)
+
+    assert record["reason"] == "restore_failed", record
+    assert record["reused_tokens"] == 0 and usage.prompt_tokens_details.cached_tokens == 0
+    assert "damaged" in record["detail"]["error"]
+    assert b_text == b_alone
+    assert "cannot be restored" in logs
