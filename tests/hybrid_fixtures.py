@@ -9,7 +9,7 @@ import pytest
 
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
-HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid")
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,6 +58,23 @@ def tiny_hybrid_config(arch: str):
             mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
             mamba_chunk_size=32, mamba_conv_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
             attention_multiplier=0.2, logits_scaling=1.5,
+        )
+    if arch == "granitemoehybrid_moe":  # Granite-4.0-H-Tiny-like: routed experts beside the shared MLP
+        return transformers.GraniteMoeHybridConfig(
+            **common, intermediate_size=48, shared_intermediate_size=64, num_local_experts=6,
+            num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False, position_embedding_type="nope",
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=32, mamba_conv_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=1.5,
+        )
+    if arch == "nemotron_h":  # one block per layer: Mamba-2, attention, relu2 MLP, attention
+        common.pop("num_hidden_layers")
+        return transformers.NemotronHConfig(
+            **common, head_dim=16, intermediate_size=96, layers_block_type=["linear_attention", "full_attention",
+                                                                           "mlp", "full_attention"],
+            ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=32,
+            use_conv_bias=True, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
         )
     raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
 

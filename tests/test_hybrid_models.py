@@ -188,17 +188,27 @@ def test_state_layout_covers_only_the_recurrent_layers(hybrid_models):
     assert layout.describe()["dtype"] == "float32"
 
 
-def test_granite_mixture_of_experts_is_refused_clearly(tmp_path):
+def test_nemotron_h_mixture_of_experts_and_unknown_blocks_are_refused_clearly(tmp_path):
     import json
 
     from engine.errors import ModelLoadError
     from engine.model.loader import read_model_config
 
-    config = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
-              "num_local_experts": 32, "num_hidden_layers": 2, "hidden_size": 64}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="num_local_experts is 32: Granite hybrid mixture-of-experts"):
-        read_model_config(str(tmp_path))
+    base = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 64,
+            "num_attention_heads": 4, "vocab_size": 300, "intermediate_size": 96}
+    for extra, message in (({"hybrid_override_pattern": "M-ME*"}, "Nemotron-H MoE models are not supported yet"),
+                           ({"layers_block_type": ["mlp", "conv"]}, r"unknown Nemotron-H block type\(s\) \['conv'\]"),
+                           ({"hybrid_override_pattern": "M*-", "mlp_hidden_act": "gelu"}, "only relu2")):
+        (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
+        with pytest.raises(ModelLoadError, match=message):
+            read_model_config(str(tmp_path))
+
+
+def test_nemotron_h_pattern_string_gives_the_layer_kinds():
+    from engine.model.hybrid.nemotron_h import layer_kinds
+
+    assert layer_kinds({"hybrid_override_pattern": "M-M*-"}) == ("mamba2", "mlp", "mamba2", "attention", "mlp")
+    assert layer_kinds({"layers_block_type": ["linear_attention", "mlp"]}) == ("mamba2", "mlp")
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5"])
@@ -270,7 +280,10 @@ def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, 
         out[dtype] = torch.cat((a, b))
     ref, low = out[torch.float32], out[torch.bfloat16]
     assert low.dtype == torch.float32 and torch.isfinite(low).all()
-    assert _diff(low, ref) < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {_diff(low, ref):.3g} from float32"
+    # With experts, bfloat16 rounding flips some routing choices: transformers' own bfloat16 forward of the tiny
+    # Granite MoE drifts 18% of the logit scale from its float32 one over these tokens.
+    bound = 0.2 if arch == "granitemoehybrid_moe" else 0.1
+    assert _diff(low, ref) < bound * ref.abs().max().item(), f"{arch}: bfloat16 drifts {_diff(low, ref):.3g} from float32"
 
 
 def test_a_hybrid_layer_is_planned_with_its_weights_kv_and_recurrent_state(hybrid_models):

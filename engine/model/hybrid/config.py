@@ -11,10 +11,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model.config import ROPE_TYPES, ConfigError
+from engine.model.moe_config import MoeConfig
 
-# Layer kinds. "attention" layers own K/V rows in the K/V buffers; the others own a fixed-size recurrent state.
-ATTENTION, SHORT_CONV, DELTA, MAMBA = "attention", "short_conv", "gated_delta", "mamba2"
-LAYER_KINDS = (ATTENTION, SHORT_CONV, DELTA, MAMBA)
+# Layer kinds. "attention" layers own K/V rows in the K/V buffers; "mlp" layers (Nemotron-H's feed-forward-only
+# blocks) own nothing; the others own a fixed-size recurrent state.
+ATTENTION, SHORT_CONV, DELTA, MAMBA, MLP = "attention", "short_conv", "gated_delta", "mamba2", "mlp"
+LAYER_KINDS = (ATTENTION, SHORT_CONV, DELTA, MAMBA, MLP)
+RECURRENT_KINDS = (SHORT_CONV, DELTA, MAMBA)
 
 # HF `architectures[0]` -> our architecture name (the `model_type` is accepted too).
 HF_ARCHITECTURES = {
@@ -22,9 +25,12 @@ HF_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "NemotronHForCausalLM": "nemotron_h",
 }
 _MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "granitemoehybrid": "granitemoehybrid"}
-ARCHITECTURES = ("lfm2", "qwen3_5", "granitemoehybrid")
+ARCHITECTURES: tuple[str, ...] = ("lfm2", "qwen3_5", "granitemoehybrid")
+_MODEL_TYPES |= {"nemotron_h": "nemotron_h"}
+ARCHITECTURES += ("nemotron_h",)
 
 
 def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:
@@ -75,6 +81,8 @@ class HybridConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # mixture-of-experts MLP (Qwen3-Next, Qwen3.5-MoE): the layers not in moe.dense_layers run experts
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -96,7 +104,7 @@ class HybridConfig:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ConfigError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-        if any(k != ATTENTION for k in self.layer_kinds) and self.conv_kernel < 1:
+        if any(k in RECURRENT_KINDS for k in self.layer_kinds) and self.conv_kernel < 1:
             raise ConfigError(f"conv_kernel: recurrent layers need a convolution width >= 1, got {self.conv_kernel}")
         if DELTA in self.layer_kinds:
             for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim"):
@@ -110,12 +118,21 @@ class HybridConfig:
                     raise ConfigError(f"{name}: Mamba-2 layers need a positive value")
             if self.mamba_heads % self.mamba_groups:
                 raise ConfigError("mamba_heads must be a multiple of mamba_groups")
+        if self.moe is not None:
+            try:
+                self.moe.check(self.n_layers)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     # ------------------------------------------------------------ derived shapes
 
     @property
     def n_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` runs a sparse expert block instead of the dense MLP."""
+        return self.moe is not None and index not in self.moe.dense_layers
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -124,7 +141,7 @@ class HybridConfig:
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k != ATTENTION)
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
     @property
     def softmax_scale(self) -> float:
@@ -149,6 +166,10 @@ class HybridConfig:
         """JSON-able description; part of the identity of parked K/V and recurrent state."""
         out = asdict(self)
         out["layer_kinds"] = list(self.layer_kinds)
+        if self.moe is None:
+            del out["moe"]  # a dense model's identity keeps the form it had before experts existed
+        else:
+            out["moe"]["dense_layers"] = list(self.moe.dense_layers)
         return out
 
 

@@ -1,8 +1,10 @@
-"""Granite-4.0-H (`granitemoehybrid`) with a dense MLP: Mamba-2 layers + GQA attention layers (NoPE by default).
+"""Granite-4.0-H (`granitemoehybrid`): Mamba-2 layers + GQA attention layers (NoPE by default), each followed by
+the shared SwiGLU MLP and, in the mixture-of-experts models (num_local_experts > 0: Granite-4.0-H-Tiny, -Small),
+routed experts beside it (top-k of the router logits, then softmax over those k, as GraniteMoE; the layer's
+feed-forward output is experts + shared MLP; `engine.model.hybrid.blocks.BlockLayer`).
 
 Granite scales the embeddings (`embedding_multiplier`), each residual branch (`residual_multiplier`), the
 attention softmax (`attention_multiplier` is the scale itself) and divides the logits by `logits_scaling`.
-The mixture-of-experts variants (num_local_experts > 0) are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -11,18 +13,28 @@ from typing import Any
 
 import torch
 
+from engine.model.hybrid.blocks import BlockLayer
 from engine.model.hybrid.config import ATTENTION, MAMBA, ConfigError, HybridConfig
 from engine.model.hybrid.mamba2 import Mamba2Mixer
+from engine.model.moe_config import MoeConfig
+from engine.model.moe_loading import build_sparse_moe
 
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
 
 
+def experts_from_hf(cfg: dict[str, Any]) -> MoeConfig | None:
+    """The routed experts of a Granite-4.0-H MoE config.json (None for the dense models)."""
+    n_experts = int(cfg.get("num_local_experts") or 0)
+    if n_experts <= 0:
+        return None
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r}: only silu experts are supported")
+    return MoeConfig(n_experts=n_experts, top_k=int(cfg.get("num_experts_per_tok") or 0),
+                     expert_size=int(cfg["intermediate_size"]), routing="topk_softmax", norm_topk_prob=False)
+
+
 def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
-    if int(cfg.get("num_local_experts") or 0) > 0:
-        raise ConfigError(
-            f"num_local_experts is {cfg['num_local_experts']}: Granite hybrid mixture-of-experts models are not "
-            "supported yet; the dense ones (num_local_experts 0, e.g. Granite-4.0-H-Micro) are"
-        )
     n_layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n_layers
     unknown = sorted({t for t in types if t not in _KINDS})
@@ -75,6 +87,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        moe=experts_from_hf(cfg),
     )
 
 
@@ -93,6 +106,8 @@ HF_LAYER_NAMES = {
     "mamba.dt_bias": "dt_bias", "mamba.A_log": "a_log", "mamba.D": "d_skip", "mamba.norm.weight": "ssm_norm",
     "mamba.out_proj.weight": "ssm_out",
     "shared_mlp.input_linear.weight": "gate_up", "shared_mlp.output_linear.weight": "down",
+    "block_sparse_moe.router.layer.weight": "router", "block_sparse_moe.input_linear.weight": "experts.gate_up",
+    "block_sparse_moe.output_linear.weight": "experts.down",
 }
 HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
@@ -113,4 +128,18 @@ def build_mixer(config: HybridConfig, layer: int, need, opt, to) -> torch.nn.Mod
         a_log=to(need(p + "a_log", (heads,))), dt_bias=to(need(p + "dt_bias", (heads,))),
         d_skip=to(need(p + "d_skip", (heads,))), norm=to(need(p + "ssm_norm", (inner,))),
         w_out=to(need(p + "ssm_out", (d, inner))),
+    )
+
+
+def build_layer(config: HybridConfig, layer: int, mixer, get, need, norm, to, path: str) -> torch.nn.Module | None:
+    """A layer with routed experts beside the shared MLP; None for the dense models (the usual HybridLayer)."""
+    c, p = config, f"{layer}."
+    if not c.is_moe_layer(layer):
+        return None
+    d = c.hidden_size
+    moe = build_sparse_moe(c, layer, get, need, to, path)  # type: ignore[arg-type]  # duck-typed: moe, hidden_size
+    return BlockLayer(
+        c.layer_kinds[layer], mixer, eps=c.rms_norm_eps, mixer_norm=to(norm(p + "mixer_norm", d)),
+        mlp_norm=to(norm(p + "mlp_norm", d)), w_gate_up=to(gate_up(c, layer, need)),
+        w_down=to(need(p + "down", (d, c.intermediate_size))), moe=moe, residual_multiplier=c.residual_multiplier,
     )

@@ -18,14 +18,15 @@ from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
-from engine.model.hybrid import granitemoehybrid, lfm2, qwen3_5
+from engine.model.hybrid import granitemoehybrid, lfm2, nemotron_h, qwen3_5
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
+FAMILIES["nemotron_h"] = nemotron_h
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
-_PREFIXES = (("model.language_model.", "model."),)
+_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))  # backbone.: Nemotron-H
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")
 
 
@@ -79,7 +80,7 @@ def build_hybrid(
     kv_rows = c.n_kv_heads * hd
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
     embed_cpu = need("embed", (c.vocab_size, d))
-    layers: list[HybridLayer] = []
+    layers: list[torch.nn.Module] = []
     for device, a, b in stages:
         device = torch.device(device)
 
@@ -98,6 +99,12 @@ def build_hybrid(
                 )
             else:
                 mixer = family.build_mixer(c, li, need, opt, to)
+            # A family with layers of another structure builds them (engine/model/hybrid/blocks.py); None: the usual.
+            built = family.build_layer(c, li, mixer, get, need, norm, to, path) if hasattr(family, "build_layer") else None
+            if built is not None:
+                layers.append(built)
+                startup_progress.report(len(layers), c.n_layers)
+                continue
             inter = c.intermediate_size
             gate_up = family.gate_up(c, li, need) if hasattr(family, "gate_up") else torch.cat(
                 (need(p + "gate", (inter, d)), need(p + "up", (inter, d)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.hybrid.config import ATTENTION, HybridConfig
+from engine.model.hybrid.config import RECURRENT_KINDS, HybridConfig
 from engine.model.hybrid.recurrent_state import StateLayout
 
 
@@ -13,13 +13,15 @@ def layer_bytes(config: HybridConfig, dtype: torch.dtype, n_slots: int, ctx: int
     """The largest layer's weights plus its per-slot state (K/V rows for `ctx` tokens, or a recurrent state)."""
     c = config
     mlp = 3 * c.hidden_size * c.intermediate_size
+    if c.moe is not None:  # the routed experts and their router beside the dense (shared) MLP
+        mlp += c.moe.n_experts * c.hidden_size * (3 * c.moe.expert_size + 1)
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     attention = (c.hidden_size * (q_rows * (2 if c.attention_gate else 1) + 2 * kv_rows) + q_rows * c.hidden_size
                  + 2 * n_slots * ctx * kv_rows)
     # a recurrent layer's projections read and write its convolution channels (an upper bound for every family)
     recurrent = 3 * c.hidden_size * max(c.conv_channels, c.hidden_size)
     state = StateLayout.for_config(c, torch.float32)
-    n_recurrent = sum(1 for k in c.layer_kinds if k != ATTENTION)
+    n_recurrent = sum(1 for k in c.layer_kinds if k in RECURRENT_KINDS)
     state_per_layer = state.bytes_per_slot // max(n_recurrent, 1) * n_slots
     weights = mlp + max(attention, recurrent if n_recurrent else 0)
     return weights * dtype.itemsize + state_per_layer
