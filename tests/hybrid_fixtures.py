@@ -120,14 +120,17 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     from engine.model.hybrid.lfm2 import mlp_size
     from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
 
-    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "qwen3_5": "qwen35"}.get(arch)
+    family = "granitemoehybrid" if arch == "granitemoehybrid_moe" else arch
+    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "qwen3_5": "qwen35",
+                 "nemotron_h": "nemotron_h"}.get(family)
     if gguf_arch is None:
-        raise ValueError(f"arch: only lfm2, granitemoehybrid and qwen3_5 have a GGUF writer here, got {arch!r}")
+        raise ValueError(f"arch: only {', '.join(HYBRID_ARCHS)} have a GGUF writer here, got {arch!r}")
     folder = write_tiny_hybrid(tmp_path, arch)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    n_layers, n_heads, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    recurrent = {"conv", "linear_attention"}
+    types = cfg.get("layer_types") or cfg["layers_block_type"]
+    n_layers, n_heads, n_kv = len(types), cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    experts = int(cfg.get("num_local_experts") or 0)
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
     writer.add_block_count(n_layers)
@@ -140,8 +143,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         assert all((t == "full_attention") == ((i + 1) % first == 0) for i, t in enumerate(cfg["layer_types"]))
         writer.add_full_attention_interval(first)
     else:
-        writer.add_head_count_kv([0 if t in recurrent else n_kv for t in cfg["layer_types"]])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        writer.add_head_count_kv([n_kv if t == "full_attention" else 0 for t in types])
+    if "rope_parameters" in cfg:
+        writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
     if arch == "lfm2":
         writer.add_feed_forward_length(mlp_size(cfg))
@@ -158,6 +162,17 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_ssm_group_count(cfg["linear_num_key_heads"])
         writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
         writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    elif arch == "nemotron_h":  # as llama.cpp's NemotronHModel: per-layer feed-forward lengths, 0 off the MLP blocks
+        writer.add_feed_forward_length([cfg["intermediate_size"] if t == "mlp" else 0 for t in types])
+        writer.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_ssm_conv_kernel(cfg["conv_kernel"])
+        writer.add_ssm_state_size(cfg["ssm_state_size"])
+        writer.add_ssm_group_count(cfg["n_groups"])
+        writer.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+        writer.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+        writer.add_rope_scaling_finetuned(False)
     else:
         inner = cfg["mamba_expand"] * cfg["hidden_size"]
         writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -173,6 +188,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_attention_scale(cfg["attention_multiplier"])
         writer.add_logit_scale(cfg["logits_scaling"])
         writer.add_rope_scaling_finetuned(False)  # Granite-4.0-H attention is NoPE
+        writer.add_expert_count(experts)
+        if experts:
+            writer.add_expert_used_count(cfg["num_experts_per_tok"])
 
     spec = json.loads(tiny_tokenizer_json())
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
@@ -191,7 +209,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
-                  "qwen3_5": gguf.MODEL_ARCH.QWEN35}[arch]
+                  "qwen3_5": gguf.MODEL_ARCH.QWEN35, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H}[family]
     names = gguf.get_tensor_name_map(model_arch, n_layers)
     out_tensors: list[tuple[str, np.ndarray]] = []
     for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
@@ -200,6 +218,18 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             w = _qwen35_rewrite(cfg, name, w)
         if name.endswith(".dt_bias"):
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        block = name.split(".")[2] if ".layers." in name else ""
+        if name.endswith("block_sparse_moe.input_linear.weight"):  # [experts, gate; up, hidden]
+            gate, up = np.split(w, 2, axis=1)
+            out_tensors += [(f"blk.{block}.ffn_gate_exps.weight", gate), (f"blk.{block}.ffn_up_exps.weight", up)]
+            continue
+        if experts and name.endswith("shared_mlp.input_linear.weight"):  # with experts: the shared expert's names
+            gate, up = np.split(w, 2, axis=0)
+            out_tensors += [(f"blk.{block}.ffn_gate_shexp.weight", gate), (f"blk.{block}.ffn_up_shexp.weight", up)]
+            continue
+        if experts and name.endswith("shared_mlp.output_linear.weight"):
+            out_tensors.append((f"blk.{block}.ffn_down_shexp.weight", w))
+            continue
         if name.endswith("shared_mlp.input_linear.weight"):
             gate, up = np.split(w, 2, axis=0)
             prefix = name.removesuffix("shared_mlp.input_linear.weight")
@@ -216,11 +246,11 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             w = -np.exp(w) if arch == "qwen3_5" else -np.exp(w).reshape(-1, 1)
         elif name.endswith(".D"):
             w = w.reshape(-1, 1)
-        elif name.endswith("mamba.norm.weight"):
-            w = w.reshape(cfg["mamba_n_groups"], -1)
-        elif arch == "granitemoehybrid" and name.endswith("self_attn.q_proj.weight"):
-            w = permute(w, n_heads)
-        elif arch == "granitemoehybrid" and name.endswith("self_attn.k_proj.weight"):
+        elif name.endswith(("mamba.norm.weight", "mixer.norm.weight")):
+            w = w.reshape(cfg.get("mamba_n_groups") or cfg["n_groups"], -1)
+        elif family in ("granitemoehybrid", "nemotron_h") and name.endswith(("self_attn.q_proj.weight", "mixer.q_proj.weight")):
+            w = permute(w, n_heads)  # Granite and Nemotron-H convert through llama's q/k permutation
+        elif family in ("granitemoehybrid", "nemotron_h") and name.endswith(("self_attn.k_proj.weight", "mixer.k_proj.weight")):
             w = permute(w, n_kv)
         out_tensors.append((out, w))
     for out, w in out_tensors:

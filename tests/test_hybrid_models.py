@@ -211,7 +211,7 @@ def test_nemotron_h_pattern_string_gives_the_layer_kinds():
     assert layer_kinds({"layers_block_type": ["linear_attention", "mlp"]}) == ("mamba2", "mlp")
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5"])
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_gguf_loads_the_same_model(tmp_path, arch):
     """An unquantised GGUF with llama.cpp's names, keys and tensor rewrites gives the logits of its HF folder;
     a Q8_0 one gives those of the folder's weights rounded through Q8_0."""
@@ -249,20 +249,21 @@ def test_gguf_loads_the_same_model(tmp_path, arch):
     assert _diff(c, b) > 1e-3, "the Q8_0 file was not quantised"
 
 
-def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_path):
+@pytest.mark.parametrize("gguf_arch", ["qwen3next", "nemotron_h_moe"])
+def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_path, gguf_arch):
     import gguf
 
     from engine.errors import ModelLoadError
 
     path = tmp_path / "q.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3next")
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="'qwen3next' .* is not supported from GGUF yet; load its Hugging Face"):
+    with pytest.raises(ModelLoadError, match=f"'{gguf_arch}' .* is not supported from GGUF yet; load its Hugging Face"):
         load_model(str(path), [(torch.device("cpu"), 0, 1)], torch.float32)
 
 
