@@ -9,7 +9,7 @@ import pytest
 
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
-HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h")
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "nemotron_h_moe")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,6 +76,15 @@ def tiny_hybrid_config(arch: str):
             ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=32,
             use_conv_bias=True, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
         )
+    if arch == "nemotron_h_moe":  # Nemotron-3-like: a MoE block (grouped sigmoid routing, latent projection)
+        common.pop("num_hidden_layers")
+        return transformers.NemotronHConfig(
+            **common, head_dim=16, layers_block_type=["linear_attention", "full_attention", "moe", "full_attention"],
+            ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=32,
+            layer_norm_epsilon=1e-5, tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=24, n_group=2,
+            topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        )
     raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
 
 
@@ -96,7 +105,7 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0) 
                 # Qwen3.5 stores its RMSNorm weights (outside the DeltaNet) as w - 1.
                 centred = arch == "qwen3_5" and "linear_attn.norm" not in name
                 param.uniform_(-0.5, 0.5) if centred else param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "e_score_correction_bias")):
                 param.normal_(0.0, 0.5)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
@@ -120,9 +129,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     from engine.model.hybrid.lfm2 import mlp_size
     from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
 
-    family = "granitemoehybrid" if arch == "granitemoehybrid_moe" else arch
-    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "qwen3_5": "qwen35",
-                 "nemotron_h": "nemotron_h"}.get(family)
+    family = {"granitemoehybrid_moe": "granitemoehybrid", "nemotron_h_moe": "nemotron_h"}.get(arch, arch)
+    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "granitemoehybrid_moe": "granitehybrid",
+                 "qwen3_5": "qwen35", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h_moe"}.get(arch)
     if gguf_arch is None:
         raise ValueError(f"arch: only {', '.join(HYBRID_ARCHS)} have a GGUF writer here, got {arch!r}")
     folder = write_tiny_hybrid(tmp_path, arch)
@@ -162,8 +171,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_ssm_group_count(cfg["linear_num_key_heads"])
         writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
         writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
-    elif arch == "nemotron_h":  # as llama.cpp's NemotronHModel: per-layer feed-forward lengths, 0 off the MLP blocks
-        writer.add_feed_forward_length([cfg["intermediate_size"] if t == "mlp" else 0 for t in types])
+    elif family == "nemotron_h":  # as llama.cpp's NemotronHModel: per-layer feed-forward lengths, 0 off the MLP blocks
+        sizes = {"mlp": cfg["intermediate_size"], "moe": cfg["moe_intermediate_size"]}
+        writer.add_feed_forward_length([sizes.get(t, 0) for t in types])
         writer.add_layer_norm_eps(cfg["layer_norm_epsilon"])
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
@@ -173,6 +183,19 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
         writer.add_ssm_time_step_rank(cfg["mamba_num_heads"])
         writer.add_rope_scaling_finetuned(False)
+        if "moe" in types:
+            writer.add_expert_count(cfg["n_routed_experts"])
+            writer.add_expert_shared_count(cfg["n_shared_experts"])
+            writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+            writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            writer.add_expert_group_count(cfg["n_group"])
+            # not written by llama.cpp's converter (it has no topk_group); the loader refuses groups without it
+            writer.add_expert_group_used_count(cfg["topk_group"])
+            writer.add_expert_used_count(cfg["num_experts_per_tok"])
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            writer.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+            if cfg.get("moe_latent_size"):
+                writer.add_moe_latent_size(cfg["moe_latent_size"])
     else:
         inner = cfg["mamba_expand"] * cfg["hidden_size"]
         writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -209,11 +232,19 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
-                  "qwen3_5": gguf.MODEL_ARCH.QWEN35, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H}[family]
+                  "qwen3_5": gguf.MODEL_ARCH.QWEN35, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
+                  "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE}[arch if family == "nemotron_h" else family]
     names = gguf.get_tensor_name_map(model_arch, n_layers)
     out_tensors: list[tuple[str, np.ndarray]] = []
+    per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # Nemotron-H: stacked as the converter does
     for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
         w = w.astype(np.float32)
+        if ".mixer.experts." in name:
+            _, _, block, _, _, index, part, _ = name.split(".")
+            per_expert.setdefault((block, part), {})[int(index)] = w
+            continue
+        if name.endswith("e_score_correction_bias"):
+            name = name.removesuffix("_bias") + ".bias"
         if arch == "qwen3_5":
             w = _qwen35_rewrite(cfg, name, w)
         if name.endswith(".dt_bias"):
@@ -253,6 +284,10 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         elif family in ("granitemoehybrid", "nemotron_h") and name.endswith(("self_attn.k_proj.weight", "mixer.k_proj.weight")):
             w = permute(w, n_kv)
         out_tensors.append((out, w))
+    for (block, part), by_index in sorted(per_expert.items()):
+        stacked = np.stack([by_index[j] for j in sorted(by_index)])
+        out_tensors.append((names.get_name(f"model.layers.{block}.mlp.experts.{part}.weight", try_suffixes=(".weight",)),
+                            stacked))
     for out, w in out_tensors:
         if quantize and w.ndim == 2 and w.shape[1] % 32 == 0 and "norm" not in out:  # norms stay float, as llama.cpp keeps them
             q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)

@@ -188,7 +188,7 @@ def test_state_layout_covers_only_the_recurrent_layers(hybrid_models):
     assert layout.describe()["dtype"] == "float32"
 
 
-def test_nemotron_h_mixture_of_experts_and_unknown_blocks_are_refused_clearly(tmp_path):
+def test_nemotron_h_unknown_blocks_and_activations_are_refused_clearly(tmp_path):
     import json
 
     from engine.errors import ModelLoadError
@@ -196,8 +196,7 @@ def test_nemotron_h_mixture_of_experts_and_unknown_blocks_are_refused_clearly(tm
 
     base = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 64,
             "num_attention_heads": 4, "vocab_size": 300, "intermediate_size": 96}
-    for extra, message in (({"hybrid_override_pattern": "M-ME*"}, "Nemotron-H MoE models are not supported yet"),
-                           ({"layers_block_type": ["mlp", "conv"]}, r"unknown Nemotron-H block type\(s\) \['conv'\]"),
+    for extra, message in (({"layers_block_type": ["mlp", "conv"]}, r"unknown Nemotron-H block type\(s\) \['conv'\]"),
                            ({"hybrid_override_pattern": "M*-", "mlp_hidden_act": "gelu"}, "only relu2")):
         (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
         with pytest.raises(ModelLoadError, match=message):
@@ -208,6 +207,7 @@ def test_nemotron_h_pattern_string_gives_the_layer_kinds():
     from engine.model.hybrid.nemotron_h import layer_kinds
 
     assert layer_kinds({"hybrid_override_pattern": "M-M*-"}) == ("mamba2", "mlp", "mamba2", "attention", "mlp")
+    assert layer_kinds({"hybrid_override_pattern": "ME*"}) == ("mamba2", "mlp", "attention")  # experts: an MLP block
     assert layer_kinds({"layers_block_type": ["linear_attention", "mlp"]}) == ("mamba2", "mlp")
 
 
@@ -249,7 +249,7 @@ def test_gguf_loads_the_same_model(tmp_path, arch):
     assert _diff(c, b) > 1e-3, "the Q8_0 file was not quantised"
 
 
-@pytest.mark.parametrize("gguf_arch", ["qwen3next", "nemotron_h_moe"])
+@pytest.mark.parametrize("gguf_arch", ["qwen3next", "falcon-h1"])
 def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_path, gguf_arch):
     import gguf
 

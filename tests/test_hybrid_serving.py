@@ -17,13 +17,14 @@ from tests.engine_process import start_engine
 from tests.hybrid_fixtures import write_tiny_hybrid
 
 MAX_TOKENS = 8
+SERVED = ("lfm2", "granitemoehybrid", "qwen3_5", "nemotron_h", "granitemoehybrid_moe")
 QUESTIONS = ["the river bends twice before the mill and the old road follows it", "apples ripen late"]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hybrid-serve")
-    return {arch: write_tiny_hybrid(root, arch) for arch in ("lfm2", "granitemoehybrid", "qwen3_5")}
+    return {arch: write_tiny_hybrid(root, arch) for arch in SERVED}
 
 
 def _messages(text: str) -> list[dict]:
@@ -57,7 +58,7 @@ def _ask(client: openai.OpenAI, messages: list[dict]):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5"])
+@pytest.mark.parametrize("arch", SERVED)
 def test_hybrid_model_served_matches_the_model_alone(folders, arch):
     folder = folders[arch]
     conversations = [_messages(q) for q in QUESTIONS]

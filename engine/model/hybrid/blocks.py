@@ -3,6 +3,7 @@ behind its own RMSNorm and residual.
 
 - Nemotron-H: every layer is exactly one block (a Mamba-2 mixer, an attention mixer or a feed-forward), with one
   norm; its feed-forward is ungated, down(relu(up x)^2).
+- Nemotron-H's MoE blocks: `engine.model.hybrid.nemotron_moe.NemotronMoe` as the feed-forward part.
 - Granite-4.0-H with experts: the mixer, then the routed experts (`engine.model.moe.SparseMoe`, Granite's top-k
   softmax routing) plus the always-on shared SwiGLU MLP, the sum scaled by the residual multiplier.
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import LAYER_KINDS, MLP
+from engine.model.hybrid.nemotron_moe import NemotronMoe
 from engine.model.int4 import Int4Weight
 from engine.model.llama import _linear, rms_norm
 from engine.model.moe import SparseMoe
@@ -39,7 +41,7 @@ class BlockLayer(torch.nn.Module):
     def __init__(
         self, kind: str, mixer: torch.nn.Module | None, *, eps: float, mixer_norm: torch.Tensor | None = None,
         mlp_norm: torch.Tensor | None = None, w_gate_up: torch.Tensor | None = None,
-        w_down: torch.Tensor | None = None, moe: SparseMoe | None = None, act: str = "swiglu",
+        w_down: torch.Tensor | None = None, moe: SparseMoe | NemotronMoe | None = None, act: str = "swiglu",
         residual_multiplier: float = 1.0,
     ) -> None:
         super().__init__()

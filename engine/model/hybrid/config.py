@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model.config import ROPE_TYPES, ConfigError
+from engine.model.hybrid.nemotron_config import NemotronExperts
 from engine.model.moe_config import MoeConfig
 
 # Layer kinds. "attention" layers own K/V rows in the K/V buffers; "mlp" layers (Nemotron-H's feed-forward-only
@@ -83,6 +84,7 @@ class HybridConfig:
     logits_scaling: float = 1.0
     # mixture-of-experts MLP (Qwen3-Next, Qwen3.5-MoE): the layers not in moe.dense_layers run experts
     moe: MoeConfig | None = None
+    nemotron_experts: NemotronExperts | None = None  # Nemotron-H's MoE blocks (engine/model/hybrid/nemotron_moe.py)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -121,6 +123,11 @@ class HybridConfig:
         if self.moe is not None:
             try:
                 self.moe.check(self.n_layers)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.nemotron_experts is not None:
+            try:
+                self.nemotron_experts.check()
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 
@@ -170,6 +177,10 @@ class HybridConfig:
             del out["moe"]  # a dense model's identity keeps the form it had before experts existed
         else:
             out["moe"]["dense_layers"] = list(self.moe.dense_layers)
+        if self.nemotron_experts is None:
+            del out["nemotron_experts"]
+        else:
+            out["nemotron_experts"]["layers"] = list(self.nemotron_experts.layers)
         return out
 
 

@@ -11,7 +11,7 @@ Supported:
 - `granitehybrid` with experts (Granite-4.0-H-Tiny, -Small): the routed experts as `ffn_gate_inp`,
   `ffn_{gate,up,down}_exps` and `expert_count`, `expert_used_count`, `feed_forward_length` (one expert's size),
   the shared MLP as `ffn_{gate,up,down}_shexp` and `expert_shared_feed_forward_length`;
-- `nemotron_h` (Nemotron-H, dense): `engine.model.hybrid.gguf_nemotron` reads its per-layer block pattern;
+- `nemotron_h`, `nemotron_h_moe` (Nemotron-H): `engine.model.hybrid.gguf_nemotron` reads its block pattern and experts;
 - `qwen35` (Qwen3.5, dense): `engine.model.hybrid.gguf_qwen35` undoes what llama.cpp's converter rewrites (the
   value-head order, the +1 folded into the norms, -exp(A_log)).
 """
@@ -35,8 +35,8 @@ from engine.model.moe_config import MoeConfig
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 GGUF_ARCHITECTURES: tuple[str, ...] = ("lfm2", "granitehybrid", "qwen35")
-GGUF_ARCHITECTURES += ("nemotron_h",)
-NOT_YET = ("qwen35moe", "qwen3next", "nemotron_h_moe", "falcon-h1", "lfm2moe", "mamba2")
+GGUF_ARCHITECTURES += gguf_nemotron.ARCHITECTURES
+NOT_YET = ("qwen35moe", "qwen3next", "falcon-h1", "lfm2moe", "mamba2")
 
 _LFM2_LAYER_NAMES = {
     "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
@@ -62,7 +62,7 @@ _GRANITE_LAYER_NAMES = {
 _GRANITE_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES),
           "qwen35": (gguf_qwen35.GLOBAL_NAMES, gguf_qwen35.LAYER_NAMES)}
-_NAMES["nemotron_h"] = (gguf_nemotron.GLOBAL_NAMES, gguf_nemotron.LAYER_NAMES)
+_NAMES |= {arch: (gguf_nemotron.GLOBAL_NAMES, gguf_nemotron.LAYER_NAMES) for arch in gguf_nemotron.ARCHITECTURES}
 
 
 def is_hybrid_gguf(meta: dict) -> bool:
@@ -83,7 +83,7 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
 
     if arch == "qwen35":
         return gguf_qwen35.config(meta, tensor_names, path, embed_rows)
-    if arch == "nemotron_h":
+    if arch in gguf_nemotron.ARCHITECTURES:
         return gguf_nemotron.config(meta, tensor_names, path, embed_rows)
 
     def key(name: str, default=None):
@@ -227,7 +227,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype) -> LoadedModel:
             w = w.unsqueeze(1)
         elif key.endswith((".d_skip", ".ssm_norm")):
             w = w.reshape(-1)
-        elif arch in ("granitehybrid", "nemotron_h") and key.endswith((".q", ".k")):
+        elif (arch == "granitehybrid" or arch in gguf_nemotron.ARCHITECTURES) and key.endswith((".q", ".k")):
             w = _unpermute(w, config.n_heads if key.endswith(".q") else config.n_kv_heads)
         if arch == "qwen35":
             w = gguf_qwen35.fix(config, key, w)

@@ -6,7 +6,14 @@ layer is attention where `attention.head_count_kv` is non-zero, a feed-forward b
 Mamba-2 tensors are rewritten as for Granite-4.0-H (ssm_a = -exp(A_log) and ssm_d as [heads, 1], ssm_norm as
 [groups, inner / groups], the conv squeezed, dt_bias as `ssm_dt.bias`) and the q/k rows permuted as for llama
 (undone by `engine.model.hybrid.gguf_loader`). The file has no key for transformers' `time_step_min`, so its
-default (0.001) clamps dt as the HF model does. `nemotron_h_moe` files (the MoE models) are refused.
+default (0.001) clamps dt as the HF model does.
+
+`nemotron_h_moe` (the MoE models): a feed-forward layer with an `ffn_gate_inp` router runs experts
+(`ffn_{up,down}_exps`, the router bias `exp_probs_b`, `ffn_{up,down}_shexp`, the latent projections
+`ffn_latent_down` / `ffn_latent_up`; `expert_count`, `expert_used_count`, `expert_feed_forward_length`,
+`expert_shared_feed_forward_length`, `expert_weights_norm`, `expert_weights_scale`, `moe_latent_size`,
+`expert_group_count` with `expert_group_used_count`: the converter writes no topk_group, so a file with several
+expert groups and no `expert_group_used_count` is refused rather than routed another way than the HF model).
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 from engine.model.hybrid.config import ATTENTION, MAMBA, MLP, HybridConfig
+from engine.model.hybrid.nemotron_config import NemotronExperts
+
+ARCHITECTURES = ("nemotron_h", "nemotron_h_moe")
 
 LAYER_NAMES = {
     "attn_norm.weight": "layer_norm",
@@ -22,6 +32,9 @@ LAYER_NAMES = {
     "ssm_in.weight": "ssm_in", "ssm_conv1d.weight": "conv", "ssm_conv1d.bias": "conv_bias", "ssm_dt.bias": "dt_bias",
     "ssm_a": "neg_a", "ssm_d": "d_skip", "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "ssm_out",
     "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "ffn_gate_inp.weight": "router", "exp_probs_b.bias": "score_bias", "ffn_up_exps.weight": "experts.up",
+    "ffn_down_exps.weight": "experts.down", "ffn_up_shexp.weight": "shared_up", "ffn_down_shexp.weight": "shared_down",
+    "ffn_latent_down.weight": "latent_in", "ffn_latent_up.weight": "latent_out",
 }
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _DT_MIN = 0.001  # transformers' NemotronHConfig.time_step_min default
@@ -29,7 +42,8 @@ _CHUNK = 128  # and its chunk_size: where the scan cuts its blocks (float roundi
 
 
 def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> HybridConfig:
-    arch = "nemotron_h"
+    arch = meta["general.architecture"]
+    assert arch in ARCHITECTURES, arch
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -50,6 +64,8 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
     if any(k and f for k, f in zip(kv, ff, strict=True)):
         raise ModelLoadError(f"{path}: a layer has both attention heads and a feed-forward length (one block each)")
     kinds = tuple(ATTENTION if k else MLP if f else MAMBA for k, f in zip(kv, ff, strict=True))
+    moe = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+    ff = [0 if i in moe else f for i, f in enumerate(ff)]  # a MoE layer's length is one expert's
     for name, values in (("attention.head_count_kv", kv), ("feed_forward_length", ff)):
         if len({v for v in values if v}) > 1:
             raise ModelLoadError(f"{path}: {arch}.{name}: layers of different sizes {sorted(set(values))} are not supported")
@@ -78,4 +94,30 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
         mamba_state_dim=int(key("ssm.state_size")),
         mamba_chunk=_CHUNK,
         mamba_dt_min=_DT_MIN,
+        nemotron_experts=_experts(meta, arch, moe, path) if moe else None,
     )
+
+
+def _experts(meta: dict, arch: str, layers: tuple[int, ...], path: str) -> NemotronExperts:
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
+        return value
+
+    groups = int(key("expert_group_count", 1))
+    used_groups = meta.get(f"{arch}.expert_group_used_count")
+    if groups > 1 and used_groups is None:
+        raise ModelLoadError(f"{path}: {groups} expert groups but no {arch}.expert_group_used_count (transformers' "
+                             "topk_group): the routing is ambiguous")
+    settings = NemotronExperts(
+        layers=layers, n_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
+        expert_size=int(key("expert_feed_forward_length")), shared_size=int(key("expert_shared_feed_forward_length")),
+        n_group=groups, topk_group=int(used_groups or 1), norm_topk_prob=bool(key("expert_weights_norm", False)),
+        scaling=float(key("expert_weights_scale", 1.0)), latent_size=int(key("moe_latent_size", 0)),
+    )
+    try:
+        settings.check()
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    return settings

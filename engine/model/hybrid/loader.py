@@ -137,7 +137,7 @@ def _hf_canonical(family: ModuleType, name: str) -> str | None:
         return family.HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = family.HF_LAYER_NAMES.get(rest)
+        key = family.HF_LAYER_NAMES.get(rest) or (family.hf_layer_key(rest) if hasattr(family, "hf_layer_key") else None)
         if key is not None:
             return f"{index}.{key}"
     return None

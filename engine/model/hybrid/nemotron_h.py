@@ -4,41 +4,62 @@ The layer pattern (`layers_block_type`, or the older `hybrid_override_pattern` s
 "M" / linear_attention a Mamba-2 mixer (the same SSD scan as Granite-4.0-H, its gated RMSNorm normalised per group,
 dt clamped below at `time_step_min` as transformers' chunked scan does), "*" / full_attention GQA attention without
 any position encoding (softmax scale 1/sqrt(head_dim)), "-" / mlp an ungated feed-forward down(relu(up x)^2).
-The mixture-of-experts blocks ("E" / moe: sigmoid routing with a score-correction bias and relu2 experts, the
-Nemotron-3 Nano MoE models) are refused with the reason. Checkpoints name the model `backbone.*`.
+"E" / moe a mixture-of-experts feed-forward (Nemotron-3 Nano: sigmoid routing with a score-correction bias, relu2
+experts and a shared one; `engine.model.hybrid.nemotron_moe`). Checkpoints name the model `backbone.*`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
+from engine.errors import ModelLoadError
 from engine.model.hybrid import granitemoehybrid
 from engine.model.hybrid.blocks import BlockLayer
 from engine.model.hybrid.config import ATTENTION, MAMBA, MLP, ConfigError, HybridConfig
+from engine.model.hybrid.nemotron_config import NemotronExperts
+from engine.model.hybrid.nemotron_moe import NemotronMoe
 
+# A MoE block is a feed-forward-only block too (kind MLP); `moe_layers` says which ones run experts.
 _KINDS = {"M": MAMBA, "linear_attention": MAMBA, "mamba": MAMBA, "*": ATTENTION, "full_attention": ATTENTION,
-          "attention": ATTENTION, "-": MLP, "mlp": MLP}
+          "attention": ATTENTION, "-": MLP, "mlp": MLP, "E": MLP, "moe": MLP}
 _MOE = ("E", "moe")
+
+
+def _types(cfg: dict[str, Any]) -> list[str]:
+    types = cfg.get("layers_block_type") or cfg.get("layer_types") or cfg.get("hybrid_override_pattern")
+    if not types:
+        raise ConfigError("layers_block_type (or hybrid_override_pattern) is missing")
+    unknown = sorted({str(t) for t in types if t not in _KINDS})
+    if unknown:
+        raise ConfigError(f"layers_block_type: unknown Nemotron-H block type(s) {unknown}; expected "
+                          "linear_attention (M), full_attention (*), mlp (-) or moe (E)")
+    return list(types)
 
 
 def layer_kinds(cfg: dict[str, Any]) -> tuple[str, ...]:
     """The layer kinds from `layers_block_type` (a list) or `hybrid_override_pattern` (a string such as "M-M*-")."""
-    types = cfg.get("layers_block_type") or cfg.get("layer_types") or cfg.get("hybrid_override_pattern")
-    if not types:
-        raise ConfigError("layers_block_type (or hybrid_override_pattern) is missing")
-    types = list(types)
-    if any(t in _MOE for t in types):
-        raise ConfigError(
-            "layers_block_type has mixture-of-experts blocks ('moe' / 'E'): Nemotron-H MoE models are not supported "
-            "yet; the dense ones (Mamba-2, attention and MLP blocks, e.g. Nemotron-H-8B) are"
-        )
-    unknown = sorted({str(t) for t in types if t not in _KINDS})
-    if unknown:
-        raise ConfigError(f"layers_block_type: unknown Nemotron-H block type(s) {unknown}; expected "
-                          "linear_attention (M), full_attention (*) or mlp (-)")
-    return tuple(_KINDS[t] for t in types)
+    return tuple(_KINDS[t] for t in _types(cfg))
+
+
+def moe_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(_types(cfg)) if t in _MOE)
+
+
+def experts_from_hf(cfg: dict[str, Any]) -> NemotronExperts | None:
+    layers = moe_layers(cfg)
+    if not layers:
+        return None
+    latent = cfg.get("moe_latent_size")
+    return NemotronExperts(
+        layers=layers, n_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+        expert_size=int(cfg["moe_intermediate_size"]), shared_size=int(cfg["moe_shared_expert_intermediate_size"]),
+        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+        latent_size=int(latent or 0),
+    )
 
 
 def _key(cfg: dict[str, Any], name: str, old: str, default: Any) -> Any:
@@ -63,7 +84,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         architecture="nemotron_h",
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 1),
         layer_kinds=kinds,
         n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
@@ -80,6 +101,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         mamba_chunk=int(_key(cfg, "chunk_size", "mamba_chunk_size", 128)),
         # transformers' mixer uses (time_step_min, inf) whatever time_step_limit says
         mamba_dt_min=float(_key(cfg, "time_step_min", "mamba_dt_min", 0.001)),
+        nemotron_experts=experts_from_hf(cfg),
     )
 
 
@@ -90,7 +112,20 @@ HF_LAYER_NAMES = {
     "mixer.dt_bias": "dt_bias", "mixer.A_log": "a_log", "mixer.D": "d_skip", "mixer.norm.weight": "ssm_norm",
     "mixer.out_proj.weight": "ssm_out",
     "mixer.up_proj.weight": "up", "mixer.down_proj.weight": "down",
+    # MoE blocks (also transformers 5's stacked expert names)
+    "mixer.gate.weight": "router", "mixer.gate.e_score_correction_bias": "score_bias",
+    "mixer.gate.e_score_correction.bias": "score_bias",
+    "mixer.experts.up_proj": "experts.up", "mixer.experts.down_proj": "experts.down",
+    "mixer.shared_experts.up_proj.weight": "shared_up", "mixer.shared_experts.down_proj.weight": "shared_down",
+    "mixer.fc1_latent_proj.weight": "latent_in", "mixer.fc2_latent_proj.weight": "latent_out",
 }
+_HF_EXPERT = re.compile(r"mixer\.experts\.(\d+)\.(up|down)_proj\.weight")
+
+
+def hf_layer_key(rest: str) -> str | None:
+    """The canonical key of one expert's matrix ("mixer.experts.3.up_proj.weight" -> "expert.3.up")."""
+    m = _HF_EXPERT.fullmatch(rest)
+    return f"expert.{m.group(1)}.{m.group(2)}" if m else None
 # After the loader's "backbone." -> "model." rewrite.
 HF_GLOBAL_NAMES = {"model.embeddings.weight": "embed", "model.norm_f.weight": "norm", "lm_head.weight": "lm_head"}
 
@@ -109,5 +144,33 @@ def build_layer(config: HybridConfig, layer: int, mixer, get, need, norm, to, pa
     weight = to(norm(p + "layer_norm", d))
     if c.layer_kinds[layer] != MLP:
         return BlockLayer(c.layer_kinds[layer], mixer, eps=c.rms_norm_eps, mixer_norm=weight)
+    if c.nemotron_experts is not None and layer in c.nemotron_experts.layers:
+        return BlockLayer(MLP, None, eps=c.rms_norm_eps, mlp_norm=weight, moe=_experts(c, layer, get, need, to))
     return BlockLayer(MLP, None, eps=c.rms_norm_eps, mlp_norm=weight, w_gate_up=to(need(p + "up", (inter, d))),
                       w_down=to(need(p + "down", (d, inter))), act="relu2")
+
+
+def _experts(config: HybridConfig, layer: int, get, need, to) -> NemotronMoe:
+    """A MoE block's experts from stacked ("i.experts.up", GGUF and transformers 5) or per-expert keys."""
+    s, p, d = config.nemotron_experts, f"{layer}.", config.hidden_size
+    assert s is not None
+    width = s.latent_size or d
+
+    def stacked(part: str, shape: tuple[int, int]) -> torch.Tensor:
+        t = get(p + "experts." + part)
+        if t is None:
+            t = torch.stack([need(f"{p}expert.{j}.{part}", shape) for j in range(s.n_experts)])
+        if tuple(t.shape) != (s.n_experts, *shape):
+            raise ModelLoadError(f"weight {p}experts.{part!r} has shape {tuple(t.shape)}, expected {(s.n_experts, *shape)}")
+        return t
+
+    latent = ({"latent_in": to(need(p + "latent_in", (width, d))), "latent_out": to(need(p + "latent_out", (d, width)))}
+              if s.latent_size else {})
+    device = to(torch.zeros(1)).device  # the router and its bias stay float32, as transformers keeps them
+    return NemotronMoe(
+        s, d, router=need(p + "router", (s.n_experts, d)).float().to(device),
+        score_bias=need(p + "score_bias", (s.n_experts,)).float().to(device),
+        up=to(stacked("up", (s.expert_size, width))), down=to(stacked("down", (width, s.expert_size))),
+        shared_up=to(need(p + "shared_up", (s.shared_size, d))), shared_down=to(need(p + "shared_down", (d, s.shared_size))),
+        **latent,
+    )

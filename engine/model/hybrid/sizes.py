@@ -15,6 +15,9 @@ def layer_bytes(config: HybridConfig, dtype: torch.dtype, n_slots: int, ctx: int
     mlp = 3 * c.hidden_size * c.intermediate_size
     if c.moe is not None:  # the routed experts and their router beside the dense (shared) MLP
         mlp += c.moe.n_experts * c.hidden_size * (3 * c.moe.expert_size + 1)
+    if c.nemotron_experts is not None:  # relu2 experts (up, down), the shared one and the router
+        e = c.nemotron_experts
+        mlp = max(mlp, 2 * (e.n_experts * e.expert_size + e.shared_size) * c.hidden_size + e.n_experts * c.hidden_size)
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     attention = (c.hidden_size * (q_rows * (2 if c.attention_gate else 1) + 2 * kv_rows) + q_rows * c.hidden_size
                  + 2 * n_slots * ctx * kv_rows)
