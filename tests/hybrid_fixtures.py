@@ -9,7 +9,8 @@ import pytest
 
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
-HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "nemotron_h_moe")
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "nemotron_h_moe",
+                "falcon_h1")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,6 +86,16 @@ def tiny_hybrid_config(arch: str):
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=24, n_group=2,
             topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         )
+    if arch == "falcon_h1":  # attention and Mamba-2 in every layer, every muP multiplier away from 1
+        return transformers.FalconH1Config(
+            **common, intermediate_size=96, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+            mamba_chunk_size=32, mamba_conv_bias=True, mamba_rms_norm=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, embedding_multiplier=1.5,
+            lm_head_multiplier=0.7, attention_in_multiplier=0.8, attention_out_multiplier=0.6, key_multiplier=1.3,
+            ssm_in_multiplier=0.9, ssm_out_multiplier=1.2, ssm_multipliers=[0.5, 1.1, 0.9, 1.2, 0.8],
+            mlp_multipliers=[0.75, 1.25],
+        )
     raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
 
 
@@ -131,13 +142,14 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
 
     family = {"granitemoehybrid_moe": "granitemoehybrid", "nemotron_h_moe": "nemotron_h"}.get(arch, arch)
     gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "granitemoehybrid_moe": "granitehybrid",
-                 "qwen3_5": "qwen35", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h_moe"}.get(arch)
+                 "qwen3_5": "qwen35", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h_moe",
+                 "falcon_h1": "falcon-h1"}.get(arch)
     if gguf_arch is None:
         raise ValueError(f"arch: only {', '.join(HYBRID_ARCHS)} have a GGUF writer here, got {arch!r}")
     folder = write_tiny_hybrid(tmp_path, arch)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    types = cfg.get("layer_types") or cfg["layers_block_type"]
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["parallel"] * cfg["num_hidden_layers"]
     n_layers, n_heads, n_kv = len(types), cfg["num_attention_heads"], cfg["num_key_value_heads"]
     experts = int(cfg.get("num_local_experts") or 0)
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
@@ -146,7 +158,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(n_heads)
-    if arch == "qwen3_5":  # one K/V head count; the layer pattern as full_attention_interval
+    if arch == "falcon_h1":  # every layer has attention
+        writer.add_head_count_kv(n_kv)
+    elif arch == "qwen3_5":  # one K/V head count; the layer pattern as full_attention_interval
         writer.add_head_count_kv(n_kv)
         first = cfg["layer_types"].index("full_attention") + 1
         assert all((t == "full_attention") == ((i + 1) % first == 0) for i, t in enumerate(cfg["layer_types"]))
@@ -171,6 +185,16 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_ssm_group_count(cfg["linear_num_key_heads"])
         writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
         writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    elif arch == "falcon_h1":  # as llama.cpp's FalconH1Model (a Mamba2Model)
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        writer.add_ssm_state_size(cfg["mamba_d_state"])
+        writer.add_ssm_group_count(cfg["mamba_n_groups"])
+        writer.add_ssm_inner_size(cfg["mamba_d_ssm"])
+        writer.add_ssm_time_step_rank(cfg["mamba_d_ssm"] // cfg["mamba_d_head"])
     elif family == "nemotron_h":  # as llama.cpp's NemotronHModel: per-layer feed-forward lengths, 0 off the MLP blocks
         sizes = {"mlp": cfg["intermediate_size"], "moe": cfg["moe_intermediate_size"]}
         writer.add_feed_forward_length([sizes.get(t, 0) for t in types])
@@ -233,7 +257,8 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
 
     model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
                   "qwen3_5": gguf.MODEL_ARCH.QWEN35, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
-                  "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE}[arch if family == "nemotron_h" else family]
+                  "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE, "falcon_h1": gguf.MODEL_ARCH.FALCON_H1,
+                  }[arch if family == "nemotron_h" else family]
     names = gguf.get_tensor_name_map(model_arch, n_layers)
     out_tensors: list[tuple[str, np.ndarray]] = []
     per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # Nemotron-H: stacked as the converter does
@@ -247,6 +272,8 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             name = name.removesuffix("_bias") + ".bias"
         if arch == "qwen3_5":
             w = _qwen35_rewrite(cfg, name, w)
+        if arch == "falcon_h1":
+            w = _falcon_fold(cfg, name, w)
         if name.endswith(".dt_bias"):
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
         block = name.split(".")[2] if ".layers." in name else ""
@@ -277,7 +304,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             w = -np.exp(w) if arch == "qwen3_5" else -np.exp(w).reshape(-1, 1)
         elif name.endswith(".D"):
             w = w.reshape(-1, 1)
-        elif name.endswith(("mamba.norm.weight", "mixer.norm.weight")):
+        elif name.endswith(("mamba.norm.weight", "mixer.norm.weight")) and arch != "falcon_h1":
             w = w.reshape(cfg.get("mamba_n_groups") or cfg["n_groups"], -1)
         elif family in ("granitemoehybrid", "nemotron_h") and name.endswith(("self_attn.q_proj.weight", "mixer.q_proj.weight")):
             w = permute(w, n_heads)  # Granite and Nemotron-H convert through llama's q/k permutation
@@ -299,6 +326,30 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def _falcon_fold(cfg: dict, name: str, w):
+    """What llama.cpp's converter does to a Falcon-H1 tensor: its muP multipliers folded in, the grouped norm as
+    [groups, inner / groups]."""
+    gate_mult, down_mult = cfg["mlp_multipliers"]
+    attn_in = cfg["attention_in_multiplier"]
+    for part, factor in (("down_proj", down_mult), ("gate_proj", gate_mult), ("k_proj", cfg["key_multiplier"] * attn_in),
+                         ("q_proj", attn_in), ("v_proj", attn_in), ("o_proj", cfg["attention_out_multiplier"]),
+                         ("out_proj", cfg["ssm_out_multiplier"]), ("lm_head", cfg["lm_head_multiplier"]),
+                         ("embed_tokens", cfg["embedding_multiplier"])):
+        if part in name:
+            return w * factor
+    if "in_proj" in name:
+        inner, bc = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+        w = w * cfg["ssm_in_multiplier"]
+        for (lo, hi), factor in zip(((0, inner), (inner, 2 * inner), (2 * inner, 2 * inner + bc),
+                                     (2 * inner + bc, 2 * inner + 2 * bc), (2 * inner + 2 * bc, None)),
+                                    cfg["ssm_multipliers"], strict=True):
+            w[lo:hi] *= factor
+        return w
+    if "mamba.norm" in name:
+        return w.reshape(cfg["mamba_n_groups"], -1)
+    return w
 
 
 def _tile_v_heads(w, axis: int, k_heads: int, per_k: int, head_dim: int):

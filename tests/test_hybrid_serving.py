@@ -17,7 +17,7 @@ from tests.engine_process import start_engine
 from tests.hybrid_fixtures import write_tiny_hybrid
 
 MAX_TOKENS = 8
-SERVED = ("lfm2", "granitemoehybrid", "qwen3_5", "nemotron_h", "granitemoehybrid_moe")
+SERVED = ("lfm2", "granitemoehybrid", "qwen3_5", "nemotron_h", "granitemoehybrid_moe", "nemotron_h_moe", "falcon_h1")
 QUESTIONS = ["the river bends twice before the mill and the old road follows it", "apples ripen late"]
 
 

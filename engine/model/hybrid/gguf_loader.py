@@ -11,6 +11,7 @@ Supported:
 - `granitehybrid` with experts (Granite-4.0-H-Tiny, -Small): the routed experts as `ffn_gate_inp`,
   `ffn_{gate,up,down}_exps` and `expert_count`, `expert_used_count`, `feed_forward_length` (one expert's size),
   the shared MLP as `ffn_{gate,up,down}_shexp` and `expert_shared_feed_forward_length`;
+- `falcon-h1` (Falcon-H1): `engine.model.hybrid.gguf_falcon` (its multipliers are folded into the weights);
 - `nemotron_h`, `nemotron_h_moe` (Nemotron-H): `engine.model.hybrid.gguf_nemotron` reads its block pattern and experts;
 - `qwen35` (Qwen3.5, dense): `engine.model.hybrid.gguf_qwen35` undoes what llama.cpp's converter rewrites (the
   value-head order, the +1 folded into the norms, -exp(A_log)).
@@ -28,15 +29,15 @@ import xxhash
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.gguf_loading import _read_gguf, _unpermute, gguf_metadata, read_gguf
-from engine.model.hybrid import gguf_nemotron, gguf_qwen35
+from engine.model.hybrid import gguf_falcon, gguf_nemotron, gguf_qwen35
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
 from engine.model.moe_config import MoeConfig
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 GGUF_ARCHITECTURES: tuple[str, ...] = ("lfm2", "granitehybrid", "qwen35")
-GGUF_ARCHITECTURES += gguf_nemotron.ARCHITECTURES
-NOT_YET = ("qwen35moe", "qwen3next", "falcon-h1", "lfm2moe", "mamba2")
+GGUF_ARCHITECTURES += (*gguf_nemotron.ARCHITECTURES, gguf_falcon.ARCHITECTURE)
+NOT_YET = ("qwen35moe", "qwen3next", "lfm2moe", "mamba2")
 
 _LFM2_LAYER_NAMES = {
     "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
@@ -63,6 +64,7 @@ _GRANITE_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "no
 _NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES),
           "qwen35": (gguf_qwen35.GLOBAL_NAMES, gguf_qwen35.LAYER_NAMES)}
 _NAMES |= {arch: (gguf_nemotron.GLOBAL_NAMES, gguf_nemotron.LAYER_NAMES) for arch in gguf_nemotron.ARCHITECTURES}
+_NAMES[gguf_falcon.ARCHITECTURE] = (gguf_falcon.GLOBAL_NAMES, gguf_falcon.LAYER_NAMES)
 
 
 def is_hybrid_gguf(meta: dict) -> bool:
@@ -85,6 +87,8 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
         return gguf_qwen35.config(meta, tensor_names, path, embed_rows)
     if arch in gguf_nemotron.ARCHITECTURES:
         return gguf_nemotron.config(meta, tensor_names, path, embed_rows)
+    if arch == gguf_falcon.ARCHITECTURE:
+        return gguf_falcon.config(meta, tensor_names, path, embed_rows)
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)

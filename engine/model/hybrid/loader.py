@@ -18,13 +18,13 @@ from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
-from engine.model.hybrid import granitemoehybrid, lfm2, nemotron_h, qwen3_5
+from engine.model.hybrid import falcon_h1, granitemoehybrid, lfm2, nemotron_h, qwen3_5
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
-FAMILIES["nemotron_h"] = nemotron_h
+FAMILIES |= {"nemotron_h": nemotron_h, "falcon_h1": falcon_h1}
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
 _PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))  # backbone.: Nemotron-H
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")

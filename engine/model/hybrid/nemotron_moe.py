@@ -85,6 +85,11 @@ class NemotronMoe(torch.nn.Module):
         return out + _relu2_mlp(h, self.shared_up, self.shared_down, n_single)
 
     @property
+    def expert_device(self) -> torch.device:
+        """Where the routed experts' weights are (engine.model.moe_placement reads it of every layer's `moe`)."""
+        return torch.device(self.up.device)
+
+    @property
     def expert_bytes(self) -> int:
         return self.up.nbytes + self.down.nbytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.hybrid.config import RECURRENT_KINDS, HybridConfig
+from engine.model.hybrid.config import PARALLEL, RECURRENT_KINDS, HybridConfig
 from engine.model.hybrid.recurrent_state import StateLayout
 
 
@@ -26,5 +26,6 @@ def layer_bytes(config: HybridConfig, dtype: torch.dtype, n_slots: int, ctx: int
     state = StateLayout.for_config(c, torch.float32)
     n_recurrent = sum(1 for k in c.layer_kinds if k in RECURRENT_KINDS)
     state_per_layer = state.bytes_per_slot // max(n_recurrent, 1) * n_slots
-    weights = mlp + max(attention, recurrent if n_recurrent else 0)
+    both = PARALLEL in c.layer_kinds  # Falcon-H1: every layer holds attention and Mamba-2
+    weights = mlp + (attention + recurrent if both else max(attention, recurrent if n_recurrent else 0))
     return weights * dtype.itemsize + state_per_layer
