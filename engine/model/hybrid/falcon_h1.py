@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from engine.model.hybrid import granitemoehybrid
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.blocks import BlockLayer
 from engine.model.hybrid.config import PARALLEL, ConfigError, HybridConfig
-from engine.model.hybrid.granitemoehybrid import _float
+from engine.model.hybrid.granitemoehybrid import mamba_fields, rope_fields
 from engine.model.hybrid.mamba2 import Mamba2Mixer
 
 _SCALARS = ("ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier", "attention_out_multiplier",
@@ -48,16 +49,6 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
     hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
     inner = int(cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2)) * hidden)
-    heads = int(cfg.get("mamba_n_heads", 128))
-    mamba_head_dim = cfg.get("mamba_d_head", "auto")
-    mamba_head_dim = inner // heads if mamba_head_dim in (None, "auto") else int(mamba_head_dim)
-    if heads * mamba_head_dim != inner:
-        raise ConfigError(f"mamba_n_heads ({heads}) x mamba_d_head ({mamba_head_dim}) must equal the Mamba width {inner}")
-    rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k not in ("rope_theta", "type")},
-                                              "rope_type": kind}
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
     multipliers: dict[str, Any] = {name: float(cfg.get(name, 1.0)) for name in _SCALARS}
     multipliers["ssm_multipliers"] = _multipliers(cfg, "ssm_multipliers", 5)
     multipliers["mlp_multipliers"] = _multipliers(cfg, "mlp_multipliers", 2)
@@ -76,18 +67,9 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=scaling,
+        **rope_fields(cfg),
         rotary_dim=head_dim,
-        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        mamba_heads=heads,
-        mamba_head_dim=mamba_head_dim,
-        mamba_groups=int(cfg.get("mamba_n_groups", 1)),
-        mamba_state_dim=int(cfg.get("mamba_d_state", 256)),
-        mamba_chunk=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_dt_min=_float(limit[0]),
-        mamba_dt_max=_float(limit[1]),
+        **mamba_fields(cfg, inner),
         mamba_norm=norm,
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         logits_scaling=1.0 / float(cfg.get("lm_head_multiplier", 1.0)),
@@ -129,23 +111,15 @@ def build_mixer(config: HybridConfig, layer: int, need, opt, to) -> torch.nn.Mod
 
 
 def _mamba(config: HybridConfig, layer: int, need, to) -> Mamba2Mixer:
-    """The Mamba-2 mixer with ssm_in_multiplier x ssm_multipliers folded into in_proj and ssm_out_multiplier into
-    out_proj."""
-    c, p, m = config, f"{layer}.", _folds(config)
-    d, heads, inner = c.hidden_size, c.mamba_heads, c.mamba_heads * c.mamba_head_dim
-    bc = c.mamba_groups * c.mamba_state_dim
-    parts = (inner, inner, bc, bc, heads)  # z, x, B, C, dt rows of in_proj
+    """The Mamba-2 mixer with ssm_in_multiplier / ssm_out_multiplier folded in and ssm_multipliers as its
+    in_proj output scale (one per part of the rows: z, x, B, C, dt)."""
+    c, m = config, _folds(config)
+    inner, bc = c.mamba_heads * c.mamba_head_dim, c.mamba_groups * c.mamba_state_dim
+    parts = (inner, inner, bc, bc, c.mamba_heads)
     scale = torch.cat([torch.full((n,), v) for n, v in zip(parts, m["ssm_multipliers"], strict=True)])
-    w_in = need(p + "ssm_in", (sum(parts), d)) * m["ssm_in_multiplier"]
-    conv = need(p + "conv", (c.conv_channels, 1, c.conv_kernel)).reshape(c.conv_channels, c.conv_kernel)
-    norm = None if c.mamba_norm == "gate_only" else to(need(p + "ssm_norm", (inner,)))
-    return Mamba2Mixer(
-        c, layer, w_in=to(w_in), conv=to(conv),
-        conv_bias=to(need(p + "conv_bias", (c.conv_channels,))) if c.conv_bias else None,
-        a_log=to(need(p + "a_log", (heads,))), dt_bias=to(need(p + "dt_bias", (heads,))),
-        d_skip=to(need(p + "d_skip", (heads,))), norm=norm,
-        w_out=to(need(p + "ssm_out", (d, inner)) * m["ssm_out_multiplier"]),
-        in_scale=to(scale) if bool((scale != 1.0).any()) else None,
+    return granitemoehybrid.build_mixer(
+        c, layer, need, None, to, in_factor=m["ssm_in_multiplier"], out_factor=m["ssm_out_multiplier"],
+        in_scale=scale if bool((scale != 1.0).any()) else None,
     )
 
 

@@ -11,11 +11,10 @@ llama.cpp then normalises after the gate; the file does not say `mamba_norm_befo
 
 from __future__ import annotations
 
-from typing import Any
-
 from engine.errors import ModelLoadError
 from engine.model.hybrid.config import PARALLEL, HybridConfig
 from engine.model.hybrid.falcon_h1 import neutral_multipliers
+from engine.model.hybrid.gguf_mamba import mamba_fields, metadata_key
 
 ARCHITECTURE = "falcon-h1"
 LAYER_NAMES = {
@@ -31,12 +30,7 @@ GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "out
 def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> HybridConfig:
     arch = ARCHITECTURE
 
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
-        return value
-
+    key = metadata_key(meta, arch, path)
     n_layers, hidden, n_heads = int(key("block_count")), int(key("embedding_length")), int(key("attention.head_count"))
     kv = key("attention.head_count_kv")
     if isinstance(kv, list):
@@ -44,9 +38,6 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
             raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv: every layer must have the same, got {kv}")
         kv = kv[0]
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
-    heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
-    if inner % heads:
-        raise ModelLoadError(f"{path}: {arch}.ssm.inner_size {inner} is not a multiple of the {heads} heads")
     return HybridConfig(
         architecture="falcon_h1",
         vocab_size=embed_rows,
@@ -61,12 +52,7 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rotary_dim=head_dim,
-        conv_kernel=int(key("ssm.conv_kernel")),
-        conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in tensor_names),
-        mamba_heads=heads,
-        mamba_head_dim=inner // heads,
-        mamba_groups=int(key("ssm.group_count")),
-        mamba_state_dim=int(key("ssm.state_size")),
+        **mamba_fields(key, tensor_names, path),
         mamba_norm="gated" if any(n.endswith(".ssm_norm.weight") for n in tensor_names) else "gate_only",
         multipliers=neutral_multipliers(),
     )

@@ -29,7 +29,7 @@ import xxhash
 from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.gguf_loading import _read_gguf, _unpermute, gguf_metadata, read_gguf
-from engine.model.hybrid import gguf_falcon, gguf_nemotron, gguf_qwen35
+from engine.model.hybrid import gguf_falcon, gguf_mamba, gguf_nemotron, gguf_qwen35
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
 from engine.model.moe_config import MoeConfig
@@ -129,8 +129,6 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
             conv_kernel=int(key("shortconv.l_cache")),
             conv_bias=any(n.endswith(".shortconv.conv.bias") for n in tensor_names),
         )
-    heads = int(key("ssm.time_step_rank"))
-    inner = int(key("ssm.inner_size"))
     return HybridConfig(
         architecture="granitemoehybrid", **common,
         intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or key("feed_forward_length")),
@@ -138,12 +136,7 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
         max_position_embeddings=int(key("context_length", 2048)),
         rotary_dim=head_dim if meta.get(f"{arch}.rope.scaling.finetuned") else 0,
         attention_scale=float(key("attention.scale", head_dim**-0.5)),
-        conv_kernel=int(key("ssm.conv_kernel")),
-        conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in tensor_names),
-        mamba_heads=heads,
-        mamba_head_dim=inner // heads,
-        mamba_groups=int(key("ssm.group_count")),
-        mamba_state_dim=int(key("ssm.state_size")),
+        **gguf_mamba.mamba_fields(key, tensor_names, path),
         embedding_multiplier=float(key("embedding_scale", 1.0)),
         residual_multiplier=float(key("residual_scale", 1.0)),
         logits_scaling=float(key("logit_scale", 1.0)),

@@ -18,10 +18,9 @@ expert groups and no `expert_group_used_count` is refused rather than routed ano
 
 from __future__ import annotations
 
-from typing import Any
-
 from engine.errors import ModelLoadError
 from engine.model.hybrid.config import ATTENTION, MAMBA, MLP, HybridConfig
+from engine.model.hybrid.gguf_mamba import mamba_fields, metadata_key
 from engine.model.hybrid.nemotron_config import NemotronExperts
 
 ARCHITECTURES = ("nemotron_h", "nemotron_h_moe")
@@ -45,12 +44,7 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
     arch = meta["general.architecture"]
     assert arch in ARCHITECTURES, arch
 
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
-        return value
-
+    key = metadata_key(meta, arch, path)
     n_layers = int(key("block_count"))
 
     def per_layer(name: str) -> list[int]:
@@ -70,9 +64,6 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
         if len({v for v in values if v}) > 1:
             raise ModelLoadError(f"{path}: {arch}.{name}: layers of different sizes {sorted(set(values))} are not supported")
     hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
-    if inner % heads:
-        raise ModelLoadError(f"{path}: {arch}.ssm.inner_size {inner} is not a multiple of the {heads} heads")
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))
     return HybridConfig(
         architecture="nemotron_h",
@@ -86,12 +77,7 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
         rms_norm_eps=float(eps),
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        conv_kernel=int(key("ssm.conv_kernel")),
-        conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in tensor_names),
-        mamba_heads=heads,
-        mamba_head_dim=inner // heads,
-        mamba_groups=int(key("ssm.group_count")),
-        mamba_state_dim=int(key("ssm.state_size")),
+        **mamba_fields(key, tensor_names, path),
         mamba_chunk=_CHUNK,
         mamba_dt_min=_DT_MIN,
         nemotron_experts=_experts(meta, arch, moe, path) if moe else None,
@@ -99,12 +85,7 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
 
 
 def _experts(meta: dict, arch: str, layers: tuple[int, ...], path: str) -> NemotronExperts:
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
-        return value
-
+    key = metadata_key(meta, arch, path)
     groups = int(key("expert_group_count", 1))
     used_groups = meta.get(f"{arch}.expert_group_used_count")
     if groups > 1 and used_groups is None:
