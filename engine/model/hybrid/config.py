@@ -89,7 +89,7 @@ class HybridConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # Falcon-H1's muP multipliers by their config.json names, folded into the weights at load (falcon_h1.py)
+    # Falcon-H1's muP multipliers by their config.json names, applied at load (falcon_h1.py)
     multipliers: dict | None = None
     # mixture-of-experts MLP (Qwen3-Next, Qwen3.5-MoE): the layers not in moe.dense_layers run experts
     moe: MoeConfig | None = None
