@@ -1,13 +1,13 @@
 """Falcon-H1 (`falcon_h1`, TII): every layer runs attention and a Mamba-2 mixer side by side on the same normed
 input and adds both to the residual, then a SwiGLU MLP (layer kind "parallel": K/V and a Mamba-2 state).
 
-Falcon's muP multipliers are folded into the weights at load, so the forward needs almost none of them:
-`ssm_in_multiplier` into in_proj, `ssm_out_multiplier` into out_proj, `attention_in_multiplier` into q/k/v, `key_multiplier` into k (RoPE is linear),
-`attention_out_multiplier` into o, `mlp_multipliers` into the gate and down rows; `embedding_multiplier` scales
-the embeddings and `lm_head_multiplier` the logits. `ssm_multipliers` (one per part of in_proj's output rows: z,
-x, B, C, dt) scale the projection's output, as transformers does: folded into the rows they drift ~3x further
-from a float64 forward. RoPE on the whole head. The Mamba-2 output is gated only,
-or (`mamba_rms_norm`) normalised per group before (`mamba_norm_before_gate`) or after the gate.
+Falcon's muP multipliers are applied at load, so the forward needs almost none of them: `ssm_in_multiplier`
+folded into in_proj, `ssm_out_multiplier` into out_proj, `attention_in_multiplier` into q/k/v, `key_multiplier`
+into k (RoPE is linear), `attention_out_multiplier` into o, `mlp_multipliers` into the gate and down rows;
+`embedding_multiplier` scales the embeddings and `lm_head_multiplier` the logits. `ssm_multipliers` (one per part
+of in_proj's output rows: z, x, B, C, dt) scale the projection's output, as transformers does (folded into the rows,
+the logits drift ~3x further from a float64 forward). RoPE on the whole head. The Mamba-2 output is gated only, or
+(`mamba_rms_norm`) normalised per group before (`mamba_norm_before_gate`) or after the gate.
 """
 
 from __future__ import annotations
