@@ -9,7 +9,8 @@ import pytest
 
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
-HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid")
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "nemotron_h_moe",
+                "falcon_h1")
 HYBRID_ARCHS += ("qwen3_next", "qwen3_5_moe")  # gated DeltaNet with experts
 # families whose RMSNorm weights (outside the DeltaNet) are stored as w - 1
 _CENTRED_NORMS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
@@ -64,6 +65,42 @@ def tiny_hybrid_config(arch: str):
             mamba_chunk_size=32, mamba_conv_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
             attention_multiplier=0.2, logits_scaling=1.5,
         )
+    if arch == "granitemoehybrid_moe":  # Granite-4.0-H-Tiny-like: routed experts beside the shared MLP
+        return transformers.GraniteMoeHybridConfig(
+            **common, intermediate_size=48, shared_intermediate_size=64, num_local_experts=6,
+            num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False, position_embedding_type="nope",
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=32, mamba_conv_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=1.5,
+        )
+    if arch == "nemotron_h":  # one block per layer: Mamba-2, attention, relu2 MLP, attention
+        common.pop("num_hidden_layers")
+        return transformers.NemotronHConfig(
+            **common, head_dim=16, intermediate_size=96, layers_block_type=["linear_attention", "full_attention",
+                                                                           "mlp", "full_attention"],
+            ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=32,
+            use_conv_bias=True, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+        )
+    if arch == "nemotron_h_moe":  # Nemotron-3-like: a MoE block (grouped sigmoid routing, latent projection)
+        common.pop("num_hidden_layers")
+        return transformers.NemotronHConfig(
+            **common, head_dim=16, layers_block_type=["linear_attention", "full_attention", "moe", "full_attention"],
+            ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=32,
+            layer_norm_epsilon=1e-5, tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=24, n_group=2,
+            topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        )
+    if arch == "falcon_h1":  # attention and Mamba-2 in every layer, every muP multiplier away from 1
+        return transformers.FalconH1Config(
+            **common, intermediate_size=96, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+            mamba_chunk_size=32, mamba_conv_bias=True, mamba_rms_norm=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, embedding_multiplier=1.5,
+            lm_head_multiplier=0.7, attention_in_multiplier=0.8, attention_out_multiplier=0.6, key_multiplier=1.3,
+            ssm_in_multiplier=0.9, ssm_out_multiplier=1.2, ssm_multipliers=[0.5, 1.1, 0.9, 1.2, 0.8],
+            mlp_multipliers=[0.75, 1.25],
+        )
     raise ValueError(f"arch: expected one of {', '.join(HYBRID_ARCHS)}, got {arch!r}")
 
 
@@ -106,7 +143,7 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, 
                 # Qwen3.5 stores its RMSNorm weights (outside the DeltaNet) as w - 1.
                 centred = arch in _CENTRED_NORMS and "linear_attn.norm" not in name
                 param.uniform_(-0.5, 0.5) if centred else param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "e_score_correction_bias")):
                 param.normal_(0.0, 0.5)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
@@ -133,16 +170,19 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     from engine.model.hybrid.lfm2 import mlp_size
     from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
 
-    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "qwen3_5": "qwen35", "qwen3_next": "qwen3next",
-                 "qwen3_5_moe": "qwen35moe"}.get(arch)
+    family = {"granitemoehybrid_moe": "granitemoehybrid", "nemotron_h_moe": "nemotron_h"}.get(arch, arch)
+    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "granitemoehybrid_moe": "granitehybrid",
+                 "qwen3_5": "qwen35", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe",
+                 "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h_moe", "falcon_h1": "falcon-h1"}.get(arch)
     if gguf_arch is None:
-        raise ValueError(f"arch: no GGUF writer here for {arch!r}")
+        raise ValueError(f"arch: only {', '.join(HYBRID_ARCHS)} have a GGUF writer here, got {arch!r}")
     # llama.cpp's qwen3next has no dense-MLP layers: its converter cannot name one
     folder = write_tiny_hybrid(tmp_path, arch, overrides={"mlp_only_layers": []} if arch == "qwen3_next" else None)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    n_layers, n_heads, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    recurrent = {"conv", "linear_attention"}
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["parallel"] * cfg["num_hidden_layers"]
+    n_layers, n_heads, n_kv = len(types), cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    experts = int(cfg.get("num_local_experts") or 0)
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
     writer.add_block_count(n_layers)
@@ -150,7 +190,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(n_heads)
     qwen = arch in _CENTRED_NORMS  # the gated-DeltaNet families
-    if qwen:  # one K/V head count; the layer pattern as full_attention_interval (and for the MoE ones per layer)
+    if arch == "falcon_h1":  # every layer has attention
+        writer.add_head_count_kv(n_kv)
+    elif qwen:  # one K/V head count; the layer pattern as full_attention_interval (and for the MoE ones per layer)
         writer.add_head_count_kv(n_kv)
         first = cfg["layer_types"].index("full_attention") + 1
         assert all((t == "full_attention") == ((i + 1) % first == 0) for i, t in enumerate(cfg["layer_types"]))
@@ -159,8 +201,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             writer.add_array(f"{gguf_arch}.attention.recurrent_layers",
                              [t == "linear_attention" for t in cfg["layer_types"]])
     else:
-        writer.add_head_count_kv([0 if t in recurrent else n_kv for t in cfg["layer_types"]])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        writer.add_head_count_kv([n_kv if t == "full_attention" else 0 for t in types])
+    if "rope_parameters" in cfg:
+        writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
     if arch == "lfm2":
         writer.add_feed_forward_length(mlp_size(cfg))
@@ -183,6 +226,41 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_ssm_group_count(cfg["linear_num_key_heads"])
         writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
         writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    elif arch == "falcon_h1":  # as llama.cpp's FalconH1Model (a Mamba2Model)
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        writer.add_ssm_state_size(cfg["mamba_d_state"])
+        writer.add_ssm_group_count(cfg["mamba_n_groups"])
+        writer.add_ssm_inner_size(cfg["mamba_d_ssm"])
+        writer.add_ssm_time_step_rank(cfg["mamba_d_ssm"] // cfg["mamba_d_head"])
+    elif family == "nemotron_h":  # as llama.cpp's NemotronHModel: per-layer feed-forward lengths, 0 off the MLP blocks
+        sizes = {"mlp": cfg["intermediate_size"], "moe": cfg["moe_intermediate_size"]}
+        writer.add_feed_forward_length([sizes.get(t, 0) for t in types])
+        writer.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_ssm_conv_kernel(cfg["conv_kernel"])
+        writer.add_ssm_state_size(cfg["ssm_state_size"])
+        writer.add_ssm_group_count(cfg["n_groups"])
+        writer.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+        writer.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+        writer.add_rope_scaling_finetuned(False)
+        if "moe" in types:
+            writer.add_expert_count(cfg["n_routed_experts"])
+            writer.add_expert_shared_count(cfg["n_shared_experts"])
+            writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+            writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            writer.add_expert_group_count(cfg["n_group"])
+            # not written by llama.cpp's converter (it has no topk_group); the loader refuses groups without it
+            writer.add_expert_group_used_count(cfg["topk_group"])
+            writer.add_expert_used_count(cfg["num_experts_per_tok"])
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            writer.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+            if cfg.get("moe_latent_size"):
+                writer.add_moe_latent_size(cfg["moe_latent_size"])
     else:
         inner = cfg["mamba_expand"] * cfg["hidden_size"]
         writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -198,6 +276,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_attention_scale(cfg["attention_multiplier"])
         writer.add_logit_scale(cfg["logits_scaling"])
         writer.add_rope_scaling_finetuned(False)  # Granite-4.0-H attention is NoPE
+        writer.add_expert_count(experts)
+        if experts:
+            writer.add_expert_used_count(cfg["num_experts_per_tok"])
 
     spec = json.loads(tiny_tokenizer_json())
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
@@ -217,20 +298,43 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
 
     model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
                   "qwen3_5": gguf.MODEL_ARCH.QWEN35, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
-                  "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE}[arch]
+                  "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
+                  "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE, "falcon_h1": gguf.MODEL_ARCH.FALCON_H1,
+                  }[arch if family == "nemotron_h" else family]
     names = gguf.get_tensor_name_map(model_arch, n_layers)
     out_tensors: list[tuple[str, np.ndarray]] = []
+    per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # Nemotron-H: stacked as the converter does
     weights = load_file(os.path.join(folder, "model.safetensors"))
     if arch in ("qwen3_next", "qwen3_5_moe"):
         weights, out_tensors = _qwen_moe_rewrite(cfg, weights)
     for name, w in weights.items():
         w = w.astype(np.float32)
+        if ".mixer.experts." in name:
+            _, _, block, _, _, index, part, _ = name.split(".")
+            per_expert.setdefault((block, part), {})[int(index)] = w
+            continue
+        if name.endswith("e_score_correction_bias"):
+            name = name.removesuffix("_bias") + ".bias"
         if arch == "qwen3_next" and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             w = w + 1.0
         elif qwen and arch != "qwen3_next":
             w = _qwen35_rewrite(cfg, name, w)
+        if arch == "falcon_h1":
+            w = _falcon_fold(cfg, name, w)
         if name.endswith(".dt_bias"):
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        block = name.split(".")[2] if ".layers." in name else ""
+        if name.endswith("block_sparse_moe.input_linear.weight"):  # [experts, gate; up, hidden]
+            gate, up = np.split(w, 2, axis=1)
+            out_tensors += [(f"blk.{block}.ffn_gate_exps.weight", gate), (f"blk.{block}.ffn_up_exps.weight", up)]
+            continue
+        if experts and name.endswith("shared_mlp.input_linear.weight"):  # with experts: the shared expert's names
+            gate, up = np.split(w, 2, axis=0)
+            out_tensors += [(f"blk.{block}.ffn_gate_shexp.weight", gate), (f"blk.{block}.ffn_up_shexp.weight", up)]
+            continue
+        if experts and name.endswith("shared_mlp.output_linear.weight"):
+            out_tensors.append((f"blk.{block}.ffn_down_shexp.weight", w))
+            continue
         if name.endswith("shared_mlp.input_linear.weight"):
             gate, up = np.split(w, 2, axis=0)
             prefix = name.removesuffix("shared_mlp.input_linear.weight")
@@ -247,13 +351,17 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             w = -np.exp(w) if qwen else -np.exp(w).reshape(-1, 1)
         elif name.endswith(".D"):
             w = w.reshape(-1, 1)
-        elif name.endswith("mamba.norm.weight"):
-            w = w.reshape(cfg["mamba_n_groups"], -1)
-        elif arch == "granitemoehybrid" and name.endswith("self_attn.q_proj.weight"):
-            w = permute(w, n_heads)
-        elif arch == "granitemoehybrid" and name.endswith("self_attn.k_proj.weight"):
+        elif name.endswith(("mamba.norm.weight", "mixer.norm.weight")) and arch != "falcon_h1":
+            w = w.reshape(cfg.get("mamba_n_groups") or cfg["n_groups"], -1)
+        elif family in ("granitemoehybrid", "nemotron_h") and name.endswith(("self_attn.q_proj.weight", "mixer.q_proj.weight")):
+            w = permute(w, n_heads)  # Granite and Nemotron-H convert through llama's q/k permutation
+        elif family in ("granitemoehybrid", "nemotron_h") and name.endswith(("self_attn.k_proj.weight", "mixer.k_proj.weight")):
             w = permute(w, n_kv)
         out_tensors.append((out, w))
+    for (block, part), by_index in sorted(per_expert.items()):
+        stacked = np.stack([by_index[j] for j in sorted(by_index)])
+        out_tensors.append((names.get_name(f"model.layers.{block}.mlp.experts.{part}.weight", try_suffixes=(".weight",)),
+                            stacked))
     for out, w in out_tensors:
         # norms and the routers stay float, as llama.cpp keeps them
         if quantize and w.ndim == 2 and w.shape[1] % 32 == 0 and "norm" not in out and "ffn_gate_inp" not in out:
@@ -296,6 +404,30 @@ def _qwen_moe_rewrite(cfg: dict, weights: dict) -> tuple[dict, list]:
     for (prefix, part), by_index in experts.items():
         rest[f"{prefix}.{part}.weight"] = np.stack([by_index[i] for i in sorted(by_index)])
     return rest, named
+
+
+def _falcon_fold(cfg: dict, name: str, w):
+    """What llama.cpp's converter does to a Falcon-H1 tensor: its muP multipliers folded in, the grouped norm as
+    [groups, inner / groups]."""
+    gate_mult, down_mult = cfg["mlp_multipliers"]
+    attn_in = cfg["attention_in_multiplier"]
+    for part, factor in (("down_proj", down_mult), ("gate_proj", gate_mult), ("k_proj", cfg["key_multiplier"] * attn_in),
+                         ("q_proj", attn_in), ("v_proj", attn_in), ("o_proj", cfg["attention_out_multiplier"]),
+                         ("out_proj", cfg["ssm_out_multiplier"]), ("lm_head", cfg["lm_head_multiplier"]),
+                         ("embed_tokens", cfg["embedding_multiplier"])):
+        if part in name:
+            return w * factor
+    if "in_proj" in name:
+        inner, bc = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+        w = w * cfg["ssm_in_multiplier"]
+        for (lo, hi), factor in zip(((0, inner), (inner, 2 * inner), (2 * inner, 2 * inner + bc),
+                                     (2 * inner + bc, 2 * inner + 2 * bc), (2 * inner + 2 * bc, None)),
+                                    cfg["ssm_multipliers"], strict=True):
+            w[lo:hi] *= factor
+        return w
+    if "mamba.norm" in name:
+        return w.reshape(cfg["mamba_n_groups"], -1)
+    return w
 
 
 def _tile_v_heads(w, axis: int, k_heads: int, per_k: int, head_dim: int):

@@ -159,7 +159,9 @@ def test_layer_split_over_two_stages_equals_one_stage(hybrid_models, arch):
     cpu = torch.device("cpu")
     one = _load(hybrid_models[arch])
     two = _load(hybrid_models[arch], [(cpu, 0, 1), (cpu, 1, 4)])
-    assert two.model.kv_stages() == [(cpu, 0, 0), (cpu, 0, 2)]  # layer 0 is recurrent: no K/V on stage one
+    # stage one holds layer 0: no K/V at all where it is recurrent only (every family here but Falcon-H1's)
+    attn = two.config.attention_layers
+    assert two.model.kv_stages() == [(cpu, 0, int(0 in attn)), (cpu, int(0 in attn), len(attn))]
     ids = _prompt(one.config.vocab_size)[:120]
     (kv1, st1), (kv2, st2) = one.model.new_buffers(1, 128), two.model.new_buffers(1, 128)
     a = one.model.forward_chunks([SeqChunk(0, 0, ids)], kv1, st1)
@@ -188,20 +190,30 @@ def test_state_layout_covers_only_the_recurrent_layers(hybrid_models):
     assert layout.describe()["dtype"] == "float32"
 
 
-def test_granite_mixture_of_experts_is_refused_clearly(tmp_path):
+def test_nemotron_h_unknown_blocks_and_activations_are_refused_clearly(tmp_path):
     import json
 
     from engine.errors import ModelLoadError
     from engine.model.loader import read_model_config
 
-    config = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
-              "num_local_experts": 32, "num_hidden_layers": 2, "hidden_size": 64}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="num_local_experts is 32: Granite hybrid mixture-of-experts"):
-        read_model_config(str(tmp_path))
+    base = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 64,
+            "num_attention_heads": 4, "vocab_size": 300, "intermediate_size": 96}
+    for extra, message in (({"layers_block_type": ["mlp", "conv"]}, r"unknown Nemotron-H block type\(s\) \['conv'\]"),
+                           ({"hybrid_override_pattern": "M*-", "mlp_hidden_act": "gelu"}, "only relu2")):
+        (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
+        with pytest.raises(ModelLoadError, match=message):
+            read_model_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "granitemoehybrid", "qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_nemotron_h_pattern_string_gives_the_layer_kinds():
+    from engine.model.hybrid.nemotron_h import layer_kinds
+
+    assert layer_kinds({"hybrid_override_pattern": "M-M*-"}) == ("mamba2", "mlp", "mamba2", "attention", "mlp")
+    assert layer_kinds({"hybrid_override_pattern": "ME*"}) == ("mamba2", "mlp", "attention")  # experts: an MLP block
+    assert layer_kinds({"layers_block_type": ["linear_attention", "mlp"]}) == ("mamba2", "mlp")
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_gguf_loads_the_same_model(tmp_path, arch):
     """An unquantised GGUF with llama.cpp's names, keys and tensor rewrites gives the logits of its HF folder;
     a Q8_0 one gives those of the folder's weights rounded through Q8_0."""
@@ -217,42 +229,46 @@ def test_gguf_loads_the_same_model(tmp_path, arch):
     assert from_gguf.tokenizer.encode("Hello, world!") == from_folder.tokenizer.encode("Hello, world!")
     a, b = (lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 128), all_logits=True)[0]
             for lm in (from_gguf, from_folder))
-    assert _diff(a, b) <= 1e-5, f"{arch}: GGUF and HF folder differ by {_diff(a, b):.3g}"
-    # Q8_0: the same as the HF model with every quantised matrix rounded through Q8_0 in memory.
+    # Falcon-H1's converter folds the multipliers into the weights (other roundings than the folder's load)
+    tol = ATOL if arch == "falcon_h1" else 1e-5
+    assert _diff(a, b) <= tol, f"{arch}: GGUF and HF folder differ by {_diff(a, b):.3g}"
+    # Q8_0: the same as the float file's model with every quantised matrix rounded through Q8_0 in memory (the
+    # file's weights, not the folder's: Falcon-H1's converter folds its multipliers in before quantising).
     import gguf
 
     quantized = _load(write_tiny_hybrid_gguf(tmp_path / "q8", arch, quantize=True))
-    for name, buf in from_folder.model.named_buffers():
-        if buf.dim() == 2 and buf.shape[1] % 32 == 0 and not name.endswith("moe.router"):  # routers stay float
+    for name, buf in from_gguf.model.named_buffers():
+        if buf.dim() == 2 and buf.shape[1] % 32 == 0 and not name.endswith("router"):  # routers stay float
             w = buf.numpy()
             # llama.cpp tiles the value heads of Qwen3.5's DeltaNet output columns: its Q8_0 groups hold those
             tiled = arch in ("qwen3_5", "qwen3_5_moe") and name.endswith("mixer.w_out")
-            c = from_folder.config
+            c = from_gguf.config
             heads = (c.linear_k_heads, c.linear_v_heads // c.linear_k_heads, c.linear_v_dim) if tiled else ()
             w = _tile_v_heads(w, 1, *heads) if tiled else w
             q8 = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
                                                          gguf.GGMLQuantizationType.Q8_0))
             buf.copy_(untile_v_heads(q8, 1, *heads) if tiled else q8)
     c, d = (lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 128), all_logits=True)[0]
-            for lm in (quantized, from_folder))
+            for lm in (quantized, from_gguf))
     assert _diff(c, d) <= ATOL, f"{arch}: the Q8_0 GGUF differs from Q8_0-rounded weights by {_diff(c, d):.3g}"
     assert _diff(c, b) > 1e-3, "the Q8_0 file was not quantised"
 
 
-def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_path):
+@pytest.mark.parametrize("gguf_arch", ["lfm2moe", "mamba2"])
+def test_hybrid_gguf_architectures_not_supported_yet_are_refused_clearly(tmp_path, gguf_arch):
     import gguf
 
     from engine.errors import ModelLoadError
 
     path = tmp_path / "q.gguf"
-    writer = gguf.GGUFWriter(str(path), "lfm2moe")
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="'lfm2moe' .* is not supported from GGUF yet; load its Hugging Face"):
+    with pytest.raises(ModelLoadError, match=f"'{gguf_arch}' .* is not supported from GGUF yet; load its Hugging Face"):
         load_model(str(path), [(torch.device("cpu"), 0, 1)], torch.float32)
 
 
@@ -272,9 +288,12 @@ def test_bfloat16_weights_keep_a_float32_state_and_track_float32(hybrid_models, 
     assert low.dtype == torch.float32 and torch.isfinite(low).all()
     rows = (low - ref).abs().amax(-1)
     # With experts, bfloat16 rounding may route a token whose top-k is a near tie to another expert (a discrete
-    # change of that row); the typical row must still track float32.
-    drift = rows.median().item() if lm.config.moe is not None else rows.max().item()
-    assert drift < 0.1 * ref.abs().max().item(), f"{arch}: bfloat16 drifts {drift:.3g} from float32"
+    # change of that row); the typical row must still track float32. Transformers' own bfloat16 forward of the
+    # tiny Granite MoE drifts 18% of the logit scale from its float32 one over these tokens.
+    experts = lm.config.moe is not None or lm.config.nemotron_experts is not None
+    drift = rows.median().item() if experts else rows.max().item()
+    bound = 0.2 if arch == "granitemoehybrid_moe" else 0.1
+    assert drift < bound * ref.abs().max().item(), f"{arch}: bfloat16 drifts {drift:.3g} from float32"
 
 
 def test_a_hybrid_layer_is_planned_with_its_weights_kv_and_recurrent_state(hybrid_models):
@@ -291,3 +310,28 @@ def test_a_hybrid_layer_is_planned_with_its_weights_kv_and_recurrent_state(hybri
         long = layer_bytes(shape, torch.float32, 1, 8192)  # the attention layer is the largest from here on
         assert layer_bytes(shape, torch.float32, 1, 16384) - long == 8192 * kv_rows
         assert layer_bytes(shape, torch.float32, 3, 256) > layer_bytes(shape, torch.float32, 2, 256)
+
+
+@pytest.mark.parametrize("before_gate", [True, False])
+def test_falcon_h1_normalised_mamba_output_matches_transformers(tmp_path, before_gate):
+    """Falcon-H1 with `mamba_rms_norm`: the Mamba-2 output normalised per group before or after the gate."""
+    from tests import hybrid_fixtures
+
+    config = hybrid_fixtures.tiny_hybrid_config("falcon_h1")
+    config.mamba_rms_norm, config.mamba_norm_before_gate = True, before_gate
+    folder = tmp_path / "falcon"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    hybrid_fixtures.write_tokenizer_files(folder)
+    ids = _prompt(config.vocab_size)
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    lm = _load(str(folder))
+    assert lm.config.mamba_norm == ("norm_then_gate" if before_gate else "gated")
+    ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], *lm.model.new_buffers(1, 256), all_logits=True)[0]
+    assert _diff(ours, ref) <= ATOL, f"max |logit diff| {_diff(ours, ref):.3g}"

@@ -17,7 +17,8 @@ from tests.engine_process import start_engine
 from tests.hybrid_fixtures import write_tiny_hybrid
 
 MAX_TOKENS = 8
-SERVED = ("lfm2", "granitemoehybrid", "qwen3_5", "qwen3_next", "qwen3_5_moe")
+SERVED = ("lfm2", "granitemoehybrid", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "granitemoehybrid_moe",
+          "nemotron_h_moe", "falcon_h1")
 QUESTIONS = ["the river bends twice before the mill and the old road follows it", "apples ripen late"]
 
 

@@ -19,6 +19,8 @@ expert run where the layer runs; the routed rows go to the experts' device, run 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -117,31 +119,8 @@ class SparseMoe(torch.nn.Module):
         return out
 
     def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:
-        k, n_experts = self.config.top_k, self.config.n_experts
-        flat = experts.reshape(-1)
-        # Sorted by expert, and within an expert by token (a stable sort of token-major entries).
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=n_experts).tolist()
-        singles = torch.bincount(flat[: n_single * k], minlength=n_experts).tolist() if n_single else None
-        tokens = order // k
-        row_weights = weights.reshape(-1)[order].unsqueeze(1)
-        out = torch.zeros_like(h)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            rows = tokens[start : start + n]
-            n_one = singles[e] if singles else 0
-            x = h.index_select(0, rows)
-            # BLAS GEMMs run rows in blocks of 4 and the rows of a last, partial block through another kernel
-            # (other sums); an expert's row count changes with what is batched, so it is padded to whole blocks.
-            pad = -(n - n_one) % _ROW_BLOCK
-            if pad:
-                x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
-            y = _mlp(x, self.gate_up[e], self.down[e], n_one)[:n]
-            out.index_add_(0, rows, y * row_weights[start : start + n])
-            start += n
-        return out
+        return grouped_experts(h, experts, weights, n_single, self.config.n_experts,
+                               lambda x, e, n_one: _mlp(x, self.gate_up[e], self.down[e], n_one))
 
     @property
     def expert_device(self) -> torch.device:
@@ -174,6 +153,40 @@ class SparseMoe(torch.nn.Module):
             self._buffers.pop(name, None)
             object.__setattr__(self, name, packed)
         return before, after
+
+
+def grouped_experts(
+    h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int, n_experts: int,
+    run: Callable[[torch.Tensor, int, int], torch.Tensor],
+) -> torch.Tensor:
+    """Row t: the sum over k of weights[t, k] times expert experts[t, k] on it. Each chosen expert runs once on all
+    its rows (`run(rows, expert, n_one)`, the first `n_one` rows one-token chunks); a row's terms are summed in
+    ascending expert order from zero, as transformers' `index_add_` loop does."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    # Sorted by expert, and within an expert by token (a stable sort of token-major entries).
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    singles = torch.bincount(flat[: n_single * k], minlength=n_experts).tolist() if n_single else None
+    tokens = order // k
+    row_weights = weights.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros_like(h)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        rows = tokens[start : start + n]
+        n_one = singles[e] if singles else 0
+        x = h.index_select(0, rows)
+        # BLAS GEMMs run rows in blocks of 4 and the rows of a last, partial block through another kernel
+        # (other sums); an expert's row count changes with what is batched, so it is padded to whole blocks.
+        pad = -(n - n_one) % _ROW_BLOCK
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        y = run(x, e, n_one)[:n]
+        out.index_add_(0, rows, y * row_weights[start : start + n])
+        start += n
+    return out
 
 
 def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:

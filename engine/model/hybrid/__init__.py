@@ -1,8 +1,9 @@
 """Hybrid models: recurrent layers with a fixed-size per-slot state plus a few attention layers.
 
 Families: LFM2 (gated short convolutions), Qwen3.5 (gated DeltaNet + gated attention), Granite-4.0-H
-(Mamba-2, dense MLP). Each is loaded from an HF folder and matched against
-transformers in float32 (tests/test_hybrid_models.py).
+(Mamba-2, a dense MLP and optionally routed experts), Nemotron-H (single Mamba-2 / attention / relu2 MLP / expert
+blocks, `blocks`), Falcon-H1 (attention and Mamba-2 side by side). Each is loaded from an HF folder and matched against transformers in float32
+(tests/test_hybrid_models.py).
 
 Pieces: `config` (HybridConfig), `recurrent_state` (RecurrentStateBuffers, StateSnapshot: the per-slot
 state beside the K/V buffers), `model` (HybridCausalLM.forward_chunks over K/V + state), `attention`,

@@ -11,11 +11,19 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model.config import ROPE_TYPES, ConfigError
+from engine.model.hybrid.nemotron_config import NemotronExperts
 from engine.model.moe_config import MoeConfig
 
-# Layer kinds. "attention" layers own K/V rows in the K/V buffers; the others own a fixed-size recurrent state.
-ATTENTION, SHORT_CONV, DELTA, MAMBA = "attention", "short_conv", "gated_delta", "mamba2"
-LAYER_KINDS = (ATTENTION, SHORT_CONV, DELTA, MAMBA)
+# Layer kinds. "attention" layers own K/V rows in the K/V buffers; "mlp" layers (Nemotron-H's feed-forward-only
+# blocks) own nothing; "parallel" layers (Falcon-H1: attention and Mamba-2 side by side) own both K/V and a
+# Mamba-2 state; the others own a fixed-size recurrent state.
+ATTENTION, SHORT_CONV, DELTA, MAMBA, MLP = "attention", "short_conv", "gated_delta", "mamba2", "mlp"
+PARALLEL = "parallel"
+LAYER_KINDS = (ATTENTION, SHORT_CONV, DELTA, MAMBA, MLP, PARALLEL)
+RECURRENT_KINDS = (SHORT_CONV, DELTA, MAMBA, PARALLEL)
+KV_KINDS = (ATTENTION, PARALLEL)
+MAMBA_KINDS = (MAMBA, PARALLEL)
+MAMBA_NORMS = ("gated", "norm_then_gate", "gate_only")  # y*silu(z) normalised per group / normalised then gated / neither
 
 # HF `architectures[0]` -> our architecture name (the `model_type` is accepted too).
 HF_ARCHITECTURES = {
@@ -26,11 +34,15 @@ HF_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "NemotronHForCausalLM": "nemotron_h",
+    "FalconH1ForCausalLM": "falcon_h1",
 }
 _MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "granitemoehybrid": "granitemoehybrid"}
 _MODEL_TYPES |= {"qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+_MODEL_TYPES |= {"nemotron_h": "nemotron_h", "falcon_h1": "falcon_h1"}
 ARCHITECTURES: tuple[str, ...] = ("lfm2", "qwen3_5", "granitemoehybrid")
 ARCHITECTURES += ("qwen3_next", "qwen3_5_moe")
+ARCHITECTURES += ("nemotron_h", "falcon_h1")
 
 
 def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:
@@ -77,12 +89,16 @@ class HybridConfig:
     mamba_chunk: int = 256
     mamba_dt_min: float = 0.0
     mamba_dt_max: float = float("inf")
+    mamba_norm: str = "gated"  # how the scan's output meets the gate z (MAMBA_NORMS; Falcon-H1 chooses)
     # Granite's scalar multipliers
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # mixture-of-experts MLP (Qwen3-Next, Qwen3.5-MoE): the layers not in moe.dense_layers run experts
+    # Falcon-H1's muP multipliers by their config.json names, applied at load (falcon_h1.py)
+    multipliers: dict | None = None
+    # mixture-of-experts MLP (Qwen3-Next, Qwen3.5-MoE, Granite-4.0-H with experts): the layers not in moe.dense_layers run experts
     moe: MoeConfig | None = None
+    nemotron_experts: NemotronExperts | None = None  # Nemotron-H's MoE blocks (engine/model/hybrid/nemotron_moe.py)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -104,7 +120,7 @@ class HybridConfig:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
                 raise ConfigError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-        if any(k != ATTENTION for k in self.layer_kinds) and self.conv_kernel < 1:
+        if any(k in RECURRENT_KINDS for k in self.layer_kinds) and self.conv_kernel < 1:
             raise ConfigError(f"conv_kernel: recurrent layers need a convolution width >= 1, got {self.conv_kernel}")
         if DELTA in self.layer_kinds:
             for name in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim"):
@@ -112,7 +128,9 @@ class HybridConfig:
                     raise ConfigError(f"{name}: gated DeltaNet layers need a positive value")
             if self.linear_v_heads % self.linear_k_heads:
                 raise ConfigError("linear_v_heads must be a multiple of linear_k_heads")
-        if MAMBA in self.layer_kinds:
+        if self.mamba_norm not in MAMBA_NORMS:
+            raise ConfigError(f"mamba_norm {self.mamba_norm!r}: expected one of {', '.join(MAMBA_NORMS)}")
+        if any(k in MAMBA_KINDS for k in self.layer_kinds):
             for name in ("mamba_heads", "mamba_head_dim", "mamba_groups", "mamba_state_dim", "mamba_chunk"):
                 if getattr(self, name) <= 0:
                     raise ConfigError(f"{name}: Mamba-2 layers need a positive value")
@@ -121,6 +139,11 @@ class HybridConfig:
         if self.moe is not None:
             try:
                 self.moe.check(self.n_layers)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.nemotron_experts is not None:
+            try:
+                self.nemotron_experts.check()
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 
@@ -137,11 +160,11 @@ class HybridConfig:
     @property
     def attention_layers(self) -> tuple[int, ...]:
         """Model layer indices of the attention layers, in order (their K/V index is the position here)."""
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == ATTENTION)
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in KV_KINDS)
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k != ATTENTION)
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT_KINDS)
 
     @property
     def softmax_scale(self) -> float:
@@ -154,7 +177,7 @@ class HybridConfig:
             return self.hidden_size
         if DELTA in self.layer_kinds:
             return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
-        if MAMBA in self.layer_kinds:
+        if any(k in MAMBA_KINDS for k in self.layer_kinds):
             return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state_dim
         return 0
 
@@ -170,6 +193,14 @@ class HybridConfig:
             del out["moe"]  # a dense model's identity keeps the form it had before experts existed
         else:
             out["moe"]["dense_layers"] = list(self.moe.dense_layers)
+        if self.multipliers is None:
+            del out["multipliers"]
+        if self.mamba_norm == "gated":
+            del out["mamba_norm"]  # the identity of the models before Falcon-H1 keeps its form
+        if self.nemotron_experts is None:
+            del out["nemotron_experts"]
+        else:
+            out["nemotron_experts"]["layers"] = list(self.nemotron_experts.layers)
         return out
 
 

@@ -8,6 +8,11 @@ Supported:
   to 2-D, dt_bias as `ssm_dt.bias`), the shared MLP split into ffn_gate / ffn_up, q/k rows permuted as for
   llama, the embeddings padded to a multiple of 8 rows, Granite's scales as `embedding_scale`,
   `residual_scale`, `attention.scale`, `logit_scale`, RoPE only when `rope.scaling.finetuned` is set.
+- `granitehybrid` with experts (Granite-4.0-H-Tiny, -Small): the routed experts as `ffn_gate_inp`,
+  `ffn_{gate,up,down}_exps` and `expert_count`, `expert_used_count`, `feed_forward_length` (one expert's size),
+  the shared MLP as `ffn_{gate,up,down}_shexp` and `expert_shared_feed_forward_length`;
+- `falcon-h1` (Falcon-H1): `engine.model.hybrid.gguf_falcon` (its multipliers are folded into the weights);
+- `nemotron_h`, `nemotron_h_moe` (Nemotron-H): `engine.model.hybrid.gguf_nemotron` reads its block pattern and experts;
 - `qwen35` (Qwen3.5), `qwen35moe` (Qwen3.5-MoE) and `qwen3next` (Qwen3-Next): `engine.model.hybrid.gguf_qwen35`
   undoes what llama.cpp's converter rewrites (the value-head order, the +1 folded into the norms, -exp(A_log),
   Qwen3-Next's regrouped qkvz); their experts have Qwen2-MoE's tensor names and keys.
@@ -26,14 +31,16 @@ from engine.errors import ModelLoadError
 from engine.model import moe_loading
 from engine.model.build import LoadedModel
 from engine.model.gguf_loading import _read_gguf, _unpermute, gguf_metadata, read_gguf
-from engine.model.hybrid import gguf_qwen35
+from engine.model.hybrid import gguf_falcon, gguf_mamba, gguf_nemotron, gguf_qwen35
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
+from engine.model.moe_config import MoeConfig
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 GGUF_ARCHITECTURES: tuple[str, ...] = ("lfm2", "granitehybrid", "qwen35")
 GGUF_ARCHITECTURES += ("qwen35moe", "qwen3next")
-NOT_YET = ("nemotron_h", "falcon-h1", "lfm2moe", "mamba2")
+GGUF_ARCHITECTURES += (*gguf_nemotron.ARCHITECTURES, gguf_falcon.ARCHITECTURE)
+NOT_YET = ("lfm2moe", "mamba2")
 
 _LFM2_LAYER_NAMES = {
     "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
@@ -51,11 +58,17 @@ _GRANITE_LAYER_NAMES = {
     "ssm_in.weight": "ssm_in", "ssm_conv1d.weight": "conv", "ssm_conv1d.bias": "conv_bias", "ssm_dt.bias": "dt_bias",
     "ssm_a": "neg_a", "ssm_d": "d_skip", "ssm_norm.weight": "ssm_norm", "ssm_out.weight": "ssm_out",
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    # with experts: the router and the stacked experts; the shared MLP under the dense MLP's keys
+    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts.gate", "ffn_up_exps.weight": "experts.up",
+    "ffn_down_exps.weight": "experts.down",
+    "ffn_gate_shexp.weight": "gate", "ffn_up_shexp.weight": "up", "ffn_down_shexp.weight": "down",
 }
 _GRANITE_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES),
           "qwen35": (gguf_qwen35.GLOBAL_NAMES, gguf_qwen35.LAYER_NAMES)}
 _NAMES |= {arch: _NAMES["qwen35"] for arch in gguf_qwen35.GGUF_ARCHITECTURES}
+_NAMES |= {arch: (gguf_nemotron.GLOBAL_NAMES, gguf_nemotron.LAYER_NAMES) for arch in gguf_nemotron.ARCHITECTURES}
+_NAMES[gguf_falcon.ARCHITECTURE] = (gguf_falcon.GLOBAL_NAMES, gguf_falcon.LAYER_NAMES)
 
 
 def is_hybrid_gguf(meta: dict) -> bool:
@@ -76,6 +89,10 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
 
     if arch in gguf_qwen35.GGUF_ARCHITECTURES:
         return gguf_qwen35.config(meta, tensor_names, path, embed_rows)
+    if arch in gguf_nemotron.ARCHITECTURES:
+        return gguf_nemotron.config(meta, tensor_names, path, embed_rows)
+    if arch == gguf_falcon.ARCHITECTURE:
+        return gguf_falcon.config(meta, tensor_names, path, embed_rows)
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -116,10 +133,6 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
             conv_kernel=int(key("shortconv.l_cache")),
             conv_bias=any(n.endswith(".shortconv.conv.bias") for n in tensor_names),
         )
-    if int(meta.get(f"{arch}.expert_count") or 0) > 0:
-        raise ModelLoadError(f"{path}: Granite hybrid mixture-of-experts models are not supported yet; the dense ones are")
-    heads = int(key("ssm.time_step_rank"))
-    inner = int(key("ssm.inner_size"))
     return HybridConfig(
         architecture="granitemoehybrid", **common,
         intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or key("feed_forward_length")),
@@ -127,16 +140,28 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
         max_position_embeddings=int(key("context_length", 2048)),
         rotary_dim=head_dim if meta.get(f"{arch}.rope.scaling.finetuned") else 0,
         attention_scale=float(key("attention.scale", head_dim**-0.5)),
-        conv_kernel=int(key("ssm.conv_kernel")),
-        conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in tensor_names),
-        mamba_heads=heads,
-        mamba_head_dim=inner // heads,
-        mamba_groups=int(key("ssm.group_count")),
-        mamba_state_dim=int(key("ssm.state_size")),
+        **gguf_mamba.mamba_fields(key, tensor_names, path),
         embedding_multiplier=float(key("embedding_scale", 1.0)),
         residual_multiplier=float(key("residual_scale", 1.0)),
         logits_scaling=float(key("logit_scale", 1.0)),
+        moe=_granite_experts(meta, arch, path),
     )
+
+
+def _granite_experts(meta: dict, arch: str, path: str) -> MoeConfig | None:
+    """Granite-4.0-H's routed experts (top-k then softmax, as its HF config); None for a dense file."""
+    n_experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if n_experts <= 0:
+        return None
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp: 1 softmax, 2 sigmoid
+        raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (expected 1, softmax)")
+    size = meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length")
+    top_k = meta.get(f"{arch}.expert_used_count")
+    if size is None or top_k is None:
+        raise ModelLoadError(f"{path}: metadata {arch}.expert_used_count or feed_forward_length is missing")
+    return MoeConfig(n_experts=n_experts, top_k=int(top_k), expert_size=int(size), routing="topk_softmax",
+                     norm_topk_prob=False)
 
 
 def embed_rows(reader) -> int:
@@ -183,7 +208,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
     content = xxhash.xxh3_128()
 
     def get(key: str) -> torch.Tensor | None:
-        if key.endswith(".gate_up") and not key.endswith(".experts.gate_up"):  # Granite's MLP input, split by the converter
+        if key.endswith(".gate_up") and ".experts." not in key:  # Granite's fused MLP input, split by the converter
             gate, up = get(key.removesuffix("gate_up") + "gate"), get(key.removesuffix("gate_up") + "up")
             return None if gate is None or up is None else torch.cat((gate, up))
         if key.endswith(".a_log"):  # the file has A = -exp(A_log) as [heads, 1]
@@ -203,7 +228,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
             w = w.unsqueeze(1)
         elif key.endswith((".d_skip", ".ssm_norm")):
             w = w.reshape(-1)
-        elif arch == "granitehybrid" and key.endswith((".q", ".k")):
+        elif (arch == "granitehybrid" or arch in gguf_nemotron.ARCHITECTURES) and key.endswith((".q", ".k")):
             w = _unpermute(w, config.n_heads if key.endswith(".q") else config.n_kv_heads)
         if arch in gguf_qwen35.GGUF_ARCHITECTURES:
             w = gguf_qwen35.fix(config, key, w)

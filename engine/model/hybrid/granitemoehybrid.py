@@ -1,8 +1,10 @@
-"""Granite-4.0-H (`granitemoehybrid`) with a dense MLP: Mamba-2 layers + GQA attention layers (NoPE by default).
+"""Granite-4.0-H (`granitemoehybrid`): Mamba-2 layers + GQA attention layers (NoPE by default), each followed by
+the shared SwiGLU MLP and, in the mixture-of-experts models (num_local_experts > 0: Granite-4.0-H-Tiny, -Small),
+routed experts beside it (top-k of the router logits, then softmax over those k, as GraniteMoE; the layer's
+feed-forward output is experts + shared MLP; `engine.model.hybrid.blocks.BlockLayer`).
 
 Granite scales the embeddings (`embedding_multiplier`), each residual branch (`residual_multiplier`), the
 attention softmax (`attention_multiplier` is the scale itself) and divides the logits by `logits_scaling`.
-The mixture-of-experts variants (num_local_experts > 0) are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -11,18 +13,28 @@ from typing import Any
 
 import torch
 
+from engine.model.hybrid.blocks import BlockLayer
 from engine.model.hybrid.config import ATTENTION, MAMBA, ConfigError, HybridConfig
 from engine.model.hybrid.mamba2 import Mamba2Mixer
+from engine.model.moe_config import MoeConfig
+from engine.model.moe_loading import build_sparse_moe
 
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
 
 
+def experts_from_hf(cfg: dict[str, Any]) -> MoeConfig | None:
+    """The routed experts of a Granite-4.0-H MoE config.json (None for the dense models)."""
+    n_experts = int(cfg.get("num_local_experts") or 0)
+    if n_experts <= 0:
+        return None
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r}: only silu experts are supported")
+    return MoeConfig(n_experts=n_experts, top_k=int(cfg.get("num_experts_per_tok") or 0),
+                     expert_size=int(cfg["intermediate_size"]), routing="topk_softmax", norm_topk_prob=False)
+
+
 def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
-    if int(cfg.get("num_local_experts") or 0) > 0:
-        raise ConfigError(
-            f"num_local_experts is {cfg['num_local_experts']}: Granite hybrid mixture-of-experts models are not "
-            "supported yet; the dense ones (num_local_experts 0, e.g. Granite-4.0-H-Micro) are"
-        )
     n_layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n_layers
     unknown = sorted({t for t in types if t not in _KINDS})
@@ -30,21 +42,6 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         raise ConfigError(f"layer_types: unknown Granite layer type(s) {unknown}; expected mamba or attention")
     hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
-    heads = int(cfg.get("mamba_n_heads", 128))
-    inner = int(cfg.get("mamba_expand", 2)) * hidden
-    mamba_head_dim = cfg.get("mamba_d_head", "auto")
-    mamba_head_dim = inner // heads if mamba_head_dim in (None, "auto") else int(mamba_head_dim)
-    if heads * mamba_head_dim != inner:
-        raise ConfigError(f"mamba_n_heads ({heads}) x mamba_d_head ({mamba_head_dim}) must equal mamba_expand x hidden_size ({inner})")
-    rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
-    rope.update(cfg.get("rope_scaling") or {})
-    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    kind = rope.get("type") or rope.get("rope_type") or "default"
-    scaling = None
-    if kind != "default":
-        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
-        scaling["rope_type"] = kind
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
     if cfg.get("attention_bias") or cfg.get("mamba_proj_bias"):
         raise ConfigError("attention_bias / mamba_proj_bias: Granite hybrids with projection biases are not supported")
     return HybridConfig(
@@ -59,22 +56,42 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        **rope_fields(cfg),
         rotary_dim=head_dim if cfg.get("position_embedding_type") == "rope" else 0,
         attention_scale=float(cfg.get("attention_multiplier", 1.0)),
-        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        mamba_heads=heads,
-        mamba_head_dim=mamba_head_dim,
-        mamba_groups=int(cfg.get("mamba_n_groups", 1)),
-        mamba_state_dim=int(cfg.get("mamba_d_state", 256)),
-        mamba_chunk=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_dt_min=_float(limit[0]),
-        mamba_dt_max=_float(limit[1]),
+        **mamba_fields(cfg, int(cfg.get("mamba_expand", 2)) * hidden),
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        moe=experts_from_hf(cfg),
+    )
+
+
+def rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and rope_scaling from `rope_parameters` / `rope_scaling` (Granite's and Falcon-H1's keys)."""
+    rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
+    rope.update(cfg.get("rope_scaling") or {})
+    kind = rope.get("type") or rope.get("rope_type") or "default"
+    scaling = None
+    if kind != "default":
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+        scaling["rope_type"] = kind
+    return {"rope_theta": float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))), "rope_scaling": scaling}
+
+
+def mamba_fields(cfg: dict[str, Any], inner: int) -> dict[str, Any]:
+    """The Mamba-2 shape from `mamba_*` keys (Granite's and Falcon-H1's), for a mixer `inner` channels wide."""
+    heads = int(cfg.get("mamba_n_heads", 128))
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if heads * head_dim != inner:
+        raise ConfigError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal the Mamba width ({inner})")
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return dict(
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)), conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        mamba_heads=heads, mamba_head_dim=head_dim, mamba_groups=int(cfg.get("mamba_n_groups", 1)),
+        mamba_state_dim=int(cfg.get("mamba_d_state", 256)), mamba_chunk=int(cfg.get("mamba_chunk_size", 256)),
+        mamba_dt_min=_float(limit[0]), mamba_dt_max=_float(limit[1]),
     )
 
 
@@ -93,6 +110,8 @@ HF_LAYER_NAMES = {
     "mamba.dt_bias": "dt_bias", "mamba.A_log": "a_log", "mamba.D": "d_skip", "mamba.norm.weight": "ssm_norm",
     "mamba.out_proj.weight": "ssm_out",
     "shared_mlp.input_linear.weight": "gate_up", "shared_mlp.output_linear.weight": "down",
+    "block_sparse_moe.router.layer.weight": "router", "block_sparse_moe.input_linear.weight": "experts.gate_up",
+    "block_sparse_moe.output_linear.weight": "experts.down",
 }
 HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
@@ -102,15 +121,35 @@ def gate_up(config: HybridConfig, layer: int, need) -> torch.Tensor:
     return need(f"{layer}.gate_up", (2 * config.intermediate_size, config.hidden_size))
 
 
-def build_mixer(config: HybridConfig, layer: int, need, opt, to) -> torch.nn.Module:
+def build_mixer(config: HybridConfig, layer: int, need, opt, to, *, in_factor: float = 1.0, out_factor: float = 1.0,
+                in_scale: torch.Tensor | None = None) -> Mamba2Mixer:
+    """The Mamba-2 mixer of `layer` (also Nemotron-H's and Falcon-H1's: the same canonical keys); Falcon-H1 passes
+    its multipliers (`in_factor` / `out_factor` folded into in_proj / out_proj, `in_scale` on in_proj's output)."""
     c, p = config, f"{layer}."
     d, heads = c.hidden_size, c.mamba_heads
     inner = heads * c.mamba_head_dim
     conv = need(p + "conv", (c.conv_channels, 1, c.conv_kernel)).reshape(c.conv_channels, c.conv_kernel)
+    w_in = need(p + "ssm_in", (inner + c.conv_channels + heads, d))
+    w_out = need(p + "ssm_out", (d, inner))
     return Mamba2Mixer(
-        c, layer, w_in=to(need(p + "ssm_in", (inner + c.conv_channels + heads, d))), conv=to(conv),
+        c, layer, w_in=to(w_in * in_factor if in_factor != 1.0 else w_in), conv=to(conv),
         conv_bias=to(need(p + "conv_bias", (c.conv_channels,))) if c.conv_bias else None,
         a_log=to(need(p + "a_log", (heads,))), dt_bias=to(need(p + "dt_bias", (heads,))),
-        d_skip=to(need(p + "d_skip", (heads,))), norm=to(need(p + "ssm_norm", (inner,))),
-        w_out=to(need(p + "ssm_out", (d, inner))),
+        d_skip=to(need(p + "d_skip", (heads,))),
+        norm=None if c.mamba_norm == "gate_only" else to(need(p + "ssm_norm", (inner,))),
+        w_out=to(w_out * out_factor if out_factor != 1.0 else w_out), in_scale=None if in_scale is None else to(in_scale),
+    )
+
+
+def build_layer(config: HybridConfig, layer: int, mixer, get, need, norm, to, path: str) -> torch.nn.Module | None:
+    """A layer with routed experts beside the shared MLP; None for the dense models (the usual HybridLayer)."""
+    c, p = config, f"{layer}."
+    if not c.is_moe_layer(layer):
+        return None
+    d = c.hidden_size
+    moe = build_sparse_moe(c, layer, get, need, to, path)  # type: ignore[arg-type]  # duck-typed: moe, hidden_size
+    return BlockLayer(
+        c.layer_kinds[layer], mixer, eps=c.rms_norm_eps, mixer_norm=to(norm(p + "mixer_norm", d)),
+        mlp_norm=to(norm(p + "mlp_norm", d)), w_gate_up=to(gate_up(c, layer, need)),
+        w_down=to(need(p + "down", (d, c.intermediate_size))), moe=moe, residual_multiplier=c.residual_multiplier,
     )

@@ -1,6 +1,6 @@
 """Hybrid models from HF folders (config.json + safetensors): the family registry and the generic builder.
 
-A family module (lfm2, qwen3_5, granitemoehybrid, qwen3_next, qwen3_5_moe) provides `config_from_hf(cfg) -> HybridConfig`, the
+A family module (lfm2, qwen3_5, granitemoehybrid, qwen3_next, qwen3_5_moe, nemotron_h, falcon_h1) provides `config_from_hf(cfg) -> HybridConfig`, the
 map of its HF tensor names to canonical keys (`HF_LAYER_NAMES` after "model.layers.<i>.", `HF_GLOBAL_NAMES`),
 `build_mixer(config, layer, need, opt, to)` for its recurrent layers and `NORM_OFFSET` (Qwen3.5 stores
 RMSNorm weights as w - 1, so 1 is added once at load). Attention layers and the MLP are built here: dense, or
@@ -20,15 +20,25 @@ from engine.errors import ModelLoadError
 from engine.model import moe_loading
 from engine.model.build import LoadedModel
 from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
-from engine.model.hybrid import granitemoehybrid, lfm2, moe_mlp, qwen3_5, qwen3_5_moe, qwen3_next
+from engine.model.hybrid import (
+    falcon_h1,
+    granitemoehybrid,
+    lfm2,
+    moe_mlp,
+    nemotron_h,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+)
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
 FAMILIES |= {"qwen3_next": qwen3_next, "qwen3_5_moe": qwen3_5_moe}
+FAMILIES |= {"nemotron_h": nemotron_h, "falcon_h1": falcon_h1}
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
-_PREFIXES = (("model.language_model.", "model."),)
+_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))  # backbone.: Nemotron-H
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")
 
 
@@ -84,7 +94,7 @@ def build_hybrid(
     kv_rows = c.n_kv_heads * hd
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
     embed_cpu = need("embed", (c.vocab_size, d))
-    layers: list[HybridLayer] = []
+    layers: list[torch.nn.Module] = []
     for device, a, b in stages:
         device = torch.device(device)
 
@@ -103,6 +113,12 @@ def build_hybrid(
                 )
             else:
                 mixer = family.build_mixer(c, li, need, opt, to)
+            # A family with layers of another structure builds them (engine/model/hybrid/blocks.py); None: the usual.
+            built = family.build_layer(c, li, mixer, get, need, norm, to, path) if hasattr(family, "build_layer") else None
+            if built is not None:
+                layers.append(built)
+                startup_progress.report(len(layers), c.n_layers)
+                continue
             inter = c.intermediate_size
             moe = moe_mlp.build(c, li, get, need, to, path, dtype, cpu_experts)  # None: a dense MLP
             mlp = {"moe": moe} if moe is not None else {
@@ -137,7 +153,9 @@ def _hf_canonical(family: ModuleType, name: str) -> str | None:
         return family.HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = family.HF_LAYER_NAMES.get(rest) or moe_loading.hf_layer_key(rest)  # experts: the MoE families' names
+        # a family's own names, then its own rules, then the experts' names of the attention-only MoE families
+        own_rule = family.hf_layer_key(rest) if hasattr(family, "hf_layer_key") else None
+        key = family.HF_LAYER_NAMES.get(rest) or own_rule or moe_loading.hf_layer_key(rest)
         if key is not None:
             return f"{index}.{key}"
     return None

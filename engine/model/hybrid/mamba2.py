@@ -8,7 +8,8 @@ blocks (the SSD chunked scan): within a block starting from S0, with G_t = sum_{
     S_L = exp(G_L) S0 + (x * exp(G_L - G) dt)^T B
 Blocks sit at absolute multiples of the model's `mamba_chunk` and also end at requested checkpoint
 positions, where the state is captured (no second pass). The output goes through a gated, grouped RMSNorm
-(y * SiLU(z), normalised per group) before out_proj.
+(y * SiLU(z), normalised per group) before out_proj, or as Falcon-H1 configures it (`HybridConfig.mamba_norm`):
+normalised per group and then gated, or only gated (no norm weight at all).
 
 mamba-ssm's fused kernels could replace `ssd_block` / `ssd_step` on CUDA behind an optional extra; this
 PyTorch path is the reference and the fallback.
@@ -57,13 +58,14 @@ class Mamba2Mixer(torch.nn.Module):
     dt_bias: torch.Tensor
     neg_a: torch.Tensor
     d_skip: torch.Tensor
-    norm: torch.Tensor
+    norm: torch.Tensor | None
+    in_scale: torch.Tensor | None
     w_out: torch.Tensor
 
     def __init__(
         self, config: HybridConfig, layer: int, *, w_in: torch.Tensor, conv: torch.Tensor,
         conv_bias: torch.Tensor | None, a_log: torch.Tensor, dt_bias: torch.Tensor, d_skip: torch.Tensor,
-        norm: torch.Tensor, w_out: torch.Tensor,
+        norm: torch.Tensor | None, w_out: torch.Tensor, in_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -72,8 +74,10 @@ class Mamba2Mixer(torch.nn.Module):
         assert w_in.shape == (self.inner + c.conv_channels + c.mamba_heads, c.hidden_size), ("w_in", tuple(w_in.shape))
         assert conv.shape == (c.conv_channels, c.conv_kernel), ("conv", tuple(conv.shape))
         assert w_out.shape == (c.hidden_size, self.inner), ("w_out", tuple(w_out.shape))
+        assert (norm is None) == (c.mamba_norm == "gate_only"), "a norm weight exactly when the output is normalised"
         for name, t in (("w_in", w_in), ("conv", conv), ("conv_bias", conv_bias), ("dt_bias", dt_bias),
-                        ("neg_a", -a_log.float().exp()), ("d_skip", d_skip), ("norm", norm), ("w_out", w_out)):
+                        ("neg_a", -a_log.float().exp()), ("d_skip", d_skip), ("norm", norm), ("w_out", w_out),
+                        ("in_scale", in_scale)):
             self.register_buffer(name, t, persistent=False)
 
     def forward(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -81,6 +85,8 @@ class Mamba2Mixer(torch.nn.Module):
         total = h.shape[0]
         heads, p, g, n_state = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state_dim
         proj = _linear(h, self.w_in, batch.n_single)
+        if self.in_scale is not None:  # Falcon-H1's per-row multipliers, after the projection as transformers does
+            proj = proj * self.in_scale
         z = proj[:, : self.inner]
         xbc = F.silu(apply_conv(proj[:, self.inner : self.inner + c.conv_channels], self.conv, self.conv_bias,
                                 self.layer, batch))
@@ -115,8 +121,16 @@ class Mamba2Mixer(torch.nn.Module):
                 edge_lo = rows.stop
             part[ch.slot] = s.to(part.dtype)
         y = y + self.d_skip.float()[:, None] * x
-        gated = y.reshape(total, self.inner) * F.silu(z.float())
+        gate = F.silu(z.float())
+        if c.mamba_norm == "gate_only":  # Falcon-H1 without mamba_rms_norm
+            return _linear((y.reshape(total, self.inner) * gate).to(h.dtype), self.w_out, batch.n_single)
+        gated = y.reshape(total, self.inner)
+        if c.mamba_norm == "gated":
+            gated = gated * gate
         grouped = gated.view(total, g, self.inner // g)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        assert self.norm is not None  # normalised (asserted in __init__)
         out = self.norm * grouped.view(total, self.inner).to(h.dtype)
+        if c.mamba_norm == "norm_then_gate":
+            out = out * gate.to(h.dtype)
         return _linear(out, self.w_out, batch.n_single)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.hybrid.config import ATTENTION, DELTA, MAMBA, SHORT_CONV, HybridConfig
+from engine.model.hybrid.config import DELTA, MAMBA_KINDS, RECURRENT_KINDS, SHORT_CONV, HybridConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +49,12 @@ class StateLayout:
         conv_rows = c.conv_kernel - 1
         parts: list[StatePart] = []
         for li, kind in enumerate(c.layer_kinds):
-            if kind == ATTENTION:
+            if kind not in RECURRENT_KINDS:  # attention (K/V instead) or a feed-forward-only block
                 continue
             parts.append(StatePart(li, "conv", (conv_rows, c.conv_channels)))
             if kind == DELTA:  # S[h] maps a key (k_dim) to a value (v_dim)
                 parts.append(StatePart(li, "ssm", (c.linear_v_heads, c.linear_k_dim, c.linear_v_dim)))
-            elif kind == MAMBA:
+            elif kind in MAMBA_KINDS:
                 parts.append(StatePart(li, "ssm", (c.mamba_heads, c.mamba_head_dim, c.mamba_state_dim)))
             else:
                 assert kind == SHORT_CONV, kind
