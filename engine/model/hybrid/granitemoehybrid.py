@@ -147,7 +147,7 @@ def build_layer(config: HybridConfig, layer: int, mixer, get, need, norm, to, pa
     if not c.is_moe_layer(layer):
         return None
     d = c.hidden_size
-    moe = build_sparse_moe(c, layer, get, need, to, path)  # type: ignore[arg-type]  # duck-typed: moe, hidden_size
+    moe = build_sparse_moe(c, layer, get, need, to, path)
     return BlockLayer(
         c.layer_kinds[layer], mixer, eps=c.rms_norm_eps, mixer_norm=to(norm(p + "mixer_norm", d)),
         mlp_norm=to(norm(p + "mlp_norm", d)), w_gate_up=to(gate_up(c, layer, need)),
