@@ -93,10 +93,12 @@ def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int)
 def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, float | None]]:
     """Rows (label, engine tok/s, llama.cpp tok/s or None), best of --rounds, the two sides in turn."""
     from engine.model import load_model, plan_stages
+    from engine.model.graph_decode import configure
     from engine.model.loader import read_model_config
 
     lm = load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32,
                     int4_weights=args.cpu_weights == "int4")
+    print(f"# {configure(lm.model, 1, cuda_graphs=True, deterministic=False)}", flush=True)  # as the server does
     ids, short = prompt_ids(lm.tokenizer, args.prompt_tokens), prompt_ids(lm.tokenizer, 32)
     rows: list[tuple[str, float, float | None]] = []
     for t in threads:
