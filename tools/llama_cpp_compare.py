@@ -14,7 +14,8 @@
   short C, so A and B are both held outside the slot; and the decode rate a client sees over HTTP (streamed
   tokens after the first over their time) for a --decode-tokens reply.
 
-Either side is skipped when its binary is unset. The servers run with the first of --threads.
+Either side is skipped when its binary is unset. The servers run with the first of --threads. With --hog a
+Python busy loop runs beside both sides the whole time (the issue's "one CPU hog": a desktop shares its CPU).
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
     parser.add_argument("--no-throughput", action="store_true", help="only the server rows")
     parser.add_argument("--no-servers", action="store_true", help="only the throughput rows")
+    parser.add_argument("--hog", action="store_true", help="a Python busy loop runs beside both sides throughout")
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",") if t]
     assert threads and all(t > 0 for t in threads), f"--threads {args.threads!r}: expected e.g. 2,1"
@@ -252,10 +254,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, load {load()}", flush=True)
     if not args.llama_bench and not args.llama_server:
         print("# LLAMA_BENCH and LLAMA_SERVER unset: the engine's figures only")
-    rows = [] if args.no_throughput else throughput(args, path, threads)
-    if not args.no_servers:
-        rows += servers(args, path, threads[0])
-    print(f"# load average at the end: {load()} on {os.cpu_count()} CPUs")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.hog else None
+    try:
+        rows = [] if args.no_throughput else throughput(args, path, threads)
+        if not args.no_servers:
+            rows += servers(args, path, threads[0])
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    print(f"# load average at the end: {load()} on {os.cpu_count()} CPUs" + (", one busy loop beside" if hog else ""))
     print(f"{'':<32}{'strata':>10}{'llama.cpp':>11}{'ratio':>8}")
     for key, value, ref in rows:
         ref_text = f"{ref:11.2f}" if ref else f"{'-':>11}"
