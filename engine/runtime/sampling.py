@@ -55,10 +55,8 @@ class Sampler:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             probs = _nucleus(probs, p.top_p)
-        total = probs.sum()
-        if not torch.isfinite(total) or total <= 0:
-            return int(torch.argmax(logits).item())
-        return int(torch.multinomial(probs / total, 1, generator=self.generator).item())
+        token = _draw_one(probs, self.generator)
+        return int(torch.argmax(logits).item()) if token is None else token
 
     def _remember(self, token: int) -> None:
         if self.params.repeat_last_n > 0:
@@ -66,6 +64,25 @@ class Sampler:
             if len(self._history) > self.params.repeat_last_n:
                 del self._history[0]
         self._counts[token] += 1
+
+
+def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int | None:
+    """One index drawn with probability proportional to `probs` (>= 0, any total), or None when the total is
+    not a positive finite number.
+
+    Inverts the running sum at one uniform number: a cumulative sum and a binary search. torch.multinomial
+    draws one exponential number per entry instead, 1.4 of the 1.5 ms a temperature-sampled token took at a
+    49K vocabulary (10 % of a CPU decode step). A zero entry is never drawn: its running sum equals the one
+    before it, so the search (the first sum past the number) stops earlier."""
+    cdf = torch.cumsum(probs, dim=0)
+    total = cdf[-1]
+    if not torch.isfinite(total) or total <= 0:
+        return None
+    target = torch.rand(1, generator=generator, dtype=cdf.dtype) * total
+    index = int(torch.searchsorted(cdf, target, right=True))
+    if index >= probs.numel():  # the product rounded up to the total itself (about once in 2**24 draws)
+        index = int(probs.nonzero()[-1])
+    return index
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
