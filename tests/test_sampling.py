@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from engine.runtime.requests import SamplingParams
-from engine.runtime.sampling import Sampler, _draw_one, _nucleus
+from engine.runtime.sampling import Sampler, _draw_one, _nucleus_entries
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The sampler's nucleus as a vocabulary-sized vector (zero outside it)."""
+    kept, order = _nucleus_entries(probs, top_p)
+    return torch.zeros_like(probs).scatter_(0, order, kept)
 
 
 def _full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
