@@ -72,7 +72,7 @@ def test_buckets():
 def test_cpu_models_keep_their_kernels(tiny_models):
     lm = _load(tiny_models["llama"])
     words = configure(lm.model, 4, cuda_graphs=True, deterministic=False)
-    assert lm.model.batch_invariant and lm.model.graphs is None
+    assert lm.model.batch_invariant and not isinstance(lm.model.graphs, GraphDecode)  # the lean CPU step instead
     assert "CPU" in words
     assert unsupported(lm.model) == "not on a CUDA device"
 

@@ -237,7 +237,13 @@ def configure(model: object, max_batch: int, *, cuda_graphs: bool, deterministic
     model.batch_invariant = deterministic or not on_cuda
     model.graphs = None
     if not on_cuda:
-        return "decode: CPU kernels (batch-invariant)"
+        from engine.model import cpu_decode  # the same kernels with less Python per step
+
+        reason = cpu_decode.unsupported(model)
+        if reason is not None:
+            return f"decode: CPU kernels (batch-invariant), through forward_chunks ({reason})"
+        model.graphs = cpu_decode.CpuDecode(model)
+        return "decode: CPU kernels (batch-invariant), one-token steps through the lean CPU step"
     mode = "batch-invariant per-row kernels" if deterministic else "one GEMM per projection over all rows"
     reason = "--deterministic" if deterministic else unsupported(model)
     if reason is not None:

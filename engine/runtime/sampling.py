@@ -53,12 +53,13 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        if p.top_p < 1.0:
-            probs = _nucleus(probs, p.top_p)
-        total = probs.sum()
-        if not torch.isfinite(total) or total <= 0:
+        order = None
+        if p.top_p < 1.0:  # draw among the nucleus' few sorted entries, not over the whole vocabulary
+            probs, order = _nucleus_entries(probs, p.top_p)
+        token = _draw_one(probs, self.generator)
+        if token is None:
             return int(torch.argmax(logits).item())
-        return int(torch.multinomial(probs / total, 1, generator=self.generator).item())
+        return token if order is None else int(order[token])
 
     def _remember(self, token: int) -> None:
         if self.params.repeat_last_n > 0:
@@ -68,9 +69,28 @@ class Sampler:
         self._counts[token] += 1
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs with everything outside the smallest set of most likely tokens whose mass reaches top_p zeroed
-    (the first token always stays).
+def _draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> int | None:
+    """One index drawn with probability proportional to `probs` (>= 0, any total), or None when the total is
+    not a positive finite number.
+
+    Inverts the running sum at one uniform number: a cumulative sum and a binary search. torch.multinomial
+    draws one exponential number per entry instead, 1.4 of the 1.5 ms a temperature-sampled token took at a
+    49K vocabulary (10 % of a CPU decode step). A zero entry is never drawn: its running sum equals the one
+    before it, so the search (the first sum past the number) stops earlier."""
+    cdf = torch.cumsum(probs, dim=0)
+    total = cdf[-1]
+    if not torch.isfinite(total) or total <= 0:
+        return None
+    target = torch.rand(1, generator=generator, dtype=cdf.dtype) * total
+    index = int(torch.searchsorted(cdf, target, right=True))
+    if index >= probs.numel():  # the product rounded up to the total itself (about once in 2**24 draws)
+        index = int(probs.nonzero()[-1])
+    return index
+
+
+def _nucleus_entries(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, token ids) of the most likely tokens, largest first, those outside the nucleus zeroed:
+    the smallest set of most likely tokens whose mass reaches top_p (the first token always stays).
 
     Sorting the whole vocabulary took ~5 ms a token at 49K entries, a third of a CPU decode step; the set
     almost always lies within the top few dozen tokens, so the search starts there and widens only when their
@@ -85,4 +105,5 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             break
         k = min(n, k * 8)
     drop = cumulative - values > top_p
-    return torch.zeros_like(probs).scatter_(0, order, values.masked_fill(drop, 0.0))
+    return values.masked_fill(drop, 0.0), order
+

@@ -31,11 +31,12 @@ class Startup(EngineState):
             prompt = torch.zeros(min(8, self.ctx_size - 1), dtype=torch.int64)
             self._forward([SeqChunk(0, 0, prompt)])
             self._forward([SeqChunk(0, len(prompt), prompt[:1])])
-            graphs = getattr(self.model, "graphs", None)
-            # Captured decode: the graph of every batch size for short conversations now, not in a request.
-            for rows in graphs.batches if graphs is not None else []:
+            # Captured decode (GraphDecode): the graph of every batch size for short conversations now, not in
+            # a request. The CPU decode step (CpuDecode) captures nothing.
+            batches = getattr(getattr(self.model, "graphs", None), "batches", [])
+            for rows in batches:
                 self._forward([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)])
-        for i in range(self.n_slots if getattr(self.model, "graphs", None) is not None else 1):
+        for i in range(max(batches, default=1)):
             self.kv.clear(i)
             if self.states is not None:
                 self.states.clear(i)
