@@ -40,17 +40,8 @@ def test_a_parked_hybrid_conversation_continues_as_if_it_never_left(folders, arc
     assert scenario == "pressure" or "recurrent state byte-identical" in outcome.detail
 
 
-# The tiny Nemotron-H MoE's answer puts decoded tokens in a full block that is parked (and deduplicated) before the
-# next turn prefills the same tokens again: a recurrent layer's one-token step and its chunked scan differ in the
-# last bits, so the disk holds the decoded K/V rows while the first engine's slot holds the prefilled ones (the
-# tokens and the recurrent state match). Any hybrid can meet this where its decoded tokens fill a block.
-_DECODED_BLOCK_REPARKED = pytest.mark.xfail(
-    reason="a block parked from decoded rows keeps them when the same tokens are prefilled later", strict=False)
-_RESTART_ARCHS = [pytest.param(a, marks=_DECODED_BLOCK_REPARKED) if a == "nemotron_h_moe" else a for a in HYBRID_ARCHS]
-
-
 @pytest.mark.parametrize("storage", ["disk", "tiered"])
-@pytest.mark.parametrize("arch", _RESTART_ARCHS)
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_a_hybrid_conversation_resumes_after_a_restart_as_the_first_engine_continued(folders, arch, storage):
     outcome = run_restart(_base(folders[arch], storage), {}, n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail
