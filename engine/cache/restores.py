@@ -12,11 +12,12 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+from engine.cache import window
 from engine.cache.disk_reads import disk_pieces
 from engine.cache.errors import CacheRestoreError
 from engine.cache.identity import CacheIdentity, tokens_key
-from engine.cache.index import Conv
-from engine.cache.parts import Parts, WriteParts, check_state, first_tokens, n_tokens_of
+from engine.cache.index import Conv, TierIndex
+from engine.cache.parts import Parts, WriteParts, check_state, first_tokens, n_tokens_of, parts_nbytes
 from engine.cache.stats import CacheHit, RestoreResult
 
 if TYPE_CHECKING:
@@ -56,7 +57,12 @@ def restore(cache: ConversationCache, hit: CacheHit, write_parts: WriteParts) ->
         disk = cache.disk if tier == "disk" else None
         index = cache.ram.index if disk is None else disk.index
         own_state = None  # a hybrid model: the state at n is the conversation's own, else in block n_full - 1
-        if cache.identity.state_parts:
+        if cache.identity.local_layers:  # a sliding-window model: the window checkpoint that serves n
+            own_state = window.checkpoint_for(conv.checkpoints, n)
+            if own_state is None:
+                cache._journal.count("restore_failures")
+                raise CacheRestoreError(f"conversation {conv.id} keeps no local-layer window for {n} tokens")
+        elif cache.identity.state_parts:
             if n in conv.checkpoints:
                 own_state = n
             elif not (0 < n == n_full * b and index.blocks[conv.keys[n_full - 1]].state):
@@ -74,6 +80,8 @@ def restore(cache: ConversationCache, hit: CacheHit, write_parts: WriteParts) ->
             pieces, read_bytes, state = disk_pieces(disk, conv, blocks, use_tail, own_state)
         state, pieces = _split_state(cache.identity, conv, pieces, state)
         _check_pieces(cache.identity, conv, pieces)
+        if cache.identity.local_layers:
+            state = _window_for(cache.identity, conv, own_state, n, state)
     except CacheRestoreError:
         with cache._lock:
             cache._journal.count("restore_failures")
@@ -92,9 +100,9 @@ def restore(cache: ConversationCache, hit: CacheHit, write_parts: WriteParts) ->
         take = min(have, n - start)
         write_parts(start, parts if take == have else first_tokens(specs, parts, take))
     if state is not None:
-        write_parts(n, state)  # the recurrent state after exactly the n restored tokens
+        write_parts(n, state)  # the recurrent state (or the local layers' window) after exactly the n restored tokens
     ms = (time.perf_counter() - t0) * 1000
-    nbytes = n * cache.identity.bytes_per_token + (cache.identity.state_bytes if state is not None else 0)
+    nbytes = n * cache.identity.bytes_per_token + parts_nbytes(state)
     with cache._lock:
         conv.hits += 1
         conv.last_used = time.time()
@@ -115,6 +123,24 @@ def restore(cache: ConversationCache, hit: CacheHit, write_parts: WriteParts) ->
         ms,
     )
     return RestoreResult(n, nbytes, ms, tier)
+
+
+def resume_point(identity: CacheIdentity, index: TierIndex, conv: Conv, n: int) -> int:
+    """The deepest position <= n a restore of `conv` can resume from when it keeps checkpoints (a hybrid
+    model's recurrent state, a sliding-window model's local window), else n."""
+    if identity.local_layers:
+        return n if window.checkpoint_for(conv.checkpoints, n) is not None else 0
+    return index.checkpoint_at_most(conv, n, identity.block_tokens)
+
+
+def _window_for(identity: CacheIdentity, conv: Conv, position: int | None, n: int, state: Parts | None) -> Parts:
+    """The local rows a resume at n reads, cut from the conversation's window checkpoint at `position`."""
+    spec = identity.state_parts[0]
+    assert position is not None and state is not None and identity.window, (position, identity.window)
+    rows = state[spec.name]
+    if rows.shape[spec.token_axis] != conv.n_tokens - window.first_row(position, identity.window):
+        raise CacheRestoreError(f"conversation {conv.id}: its local-layer window has {rows.shape} rows")
+    return {spec.name: window.cut(rows, position, n, identity.window, spec.token_axis)}
 
 
 def find_entry(cache: ConversationCache, hit: CacheHit) -> tuple[str, Conv] | None:
