@@ -6,11 +6,13 @@ Tiny random Gemma 3 (five local layers per global one) and Mistral (every layer 
 blocks of 16 tokens, over conversations of ~400 tokens (50 windows): A/B/A parity in ram, disk and tiered
 storage (every scenario of tools/conversation_cache_parity.py; an edited first message, which leaves A before
 its window, prefills and says why: reason `window`), a restart, the parked bytes per layer kind, the slot that was
-restored from a window not forked before it, and slot files, which keep every row.
+restored from a window not forked before it, slot files, which keep every row, and files parked before windows
+were, refused at start as another model's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -20,6 +22,7 @@ from engine.config import EngineConfig
 from engine.errors import BadValue
 from engine.runtime.engine import Engine
 from tests.model_fixtures import SLIDING, write_tiny_model
+from tests.test_cache_support import FakeSlots, conversation, identity, make_cache, park_tokens
 from tools.conversation_cache_parity import (
     SCENARIOS,
     _conversation,
@@ -158,3 +161,28 @@ def test_a_slot_file_keeps_every_row_and_restores(models, tmp_path):
         assert os.path.getsize(tmp_path / "s.bin") > kv.nbytes
     finally:
         eng.close()
+
+
+def test_files_parked_with_every_layer_are_refused_as_another_models(tmp_path):
+    """The files of a windowed model written before window parking (every layer in its blocks) are another
+    identity's: copied into this identity's folder they are removed at start, never restored."""
+    windowed = dataclasses.replace(identity(), window=WINDOW, local_layers=(0, 1, 2))
+    assert windowed.key != identity().key and windowed.parts[0].dims[0] == 1  # one global layer of four
+    old = make_cache(identity(), storage="disk", dir=str(tmp_path / "old"))
+    park_tokens(old, FakeSlots(), conversation(5, 3 * 16 + 4))
+    assert old.flush(10)
+    old_folder = old.stats().dir
+    old.close(spill=False)
+    new = make_cache(windowed, storage="disk", dir=str(tmp_path / "new"))
+    new_folder = new.stats().dir
+    new.close(spill=False)
+    names = [n for n in os.listdir(old_folder) if n.endswith(".safetensors")]
+    assert len(names) == 4  # three blocks and the manifest
+    for name in names:
+        os.replace(os.path.join(old_folder, name), os.path.join(new_folder, name))
+    again = make_cache(windowed, storage="disk", dir=str(tmp_path / "new"))
+    try:
+        assert again.conversations() == []
+        assert not [n for n in os.listdir(new_folder) if n.endswith(".safetensors")]
+    finally:
+        again.close(spill=False)
