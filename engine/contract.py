@@ -232,7 +232,9 @@ class RequestRecord:
     conversation was dropped: `detail` says when, by what and under which budget), "floor" (its park was refused
     by --conversation-cache-min-free-mib), "refused" (its park was refused otherwise), "n_min", "similarity",
     "cost" (a parked hit was declined; `detail` has the thresholds and both predicted times), "small_gain" (a hit
-    offered too few tokens over the live slot), "restore_failed", "cold" (nothing shared any of it).
+    offered too few tokens over the live slot), "restore_failed", "window" (a sliding-window model: the prompt
+    shares `detail.shared` tokens with a parked conversation, but leaves it before the window its local layers
+    keep, so nothing could resume there), "cold" (nothing shared any of it).
     `conversation_id` is the parked conversation it continues, once known (a request served before its
     conversation was first parked gets the id when it is). `ttft_ms`: from the engine taking the request to its
     first token (None until then, or when it produced none).

@@ -9,7 +9,7 @@ import pytest
 
 from engine.model.loader import read_model_config
 from tests.engine_process import engine_process
-from tools.conversation_cache_parity import run_scenario
+from tools.conversation_cache_parity import run_restart, run_scenario
 
 pytestmark = pytest.mark.slow  # each engine loads ~250 MB of K-quants and packs them (tens of seconds)
 
@@ -58,10 +58,20 @@ def test_answers_through_the_openai_sdk(gemma):
         assert chat.choices[0].message.content == TRANSFORMERS_GREEDY_CHAT
 
 
-@pytest.mark.parametrize("storage", ["ram", "disk"])
-def test_restored_conversation_past_the_window_matches_one_that_never_left(gemma, storage):
-    """A, B, A with A's prompt (~600 tokens) longer than the 512-token window of the local layers."""
-    base = {"model": gemma, "devices": "cpu", "ctx_size": 2048, "conversation_cache_storage": storage,
+def _base(gemma: str, storage: str) -> dict:
+    return {"model": gemma, "devices": "cpu", "ctx_size": 2048, "conversation_cache_storage": storage,
             "conversation_cache_min_free_mib": 0}
-    outcome = run_scenario("basic", base, n_words=450, max_tokens=8)
+
+
+@pytest.mark.parametrize("storage", ["ram", "disk", "tiered"])
+def test_restored_conversation_past_the_window_matches_one_that_never_left(gemma, storage):
+    """A, B, A with A's prompt (~600 tokens) longer than the 512-token window of the local layers: the 15 local
+    layers parked only their last window (engine/cache/window.py), the continuation is the never-parked one's."""
+    outcome = run_scenario("basic", _base(gemma, storage), n_words=450, max_tokens=8)
+    assert outcome.passed, outcome.detail
+
+
+def test_restart_resumes_the_parked_window(gemma):
+    """A, B, A2; a new engine on the same folder: B, A2 with all of its prompt reused, the first engine's answer."""
+    outcome = run_restart(_base(gemma, "disk"), {}, n_words=450, max_tokens=8)
     assert outcome.passed, outcome.detail

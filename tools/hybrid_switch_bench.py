@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -121,12 +122,33 @@ def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: s
             "state_bytes": state}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def switch_parser(doc: str) -> argparse.ArgumentParser:
+    """The switch-back benchmarks' common flags: --model, --tokens (comma-separated), --storage."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="")
-    parser.add_argument("--make", default="", help="write a random hybrid of this architecture and use it")
     parser.add_argument("--tokens", default="2048")
     parser.add_argument("--storage", choices=("ram", "disk", "tiered"), default="ram")
+    return parser
+
+
+def off_and_on(args: argparse.Namespace, tmp: str, run_one: Callable[..., dict]):
+    """For each --tokens count: (tokens, the run with the cache off, the run with it on in --storage), after a
+    line naming the threads, the load average and the storage."""
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, storage {args.storage}")
+    for n in (int(x) for x in args.tokens.split(",")):
+        off = run_one(n, "ram", 0, os.path.join(tmp, "off"))  # the cache off (ram storage, no budget)
+        on = run_one(n, args.storage, getattr(args, "cache_mib", 4096), os.path.join(tmp, "on"))
+        yield n, off, on
+
+
+def switch_line(n: int, off: dict, on: dict) -> str:
+    return (f"{n} tokens: switch-back TTFT off {off['switch_s']:.3f} s, on {on['switch_s']:.3f} s "
+            f"({off['switch_s'] / on['switch_s']:.1f}x, {on['cached']} cached)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = switch_parser(__doc__)
+    parser.add_argument("--make", default="", help="write a random hybrid of this architecture and use it")
     parser.add_argument("--shape", choices=("small", "qwen3.5-9b"), default="small", help="with --make")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
     parser.add_argument("--no-fla", action="store_true", help="CUDA: the PyTorch delta rule even with fla-core")
@@ -135,14 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     fla_kernels.ENABLED = not args.no_fla
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(args.make, os.path.join(tmp, "model"), args.shape, args.device) if args.make else args.model
-        print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, storage {args.storage}, "
-              f"device {args.device}, fla-core {fla_kernels.usable(torch.device(args.device))}")
-        for n in (int(x) for x in args.tokens.split(",")):
-            off = run(model, n, "ram", 0, os.path.join(tmp, "off"), args.device)  # the cache off (no budget)
-            on = run(model, n, args.storage, args.cache_mib, os.path.join(tmp, "on"), args.device)
-            print(f"{n} tokens: switch-back TTFT off {off['switch_s']:.3f} s, on {on['switch_s']:.3f} s "
-                  f"({off['switch_s'] / on['switch_s']:.1f}x, {on['cached']} cached); edited message off "
-                  f"{off['edit_s']:.3f} s, on {on['edit_s']:.3f} s ({on['edit_cached']} cached); "
+        print(f"device {args.device}, fla-core {fla_kernels.usable(torch.device(args.device))}")
+        for n, off, on in off_and_on(args, tmp, lambda *a: run(model, *a, device=args.device)):
+            print(f"{switch_line(n, off, on)}; edited message off {off['edit_s']:.3f} s, on {on['edit_s']:.3f} s "
+                  f"({on['edit_cached']} cached); "
                   f"one checkpoint {on['state_bytes'] / 2**20:.2f} MiB", flush=True)
     return 0
 

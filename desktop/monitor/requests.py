@@ -61,6 +61,8 @@ def reason_text(record: dict[str, Any], now: float | None = None) -> str:
         if restore is None or prefill is None:
             return "not worth restoring (cost model)"
         return f"restore {format_ms(restore * 1000)} ≥ prefill {format_ms(prefill * 1000)}"
+    if reason == "window":
+        return f"left the parked window ({format_count(number(d, 'shared'))} tokens shared, before its last window)"
     return {"small_gain": "hit saved too little over the live slot", "restore_failed": "restore failed",
             "cold": "nothing shared (new conversation)"}.get(reason, reason or "–")
 

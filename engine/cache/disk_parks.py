@@ -68,7 +68,7 @@ def park(
         )
         n_tail = len(toks) - len(keys) * b
         staged = ((len(keys) - have) * store.identity.block_bytes + n_tail * store.identity.bytes_per_token
-                  + (states.new_blocks(have) + len(states.own)) * store.identity.state_bytes)
+                  + states.new_blocks(have) * store.identity.state_bytes + states.own_bytes)
         protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
         background = background and store._writer is not None and store.staging.make_room(staged, protect, rank)
         res = store._reserve(keys, have, victims, pin_pending=not background)
@@ -130,7 +130,7 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
             conv_id,
             toks,
             keys,
-            store.files.manifest_size(len(toks), len(states.own)),
+            store.files.manifest_size(len(toks), len(states.own), states.own_bytes),
             tail=tail,
             created=created,
             last_used=time.time(),
@@ -145,7 +145,7 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
         assert store._writer is not None
         store._writer.submit(conv_id)
     new_bytes = (sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
-                 + len(states.own) * store.identity.state_bytes)
+                 + states.own_bytes)
     return conv, new_bytes, len(res.victims)
 
 

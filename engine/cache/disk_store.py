@@ -29,7 +29,7 @@ from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv
 from engine.cache.journal import Journal
 from engine.cache.lifecycle import EntryState
-from engine.cache.parts import NO_CHECKPOINTS, Checkpoints, Parts, ReadParts
+from engine.cache.parts import NO_CHECKPOINTS, Checkpoints, Parts, ReadParts, parts_nbytes
 from engine.cache.policy import plan_room, rank_of
 from engine.cache.ram_tier import RESERVED, inherit, refuse_room
 from engine.cache.settings import CacheSettings
@@ -93,7 +93,7 @@ class DiskStore:
         Raises ParkRefused("larger_than_budget", "priority" or "no_room"); nothing is changed here."""
         s, idx, files = self.settings, self.index, self.files
         have = idx.matched_blocks(keys)
-        manifest = files.manifest_size(n_tokens, len(states.own))
+        manifest = files.manifest_size(n_tokens, len(states.own), states.own_bytes)
         checkpoints = len(states.blocks) * files.identity.state_bytes  # (a header allowance is in block_size)
         total = len(keys) * files.block_size() + checkpoints + manifest
         if total > s.disk_bytes:
@@ -224,7 +224,8 @@ class DiskStore:
             conv_id,
             conv.tokens,
             list(conv.keys),
-            self.files.manifest_size(conv.n_tokens, len(conv.checkpoints)),
+            self.files.manifest_size(conv.n_tokens, len(conv.checkpoints),
+                                     sum(parts_nbytes(p) for p in conv.checkpoints.values())),
             tail=conv.tail,
             created=conv.created,
             last_used=conv.last_used,

@@ -272,12 +272,14 @@ class DiskTier:
 
     # ------------------------------------------------------------------ writes
 
-    def manifest_size(self, n_tokens: int, n_checkpoints: int = 0) -> int:
-        """Size of a manifest for `n_tokens` tokens and its own checkpoints (headers are padded to a 4096-byte
-        multiple; exact for an attention-only model)."""
+    def manifest_size(self, n_tokens: int, n_checkpoints: int = 0, checkpoint_bytes: int | None = None) -> int:
+        """Size of a manifest for `n_tokens` tokens and its own checkpoints (`checkpoint_bytes` together, else
+        each of the identity's checkpoint size; headers are padded to a 4096-byte multiple; exact for an
+        attention-only model)."""
         n_tail = n_tokens % self.identity.block_tokens
-        return (self._header_size(n_checkpoints) + 4 * n_tokens + n_tail * self.identity.bytes_per_token
-                + n_checkpoints * self.identity.state_bytes)
+        if checkpoint_bytes is None:
+            checkpoint_bytes = n_checkpoints * self.identity.state_bytes
+        return self._header_size(n_checkpoints) + 4 * n_tokens + n_tail * self.identity.bytes_per_token + checkpoint_bytes
 
     def block_size(self, state: bool = False) -> int:
         """Size of a block file (with the checkpoint at its end when `state`)."""

@@ -49,6 +49,9 @@ class LookupReport:
     loss: dict[str, Any] | None = None  # the loss offering more than every candidate (Loss.describe)
     loss_kind: str = ""  # its kind ("evict", "purge", "expire", "refuse")
     loss_refusal: str = ""
+    # a sliding-window model: the prompt tokens a candidate shares beyond every point a parked window lets a
+    # restore resume from (its local layers keep only their last window: engine/cache/window.py); 0 = none
+    window_shared: int = 0
 
 
 @dataclass(slots=True)

@@ -45,6 +45,7 @@ from engine.cache.parts import (
 )
 from engine.cache.policy import common_prefix, decline_reason
 from engine.cache.ram_tier import RamTier
+from engine.cache.restores import resume_point
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
 
@@ -113,16 +114,20 @@ class ConversationCache:
         with self._lock:
             self._reap()  # a failed write gives its conversation's written version back before matching
             best: tuple[int, str, Conv] | None = None
+            shared = 0  # a sliding-window model: the most a candidate shares, resumable or not
             for tier, index in self._tiers():
                 for conv in index.candidates(keys):
                     if conv.failed:
                         continue
                     n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
-                    if self.identity.state_parts:  # a recurrent state resumes only where one was kept
-                        n = index.checkpoint_at_most(conv, n, self.identity.block_tokens)
+                    shared = max(shared, n)
+                    if self.identity.state_parts:  # a recurrent state (or a window) resumes only where one was kept
+                        n = resume_point(self.identity, index, conv, n)
                     if best is None or n > best[0]:
                         best = (n, tier, conv)
             report = lookup_report(self._journal.losses, toks, best, live_prefix)
+            if self.identity.local_layers and best is not None and shared > best[0]:
+                report = dataclasses.replace(report, window_shared=shared)
             if best is None or best[0] <= max(live_prefix, 0):
                 return None, report
             n, tier, conv = best
@@ -180,7 +185,7 @@ class ConversationCache:
         try:
             states = Checkpoints.place(
                 {int(p): check_state(self.identity.state_parts, parts) for p, parts in (checkpoints or {}).items()},
-                len(toks), len(keys), self.identity.block_tokens,
+                len(toks), len(keys), self.identity.block_tokens, in_blocks=not self.identity.local_layers,
             )
         except ValueError as exc:
             return self._refuse("read_error", f"the slot's recurrent state: {exc}", len(toks))

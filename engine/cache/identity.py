@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from engine.cache import window
 from engine.cache.parts import PartSpec, describe_parts, layout_parts, state_specs
 from engine.kv import KVLayout
 
@@ -35,11 +36,19 @@ class CacheIdentity:
     layout: KVLayout
     block_tokens: int
     state: dict | None = None  # a hybrid model's recurrent state layout (`StateLayout.describe()`)
+    # a sliding-window model: its window and local layers (indices into the layout's layers). Blocks then hold
+    # the global layers only, and each conversation its local layers' last window (engine/cache/window.py)
+    window: int | None = None
+    local_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens: expected a whole number >= 1, got {self.block_tokens}")
         canonical_json(self.model)  # refuses a model description that is not JSON-able
+        if self.local_layers:
+            assert self.window and self.window > 0 and not self.state, (self.window, self.state)
+            assert list(self.local_layers) == sorted(set(self.local_layers)), self.local_layers
+            assert self.local_layers[0] >= 0 and self.local_layers[-1] < self.layout.n_layers, self.local_layers
 
     def describe(self) -> dict:
         """Everything the identity covers, as JSON-able data (stored in every file).
@@ -56,6 +65,8 @@ class CacheIdentity:
             out["parts"] = describe_parts(self.parts)
         if self.state_parts:
             out["state_parts"] = describe_parts(self.state_parts)
+        if self.local_layers:
+            out["window"] = {"tokens": self.window, "local_layers": list(self.local_layers)}
         return out
 
     @functools.cached_property
@@ -74,18 +85,24 @@ class CacheIdentity:
 
     @functools.cached_property
     def parts(self) -> tuple[PartSpec, ...]:
-        """The state parts every parked block and tail holds (today: the attention K/V of every layer)."""
+        """The state parts every parked block and tail holds: the attention K/V of every layer, or of the
+        global layers only for a sliding-window model."""
+        if self.local_layers:
+            return (window.global_part(self.layout, self.local_layers),)
         return layout_parts(self.layout)
 
     @functools.cached_property
     def state_parts(self) -> tuple[PartSpec, ...]:
-        """The parts of one recurrent-state checkpoint (none for an attention-only model)."""
+        """The parts of one checkpoint: a hybrid model's recurrent state, a sliding-window model's local layers'
+        rows (`window`), none for the others."""
+        if self.local_layers:
+            return (window.window_part(self.layout, self.local_layers),)
         return state_specs(self.state) if self.state else ()
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of one checkpoint, every state part together."""
-        return sum(spec.nbytes(0) for spec in self.state_parts)
+        """Bytes of one checkpoint, every state part together (a window's: W - 1 rows, what a resume reads)."""
+        return sum(spec.nbytes((self.window or 1) - 1) for spec in self.state_parts)
 
     @property
     def bytes_per_token(self) -> int:

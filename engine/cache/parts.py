@@ -51,6 +51,13 @@ class PartSpec:
             n *= d
         return n
 
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """A tensor of `shape` is this part: every dimension but the token axis (any length) as the spec says."""
+        shape = tuple(shape)
+        if len(shape) != len(self.dims):
+            return False
+        return shape == (self.dims if not self.per_token else self.shape(shape[self.token_axis]))
+
 
 def layout_parts(layout: KVLayout) -> tuple[PartSpec, ...]:
     """The parts of a model with this K/V layout: attention K/V only (every layer, stage-independent)."""
@@ -123,7 +130,7 @@ def check_state(specs: tuple[PartSpec, ...], parts: Mapping[str, torch.Tensor]) 
     out: Parts = {}
     for spec in specs:
         t = parts[spec.name]
-        if tuple(t.shape) != spec.dims or t.dtype != spec.dtype:
+        if not spec.fits(tuple(t.shape)) or t.dtype != spec.dtype:
             raise ValueError(f"part {spec.name} is {tuple(t.shape)} {t.dtype}, expected {spec.dims} {spec.dtype}")
         out[spec.name] = (t if t.device.type == "cpu" else t.cpu()).contiguous()
     return out
@@ -143,12 +150,15 @@ class Checkpoints:
     own: dict[int, Parts]
 
     @classmethod
-    def place(cls, states: Mapping[int, Parts], n_tokens: int, n_blocks: int, block_tokens: int) -> Checkpoints:
+    def place(cls, states: Mapping[int, Parts], n_tokens: int, n_blocks: int, block_tokens: int,
+              *, in_blocks: bool = True) -> Checkpoints:
+        """`in_blocks` False: every checkpoint stays the conversation's own (a window of the local layers' K/V
+        belongs to one conversation's end, not to a block other conversations share)."""
         blocks, own = {}, {}
         for pos, parts in states.items():
             if not 0 < pos <= n_tokens:
                 continue
-            if pos % block_tokens == 0 and pos // block_tokens <= n_blocks:
+            if in_blocks and pos % block_tokens == 0 and pos // block_tokens <= n_blocks:
                 blocks[pos // block_tokens - 1] = parts
             else:
                 own[pos] = parts
@@ -162,6 +172,11 @@ class Checkpoints:
             return self
         own = {**self.own, **{(i + 1) * block_tokens: p for i, p in moved.items()}}
         return Checkpoints({i: p for i, p in self.blocks.items() if i not in moved}, own)
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the checkpoints the conversation keeps itself."""
+        return sum(parts_nbytes(p) for p in self.own.values())
 
     def new_blocks(self, have: int) -> int:
         """Checkpoints that go into blocks this park writes (index >= have; held blocks keep what they hold)."""

@@ -93,7 +93,7 @@ class RamTier:
             states = states.settled(have, lambda i: idx.blocks[keys[i]].state, b)
             n_tail = len(toks) - len(keys) * b
             sb = self.identity.state_bytes
-            own = n_tail * bpt + toks.nbytes + len(states.own) * sb
+            own = n_tail * bpt + toks.nbytes + states.own_bytes
             need = (len(keys) - have) * self.identity.block_bytes + states.new_blocks(have) * sb + own
             total = len(keys) * self.identity.block_bytes + len(states.blocks) * sb + own
             if total > s.ram_bytes:
@@ -154,7 +154,7 @@ class RamTier:
             conv.set_attrs(resolved)
             idx.add(conv, new_blocks)
             idx.release(keys[:have], RESERVED)
-        new_bytes = sum(blk.nbytes for blk in new_blocks) + parts_nbytes(tail) + len(states.own) * self.identity.state_bytes
+        new_bytes = sum(blk.nbytes for blk in new_blocks) + parts_nbytes(tail) + states.own_bytes
         return conv, new_bytes, len(victims)
 
     def data_of(self, conv: Conv) -> dict[str, Parts | None]:

@@ -13,11 +13,12 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+from engine.cache import window
 from engine.cache.disk_reads import disk_pieces
 from engine.cache.errors import CacheRestoreError
 from engine.cache.identity import CacheIdentity, tokens_key
-from engine.cache.index import Conv
-from engine.cache.parts import Parts, WriteParts, check_state, first_tokens, n_tokens_of
+from engine.cache.index import Conv, TierIndex
+from engine.cache.parts import Parts, WriteParts, check_state, first_tokens, n_tokens_of, parts_nbytes
 from engine.cache.stats import CacheHit, RestoreResult
 
 if TYPE_CHECKING:
@@ -74,7 +75,12 @@ class RestoreRead:
             self.disk = cache.disk if self.tier == "disk" else None
             self.index = cache.ram.index if self.disk is None else self.disk.index
             self.own_state = None  # a hybrid model: the state at n is the conversation's own, else block n_full - 1's
-            if cache.identity.state_parts:
+            if cache.identity.local_layers:  # a sliding-window model: the window checkpoint that serves n
+                self.own_state = window.checkpoint_for(conv.checkpoints, n)
+                if self.own_state is None:
+                    cache._journal.count("restore_failures")
+                    raise CacheRestoreError(f"conversation {conv.id} keeps no local-layer window for {n} tokens")
+            elif cache.identity.state_parts:
                 if n in conv.checkpoints:
                     self.own_state = n
                 elif not (0 < n == n_full * b and self.index.blocks[conv.keys[n_full - 1]].state):
@@ -106,6 +112,8 @@ class RestoreRead:
                                                              self.own_state)
             self.state, self.pieces = _split_state(cache.identity, conv, pieces, state)
             _check_pieces(cache.identity, conv, self.pieces)
+            if cache.identity.local_layers:
+                self.state = _window_for(cache.identity, conv, self.own_state, self.n, self.state)
         except CacheRestoreError as exc:
             self.error = exc
         except Exception as exc:  # a bug in a read must still be a clean miss for this slot only
@@ -139,9 +147,9 @@ class RestoreRead:
             take = min(have, n - start)
             write_parts(start, parts if take == have else first_tokens(specs, parts, take))
         if self.state is not None:
-            write_parts(n, self.state)  # the recurrent state after exactly the n restored tokens
+            write_parts(n, self.state)  # the recurrent state (or the local layers' window) after exactly n tokens
         ms = self.read_ms + (time.perf_counter() - t0) * 1000  # the read and the copy, not the wait between
-        nbytes = n * cache.identity.bytes_per_token + (cache.identity.state_bytes if self.state is not None else 0)
+        nbytes = n * cache.identity.bytes_per_token + parts_nbytes(self.state)
         tier, index, disk = self.tier, self.index, self.disk
         with cache._lock:
             conv.hits += 1
@@ -168,6 +176,24 @@ class RestoreRead:
         with cache._lock:
             if cache.disk is disk:
                 disk.record_use(self.conv)
+
+
+def resume_point(identity: CacheIdentity, index: TierIndex, conv: Conv, n: int) -> int:
+    """The deepest position <= n a restore of `conv` can resume from when it keeps checkpoints (a hybrid
+    model's recurrent state, a sliding-window model's local window), else n."""
+    if identity.local_layers:
+        return n if window.checkpoint_for(conv.checkpoints, n) is not None else 0
+    return index.checkpoint_at_most(conv, n, identity.block_tokens)
+
+
+def _window_for(identity: CacheIdentity, conv: Conv, position: int | None, n: int, state: Parts | None) -> Parts:
+    """The local rows a resume at n reads, cut from the conversation's window checkpoint at `position`."""
+    spec = identity.state_parts[0]
+    assert position is not None and state is not None and identity.window, (position, identity.window)
+    rows = state[spec.name]
+    if rows.shape[spec.token_axis] != conv.n_tokens - window.first_row(position, identity.window):
+        raise CacheRestoreError(f"conversation {conv.id}: its local-layer window has {rows.shape} rows")
+    return {spec.name: window.cut(rows, position, n, identity.window, spec.token_axis)}
 
 
 def find_entry(cache: ConversationCache, hit: CacheHit) -> tuple[str, Conv] | None:

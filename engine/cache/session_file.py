@@ -86,7 +86,7 @@ def conversation_file(
             parts = checkpoints[pos]  # type: ignore[index]
             for spec in identity.state_parts:
                 t = parts[spec.name]
-                assert tuple(t.shape) == spec.dims and t.dtype == spec.dtype, (spec.name, tuple(t.shape))
+                assert spec.fits(tuple(t.shape)) and t.dtype == spec.dtype, (spec.name, tuple(t.shape))
                 tensors.append((checkpoint_tensor(pos, spec.name), t.contiguous()))
         meta["checkpoints"] = canonical_json(positions)
     return encode_header(tensors, meta), tensors
@@ -112,7 +112,7 @@ def checkpoint_positions(header: Header, identity: CacheIdentity) -> list[int]:
     for pos in positions:
         for spec in identity.state_parts:
             entry = header.tensors.get(checkpoint_tensor(pos, spec.name))
-            if entry is None or entry.shape != spec.dims or entry.dtype != spec.dtype:
+            if entry is None or not spec.fits(entry.shape) or entry.dtype != spec.dtype:
                 raise FileFormatError("corrupt", f"checkpoint at {pos}: state part {spec.name} is missing or wrong")
     return positions
 

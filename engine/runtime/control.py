@@ -69,7 +69,11 @@ class Control(Startup):
         t0 = time.perf_counter()
         n = len(slot.tokens)
         checkpoints = self.states.park_checkpoints(slot.id, n) if self.states is not None else None
-        nbytes = save_session(path, self._identity(), slot.tokens, self.kv.read(slot.id, 0, n),
+        if self.windows is not None and self.windows.floors[slot.id]:
+            raise BadValue(f"slot {slot_id} was restored from the conversation cache, which keeps only the last "
+                           "window of the local layers' K/V; a session file needs all of it: send the next turn "
+                           "first, or prefill the slot anew", param="id")
+        nbytes = save_session(path, self._session_identity(), slot.tokens, self.kv.read(slot.id, 0, n),
                               engine_version=__version__, checkpoints=checkpoints)
         ms = (time.perf_counter() - t0) * 1000
         log.info("slot %d saved to %s: %d tokens, %d bytes, %.1f ms", slot_id, os.path.basename(path), n, nbytes, ms)
@@ -85,7 +89,7 @@ class Control(Startup):
             raise NotFound(f"no session file named {os.path.basename(path)!r} in the slot save path", param="filename")
         t0 = time.perf_counter()
         try:
-            tokens, kv, states = load_session_parts(path, self._identity())
+            tokens, kv, states = load_session_parts(path, self._session_identity())
         except SessionFileError as exc:
             raise BadValue(f"{os.path.basename(path)}: {exc}", param="filename") from exc
         if len(tokens) > self.ctx_size:
@@ -103,11 +107,15 @@ class Control(Startup):
         self.kv.clear(slot.id)
         if self.states is not None:
             self.states.clear(slot.id)
+        if self.windows is not None:
+            self.windows.clear(slot.id)
         return {"id_slot": slot_id, "n_erased": n}
 
 
     def _write_slot(self, slot: Slot, tokens: list[int], kv: torch.Tensor, states: dict | None = None) -> None:
         slot.tokens, slot.conversation_id, slot.unnamed = [], None, []  # a session file is no parked conversation
+        if self.windows is not None:
+            self.windows.clear(slot.id)  # a session file holds every row of every layer
         try:
             self.kv.write(slot.id, 0, kv)
             if self.states is not None:  # a hybrid model: its state after exactly those tokens, its checkpoints

@@ -38,6 +38,7 @@ from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_b
 from engine.runtime.startup import _check_int4, _gpu_weights_format, _quantize_gpu_weights, _weights_format
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
+from engine.runtime.windows import slot_windows
 from engine.startup_progress import StartupProgress
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class Engine(Scheduler):
         else:
             self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, kv_dtype)
             self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
+        # a sliding-window model: the cache parks its local layers' last window only (engine/runtime/windows.py)
+        self.windows = slot_windows(mcfg, self.kv, config.conversation_cache_block_tokens) if self.states is None else None
         self.slots = [Slot(i) for i in range(self.n_slots)]
         self.started_at = time.time()
         self.state = "ok"

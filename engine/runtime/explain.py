@@ -19,7 +19,7 @@ from engine.contract import RequestRecord
 REQUEST_LOG_SIZE = 1000
 # Every reason a record can give (RequestRecord documents them); each is a Prometheus label, counted from 0.
 REASONS = ("new_tokens", "diverged", "evicted", "floor", "refused", "n_min", "similarity", "cost", "small_gain",
-           "restore_failed", "cold")
+           "restore_failed", "window", "cold")
 CONTEXT_TOKENS = 6  # tokens shown either side of where a prompt left its candidate
 
 
@@ -60,6 +60,10 @@ def explain(adm: Admission, decode: Decode) -> tuple[str, dict[str, Any]]:
         return "new_tokens", computed
     if report.verdict and report.matched > reused:
         return report.verdict, {**computed, **report.verdict_detail, "conversation_id": report.conversation_id}
+    if report.window_shared > max(reused, report.matched):
+        # shared with a parked conversation, but before its local layers' window: nothing to resume from there
+        return "window", {**computed, "shared": report.window_shared, "resumable": report.matched,
+                          "conversation_id": report.conversation_id}
     if report.loss is not None and report.loss["matched"] > reused:
         if report.loss_kind == "refuse":
             reason = "floor" if report.loss_refusal == "floor" else "refused"

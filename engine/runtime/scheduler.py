@@ -112,6 +112,8 @@ class Scheduler(Stats):
                 slot.tokens = []
                 if self.states is not None:
                     self.states.clear(slot.id)
+                if self.windows is not None:
+                    self.windows.clear(slot.id)
 
     # ------------------------------------------------------------------ admission: slot choice + cache
 
@@ -166,6 +168,8 @@ class Scheduler(Stats):
             slot.tokens = slot.tokens[:reused]
             if self.states is not None:
                 self.states.rewind(slot.id, reused)
+            if not reused and self.windows is not None:
+                self.windows.clear(slot.id)
             if not reused:
                 slot.priority, slot.pinned = DEFAULT_PRIORITY, False
             source = "live" if reused else "none"
@@ -236,6 +240,8 @@ class Scheduler(Stats):
     def _live_reuse(self, slot: Slot, prompt: list[int], usable: int) -> int:
         """Tokens of the slot's contents this prompt can keep (a hybrid model: up to a state checkpoint)."""
         common = min(common_prefix(slot.tokens, prompt), usable)
+        if self.windows is not None:  # a slot restored from a window: from where its local rows are its own
+            return self.windows.reusable(slot.id, common)
         return common if self.states is None else self.states.reusable(slot.id, len(slot.tokens), common)
 
     def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
@@ -251,9 +257,12 @@ class Scheduler(Stats):
         assert self.cache is not None
         tokens = list(slot.tokens)
         extra = {} if self.states is None else {"checkpoints": self.states.park_checkpoints(slot.id, len(tokens))}
+        reader = kv_reader(lambda a, b: self.kv.read(slot.id, a, b))
+        if self.windows is not None:  # the global layers in blocks, the local layers' last window with it
+            reader = self.windows.reader(slot.id)
+            extra = {"checkpoints": self.windows.checkpoints(slot.id, len(tokens), len(slot.prompt))}
         try:
-            result = self.cache.park(tokens, kv_reader(lambda a, b: self.kv.read(slot.id, a, b)), keep=protect,
-                                     attrs=slot.attrs, **extra)
+            result = self.cache.park(tokens, reader, keep=protect, attrs=slot.attrs, **extra)
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return
@@ -310,12 +319,17 @@ class Scheduler(Stats):
         def write_kv(start: int, data: torch.Tensor) -> None:
             self._write_queued(slot, start, data, hit.n_tokens)
 
+        writer = kv_writer(write_kv) if self.states is None else self.states.writer(slot.id, write_kv)
+        if self.windows is not None:
+            self.windows.clear(slot.id)
+            writer = self.windows.writer(slot.id, write_kv)
         try:
-            writer = kv_writer(write_kv) if self.states is None else self.states.writer(slot.id, write_kv)
             result = self.cache.restore(hit, writer) if read is None else read.deliver(writer, persist_use=False)
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
+            if self.windows is not None:
+                self.windows.clear(slot.id)
             if self.states is not None:
                 self.states.clear(slot.id)
             return 0, str(exc) or type(exc).__name__

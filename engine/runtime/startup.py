@@ -81,8 +81,17 @@ class Startup(EngineState):
                 block_tokens=self.config.conversation_cache_block_tokens,
                 # a hybrid model's recurrent state: its checkpoints are parked beside the attention K/V
                 state=self.states.buffers.layout.describe() if self.states is not None else None,
+                window=self.windows.window if self.windows is not None else None,
+                local_layers=tuple(self.windows.local.tolist()) if self.windows is not None else (),
             )
         return self.cache_identity
+
+    def _session_identity(self) -> CacheIdentity:
+        """What a session file must match: the cache identity, but every layer's K/V (a slot file holds all)."""
+        import dataclasses
+
+        identity = self._identity()
+        return dataclasses.replace(identity, window=None, local_layers=()) if identity.local_layers else identity
 
 
 def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from engine.runtime.explain import RequestLog
     from engine.runtime.pending_restores import PendingRestores
     from engine.runtime.slot_states import SlotStates
+    from engine.runtime.windows import SlotWindows
 
 log = logging.getLogger("strata.engine")
 
@@ -80,6 +81,7 @@ class EngineState:
     layout: KVLayout
     kv: KVBuffers
     states: SlotStates | None  # a hybrid model's recurrent state per slot (None for attention-only models)
+    windows: SlotWindows | None  # a sliding-window model's slots as the cache parks them (None for the others)
     slots: list[Slot]
     started_at: float
     state: str
