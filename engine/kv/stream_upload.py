@@ -1,10 +1,11 @@
 """The incoming side of a restore into a slot whose K/V lives on a CUDA device, issued off the engine thread.
 
 Through the engine's own pinned staging (engine/kv/pinned_staging.py) a restore's host->device copy runs on the
-engine thread and on the main stream: an 11K-token conversation of an 8B model (1.4 GB) at ~23 GB/s kept every
-other slot waiting ~60 ms. Here the restore reader thread (engine/runtime/pending_restores.py) copies the pieces
-into a staging ring of its own and issues the transfers on a dedicated copy stream per device, then records one
-event per device after the last transfer and waits on it itself (the GIL is released while it waits). The engine
+engine thread and on the main stream: an 11K-token conversation of an 8B model (1.44 GB) kept every other slot
+waiting 47-53 ms on an H200 (docs/BENCHMARKS.md). Here the restore reader thread
+(engine/runtime/pending_restores.py) copies the pieces into a staging ring of its own and issues the transfers
+on a dedicated copy stream per device, then records one event per device after the last transfer and waits on
+it itself (the GIL is released while it waits). The engine
 thread meanwhile goes on stepping the other slots; it joins the restoring slot only once every event's
 `query()` is true, and makes its main stream wait on those events before the slot's first step.
 

@@ -1,5 +1,5 @@
 """Restores whose read runs off the engine thread, so the other slots keep decoding while one conversation is
-read back from disk.
+read back from disk or copied onto a GPU.
 
 The engine thread decides a restore (the cache's read-only lookup, `begin_restore`'s checks and pins) and parks
 what the chosen slot held; a reader thread then reads and verifies the parked pieces (file reads and xxhash
@@ -10,12 +10,12 @@ of 114 MiB take 272 ms instead of 49 ms; `RestoreRead.deliver`) and starts the r
 reader then rewrites the entry's manifest with its new last use and hits (a file write and an fsync, which on a
 busy disk took longer than the read). A failed read is a clean miss for that slot only.
 
-When the slot's K/V lives on a CUDA device the copy into it is no memcpy (a 1.4 GB conversation took ~60 ms
-through pinned staging at ~23 GB/s), so there RAM restores take this path too and the reader also delivers: it
-issues the host->device copies on a copy stream and waits for them (engine/kv/stream_upload.py); the slot
-joins once the copies' events say they landed, the main stream ordered after them. A hybrid model's restores
-(recurrent state written through the engine's slot states) and restores into CPU slots are delivered on the
-engine thread as above.
+When the slot's K/V lives on a CUDA device the copy into it is no memcpy (through the engine's pinned
+staging a 1.44 GB conversation held the engine thread 47-53 ms on an H200), so there RAM restores take this
+path too and the reader also delivers: it issues the host->device copies on a copy stream and waits for them
+(engine/kv/stream_upload.py); the slot joins once the copies' events say they landed, the main stream ordered
+after them. A hybrid model's restores (recurrent state written through the engine's slot states) and restores
+into CPU slots are delivered on the engine thread as above.
 """
 
 from __future__ import annotations
