@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.cache import window
@@ -47,7 +48,8 @@ class RestoreRead:
     - `read()` (any thread, no cache lock held while reading files): gather every piece in host memory and verify
       it (checksums, parts, shapes, dtypes); unpins; never raises (a failure is kept for `deliver`);
     - `deliver(write_parts)` (engine thread): raise the read's failure, or hand the pieces to the slot and count
-      the restore. Nothing reaches `write_parts` before every check passed.
+      the restore. Nothing reaches `write_parts` before every check passed. Into a GPU slot the reader delivers
+      (`deliver_early`) and the engine thread's `deliver` hands back the outcome.
     """
 
     def __init__(self, cache: ConversationCache, hit: CacheHit) -> None:
@@ -87,10 +89,11 @@ class RestoreRead:
                     cache._journal.count("restore_failures")
                     raise CacheRestoreError(f"conversation {conv.id} keeps no recurrent state at {n} tokens")
             self.blocks = [self.index.blocks[k] for k in conv.keys[:n_full]]
-            if self.disk is not None:  # reading: the entry and its blocks stay until read() is done
-                conv.pins += 1
-                for blk in self.blocks:
-                    blk.pins += 1
+            # Reading (on the reader thread, for a disk restore or one into a GPU slot): the entry and its
+            # blocks stay until read() is done.
+            conv.pins += 1
+            for blk in self.blocks:
+                blk.pins += 1
         self.conv, self.n = conv, n
         self.pieces: list[tuple[int, Parts]] = []
         self.state: Parts | None = None
@@ -98,6 +101,7 @@ class RestoreRead:
         self.read_ms = 0.0
         self.error: CacheRestoreError | None = None
         self.done = False
+        self._early: RestoreResult | Exception | None = None  # what `deliver_early` got, for `deliver`
 
     def read(self) -> None:
         """Gather and verify the pieces (the slow part of a disk restore: file reads and xxhash, which release
@@ -120,11 +124,10 @@ class RestoreRead:
             log.exception("conversation cache: reading %s failed", conv.id)
             self.error = CacheRestoreError(f"reading conversation {conv.id} failed ({exc}); prefill instead")
         finally:
-            if self.disk is not None:
-                with cache._lock:
-                    conv.pins -= 1
-                    for blk in self.blocks:
-                        blk.pins -= 1
+            with cache._lock:
+                conv.pins -= 1
+                for blk in self.blocks:
+                    blk.pins -= 1
             self.read_ms = (time.perf_counter() - t0) * 1000
             self.done = True
 
@@ -133,6 +136,11 @@ class RestoreRead:
         read's CacheRestoreError before any write. `persist_use=False`: the caller runs `persist_use()` later,
         on another thread (the manifest rewrite is a file write and an fsync)."""
         assert self.done, "deliver() before read() finished: the slot's rows would be written from nothing"
+        if self._early is not None:  # delivered on the reader already: hand back what it got
+            early, self._early = self._early, None
+            if isinstance(early, Exception):
+                raise early
+            return early
         cache, conv, n = self.cache, self.conv, self.n
         if self.error is not None:
             with cache._lock:
@@ -166,6 +174,20 @@ class RestoreRead:
                  conv.id, tier, n, nbytes / MIB, ms, self.read_ms)
         self.pieces, self.state = [], None  # the slot holds them now
         return RestoreResult(n, nbytes, ms, tier)
+
+    def deliver_early(self, write_parts: WriteParts, landed: Callable[[], None]) -> None:
+        """`deliver` on the reader thread right after `read` (a slot on a GPU: `write_parts` issues copies on a
+        copy stream, `landed()` then waits for them, also after a failed write); the engine thread's later
+        `deliver` returns the result or raises the error (a failure of `landed` too), writing nothing again."""
+        assert self.done and self._early is None, "deliver_early() before read() or twice"
+        try:
+            try:
+                result = self.deliver(write_parts, persist_use=False)
+            finally:  # rows already sent must land before the engine clears the slot
+                landed()
+            self._early = result
+        except Exception as exc:  # raised to the engine thread by deliver(), where a failure is a clean miss
+            self._early = exc
 
     def persist_use(self) -> None:
         """Rewrite a disk entry's manifest with its new last use and hit count (any thread, after `deliver`);

@@ -221,7 +221,9 @@ class GraphDecode:
             step()  # warm-up outside the capture: library handles, workspaces, kernel selection
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a restore's copies issued meanwhile by the reader thread (engine/kv/stream_upload.py) on
+        # its own stream must not invalidate this capture, as they would under the default "global" mode.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = step()
         self.captures += 1
         return graph, logits

@@ -101,7 +101,8 @@ class Engine(Scheduler):
         self._prefill_rate: float | None = None  # tokens/s, smoothed
         self._decode_rate: float | None = None
         self.requests = RequestLog()  # every request explained (GET /cache/requests)
-        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)))  # disk reads off this thread
+        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)),  # reads off this thread
+                                         kv=self.kv if self.states is None else None)
         self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)

@@ -1,5 +1,5 @@
 """Restores whose read runs off the engine thread, so the other slots keep decoding while one conversation is
-read back from disk.
+read back from disk or copied onto a GPU.
 
 The engine thread decides a restore (the cache's read-only lookup, `begin_restore`'s checks and pins) and parks
 what the chosen slot held; a reader thread then reads and verifies the parked pieces (file reads and xxhash
@@ -10,8 +10,12 @@ of 114 MiB take 272 ms instead of 49 ms; `RestoreRead.deliver`) and starts the r
 reader then rewrites the entry's manifest with its new last use and hits (a file write and an fsync, which on a
 busy disk took longer than the read). A failed read is a clean miss for that slot only.
 
-The same shape fits the incoming side of a GPU transfer (the reader waits for a device-to-host or peer copy
-instead of files); nothing else in the engine needs to change for it.
+When the slot's K/V lives on a CUDA device the copy into it is no memcpy (through the engine's pinned
+staging a 1.44 GB conversation held the engine thread 47-53 ms on an H200), so there RAM restores take this
+path too and the reader also delivers: it issues the host->device copies on a copy stream and waits for them
+(engine/kv/stream_upload.py); the slot joins once the copies' events say they landed, the main stream ordered
+after them. A hybrid model's restores (recurrent state written through the engine's slot states) and restores
+into CPU slots are delivered on the engine thread as above.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from engine.cache.parts import kv_writer
+from engine.kv.stream_upload import SlotUpload, StreamUploads
+
 if TYPE_CHECKING:
     from engine.cache.explain import LookupReport
     from engine.cache.restores import RestoreRead
     from engine.cache.stats import CacheHit
+    from engine.kv.buffers import KVBuffers
     from engine.runtime.explain import Candidate
     from engine.runtime.requests import GenerationRequest
     from engine.runtime.state import Slot
@@ -56,12 +64,15 @@ class Pending:
     future: Future[None]
     context: Looked
     tokens_at_start: int  # the engine's generated-token count when the read started
+    upload: SlotUpload | None = None  # the copies into a GPU slot, issued by the reader
 
 
-def _read_then(read: RestoreRead, prepare: Callable[[], None] | None) -> None:
+def _read_then(read: RestoreRead, prepare: Callable[[], None] | None, upload: SlotUpload | None) -> None:
     read.read()
     if prepare is not None and read.error is None:  # only a speed-up: on failure the copy faults the pages in
         _logged(prepare, "preparing slot pages for a restore failed")
+    if upload is not None:
+        read.deliver_early(kv_writer(upload.write), upload.finish)
 
 
 def _logged(fn: Callable[[], None], what: str) -> None:
@@ -74,35 +85,48 @@ def _logged(fn: Callable[[], None], what: str) -> None:
 class PendingRestores:
     """The slots whose restore is being read, and the reader thread (engine thread only, but for the reader)."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self, wake: Callable[[], None], kv: KVBuffers | None = None) -> None:
+        """`kv`: the K/V buffers of an attention-only model, whose restores the reader delivers when a stage
+        is on a CUDA device (then `all_off_thread`)."""
         self._wake = wake  # puts something into the engine's inbox, so a blocked loop notices a finished read
+        self._uploads = StreamUploads(kv) if kv is not None and StreamUploads.wanted(kv) else None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[int, Pending] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def all_off_thread(self) -> bool:
+        """Whether RAM restores go through here too (their copy into the slot is a host->device transfer)."""
+        return self._uploads is not None
+
     def start(self, slot: Slot, read: RestoreRead, context: Looked, tokens_now: int,
               prepare: Callable[[], None] | None = None) -> None:
         """Read `read` in the background, then, if it succeeded, run `prepare` there too (fault in the slot's
-        pages, so the copy on the engine thread is a plain memcpy); `slot` is restoring until `ready()` hands it
-        back."""
+        pages, so the copy on the engine thread is a plain memcpy), and with a GPU stage deliver it there; `slot`
+        is restoring until `ready()` hands it back."""
         assert slot.active is None and not slot.restoring and slot.id not in self._pending, slot.id
         assert not slot.tokens, "a restoring slot holds nothing until its data arrived"
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="strata-restore")
         slot.restoring = True
-        future = self._pool.submit(_read_then, read, prepare)
+        upload = None if self._uploads is None else self._uploads.begin(slot.id)
+        future = self._pool.submit(_read_then, read, prepare, upload)
         future.add_done_callback(lambda _f: self._wake())
-        self._pending[slot.id] = Pending(slot, read, future, context, tokens_now)
+        self._pending[slot.id] = Pending(slot, read, future, context, tokens_now, upload)
 
     def ready(self) -> list[Pending]:
-        """The restores whose read is done, no longer pending; their slots are restoring until the caller
-        delivers them and sets `slot.restoring = False`."""
-        done = [p for p in self._pending.values() if p.future.done()]
+        """The restores whose read is done (and whose copies into a GPU slot landed: polled, never waited for),
+        no longer pending, the main streams ordered after their copies; their slots are restoring until the
+        caller delivers them and sets `slot.restoring = False`."""
+        done = [p for p in self._pending.values()
+                if p.future.done() and (p.upload is None or p.upload.landed())]
         for p in done:
             del self._pending[p.slot.id]
             assert p.read.done, "the reader finished without completing the read"
+            if p.upload is not None:
+                p.upload.join()
         return done
 
     def persist(self, read: RestoreRead) -> None:

@@ -155,9 +155,10 @@ class Scheduler(Stats):
             # Restore into the slot whose loss is cheapest, parking what it holds.
             slot = cheapest(free)
             looked = Looked(request, stream, hit, candidate, report, small_gain)
-            if hit.tier == "disk":  # a read from files: off this thread, the slot starts in _join_restores
+            # A read from files, or a copy onto a GPU: off this thread, the slot starts in _join_restores.
+            if hit.tier == "disk" or self._restores.all_off_thread:
                 self._read_in_background(slot, looked)
-            else:  # RAM: a memcpy, here
+            else:  # RAM into host slots: a memcpy, here
                 reused, failed = self._restore_hit(slot, hit, prompt)
                 self._start_restored(slot, looked, reused, failed)
         else:
