@@ -101,8 +101,10 @@ class Engine(Scheduler):
         self._prefill_rate: float | None = None  # tokens/s, smoothed
         self._decode_rate: float | None = None
         self.requests = RequestLog()  # every request explained (GET /cache/requests)
-        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)),  # reads off this thread
-                                         kv=self.kv if self.states is None else None)
+        # reads off this thread; an attention-only model without windows also has its GPU copies issued there
+        # (a hybrid's state and a sliding-window model's local rows are written through their own slot writers)
+        plain_kv = self.states is None and self.windows is None
+        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)), kv=self.kv if plain_kv else None)
         self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
