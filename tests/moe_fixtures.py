@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from pathlib import Path
 
 from tests.model_fixtures import TINY_SIZES, add_tiny_tokenizer, tiny_vocab_size, write_tokenizer_files
@@ -125,16 +126,22 @@ _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_p
 _EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
-def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0, quantize: bool = False) -> str:
+def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0, quantize: bool = False,
+                        expert_types: dict[str, str] | None = None, **overrides) -> str:
     """Convert a tiny MoE HF model to a GGUF the way llama.cpp's converter does: experts stacked into
     ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as ffn_*_shexp with its gate 1-D,
     q/k rows interleaved for the Llama-derived files (Mixtral, GraniteMoE); matrices and expert stacks in Q8_0
-    when `quantize`. Returns the .gguf path; the HF folder sits beside it."""
+    when `quantize`. `expert_types` ("gate", "up", "down" -> a type name such as "Q4_K") sets the expert
+    stacks' types; types gguf cannot quantise to (the K-quants) get random blocks, those experts then no longer
+    the HF model's. `overrides` change the HF config (sizes). Returns the .gguf path; the HF folder sits
+    beside it."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
 
-    folder = write_tiny_moe_model(root, arch, seed=seed)
+    from tests.model_fixtures import random_blocks
+
+    folder = write_tiny_moe_model(root, arch, seed=seed, **overrides)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     gguf_arch = _GGUF_ARCH[arch]
@@ -202,9 +209,19 @@ def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0, qu
         out[f"blk.{index}.ffn_{part}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     for key, w in out.items():
         w = np.ascontiguousarray(w)
-        if quantize and w.ndim >= 2 and w.shape[-1] % 32 == 0:
-            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(key, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        part = re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight", key)
+        kind = (expert_types or {}).get(part.group(1)) if part else None
+        if kind is None and quantize and w.ndim >= 2 and w.shape[-1] % 32 == 0:
+            kind = "Q8_0"
+        if kind is not None:
+            qtype = gguf.GGMLQuantizationType[kind]
+            try:
+                q = gguf.quants.quantize(w, qtype)
+            except NotImplementedError:
+                flat = random_blocks(qtype, w.size // w.shape[-1], w.shape[-1], seed=zlib.crc32(key.encode()),
+                                     scale=float(np.abs(w).mean()) / 200)
+                q = flat.reshape(*w.shape[:-1], -1)
+            writer.add_tensor(key, q, raw_shape=q.shape, raw_dtype=qtype)
         else:
             writer.add_tensor(key, w)
     writer.write_header_to_file()

@@ -43,8 +43,8 @@ def _stage_checks(config: ModelConfig, stages: list[tuple[torch.device, int, int
 Getter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 # A groups getter returns a weight the file already holds as 4-bit groups of 32 as (codes, scale, minimum)
 # (int4.Int4Weight.from_groups), or None when the file holds it otherwise (then it is read with the Getter).
-Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-GroupsGetter = Callable[[str], "Groups | None"]
+Groups = int4.Groups
+GroupsGetter = moe_loading.GroupsGetter
 
 
 def _build(
@@ -125,9 +125,12 @@ def _build(
                 def to_host(t: torch.Tensor) -> torch.Tensor:  # experts placed in host RAM never visit `device`
                     return t.to(device=cpu, dtype=dtype).contiguous()
 
+                # Experts that end up as 4-bit groups take a Q4 file's own codes, not a float round trip.
+                packed = i in cpu_experts or (int4_weights and device.type == "cpu")
                 moe = moe_loading.build_sparse_moe(
                     c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu), to_layer, path,
-                    to_experts=to_host if i in cpu_experts else to_layer,
+                    to_experts=to_host if i in cpu_experts else to_layer, groups=groups if packed else None,
+                    dtype=dtype,
                 )
             else:
                 w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)

@@ -248,12 +248,13 @@ def dequantize(
     return out.view(shape)
 
 
-def q4_groups(name: str, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
-    """A 2-D Q4_0 / Q4_1 / Q4_K tensor as (codes uint8 [rows, cols] in 0..15, scale, minimum float32
-    [rows, cols // 32]) with value = scale * code + minimum for each group of 32 values along a row."""
-    assert qtype in Q4_GROUPED and len(shape) == 2, (type_name(qtype), shape)
+def q4_groups(name: str, raw: torch.Tensor, qtype: int, shape: tuple[int, ...]):
+    """A Q4_0 / Q4_1 / Q4_K tensor of `shape` [..., rows, cols] (a matrix, or a stack of them such as an expert
+    tensor [experts, rows, cols]) as (codes uint8 [..., rows, cols] in 0..15, scale, minimum float32
+    [..., rows, cols // 32]) with value = scale * code + minimum for each group of 32 values along a row."""
+    assert qtype in Q4_GROUPED and len(shape) >= 2, (type_name(qtype), shape)
     blocks = _checked_blocks(name, raw, qtype, shape)
-    rows, cols = shape
+    cols = shape[-1]
     block, _ = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     per_block = block // 32  # groups of 32 in one block
     codes = torch.empty(blocks.shape[0] * per_block, 32, dtype=torch.uint8, device=raw.device)
@@ -271,4 +272,4 @@ def q4_groups(name: str, raw: torch.Tensor, qtype: int, shape: tuple[int, int]):
             codes[at] = _split_nibbles(b[:, 4 if qtype == T.Q4_1 else 2 :], 16).reshape(-1, 32)
             scale[at] = d.reshape(-1)
             minimum[at] = (_f16(b, 2) if qtype == T.Q4_1 else -8 * d).reshape(-1)
-    return codes.view(rows, cols), scale.view(rows, cols // 32), minimum.view(rows, cols // 32)
+    return codes.view(shape), scale.view(*shape[:-1], cols // 32), minimum.view(*shape[:-1], cols // 32)

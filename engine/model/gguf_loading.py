@@ -213,7 +213,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
 
     def q4(key: str) -> Groups | None:
         t = tensors.get(key)
-        if t is None or t.qtype not in gguf_dequant.Q4_GROUPED or len(t.shape) != 2:
+        if t is None or t.qtype not in gguf_dequant.Q4_GROUPED or len(t.shape) not in (2, 3):  # 3-D: experts
             return None
         found = gguf_dequant.q4_groups(t.name, raw(key, torch.device("cpu")), t.qtype, t.shape)
         if permuted and key.endswith((".q", ".k")):

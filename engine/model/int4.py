@@ -14,6 +14,9 @@ from typing import cast
 import torch
 
 GROUP = 32
+# A weight as 4-bit groups: (codes uint8 [..., out, in] in 0..15, scale, minimum [..., out, in // GROUP]), value =
+# scale * code + minimum; what Int4Weight.from_groups takes and a Q4_0 / Q4_1 / Q4_K GGUF tensor holds.
+Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # Rows quantised and packed at a time; a multiple of the packing kernel's blocks of 64 rows, so that packing
 # row slices gives the same bytes as packing the whole matrix (tests/test_int4_weights.py checks it).
 _ROWS = 1024

@@ -53,7 +53,8 @@ class SparseMoe(torch.nn.Module):
     """Router + experts (+ an optional gated shared expert) of one layer.
 
     `gate_up` is [n_experts, 2 * expert_size, hidden] (each expert's gate rows, then its up rows), `down`
-    [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert.
+    [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert;
+    a loader that has the experts as 4-bit groups already (a Q4 GGUF's codes) passes such lists itself.
     With a shared expert, `router` holds its gate as a last row.
     """
 
@@ -71,8 +72,8 @@ class SparseMoe(torch.nn.Module):
         hidden_size: int,
         *,
         router: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: torch.Tensor | list[int4.Int4Weight],
+        down: torch.Tensor | list[int4.Int4Weight],
         shared_gate_up: torch.Tensor | None = None,
         shared_down: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
@@ -80,8 +81,8 @@ class SparseMoe(torch.nn.Module):
         super().__init__()
         e, inter, h = moe.n_experts, moe.expert_size, hidden_size
         assert router.shape == (e, h), ("router", tuple(router.shape))
-        assert gate_up.shape == (e, 2 * inter, h), ("gate_up", tuple(gate_up.shape))
-        assert down.shape == (e, h, inter), ("down", tuple(down.shape))
+        assert _shape(gate_up) == (e, 2 * inter, h), ("gate_up", _shape(gate_up))
+        assert _shape(down) == (e, h, inter), ("down", _shape(down))
         has_shared = moe.shared_expert_size > 0
         assert has_shared == (shared_gate_up is not None) == (shared_down is not None) == (shared_gate is not None)
         if has_shared:
@@ -96,8 +97,11 @@ class SparseMoe(torch.nn.Module):
             assert shared_gate is not None  # has_shared (asserted above)
             router = torch.cat((router, shared_gate))
         self.register_buffer("router", router, persistent=False)
-        self.register_buffer("gate_up", gate_up, persistent=False)
-        self.register_buffer("down", down, persistent=False)
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            if isinstance(w, torch.Tensor):
+                self.register_buffer(name, w, persistent=False)
+            else:  # a module cannot register a list of Int4Weight as a buffer (as quantize_experts leaves it)
+                object.__setattr__(self, name, w)
         self.register_buffer("shared_gate_up", shared_gate_up, persistent=False)
         self.register_buffer("shared_down", shared_down, persistent=False)
 
@@ -198,6 +202,14 @@ def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:
 
 _ROW_BLOCK = 4  # the row blocking of MKL's float GEMM (the multi-row part of an expert's rows is padded to it)
 _SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats with AVX-512)
+
+
+def _shape(w: torch.Tensor | list[int4.Int4Weight]) -> tuple[int, ...]:
+    """An expert stack's [n_experts, out, in], whether a tensor or one Int4Weight per expert (all alike)."""
+    if isinstance(w, torch.Tensor):
+        return tuple(w.shape)
+    assert w and all(x.shape == w[0].shape for x in w), [x.shape for x in w]
+    return (len(w), *w[0].shape)
 
 
 def _nbytes(w) -> int:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.errors import ModelLoadError
+from engine.model import int4
 from engine.model.config import ModelConfig
 from engine.model.moe import SparseMoe
 from engine.model.moe_config import MoeConfig
@@ -26,6 +27,9 @@ from engine.model.moe_config import MoeConfig
 Getter = Callable[[str], "torch.Tensor | None"]
 # The loader's getter (engine.model.build.Getter, not imported from there: build imports this module).
 DeviceGetter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
+# A weight the file holds as 4-bit groups (a Q4_0 / Q4_1 / Q4_K tensor's own codes, scales and minimums; for
+# "i.experts.gate" and the like the whole stack [n_experts, rows, cols]), or None when it holds it otherwise.
+GroupsGetter = Callable[[str], "int4.Groups | None"]
 
 _HF_FIXED = {
     "mlp.gate.weight": "router",  # Qwen*, OLMoE
@@ -122,15 +126,25 @@ def build_sparse_moe(
     path: str,
     *,
     to_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    groups: GroupsGetter | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> SparseMoe:
     """Layer `index`'s expert block from canonical keys (see the module docstring), on the device `to` moves to;
-    the routed experts where `to_experts` moves them (`to` unless given; host RAM for experts placed there)."""
+    the routed experts where `to_experts` moves them (`to` unless given; host RAM for experts placed there).
+    With `groups` (given for experts that are to be 4-bit groups on the CPU, computing in `dtype`) the stacked
+    experts come as one int4.Int4Weight per expert: from the file's own 4-bit groups where it has them, else
+    quantised from the float stack (the groups quantize_experts would make)."""
     to_experts = to_experts or to
     c, m = config, config.moe
     assert m is not None and c.is_moe_layer(index), index
     p = f"{index}."
     e, inter, h = m.n_experts, m.expert_size, c.hidden_size
-    gate_up = get(p + "experts.gate_up")
+    gate_up: torch.Tensor | list[int4.Int4Weight] | None = get(p + "experts.gate_up")
+    down: torch.Tensor | list[int4.Int4Weight] | None = None
+    if gate_up is None and groups is not None and int4.can_pack(2 * inter, h) and int4.can_pack(h, inter):
+        # The order of the reads (gate, up, down) is that of the float path: the fingerprint stays the same.
+        gate_up = _packed_experts([p + "experts.gate", p + "experts.up"], (e, inter, h), get, groups, dtype, path)
+        down = _packed_experts([p + "experts.down"], (e, h, inter), get, groups, dtype, path)
     if gate_up is None:
         gate, up = get(p + "experts.gate"), get(p + "experts.up")
         if gate is not None and up is not None:
@@ -140,11 +154,16 @@ def build_sparse_moe(
         else:
             gate_up = torch.stack([torch.cat((need(f"{p}expert.{j}.gate", (inter, h)),
                                               need(f"{p}expert.{j}.up", (inter, h)))) for j in range(e)])
-    _check(gate_up, (e, 2 * inter, h), p + "experts.gate_up", path)
-    down = get(p + "experts.down")
+    if isinstance(gate_up, torch.Tensor):
+        _check(gate_up, (e, 2 * inter, h), p + "experts.gate_up", path)
+        gate_up = to_experts(gate_up)
+    if down is None:
+        down = get(p + "experts.down")
     if down is None:
         down = torch.stack([need(f"{p}expert.{j}.down", (h, inter)) for j in range(e)])
-    _check(down, (e, h, inter), p + "experts.down", path)
+    if isinstance(down, torch.Tensor):
+        _check(down, (e, h, inter), p + "experts.down", path)
+        down = to_experts(down)
     shared = {}
     if m.shared_expert_size:
         s = m.shared_expert_size
@@ -153,8 +172,28 @@ def build_sparse_moe(
             "shared_down": to(need(p + "shared.down", (h, s))),
             "shared_gate": to(_shared_gate(get(p + "shared_gate"), h, p, path)),
         }
-    return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=to_experts(gate_up), down=to_experts(down),
-                     **shared)
+    return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=gate_up, down=down, **shared)
+
+
+def _packed_experts(keys: list[str], shape: tuple[int, int, int], get: Getter, groups: GroupsGetter,
+                    dtype: torch.dtype, path: str) -> list[int4.Int4Weight]:
+    """The expert stacks `keys` (each of `shape` [n_experts, rows, cols]) fused by rows, as one Int4Weight per
+    expert: each stack's own 4-bit groups where the file has them (sliced per expert, no float copy), else its
+    float values quantised. The slices are the rows of whole groups, so an expert's groups are the file's."""
+    parts: list[int4.Groups] = []
+    for key in keys:
+        found = groups(key)
+        if found is None:
+            w = get(key)
+            if w is None:
+                raise ModelLoadError(f"{path}: weight {key!r} is missing")
+            _check(w, shape, key, path)
+            codes, scale, minimum = int4.quantize_groups(w.reshape(-1, shape[2]))
+            found = codes.view(shape), scale.view(*shape[:2], -1), minimum.view(*shape[:2], -1)
+        _check(found[0], shape, key, path)
+        parts.append(found)
+    codes, scale, minimum = (torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in zip(*parts, strict=True))
+    return [int4.Int4Weight.from_groups(codes[j], scale[j], minimum[j], dtype=dtype) for j in range(shape[0])]
 
 
 def _shared_gate(t: torch.Tensor | None, h: int, p: str, path: str) -> torch.Tensor:
