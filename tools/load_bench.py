@@ -1,12 +1,13 @@
 """Load time and peak memory of a model load, each load in a fresh child process.
 
-    python tools/load_bench.py [--model PATH] [--cpu-weights float|int4] [--rounds 2]
+    python tools/load_bench.py [--model PATH] [--cpu-weights float|int4] [--moe-experts gpu|cpu] [--rounds 2]
 
 The child imports the engine, notes its RSS (the baseline: Python, torch and the engine's modules), loads the
 model as `strata serve` does on the CPU (float32; with int4 the projection weights end up as 4-bit groups), and
 reports the wall time of the load, the peak RSS above the baseline (getrusage's high-water mark, so memory the
 load held only for a moment counts too) and the bytes of the weights the model keeps. Peak / weights is the
-figure the loader must keep under ~1.3.
+figure the loader must keep under ~1.3. With `--moe-experts cpu` a mixture-of-experts model's routed experts
+are built as 4-bit groups in host RAM, as `strata serve --moe-experts cpu` builds them.
 """
 
 from __future__ import annotations
@@ -26,32 +27,37 @@ import psutil, torch
 from engine.model import int4, load_model, plan_stages
 from engine.model.loader import read_model_config
 
-path, weights = sys.argv[1], sys.argv[2]
+path, weights, experts = sys.argv[1], sys.argv[2], sys.argv[3]
 base = psutil.Process().memory_info().rss
 t0 = time.perf_counter()
 config = read_model_config(path)
 stages = plan_stages(config.n_layers, "cpu", "")
 direct = "int4_weights" in inspect.signature(load_model).parameters  # else an older loader: quantise after
-loaded = load_model(path, stages, torch.float32, **({"int4_weights": weights == "int4"} if direct else {}))
+kwargs = {"int4_weights": weights == "int4"} if direct else {}
+if experts == "cpu":
+    from engine.model import moe_placement
+    kwargs["cpu_experts"] = moe_placement.cpu_expert_layers(config, "cpu", 0)
+loaded = load_model(path, stages, torch.float32, **kwargs)
 if weights == "int4" and not direct:
     int4.quantize_model(loaded.model)
 seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 model = loaded.model
 kept = {}
-for owner in [model, *model.layers]:
+for owner in model.modules():  # the layers and their expert blocks
     for name, value in list(vars(owner).items()) + list(owner._buffers.items()):
-        if isinstance(value, (torch.Tensor, int4.Int4Weight)) and value is not None:
-            kept[id(value)] = value.nbytes
+        for v in value if isinstance(value, list) else [value]:  # experts: one Int4Weight per expert
+            if isinstance(v, (torch.Tensor, int4.Int4Weight)):
+                kept[id(v)] = v.nbytes
 print(json.dumps({"seconds": seconds, "baseline": base, "peak": peak, "weights": sum(kept.values()),
                   "rss_after": psutil.Process().memory_info().rss}))
 """
 
 
-def measure(model: str, weights: str) -> dict:
+def measure(model: str, weights: str, experts: str = "gpu") -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", CHILD, model, weights], capture_output=True, text=True, env=env,
-                         check=False)
+    out = subprocess.run([sys.executable, "-c", CHILD, model, weights, experts], capture_output=True, text=True,
+                         env=env, check=False)
     if out.returncode != 0:
         raise SystemExit(f"load failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -61,6 +67,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="GGUF file or HF folder (default: the bundled SmolLM2)")
     ap.add_argument("--cpu-weights", default="float", choices=("float", "int4"))
+    ap.add_argument("--moe-experts", default="gpu", choices=("gpu", "cpu"),
+                    help="cpu: a MoE model's routed experts as 4-bit groups in host RAM")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     model = args.model
@@ -71,8 +79,9 @@ def main() -> int:
         model = embedded_model_path()
     size = os.path.getsize(model) if os.path.isfile(model) else 0
     print(f"{os.path.basename(model)} ({size / 2**20:.0f} MiB file), --cpu-weights {args.cpu_weights}, "
+          f"--moe-experts {args.moe_experts}, "
           f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f}")
-    runs = [measure(model, args.cpu_weights) for _ in range(args.rounds)]
+    runs = [measure(model, args.cpu_weights, args.moe_experts) for _ in range(args.rounds)]
     for r in runs:
         above = r["peak"] - r["baseline"]
         print(f"  load {r['seconds']:.2f} s   peak RSS {r['peak'] / 2**20:.0f} MiB (baseline {r['baseline'] / 2**20:.0f} "

@@ -1,11 +1,14 @@
 """Write a GGUF of random weights laid out as llama.cpp's Q4_K_M, for load-time and memory measurements.
 
-    python tools/make_random_gguf.py OUT.gguf [--shape 1b|tiny] [--seed 0]
+    python tools/make_random_gguf.py OUT.gguf [--shape 1b|tiny|moe] [--seed 0]
 
 Shape 1b: Llama-3.2-1B's (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, tied embeddings)
 with the bundled SmolLM2's vocabulary (49152 tokens; every tokenizer.* key is copied from it, so the engine
 loads and tokenizes the file), ~1.07 B weights. Types as Q4_K_M assigns them: Q4_K for the projections,
 Q6_K for attn_v and ffn_down of every other layer and for the (tied) token embedding, F32 for the norms.
+Shape moe: a Qwen3-MoE (hidden 1024, 8 layers of 32 experts of 512, top 4, q/k norms, an F32 router) with
+every expert stack (ffn_{gate,up,down}_exps, [experts, rows, cols]) in Q4_K and attention typed as above,
+~0.45 B weights of which 0.40 B are experts.
 Block bytes are random except the float16 scale fields, which are small and finite; tensors are written one
 at a time, so the writer never holds more than one.
 """
@@ -28,18 +31,20 @@ from engine.model import embedded_model_path  # noqa: E402
 SHAPES = {
     "1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8),
     "tiny": dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2),
+    "moe": dict(hidden=1024, inter=512, layers=8, heads=16, kv_heads=4, experts=32, top_k=4),
 }
 # Offsets of the float16 fields in one block of the two block types written here.
 _F16_FIELDS = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,)}
 
 
-def random_blocks(rng: np.random.Generator, qtype, rows: int, cols: int, scale: float) -> np.ndarray:
+def random_blocks(rng: np.random.Generator, qtype, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    """Random blocks of a tensor of `shape` (outermost first), as uint8 [*shape[:-1], bytes per row]."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    n = rows * cols // block
+    n = int(np.prod(shape)) // block
     raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
     for at in _F16_FIELDS[qtype]:
         raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return raw.reshape(rows, -1)
+    return raw.reshape(*shape[:-1], -1)
 
 
 def main() -> int:
@@ -55,7 +60,8 @@ def main() -> int:
     tok_fields = {k: f for k, f in vocab_reader.fields.items() if k.startswith("tokenizer.")}
     n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
 
-    w = gguf.GGUFWriter(args.out, "llama")
+    moe = "experts" in s
+    w = gguf.GGUFWriter(args.out, "qwen3moe" if moe else "llama")
     w.add_name(f"random-{args.shape}-q4_k_m")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     w.add_context_length(4096)
@@ -68,6 +74,12 @@ def main() -> int:
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
+    if moe:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_expert_count(s["experts"])
+        w.add_expert_used_count(s["top_k"])
+        w.add_expert_feed_forward_length(inter)
     for key, f in tok_fields.items():
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -85,10 +97,23 @@ def main() -> int:
             (p + "attn_v.weight", (n_kv * hd, h), more_bits),
             (p + "attn_output.weight", (h, n_heads * hd), q4k),
             (p + "ffn_norm.weight", (h,), None),
-            (p + "ffn_gate.weight", (inter, h), q4k),
-            (p + "ffn_up.weight", (inter, h), q4k),
-            (p + "ffn_down.weight", (h, inter), more_bits),
         ]
+        if moe:
+            e = s["experts"]
+            plan += [
+                (p + "attn_q_norm.weight", (hd,), None),
+                (p + "attn_k_norm.weight", (hd,), None),
+                (p + "ffn_gate_inp.weight", (e, h), None),
+                (p + "ffn_gate_exps.weight", (e, inter, h), q4k),
+                (p + "ffn_up_exps.weight", (e, inter, h), q4k),
+                (p + "ffn_down_exps.weight", (e, h, inter), q4k),
+            ]
+        else:
+            plan += [
+                (p + "ffn_gate.weight", (inter, h), q4k),
+                (p + "ffn_up.weight", (inter, h), q4k),
+                (p + "ffn_down.weight", (h, inter), more_bits),
+            ]
     plan.append(("output_norm.weight", (h,), None))
     for name, shape, qtype in plan:
         if qtype is None:
@@ -103,11 +128,13 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     for _name, shape, qtype in plan:
-        if qtype is None:
+        if qtype is None and name.endswith("ffn_gate_inp.weight"):  # a router that tells experts apart
+            w.write_tensor_data(rng.standard_normal(shape).astype(np.float32))
+        elif qtype is None:
             w.write_tensor_data(np.ones(shape, dtype=np.float32))
         else:  # values of about +-0.02 (Q4_K: d * 6-bit scale * 4-bit code; Q6_K: d * int8 scale * (q - 32))
             scale = 0.02 / (32 * 8) if qtype == q4k else 0.02 / (64 * 16)
-            w.write_tensor_data(random_blocks(rng, qtype, shape[0], shape[1], scale))
+            w.write_tensor_data(random_blocks(rng, qtype, shape, scale))
     w.close()
     print(f"wrote {args.out}: {len(plan)} tensors, {os.path.getsize(args.out) / 2**20:.0f} MiB, "
           f"{time.perf_counter() - t0:.1f} s")
