@@ -196,7 +196,8 @@ class EngineConfig:
         "auto", flag="--kv-dtype", label="K/V data type", kind="choice", group="model", choices=DTYPES,
         help="dtype the K/V of every slot and parked conversation is kept in (attention upcasts it to the compute "
         "dtype); auto = the compute dtype (--dtype): float32 on CPU, bfloat16 on CUDA (float16 where bf16 is "
-        "unsupported); bfloat16 or float16 halve K/V memory and parked bytes per token against float32",
+        "unsupported); bfloat16 or float16 halve K/V memory and parked bytes per token against float32 (a hybrid "
+        "model's attention K/V; its recurrent state stays float32)",
     )
     devices: str = setting(
         "auto", flag="--devices", label="Devices", kind="str", group="model", metavar="LIST",

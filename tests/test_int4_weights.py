@@ -159,13 +159,30 @@ def _kv(lm):
     c = lm.config
     return KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), 1, 64, lm.model.stages)
 
+def decode_rows(forward, prompt: torch.Tensor, other: torch.Tensor, batched: bool) -> list[torch.Tensor]:
+    """Slot 0's logits: after `prompt`, then over 6 greedy decode steps, alone or (`batched`) in one call with a
+    prefill chunk of slot 1 and a decode of slot 2 (which first prefilled `other`); `forward(chunks)` runs them."""
+    rows = [forward([SeqChunk(0, 0, prompt)])[0]]
+    forward([SeqChunk(2, 0, other)])
+    pos = len(prompt)
+    for step in range(6):
+        token = torch.tensor([int(rows[-1].argmax())])
+        chunks = [SeqChunk(0, pos, token)]
+        if batched:
+            chunks = [SeqChunk(1, 2 * step, other[:2]), *chunks, SeqChunk(2, len(other) + step, token)]
+        logits = forward(chunks)
+        rows.append(logits[next(i for i, ch in enumerate(chunks) if ch.slot == 0)])
+        pos += 1
+    return rows
+
+
 def test_int4_decode_rows_are_batch_invariant_and_close_to_float32():
     """On the bundled Q4_1 model, a decoding slot's int4 logits are bitwise the same alone and batched with a
     prefill chunk and another decode; with the 4-bit projections (the Q4_1 codes themselves) and a float32
     output matrix they stay within 5 % (relative L2; 0.2-2.7 % seen) of the float32 weights' logits. The int4
     output matrix is the Q8_0 embedding re-quantised to 4 bits and moves them further (2-19 % seen)."""
     from engine.kv import KVBuffers, KVLayout
-    from engine.model import SeqChunk, embedded_model_path, load_model, plan_stages
+    from engine.model import embedded_model_path, load_model, plan_stages
     from engine.model.loader import read_model_config
 
     path = embedded_model_path()
@@ -176,18 +193,7 @@ def test_int4_decode_rows_are_batch_invariant_and_close_to_float32():
     def decode(batched: bool) -> list[torch.Tensor]:
         c = lm.config
         kv = KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 3, 128, lm.model.stages)
-        rows = [lm.model.forward_chunks([SeqChunk(0, 0, prompt)], kv)[0]]
-        lm.model.forward_chunks([SeqChunk(2, 0, other)], kv)
-        pos = len(prompt)
-        for step in range(6):
-            token = torch.tensor([int(rows[-1].argmax())])
-            chunks = [SeqChunk(0, pos, token)]
-            if batched:
-                chunks = [SeqChunk(1, 2 * step, other[:2]), *chunks, SeqChunk(2, len(other) + step, token)]
-            logits = lm.model.forward_chunks(chunks, kv)
-            rows.append(logits[next(i for i, ch in enumerate(chunks) if ch.slot == 0)])
-            pos += 1
-        return rows
+        return decode_rows(lambda chunks: lm.model.forward_chunks(chunks, kv), prompt, other, batched)
 
     with torch.inference_mode():
         reference = decode(False)

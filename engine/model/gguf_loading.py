@@ -163,7 +163,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
     from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf
 
     if is_hybrid_gguf(meta):
-        return load_hybrid_gguf(path, stages, dtype, cpu_experts)
+        return load_hybrid_gguf(path, stages, dtype, cpu_experts, int4_weights)
     directory = header.tensors
     header_size = header.data_offset
     del header

@@ -119,7 +119,7 @@ def _load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False
         raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
     hybrid = _hybrid_loader(raw_config)
     if hybrid is not None:
-        return hybrid(folder, raw_config, stages, dtype, cpu_experts)
+        return hybrid(folder, raw_config, stages, dtype, cpu_experts, int4_weights)
     try:
         config = ModelConfig.from_hf(raw_config)
     except ConfigError as e:

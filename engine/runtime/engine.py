@@ -26,7 +26,7 @@ import psutil
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import BadValue, ModelLoadError, Unavailable
+from engine.errors import BadValue, Unavailable
 from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
 from engine.model import moe_placement
@@ -71,13 +71,9 @@ class Engine(Scheduler):
         kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype)
         self.states: SlotStates | None = None
         if hasattr(self.model, "new_buffers"):  # a hybrid model: K/V of its attention layers + recurrent state
-            if kv_dtype != loaded.dtype:
-                raise ModelLoadError(f"--kv-dtype {config.kv_dtype}: a hybrid model keeps its K/V and recurrent "
-                                     f"state in the compute dtype ({str(loaded.dtype).removeprefix('torch.')}); "
-                                     "expected --kv-dtype auto")
             every = checkpoint_interval(config.conversation_cache_checkpoint_tokens,
                                         config.conversation_cache_block_tokens)
-            self.kv, self.states = hybrid_buffers(self.model, self.n_slots, self.ctx_size, every)
+            self.kv, self.states = hybrid_buffers(self.model, self.n_slots, self.ctx_size, every, kv_dtype)
             self.layout = self.kv.layout
         else:
             self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, kv_dtype)

@@ -164,7 +164,7 @@ class SlotStates:
 
 
 
-def hybrid_buffers(model, n_slots: int, ctx: int, every: int):
-    """(K/V buffers of the attention layers, SlotStates of the recurrent ones) of a HybridCausalLM."""
-    kv, state = model.new_buffers(n_slots, ctx)
+def hybrid_buffers(model, n_slots: int, ctx: int, every: int, kv_dtype: torch.dtype | None = None):
+    """(K/V buffers of the attention layers in `kv_dtype`, SlotStates of the recurrent ones) of a HybridCausalLM."""
+    kv, state = model.new_buffers(n_slots, ctx, kv_dtype)
     return kv, SlotStates(state, every)

@@ -78,6 +78,8 @@ class AttentionMixer(torch.nn.Module):
             k_cache[ch.slot, ch.start : end] = k[lo:hi]
             v_cache[ch.slot, ch.start : end] = v[lo:hi]
             keys, values = k_cache[ch.slot, :end].transpose(0, 1), v_cache[ch.slot, :end].transpose(0, 1)
+            if keys.dtype != q.dtype:  # --kv-dtype narrower than the compute dtype: attend in the compute dtype
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             if hi - lo == 1:
                 attn[lo] = _one_query(q[lo], keys, values, scale)
                 continue

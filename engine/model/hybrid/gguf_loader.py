@@ -184,7 +184,8 @@ def _canonical(arch: str, name: str) -> str | None:
     return None
 
 
-def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
+def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozenset[int] = frozenset(),
+                     int4_weights: bool = False) -> LoadedModel:
     """Load a hybrid GGUF (any quantisation gguf can dequantise); identity as in `engine.model.gguf_loading`."""
     import gguf
     import numpy as np
@@ -234,7 +235,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
             w = gguf_qwen35.fix(config, key, w)
         return w
 
-    model = build_hybrid(config, stages, dtype, get, path, cpu_experts)
+    model = build_hybrid(config, stages, dtype, get, path, cpu_experts, int4_weights)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:

@@ -23,6 +23,7 @@ from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _ope
 from engine.model.hybrid import (
     falcon_h1,
     granitemoehybrid,
+    int4_layers,
     lfm2,
     moe_mlp,
     nemotron_h,
@@ -64,10 +65,13 @@ def hybrid_config_from_hf(cfg: dict) -> HybridConfig:
 
 def build_hybrid(
     config: HybridConfig, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, get, path: str,
-    cpu_experts: frozenset[int] = frozenset(),
+    cpu_experts: frozenset[int] = frozenset(), int4_weights: bool = False,
 ) -> HybridCausalLM:
     """The model on `stages` from `get(canonical key) -> CPU tensor | None`; the routed experts of the layers in
-    `cpu_experts` stay in host RAM as 4-bit groups (engine/model/moe_placement.py)."""
+    `cpu_experts` stay in host RAM as 4-bit groups (engine/model/moe_placement.py). `int4_weights`
+    (`--cpu-weights int4`, float32 on the CPU): each layer's projections and the output matrix become 4-bit
+    groups as they are built (engine/model/hybrid/int4_layers.py)."""
+    assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
     c = config
     if not stages or stages[0][1] != 0 or stages[-1][2] != c.n_layers:
         raise ModelLoadError(f"{path}: stages {stages} do not cover the model's {c.n_layers} layers")
@@ -116,7 +120,7 @@ def build_hybrid(
             # A family with layers of another structure builds them (engine/model/hybrid/blocks.py); None: the usual.
             built = family.build_layer(c, li, mixer, get, need, norm, to, path) if hasattr(family, "build_layer") else None
             if built is not None:
-                layers.append(built)
+                layers.append(_int4(built) if int4_weights else built)
                 startup_progress.report(len(layers), c.n_layers)
                 continue
             inter = c.intermediate_size
@@ -126,9 +130,10 @@ def build_hybrid(
                     (need(p + "gate", (inter, d)), need(p + "up", (inter, d))))),
                 "w_down": to(need(p + "down", (d, inter))),
             }
-            layers.append(HybridLayer(
+            layer = HybridLayer(
                 kind, mixer, mixer_norm=to(norm(p + "mixer_norm", d)), mlp_norm=to(norm(p + "mlp_norm", d)), **mlp,
-            ))
+            )
+            layers.append(_int4(layer) if int4_weights else layer)
             startup_progress.report(len(layers), c.n_layers)  # GET /health shows the fraction while loading
     final_norm = norm("norm", d).to(device=last_device, dtype=dtype)
     lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
@@ -140,7 +145,16 @@ def build_hybrid(
         lm_head = lm_head_cpu
     embed = embed_cpu.to(device=first_device, dtype=dtype).contiguous()
     head = embed if lm_head is embed_cpu and last_device == first_device else lm_head.to(last_device, dtype).contiguous()
-    return HybridCausalLM(c, stages, embed=embed, layers=layers, norm=final_norm, lm_head=head)
+    model = HybridCausalLM(c, stages, embed=embed, layers=layers, norm=final_norm, lm_head=head)
+    if int4_weights:
+        int4_layers.quantize_head(model)
+    return model
+
+
+def _int4(layer: torch.nn.Module) -> torch.nn.Module:
+    """`layer` with its projections as 4-bit groups, on the CPU (`--cpu-weights int4`)."""
+    int4_layers.quantize_layer(layer)
+    return layer
 
 
 def _hf_canonical(family: ModuleType, name: str) -> str | None:
@@ -162,7 +176,7 @@ def _hf_canonical(family: ModuleType, name: str) -> str | None:
 
 
 def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
-                   cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
+                   cpu_experts: frozenset[int] = frozenset(), int4_weights: bool = False) -> LoadedModel:
     """Load a hybrid HF folder; same identity rules as `engine.model.hf_loading._load_hf` (config, file headers
     and every weight's bytes in the fingerprint)."""
 
@@ -192,7 +206,7 @@ def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
 
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
-    model = build_hybrid(config, stages, dtype, get, folder, cpu_experts)
+    model = build_hybrid(config, stages, dtype, get, folder, cpu_experts, int4_weights)
     h.update(content.digest())
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)  # type: ignore[arg-type]

@@ -92,10 +92,11 @@ class HybridCausalLM(torch.nn.Module):
 
     # ------------------------------------------------------------ buffers this model runs on
 
-    def kv_layout(self) -> KVLayout:
-        """K/V of the attention layers only (K/V layer i = the i-th attention layer)."""
+    def kv_layout(self, kv_dtype: torch.dtype | None = None) -> KVLayout:
+        """K/V of the attention layers only (K/V layer i = the i-th attention layer), in `kv_dtype`
+        (`--kv-dtype`; None = the compute dtype). Attention reads narrower K/V rows in the compute dtype."""
         c = self.config
-        return KVLayout(len(c.attention_layers), c.n_kv_heads, c.head_dim, self.dtype)
+        return KVLayout(len(c.attention_layers), c.n_kv_heads, c.head_dim, kv_dtype or self.dtype)
 
     def kv_stages(self) -> list[tuple[torch.device, int, int]]:
         """The model's stages in K/V layer numbering (a stage may hold no attention layer)."""
@@ -107,9 +108,11 @@ class HybridCausalLM(torch.nn.Module):
         sequence, and it is small (a few MiB per slot even for large models)."""
         return StateLayout.for_config(self.config, torch.float32)
 
-    def new_buffers(self, n_slots: int, ctx: int) -> tuple[KVBuffers, RecurrentStateBuffers]:
+    def new_buffers(
+        self, n_slots: int, ctx: int, kv_dtype: torch.dtype | None = None
+    ) -> tuple[KVBuffers, RecurrentStateBuffers]:
         return (
-            KVBuffers(self.kv_layout(), n_slots, ctx, self.kv_stages()),
+            KVBuffers(self.kv_layout(kv_dtype), n_slots, ctx, self.kv_stages()),
             RecurrentStateBuffers(self.state_layout(), n_slots, self.stages),
         )
 
@@ -122,7 +125,8 @@ class HybridCausalLM(torch.nn.Module):
         """Run `chunks`; returns float32 logits like `CausalLM.forward_chunks` (see the module docstring)."""
         assert chunks, "forward_chunks needs at least one chunk"
         c = self.config
-        assert kv.layout == self.kv_layout(), f"K/V layout {kv.layout} does not match the model's {self.kv_layout()}"
+        assert kv.layout == self.kv_layout(kv.layout.dtype), (
+            f"K/V layout {kv.layout} does not match the model's {self.kv_layout()}")
         assert state.layout == self.state_layout(), "recurrent state layout does not match the model"
         slots = [ch.slot for ch in chunks]
         assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
