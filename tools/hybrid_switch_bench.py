@@ -48,8 +48,8 @@ QWEN35_9B = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, n
 
 
 def make_model(arch: str, out: str, shape: str = "small", device: str = "cpu") -> str:
-    """A random-weight hybrid HF folder (8 layers, 3 recurrent : 1 attention, hidden 512) with a byte tokenizer;
-    `shape` "qwen3.5-9b": that model's shape in bfloat16 (random numbers drawn on `device`)."""
+    """A random-weight hybrid HF folder (`_config`'s shape) with a byte tokenizer; `shape` "qwen3.5-9b": that
+    model's shape in bfloat16 (random numbers drawn on `device`)."""
     import transformers
 
     from tools.make_random_model import write_tokenizer
