@@ -4,10 +4,13 @@ Two conversations of N prompt tokens (random token ids: no tokenizer involved) t
 return of conversation A adds a few tokens. With the cache off A is prefilled again from token 0; with it on,
 A's K/V and recurrent state are restored from its checkpoint at its end. Also: an edited message (A's prompt
 changed 100 tokens before its end) against a cold prefill, which resumes from the deepest checkpoint before the
-edit, and the bytes of one checkpoint. Runs two engines in this process.
+edit, and the bytes of one checkpoint. With --restart (disk or tiered storage) also the first request after a
+restart: A parked, its engine closed, a new engine on the same folder answering A's next turn, against a new
+engine with the cache off answering the same prompt. Runs its engines one after another in this process.
 
     python tools/hybrid_switch_bench.py --make qwen3_5 [--tokens 2048] [--storage ram]   # a random model
     python tools/hybrid_switch_bench.py --model DIR [--tokens 2048,4096]
+    python tools/hybrid_switch_bench.py --make lfm2 --storage disk --restart   # also the first turn after a restart
     python tools/hybrid_switch_bench.py --make qwen3_5 --shape qwen3.5-9b --device cuda:0 --tokens 16384
 
 `--shape qwen3.5-9b` (Qwen3.5 only) writes that model's shape (hidden 4096, 32 layers, 24 DeltaNet, vocab 248320)
@@ -34,6 +37,7 @@ from engine.runtime.engine import Engine  # noqa: E402
 from engine.runtime.requests import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 512
+ARCHS = ("qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h", "falcon_h1")
 
 
 # Qwen3.5-9B's text model: the config keys that differ from the small shape below.
@@ -44,36 +48,15 @@ QWEN35_9B = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, n
 
 
 def make_model(arch: str, out: str, shape: str = "small", device: str = "cpu") -> str:
-    """A random-weight hybrid HF folder (8 layers, 3 recurrent : 1 attention, hidden 512) with a byte tokenizer;
-    `shape` "qwen3.5-9b": that model's shape in bfloat16 (random numbers drawn on `device`)."""
+    """A random-weight hybrid HF folder (`_config`'s shape) with a byte tokenizer; `shape` "qwen3.5-9b": that
+    model's shape in bfloat16 (random numbers drawn on `device`)."""
     import transformers
 
     from tools.make_random_model import write_tokenizer
 
     if shape != "small" and arch != "qwen3_5":
         raise SystemExit(f"--shape {shape}: only for --make qwen3_5")
-
-    common = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768,
-                  tie_word_embeddings=False)
-    recurrent = {"lfm2": "conv"}.get(arch, "linear_attention")
-    types = ([recurrent] * 3 + ["full_attention"]) * 2
-    if arch == "qwen3_5":
-        small = dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
-                     linear_num_value_heads=8)
-        if shape == "qwen3.5-9b":
-            small, types = {}, ([recurrent] * 3 + ["full_attention"]) * 8
-            common.update(QWEN35_9B)
-        config = transformers.Qwen3_5TextConfig(**{**common, **small}, layer_types=types, linear_conv_kernel_dim=4)
-    elif arch == "lfm2":
-        config = transformers.Lfm2Config(**common, layer_types=types, conv_L_cache=3)
-    elif arch == "granitemoehybrid":
-        config = transformers.GraniteMoeHybridConfig(
-            **common, shared_intermediate_size=1536, num_local_experts=0, num_experts_per_tok=0, layer_types=types,
-            position_embedding_type="nope", mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
-            mamba_expand=2, mamba_chunk_size=256)
-    else:
-        raise SystemExit(f"--make: expected qwen3_5, lfm2 or granitemoehybrid, got {arch!r}")
+    config = _config(arch, shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(
@@ -82,6 +65,50 @@ def make_model(arch: str, out: str, shape: str = "small", device: str = "cpu") -
     del model
     write_tokenizer(out)
     return out
+
+
+def _config(arch: str, shape: str):
+    """The transformers config of a random `arch` hybrid: 8 layers (Nemotron-H: 8 mixer blocks, each followed
+    by its MLP block, as its layers come in separate blocks), hidden 512; 3 recurrent : 1 attention but for
+    Falcon-H1, whose every layer runs attention and Mamba-2 side by side. Mamba-2 mixers (Granite-4.0-H,
+    Nemotron-H, Falcon-H1) have one shape: 16 heads of 64, one group, state 64; gated DeltaNet ones (Qwen3.5,
+    Qwen3-Next) 4 key and 8 value heads of 64."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768,
+                  tie_word_embeddings=False)
+    recurrent = {"lfm2": "conv"}.get(arch, "linear_attention")
+    types = ([recurrent] * 3 + ["full_attention"]) * 2
+    deltanet = dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
+                    linear_num_value_heads=8, linear_conv_kernel_dim=4)
+    if arch == "qwen3_5":
+        if shape == "qwen3.5-9b":
+            deltanet, types = {"linear_conv_kernel_dim": 4}, ([recurrent] * 3 + ["full_attention"]) * 8
+            common.update(QWEN35_9B)
+        return transformers.Qwen3_5TextConfig(**{**common, **deltanet}, layer_types=types)
+    if arch == "qwen3_next":  # 8 experts of 384, 2 per token, and a shared one: about Qwen3.5's MLP per token
+        return transformers.Qwen3NextConfig(**common, **deltanet, layer_types=types, num_experts=8,
+                                            num_experts_per_tok=2, moe_intermediate_size=384,
+                                            shared_expert_intermediate_size=768, decoder_sparse_step=1)
+    if arch == "lfm2":
+        return transformers.Lfm2Config(**common, layer_types=types, conv_L_cache=3)
+    if arch == "granitemoehybrid":
+        return transformers.GraniteMoeHybridConfig(
+            **common, shared_intermediate_size=1536, num_local_experts=0, num_experts_per_tok=0, layer_types=types,
+            position_embedding_type="nope", mamba_n_heads=16, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
+            mamba_expand=2, mamba_chunk_size=256)
+    if arch == "nemotron_h":
+        common.pop("num_hidden_layers")
+        blocks = [b for t in types for b in (t, "mlp")]
+        return transformers.NemotronHConfig(
+            **common, head_dim=64, layers_block_type=blocks, ssm_state_size=64, mamba_num_heads=16,
+            mamba_head_dim=64, n_groups=1, conv_kernel=4, chunk_size=256)
+    if arch == "falcon_h1":
+        return transformers.FalconH1Config(
+            **common, head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1,
+            mamba_d_state=64, mamba_d_conv=4, mamba_chunk_size=256)
+    raise SystemExit(f"--make: expected one of {', '.join(ARCHS)}, got {arch!r}")
 
 
 def ask(engine: Engine, prompt: list[int]) -> tuple[float, int, list[int]]:
@@ -98,13 +125,22 @@ def ask(engine: Engine, prompt: list[int]) -> tuple[float, int, list[int]]:
     return first, cached, tokens
 
 
-def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu") -> dict:
-    ids = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
-    engine = Engine.from_config(EngineConfig(
+def prompts(n: int) -> list[list[int]]:
+    """Conversations A and B: n random token ids each (the same ones in every run)."""
+    return [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+
+
+def open_engine(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str) -> Engine:
+    """An engine for two conversations of n tokens; cache_mib 0: the cache off."""
+    return Engine.from_config(EngineConfig(
         model=model, devices=device, ctx_size=2 * n + 256, cpu_weights="float", conversation_cache_mib=cache_mib,
         conversation_cache_storage=storage, conversation_cache_dir=folder, conversation_cache_min_free_mib=0))
+
+
+def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu") -> dict:
+    engine = open_engine(model, n, storage, cache_mib, folder, device)
     try:
-        a, b = ids
+        a, b = prompts(n)
         _, _, out = ask(engine, a)
         ask(engine, b)
         switch = []
@@ -120,6 +156,34 @@ def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: s
         engine.close()
     return {"switch_s": statistics.median(switch), "cached": cached, "edit_s": t_edit, "edit_cached": cached_edit,
             "state_bytes": state}
+
+
+def restart(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu") -> dict:
+    """First request after a restart vs cold: an engine answers A then B (A parked to `storage`) and is closed; a
+    fresh engine on the same folder answers A's next turn, and a fresh engine with the cache off the same prompt."""
+    assert storage in ("disk", "tiered"), "a restart keeps only what is on disk"
+    a, b = prompts(n)
+    engine = open_engine(model, n, storage, cache_mib, folder, device)
+    try:
+        _, _, out = ask(engine, a)
+        ask(engine, b)
+    finally:
+        engine.close()
+    a = a + out + [7, 8, 9]
+    timed = {}
+    for side, mib in (("restart", cache_mib), ("cold", 0)):
+        engine = open_engine(model, n, storage if mib else "ram", mib, folder if mib else folder + "-off", device)
+        try:
+            timed[side] = ask(engine, a)
+        finally:
+            engine.close()
+    assert timed["restart"][2] == timed["cold"][2], "the restored conversation answered otherwise than a cold one"
+    return {"restart_s": timed["restart"][0], "cached": timed["restart"][1], "cold_s": timed["cold"][0]}
+
+
+def restart_line(n: int, storage: str, r: dict) -> str:
+    return (f"{n} tokens: first request after a restart ({storage}) {r['restart_s']:.3f} s "
+            f"({r['cached']} cached), cold {r['cold_s']:.3f} s ({r['cold_s'] / r['restart_s']:.1f}x)")
 
 
 def switch_parser(doc: str) -> argparse.ArgumentParser:
@@ -153,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
     parser.add_argument("--no-fla", action="store_true", help="CUDA: the PyTorch delta rule even with fla-core")
     parser.add_argument("--cache-mib", type=int, default=4096, help="the cache's budget when on")
+    parser.add_argument("--restart", action="store_true",
+                        help="also time the first request after a restart (--storage disk or tiered) vs cold")
     args = parser.parse_args(argv)
+    if args.restart and args.storage == "ram":
+        parser.error("--restart: a restart keeps only what is on disk; give --storage disk or tiered")
     fla_kernels.ENABLED = not args.no_fla
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(args.make, os.path.join(tmp, "model"), args.shape, args.device) if args.make else args.model
@@ -161,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         for n, off, on in off_and_on(args, tmp, lambda *a: run(model, *a, device=args.device)):
             print(f"{switch_line(n, off, on)}; edited message off {off['edit_s']:.3f} s, on {on['edit_s']:.3f} s "
                   f"({on['edit_cached']} cached); "
-                  f"one checkpoint {on['state_bytes'] / 2**20:.2f} MiB", flush=True)
+                  f"one checkpoint {on['state_bytes'] / 2**20:.2f} MiB; load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
+            if args.restart:
+                r = restart(model, n, args.storage, args.cache_mib, os.path.join(tmp, f"restart-{n}"), args.device)
+                print(f"{restart_line(n, args.storage, r)}; load average {os.getloadavg()[0]:.1f}", flush=True)
     return 0
 
 
