@@ -14,6 +14,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, gguf_dequant, int4, load_model, plan_stages
+from engine.model.cpu_decode import CpuDecode, unsupported
 from engine.model.gguf_header import read_gguf_header
 from engine.model.loader import embedded_model_path, read_model_config
 from engine.model.quant_embedding import QuantEmbedding
@@ -41,16 +42,18 @@ def _file_table(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     return raw, gguf_dequant.dequantize(t.name, raw, t.qtype, t.shape)
 
 
-def _logits(lm, prompt: list[int], steps: int) -> list[torch.Tensor]:
-    """Logits of the prompt's positions, then of `steps` greedy one-token steps."""
+def _logits(lm, prompt: list[int], steps: int, *, lean: bool = False) -> list[torch.Tensor]:
+    """Logits of the prompt's positions, then of `steps` greedy one-token steps (with `lean`, through the CPU
+    decode step the engine uses where it takes the model)."""
     c = lm.config
     kv = KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 1, 64, lm.model.stages)
+    step = CpuDecode(lm.model).run if lean and unsupported(lm.model) is None else lm.model.forward_chunks
     with torch.inference_mode():
         out = lm.model.forward_chunks([SeqChunk(0, 0, torch.tensor(prompt))], kv, all_logits=True)
         seen = [out[0]]
         for i in range(steps):
             token = int(seen[-1][-1].argmax())
-            seen.append(lm.model.forward_chunks([SeqChunk(0, len(prompt) + i, torch.tensor([token]))], kv))
+            seen.append(step([SeqChunk(0, len(prompt) + i, torch.tensor([token]))], kv))
     return seen
 
 
@@ -70,11 +73,12 @@ def _same_as_float_table(path: str) -> None:
     assert torch.equal(lm.model.lm_head.scales_zeros, expected_head.scales_zeros)
     prompt = lm.tokenizer.encode("The capital of France is")
     got = _logits(lm, prompt, 4)
+    lean = _logits(lm, prompt, 4, lean=True)
     int4.install(lm.model, "embed", floats)  # the same model over the float32 table the loader kept before
     want = _logits(lm, prompt, 4)
     assert len(got) == len(want) == 5
-    for step, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(a, b), f"step {step}: logits differ from the float32 table's"
+    for step, (a, b, c) in enumerate(zip(got, want, lean, strict=True)):
+        assert torch.equal(a, b) and torch.equal(c, b), f"step {step}: logits differ from the float32 table's"
 
 
 @needs_int4
