@@ -15,6 +15,7 @@ from engine.model import int4, moe_loading
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
 from engine.model.tokenizer import Tokenizer
 
 
@@ -57,17 +58,19 @@ def _build(
     int4_weights: bool = False,
     groups: GroupsGetter | None = None,
     cpu_experts: frozenset[int] = frozenset(),
+    blocks: BlocksGetter | None = None,
 ) -> CausalLM:
     """The model from `get`'s tensors; with `int4_weights` its CPU projections and output matrix are built
     as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor).
     The routed experts of the layers in `cpu_experts` stay in host RAM as 4-bit groups whatever the layer's
-    device (engine/model/moe_placement.py)."""
+    device (engine/model/moe_placement.py). `blocks` gives the embedding table as the file's quantised blocks
+    (engine/model/quant_embedding.py)."""
     _stage_checks(config, stages, path)
     assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
     c = config
     folded = moe_loading.fold_scales(c, get)  # GraniteMoE's multipliers into the weights; `get` itself elsewhere
     if folded is not get:
-        get, groups = folded, None  # a file's own 4-bit groups would bypass the folding
+        get, groups, blocks = folded, None, None  # a file's own blocks would bypass the folding
     cpu = torch.device("cpu")
 
     def need(key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -87,23 +90,29 @@ def _build(
         stacked: list[Groups] = []
         for key, shape in parts:
             found = groups(key) if groups is not None else None
-            if found is None:
-                w = embed if key == "embed" and device == first_device else need(key, shape, device)
-                found = int4.quantize_groups(w)
+            if found is None and key == "embed" and device == first_device:
+                found = embed.int4_groups() if isinstance(embed, QuantEmbedding) else int4.quantize_groups(embed)
+            elif found is None:
+                found = int4.quantize_groups(need(key, shape, device))
             elif tuple(found[0].shape) != shape:
                 raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(found[0].shape)}, expected {shape}")
             stacked.append(found)
         codes, scale, minimum = (torch.cat(p) for p in zip(*stacked, strict=True))
         return Int4Weight.from_groups(codes, scale, minimum, dtype=dtype)
 
-    def placeholder(w: torch.Tensor | Int4Weight) -> torch.Tensor:
-        # A module's buffer must be a tensor: an Int4Weight goes in after construction (int4.install).
-        return torch.empty(w.shape, device="meta") if isinstance(w, Int4Weight) else w
+    def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding) -> torch.Tensor:
+        # A module's buffer must be a tensor: an Int4Weight or QuantEmbedding goes in after construction.
+        return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     hidden, inter = c.hidden_size, c.intermediate_size
-    embed = need("embed", (c.vocab_size, hidden), first_device)
+    # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point);
+    # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.
+    head_key = "embed" if c.tie_word_embeddings and not moe_loading.output_is_separate(c) else "lm_head"
+    float_output = head_key == "embed" and not int4_weights and last_device == first_device  # lm_head = embed
+    table = kept_table(blocks, first_device, dtype, (c.vocab_size, hidden), path, float_output=float_output)
+    embed = table if table is not None else need("embed", (c.vocab_size, hidden), first_device)
     layers: list[DecoderLayer] = []
     n_layers = sum(b - a for _, a, b in stages)
     for device, a, b in stages:
@@ -164,18 +173,19 @@ def _build(
             _release_freed_memory()
             startup_progress.report(len(layers), n_layers)  # GET /health shows the fraction while loading
     norm = need("norm", (hidden,), last_device)
-    # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point);
-    # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.
-    separate = moe_loading.output_is_separate(c)
-    head_key = "embed" if c.tie_word_embeddings and not separate else "lm_head"
     lm_head: torch.Tensor | Int4Weight
-    if head_key == "embed" and not int4_weights:
-        lm_head = embed if last_device == first_device else need("embed", (c.vocab_size, hidden), last_device)
+    if float_output:
+        assert isinstance(embed, torch.Tensor)  # kept_table keeps no blocks for a float output
+        lm_head = embed
+    elif head_key == "embed" and not int4_weights:
+        lm_head = need("embed", (c.vocab_size, hidden), last_device)
     else:
         lm_head = projection([(head_key, (c.vocab_size, hidden))], last_device)
     freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
-    model = CausalLM(c, stages, embed=embed, layers=layers, norm=norm, lm_head=placeholder(lm_head),
+    model = CausalLM(c, stages, embed=placeholder(embed), layers=layers, norm=norm, lm_head=placeholder(lm_head),
                      rope_freq_factors=freq_factors)
+    if isinstance(embed, QuantEmbedding):
+        int4.install(model, "embed", embed)
     if isinstance(lm_head, Int4Weight):
         int4.install(model, "lm_head", lm_head)
     _release_freed_memory()

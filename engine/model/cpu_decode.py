@@ -30,6 +30,7 @@ from engine.model.llama import (
     _logit_rows,
     rms_norm,
 )
+from engine.model.quant_embedding import embed_rows
 from engine.model.sliding import first_key
 
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else None
@@ -121,7 +122,7 @@ class CpuDecode:
         n = len(chunks)
         starts = [ch.start for ch in chunks]
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-        x = F.embedding(torch.cat([ch.tokens for ch in chunks]), m.embed)
+        x = embed_rows(torch.cat([ch.tokens for ch in chunks]), m.embed)
         # forward_chunks' RoPE rows: cos[pos], and sin with its first half negated (the rolled-sign form).
         cos_t, sin_t = m.rotary.get(max(starts) + 1, x.device, m.dtype)
         pos = torch.tensor(starts, dtype=torch.int64)

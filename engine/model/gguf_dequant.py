@@ -248,6 +248,26 @@ def dequantize(
     return out.view(shape)
 
 
+def is_blocked(qtype: int) -> bool:
+    """Whether `qtype` is a block format (decoded block by block), not a plain float type."""
+    return qtype in _BLOCK_DECODERS
+
+
+def row_blocks(name: str, raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The raw bytes of a 2-D block-format tensor as uint8 [rows, bytes per row] (each row whole blocks);
+    ModelLoadError naming the tensor as `dequantize` gives it."""
+    assert is_blocked(qtype) and len(shape) == 2, (type_name(qtype), shape)
+    return _checked_blocks(name, raw, qtype, shape).view(shape[0], -1)
+
+
+def decode_rows(rows: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of `row_blocks` (uint8 [n, bytes per row]) decoded to [n, values per row] in `dtype`: the values
+    `dequantize` gives those rows of the whole tensor, bit for bit (every decoder works block by block)."""
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    n = rows.shape[0]
+    return _BLOCK_DECODERS[qtype](rows.reshape(-1, size)).view(n, -1).to(dtype)
+
+
 def q4_groups(name: str, raw: torch.Tensor, qtype: int, shape: tuple[int, ...]):
     """A Q4_0 / Q4_1 / Q4_K tensor of `shape` [..., rows, cols] (a matrix, or a stack of them such as an expert
     tensor [experts, rows, cols]) as (codes uint8 [..., rows, cols] in 0..15, scale, minimum float32

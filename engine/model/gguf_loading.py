@@ -16,6 +16,7 @@ from engine.model.build import Groups, LoadedModel, _build
 from engine.model.config import ModelConfig
 from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
 from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
+from engine.model.quant_embedding import QuantEmbedding
 from engine.model.sliding import gguf_sliding_layers
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
@@ -221,8 +222,15 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
             found = tuple(_unpermute(x, heads) for x in found)
         return found
 
+    def blocks(key: str, want: torch.dtype) -> QuantEmbedding | None:
+        t = tensors.get(key)
+        if t is None or not gguf_dequant.is_blocked(t.qtype) or len(t.shape) != 2:
+            return None
+        return QuantEmbedding(t.name, raw(key, torch.device("cpu")), t.qtype, (t.shape[0], t.shape[1]), want)
+
     with open(path, "rb") as f:
-        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, cpu_experts=cpu_experts)
+        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, cpu_experts=cpu_experts,
+                       blocks=blocks)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:

@@ -108,6 +108,7 @@ def decode_step(
     H, D = c.n_heads, c.head_dim
     cos, sin = tables.cos[pos].unsqueeze(1), tables.sin[pos].unsqueeze(1)
     mask = (tables.arange[:length].unsqueeze(0) <= pos.unsqueeze(1)).view(n, 1, 1, length)
+    assert isinstance(model.embed, torch.Tensor)  # blocks are kept on the CPU only (quant_embedding.py)
     x = F.embedding(ids, model.embed)
     for li in range(c.n_layers):
         layer = cast(DecoderLayer, model.layers[li])

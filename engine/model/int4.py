@@ -121,7 +121,8 @@ def quantize_model(model: torch.nn.Module) -> tuple[int, int]:
     return before, after
 
 
-def install(owner: torch.nn.Module, name: str, weight: Int4Weight) -> None:
-    """Put `weight` where the module keeps its tensor buffer `name` (a module cannot register it as one)."""
+def install(owner: torch.nn.Module, name: str, weight: object) -> None:
+    """Put `weight` (an Int4Weight, a quant_embedding.QuantEmbedding) where the module keeps its tensor buffer
+    `name` (a module cannot register it as one)."""
     owner._buffers.pop(name, None)
     object.__setattr__(owner, name, weight)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
+from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
 from engine.model.sliding import first_key, window_mask
 
@@ -211,7 +212,7 @@ class CausalLM(torch.nn.Module):
 
     # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
     # int4 replaces the projection weights by Int4Weight ones (build, int4.quantize_model).
-    embed: torch.Tensor
+    embed: torch.Tensor | QuantEmbedding  # the file's blocks on the CPU (build, quant_embedding.py)
     norm: torch.Tensor
     lm_head: torch.Tensor | Int4Weight
 
@@ -301,9 +302,7 @@ class CausalLM(torch.nn.Module):
             positions = torch.tensor([ch.start for ch in ordered], dtype=torch.int64)
         else:
             positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
-        x = F.embedding(ids, self.embed)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale.to(x.device)
+        x = embed_rows(ids, self.embed, self.embed_scale)
 
         plans = _attention_plans(ordered, lengths, offsets, c.sliding_window)
         for device, first, end in self.stages:
