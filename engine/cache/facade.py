@@ -26,9 +26,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from engine.cache import restores
+from engine.cache import reconfigure, restores
 from engine.cache.attrs import NO_ATTRS, PRIORITIES, ConvAttrs
-from engine.cache.disk_reads import move_entries
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import ParkRefused
@@ -427,53 +426,8 @@ class ConversationCache:
             self.disk.settings = settings
 
     def reconfigure(self, settings: CacheSettings) -> list[str]:
-        """Apply new settings live; returns the names that changed. Nothing parked is lost unless budgets shrink.
-
-        Raises ValueError for a change that cannot be made live and CacheDirLockedError for a folder another
-        engine holds; in both cases nothing changed.
-        """
-        old = self.settings
-        changed = [f.name for f in dataclasses.fields(CacheSettings) if getattr(old, f.name) != getattr(settings, f.name)]
-        if not changed:
-            return []
-        if settings.block_tokens != old.block_tokens:
-            raise ValueError("block_tokens cannot change on a running engine; restart with the new value")
-        with self._lock:
-            self._journal.losses.begin("settings change", changed=changed)
-        wants_disk = settings.uses_disk
-        new_disk = None
-        if wants_disk and (self.disk is None or settings.dir != old.dir):
-            new_disk = self._open_disk(settings)  # may raise: nothing changed yet
-        if self.disk is not None and (new_disk is not None or not wants_disk):
-            self.disk.stop_writer(time.monotonic() + 600)
-            with self._lock:
-                if new_disk is not None:
-                    move_entries(self.disk, new_disk)
-                else:
-                    log.info(
-                        "conversation cache: %d conversations stay in %s until disk storage is used again",
-                        len(self.disk.index.convs),
-                        self.disk.files.folder,
-                    )
-                self.disk.files.close()
-                self.disk = None
-        with self._lock:
-            if new_disk is not None:
-                self.disk = new_disk
-            self._set_settings(settings)
-        if self.disk is not None:
-            self.disk.start_writer()
-        if self.ram.index.convs and not settings.uses_ram and self.disk is not None:
-            # ram -> disk: every RAM conversation is written before the change returns
-            with self._lock:
-                for cid in list(self.ram.index.convs):
-                    self.disk.queue_spill(*self.ram.take(cid), bounded=False)
-            self.disk.drain(time.monotonic() + 600)
-            with self._lock:
-                self._reap()
-        self._enforce_budgets()
-        log.info("conversation cache: reconfigured %s", ", ".join(changed))
-        return changed
+        """Apply new settings live; returns the names that changed (engine/cache/reconfigure.py)."""
+        return reconfigure.apply(self, settings)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait up to `timeout` seconds for every pending disk write (disk-mode parks, tiered spills) to land.
