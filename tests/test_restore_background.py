@@ -9,10 +9,10 @@ import shutil
 import threading
 
 import httpx
-import openai
 import pytest
 
 from tests.engine_process import engine_process
+from tests.streams_beside import client_for, stream_greedy
 
 # A large parked conversation (about 1,300 tokens), so its restore reads many block files.
 SYSTEM = ("You are a meticulous librarian. You answer in one short sentence. The catalogue lists atlases, "
@@ -23,24 +23,8 @@ B_TOKENS = 96
 FLAGS = ("--ctx-size", "2048", "--conversation-cache-storage", "disk", "--conversation-cache-min-free-mib", "0")
 
 
-def _client(engine) -> openai.OpenAI:
-    return openai.OpenAI(base_url=engine.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
 def _a_second(a1: str) -> list[dict]:
     return A_FIRST + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And the timetables?"}]
-
-
-def _b_stream(client: openai.OpenAI, chunks: list[str], started: threading.Event) -> None:
-    """Stream B greedily, collecting its text; `started` is set once it has produced a few tokens."""
-    stream = client.chat.completions.create(model="m", messages=B_PROMPT, max_tokens=B_TOKENS, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks.append(chunk.choices[0].delta.content)
-            if len(chunks) >= 3:
-                started.set()
-    started.set()  # also when B failed early: the test then fails on B's text, not by waiting
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +33,7 @@ def parked(tmp_path_factory):
     alone (the reference its stream beside A's restore must reproduce)."""
     folder = tmp_path_factory.mktemp("parked")
     with engine_process(*FLAGS, "--parallel", "1", "--conversation-cache-dir", str(folder)) as engine:
-        client = _client(engine)
+        client = client_for(engine)
         b = client.chat.completions.create(model="m", messages=B_PROMPT, max_tokens=B_TOKENS, temperature=0,
                                            extra_body={"ignore_eos": True})
         a1 = client.chat.completions.create(model="m", messages=A_FIRST, max_tokens=8, temperature=0)
@@ -65,10 +49,10 @@ def _a_beside_b(folder, a1: str) -> tuple[object, str, dict, str]:
     text, A's request record, the engine log)."""
     with engine_process(*FLAGS, "--parallel", "2", "--conversation-cache-dir", str(folder)) as engine:
         assert "conversation cache ready: 1 conversations" in engine.logs()
-        client = _client(engine)
+        client = client_for(engine)
         chunks: list[str] = []
         started = threading.Event()
-        b = threading.Thread(target=_b_stream, args=(client, chunks, started))
+        b = threading.Thread(target=stream_greedy, args=(client, B_PROMPT, B_TOKENS, chunks, started))
         b.start()
         assert started.wait(300)
         a2 = client.chat.completions.create(model="m", messages=_a_second(a1), max_tokens=4, temperature=0)

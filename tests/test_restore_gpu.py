@@ -20,6 +20,7 @@ import torch
 
 from tests.engine_process import engine_process
 from tests.model_fixtures import write_tiny_model
+from tests.streams_beside import client_for, stream_greedy
 
 SYSTEM = ("You are a meticulous librarian. The catalogue lists atlases, herbariums, ship logs, railway "
           "timetables and the letters of a lighthouse keeper. ") * 60  # a few thousand tokens
@@ -31,24 +32,9 @@ CUDA = torch.cuda.is_available()
 on_cuda = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (not run on the CPU-only machine)")]
 
 
-def _client(engine) -> openai.OpenAI:
-    return openai.OpenAI(base_url=engine.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
 def _ask(client: openai.OpenAI, messages: list[dict], max_tokens: int, **kw) -> str:
     done = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0, **kw)
     return done.choices[0].message.content or ""
-
-
-def _b_stream(client: openai.OpenAI, chunks: list[str], started: threading.Event) -> None:
-    stream = client.chat.completions.create(model="m", messages=B_PROMPT, max_tokens=B_TOKENS, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks.append(chunk.choices[0].delta.content)
-            if len(chunks) >= 3:
-                started.set()
-    started.set()  # also when B failed early: the test then fails on B's text, not by waiting
 
 
 @pytest.mark.parametrize(("device", "storage"), [
@@ -66,7 +52,7 @@ def test_a_restore_joins_while_another_slot_decodes_and_answers_stay_the_same(de
              "--conversation-cache-min-free-mib", "0")
     flags += ("--cpu-weights", "float") if device == "cpu" else ("--deterministic",) if exact else ()
     with engine_process(*flags) as engine:
-        client = _client(engine)
+        client = client_for(engine)
         b_alone = _ask(client, B_PROMPT, B_TOKENS, extra_body={"ignore_eos": True})
         a1 = _ask(client, A_FIRST, 8)
         a_second = A_FIRST + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And the maps?"}]
@@ -74,7 +60,7 @@ def test_a_restore_joins_while_another_slot_decodes_and_answers_stay_the_same(de
 
         chunks: list[str] = []
         started = threading.Event()
-        b = threading.Thread(target=_b_stream, args=(client, chunks, started))
+        b = threading.Thread(target=stream_greedy, args=(client, B_PROMPT, B_TOKENS, chunks, started))
         b.start()
         assert started.wait(300)
         _ask(client, D_PROMPT, 1)  # the only free slot is A's: A is parked
