@@ -13,7 +13,7 @@ def arm_fault_points(target: int, armed: Callable[[], bool], *, unlinks: bool = 
     Fault points lie inside every file write of the cache: halfway through each buffer written to a temp file,
     between buffers, before and after each rename that publishes a file, and before each folder fsync; with
     `unlinks`, also before and after each file removal (purge, eviction, the start-up scan)."""
-    from engine.cache import atomic
+    from engine import atomic
 
     count = [0]
     real_write_all, real_replace, real_fsync_dir, real_unlink = atomic.write_all, os.replace, atomic.fsync_dir, os.unlink

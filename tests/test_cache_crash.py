@@ -20,7 +20,7 @@ import signal
 import pytest
 import torch
 
-from engine.cache.atomic import is_temp_name
+from engine.atomic import is_temp_name
 from engine.cache.disk_tier import BLOCK_RE, CONV_RE
 from engine.cache.fileformat import FileFormatError, read_header, read_tensor
 from tests.cache_faults import arm_fault_points

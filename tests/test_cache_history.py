@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine.cache.atomic import publish, write_temp
+from engine.atomic import publish, write_temp
 from engine.cache.fileformat import encode_header, file_chunks, read_header, read_tensor
 from tests.test_cache_support import BLOCK, FakeSlots, conversation, make_cache, park_tokens
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.atomic import publish, write_temp
 from engine.cache import CacheRestoreError
-from engine.cache.atomic import publish, write_temp
 from engine.cache.attrs import ConvAttrs
 from engine.cache.fileformat import encode_header, file_chunks, read_header, read_tensor
 from engine.cache.index import Conv, TierIndex

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from engine import startup_progress
-from engine.cache.atomic import is_temp_name, publish, write_temp
+from engine.atomic import is_temp_name, publish, write_temp
 from engine.cache.attrs import DEFAULT_PRIORITY, MAX_CLIENT_CHARS, MAX_NAME_CHARS, PRIORITIES
 from engine.cache.errors import CacheDirLockedError
 from engine.cache.fileformat import FileFormatError, file_chunks, read_header, read_tensor

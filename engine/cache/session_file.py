@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from engine.cache.atomic import atomic_write
+from engine.atomic import atomic_write
 from engine.cache.errors import SessionFileError
 from engine.cache.fileformat import (
     FileFormatError,

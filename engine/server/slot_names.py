@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from engine.cache.atomic import temp_path
+from engine.atomic import temp_path
 from engine.cache.session_file import MAX_NAME_BYTES
 from engine.errors import ApiError
 
