@@ -30,6 +30,11 @@ class SettingError(ValueError):
     """A setting was given a value it cannot take; the message names the setting, the expectation and the value."""
 
 
+def weights_cache_dir() -> str:
+    """Where converted CPU weights are kept between starts (--weights-cache, engine/model/weights_cache.py)."""
+    return os.path.join(platformdirs.user_cache_dir(APP_NAME, appauthor=False), "weights")
+
+
 def default_cache_dir() -> str:
     """Where parked conversations live on disk unless told otherwise (one subfolder per model identity)."""
     return os.path.join(platformdirs.user_cache_dir(APP_NAME, appauthor=False), "conversations")
@@ -213,6 +218,12 @@ class EngineConfig:
         help="int4: projection weights as 4-bit groups with bfloat16 activations on CPU (several times less memory "
         "read per token: ~3x faster decode; logits differ slightly from float32); float: float32 weights, logits "
         "as transformers computes them; auto: int4 when the model runs on the CPU in float32, else float",
+    )
+    weights_cache: str = setting(
+        "on", flag="--weights-cache", label="Keep converted weights",
+        kind="choice", group="model", choices=("on", "off"),
+        help="on: keep the 4-bit CPU weights converted from a GGUF file in the user cache folder (weights/, the 3 "
+        "newest), so the next start reads them instead of converting the file again; off: convert at every start",
     )
     gpu_weights: str = setting(
         "auto", flag="--gpu-weights", label="Weights on the GPU",

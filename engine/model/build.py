@@ -17,6 +17,7 @@ from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
 from engine.model.tokenizer import Tokenizer
+from engine.model.weights_cache import DerivedWeights
 
 
 @dataclass
@@ -59,12 +60,14 @@ def _build(
     groups: GroupsGetter | None = None,
     cpu_experts: frozenset[int] = frozenset(),
     blocks: BlocksGetter | None = None,
+    derived: DerivedWeights | None = None,
 ) -> CausalLM:
     """The model from `get`'s tensors; with `int4_weights` its CPU projections and output matrix are built
     as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor).
     The routed experts of the layers in `cpu_experts` stay in host RAM as 4-bit groups whatever the layer's
     device (engine/model/moe_placement.py). `blocks` gives the embedding table as the file's quantised blocks
-    (engine/model/quant_embedding.py)."""
+    (engine/model/quant_embedding.py). `derived` holds 4-bit weights from an earlier load of the same file, and
+    collects the ones built here (engine/model/weights_cache.py)."""
     _stage_checks(config, stages, path)
     assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
     c = config
@@ -81,12 +84,15 @@ def _build(
             raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
         return t.contiguous()
 
-    def projection(parts: list[tuple[str, tuple[int, int]]], device: torch.device) -> torch.Tensor | Int4Weight:
+    def projection(name: str, parts: list[tuple[str, tuple[int, int]]], device: torch.device) -> torch.Tensor | Int4Weight:
         """The weights `parts` stacked by rows: float, or with int4 weights on the CPU as 4-bit groups."""
         rows, cols = sum(shape[0] for _, shape in parts), parts[0][1][1]
         if not (int4_weights and device.type == "cpu" and int4.can_pack(rows, cols)):
             ws = [need(key, shape, device) for key, shape in parts]
             return ws[0] if len(ws) == 1 else torch.cat(ws)
+        cached = derived.get(name, (rows, cols)) if derived is not None else None
+        if cached is not None:
+            return cached
         stacked: list[Groups] = []
         for key, shape in parts:
             found = groups(key) if groups is not None else None
@@ -98,7 +104,10 @@ def _build(
                 raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(found[0].shape)}, expected {shape}")
             stacked.append(found)
         codes, scale, minimum = (torch.cat(p) for p in zip(*stacked, strict=True))
-        return Int4Weight.from_groups(codes, scale, minimum, dtype=dtype)
+        built = Int4Weight.from_groups(codes, scale, minimum, dtype=dtype)
+        if derived is not None:
+            derived.put(name, built)
+        return built
 
     def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding) -> torch.Tensor:
         # A module's buffer must be a tensor: an Int4Weight or QuantEmbedding goes in after construction.
@@ -120,7 +129,7 @@ def _build(
         for i in range(a, b):
             p = f"{i}."
             # The order of the reads is the order of the weights in the fingerprint: keep it.
-            w = {"wqkv": projection([(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
+            w = {"wqkv": projection(p + "wqkv", [(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
                                      (p + "v", (kv_rows, hidden))], device)}
             bqkv = None
             if c.attention_bias:
@@ -142,17 +151,17 @@ def _build(
                     dtype=dtype,
                 )
             else:
-                w["w_gate_up"] = projection([(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
+                w["w_gate_up"] = projection(p + "w_gate_up", [(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
             q_norm = k_norm = None
             if c.qk_norm:
                 q_shape, k_shape = moe_loading.q_norm_shapes(c)
                 q_norm = need(p + "q_norm", q_shape, device)
                 k_norm = need(p + "k_norm", k_shape, device)
             attn_norm = need(p + "attn_norm", (hidden,), device)
-            w["wo"] = projection([(p + "o", (hidden, q_rows))], device)
+            w["wo"] = projection(p + "wo", [(p + "o", (hidden, q_rows))], device)
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
             if moe is None:
-                w["w_down"] = projection([(p + "down", (hidden, inter))], device)
+                w["w_down"] = projection(p + "w_down", [(p + "down", (hidden, inter))], device)
             post = {}
             if c.gemma:  # the norms on the attention and MLP outputs
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
@@ -180,7 +189,7 @@ def _build(
     elif head_key == "embed" and not int4_weights:
         lm_head = need("embed", (c.vocab_size, hidden), last_device)
     else:
-        lm_head = projection([(head_key, (c.vocab_size, hidden))], last_device)
+        lm_head = projection("lm_head", [(head_key, (c.vocab_size, hidden))], last_device)
     freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
     model = CausalLM(c, stages, embed=placeholder(embed), layers=layers, norm=norm, lm_head=placeholder(lm_head),
                      rope_freq_factors=freq_factors)

@@ -19,6 +19,7 @@ from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_heade
 from engine.model.quant_embedding import QuantEmbedding
 from engine.model.sliding import gguf_sliding_layers
 from engine.model.tokenizer import Tokenizer, TokenizerError
+from engine.model.weights_cache import DerivedWeights
 
 _GGUF_LAYER_NAMES = {
     "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
@@ -158,7 +159,7 @@ def _check_gguf_tensors(path: str, directory: list[GGUFTensor], used: dict[str, 
 
 
 def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
-               cpu_experts: frozenset[int] = frozenset()) -> LoadedModel:
+               cpu_experts: frozenset[int] = frozenset(), weights_cache_dir: str | None = None) -> LoadedModel:
     header = read_gguf_header(path)  # the lean reader: metadata values and the directory, no numpy views
     meta = header.metadata
     from engine.model.hybrid.gguf_loader import is_hybrid_gguf, load_hybrid_gguf
@@ -228,14 +229,25 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
             return None
         return QuantEmbedding(t.name, raw(key, torch.device("cpu")), t.qtype, (t.shape[0], t.shape[1]), want)
 
+    derived = None
+    # Dense models on the CPU with 4-bit weights: the packed weights of an earlier start, or kept for the next.
+    if weights_cache_dir and int4_weights and config.moe is None and all(torch.device(d).type == "cpu" for d, _, _ in stages):
+        options = {"dtype": str(dtype), "stages": [[str(d), a, b] for d, a, b in stages]}
+        derived = DerivedWeights(weights_cache_dir, path, header_size, options)
     with open(path, "rb") as f:
         model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, cpu_experts=cpu_experts,
-                       blocks=blocks)
-    h = xxhash.xxh3_128()
-    h.update(struct.pack("<Q", file_size))
-    with open(path, "rb") as f:
-        h.update(f.read(header_size))  # header, metadata and tensor directory
-    h.update(content.digest())
+                       blocks=blocks, derived=derived)
+    if derived is not None and derived.fingerprint is not None:
+        fingerprint = derived.fingerprint  # the weights it replaced were not read: the first load's fingerprint
+    else:
+        h = xxhash.xxh3_128()
+        h.update(struct.pack("<Q", file_size))
+        with open(path, "rb") as f:
+            h.update(f.read(header_size))  # header, metadata and tensor directory
+        h.update(content.digest())
+        fingerprint = h.hexdigest()
+        if derived is not None:
+            derived.save(fingerprint)
     name = os.path.splitext(os.path.basename(path))[0]
-    return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)
+    return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), fingerprint, dtype)
 

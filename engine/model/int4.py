@@ -73,6 +73,23 @@ class Int4Weight:
         self._pack(codes, scale.float(), minimum.float(), dtype)
         return self
 
+    @classmethod
+    def from_packed(
+        cls, packed: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype = torch.float32
+    ) -> Int4Weight:
+        """From what `packed` and `scales_zeros` held after an earlier packing (engine/model/weights_cache.py)."""
+        n, k = shape
+        assert can_pack(n, k), shape
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (n, k // 2):
+            raise ValueError(f"packed 4-bit weight: expected uint8 {(n, k // 2)}, got {packed.dtype} {tuple(packed.shape)}")
+        if scales_zeros.dtype != torch.bfloat16 or tuple(scales_zeros.shape) != (k // GROUP, n, 2):
+            raise ValueError(f"4-bit scales: expected bfloat16 {(k // GROUP, n, 2)}, got {scales_zeros.dtype} "
+                             f"{tuple(scales_zeros.shape)}")
+        self = cls.__new__(cls)
+        self.packed, self.scales_zeros = packed, scales_zeros
+        self.shape, self.dtype, self.device = (n, k), dtype, packed.device
+        return self
+
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> None:
         # The kernel reconstructs (q - 8) * scale + zero.
         zero = low + 8 * scale

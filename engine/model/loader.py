@@ -75,13 +75,15 @@ def resolve_kv_dtype(name: str, compute: torch.dtype) -> torch.dtype:
 
 def load_model(
     path: str, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, *, int4_weights: bool = False,
-    cpu_experts: frozenset[int] = frozenset(),
+    cpu_experts: frozenset[int] = frozenset(), weights_cache_dir: str | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or HF folder ("" = the embedded model) onto `stages` in `dtype`.
 
     `int4_weights` (`--cpu-weights int4`, float32 on the CPU): the projections and the output matrix are
     built as 4-bit groups as they are read, a Q4_0 / Q4_1 / Q4_K tensor's from its own codes and scales.
     `cpu_experts`: layers whose routed experts stay in host RAM as 4-bit groups (moe_placement.cpu_expert_layers).
+    `weights_cache_dir`: where a GGUF model's 4-bit CPU weights are kept between starts (engine/model/weights_cache.py);
+    None = derive them at every load.
     """
     path = path or embedded_model_path()
     if not os.path.exists(path):
@@ -92,7 +94,7 @@ def load_model(
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == b"GGUF":
-            return _load_gguf(path, stages, dtype, int4_weights, cpu_experts)
+            return _load_gguf(path, stages, dtype, int4_weights, cpu_experts, weights_cache_dir)
         if path.endswith(".safetensors"):
             raise ModelLoadError(f"{path}: pass the folder that holds config.json and the .safetensors files")
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) and not an HF model folder")

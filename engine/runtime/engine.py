@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psutil
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, weights_cache_dir
 from engine.errors import BadValue, Unavailable
 from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
@@ -135,7 +135,8 @@ class Engine(Scheduler):
         # The model builder reports each layer built, the disk tier each file indexed (startup_progress.report).
         with progress.reporting():
             loaded = load_model(config.model, stages, dtype, int4_weights=weights_format == "int4",
-                                cpu_experts=cpu_experts)
+                                cpu_experts=cpu_experts,
+                                weights_cache_dir=weights_cache_dir() if config.weights_cache == "on" else None)
             if gpu_format == "int4":
                 _quantize_gpu_weights(loaded)
                 weights_format = "int4"

@@ -1,0 +1,175 @@
+"""Derived CPU weights kept on disk (`--weights-cache`): a GGUF model's 4-bit packed projections and output
+matrix, so the next start reads them from one file instead of splitting nibbles, re-quantising and packing again
+(most of a CPU load: the bundled model's 4 s of weights become ~0.1 s).
+
+A cache file belongs to one GGUF file as it is on disk (absolute path, size, modification time, inode and a hash
+of its header bytes: a cheaper identity than re-reading the weights, and any rewrite of the file changes it) and to
+the code that derived it (FORMAT below, torch's version and CPU capability, whose packing kernel made the bytes,
+and the group size). It carries the model's fingerprint from the first load, so a hit reads none of the weights it
+replaces. Every tensor is checked against the xxh3 written beside it before any is used; a file that does not
+match is removed and the model loads from the GGUF as if there were none. Files are published atomically
+(engine/atomic.py) and only the newest KEEP are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+
+import torch
+import xxhash
+
+from engine import atomic
+from engine.model import int4
+from engine.model.int4 import Int4Weight
+
+log = logging.getLogger("strata.model")
+
+FORMAT = 1  # bump when what is derived, or how, changes: older files then simply stop matching
+KEEP = 3  # cache files kept (the newest used); each is about the size of the model's 4-bit weights
+_NAME_RE = re.compile(r"^.+-[0-9a-f]{16}\.int4\.safetensors$")
+
+
+class DerivedWeights:
+    """The 4-bit weights of one load: found in the cache folder (a hit), or collected as built and then saved."""
+
+    def __init__(self, folder: str, source: str, header_size: int, options: dict) -> None:
+        """`source` is the GGUF file, `header_size` its header's length in bytes (metadata and tensor directory),
+        `options` what else shapes the derived bytes (dtype, devices)."""
+        self.folder = folder
+        self.key = _key(source, header_size, options)
+        digest = xxhash.xxh3_64(json.dumps(self.key, sort_keys=True).encode()).hexdigest()
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.splitext(os.path.basename(source))[0])[:64]
+        self.path = os.path.join(folder, f"{stem}-{digest}.int4.safetensors")
+        self.fingerprint: str | None = None  # the model's weights fingerprint, from the file on a hit
+        self._found: dict[str, Int4Weight] = {}
+        self._built: dict[str, Int4Weight] = {}
+        self._read()
+
+    @property
+    def hit(self) -> bool:
+        return self.fingerprint is not None
+
+    def get(self, name: str, shape: tuple[int, int]) -> Int4Weight | None:
+        """The cached weight `name` ("3.wqkv", "lm_head"), or None on a miss."""
+        w = self._found.get(name)
+        if w is None:
+            return None
+        if w.shape != shape:  # the key covers the file, so only a bug gets here: refuse rather than run wrong
+            raise ValueError(f"{self.path}: weight {name} has shape {w.shape}, expected {shape}")
+        return w
+
+    def put(self, name: str, w: Int4Weight) -> None:
+        """A weight built by this load, saved by `save`."""
+        self._built[name] = w
+
+    def save(self, fingerprint: str) -> None:
+        """Publish the weights built by this load (nothing on a hit or when none were built); a write error is
+        logged and leaves no file under the real name."""
+        if self.hit or not self._built:
+            return
+        from safetensors.torch import save
+
+        tensors: dict[str, torch.Tensor] = {}
+        shapes = {}
+        for name, w in self._built.items():
+            tensors[name + ".packed"], tensors[name + ".scales_zeros"] = w.packed, w.scales_zeros
+            shapes[name] = list(w.shape)
+        digests = {name: _digest(t) for name, t in tensors.items()}
+        meta = {"strata_weights_cache": str(FORMAT), "key": json.dumps(self.key, sort_keys=True),
+                "fingerprint": fingerprint, "shapes": json.dumps(shapes), "digests": json.dumps(digests)}
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            n = atomic.atomic_write(self.path, [save(tensors, metadata=meta)])
+        except OSError as e:
+            log.warning("weights cache: could not write %s (%s); the next start converts the weights again",
+                        self.path, e.strerror or e)
+            return
+        log.info("weights cache: wrote %s (%.0f MiB)", self.path, n / 2**20)
+        _prune(self.folder, keep=self.path)
+
+    def _read(self) -> None:
+        if not os.path.isfile(self.path):
+            return
+        try:
+            found, fingerprint = _load(self.path, self.key)
+        except (OSError, ValueError) as e:
+            log.warning("weights cache: %s refused (%s); converting the weights from the model file", self.path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            return
+        self._found, self.fingerprint = found, fingerprint
+        with contextlib.suppress(OSError):
+            os.utime(self.path)  # newest used: the last one pruning removes
+        log.info("weights cache: %d weights from %s", len(found), self.path)
+
+
+def _key(source: str, header_size: int, options: dict) -> dict:
+    st = os.stat(source)
+    with open(source, "rb") as f:
+        header = xxhash.xxh3_128(f.read(header_size)).hexdigest()
+    return {
+        "format": FORMAT, "source": os.path.abspath(source), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        "inode": st.st_ino, "header": header, "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(), "group": int4.GROUP, **options,
+    }
+
+
+def _digest(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
+
+
+def _load(path: str, key: dict) -> tuple[dict[str, Int4Weight], str]:
+    """The weights of a cache file and its fingerprint; ValueError when it is not whole or not this key's."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            meta = handle.metadata() or {}
+            if meta.get("strata_weights_cache") != str(FORMAT) or meta.get("key") != json.dumps(key, sort_keys=True):
+                raise ValueError("written for another model file or engine version")
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, RuntimeError) as e:
+        raise ValueError(f"not a readable safetensors file: {e}") from None
+    try:
+        shapes, digests = json.loads(meta["shapes"]), json.loads(meta["digests"])
+        fingerprint = meta["fingerprint"]
+    except (KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"header incomplete ({e})") from None
+    if set(digests) != set(tensors):
+        raise ValueError("tensor list does not match the header")
+    for name, t in tensors.items():
+        if _digest(t) != digests[name]:
+            raise ValueError(f"checksum mismatch in {name}")
+    found = {}
+    for name, shape in shapes.items():
+        packed, scales_zeros = tensors.get(name + ".packed"), tensors.get(name + ".scales_zeros")
+        if packed is None or scales_zeros is None:
+            raise ValueError(f"weight {name} is incomplete")
+        found[name] = Int4Weight.from_packed(packed, scales_zeros, (int(shape[0]), int(shape[1])))
+    return found, fingerprint
+
+
+def _prune(folder: str, keep: str) -> None:
+    """Remove all but the KEEP newest cache files from `folder`, and temp files a crash left a day ago or more."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    files, day_ago = [], time.time() - 86400
+    for name in names:
+        path = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            if _NAME_RE.match(name):
+                files.append((os.stat(path).st_mtime_ns, path))
+            elif atomic.is_temp_name(name) and os.stat(path).st_mtime < day_ago:  # not one being written now
+                os.unlink(path)
+    files.sort(reverse=True)
+    for _, path in files[KEEP:]:
+        if path != keep:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
