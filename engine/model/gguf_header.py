@@ -15,6 +15,7 @@ them: Python numbers, bools, str, and lists for arrays. A file that does not par
 
 from __future__ import annotations
 
+import codecs
 import functools
 import mmap
 import os
@@ -30,6 +31,7 @@ MAGIC = b"GGUF"
 _SCALARS: dict[int, str] = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 10: "<u8", 11: "<i8", 12: "<f8"}
+_U64 = struct.Struct("<Q")
 _MAX_COUNT = 1 << 32  # items in one array, tensors, metadata items: beyond this a count is garbage
 _MAX_DIMS = 8
 
@@ -79,6 +81,22 @@ class _Cursor:
         self.pos += n
         return bytes(raw).decode("utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """`n` strings in a row (a vocabulary, its merges: ~100K for a small model), in one tight loop."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        length_at, append, decode = _U64.unpack_from, out.append, codecs.utf_8_decode
+        for _ in range(n):
+            if pos + 8 > size:
+                raise ValueError(f"the header ends at byte {size}, inside a value at byte {pos}")
+            (length,) = length_at(buf, pos)
+            pos += 8
+            if length > _MAX_COUNT or pos + length > size:
+                raise ValueError(f"string length count {length} at byte {pos - 8} is not plausible")
+            append(decode(buf[pos : pos + length], "replace", True)[0])
+            pos += length
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype])
@@ -93,6 +111,8 @@ class _Cursor:
                 self.pos += n * dtype.itemsize
                 return items
             n = self.count("array")
+            if itype == _STRING:
+                return self.strings(n)
             return [self.value(itype) for _ in range(n)]
         raise ValueError(f"unknown metadata value type {vtype} at byte {self.pos - 4}")
 
