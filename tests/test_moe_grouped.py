@@ -2,7 +2,8 @@
 per-expert loop, and decode steps of a mixture-of-experts model captured in CUDA graphs.
 
 PyTorch runs `_grouped_mm` on the CPU too (through a loop of its own), so the sorting by expert, the offsets,
-the way back to token order and each token's sum are checked here on the CPU against the loop. The engine
+the way back to token order and each token's sum are checked here on the CPU against the loop, and so is the
+grouped path forced through a whole model and through the function a decode graph captures. The engine
 takes the grouped path only on a GPU with the CUDA kernel (`grouped_mm_usable`); there (`-m gpu`) the model's
 grouped forward pass is checked against the loop, without a host synchronisation, and its decode steps replayed
 from CUDA graphs against the same step run eagerly, bit for bit.
@@ -15,15 +16,16 @@ import torch
 
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, load_model, plan_stages
+from engine.model import moe as moe_module
 from engine.model.graph_decode import GraphDecode, configure, unsupported
 from engine.model.loader import read_model_config
-from engine.model.moe import _mlp, grouped_experts, grouped_mm_experts, grouped_mm_usable, route
+from engine.model.moe import SparseMoe, _mlp, grouped_experts, grouped_mm_experts, grouped_mm_usable, route
 from engine.model.moe_config import MoeConfig
 from tests.moe_fixtures import write_tiny_moe_model
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 CUDA = torch.cuda.is_available()
-GROUPED_GPU = CUDA and HAS_GROUPED_MM and torch.cuda.get_device_capability(0)[0] in (9, 10)
+GROUPED_GPU = CUDA and HAS_GROUPED_MM and torch.cuda.get_device_capability(0) in ((9, 0), (10, 0))
 
 
 def _experts(n_experts: int, hidden: int, inter: int, dtype: torch.dtype, gen: torch.Generator):
@@ -77,6 +79,45 @@ def test_a_tokens_terms_are_summed_in_expert_order_whatever_order_top_k_lists_th
 def test_the_engine_keeps_the_loop_on_the_cpu():
     gen = torch.Generator().manual_seed(0)
     assert not grouped_mm_usable(*_experts(4, 64, 32, torch.bfloat16, gen))
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_the_grouped_path_through_the_model_and_the_captured_step_function(tmp_path, arch, monkeypatch):
+    """The grouped path forced on the CPU, as a GPU model takes it by default: the model's logits within float32
+    rounding of the per-expert loop's, and the function a CUDA graph captures (`decode_step`, run here without
+    capture) gives forward_chunks' logits and K/V for a MoE model, with pad rows."""
+    path = write_tiny_moe_model(tmp_path, arch)
+    lm = load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, lm.config.vocab_size, (40,), generator=gen)
+    loop = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm, 1, 64), all_logits=True)[0]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return grouped_mm_experts(*args)
+
+    monkeypatch.setattr(moe_module, "grouped_mm_experts", counted)
+    monkeypatch.setattr(SparseMoe, "grouped_ready", property(lambda self: True))
+    lm.model.batch_invariant = False
+    grouped = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm, 1, 64), all_logits=True)[0]
+    assert calls and calls[0] == len(ids)
+    torch.testing.assert_close(grouped, loop, rtol=1e-4, atol=1e-4)
+    kv_ref, kv_new = _kv(lm, 3, 300), _kv(lm, 3, 300)
+    prompts = {0: 20, 1: 5, 2: 7}  # three rows: padded to the bucket of 4
+    for slot, n in prompts.items():
+        for kv in (kv_ref, kv_new):
+            lm.model.forward_chunks([SeqChunk(slot, 0, ids[:n])], kv)
+    runner = GraphDecode(lm.model, 4, capture=False)
+    for step in range(3):
+        chunks = [SeqChunk(slot, n + step, torch.tensor([7 + slot + step])) for slot, n in prompts.items()]
+        expected = lm.model.forward_chunks(chunks, kv_ref)
+        got = runner.run(chunks, kv_new)
+        assert got is not None
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for slot, n in prompts.items():
+        torch.testing.assert_close(kv_new.read(slot, 0, n + 3), kv_ref.read(slot, 0, n + 3), rtol=1e-5, atol=1e-5)
 
 
 def _kv(lm, n_slots: int, ctx: int) -> KVBuffers:

@@ -219,14 +219,16 @@ def grouped_experts(
 def grouped_mm_usable(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether expert stacks gate_up [E, 2I, H] and down [E, H, I] run through `torch._grouped_mm`'s own CUDA
     kernel: bfloat16 on an sm90 or sm100 device (elsewhere PyTorch falls back to a loop that reads the offsets
-    back to the host, no better than ours), with rows of whole 16-byte vectors (the kernel's alignment)."""
+    back to the host, no better than ours), with 16-byte aligned data and rows of whole 16-byte vectors (the
+    kernel's checks)."""
     if not hasattr(torch, "_grouped_mm") or gate_up.device.type != "cuda":
         return False
     if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16 or down.device != gate_up.device:
         return False
-    if torch.cuda.get_device_capability(gate_up.device)[0] not in (9, 10):
+    if torch.cuda.get_device_capability(gate_up.device) not in _GROUPED_MM_CAPABILITIES:
         return False
-    return all(n % 8 == 0 for n in (*gate_up.shape[1:], *down.shape[1:]))
+    aligned = all(w.data_ptr() % 16 == 0 for w in (gate_up, down))
+    return aligned and all(n % 8 == 0 for n in (*gate_up.shape[1:], *down.shape[1:]))
 
 
 def grouped_mm_experts(
@@ -265,6 +267,8 @@ def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x.expand(-1, _SIMD_FLOATS).contiguous())[:, :1]
 
 
+# The devices PyTorch runs `_grouped_mm` on with its CUTLASS kernel (its fast path: sm90 and sm100, bfloat16).
+_GROUPED_MM_CAPABILITIES = ((9, 0), (10, 0))
 _ROW_BLOCK = 4  # the row blocking of MKL's float GEMM (the multi-row part of an expert's rows is padded to it)
 _SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats with AVX-512)
 
