@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--engine-args", default="", help="extra `strata serve` flags for the cache-on engine")
+    parser.add_argument("--serve-args", default="",
+                        help="`strata serve` flags for both engines (e.g. \"--devices cuda:0 --moe-experts cpu\")")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.tokens.split(",")]
     ctx = max(sizes) * 2 + 1024
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     base = ["--ctx-size", str(ctx), "--conversation-cache-min-free-mib", "0", "--log-level", "warning"]
     if args.model:
         base += ["--model", args.model]
+    base += args.serve_args.split()
     results: dict = {"storage": args.storage, "memcpy_gbps": memcpy_gbps()}
     print(f"memory copy: {results['memcpy_gbps']:.1f} GB/s")
     if args.storage != "ram":

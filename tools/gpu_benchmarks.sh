@@ -2,9 +2,12 @@
 # The CUDA runs recorded in docs/BENCHMARKS.md, batched for one lease of a one-GPU machine:
 #   tools/gpu_benchmarks.sh parity   # two-stage split on one GPU: A/B/A parity in every storage mode, resplit
 #   tools/gpu_benchmarks.sh bench    # random Llama-3-8B-shaped bf16: throughput vs transformers, split follow-ups
-#   tools/gpu_benchmarks.sh moe      # MoE experts in host RAM beside a GPU model: the placement test, A/B/A
-#                                    # parity with experts on the CPU (ram, disk, tiered, restart) and on the GPU,
-#                                    # then a Qwen3-30B-A3B-shaped model (12 of its 48 layers), experts GPU vs CPU
+#   tools/gpu_benchmarks.sh moe      # MoE experts in host RAM beside a GPU model: the placement test, the grouped
+#                                    # experts' GPU tests, A/B/A parity with experts on the CPU (ram, disk, tiered,
+#                                    # restart) and on the GPU, then a Qwen3-30B-A3B-shaped model (12 of its 48
+#                                    # layers): grouped experts + graphs, the --deterministic loop, experts on the CPU
+#   tools/gpu_benchmarks.sh moeswitch # that shape cut to 4 layers, experts in host RAM: two 16K-token conversations
+#                                    # taking turns, cache off vs on
 #   tools/gpu_benchmarks.sh int4     # the same model with --gpu-weights int4: the CUDA tests, then decode at batch 1
 #                                    # and 8 against bf16 in the same run, prefill, logits vs bf16
 #   tools/gpu_benchmarks.sh serve    # the same model behind `strata serve --parallel 8`: 8 openai-SDK streams
@@ -54,6 +57,8 @@ split)
 moe)
   python3 -m pytest -p no:cacheprovider -q -rs tests/test_moe_placement.py -k gpu_model 2>&1 | tail -3 \
     | tee "$OUT/moe_placement.txt"
+  python3 -m pytest -p no:cacheprovider -q -rs tests/test_moe_grouped.py tests/test_graph_decode.py 2>&1 | tail -8 \
+    | tee "$OUT/moe_grouped.txt"
   small=$(python3 -c "import torch; from tools.moe_bench import write_model; print(write_model('/tmp/moe', 'small', None, torch.bfloat16, 'cuda'))")
   for storage in ram disk tiered; do  # experts in host RAM (4-bit, on the CPU) beside the GPU's attention
     python3 tools/conversation_cache_parity.py --model "$small" --devices cuda:0 --dtype bfloat16 --moe-experts cpu \
@@ -65,6 +70,11 @@ moe)
     | tee -a "$OUT/moe_parity.txt"
   python3 tools/moe_bench.py --shape qwen3-30b-a3b --layers 12 --device cuda:0 --prompt-tokens 2048 \
     --prefill-chunk 2048 --decode-tokens 64 2>&1 | grep --line-buffered -v " INFO " | tee "$OUT/moe.txt"
+  ;;
+moeswitch)
+  m4=$(python3 -c "import torch; from tools.moe_bench import write_model; print(write_model('/tmp/moe', 'qwen3-30b-a3b', 4, torch.bfloat16, 'cuda'))")
+  python3 tools/hybrid_switch_bench.py --model "$m4" --device cuda:0 --moe-experts cpu --tokens 16384 \
+    --cache-mib 16384 2>&1 | grep --line-buffered -v " INFO " | tee "$OUT/moe_switch.txt"
   ;;
 int4)
   [ -d /tmp/l8b ] || python3 tools/make_random_model.py /tmp/l8b --shape llama3-8b --dtype bfloat16 --device cuda

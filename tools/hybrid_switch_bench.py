@@ -12,6 +12,7 @@ engine with the cache off answering the same prompt. Runs its engines one after 
     python tools/hybrid_switch_bench.py --model DIR [--tokens 2048,4096]
     python tools/hybrid_switch_bench.py --make lfm2 --storage disk --restart   # also the first turn after a restart
     python tools/hybrid_switch_bench.py --make qwen3_5 --shape qwen3.5-9b --device cuda:0 --tokens 16384
+    python tools/hybrid_switch_bench.py --model DIR --device cuda:0 --moe-experts cpu   # a MoE model, experts in RAM
 
 `--shape qwen3.5-9b` (Qwen3.5 only) writes that model's shape (hidden 4096, 32 layers, 24 DeltaNet, vocab 248320)
 in bfloat16, its random numbers drawn on --device.
@@ -130,15 +131,18 @@ def prompts(n: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
 
 
-def open_engine(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str) -> Engine:
+def open_engine(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str,
+                moe_experts: str = "gpu") -> Engine:
     """An engine for two conversations of n tokens; cache_mib 0: the cache off."""
     return Engine.from_config(EngineConfig(
         model=model, devices=device, ctx_size=2 * n + 256, cpu_weights="float", conversation_cache_mib=cache_mib,
-        conversation_cache_storage=storage, conversation_cache_dir=folder, conversation_cache_min_free_mib=0))
+        conversation_cache_storage=storage, conversation_cache_dir=folder, conversation_cache_min_free_mib=0,
+        moe_experts=moe_experts))
 
 
-def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu") -> dict:
-    engine = open_engine(model, n, storage, cache_mib, folder, device)
+def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu",
+        moe_experts: str = "gpu") -> dict:
+    engine = open_engine(model, n, storage, cache_mib, folder, device, moe_experts)
     try:
         a, b = prompts(n)
         _, _, out = ask(engine, a)
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-mib", type=int, default=4096, help="the cache's budget when on")
     parser.add_argument("--restart", action="store_true",
                         help="also time the first request after a restart (--storage disk or tiered) vs cold")
+    parser.add_argument("--moe-experts", choices=("gpu", "cpu"), default="gpu",
+                        help="a mixture-of-experts model: where its routed experts live (strata serve's flag)")
     args = parser.parse_args(argv)
     if args.restart and args.storage == "ram":
         parser.error("--restart: a restart keeps only what is on disk; give --storage disk or tiered")
@@ -226,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(args.make, os.path.join(tmp, "model"), args.shape, args.device) if args.make else args.model
         print(f"device {args.device}, fla-core {fla_kernels.usable(torch.device(args.device))}")
-        for n, off, on in off_and_on(args, tmp, lambda *a: run(model, *a, device=args.device)):
+        for n, off, on in off_and_on(args, tmp, lambda *a: run(model, *a, device=args.device,
+                                                                    moe_experts=args.moe_experts)):
             print(f"{switch_line(n, off, on)}; edited message off {off['edit_s']:.3f} s, on {on['edit_s']:.3f} s "
                   f"({on['edit_cached']} cached); "
                   f"one checkpoint {on['state_bytes'] / 2**20:.2f} MiB; load average {os.getloadavg()[0]:.1f}",

@@ -1,9 +1,13 @@
 """Prefill and decode throughput of a random-weight Qwen3-MoE model, engine variants against transformers in one
 run. On the CPU: float experts, every layer's experts placed on the CPU as 4-bit groups with the rest float
 (`--moe-experts cpu`), and all weights in int4 (`--cpu-weights int4`, the CPU default). On a GPU: experts on
-the GPU, the first half of the layers' experts on the CPU (`--moe-cpu-layers`), and all of them there.
+the GPU (grouped GEMMs, decode in CUDA graphs, as `strata serve` runs by default), the same with
+`--deterministic` (the per-expert loop, eager), the first half of the layers' experts on the CPU
+(`--moe-cpu-layers`), and all of them there. Each variant's decode mode is set as the server sets it
+(`graph_decode.configure`, one slot) and printed.
 
     python tools/moe_bench.py [--shape small|qwen3-30b-a3b] [--layers N] [--device cpu|cuda:0] [--rounds 3]
+                              [--variants "experts gpu,experts gpu deterministic"]
 
 The model is written once into --out (kept, so a second run skips it), with a byte-level tokenizer
 (tools/make_random_model.py's); `small` is hidden 512, 8 layers of 32 experts of 256, top 4; `qwen3-30b-a3b`
@@ -32,6 +36,7 @@ sleeping_cpu_workers()  # as `strata serve` runs (before torch loads): the machi
 import torch  # noqa: E402
 
 from engine.model import int4, load_model, moe_placement, plan_stages, resolve_dtype  # noqa: E402
+from engine.model.graph_decode import configure  # noqa: E402
 from engine.model.loader import read_model_config  # noqa: E402
 from tools.bench_throughput import (  # noqa: E402
     compare,
@@ -77,13 +82,14 @@ def write_model(out: str, shape: str, layers: int | None, dtype: torch.dtype, de
 
 
 def variants(config, device: torch.device) -> dict[str, dict]:
-    """Engine variants to measure on `device`: name -> load_model keyword arguments."""
+    """Engine variants to measure on `device`: name -> load_model keyword arguments (and `deterministic`, the
+    server's --deterministic)."""
     every = moe_placement.cpu_expert_layers(config, "cpu", 0)
     if device.type == "cpu":
         return {"float": {}, "experts cpu": {"cpu_experts": every}, "int4": {"int4_weights": True}}
     half = moe_placement.cpu_expert_layers(config, "gpu", config.n_layers // 2)
-    return {"experts gpu": {}, f"cpu layers {config.n_layers // 2}": {"cpu_experts": half},
-            "experts cpu": {"cpu_experts": every}}
+    return {"experts gpu": {}, "experts gpu deterministic": {"deterministic": True},
+            f"cpu layers {config.n_layers // 2}": {"cpu_experts": half}, "experts cpu": {"cpu_experts": every}}
 
 
 def cpu_flags() -> str:
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     args = parser.parse_args(argv)
     if not int4.available():
         print("this PyTorch has no CPU int4 kernels", file=sys.stderr)
@@ -127,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ids, short = None, None
     rows: dict[str, dict[str, float]] = {}
     best = {"prefill": 0.0, "decode": 0.0}
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
     for name, kwargs in variants(config, device).items():
+        if chosen and name not in chosen:
+            continue
+        deterministic = kwargs.pop("deterministic", False)
         lm = load_model(path, stages, dtype, **kwargs)
+        print(f"{name}: {configure(lm.model, 1, cuda_graphs=True, deterministic=deterministic)}", flush=True)
         if ids is None:
             ids, short = prompt_ids(lm.tokenizer, args.prompt_tokens), prompt_ids(lm.tokenizer, 32)
         arena = moe_placement.arena_bytes(lm.model.layers) / 2**20

@@ -10,8 +10,9 @@ repeat the first row's slot at position ctx - 1, a row no valid K/V lives at whi
 (a step with a row at ctx - 1 runs eagerly), and their logits are dropped.
 
 Everything else stays eager in `CausalLM.forward_chunks`: prefill chunks, mixed steps, models on several
-devices, mixture-of-experts layers (their routing reads token counts back to the host), CPU 4-bit weights (CUDA
-4-bit ones, `engine.model.gpu_weights`, are captured).
+devices, CPU 4-bit weights (CUDA 4-bit ones, `engine.model.gpu_weights`, are captured), and mixture-of-experts
+layers whose experts cannot run as grouped GEMMs (experts in host RAM, or not bfloat16 on an sm90 / sm100 GPU:
+the per-expert loop reads token counts back to the host); the grouped ones (engine/model/moe.py) are captured.
 
 The captured function is plain PyTorch and runs as well without capture (`capture=False`, any device): the
 graph computes bit for bit what that eager run computes, which is how the GPU check compares them.
@@ -69,8 +70,12 @@ def unsupported(model: CausalLM) -> str | None:
     if next(iter(devices)).type != "cuda":
         return "not on a CUDA device"
     layers = cast(list[DecoderLayer], list(model.layers))
-    if any(layer.moe is not None for layer in layers):
-        return "mixture-of-experts layers"
+    experts = [layer.moe for layer in layers if layer.moe is not None]
+    if any(not moe.grouped_ready for moe in experts):
+        # The per-expert loop reads each expert's row count back to the host (engine/model/moe.py).
+        return "mixture-of-experts layers without grouped GEMMs (experts in host RAM, not bfloat16, or no sm90 kernel)"
+    if experts and model.batch_invariant:
+        return "mixture-of-experts layers with batch-invariant kernels (the per-expert loop)"
     weights = [model.lm_head] + [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
     if any(isinstance(w, Int4Weight) and not isinstance(w, CudaInt4Weight) for w in weights):
         return "CPU 4-bit weights"

@@ -425,7 +425,7 @@ class CausalLM(torch.nn.Module):
         x = x + attn_out
         h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
         if layer.moe is not None:
-            return x + layer.moe(h, n_single)
+            return x + layer.moe(h, n_single, fast=fast)
         assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
         gate_up = _linear(h, layer.w_gate_up, n_single, fast=fast)
         inter = c.intermediate_size

@@ -12,6 +12,15 @@ transformers' `index_add_` loop does. The projections go through llama.py's `_li
 not depend on how many other rows an expert got (the batch invariance llama.py's docstring describes): a
 slot's logits are the same alone and batched.
 
+On a GPU by default (`fast`, i.e. not --deterministic; bfloat16 experts on an sm90 / sm100 device), the routed
+experts run as two grouped GEMMs over all of them (`torch._grouped_mm`, PyTorch's CUTLASS kernel): the k rows
+of every token are sorted by expert, each expert's slice of the sorted rows is one problem of the group, and
+the per-expert offsets are computed on the device, so nothing is read back to the host and a decode step can
+be captured in a CUDA graph (engine/model/graph_decode.py). Each token's terms are still summed in ascending
+expert order from zero; only the GEMM kernel differs from the per-expert loop, so a row's last bits may depend
+on what else the step holds, as with the dense layers' one-GEMM path. Elsewhere (the CPU, float32,
+--deterministic, 4-bit experts, a PyTorch without the kernel) each chosen expert runs as its own pair of GEMMs.
+
 Placement (`--moe-experts cpu`, `--moe-cpu-layers N`, engine/model/moe_placement.py): a layer's routed experts
 may live on another device than the rest of the layer, in host RAM as 4-bit groups. The router and the shared
 expert run where the layer runs; the routed rows go to the experts' device, run there, and come back summed.
@@ -42,11 +51,11 @@ def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Ten
     return torch.softmax(top, dim=-1), experts
 
 
-def _mlp(x: torch.Tensor, gate_up, down, n_single: int) -> torch.Tensor:
+def _mlp(x: torch.Tensor, gate_up, down, n_single: int, fast: bool = False) -> torch.Tensor:
     """SwiGLU over fused [gate; up] rows: down(silu(gate x) * up x)."""
-    gu = _linear(x, gate_up, n_single)
+    gu = _linear(x, gate_up, n_single, fast=fast)
     inter = gu.shape[1] // 2
-    return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, n_single)
+    return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, n_single, fast=fast)
 
 
 class SparseMoe(torch.nn.Module):
@@ -105,13 +114,19 @@ class SparseMoe(torch.nn.Module):
         self.register_buffer("shared_gate_up", shared_gate_up, persistent=False)
         self.register_buffer("shared_down", shared_down, persistent=False)
 
-    def forward(self, h: torch.Tensor, n_single: int) -> torch.Tensor:
-        """h [tokens, hidden] (the first `n_single` rows are one-token chunks) -> the block's output."""
-        logits = _linear(h, self.router, n_single)
+    def forward(self, h: torch.Tensor, n_single: int, *, fast: bool = False) -> torch.Tensor:
+        """h [tokens, hidden] (the first `n_single` rows are one-token chunks) -> the block's output.
+
+        `fast` (the CUDA default, `_linear`'s): one GEMM over all rows for the router and the shared expert, and
+        the routed experts as one grouped GEMM where `grouped_ready` says they can be."""
+        logits = _linear(h, self.router, n_single, fast=fast)
         n_experts = self.config.n_experts
         weights, experts = route(logits[:, :n_experts], self.config)
         where = self.expert_device
-        if where == h.device:
+        if fast and self.grouped_ready:
+            assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)  # grouped_ready
+            out = grouped_mm_experts(h, experts, weights.to(h.dtype), self.gate_up, self.down)
+        elif where == h.device:
             out = self._routed(h, experts, weights.to(h.dtype), n_single)
         else:
             # Experts in host RAM: the hidden states and the routing go to them, their weighted sum comes back.
@@ -119,12 +134,20 @@ class SparseMoe(torch.nn.Module):
             out = out.to(h.device, h.dtype)
         if self.shared_gate_up is not None:
             gate = _sigmoid_column(logits[:, n_experts:])
-            out = out + gate * _mlp(h, self.shared_gate_up, self.shared_down, n_single)
+            out = out + gate * _mlp(h, self.shared_gate_up, self.shared_down, n_single, fast)
         return out
 
     def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:
         return grouped_experts(h, experts, weights, n_single, self.config.n_experts,
                                lambda x, e, n_one: _mlp(x, self.gate_up[e], self.down[e], n_one))
+
+    @property
+    def grouped_ready(self) -> bool:
+        """Whether the routed experts can run as grouped GEMMs with no host synchronisation: float experts on
+        the layer's device that `grouped_mm_usable` accepts."""
+        if not isinstance(self.gate_up, torch.Tensor) or not isinstance(self.down, torch.Tensor):
+            return False
+        return self.router.device == self.gate_up.device and grouped_mm_usable(self.gate_up, self.down)
 
     @property
     def expert_device(self) -> torch.device:
@@ -193,6 +216,50 @@ def grouped_experts(
     return out
 
 
+def grouped_mm_usable(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether expert stacks gate_up [E, 2I, H] and down [E, H, I] run through `torch._grouped_mm`'s own CUDA
+    kernel: bfloat16 on an sm90 or sm100 device (elsewhere PyTorch falls back to a loop that reads the offsets
+    back to the host, no better than ours), with 16-byte aligned data and rows of whole 16-byte vectors (the
+    kernel's checks)."""
+    if not hasattr(torch, "_grouped_mm") or gate_up.device.type != "cuda":
+        return False
+    if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16 or down.device != gate_up.device:
+        return False
+    if torch.cuda.get_device_capability(gate_up.device) not in _GROUPED_MM_CAPABILITIES:
+        return False
+    aligned = all(w.data_ptr() % 16 == 0 for w in (gate_up, down))
+    return aligned and all(n % 8 == 0 for n in (*gate_up.shape[1:], *down.shape[1:]))
+
+
+def grouped_mm_experts(
+    h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_experts`' result (up to the GEMM kernel's rounding) as two grouped GEMMs over all experts.
+
+    h [tokens, hidden], experts [tokens, k], weights [tokens, k] (h's dtype), gate_up [E, 2I, hidden], down
+    [E, hidden, I]. The token-major (token, expert) entries are sorted by expert (stably, so by token within an
+    expert); offsets[e] is the end of expert e's rows, found by a search in the sorted ids on the device. No
+    value goes to the host and every shape depends on the row count alone: capturable in a CUDA graph. Each
+    token's k terms are summed in ascending expert order from zero, as the per-expert loop sums them."""
+    tokens, k = experts.shape
+    n_experts = gate_up.shape[0]
+    experts, pick = experts.sort(dim=1)  # a token's terms in ascending expert order
+    weights = weights.gather(1, pick)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ids = torch.arange(n_experts, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(flat[order], ids, right=True, out_int32=True)
+    x = h.index_select(0, order // k)
+    gu = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets)
+    inter = gu.shape[1] // 2
+    y = torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], down.transpose(1, 2), offs=offsets)
+    terms = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1) * weights.unsqueeze(2)
+    out = terms[:, 0]
+    for j in range(1, k):  # one add at a time in h's dtype, as index_add_ accumulates expert by expert
+        out = out + terms[:, j]
+    return out
+
+
 def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:
     """sigmoid of a [tokens, 1] column, the same for a row whatever the number of rows: CPU kernels compute the
     elements past the last whole vector with a scalar sigmoid that differs from the vector one in the last bit,
@@ -200,6 +267,8 @@ def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x.expand(-1, _SIMD_FLOATS).contiguous())[:, :1]
 
 
+# The devices PyTorch runs `_grouped_mm` on with its CUTLASS kernel (its fast path: sm90 and sm100, bfloat16).
+_GROUPED_MM_CAPABILITIES = ((9, 0), (10, 0))
 _ROW_BLOCK = 4  # the row blocking of MKL's float GEMM (the multi-row part of an expert's rows is padded to it)
 _SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats with AVX-512)
 
