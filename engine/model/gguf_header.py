@@ -83,7 +83,8 @@ class _Cursor:
 
     def strings(self, n: int) -> list[str]:
         """`n` strings in a row (a vocabulary, its merges: ~100K for a small model), in one tight loop."""
-        buf, pos, size, out = self.buf, self.pos, self.size, []
+        buf, pos, size = self.buf, self.pos, self.size
+        out: list[str] = []
         length_at, append, decode = _U64.unpack_from, out.append, codecs.utf_8_decode
         for _ in range(n):
             if pos + 8 > size:
