@@ -249,6 +249,13 @@ class EngineConfig:
         0, flag="--threads", label="CPU threads", kind="int", group="runtime", minimum=0, maximum=1024,
         help="CPU threads for compute (0 = PyTorch's default)",
     )
+    decode_threads: int = setting(
+        0, flag="--decode-threads", label="CPU threads for decoding", kind="int", group="runtime", minimum=0,
+        maximum=1024,
+        help="CPU threads for decode steps, where every row is one token (0 = half the physical cores, at least 1: "
+        "decode is memory-bound, and more threads mostly wait for each other and for other programs); prefill uses "
+        "--threads",
+    )
     # -- runtime
     ctx_size: int = setting(
         8192, flag="--ctx-size", label="Context length",

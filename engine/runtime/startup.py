@@ -42,7 +42,9 @@ class Startup(EngineState):
                 self.states.clear(i)
 
     def _forward(self, chunks: list) -> torch.Tensor:
-        """One forward over `chunks` (a hybrid model also advances each slot's recurrent state)."""
+        """One forward over `chunks` (a hybrid model also advances each slot's recurrent state), on the threads
+        for its kind of step (engine/runtime/threads.py)."""
+        self.step_threads.before_step(all(ch.tokens.numel() == 1 for ch in chunks))
         if self.states is None:
             return self.model.forward_chunks(chunks, self.kv)
         return self.model.forward_chunks(chunks, self.kv, self.states.buffers)

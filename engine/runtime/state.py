@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from engine.runtime.explain import RequestLog
     from engine.runtime.pending_restores import PendingRestores
     from engine.runtime.slot_states import SlotStates
+    from engine.runtime.threads import StepThreads
     from engine.runtime.windows import SlotWindows
 
 log = logging.getLogger("strata.engine")
@@ -83,6 +84,7 @@ class EngineState:
     states: SlotStates | None  # a hybrid model's recurrent state per slot (None for attention-only models)
     windows: SlotWindows | None  # a sliding-window model's slots as the cache parks them (None for the others)
     slots: list[Slot]
+    step_threads: StepThreads  # torch's threads per kind of step (engine/runtime/threads.py)
     started_at: float
     state: str
     cache_identity: CacheIdentity | None

@@ -8,8 +8,6 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from engine.figures import EngineFigures
 from engine.runtime.control import Control
 
@@ -61,7 +59,8 @@ class Stats(Control):
             devices=[str(s.device) for s in self.kv.stages],
             weights_format=self.weights_format,
             expert_arena_bytes=self.expert_arena_bytes,  # routed experts resident in host RAM (MoE models)
-            threads=torch.get_num_threads(),
+            threads=self.step_threads.compute,
+            decode_threads=self.step_threads.decode,
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
             prefill_reasons=dict(self.requests.reasons),
         )
