@@ -80,8 +80,10 @@ def load() -> str:
 
 
 def llama_bench(binary: str, model: str, threads: int, prompt: int, decode: int) -> dict[str, float | str]:
-    """One round of llama-bench: {"prefill": tok/s, "decode": tok/s}, and its build and CPU as it reports them."""
-    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(prompt), "-n", str(decode), "-r", "1", "-o", "json"]
+    """One round of llama-bench: {"prefill": tok/s, "decode": tok/s}, and its build and CPU as it reports them.
+    threads 0: llama-bench's own default."""
+    cmd = [binary, "-m", model, *(["-t", str(threads)] if threads else []), "-p", str(prompt), "-n", str(decode),
+           "-r", "1", "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     result: dict = {}
     for test in json.loads(out):
@@ -96,15 +98,19 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
     from engine.model import load_model, plan_stages
     from engine.model.graph_decode import configure
     from engine.model.loader import read_model_config
+    from engine.runtime.threads import default_decode_threads
 
     lm = load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32,
                     int4_weights=args.cpu_weights == "int4")
     print(f"# {configure(lm.model, 1, cuda_graphs=True, deterministic=False)}", flush=True)  # as the server does
     ids, short = prompt_ids(lm.tokenizer, args.prompt_tokens), prompt_ids(lm.tokenizer, 32)
     rows: list[tuple[str, float, float | None]] = []
+    own = torch.get_num_threads()  # PyTorch's default: the engine's --threads 0
     for t in threads:
-        torch.set_num_threads(t)
-        prefill, decode = engine_prefill(lm, ids, args.prompt_tokens), engine_decode(lm, short, args.decode_tokens)
+        # 0: each side's defaults (the engine: prefill on PyTorch's threads, decode on its --decode-threads default)
+        prefill_threads, decode_threads = (own, default_decode_threads(own)) if t == 0 else (t, t)
+        prefill = on_threads(prefill_threads, engine_prefill(lm, ids, args.prompt_tokens))
+        decode = on_threads(decode_threads, engine_decode(lm, short, args.decode_tokens))
         prefill(), decode()  # warm-up
         ours = {"prefill": 0.0, "decode": 0.0}
         theirs: dict[str, float] = {}
@@ -117,11 +123,19 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
                 for key in ("prefill", "decode"):
                     theirs[key] = max(theirs.get(key, 0.0), float(r[key]))
                 build = str(r["build"])
-        print(f"# {t} thread(s) done, load {load()}" + (f", llama.cpp build {build}" if build else ""),
-              flush=True)
-        rows.append((f"prefill {args.prompt_tokens}, {t} thr", ours["prefill"], theirs.get("prefill")))
-        rows.append((f"decode {args.decode_tokens}, {t} thr", ours["decode"], theirs.get("decode")))
+        name = f"{t} thr" if t else f"defaults ({prefill_threads}/{decode_threads} thr)"
+        print(f"# {name} done, load {load()}" + (f", llama.cpp build {build}" if build else ""), flush=True)
+        rows.append((f"prefill {args.prompt_tokens}, {name}", ours["prefill"], theirs.get("prefill")))
+        rows.append((f"decode {args.decode_tokens}, {name}", ours["decode"], theirs.get("decode")))
     return rows
+
+
+def on_threads(threads: int, run):
+    """`run` with torch on `threads` threads."""
+    def timed() -> float:
+        torch.set_num_threads(threads)
+        return run()
+    return timed
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -134,8 +148,8 @@ def strata_argv(path: str, port: int, threads: int, ctx: int, cache: bool) -> li
 
 
 def llama_argv(binary: str, path: str, port: int, threads: int, ctx: int, cache: bool) -> list[str]:
-    return [binary, "-m", path, "--port", str(port), "-t", str(threads), "-c", str(ctx), "-np", "1",
-            "--cache-ram", "4096" if cache else "0"]
+    return [binary, "-m", path, "--port", str(port), *(["-t", str(threads)] if threads else []), "-c", str(ctx),
+            "-np", "1", "--cache-ram", "4096" if cache else "0"]
 
 
 def cold_start(argv_for, rounds: int) -> tuple[list[float], int]:
@@ -220,18 +234,20 @@ def servers(args, path: str, threads: int) -> list[tuple[str, float, float | Non
                                                args.park_tokens, args.decode_tokens)
     mib = 2**20
     return [
-        (f"cold start to ready s, {threads} thr", min(ours_cold), min(theirs_cold) if theirs_cold else None),
+        (f"cold start to ready s, {f'{threads} thr' if threads else 'defaults'}", min(ours_cold), min(theirs_cold) if theirs_cold else None),
         ("RSS ready MiB, cache off", ours_rss / mib, theirs_rss / mib if args.llama_server else None),
         ("RSS ready MiB, cache on", ours_ready / mib, None),
         ("RSS MiB, 2 parked", ours_parked / mib, theirs_parked / mib if theirs_parked else None),
-        (f"HTTP decode tok/s, {threads} thr", ours_rate, theirs_rate),
+        (f"HTTP decode tok/s, {f'{threads} thr' if threads else 'defaults'}", ours_rate, theirs_rate),
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help=f"GGUF file, or {GEMMA} (default: the bundled SmolLM2 Q4_1)")
-    parser.add_argument("--threads", default="2,1", help="thread counts to measure (both sides)")
+    parser.add_argument("--threads", default="0,2,1",
+                        help="thread counts to measure (both sides; 0 = each side's defaults; the servers run with "
+                        "the first)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per side (best is kept)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -246,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hog", action="store_true", help="a Python busy loop runs beside both sides throughout")
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",") if t]
-    assert threads and all(t > 0 for t in threads), f"--threads {args.threads!r}: expected e.g. 2,1"
+    assert threads and all(t >= 0 for t in threads), f"--threads {args.threads!r}: expected e.g. 0,2,1"
 
     path = model_path(args.model)
     print(f"# {cpu_description()}")
