@@ -22,6 +22,7 @@ from engine.model.loader import read_model_config
 from engine.model.moe import SparseMoe, _mlp, grouped_experts, grouped_mm_experts, grouped_mm_usable, route
 from engine.model.moe_config import MoeConfig
 from tests.moe_fixtures import write_tiny_moe_model
+from tests.test_graph_decode import assert_graph_replays_the_eager_step
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 CUDA = torch.cuda.is_available()
@@ -168,23 +169,6 @@ def test_gpu_moe_decode_is_captured_and_replays_the_eager_step_bit_for_bit(tmp_p
     assert "CUDA graphs" in configure(lm.model, 3, cuda_graphs=True, deterministic=False)
     assert isinstance(lm.model.graphs, GraphDecode)
     lm.model.graphs = None
-    ctx = 600
-    kv_graph, kv_eager = _kv(lm, 3, ctx), _kv(lm, 3, ctx)
-    gen = torch.Generator().manual_seed(2)
-    prompts = {0: 30, 2: 300}
-    for slot, n in prompts.items():
-        ids = torch.randint(0, lm.config.vocab_size, (n,), generator=gen)
-        for kv in (kv_graph, kv_eager):
-            lm.model.forward_chunks([SeqChunk(slot, 0, ids)], kv)
-    graphs, eager = GraphDecode(lm.model, 3), GraphDecode(lm.model, 3, capture=False)
-    tokens = {slot: 5 for slot in prompts}
-    for step in range(12):
-        chunks = [SeqChunk(s, n + step, torch.tensor([tokens[s]])) for s, n in prompts.items()]
-        a, b = graphs.run(chunks, kv_graph), eager.run(chunks, kv_eager)
-        assert a is not None and b is not None and torch.equal(a, b)
-        tokens = dict(zip(prompts, a.argmax(-1).tolist(), strict=True))
-    assert graphs.captures >= 1 and graphs.replays == 12
-    for slot, n in prompts.items():
-        assert torch.equal(kv_graph.read(slot, 0, n + 12), kv_eager.read(slot, 0, n + 12))
+    assert_graph_replays_the_eager_step(lm)
     lm.model.batch_invariant = True
     assert unsupported(lm.model) == "mixture-of-experts layers with batch-invariant kernels (the per-expert loop)"
