@@ -128,3 +128,21 @@ def test_serve_keeps_converted_weights_unless_told_off(q4_model, tmp_path):
         assert "weights cache: " in engine.logs() and " weights from " in engine.logs()
     finally:
         engine.stop()
+
+
+def test_a_cached_weight_of_another_shape_is_converted_again(q4_model, tmp_path, caplog):
+    from engine.model.gguf_header import read_gguf_header
+    from engine.model.weights_cache import DerivedWeights
+
+    cache = str(tmp_path / "weights")
+    reference = _load(q4_model, None)
+    stages = plan_stages(reference.config.n_layers, "cpu", "")
+    options = {"dtype": str(torch.float32), "stages": [[str(d), a, b] for d, a, b in stages]}
+    planted = DerivedWeights(cache, q4_model, read_gguf_header(q4_model).data_offset, options)
+    planted.put("0.wqkv", int4.Int4Weight(torch.randn(64, 256)))  # a shape no layer of this model has
+    planted.save(reference.fingerprint)
+    assert len(_cache_files(cache)) == 1  # the planted file is the one this load looks for
+    with caplog.at_level(logging.WARNING, logger="strata.model"):
+        loaded = _load(q4_model, cache)
+    assert any("converting it from the model file" in r.getMessage() for r in caplog.records)
+    assert torch.equal(_logits(loaded), _logits(reference))

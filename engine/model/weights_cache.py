@@ -59,8 +59,12 @@ class DerivedWeights:
         w = self._found.get(name)
         if w is None:
             return None
-        if w.shape != shape:  # the key covers the file, so only a bug gets here: refuse rather than run wrong
-            raise ValueError(f"{self.path}: weight {name} has shape {w.shape}, expected {shape}")
+        if w.shape != shape:  # the key covers the file, so only a bug gets here: convert rather than run wrong
+            log.warning("weights cache: %s holds %s as %s, the model wants %s; converting it from the model file",
+                        self.path, name, w.shape, shape)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            return None
         return w
 
     def put(self, name: str, w: Int4Weight) -> None:
