@@ -28,9 +28,10 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import moe_loading
+from engine.model import gguf_dequant, moe_loading
 from engine.model.build import LoadedModel
-from engine.model.gguf_loading import _read_gguf, _unpermute, gguf_metadata, read_gguf
+from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
+from engine.model.gguf_loading import _check_gguf_tensors, _unpermute
 from engine.model.hybrid import gguf_falcon, gguf_mamba, gguf_nemotron, gguf_qwen35
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
@@ -164,14 +165,6 @@ def _granite_experts(meta: dict, arch: str, path: str) -> MoeConfig | None:
                      norm_topk_prob=False)
 
 
-def embed_rows(reader) -> int:
-    """Rows of token_embd.weight (ggml lists dimensions fastest first)."""
-    for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            return int(t.shape[-1])
-    return 0
-
-
 def _canonical(arch: str, name: str) -> str | None:
     global_names, layer_names = _NAMES[arch]
     if name in global_names:
@@ -186,27 +179,48 @@ def _canonical(arch: str, name: str) -> str | None:
 
 def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozenset[int] = frozenset(),
                      int4_weights: bool = False) -> LoadedModel:
-    """Load a hybrid GGUF (any quantisation gguf can dequantise); identity as in `engine.model.gguf_loading`."""
-    import gguf
-    import numpy as np
-
-    reader = read_gguf(path)
-    meta = gguf_metadata(reader)
-    config = hybrid_gguf_config(meta, {t.name for t in reader.tensors}, path, embed_rows(reader))
+    """Load a hybrid GGUF; identity as in `engine.model.gguf_loading`. Tensors are read from the file one at a
+    time and decoded by `engine.model.gguf_dequant` (bit for bit gguf's decoder); a type it does not decode (the
+    IQ2 / IQ3 families) goes through gguf's own numpy decoder."""
+    header = read_gguf_header(path)  # the lean reader: metadata values and the directory, no numpy views
+    meta, directory, header_size = header.metadata, header.tensors, header.data_offset
+    del header
+    forget_headers()
+    rows = next((t.shape[0] for t in directory if t.name == "token_embd.weight"), 0)
+    config = hybrid_gguf_config(meta, {t.name for t in directory}, path, rows)
     arch = meta["general.architecture"]
     file_size = os.path.getsize(path)
     tensors = {}
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > file_size:
-            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+    for t in directory:
         key = _canonical(arch, t.name)
         if key is not None:
             tensors[key] = t
+    # Layout checks for every tensor, type and size checks for those gguf_dequant decodes (gguf's decoder checks
+    # the others' sizes as it reads them).
+    _check_gguf_tensors(path, directory, {k: t for k, t in tensors.items() if t.qtype in gguf_dequant.SUPPORTED})
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
     content = xxhash.xxh3_128()
+
+    def decode(t: GGUFTensor) -> torch.Tensor:
+        raw = torch.empty(t.n_bytes, dtype=torch.uint8)
+        f.seek(t.offset)
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on; it has it on 3.11 too.
+        if f.readinto(memoryview(raw.numpy())) != t.n_bytes:  # type: ignore[arg-type]
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+        content.update(raw.numpy())  # type: ignore[arg-type]  # a buffer (see above)
+        if t.qtype in gguf_dequant.SUPPORTED:
+            return gguf_dequant.dequantize(t.name, raw, t.qtype, t.shape)
+        import gguf
+        import numpy as np
+
+        try:
+            array = gguf.quants.dequantize(raw.numpy().reshape(*t.shape[:-1], -1), gguf.GGMLQuantizationType(t.qtype))
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
+        return torch.from_numpy(np.array(array, dtype=np.float32)).view(t.shape)
 
     def get(key: str) -> torch.Tensor | None:
         if key.endswith(".gate_up") and ".experts." not in key:  # Granite's fused MLP input, split by the converter
@@ -219,12 +233,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
         if t is None:
             return None
         content.update(key.encode())
-        content.update(t.data)
-        try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
-        w = torch.from_numpy(np.array(array, dtype=np.float32))
+        w = decode(t)
         if key.endswith(".conv") and w.dim() == 2:  # llama.cpp squeezes the depthwise conv to [channels, width]
             w = w.unsqueeze(1)
         elif key.endswith((".d_skip", ".ssm_norm")):
@@ -235,12 +244,12 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
             w = gguf_qwen35.fix(config, key, w)
         return w
 
-    model = build_hybrid(config, stages, dtype, get, path, cpu_experts, int4_weights)
+    with open(path, "rb") as f:
+        model = build_hybrid(config, stages, dtype, get, path, cpu_experts, int4_weights)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:
-        h.update(f.read(reader.data_offset))
+        h.update(f.read(header_size))
     h.update(content.digest())
-    _read_gguf.cache_clear()  # drop the file mapping (Windows cannot replace a mapped file)
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), h.hexdigest(), dtype)  # type: ignore[arg-type]
