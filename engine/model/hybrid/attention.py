@@ -83,13 +83,19 @@ class AttentionMixer(torch.nn.Module):
             if hi - lo == 1:
                 attn[lo] = _one_query(q[lo], keys, values, scale)
                 continue
-            if ch.start:  # a chunk after earlier rows (a resumed conversation, a later prefill chunk)
+            if ch.start and h.device.type == "cpu":  # after earlier rows (a resumed conversation, a later chunk)
                 attn[lo:hi] = _chunk_queries(q[lo:hi], keys, values, ch.start, scale)
                 continue
+            mask = None
+            if ch.start:  # on CUDA the caching allocator reuses the copies below without faulting pages in
+                rows = torch.arange(ch.start, end, device=h.device).unsqueeze(1)
+                mask = torch.arange(end, device=h.device).unsqueeze(0) <= rows
             groups = H // KVH
             kk = keys.repeat_interleave(groups, 0) if groups > 1 else keys
             vv = values.repeat_interleave(groups, 0) if groups > 1 else values
-            out = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), kk, vv, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1), kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale
+            )
             attn[lo:hi] = out.transpose(0, 1)
         out = attn.view(total, H * D)
         if gate is not None:
