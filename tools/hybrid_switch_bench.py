@@ -6,7 +6,8 @@ A's K/V and recurrent state are restored from its checkpoint at its end. Also: a
 changed 100 tokens before its end) against a cold prefill, which resumes from the deepest checkpoint before the
 edit, and the bytes of one checkpoint. With --restart (disk or tiered storage) also the first request after a
 restart: A parked, its engine closed, a new engine on the same folder answering A's next turn, against a new
-engine with the cache off answering the same prompt. Runs its engines one after another in this process.
+engine with the cache off answering the same prompt, each of those two in a process of its own (a restart's
+first request is a new process's). The other engines run one after another in this process.
 
     python tools/hybrid_switch_bench.py --make qwen3_5 [--tokens 2048] [--storage ram]   # a random model
     python tools/hybrid_switch_bench.py --model DIR [--tokens 2048,4096]
@@ -21,6 +22,7 @@ in bfloat16, its random numbers drawn on --device.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -164,7 +166,8 @@ def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: s
 
 def restart(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu") -> dict:
     """First request after a restart vs cold: an engine answers A then B (A parked to `storage`) and is closed; a
-    fresh engine on the same folder answers A's next turn, and a fresh engine with the cache off the same prompt."""
+    fresh engine on the same folder answers A's next turn, and a fresh engine with the cache off the same prompt,
+    each in a new process as a restart is (an engine after others in one process finds its allocator grown)."""
     assert storage in ("disk", "tiered"), "a restart keeps only what is on disk"
     a, b = prompts(n)
     engine = open_engine(model, n, storage, cache_mib, folder, device)
@@ -175,14 +178,23 @@ def restart(model: str, n: int, storage: str, cache_mib: int, folder: str, devic
         engine.close()
     a = a + out + [7, 8, 9]
     timed = {}
+    spawn = multiprocessing.get_context("spawn")
     for side, mib in (("restart", cache_mib), ("cold", 0)):
-        engine = open_engine(model, n, storage if mib else "ram", mib, folder if mib else folder + "-off", device)
-        try:
-            timed[side] = ask(engine, a)
-        finally:
-            engine.close()
+        where = (model, n, storage if mib else "ram", mib, folder if mib else folder + "-off", device)
+        with spawn.Pool(1) as fresh:
+            timed[side] = fresh.apply(_first_request, (where, a, fla_kernels.ENABLED))
     assert timed["restart"][2] == timed["cold"][2], "the restored conversation answered otherwise than a cold one"
     return {"restart_s": timed["restart"][0], "cached": timed["restart"][1], "cold_s": timed["cold"][0]}
+
+
+def _first_request(where: tuple, prompt: list[int], fla: bool) -> tuple[float, int, list[int]]:
+    """A new engine (`open_engine(*where)`) answers `prompt` as its first request; `ask`'s figures."""
+    fla_kernels.ENABLED = fla
+    engine = open_engine(*where)
+    try:
+        return ask(engine, prompt)
+    finally:
+        engine.close()
 
 
 def restart_line(n: int, storage: str, r: dict) -> str:

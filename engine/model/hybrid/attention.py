@@ -83,8 +83,11 @@ class AttentionMixer(torch.nn.Module):
             if hi - lo == 1:
                 attn[lo] = _one_query(q[lo], keys, values, scale)
                 continue
+            if ch.start and h.device.type == "cpu":  # after earlier rows (a resumed conversation, a later chunk)
+                attn[lo:hi] = _chunk_queries(q[lo:hi], keys, values, ch.start, scale)
+                continue
             mask = None
-            if ch.start:
+            if ch.start:  # on CUDA the caching allocator reuses the copies below without faulting pages in
                 rows = torch.arange(ch.start, end, device=h.device).unsqueeze(1)
                 mask = torch.arange(end, device=h.device).unsqueeze(0) <= rows
             groups = H // KVH
@@ -122,3 +125,19 @@ def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     grouped = q.reshape(kv_heads, -1, d) * scale
     scores = torch.bmm(grouped, k.transpose(1, 2)).float()
     return torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v).reshape(-1, d)
+
+
+def _chunk_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q [n, H, D] (positions start..start+n-1) against k/v [KVH, start + n, D] (views into the slot), causal ->
+    [n, H, D]. Each K/V head is used in place by its group of query heads: repeating the keys and values per
+    head (and SDPA's scaled copy of the keys) would copy the whole history for a few new tokens, fresh memory
+    the kernel faults in on each call (about 12 MiB per layer for 2,048 tokens of a small model)."""
+    n, heads, d = q.shape
+    kv_heads, length = k.shape[0], k.shape[1]
+    groups = heads // kv_heads
+    grouped = (q.transpose(0, 1) * scale).reshape(kv_heads, groups * n, d)  # row j * n + i: head kv * groups + j
+    scores = torch.bmm(grouped, k.transpose(1, 2)).float()
+    future = torch.arange(length, device=q.device) > torch.arange(start, start + n, device=q.device).unsqueeze(1)
+    scores.view(kv_heads, groups, n, length).masked_fill_(future, float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [KVH, groups * n, D]
+    return out.view(heads, n, d).transpose(0, 1)
