@@ -105,34 +105,5 @@ def test_threads_and_sleeping_workers_are_what_the_engine_runs_with(tiny_model, 
         with urllib.request.urlopen(request, timeout=10) as response:
             stats = json.loads(response.read())["engine"]
     assert stats["threads"] == 1
-    assert stats["decode_threads"] == 1  # half the cores by default, never more than --threads
+    assert stats["decode_threads"] == 1  # a tiny model decodes on one thread by default
     assert stats["omp_wait_policy"] == (policy or "PASSIVE")
-
-
-def test_prefill_steps_run_on_the_compute_threads_and_decode_steps_on_the_decode_threads(tiny_model):
-    import torch
-
-    from engine.config import EngineConfig
-    from engine.runtime.engine import Engine
-    from engine.runtime.requests import GenerationRequest, SamplingParams
-
-    engine = Engine.from_config(EngineConfig(model=tiny_model, threads=2, decode_threads=1, conversation_cache_mib=0,
-                                             prefill_chunk=16))
-    seen: set[tuple[bool, int]] = set()  # (every row one token, torch's threads in that step)
-    forward = engine.model.forward_chunks
-
-    def observed(chunks, *args, **kwargs):
-        seen.add((all(ch.tokens.numel() == 1 for ch in chunks), torch.get_num_threads()))
-        return forward(chunks, *args, **kwargs)
-
-    engine.model.forward_chunks = observed
-    try:
-        prompt = engine.tokenizer.encode("a lighthouse keeper counts the ships that pass in the night " * 3)
-        events = list(engine.submit(GenerationRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=6,
-                                                                                 ignore_eos=True))))
-        assert sum(e.token_id is not None for e in events) == 6
-        metrics = engine.stats_snapshot()["engine"]  # an EngineFigures
-    finally:
-        engine.close()
-    assert seen == {(False, 2), (True, 1)}
-    assert (metrics.threads, metrics.decode_threads) == (2, 1)

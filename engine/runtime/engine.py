@@ -38,7 +38,12 @@ from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_b
 from engine.runtime.startup import _check_int4, _gpu_weights_format, _quantize_gpu_weights, _weights_format
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
-from engine.runtime.threads import StepThreads, default_decode_threads
+from engine.runtime.threads import (
+    TORCH_DEFAULT_THREADS,
+    StepThreads,
+    decode_read_bytes,
+    default_decode_threads,
+)
 from engine.runtime.windows import slot_windows
 from engine.startup_progress import StartupProgress
 
@@ -82,9 +87,9 @@ class Engine(Scheduler):
         # a sliding-window model: the cache parks its local layers' last window only (engine/runtime/windows.py)
         self.windows = slot_windows(mcfg, self.kv, config.conversation_cache_block_tokens) if self.states is None else None
         self.slots = [Slot(i) for i in range(self.n_slots)]
-        compute_threads = torch.get_num_threads()  # --threads, set by from_config (or PyTorch's default)
-        self.step_threads = StepThreads(compute_threads,
-                                        config.decode_threads or default_decode_threads(compute_threads))
+        compute_threads = config.threads or TORCH_DEFAULT_THREADS
+        self.step_threads = StepThreads(compute_threads, config.decode_threads
+                                        or default_decode_threads(compute_threads, decode_read_bytes(self.model)))
         self.started_at = time.time()
         self.state = "ok"
         self.cache_identity: CacheIdentity | None = None

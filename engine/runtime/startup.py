@@ -36,6 +36,7 @@ class Startup(EngineState):
             batches = getattr(getattr(self.model, "graphs", None), "batches", [])
             for rows in batches:
                 self._forward([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)])
+        torch.set_num_threads(self.step_threads.compute)  # this thread's count as the engine found it
         for i in range(max(batches, default=1)):
             self.kv.clear(i)
             if self.states is not None:

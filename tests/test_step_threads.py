@@ -1,0 +1,64 @@
+"""CPU threads per step (engine/runtime/threads.py): prefill on --threads, decode on --decode-threads, and the
+kernels give a row the same bits whatever the thread count, so the switch never changes an answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kv import KVBuffers, KVLayout
+from engine.model import SeqChunk, load_model, plan_stages
+from engine.model.loader import read_model_config
+from engine.runtime.engine import Engine
+from engine.runtime.requests import GenerationRequest, SamplingParams
+from tests.model_fixtures import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("threads"), "llama", hidden_size=256, intermediate_size=512)
+
+
+def test_prefill_steps_run_on_the_compute_threads_and_decode_steps_on_the_decode_threads(tiny_model):
+    engine = Engine.from_config(EngineConfig(model=tiny_model, threads=2, decode_threads=1, conversation_cache_mib=0,
+                                             prefill_chunk=16))
+    seen: set[tuple[bool, int]] = set()  # (every row one token, torch's threads in that step)
+    forward = engine.model.forward_chunks
+
+    def observed(chunks, *args, **kwargs):
+        seen.add((all(ch.tokens.numel() == 1 for ch in chunks), torch.get_num_threads()))
+        return forward(chunks, *args, **kwargs)
+
+    engine.model.forward_chunks = observed
+    try:
+        prompt = engine.tokenizer.encode("a lighthouse keeper counts the ships that pass in the night " * 3)
+        events = list(engine.submit(GenerationRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                                 ignore_eos=True))))
+        assert sum(e.token_id is not None for e in events) == 6
+        metrics = engine.stats_snapshot()["engine"]  # an EngineFigures
+    finally:
+        engine.close()
+    assert seen == {(False, 2), (True, 1)}
+    assert (metrics.threads, metrics.decode_threads) == (2, 1)
+
+
+@pytest.mark.parametrize("int4_weights", [True, False])
+def test_prefill_and_decode_rows_are_the_same_bits_on_one_thread_and_on_two(tiny_model, int4_weights):
+    lm = load_model(tiny_model, plan_stages(read_model_config(tiny_model).n_layers, "cpu", ""), torch.float32,
+                    int4_weights=int4_weights)
+    c = lm.config
+    ids = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    runs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            kv = KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), 1, 64, lm.model.stages)
+            with torch.inference_mode():
+                rows = [lm.model.forward_chunks([SeqChunk(0, 0, ids)], kv, all_logits=True)[0]]
+                rows += [lm.model.forward_chunks([SeqChunk(0, 40 + i, ids[i : i + 1])], kv)[0] for i in range(6)]
+            runs.append(rows)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
