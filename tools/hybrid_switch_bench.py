@@ -134,17 +134,17 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def open_engine(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str,
-                moe_experts: str = "gpu") -> Engine:
+                moe_experts: str = "gpu", cpu_weights: str = "float") -> Engine:
     """An engine for two conversations of n tokens; cache_mib 0: the cache off."""
     return Engine.from_config(EngineConfig(
-        model=model, devices=device, ctx_size=2 * n + 256, cpu_weights="float", conversation_cache_mib=cache_mib,
+        model=model, devices=device, ctx_size=2 * n + 256, cpu_weights=cpu_weights, conversation_cache_mib=cache_mib,
         conversation_cache_storage=storage, conversation_cache_dir=folder, conversation_cache_min_free_mib=0,
         moe_experts=moe_experts))
 
 
 def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu",
-        moe_experts: str = "gpu") -> dict:
-    engine = open_engine(model, n, storage, cache_mib, folder, device, moe_experts)
+        moe_experts: str = "gpu", cpu_weights: str = "float") -> dict:
+    engine = open_engine(model, n, storage, cache_mib, folder, device, moe_experts, cpu_weights)
     try:
         a, b = prompts(n)
         _, _, out = ask(engine, a)
@@ -164,13 +164,14 @@ def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: s
             "state_bytes": state}
 
 
-def restart(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu") -> dict:
+def restart(model: str, n: int, storage: str, cache_mib: int, folder: str, device: str = "cpu",
+            moe_experts: str = "gpu", cpu_weights: str = "float") -> dict:
     """First request after a restart vs cold: an engine answers A then B (A parked to `storage`) and is closed; a
     fresh engine on the same folder answers A's next turn, and a fresh engine with the cache off the same prompt,
     each in a new process as a restart is (an engine after others in one process finds its allocator grown)."""
     assert storage in ("disk", "tiered"), "a restart keeps only what is on disk"
     a, b = prompts(n)
-    engine = open_engine(model, n, storage, cache_mib, folder, device)
+    engine = open_engine(model, n, storage, cache_mib, folder, device, moe_experts, cpu_weights)
     try:
         _, _, out = ask(engine, a)
         ask(engine, b)
@@ -180,7 +181,8 @@ def restart(model: str, n: int, storage: str, cache_mib: int, folder: str, devic
     timed = {}
     spawn = multiprocessing.get_context("spawn")
     for side, mib in (("restart", cache_mib), ("cold", 0)):
-        where = (model, n, storage if mib else "ram", mib, folder if mib else folder + "-off", device)
+        where = (model, n, storage if mib else "ram", mib, folder if mib else folder + "-off", device, moe_experts,
+                 cpu_weights)
         with spawn.Pool(1) as fresh:
             timed[side] = fresh.apply(_first_request, (where, a, fla_kernels.ENABLED))
     assert timed["restart"][2] == timed["cold"][2], "the restored conversation answered otherwise than a cold one"
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the first request after a restart (--storage disk or tiered) vs cold")
     parser.add_argument("--moe-experts", choices=("gpu", "cpu"), default="gpu",
                         help="a mixture-of-experts model: where its routed experts live (strata serve's flag)")
+    parser.add_argument("--cpu-weights", choices=("float", "int4", "auto"), default="float",
+                        help="strata serve's flag (float: the figures recorded so far; auto: the CPU default, int4)")
     args = parser.parse_args(argv)
     if args.restart and args.storage == "ram":
         parser.error("--restart: a restart keeps only what is on disk; give --storage disk or tiered")
@@ -245,13 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         model = make_model(args.make, os.path.join(tmp, "model"), args.shape, args.device) if args.make else args.model
         print(f"device {args.device}, fla-core {fla_kernels.usable(torch.device(args.device))}")
         for n, off, on in off_and_on(args, tmp, lambda *a: run(model, *a, device=args.device,
-                                                                    moe_experts=args.moe_experts)):
+                                                                    moe_experts=args.moe_experts,
+                                                                    cpu_weights=args.cpu_weights)):
             print(f"{switch_line(n, off, on)}; edited message off {off['edit_s']:.3f} s, on {on['edit_s']:.3f} s "
                   f"({on['edit_cached']} cached); "
                   f"one checkpoint {on['state_bytes'] / 2**20:.2f} MiB; load average {os.getloadavg()[0]:.1f}",
                   flush=True)
             if args.restart:
-                r = restart(model, n, args.storage, args.cache_mib, os.path.join(tmp, f"restart-{n}"), args.device)
+                r = restart(model, n, args.storage, args.cache_mib, os.path.join(tmp, f"restart-{n}"), args.device,
+                            args.moe_experts, args.cpu_weights)
                 print(f"{restart_line(n, args.storage, r)}; load average {os.getloadavg()[0]:.1f}", flush=True)
     return 0
 
