@@ -129,3 +129,28 @@ def test_truncated_embedding_is_refused_by_name(tmp_path):
     os.truncate(short, t.offset + t.n_bytes // 2)  # cut inside the embedding
     with pytest.raises(ModelLoadError, match=r"short\.gguf: truncated: tensor token_embd\.weight ends past the end"):
         _load(str(short), int4_weights=True)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])  # LFM2 ties its output matrix to the table, Qwen3.5 does not
+@pytest.mark.parametrize("int4_weights", [False, True])
+def test_a_hybrid_gguf_keeps_its_table_in_blocks_with_the_float_tables_logits(tmp_path, monkeypatch, arch,
+                                                                              int4_weights):
+    from engine.model.hybrid import loader as hybrid_loader
+    from tests.hybrid_fixtures import write_tiny_hybrid_gguf
+
+    path = write_tiny_hybrid_gguf(tmp_path, arch, quantize=True)  # Q8_0 tensors, the embedding too
+
+    def logits(lm) -> torch.Tensor:
+        kv, states = lm.model.new_buffers(1, 64)
+        with torch.inference_mode():
+            return lm.model.forward_chunks([SeqChunk(0, 0, torch.arange(3, 40))], kv, states, all_logits=True)[0]
+
+    kept = _load(path, int4_weights)
+    # A tied output matrix in float32 multiplies by the float table every step: that model keeps the table.
+    expect_blocks = not (arch == "lfm2" and not int4_weights)
+    assert isinstance(kept.model.embed, QuantEmbedding) == expect_blocks
+    monkeypatch.setattr(hybrid_loader, "kept_table", lambda *a, **k: None)  # the float table, as before
+    table = _load(path, int4_weights)
+    assert isinstance(table.model.embed, torch.Tensor)
+    assert kept.fingerprint == table.fingerprint
+    assert torch.equal(logits(kept), logits(table))

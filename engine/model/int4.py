@@ -9,7 +9,7 @@ Q4_0/Q4_1 GGUF's weights already lie on such a grid, so the 4-bit codes themselv
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Self, cast
 
 import torch
 
@@ -64,7 +64,7 @@ class Int4Weight:
     @classmethod
     def from_groups(
         cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype = torch.float32
-    ) -> Int4Weight:
+    ) -> Self:
         """From 4-bit codes [out, in] (0..15) with one scale and minimum per group of GROUP values along `in`
         ([out, in // GROUP]; value = scale * code + minimum), e.g. a Q4_0 / Q4_1 / Q4_K GGUF tensor's own."""
         n, k = codes.shape
@@ -76,7 +76,7 @@ class Int4Weight:
     @classmethod
     def from_packed(
         cls, packed: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype = torch.float32
-    ) -> Int4Weight:
+    ) -> Self:
         """From what `packed` and `scales_zeros` held after an earlier packing (engine/model/weights_cache.py)."""
         n, k = shape
         assert can_pack(n, k), shape

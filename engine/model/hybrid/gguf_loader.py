@@ -36,6 +36,7 @@ from engine.model.hybrid import gguf_falcon, gguf_mamba, gguf_nemotron, gguf_qwe
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
 from engine.model.moe_config import MoeConfig
+from engine.model.quant_embedding import QuantEmbedding
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
 GGUF_ARCHITECTURES: tuple[str, ...] = ("lfm2", "granitehybrid", "qwen35")
@@ -204,13 +205,26 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
     content = xxhash.xxh3_128()
 
-    def decode(t: GGUFTensor) -> torch.Tensor:
+    def read(t: GGUFTensor) -> torch.Tensor:
+        """The tensor's bytes from the file, hashed into the fingerprint."""
         raw = torch.empty(t.n_bytes, dtype=torch.uint8)
         f.seek(t.offset)
         # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on; it has it on 3.11 too.
         if f.readinto(memoryview(raw.numpy())) != t.n_bytes:  # type: ignore[arg-type]
             raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
         content.update(raw.numpy())  # type: ignore[arg-type]  # a buffer (see above)
+        return raw
+
+    def blocks(key: str, want: torch.dtype) -> QuantEmbedding | None:
+        """The embedding table as the file's blocks (quant_embedding.py), read where `get` would have read it."""
+        t = tensors.get(key)
+        if t is None or not gguf_dequant.is_blocked(t.qtype) or len(t.shape) != 2:
+            return None
+        content.update(key.encode())
+        return QuantEmbedding(t.name, read(t), t.qtype, (t.shape[0], t.shape[1]), want)
+
+    def decode(t: GGUFTensor) -> torch.Tensor:
+        raw = read(t)
         if t.qtype in gguf_dequant.SUPPORTED:
             return gguf_dequant.dequantize(t.name, raw, t.qtype, t.shape)
         import gguf
@@ -245,7 +259,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
         return w
 
     with open(path, "rb") as f:
-        model = build_hybrid(config, stages, dtype, get, path, cpu_experts, int4_weights)
+        model = build_hybrid(config, stages, dtype, get, path, cpu_experts, int4_weights, blocks)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:

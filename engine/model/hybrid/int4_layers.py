@@ -33,6 +33,19 @@ class Float32Int4Weight(int4.Int4Weight):
         self.rows = rows
         self.shape = tuple(w.shape)
 
+    @classmethod
+    def from_table_groups(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Float32Int4Weight:
+        """From 4-bit groups of a [rows, in] table (a kept embedding's, quant_embedding.QuantEmbedding.int4_groups),
+        padded with zero rows as __init__ pads a float weight (their groups: scale 0, minimum 0)."""
+        rows, cols = codes.shape
+        pad = -rows % ROW_MULTIPLE
+        if pad:
+            codes = torch.cat((codes, codes.new_zeros(pad, cols)))
+            scale, minimum = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (scale, minimum))
+        self = cls.from_groups(codes, scale, minimum)
+        self.rows, self.shape = rows, (rows, cols)
+        return self
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         y = super().mm(x)
         return (y[:, : self.rows] if y.shape[1] != self.rows else y).to(x.dtype)

@@ -17,7 +17,7 @@ import xxhash
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import moe_loading
+from engine.model import int4, moe_loading
 from engine.model.build import LoadedModel
 from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
 from engine.model.hybrid import (
@@ -34,6 +34,7 @@ from engine.model.hybrid import (
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
+from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
 FAMILIES |= {"qwen3_next": qwen3_next, "qwen3_5_moe": qwen3_5_moe}
@@ -65,12 +66,14 @@ def hybrid_config_from_hf(cfg: dict) -> HybridConfig:
 
 def build_hybrid(
     config: HybridConfig, stages: list[tuple[torch.device, int, int]], dtype: torch.dtype, get, path: str,
-    cpu_experts: frozenset[int] = frozenset(), int4_weights: bool = False,
+    cpu_experts: frozenset[int] = frozenset(), int4_weights: bool = False, blocks: BlocksGetter | None = None,
 ) -> HybridCausalLM:
     """The model on `stages` from `get(canonical key) -> CPU tensor | None`; the routed experts of the layers in
     `cpu_experts` stay in host RAM as 4-bit groups (engine/model/moe_placement.py). `int4_weights`
     (`--cpu-weights int4`, float32 on the CPU): each layer's projections and the output matrix become 4-bit
-    groups as they are built (engine/model/hybrid/int4_layers.py)."""
+    groups as they are built (engine/model/hybrid/int4_layers.py). `blocks` gives the embedding table as a GGUF
+    file's quantised blocks (engine/model/quant_embedding.py), kept so on the CPU unless the output matrix is that
+    float table."""
     assert not int4_weights or dtype == torch.float32, "int4 weights take float32 activations"
     c = config
     if not stages or stages[0][1] != 0 or stages[-1][2] != c.n_layers:
@@ -97,7 +100,11 @@ def build_hybrid(
     q_rows = c.n_heads * hd * (2 if c.attention_gate else 1)
     kv_rows = c.n_kv_heads * hd
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
-    embed_cpu = need("embed", (c.vocab_size, d))
+    # Tied and int4: the 4-bit output matrix is built from the blocks' rows (the packing takes whole row groups).
+    tied_int4_packable = int4.can_pack(c.vocab_size + -c.vocab_size % int4_layers.ROW_MULTIPLE, d)
+    float_output = c.tie_word_embeddings and not (int4_weights and tied_int4_packable)
+    table = kept_table(blocks, first_device, dtype, (c.vocab_size, d), path, float_output=float_output)
+    embed_cpu = need("embed", (c.vocab_size, d)) if table is None else None
     layers: list[torch.nn.Module] = []
     for device, a, b in stages:
         device = torch.device(device)
@@ -137,18 +144,40 @@ def build_hybrid(
             startup_progress.report(len(layers), c.n_layers)  # GET /health shows the fraction while loading
     final_norm = norm("norm", d).to(device=last_device, dtype=dtype)
     lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
-    if lm_head_cpu is None:
-        lm_head = embed_cpu
+    head: torch.Tensor | int4_layers.Float32Int4Weight
+    if lm_head_cpu is None and table is not None:  # tied to the kept blocks, with int4 weights (float_output above)
+        head = int4_layers.Float32Int4Weight.from_table_groups(*table.int4_groups())
+    elif lm_head_cpu is None:
+        assert embed_cpu is not None
+        head = embed_cpu
     elif tuple(lm_head_cpu.shape) != (c.vocab_size, d):
         raise ModelLoadError(f"{path}: weight 'lm_head' has shape {tuple(lm_head_cpu.shape)}")
     else:
-        lm_head = lm_head_cpu
-    embed = embed_cpu.to(device=first_device, dtype=dtype).contiguous()
-    head = embed if lm_head is embed_cpu and last_device == first_device else lm_head.to(last_device, dtype).contiguous()
-    model = HybridCausalLM(c, stages, embed=embed, layers=layers, norm=final_norm, lm_head=head)
+        head = lm_head_cpu
+    embed: torch.Tensor | QuantEmbedding
+    if table is not None:
+        embed = table
+    else:
+        assert embed_cpu is not None
+        embed = embed_cpu.to(device=first_device, dtype=dtype).contiguous()
+        if head is embed_cpu and last_device == first_device:
+            head = embed  # tied: one float table
+    if isinstance(head, torch.Tensor) and head is not embed:
+        head = head.to(last_device, dtype).contiguous()
+    model = HybridCausalLM(c, stages, embed=_placeholder(embed), layers=layers, norm=final_norm,
+                           lm_head=_placeholder(head))
+    if isinstance(embed, QuantEmbedding):
+        int4.install(model, "embed", embed)
+    if not isinstance(head, torch.Tensor):
+        int4.install(model, "lm_head", head)
     if int4_weights:
         int4_layers.quantize_head(model)
     return model
+
+
+def _placeholder(w: torch.Tensor | QuantEmbedding | int4.Int4Weight) -> torch.Tensor:
+    # A module's buffer must be a tensor: a QuantEmbedding or 4-bit weight goes in after construction.
+    return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 
 
 def _int4(layer: torch.nn.Module) -> torch.nn.Module:

@@ -30,6 +30,7 @@ from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayo
 from engine.model.int4 import Int4Weight
 from engine.model.llama import SeqChunk, _linear, _logit_rows, rms_norm
 from engine.model.moe import SparseMoe
+from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
 
 
@@ -66,7 +67,7 @@ class HybridCausalLM(torch.nn.Module):
 
     # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
     # int4.quantize_model replaces the projection weights by Int4Weight ones.
-    embed: torch.Tensor
+    embed: torch.Tensor | QuantEmbedding  # a GGUF's own blocks on the CPU (hybrid/loader.py, quant_embedding.py)
     norm: torch.Tensor
     lm_head: torch.Tensor | Int4Weight
 
@@ -152,7 +153,7 @@ class HybridCausalLM(torch.nn.Module):
         positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
         max_pos = max(ch.start + n for ch, n in zip(ordered, lengths, strict=True))
 
-        x = F.embedding(torch.cat([ch.tokens for ch in ordered]).to(self.stages[0][0]), self.embed)
+        x = embed_rows(torch.cat([ch.tokens for ch in ordered]).to(self.stages[0][0]), self.embed)
         if c.embedding_multiplier != 1.0:
             x = x * c.embedding_multiplier
         for device, first, end in self.stages:
