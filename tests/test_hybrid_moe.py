@@ -95,13 +95,13 @@ def test_a_qwen3_next_conversation_with_experts_in_host_ram_parks_and_resumes_ex
 
 
 def test_gguf_expert_layers_without_a_shared_expert_or_with_sigmoid_gating_are_refused(tmp_path):
-    from engine.model.gguf_loading import gguf_metadata, read_gguf
+    from engine.model.gguf_header import read_gguf_header
     from engine.model.hybrid import gguf_qwen35
     from tests.hybrid_fixtures import write_tiny_hybrid_gguf
 
     path = write_tiny_hybrid_gguf(tmp_path, "qwen3_next")
-    reader = read_gguf(path)
-    meta, names = gguf_metadata(reader), {t.name for t in reader.tensors}
+    header = read_gguf_header(path)
+    meta, names = header.metadata, {t.name for t in header.tensors}
     rows = read_model_config(path).vocab_size
     assert gguf_qwen35.config(meta, names, path, rows).moe.dense_layers == ()
     no_shared = {n for n in names if "shexp" not in n}

@@ -37,9 +37,9 @@ def tiny_copy(tiny, tmp_path) -> str:
 
 @pytest.fixture(scope="module")
 def embedded_tokenizer() -> Tokenizer:
-    from engine.model.gguf_loading import gguf_metadata, read_gguf
+    from engine.model.gguf_header import read_gguf_header
 
-    return Tokenizer.from_gguf_metadata(gguf_metadata(read_gguf(embedded_model_path())))
+    return Tokenizer.from_gguf_metadata(read_gguf_header(embedded_model_path()).metadata)
 
 
 # ---------------------------------------------------------------- errors name the file and the reason

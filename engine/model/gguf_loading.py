@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
 
@@ -43,35 +42,6 @@ def _gguf_canonical(name: str) -> str | None:
         if key is not None:
             return f"{index}.{key}"
     return None
-
-
-def read_gguf(path: str):  # -> gguf.GGUFReader
-    """Open a GGUF file (memory-mapped; the last one is reused); ModelLoadError when it is not a readable GGUF."""
-    stat = os.stat(path)
-    return _read_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=1)
-def _read_gguf(path: str, size: int, mtime_ns: int):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct/numpy errors on damaged files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def gguf_metadata(reader) -> dict:
-    """Every metadata field of an open GGUF as plain Python values."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # a field gguf cannot decode is skipped, and reported if it is needed
-            continue
-    return out
 
 
 def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
