@@ -98,7 +98,7 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
     from engine.model import load_model, plan_stages
     from engine.model.graph_decode import configure
     from engine.model.loader import read_model_config
-    from engine.runtime.threads import default_decode_threads
+    from engine.runtime.threads import decode_read_bytes, default_decode_threads
 
     lm = load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32,
                     int4_weights=args.cpu_weights == "int4")
@@ -106,9 +106,10 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
     ids, short = prompt_ids(lm.tokenizer, args.prompt_tokens), prompt_ids(lm.tokenizer, 32)
     rows: list[tuple[str, float, float | None]] = []
     own = torch.get_num_threads()  # PyTorch's default: the engine's --threads 0
+    step_bytes = decode_read_bytes(lm.model)  # what --decode-threads 0 goes by
     for t in threads:
         # 0: each side's defaults (the engine: prefill on PyTorch's threads, decode on its --decode-threads default)
-        prefill_threads, decode_threads = (own, default_decode_threads(own)) if t == 0 else (t, t)
+        prefill_threads, decode_threads = (own, default_decode_threads(own, step_bytes)) if t == 0 else (t, t)
         prefill = on_threads(prefill_threads, engine_prefill(lm, ids, args.prompt_tokens))
         decode = on_threads(decode_threads, engine_decode(lm, short, args.decode_tokens))
         prefill(), decode()  # warm-up
