@@ -146,3 +146,31 @@ def test_a_cached_weight_of_another_shape_is_converted_again(q4_model, tmp_path,
         loaded = _load(q4_model, cache)
     assert any("converting it from the model file" in r.getMessage() for r in caplog.records)
     assert torch.equal(_logits(loaded), _logits(reference))
+
+
+def test_the_built_tokenizer_is_kept_and_a_damaged_one_rebuilt(q4_model, tmp_path, monkeypatch, caplog):
+    from engine.model.tokenizer import Tokenizer
+
+    cache = str(tmp_path / "weights")
+    texts = ["The quick brown fox.", "  spaces, ünïcödé and 日本語 ", "<|im_start|>user\nhi<|im_end|>"]
+    first = _load(q4_model, cache)
+    kept = [n for n in os.listdir(cache) if n.endswith(".tokenizer.json")]
+    assert len(kept) == 1
+    with monkeypatch.context() as patch:  # a kept tokenizer is not built again
+        patch.setattr(Tokenizer, "_gguf_backend", lambda *a: pytest.fail("built a kept tokenizer"))
+        second = _load(q4_model, cache)
+    assert second.tokenizer.fingerprint == first.tokenizer.fingerprint and second.fingerprint == first.fingerprint
+    for text in texts:
+        assert second.tokenizer.encode(text) == first.tokenizer.encode(text)
+        assert second.tokenizer.decode(first.tokenizer.encode(text)) == first.tokenizer.decode(first.tokenizer.encode(text))
+    path = os.path.join(cache, kept[0])
+    with open(path, "r+b") as f:  # one byte of the serialised tokenizer, near the end of the file
+        f.seek(-200, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-200, os.SEEK_END)
+        f.write(b"Z" if byte != b"Z" else b"Y")
+    with caplog.at_level(logging.WARNING, logger="strata.model"):
+        third = _load(q4_model, cache)
+    assert any("tokenizer" in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
+    assert [third.tokenizer.encode(t) for t in texts] == [first.tokenizer.encode(t) for t in texts]
+    assert os.path.isfile(path)  # written again

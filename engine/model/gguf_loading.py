@@ -18,7 +18,7 @@ from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_heade
 from engine.model.quant_embedding import QuantEmbedding
 from engine.model.sliding import gguf_sliding_layers
 from engine.model.tokenizer import Tokenizer, TokenizerError
-from engine.model.weights_cache import DerivedWeights
+from engine.model.weights_cache import DerivedWeights, KeptTokenizer
 
 _GGUF_LAYER_NAMES = {
     "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
@@ -148,10 +148,14 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
     config = _gguf_config(meta, {t.name for t in directory}, path)
     file_size = os.path.getsize(path)
     _check_gguf_tensors(path, directory, tensors)
+    kept_tokenizer = KeptTokenizer(weights_cache_dir, path, header_size) if weights_cache_dir else None
+    kept = kept_tokenizer.load() if kept_tokenizer is not None else None
     try:
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        tokenizer = Tokenizer.from_gguf_metadata(meta, kept)
     except TokenizerError as e:
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
+    if kept_tokenizer is not None and kept is None:
+        kept_tokenizer.save(tokenizer.backend, tokenizer.fingerprint)
     if config.gemma and not tokenizer.chat_template:  # llama.cpp's converter leaves Gemma's template out
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).

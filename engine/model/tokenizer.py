@@ -117,22 +117,15 @@ class Tokenizer:
             special_tokens=special,
         )
 
-    @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
-        """From GGUF `tokenizer.ggml.*` metadata (byte-level BPE "gpt2" or sentencepiece "llama")."""
-        kind = meta.get("tokenizer.ggml.model")
-        tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
-        if not tokens:
-            raise TokenizerError("no tokenizer.ggml.tokens in the metadata")
-        token_types = list(meta.get("tokenizer.ggml.token_type") or [])
-        merges = meta.get("tokenizer.ggml.merges")
+    @staticmethod
+    def _gguf_backend(meta: dict[str, Any], kind: str, tokens: list[str], token_types: list[int],
+                      merges: list[str] | None) -> tuple[FastTokenizer, str]:
+        """The tokenizers backend the metadata describes and its fingerprint."""
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, merges or [], meta.get("tokenizer.ggml.pre") or "default")
-        elif kind == "llama":
+        else:
             backend = _sentencepiece_bpe(tokens, merges, meta.get("tokenizer.ggml.scores"), token_types,
                                          add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", True))
-        else:
-            raise TokenizerError(f"tokenizer model {kind!r} is not supported (expected gpt2 or llama)")
         special_added = [
             AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types, strict=False) if ty == _CONTROL
         ]
@@ -143,7 +136,25 @@ class Tokenizer:
             backend.add_special_tokens(special_added)
         if user_added:
             backend.add_tokens(user_added)
+        h = xxhash.xxh3_128()
+        for part in (tokens, merges or [], token_types, [kind, meta.get("tokenizer.ggml.pre") or ""]):
+            h.update(json.dumps(part, ensure_ascii=False).encode())
+        return backend, h.hexdigest()
 
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], kept: tuple[FastTokenizer, str] | None = None) -> Tokenizer:
+        """From GGUF `tokenizer.ggml.*` metadata (byte-level BPE "gpt2" or sentencepiece "llama"). `kept`: the
+        backend and fingerprint an earlier call built from the same metadata (engine/model/weights_cache.py), so
+        neither is built again (a 262K-token sentencepiece vocabulary takes seconds)."""
+        kind = meta.get("tokenizer.ggml.model")
+        tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise TokenizerError("no tokenizer.ggml.tokens in the metadata")
+        token_types = list(meta.get("tokenizer.ggml.token_type") or [])
+        merges = meta.get("tokenizer.ggml.merges")
+        if kind not in ("gpt2", "llama"):
+            raise TokenizerError(f"tokenizer model {kind!r} is not supported (expected gpt2 or llama)")
+        backend, fingerprint = kept if kept is not None else cls._gguf_backend(meta, kind, tokens, token_types, merges)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos: set[int] = set()
         for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
@@ -159,15 +170,12 @@ class Tokenizer:
             value = meta.get(f"tokenizer.ggml.{name}_token_id")
             if value is not None and 0 <= int(value) < len(tokens):
                 special[{"unknown": "unk", "padding": "pad"}.get(name, name) + "_token"] = tokens[int(value)]
-        h = xxhash.xxh3_128()
-        for part in (tokens, merges or [], token_types, [kind, meta.get("tokenizer.ggml.pre") or ""]):
-            h.update(json.dumps(part, ensure_ascii=False).encode())
         return cls(
             backend,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=eos,
             chat_template=meta.get("tokenizer.chat_template") or "",
-            fingerprint=h.hexdigest(),
+            fingerprint=fingerprint,
             add_bos=bool(add_bos) and bos is not None,
             special_tokens=special,
         )

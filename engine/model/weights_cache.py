@@ -32,6 +32,7 @@ log = logging.getLogger("strata.model")
 FORMAT = 1  # bump when what is derived, or how, changes: older files then simply stop matching
 KEEP = 3  # cache files kept (the newest used); each is about the size of the model's 4-bit weights
 _NAME_RE = re.compile(r"^.+-[0-9a-f]{16}\.int4\.safetensors$")
+_TOKENIZER_RE = re.compile(r"^.+-[0-9a-f]{16}\.tokenizer\.json$")
 
 
 class DerivedWeights:
@@ -43,8 +44,7 @@ class DerivedWeights:
         self.folder = folder
         self.key = _key(source, header_size, options)
         digest = xxhash.xxh3_64(json.dumps(self.key, sort_keys=True).encode()).hexdigest()
-        stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.splitext(os.path.basename(source))[0])[:64]
-        self.path = os.path.join(folder, f"{stem}-{digest}.int4.safetensors")
+        self.path = os.path.join(folder, f"{_stem(source)}-{digest}.int4.safetensors")
         self.fingerprint: str | None = None  # the model's weights fingerprint, from the file on a hit
         self._found: dict[str, Int4Weight] = {}
         self._built: dict[str, Int4Weight] = {}
@@ -94,7 +94,7 @@ class DerivedWeights:
                         self.path, e.strerror or e)
             return
         log.info("weights cache: wrote %s (%.0f MiB)", self.path, n / 2**20)
-        _prune(self.folder, keep=self.path)
+        _prune(self.folder, keep=self.path, pattern=_NAME_RE)
 
     def _read(self) -> None:
         if not os.path.isfile(self.path):
@@ -112,10 +112,18 @@ class DerivedWeights:
         log.info("weights cache: %d weights from %s", len(found), self.path)
 
 
+def _header_hash(source: str, header_size: int) -> str:
+    with open(source, "rb") as f:
+        return xxhash.xxh3_128(f.read(header_size)).hexdigest()
+
+
+def _stem(source: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", os.path.splitext(os.path.basename(source))[0])[:64]
+
+
 def _key(source: str, header_size: int, options: dict) -> dict:
     st = os.stat(source)
-    with open(source, "rb") as f:
-        header = xxhash.xxh3_128(f.read(header_size)).hexdigest()
+    header = _header_hash(source, header_size)
     return {
         "format": FORMAT, "source": os.path.abspath(source), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
         "inode": st.st_ino, "header": header, "torch": torch.__version__,
@@ -158,8 +166,9 @@ def _load(path: str, key: dict) -> tuple[dict[str, Int4Weight], str]:
     return found, fingerprint
 
 
-def _prune(folder: str, keep: str) -> None:
-    """Remove all but the KEEP newest cache files from `folder`, and temp files a crash left a day ago or more."""
+def _prune(folder: str, keep: str, pattern: re.Pattern[str]) -> None:
+    """Remove all but the KEEP newest cache files of `pattern` from `folder`, and temp files a crash left a day ago
+    or more."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -168,7 +177,7 @@ def _prune(folder: str, keep: str) -> None:
     for name in names:
         path = os.path.join(folder, name)
         with contextlib.suppress(OSError):
-            if _NAME_RE.match(name):
+            if pattern.match(name):
                 files.append((os.stat(path).st_mtime_ns, path))
             elif atomic.is_temp_name(name) and os.stat(path).st_mtime < day_ago:  # not one being written now
                 os.unlink(path)
@@ -177,3 +186,54 @@ def _prune(folder: str, keep: str) -> None:
         if path != keep:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+class KeptTokenizer:
+    """A GGUF model's built tokenizers backend and its fingerprint, kept beside the weights: the tokenizer is
+    wholly described by the header's metadata, so the header's bytes (and the tokenizers version that serialises
+    it) are its key. Checked against an xxh3 of its JSON before use; anything else is rebuilt and written again."""
+
+    def __init__(self, folder: str, source: str, header_size: int) -> None:
+        import tokenizers
+
+        self.folder = folder
+        self.key = {"format": FORMAT, "header": _header_hash(source, header_size), "tokenizers": tokenizers.__version__}
+        digest = xxhash.xxh3_64(json.dumps(self.key, sort_keys=True).encode()).hexdigest()
+        self.path = os.path.join(folder, f"{_stem(source)}-{digest}.tokenizer.json")
+
+    def load(self):  # -> tuple[tokenizers.Tokenizer, str] | None
+        """(backend, fingerprint) from the kept file, or None (missing, damaged or another key's: then removed)."""
+        if not os.path.isfile(self.path):
+            return None
+        from tokenizers import Tokenizer as FastTokenizer
+
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                kept = json.load(f)
+            text = kept["tokenizer"]
+            if kept.get("key") != self.key or xxhash.xxh3_128(text.encode()).hexdigest() != kept.get("xxh3"):
+                raise ValueError("another model's, or damaged")
+            backend = FastTokenizer.from_str(text)
+            fingerprint = str(kept["fingerprint"])
+        except Exception as e:  # noqa: BLE001 - unreadable, not JSON, fields missing, or from_str's own errors
+            log.warning("weights cache: tokenizer %s refused (%s); building it from the model file", self.path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(self.path)
+        return backend, fingerprint
+
+    def save(self, backend, fingerprint: str) -> None:
+        """Keep `backend` (a tokenizers.Tokenizer) and its fingerprint; a write error is logged, nothing is left
+        under the real name."""
+        text = backend.to_str()
+        body = json.dumps({"key": self.key, "fingerprint": fingerprint, "xxh3": xxhash.xxh3_128(text.encode()).hexdigest(),
+                           "tokenizer": text}, ensure_ascii=False)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            atomic.atomic_write(self.path, [body.encode()])
+        except OSError as e:
+            log.warning("weights cache: could not write %s (%s)", self.path, e.strerror or e)
+            return
+        _prune(self.folder, keep=self.path, pattern=_TOKENIZER_RE)
