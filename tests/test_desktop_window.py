@@ -128,7 +128,9 @@ def test_an_answer_of_an_unknown_shape_is_an_error_not_a_success(qtbot, window):
 def test_stop_greys_the_monitor_and_crash_shows_restart(qtbot, window):
     window.start()
     ready(qtbot, window)
-    qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 2, timeout=5000)
+    # Both polls answered (the conversation list and /metrics come separately): the figures the banner dates.
+    qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 2 and window.monitor.last_update is not None,
+                    timeout=5000)
     window.stop_button.click()
     qtbot.waitUntil(lambda: window.engine.state is EngineState.STOPPED, timeout=10000)
     assert "The engine is stopped." in window.monitor.banner.text() and "Figures below are from" in window.monitor.banner.text()
