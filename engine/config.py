@@ -217,7 +217,8 @@ class EngineConfig:
         kind="choice", group="model", choices=("auto", "float", "int4"),
         help="int4: projection weights as 4-bit groups with bfloat16 activations on CPU (several times less memory "
         "read per token: ~3x faster decode; logits differ slightly from float32); float: float32 weights, logits "
-        "as transformers computes them; auto: int4 when the model runs on the CPU in float32, else float",
+        "as transformers computes them; auto: int4 when the model runs on the CPU in float32 and this PyTorch's 4-bit "
+        "kernel is vectorised for the CPU (timed at start-up; PyTorch for Windows has only a scalar one), else float",
     )
     weights_cache: str = setting(
         "on", flag="--weights-cache", label="Keep converted weights",

@@ -209,3 +209,48 @@ def test_int4_decode_rows_are_batch_invariant_and_close_to_float32():
     for step, (f, ref) in enumerate(zip(float_head_rows, reference, strict=True)):
         relative = ((f - ref).norm() / ref.norm()).item()
         assert relative < 0.05, f"step {step}: logits with int4 projections {relative:.3f} from float32"
+
+
+_CHOOSE = """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+from engine.model import int4
+from engine.runtime.startup import _weights_format
+cpu = [(torch.device("cpu"), 0, 2)]
+print("capability", torch.backends.cpu.get_cpu_capability())
+print("auto ->", _weights_format("auto", torch.float32, cpu))
+print("int4 ->", _weights_format("int4", torch.float32, cpu))
+print("bf16 auto ->", _weights_format("auto", torch.bfloat16, cpu))
+"""
+
+
+def _choose_weights(capability: str | None) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if capability:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    done = subprocess.run([sys.executable, "-c", _CHOOSE], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_auto_keeps_float_weights_where_the_4bit_kernel_is_the_scalar_fallback():
+    # ATEN_CPU_CAPABILITY=default runs PyTorch's scalar 4-bit kernel, as every MSVC build (PyTorch on Windows)
+    # does: ~25x a float32 product's time, against ~0.7-1.4x where it is vectorised.
+    out = _choose_weights("default")
+    assert "capability DEFAULT" in out
+    assert "auto -> float" in out and "--cpu-weights auto: float32 weights, as" in out
+    assert "int4 -> int4" in out and "--cpu-weights int4: this PyTorch's 4-bit CPU kernel runs" in out
+    assert "bf16 auto -> float" in out
+
+
+def test_auto_takes_int4_weights_where_the_kernel_is_vectorised():
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("PyTorch has no vectorised 4-bit kernel for this CPU")
+    out = _choose_weights("avx2")
+    assert "capability AVX2" in out and "auto -> int4" in out and "4-bit CPU kernel: " in out
+    assert "WARNING" not in out

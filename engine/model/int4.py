@@ -9,6 +9,8 @@ Q4_0/Q4_1 GGUF's weights already lie on such a grid, so the 4-bit codes themselv
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Self, cast
 
 import torch
@@ -26,6 +28,50 @@ def available() -> bool:
     """Whether this torch build has the CPU int4 kernels."""
     ops = torch.ops.aten
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+# How much slower than a float32 matmul the 4-bit kernel may run on weights in cache and still be chosen by
+# `--cpu-weights auto`: decode streams weights from memory, where 4-bit groups read ~7x fewer bytes. Measured on
+# a 1x1024 @ 1024x1024 product (one thread): AVX-512 0.68x, AVX2 1.35x, and 29x where PyTorch has no vectorised
+# kernel (its scalar fallback: ATEN_CPU_CAPABILITY=default, and every MSVC build, i.e. PyTorch on Windows).
+SLOWER_LIMIT = 4.0
+
+
+@functools.cache
+def kernel_slowdown() -> float:
+    """Time of the 4-bit kernel over float32's for one decode-shaped product on one thread (best of 8 each),
+    measured once per process: ~1 with a vectorised kernel, tens of times more with the scalar fallback."""
+    assert available()
+    n = k = 1024
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        w = torch.full((n, k), 0.5)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((n, k), 7, dtype=torch.int32), 1)
+        scales_zeros = torch.full((k // GROUP, n, 2), 0.25, dtype=torch.bfloat16)
+        x = torch.full((1, k), 0.5)
+        xb = x.to(torch.bfloat16)
+        as_float = _best(lambda: torch.nn.functional.linear(x, w))
+        as_int4 = _best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_zeros))
+    finally:
+        torch.set_num_threads(threads)
+    return as_int4 / as_float
+
+
+def _best(run, rounds: int = 8) -> float:
+    run()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9)
+
+
+def fast_here() -> bool:
+    """Whether this PyTorch build's 4-bit CPU kernel is vectorised on this CPU (kernel_slowdown within
+    SLOWER_LIMIT); without one, float32 weights decode several times faster."""
+    return available() and kernel_slowdown() <= SLOWER_LIMIT
 
 
 def can_pack(rows: int, cols: int) -> bool:

@@ -70,6 +70,10 @@ def check_cpu_experts(config: Any, layers: frozenset[int], available: int) -> No
     if not int4.available():
         raise ValueError(f"--moe-experts cpu / --moe-cpu-layers: experts on the CPU are kept as 4-bit groups, "
                          f"and this PyTorch ({torch.__version__}) has no CPU int4 kernels")
+    if not int4.fast_here():
+        log.warning("experts on the CPU run as 4-bit groups, and this PyTorch's 4-bit CPU kernel is %.0fx slower "
+                    "than float32 here (no vectorised kernel for this CPU or build): expect slow experts",
+                    int4.kernel_slowdown())
     need = len(layers) * routed_expert_weights(config) * INT4_BYTES_PER_WEIGHT
     if need > available:
         raise ValueError(f"--moe-experts cpu / --moe-cpu-layers: the experts of {len(layers)} layers need about "

@@ -111,13 +111,28 @@ class Startup(EngineState):
 
 
 def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
-    """The effective --cpu-weights: auto means int4 where it applies (CPU, float32, kernels present)."""
-    if choice != "auto":
-        return choice
+    """The effective --cpu-weights: auto means int4 where it applies (CPU, float32, kernels present) and this
+    PyTorch's 4-bit kernel is vectorised on this CPU (int4.fast_here); an explicit int4 on a scalar kernel is
+    kept, with a warning."""
     from engine.model import int4
 
     on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in stages)
-    return "int4" if on_cpu and dtype == torch.float32 and int4.available() else "float"
+    applies = on_cpu and dtype == torch.float32 and int4.available()
+    if not applies:
+        return "float" if choice == "auto" else choice
+    slowdown = int4.kernel_slowdown()
+    if slowdown <= int4.SLOWER_LIMIT:
+        log.info("4-bit CPU kernel: %.2fx float32's time on weights in cache", slowdown)
+        return "int4" if choice == "auto" else choice
+    why = (f"this PyTorch's 4-bit CPU kernel runs {slowdown:.0f}x slower than float32 here (a scalar fallback: "
+           f"no vectorised kernel for this CPU, or a build such as PyTorch for Windows that leaves it out)")
+    if choice == "int4":
+        log.warning("--cpu-weights int4: %s; --cpu-weights float (or auto) decodes faster", why)
+        return choice
+    if choice == "auto":
+        log.warning("--cpu-weights auto: float32 weights, as %s", why)
+        return "float"
+    return choice
 
 
 def _gpu_weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
