@@ -214,11 +214,13 @@ class EngineConfig:
     )
     cpu_weights: str = setting(
         "auto", flag="--cpu-weights", label="Weights on the CPU",
-        kind="choice", group="model", choices=("auto", "float", "int4"),
+        kind="choice", group="model", choices=("auto", "float", "int4", "float16"),
         help="int4: projection weights as 4-bit groups with bfloat16 activations on CPU (several times less memory "
-        "read per token: ~3x faster decode; logits differ slightly from float32); float: float32 weights, logits "
-        "as transformers computes them; auto: int4 when the model runs on the CPU in float32 and this PyTorch's 4-bit "
-        "kernel is vectorised for the CPU (timed at start-up; PyTorch for Windows has only a scalar one), else float",
+        "read per token: ~3x faster decode; logits differ slightly from float32); float16: as float16 through "
+        "FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's; dense models); float: float32 weights, "
+        "logits as transformers computes them; auto: on the CPU in float32, int4 where PyTorch's 4-bit kernel is "
+        "vectorised for this CPU (timed at start-up), else float16 (PyTorch for Windows has only a scalar 4-bit "
+        "kernel), else float",
     )
     weights_cache: str = setting(
         "on", flag="--weights-cache", label="Keep converted weights",

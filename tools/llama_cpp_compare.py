@@ -4,7 +4,7 @@
         [--model PATH|gemma3-270m] [--threads 2,1] [--rounds 2] [--prompt-tokens 512] [--decode-tokens 64]
 
 - Decode and prefill tok/s, per thread count: the engine's forward in this process (the weights format the
-  server picks by default on CPU, int4, unless --cpu-weights float) against `llama-bench -p P -n N -t T -r 1`,
+  server picks by default on CPU, unless --cpu-weights names one) against `llama-bench -p P -n N -t T -r 1`,
   one round of each in turn, best of --rounds each side. The engine decodes after a 32-token prompt and times
   greedy argmax steps; llama-bench's `tg` test generates from an empty context.
 - Cold start: spawning the server to `GET /health` 200, `strata serve --conversation-cache-mib 0` against
@@ -98,10 +98,17 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
     from engine.model import load_model, plan_stages
     from engine.model.graph_decode import configure
     from engine.model.loader import read_model_config
+    from engine.runtime.startup import _weights_format
     from engine.runtime.threads import decode_read_bytes, default_decode_threads
 
-    lm = load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32,
-                    int4_weights=args.cpu_weights == "int4")
+    stages = plan_stages(read_model_config(path).n_layers, "cpu", "")
+    weights = _weights_format(args.cpu_weights, torch.float32, stages)  # auto: as the server decides
+    lm = load_model(path, stages, torch.float32, int4_weights=weights == "int4")
+    if weights == "float16":
+        from engine.model import float16
+
+        float16.pack_model(lm.model)
+    print(f"# weights: {weights} (--cpu-weights {args.cpu_weights})", flush=True)
     print(f"# {configure(lm.model, 1, cuda_graphs=True, deterministic=False)}", flush=True)  # as the server does
     ids, short = prompt_ids(lm.tokenizer, args.prompt_tokens), prompt_ids(lm.tokenizer, 32)
     rows: list[tuple[str, float, float | None]] = []
@@ -254,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--park-tokens", type=int, default=1000, help="prompt tokens of each parked conversation")
     parser.add_argument("--ctx-size", type=int, default=8192, help="both servers' context (one slot)")
-    parser.add_argument("--cpu-weights", choices=("int4", "float"), default="int4",
-                        help="the engine's weights in the throughput rows (int4 = the default on CPU)")
+    parser.add_argument("--cpu-weights", choices=("auto", "int4", "float", "float16"), default="auto",
+                        help="the engine's weights in the throughput rows (auto: what the server picks)")
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH", ""))
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
     parser.add_argument("--no-throughput", action="store_true", help="only the server rows")

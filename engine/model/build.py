@@ -31,7 +31,7 @@ class LoadedModel:
     path: str
     fingerprint: str  # xxh3-128 of the file headers and of every tensor's bytes, hashed in the one loading read
     dtype: torch.dtype
-    weights_format: str = "float"  # "float" or "int4"; set by Engine.from_config from its choice of weights
+    weights_format: str = "float"  # "float", "int4" or "float16"; set by Engine.from_config from its choice of weights
 
 
 def _stage_checks(config: ModelConfig, stages: list[tuple[torch.device, int, int]], path: str) -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
+from engine.model.float16 import Float16Weight
 from engine.model.int4 import Int4Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
@@ -79,7 +80,8 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(
-    x: torch.Tensor, w: torch.Tensor | Int4Weight, n_single: int, bias: torch.Tensor | None = None, *, fast: bool = False
+    x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight, n_single: int, bias: torch.Tensor | None = None, *,
+    fast: bool = False,
 ) -> torch.Tensor:
     """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring).
 
@@ -94,6 +96,8 @@ def _linear(
         y = w.mm(x)
         if bias is not None:
             y = y.to(x.dtype)
+    elif isinstance(w, Float16Weight):  # rows independent of the row count (engine/model/float16.py)
+        y = w.mm(x)
     elif _onednn(w):
         n = x.shape[0]
         if n == 1:
@@ -110,7 +114,7 @@ def _linear(
     return y
 
 
-def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight, *, fast: bool = False) -> torch.Tensor:
+def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight, *, fast: bool = False) -> torch.Tensor:
     """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch); with `fast`
     (see `_linear`) one GEMM over all rows."""
     if fast and isinstance(w, torch.Tensor) and not _onednn(w):
@@ -119,6 +123,8 @@ def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight, *, fast: bool = F
         if fast or h.shape[0] == 1:  # CUDA 4-bit weights (engine.model.gpu_weights): one call over all rows
             return w(h)
         return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])])
+    if isinstance(w, Float16Weight):
+        return w(h)
     if _onednn(w):
         if h.shape[0] == 1:
             return _onednn_linear(h, w)

@@ -35,7 +35,14 @@ from engine.runtime.pending_restores import PendingRestores
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_buffers
-from engine.runtime.startup import _check_int4, _gpu_weights_format, _quantize_gpu_weights, _weights_format
+from engine.runtime.startup import (
+    _check_float16,
+    _check_int4,
+    _gpu_weights_format,
+    _pack_float16,
+    _quantize_gpu_weights,
+    _weights_format,
+)
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
 from engine.runtime.threads import (
@@ -139,6 +146,8 @@ class Engine(Scheduler):
         weights_format = _weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
             _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
+        elif weights_format == "float16":
+            _check_float16(dtype, stages)
         gpu_format = _gpu_weights_format(config.gpu_weights, dtype, stages)
         progress.begin("loading weights")  # int4 packing included: the 4-bit weights are built as they are read
         # The model builder reports each layer built, the disk tier each file indexed (startup_progress.report).
@@ -149,6 +158,8 @@ class Engine(Scheduler):
             if gpu_format == "int4":
                 _quantize_gpu_weights(loaded)
                 weights_format = "int4"
+            elif weights_format == "float16":
+                weights_format = _pack_float16(loaded)
             loaded.weights_format = weights_format
             engine = cls(config, loaded, stages, progress)
         progress.finish()

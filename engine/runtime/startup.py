@@ -111,28 +111,32 @@ class Startup(EngineState):
 
 
 def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
-    """The effective --cpu-weights: auto means int4 where it applies (CPU, float32, kernels present) and this
-    PyTorch's 4-bit kernel is vectorised on this CPU (int4.fast_here); an explicit int4 on a scalar kernel is
+    """The effective --cpu-weights. auto, for a float32 model on the CPU: int4 where this PyTorch's 4-bit kernel
+    is vectorised on this CPU (int4.kernel_slowdown, timed once), else float16 where FBGEMM is there (PyTorch for
+    Windows: engine/model/float16.py), else float; anywhere else float. An explicit int4 on a scalar kernel is
     kept, with a warning."""
-    from engine.model import int4
+    from engine.model import float16, int4
 
     on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in stages)
-    applies = on_cpu and dtype == torch.float32 and int4.available()
-    if not applies:
-        return "float" if choice == "auto" else choice
+    if not (on_cpu and dtype == torch.float32):
+        return "float" if choice == "auto" else choice  # an explicit choice is checked (refused) by the caller
+    if choice in ("float", "float16"):
+        return choice
+    fallback = "float16" if float16.available() else "float"
+    if not int4.available():
+        return fallback if choice == "auto" else choice
     slowdown = int4.kernel_slowdown()
     if slowdown <= int4.SLOWER_LIMIT:
         log.info("4-bit CPU kernel: %.2fx float32's time on weights in cache", slowdown)
-        return "int4" if choice == "auto" else choice
+        return "int4"
     why = (f"this PyTorch's 4-bit CPU kernel runs {slowdown:.0f}x slower than float32 here (a scalar fallback: "
            f"no vectorised kernel for this CPU, or a build such as PyTorch for Windows that leaves it out)")
     if choice == "int4":
-        log.warning("--cpu-weights int4: %s; --cpu-weights float (or auto) decodes faster", why)
-        return choice
-    if choice == "auto":
-        log.warning("--cpu-weights auto: float32 weights, as %s", why)
-        return "float"
-    return choice
+        log.warning("--cpu-weights int4: %s; --cpu-weights auto decodes faster", why)
+        return "int4"
+    log.warning("--cpu-weights auto: %s weights, as %s", "float16 (FBGEMM)" if fallback == "float16" else "float32",
+                why)
+    return fallback
 
 
 def _gpu_weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
@@ -149,6 +153,36 @@ def _quantize_gpu_weights(loaded) -> None:
     before, after = gpu_weights.quantize_model(loaded.model)
     log.info("--gpu-weights int4: %.0f MiB of projection weights as %.0f MiB of 4-bit groups", before / 2**20,
              after / 2**20)
+
+
+def _check_float16(dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> None:
+    """ValueError when `--cpu-weights float16` cannot apply."""
+    from engine.model import float16
+
+    if any(torch.device(d).type != "cpu" for d, _, _ in stages):
+        raise ValueError("--cpu-weights float16: only for models on the CPU; use --cpu-weights float with --devices "
+                         "cuda")
+    if dtype != torch.float32:
+        raise ValueError("--cpu-weights float16: needs --dtype float32 (or auto) on the CPU")
+    if not float16.available():
+        raise ValueError(f"--cpu-weights float16: this PyTorch ({torch.__version__}) has no FBGEMM fp16 linear (x86 "
+                         "builds have it); use --cpu-weights auto")
+
+
+def _pack_float16(loaded) -> str:
+    """--cpu-weights float16 on a loaded CPU model: its projections and output matrix packed as float16; returns
+    the weights format the model ends up with (a hybrid model's blocks take no packed weights: float)."""
+    from engine.model import float16
+    from engine.model.llama import CausalLM
+
+    if not isinstance(loaded.model, CausalLM):
+        log.info("--cpu-weights float16: %s keeps float32 weights (its recurrent blocks take no packed ones)",
+                 loaded.config.architecture)
+        return "float"
+    before, after = float16.pack_model(loaded.model)
+    log.info("--cpu-weights float16: %.0f MiB of projection weights as %.0f MiB of packed float16", before / 2**20,
+             after / 2**20)
+    return "float16"
 
 
 def _check_int4(dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> None:

@@ -1,0 +1,78 @@
+"""16-bit weights for CPU decoding where the 4-bit kernel is not vectorised (`--cpu-weights float16`).
+
+PyTorch compiles its vectorised 4-bit CPU kernel for AVX2 and AVX-512 only, and not at all under MSVC: PyTorch
+for Windows runs a scalar loop, ~25x slower than a float32 product (engine/model/int4.py, kernel_slowdown).
+There the projections and the output matrix are kept as float16 and multiplied by FBGEMM's fp16 GEMM (a part of
+every x86 PyTorch build, with its own AVX2 / AVX-512 kernels chosen at run time): half the bytes float32 reads a
+token, float32 activations and accumulation, so logits stay within ~1e-3 of float32's (the weights' own float16
+rounding) where 4-bit groups with bfloat16 activations are ~5e-2 away. Its rows do not depend on how many rows
+share a call or on the thread count (tests/test_float16_weights.py checks both), so decode stays batch-invariant.
+
+Measured on the bundled model, one thread, with the scalar 4-bit kernel forced (ATEN_CPU_CAPABILITY=default):
+47 tok/s against 11.3 for float32 weights and 2.4 for 4-bit ones (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import cast
+
+import torch
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this PyTorch has FBGEMM's fp16 linear (x86 builds; not ARM ones)."""
+    ops = torch.ops.quantized
+    if not (hasattr(ops, "linear_prepack_fp16") and hasattr(ops, "linear_dynamic_fp16")):
+        return False
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:  # a build can list the ops and still refuse them at run time
+        packed = ops.linear_prepack_fp16(torch.ones(8, 8), None)
+        return bool(torch.equal(ops.linear_dynamic_fp16(torch.ones(1, 8), packed), torch.full((1, 8), 8.0)))
+    except RuntimeError:
+        return False
+
+
+class Float16Weight:
+    """A float32 [out, in] weight kept as FBGEMM-packed float16; calling it computes x @ w.T in float32."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        assert w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.float32, (w.shape, w.device, w.dtype)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w.contiguous(), None)
+        self.shape = tuple(w.shape)
+        self.dtype = torch.float32
+        self.device = w.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * 2
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T for float32 rows x [n, in] -> [n, out]."""
+        return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(x)
+
+
+def pack_model(model: torch.nn.Module) -> tuple[int, int]:
+    """Replace the float32 CPU projection and output weights of a CausalLM by Float16Weight, one at a time (the
+    float32 tensor is freed as its packed copy is made); returns (bytes before, after). A tied output matrix is
+    packed too: the token embedding keeps the float32 table (a step looks up one row of it)."""
+    from engine.model.int4 import install
+
+    before = after = 0
+    layers = cast(torch.nn.ModuleList, model.layers)
+    targets = [(layer, name) for layer in layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    targets.append((model, "lm_head"))
+    for owner, name in targets:
+        w = getattr(owner, name)
+        if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.float32):
+            continue
+        packed = Float16Weight(w)
+        before += w.nbytes
+        after += packed.nbytes
+        install(owner, name, packed)
+    return before, after
