@@ -179,7 +179,7 @@ def _build(
             layers.append(layer)
             # The layer's temporaries were freed among the kept weights; without this the heap keeps their
             # pages (~100 MB for SmolLM2 in int4, half its weights).
-            _release_freed_memory()
+            release_freed_memory()
             startup_progress.report(len(layers), n_layers)  # GET /health shows the fraction while loading
     norm = need("norm", (hidden,), last_device)
     lm_head: torch.Tensor | Int4Weight
@@ -197,11 +197,11 @@ def _build(
         int4.install(model, "embed", embed)
     if isinstance(lm_head, Int4Weight):
         int4.install(model, "lm_head", lm_head)
-    _release_freed_memory()
+    release_freed_memory()
     return model
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc keeps what many small objects freed, e.g. the
     GGUF reader's, counted in RSS); a no-op elsewhere."""
     if sys.platform.startswith("linux"):

@@ -4,7 +4,8 @@ PyTorch compiles its vectorised 4-bit CPU kernel for AVX2 and AVX-512 only, and 
 for Windows runs a scalar loop, ~25x slower than a float32 product (engine/model/int4.py, kernel_slowdown).
 There the projections and the output matrix are kept as float16 and multiplied by FBGEMM's fp16 GEMM (a part of
 every x86 PyTorch build, with its own AVX2 / AVX-512 kernels chosen at run time): half the bytes float32 reads a
-token, float32 activations and accumulation, so logits stay within ~1e-3 of float32's (the weights' own float16
+token where `in` is a multiple of 512 (FBGEMM pads it to whole blocks: the bundled model's 576 columns take as
+much memory as float32), float32 activations and accumulation, so logits stay within ~1e-3 of float32's (the weights' own float16
 rounding) where 4-bit groups with bfloat16 activations are ~5e-2 away. Its rows do not depend on how many rows
 share a call or on the thread count (tests/test_float16_weights.py checks both), so decode stays batch-invariant.
 
@@ -18,6 +19,10 @@ import functools
 from typing import cast
 
 import torch
+
+# The column block FBGEMM's fp16 packing pads `in` to (with its AVX-512 kernels; a smaller one with AVX2 makes
+# nbytes an upper bound).
+_PACKED_COLS = 512
 
 
 @functools.cache
@@ -47,7 +52,9 @@ class Float16Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * 2
+        """The packed matrix's size: FBGEMM pads `in` to whole blocks of _PACKED_COLS values (measured by RSS:
+        1.78x the float16 bytes at 576 columns, 1.00x at 1024, 1536 and 4096)."""
+        return self.shape[0] * -(-self.shape[1] // _PACKED_COLS) * _PACKED_COLS * 2
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T for float32 rows x [n, in] -> [n, out]."""
@@ -61,6 +68,7 @@ def pack_model(model: torch.nn.Module) -> tuple[int, int]:
     """Replace the float32 CPU projection and output weights of a CausalLM by Float16Weight, one at a time (the
     float32 tensor is freed as its packed copy is made); returns (bytes before, after). A tied output matrix is
     packed too: the token embedding keeps the float32 table (a step looks up one row of it)."""
+    from engine.model.build import release_freed_memory
     from engine.model.int4 import install
 
     before = after = 0
@@ -75,4 +83,6 @@ def pack_model(model: torch.nn.Module) -> tuple[int, int]:
         before += w.nbytes
         after += packed.nbytes
         install(owner, name, packed)
+        del w, packed
+    release_freed_memory()  # the float32 tensors' pages back to the system (glibc keeps them otherwise)
     return before, after
