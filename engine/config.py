@@ -20,6 +20,8 @@ import platformdirs
 APP_NAME = "strata"
 STORAGE_MODES = ("ram", "disk", "tiered")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --cpu-weights: engine/runtime/startup.py resolves auto (engine/model/int4.py, engine/model/float16.py)
+CPU_WEIGHTS = ("auto", "float", "int4", "float16")
 PURGE_TIERS = ("ram", "disk", "all")
 # How a form shows a setting: a line of text, a list of choices, a size in MiB (GiB accepted), a hidden key,
 # a folder (with Browse), or the model (a file or a folder).
@@ -214,7 +216,7 @@ class EngineConfig:
     )
     cpu_weights: str = setting(
         "auto", flag="--cpu-weights", label="Weights on the CPU",
-        kind="choice", group="model", choices=("auto", "float", "int4", "float16"),
+        kind="choice", group="model", choices=CPU_WEIGHTS,
         help="int4: projection weights as 4-bit groups with bfloat16 activations on CPU (several times less memory "
         "read per token: ~3x faster decode; logits differ slightly from float32); float16: as float16 through "
         "FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's; dense models); float: float32 weights, "

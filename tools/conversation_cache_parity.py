@@ -13,7 +13,7 @@ engine's, token for token, and the second engine's slot must end byte-identical 
 recomputed last prompt token and every generated row included).
 
     python tools/conversation_cache_parity.py [--storage ram|disk|tiered] [--model PATH] [--devices cpu,cpu ...]
-        [--cpu-weights auto|float|int4] [--restart] [--restart-layout DEVICES[/SPLIT]]
+        [--cpu-weights auto|float|int4|float16] [--restart] [--restart-layout DEVICES[/SPLIT]]
 A hybrid model (recurrent layers + attention) is checked the same way, and its slot's recurrent state after A's
 second turn must be byte-identical to the reference's (or the first engine's); no restore may leave the prefill to
 start elsewhere than where it restored (`restores_without_reuse` stays 0).
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import CPU_WEIGHTS, EngineConfig  # noqa: E402
 from engine.runtime.engine import Engine  # noqa: E402
 from engine.runtime.requests import GenerationRequest, SamplingParams  # noqa: E402
 
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only these (repeatable)")
     parser.add_argument("--resplit", action="append", default=[], metavar="DEVICES[/SPLIT]",
                         help="also park under --devices/--layer-split and resume under this layout (disk, tiered)")
-    parser.add_argument("--cpu-weights", default="auto", choices=("auto", "float", "int4"))
+    parser.add_argument("--cpu-weights", default="auto", choices=CPU_WEIGHTS)
     parser.add_argument("--moe-experts", default="gpu", choices=("gpu", "cpu"), help="the engine's --moe-experts")
     parser.add_argument("--moe-cpu-layers", type=int, default=0, help="the engine's --moe-cpu-layers")
     parser.add_argument("--deterministic", action="store_true", help="the engine's --deterministic (CUDA)")

@@ -31,6 +31,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.cli import sleeping_cpu_workers  # noqa: E402 - torch-free; must run before torch loads
+from engine.config import CPU_WEIGHTS  # noqa: E402 - torch-free too
 
 sleeping_cpu_workers()  # the OpenMP wait policy `strata serve` runs with, for the in-process figures too
 
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--park-tokens", type=int, default=1000, help="prompt tokens of each parked conversation")
     parser.add_argument("--ctx-size", type=int, default=8192, help="both servers' context (one slot)")
-    parser.add_argument("--cpu-weights", choices=("auto", "int4", "float", "float16"), default="auto",
+    parser.add_argument("--cpu-weights", choices=CPU_WEIGHTS, default="auto",
                         help="the engine's weights in the throughput rows (auto: what the server picks)")
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH", ""))
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))

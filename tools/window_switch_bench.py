@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import CPU_WEIGHTS, EngineConfig  # noqa: E402
 from engine.runtime.engine import Engine  # noqa: E402
 from tools.hybrid_switch_bench import ask, off_and_on, switch_line, switch_parser  # noqa: E402
 
@@ -66,7 +66,7 @@ def run(model: str, n: int, storage: str, cache_mib: int, folder: str, *, weight
 
 def main(argv: list[str] | None = None) -> int:
     parser = switch_parser(__doc__)  # --model: a GGUF file (default: Gemma-3-270M from its packages)
-    parser.add_argument("--cpu-weights", choices=("auto", "int4", "float"), default="auto")
+    parser.add_argument("--cpu-weights", choices=CPU_WEIGHTS, default="auto")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or gemma_file(tmp)
