@@ -219,7 +219,7 @@ class EngineConfig:
         kind="choice", group="model", choices=CPU_WEIGHTS,
         help="int4: projection weights as 4-bit groups with bfloat16 activations on CPU (several times less memory "
         "read per token: ~3x faster decode; logits differ slightly from float32); float16: as float16 through "
-        "FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's; dense models); float: float32 weights, "
+        "FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's); float: float32 weights, "
         "logits as transformers computes them; auto: on the CPU in float32, int4 where PyTorch's 4-bit kernel is "
         "vectorised for this CPU (timed at start-up), else float16 (PyTorch for Windows has only a scalar 4-bit "
         "kernel), else float",

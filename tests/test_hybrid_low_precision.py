@@ -1,4 +1,4 @@
-"""`--kv-dtype` and `--cpu-weights int4` on hybrid models (tiny random LFM2, Qwen3.5, Granite-4.0-H, Falcon-H1):
+"""`--kv-dtype` and `--cpu-weights int4|float16` on hybrid models (tiny random LFM2, Qwen3.5, Granite-4.0-H, Falcon-H1):
 the attention layers' K/V follow the K/V dtype while the recurrent state stays float32; the large projections
 become 4-bit groups; either way a parked conversation continues exactly as the same mode's own run without
 parking, and a mode's parked conversations belong to that mode only."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model import SeqChunk, int4
+from engine.model import SeqChunk, float16, int4
 from engine.runtime.engine import Engine
 from tests.hybrid_fixtures import one_thread, write_tiny_hybrid  # noqa: F401 (fixture)
 from tests.test_int4_weights import decode_rows
@@ -168,3 +168,47 @@ def test_a_hybrid_gguf_gets_its_projections_as_4_bit_groups_too(tmp_path):
         ref, ours = (m.forward_chunks([SeqChunk(0, 0, ids)], *m.new_buffers(1, 64))[0]
                      for m in (ref_lm.model, lm.model))
     assert ((ours - ref).norm() / ref.norm()).item() < 0.1
+
+
+# ---------------------------------------------------------------- --cpu-weights float16
+
+needs_float16 = pytest.mark.skipif(not float16.available(), reason="this torch has no FBGEMM fp16 linear")
+
+
+@needs_float16
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float16_hybrid_projections_track_float32_and_are_batch_invariant(folders, arch):
+    """Attention, recurrent in/out, MLP and output projections packed as float16 (engine/model/float16.py): a
+    decoding slot's logits are bitwise the same alone and batched, and within 1 % of float32's (the weights'
+    float16 rounding; ~0.1 % on the bundled model)."""
+    from engine.model.hybrid.int4_layers import MIXER_WEIGHTS
+
+    ref_lm, lm = _load(folders[arch], False), _load(folders[arch], False)
+    float16.pack_model(lm.model)
+    assert isinstance(lm.model.lm_head, float16.Float16Weight)
+    mixers = [m for layer in lm.model.layers for m in layer.modules() if hasattr(m, "w_in") or hasattr(m, "wqkv")]
+    assert mixers and all(isinstance(getattr(m, n), float16.Float16Weight)
+                          for m in mixers for n in MIXER_WEIGHTS if hasattr(m, n))
+    prompt = torch.tensor(lm.tokenizer.encode("A lighthouse keeper counts the ships that pass by at night"))
+    other = torch.tensor(lm.tokenizer.encode("Rain falls on the harbour wall"))
+
+    def decode(model, batched: bool) -> list[torch.Tensor]:
+        kv, state = model.new_buffers(3, 128)
+        return decode_rows(lambda chunks: model.forward_chunks(chunks, kv, state), prompt, other, batched)
+
+    with torch.inference_mode():
+        reference, alone, batched = decode(ref_lm.model, False), decode(lm.model, False), decode(lm.model, True)
+    for step, (a, b) in enumerate(zip(alone, batched, strict=True)):
+        assert torch.equal(a, b), f"{arch} step {step}: float16 logits change when batched"
+    relative = ((alone[0] - reference[0]).norm() / reference[0].norm()).item()
+    assert relative < 0.01, f"{arch}: prompt logits with float16 weights {relative:.4f} from float32"
+
+
+@needs_float16
+def test_a_parked_float16_hybrid_conversation_continues_as_if_it_never_left(folders):
+    base = _base(folders["lfm2"], "disk", cpu_weights="float16")
+    outcome = run_scenario("basic", base, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
+    assert "recurrent state byte-identical" in outcome.detail
+    outcome = run_restart(base, {}, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail

@@ -66,8 +66,13 @@ class Float16Weight:
         return self.mm(x)
 
 
+# What a layer (dense, or a hybrid's mixer) multiplies through engine.model.llama._linear: attention, the
+# recurrent mixers' input and output projections, the dense MLP. Experts (own format), norms, convolutions stay.
+_PROJECTIONS = ("wqkv", "wo", "w_in", "w_out", "w_gate_up", "w_down")
+
+
 def pack_model(model: torch.nn.Module) -> tuple[int, int]:
-    """Replace the float32 CPU projection and output weights of a CausalLM by Float16Weight; returns (bytes of
+    """Replace the float32 CPU projection and output weights of a CausalLM or HybridCausalLM by Float16Weight; returns (bytes of
     the tensors replaced, bytes packed). A tied output matrix is packed too: the token embedding keeps the float32
     table (a step looks up one row of it). FBGEMM's packing (~13 ns a weight) releases the GIL, so tensors are
     packed on PyTorch's threads at once (1.7x on 2 cores for even sizes), at most two per thread in flight: each
@@ -77,9 +82,13 @@ def pack_model(model: torch.nn.Module) -> tuple[int, int]:
     from engine.model.int4 import install
 
     layers = cast(torch.nn.ModuleList, model.layers)
-    targets = [(layer, name) for layer in layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    owners: list[torch.nn.Module] = []
+    for layer in layers:
+        mixer = getattr(layer, "mixer", None)  # a hybrid layer's (Falcon-H1's parallel one holds two as children)
+        owners += [layer] + ([] if mixer is None else [mixer, *mixer.children()])
+    targets = [(owner, name) for owner in owners for name in _PROJECTIONS]
     targets.append((model, "lm_head"))
-    targets = [(owner, name) for owner, name in targets if _packable(getattr(owner, name))]
+    targets = [(owner, name) for owner, name in targets if _packable(getattr(owner, name, None))]
     workers = max(1, torch.get_num_threads())
     sizes = [0, 0]  # bytes replaced, bytes packed
     pending: dict[Future[Float16Weight], tuple[torch.nn.Module, str]] = {}

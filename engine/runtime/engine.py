@@ -159,7 +159,7 @@ class Engine(Scheduler):
                 _quantize_gpu_weights(loaded)
                 weights_format = "int4"
             elif weights_format == "float16":
-                weights_format = _pack_float16(loaded)
+                _pack_float16(loaded)
             loaded.weights_format = weights_format
             engine = cls(config, loaded, stages, progress)
         progress.finish()

@@ -169,20 +169,13 @@ def _check_float16(dtype: torch.dtype, stages: list[tuple[torch.device, int, int
                          "builds have it); use --cpu-weights auto")
 
 
-def _pack_float16(loaded) -> str:
-    """--cpu-weights float16 on a loaded CPU model: its projections and output matrix packed as float16; returns
-    the weights format the model ends up with (a hybrid model's blocks take no packed weights: float)."""
+def _pack_float16(loaded) -> None:
+    """--cpu-weights float16 on a loaded CPU model: its projections and output matrix packed as float16."""
     from engine.model import float16
-    from engine.model.llama import CausalLM
 
-    if not isinstance(loaded.model, CausalLM):
-        log.info("--cpu-weights float16: %s keeps float32 weights (its recurrent blocks take no packed ones)",
-                 loaded.config.architecture)
-        return "float"
     before, after = float16.pack_model(loaded.model)
     log.info("--cpu-weights float16: %.0f MiB of projection weights as %.0f MiB of packed float16", before / 2**20,
              after / 2**20)
-    return "float16"
 
 
 def _check_int4(dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> None:
