@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -13,6 +12,7 @@ from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model import int4, moe_loading
 from engine.model.config import ModelConfig
+from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
@@ -199,16 +199,3 @@ def _build(
         int4.install(model, "lm_head", lm_head)
     release_freed_memory()
     return model
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc keeps what many small objects freed, e.g. the
-    GGUF reader's, counted in RSS); a no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        import contextlib
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl)
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-

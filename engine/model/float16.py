@@ -78,7 +78,7 @@ def pack_model(model: torch.nn.Module) -> tuple[int, int]:
     packed on PyTorch's threads at once (1.7x on 2 cores for even sizes), at most two per thread in flight: each
     float32 tensor is freed once its packed copy is in place, so the load's peak stays a few tensors above the
     float32 model's."""
-    from engine.model.build import release_freed_memory
+    from engine.model.heap import release_freed_memory
     from engine.model.int4 import install
 
     layers = cast(torch.nn.ModuleList, model.layers)

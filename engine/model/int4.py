@@ -15,6 +15,8 @@ from typing import Self, cast
 
 import torch
 
+from engine.model.heap import release_freed_memory
+
 GROUP = 32
 # A weight as 4-bit groups: (codes uint8 [..., out, in] in 0..15, scale, minimum [..., out, in // GROUP]), value =
 # scale * code + minimum; what Int4Weight.from_groups takes and a Q4_0 / Q4_1 / Q4_K GGUF tensor holds.
@@ -42,20 +44,25 @@ def kernel_slowdown() -> float:
     """Time of the 4-bit kernel over float32's for one decode-shaped product on one thread (best of 8 each),
     measured once per process: ~1 with a vectorised kernel, tens of times more with the scalar fallback."""
     assert available()
-    n = k = 1024
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        w = torch.full((n, k), 0.5)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((n, k), 7, dtype=torch.int32), 1)
-        scales_zeros = torch.full((k // GROUP, n, 2), 0.25, dtype=torch.bfloat16)
-        x = torch.full((1, k), 0.5)
-        xb = x.to(torch.bfloat16)
-        as_float = _best(lambda: torch.nn.functional.linear(x, w))
-        as_int4 = _best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_zeros))
+        as_float, as_int4 = _time_products(1024, 1024)
     finally:
         torch.set_num_threads(threads)
+        release_freed_memory()  # the probe's ~9 MB would otherwise stay in the heap
     return as_int4 / as_float
+
+
+def _time_products(n: int, k: int) -> tuple[float, float]:
+    """Seconds of x @ w.T for one row, [n, k] weights: float32, then 4-bit groups."""
+    w = torch.full((n, k), 0.5)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((n, k), 7, dtype=torch.int32), 1)
+    scales_zeros = torch.full((k // GROUP, n, 2), 0.25, dtype=torch.bfloat16)
+    x = torch.full((1, k), 0.5)
+    xb = x.to(torch.bfloat16)
+    return (_best(lambda: torch.nn.functional.linear(x, w)),
+            _best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_zeros)))
 
 
 def _best(run, rounds: int = 8) -> float:
