@@ -115,16 +115,15 @@ def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.de
     is vectorised on this CPU (int4.kernel_slowdown, timed once), else float16 where FBGEMM is there (PyTorch for
     Windows: engine/model/float16.py), else float; anywhere else float. An explicit int4 on a scalar kernel is
     kept, with a warning."""
-    from engine.model import float16, int4
+    from engine.model import int4
 
     on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in stages)
     if not (on_cpu and dtype == torch.float32):
         return "float" if choice == "auto" else choice  # an explicit choice is checked (refused) by the caller
     if choice in ("float", "float16"):
         return choice
-    fallback = "float16" if float16.available() else "float"
     if not int4.available():
-        return fallback if choice == "auto" else choice
+        return _without_int4() if choice == "auto" else choice
     slowdown = int4.kernel_slowdown()
     if slowdown <= int4.SLOWER_LIMIT:
         log.info("4-bit CPU kernel: %.2fx float32's time on weights in cache", slowdown)
@@ -134,9 +133,17 @@ def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.de
     if choice == "int4":
         log.warning("--cpu-weights int4: %s; --cpu-weights auto decodes faster", why)
         return "int4"
+    fallback = _without_int4()
     log.warning("--cpu-weights auto: %s weights, as %s", "float16 (FBGEMM)" if fallback == "float16" else "float32",
                 why)
     return fallback
+
+
+def _without_int4() -> str:
+    """auto's weights where 4-bit groups are not worth it; asked only then (FBGEMM's check packs a matrix)."""
+    from engine.model import float16
+
+    return "float16" if float16.available() else "float"
 
 
 def _gpu_weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
