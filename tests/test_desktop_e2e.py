@@ -112,6 +112,9 @@ def test_abA_through_the_openai_sdk_shows_park_and_restore(qtbot, app_window):
     labels = w.monitor.counters.labels
     qtbot.waitUntil(lambda: labels["parks"].text().split(" / ")[1] not in ("0", "–"), timeout=5000)
     assert labels["tokens_saved"].text() not in ("0", "–")
+    engine = w.metrics["engine"]  # how the engine computes, as /metrics reports it
+    assert labels["compute"].text() == (f"{engine['weights_format']} weights · K/V {engine['kv_dtype']} · "
+                                        f"{engine['threads']} threads, {engine['decode_threads']} for decoding")
     # The rate comes from /cache/events, polled apart from /metrics: wait for that poll too.
     qtbot.waitUntil(lambda: labels["restore_ms"].text().startswith("last ") and "MiB/s" in labels["restore_ms"].text(),
                     timeout=10000)

@@ -53,8 +53,9 @@ class CountersPanel(QWidget):
         self._slots_budget: float | None = None
         engine_box = QGroupBox("Engine")
         engine_form = QFormLayout(engine_box)
-        for key, text in (("model", "Model"), ("state", "State"), ("slots", "Slots busy"), ("queued", "Queued"),
-                          ("requests", "Requests"), ("speed", "Prefill / decode"), ("uptime", "Uptime")):
+        for key, text in (("model", "Model"), ("compute", "Runs as"), ("state", "State"), ("slots", "Slots busy"),
+                          ("queued", "Queued"), ("requests", "Requests"), ("speed", "Prefill / decode"),
+                          ("uptime", "Uptime")):
             self.labels[key] = _value_label()
             engine_form.addRow(text, self.labels[key])
 
@@ -99,6 +100,7 @@ class CountersPanel(QWidget):
         lb = self.labels
         lb["model"].setText(str(dig(e, "model", default="–")))
         lb["model"].setToolTip(str(dig(e, "model", default="")))
+        lb["compute"].setText(runs_as(e))
         lb["state"].setText(str(dig(e, "state", default="–")))
         busy, slots = number(e, "slots_busy"), number(e, "slots")
         lb["slots"].setText(f"{format_count(busy)} of {format_count(slots)}")
@@ -174,4 +176,15 @@ def _timing(c: dict[str, Any], key: str, mib_per_s: float | None) -> str:
     text = f"last {format_ms(last)} · median {format_ms(p50)} · p95 {format_ms(p95)}"
     if mib_per_s is not None:
         text += f" · {format_count(mib_per_s)} MiB/s"
+    return text
+
+
+def runs_as(engine: dict[str, Any]) -> str:
+    """How the engine computes, from /metrics' engine block: e.g. "int4 weights · K/V float32 · 2 threads, 1 for
+    decoding" (the weights format --cpu-weights auto chose, the K/V dtype, --threads and --decode-threads)."""
+    weights, kv = dig(engine, "weights_format", default="–"), dig(engine, "kv_dtype", default="–")
+    text = f"{weights} weights · K/V {kv}"
+    threads, decoding = number(engine, "threads"), number(engine, "decode_threads")
+    if threads:
+        text += f" · {format_count(threads)} threads, {format_count(decoding)} for decoding"
     return text
