@@ -10,7 +10,7 @@ from engine.model import float16
 from engine.runtime.engine import Engine
 from engine.runtime.requests import GenerationRequest, SamplingParams
 from tests.model_fixtures import write_tiny_model
-from tests.test_int4_weights import _choose_weights, decode_rows
+from tests.test_int4_weights import _choose_weights, bundled_decoder
 from tools.conversation_cache_parity import run_scenario
 
 pytestmark = pytest.mark.skipif(not float16.available(), reason="this torch has no FBGEMM fp16 linear")
@@ -88,20 +88,7 @@ def test_float16_decode_rows_are_batch_invariant_and_within_1e3_of_float32():
     """On the bundled model, a decoding slot's float16 logits are bitwise the same alone and batched with a
     prefill chunk and another decode, and within 0.3 % (relative L2) of float32's: only the weights' float16
     rounding differs (4-bit groups with bfloat16 activations are allowed 5 %)."""
-    from engine.kv import KVBuffers, KVLayout
-    from engine.model import embedded_model_path, load_model, plan_stages
-    from engine.model.loader import read_model_config
-
-    path = embedded_model_path()
-    lm = load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32)
-    prompt = torch.tensor(lm.tokenizer.encode("A lighthouse keeper counts the ships that pass"))
-    other = torch.tensor(lm.tokenizer.encode("Rain falls on the harbour wall"))
-
-    def decode(batched: bool) -> list[torch.Tensor]:
-        c = lm.config
-        kv = KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 3, 128, lm.model.stages)
-        return decode_rows(lambda chunks: lm.model.forward_chunks(chunks, kv), prompt, other, batched)
-
+    lm, decode = bundled_decoder()
     with torch.inference_mode():
         reference = decode(False)
         before, after = float16.pack_model(lm.model)

@@ -77,26 +77,36 @@ def _load(folder: str, int4_weights: bool):
     return load_model(folder, stages, torch.float32, int4_weights=int4_weights)
 
 
-@needs_int4
-@pytest.mark.parametrize("arch", ARCHS)
-def test_int4_hybrid_projections_track_float32_and_are_batch_invariant(folders, arch):
-    """The projections (attention, recurrent in/out, MLP, output) are 4-bit groups; a decoding slot's logits are
-    bitwise the same alone and batched with a prefill chunk and another decode, and stay close to float32's."""
-    from engine.model.hybrid.int4_layers import MIXER_WEIGHTS
-
-    ref_lm, lm = _load(folders[arch], False), _load(folders[arch], True)
-    assert isinstance(lm.model.lm_head, int4.Int4Weight)
-    mixers = [m for layer in lm.model.layers for m in layer.modules() if hasattr(m, "w_in") or hasattr(m, "wqkv")]
-    assert mixers and all(isinstance(getattr(m, n), int4.Int4Weight)
-                          for m in mixers for n in MIXER_WEIGHTS if hasattr(m, n))
-    assert all(isinstance(p, torch.Tensor) for p in (lm.model.embed, lm.model.norm))
-    prompt = torch.tensor(lm.tokenizer.encode("A lighthouse keeper counts the ships that pass by at night"))
-    other = torch.tensor(lm.tokenizer.encode("Rain falls on the harbour wall"))
+def _decoder(tokenizer):
+    """`decode(model, batched)`: decode_rows over a hybrid model's fresh K/V and state for 3 slots."""
+    prompt = torch.tensor(tokenizer.encode("A lighthouse keeper counts the ships that pass by at night"))
+    other = torch.tensor(tokenizer.encode("Rain falls on the harbour wall"))
 
     def decode(model, batched: bool) -> list[torch.Tensor]:
         kv, state = model.new_buffers(3, 128)
         return decode_rows(lambda chunks: model.forward_chunks(chunks, kv, state), prompt, other, batched)
 
+    return decode
+
+
+def _all_projections_are(model, cls) -> None:
+    """Every mixer's projections (attention, recurrent in/out) are `cls`."""
+    from engine.model.hybrid.int4_layers import MIXER_WEIGHTS
+
+    mixers = [m for layer in model.layers for m in layer.modules() if hasattr(m, "w_in") or hasattr(m, "wqkv")]
+    assert mixers and all(isinstance(getattr(m, n), cls) for m in mixers for n in MIXER_WEIGHTS if hasattr(m, n))
+
+
+@needs_int4
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_hybrid_projections_track_float32_and_are_batch_invariant(folders, arch):
+    """The projections (attention, recurrent in/out, MLP, output) are 4-bit groups; a decoding slot's logits are
+    bitwise the same alone and batched with a prefill chunk and another decode, and stay close to float32's."""
+    ref_lm, lm = _load(folders[arch], False), _load(folders[arch], True)
+    assert isinstance(lm.model.lm_head, int4.Int4Weight)
+    _all_projections_are(lm.model, int4.Int4Weight)
+    assert all(isinstance(p, torch.Tensor) for p in (lm.model.embed, lm.model.norm))
+    decode = _decoder(lm.tokenizer)
     with torch.inference_mode():
         _on_the_4_bit_grid(ref_lm.model, lm.model)
         reference, alone, batched = decode(ref_lm.model, False), decode(lm.model, False), decode(lm.model, True)
@@ -181,21 +191,11 @@ def test_float16_hybrid_projections_track_float32_and_are_batch_invariant(folder
     """Attention, recurrent in/out, MLP and output projections packed as float16 (engine/model/float16.py): a
     decoding slot's logits are bitwise the same alone and batched, and within 1 % of float32's (the weights'
     float16 rounding; ~0.1 % on the bundled model)."""
-    from engine.model.hybrid.int4_layers import MIXER_WEIGHTS
-
     ref_lm, lm = _load(folders[arch], False), _load(folders[arch], False)
     float16.pack_model(lm.model)
     assert isinstance(lm.model.lm_head, float16.Float16Weight)
-    mixers = [m for layer in lm.model.layers for m in layer.modules() if hasattr(m, "w_in") or hasattr(m, "wqkv")]
-    assert mixers and all(isinstance(getattr(m, n), float16.Float16Weight)
-                          for m in mixers for n in MIXER_WEIGHTS if hasattr(m, n))
-    prompt = torch.tensor(lm.tokenizer.encode("A lighthouse keeper counts the ships that pass by at night"))
-    other = torch.tensor(lm.tokenizer.encode("Rain falls on the harbour wall"))
-
-    def decode(model, batched: bool) -> list[torch.Tensor]:
-        kv, state = model.new_buffers(3, 128)
-        return decode_rows(lambda chunks: model.forward_chunks(chunks, kv, state), prompt, other, batched)
-
+    _all_projections_are(lm.model, float16.Float16Weight)
+    decode = _decoder(lm.tokenizer)
     with torch.inference_mode():
         reference, alone, batched = decode(ref_lm.model, False), decode(lm.model, False), decode(lm.model, True)
     for step, (a, b) in enumerate(zip(alone, batched, strict=True)):

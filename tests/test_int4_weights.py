@@ -176,11 +176,8 @@ def decode_rows(forward, prompt: torch.Tensor, other: torch.Tensor, batched: boo
     return rows
 
 
-def test_int4_decode_rows_are_batch_invariant_and_close_to_float32():
-    """On the bundled Q4_1 model, a decoding slot's int4 logits are bitwise the same alone and batched with a
-    prefill chunk and another decode; with the 4-bit projections (the Q4_1 codes themselves) and a float32
-    output matrix they stay within 5 % (relative L2; 0.2-2.7 % seen) of the float32 weights' logits. The int4
-    output matrix is the Q8_0 embedding re-quantised to 4 bits and moves them further (2-19 % seen)."""
+def bundled_decoder():
+    """The bundled model in float32 on the CPU, and `decode(batched)`: decode_rows over fresh K/V for 3 slots."""
     from engine.kv import KVBuffers, KVLayout
     from engine.model import embedded_model_path, load_model, plan_stages
     from engine.model.loader import read_model_config
@@ -195,6 +192,15 @@ def test_int4_decode_rows_are_batch_invariant_and_close_to_float32():
         kv = KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 3, 128, lm.model.stages)
         return decode_rows(lambda chunks: lm.model.forward_chunks(chunks, kv), prompt, other, batched)
 
+    return lm, decode
+
+
+def test_int4_decode_rows_are_batch_invariant_and_close_to_float32():
+    """On the bundled Q4_1 model, a decoding slot's int4 logits are bitwise the same alone and batched with a
+    prefill chunk and another decode; with the 4-bit projections (the Q4_1 codes themselves) and a float32
+    output matrix they stay within 5 % (relative L2; 0.2-2.7 % seen) of the float32 weights' logits. The int4
+    output matrix is the Q8_0 embedding re-quantised to 4 bits and moves them further (2-19 % seen)."""
+    lm, decode = bundled_decoder()
     with torch.inference_mode():
         reference = decode(False)
         float_head = lm.model.lm_head
