@@ -37,6 +37,11 @@ def weights_cache_dir() -> str:
     return os.path.join(platformdirs.user_cache_dir(APP_NAME, appauthor=False), "weights")
 
 
+def kernels_dir() -> str:
+    """Where the native CPU kernels are built once per machine (engine/model/kernels)."""
+    return os.path.join(platformdirs.user_cache_dir(APP_NAME, appauthor=False), "kernels")
+
+
 def default_cache_dir() -> str:
     """Where parked conversations live on disk unless told otherwise (one subfolder per model identity)."""
     return os.path.join(platformdirs.user_cache_dir(APP_NAME, appauthor=False), "conversations")

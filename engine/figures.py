@@ -71,6 +71,7 @@ class EngineFigures:
     kv_dtype: str = ""
     devices: list[str] = field(default_factory=list)
     weights_format: str = ""
+    int4_kernel: str = ""  # "blocks" (native) or "aten" (PyTorch's) where 4-bit CPU weights are used (engine.model.int4)
     # routed experts resident in host RAM (--moe-experts cpu / --moe-cpu-layers): strata_expert_arena_bytes
     expert_arena_bytes: int = field(default=0, metadata={"metric": "expert_arena_bytes"})
     threads: int = 0  # prefill and mixed steps (--threads)

@@ -11,6 +11,8 @@ APT_PACKAGES=(
   libx11-xcb1 libxkbcommon-x11-0 libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0
   libxcb-render0 libxcb-render-util0 libxcb-shape0 libxcb-shm0 libxcb-sync1 libxcb-util1 libxcb-xfixes0
   libxcb-xkb1
+  # a C compiler for the native 4-bit CPU kernel, built on first use (engine/model/kernels)
+  gcc libc6-dev
   # tests and packaging: virtual screen, tray host, desktop-entry validation, PyInstaller's needs
   xvfb xauth trayer xdotool desktop-file-utils binutils
 )

@@ -69,7 +69,7 @@ def test_lean_step_is_forward_chunks_bit_for_bit(tiny_models, arch):
 
 @pytest.mark.skipif(not int4.available(), reason="this torch has no CPU int4 kernels")
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_lean_step_with_4_bit_weights_and_16_bit_kv(tiny_models, kv_dtype):
+def test_lean_step_with_4_bit_weights_and_16_bit_kv(tiny_models, kv_dtype, kernel):
     lm = _load(tiny_models["llama"])
     int4.quantize_model(lm.model)
     assert isinstance(lm.model.layers[0].wqkv, int4.Int4Weight)

@@ -113,7 +113,9 @@ def test_abA_through_the_openai_sdk_shows_park_and_restore(qtbot, app_window):
     qtbot.waitUntil(lambda: labels["parks"].text().split(" / ")[1] not in ("0", "–"), timeout=5000)
     assert labels["tokens_saved"].text() not in ("0", "–")
     engine = w.metrics["engine"]  # how the engine computes, as /metrics reports it
-    assert labels["compute"].text() == (f"{engine['weights_format']} weights · K/V {engine['kv_dtype']} · "
+    kernel = {"blocks": " (native kernel)", "aten": " (PyTorch's kernel)", "": ""}[engine["int4_kernel"]]
+    assert (engine["weights_format"] == "int4") == (kernel != "")  # the bundled model on the CPU
+    assert labels["compute"].text() == (f"{engine['weights_format']} weights{kernel} · K/V {engine['kv_dtype']} · "
                                         f"{engine['threads']} threads, {engine['decode_threads']} for decoding")
     # The rate comes from /cache/events, polled apart from /metrics: wait for that poll too.
     qtbot.waitUntil(lambda: labels["restore_ms"].text().startswith("last ") and "MiB/s" in labels["restore_ms"].text(),

@@ -105,5 +105,5 @@ def test_float16_decode_rows_are_batch_invariant_and_within_1e3_of_float32():
 
 
 def test_auto_takes_float16_weights_where_the_4bit_kernel_is_the_scalar_fallback():
-    out = _choose_weights("default")
+    out = _choose_weights("default", kernel_choice="aten")
     assert "auto -> float16" in out and "--cpu-weights auto: float16 (FBGEMM) weights, as" in out

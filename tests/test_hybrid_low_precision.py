@@ -99,7 +99,7 @@ def _all_projections_are(model, cls) -> None:
 
 @needs_int4
 @pytest.mark.parametrize("arch", ARCHS)
-def test_int4_hybrid_projections_track_float32_and_are_batch_invariant(folders, arch):
+def test_int4_hybrid_projections_track_float32_and_are_batch_invariant(folders, arch, kernel):
     """The projections (attention, recurrent in/out, MLP, output) are 4-bit groups; a decoding slot's logits are
     bitwise the same alone and batched with a prefill chunk and another decode, and stay close to float32's."""
     ref_lm, lm = _load(folders[arch], False), _load(folders[arch], True)
@@ -139,7 +139,7 @@ def _on_the_4_bit_grid(reference: torch.nn.Module, quantised: torch.nn.Module) -
 
 
 @needs_int4
-def test_a_parked_int4_hybrid_conversation_continues_as_if_it_never_left(folders):
+def test_a_parked_int4_hybrid_conversation_continues_as_if_it_never_left(folders, kernel):
     base = _base(folders["qwen3_5"], "disk", cpu_weights="int4")
     outcome = run_scenario("basic", base, n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail

@@ -12,6 +12,7 @@ from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, int4, load_model, plan_stages
 from engine.model.gguf_dequant import q4_groups
 from engine.model.loader import read_model_config
+from tests.int4_kernels import dense, implied, same
 from tests.moe_fixtures import N_EXPERTS, write_tiny_moe_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -61,13 +62,7 @@ def _reference(path: str, layer: int, parts: tuple[str, ...]) -> list[int4.Int4W
             for groups in zip(*stacks, strict=True)]
 
 
-def _same(a: int4.Int4Weight, b: int4.Int4Weight) -> bool:
-    return a.shape == b.shape and torch.equal(a.packed, b.packed) and torch.equal(a.scales_zeros, b.scales_zeros)
 
-
-def _dense(w: int4.Int4Weight) -> torch.Tensor:
-    """The [out, in] matrix the kernel multiplies by (x = identity, exact in bfloat16)."""
-    return w(torch.eye(w.shape[1])).t()
 
 
 def _logits(lm) -> torch.Tensor:
@@ -82,7 +77,7 @@ def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_q4_experts_in_host_ram_are_the_files_groups(files, qtype):
+def test_q4_experts_in_host_ram_are_the_files_groups(files, qtype, kernel):
     path = files[qtype]
     direct = _load(path, cpu_experts=MOE_LAYERS)
     for i in MOE_LAYERS:
@@ -90,24 +85,23 @@ def test_q4_experts_in_host_ram_are_the_files_groups(files, qtype):
         assert moe.expert_device.type == "cpu"
         gate_up, down = _reference(path, i, ("gate", "up")), _reference(path, i, ("down",))
         assert isinstance(moe.gate_up, list) and isinstance(moe.down, list)
-        assert all(_same(a, b) for a, b in zip(moe.gate_up, gate_up, strict=True))
-        assert all(_same(a, b) for a, b in zip(moe.down, down, strict=True))
-    # The kernel's weights are the file's codes with its scales and minimums rounded to bfloat16, so they are at
-    # least as close to gguf's own dequantisation of the file as re-quantising the dequantised floats.
+        assert all(same(a, b) for a, b in zip(moe.gate_up, gate_up, strict=True))
+        assert all(same(a, b) for a, b in zip(moe.down, down, strict=True))
+    # The kernel's weights are the file's codes with its scales and minimums (rounded as the kernel keeps them), so
+    # they are at least as close to gguf's own dequantisation of the file as re-quantising the dequantised floats.
     t = _tensor(path, "blk.2.ffn_down_exps.weight")
     assert t.tensor_type.name == qtype
     file_values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
     codes, scale, minimum = _file_groups(path, t.name)[3]
-    bf = scale.bfloat16().float(), (minimum + 8 * scale).bfloat16().float()
-    implied = (codes.view(*scale.shape, 32).float() - 8) * bf[0].unsqueeze(-1) + bf[1].unsqueeze(-1)
-    ours = _dense(direct.model.layers[2].moe.down[3])
-    assert torch.equal(ours, implied.view(ours.shape).bfloat16().float())
-    requantised = _dense(int4.Int4Weight(file_values[3]))
+    w = direct.model.layers[2].moe.down[3]
+    ours = dense(w)
+    assert torch.equal(ours, implied(w, codes, scale, minimum))
+    requantised = dense(int4.Int4Weight(file_values[3]))
     assert (ours - file_values[3]).abs().max() <= (requantised - file_values[3]).abs().max()
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_q4_experts_give_the_logits_of_the_dense_reuse_path(files, qtype):
+def test_q4_experts_give_the_logits_of_the_dense_reuse_path(files, qtype, kernel):
     """The model's logits are bitwise those of the float-loaded model whose experts are then built from the
     file's groups as a dense Q4 projection is, and at least as close to the float logits as the former path
     (dequantise, then quantise_experts)."""
@@ -139,5 +133,5 @@ def test_other_expert_types_are_quantised_from_their_values_beside_q4_ones(files
         assert lm.fingerprint == floats.fingerprint
         moe, float_moe = lm.model.layers[2].moe, floats.model.layers[2].moe
         gate_up = _reference(path, 2, ("gate", "up"))
-        assert all(_same(a, b) for a, b in zip(moe.gate_up, gate_up, strict=True))
-        assert all(_same(a, int4.Int4Weight(float_moe.down[j])) for j, a in enumerate(moe.down))
+        assert all(same(a, b) for a, b in zip(moe.gate_up, gate_up, strict=True))
+        assert all(same(a, int4.Int4Weight(float_moe.down[j])) for j, a in enumerate(moe.down))

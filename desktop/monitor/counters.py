@@ -180,10 +180,13 @@ def _timing(c: dict[str, Any], key: str, mib_per_s: float | None) -> str:
 
 
 def runs_as(engine: dict[str, Any]) -> str:
-    """How the engine computes, from /metrics' engine block: e.g. "int4 weights · K/V float32 · 2 threads, 1 for
-    decoding" (the weights format --cpu-weights auto chose, the K/V dtype, --threads and --decode-threads)."""
+    """How the engine computes, from /metrics' engine block: e.g. "int4 weights (native kernel) · K/V float32 ·
+    2 threads, 1 for decoding" (the weights format --cpu-weights auto chose and the 4-bit kernel it runs on, the
+    K/V dtype, --threads and --decode-threads)."""
     weights, kv = dig(engine, "weights_format", default="–"), dig(engine, "kv_dtype", default="–")
-    text = f"{weights} weights · K/V {kv}"
+    kernel_name = dig(engine, "int4_kernel", default="")
+    kernel = {"blocks": "native", "aten": "PyTorch's"}.get(kernel_name, "") if isinstance(kernel_name, str) else ""
+    text = f"{weights} weights{f' ({kernel} kernel)' if kernel else ''} · K/V {kv}"
     threads, decoding = number(engine, "threads"), number(engine, "decode_threads")
     if threads:
         text += f" · {format_count(threads)} threads, {format_count(decoding)} for decoding"

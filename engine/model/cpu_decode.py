@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv import KVBuffers
-from engine.model.int4 import GROUP, Int4Weight
+from engine.model.int4 import Int4Weight
 from engine.model.llama import (
     CausalLM,
     DecoderLayer,
@@ -32,8 +32,6 @@ from engine.model.llama import (
 )
 from engine.model.quant_embedding import embed_rows
 from engine.model.sliding import first_key
-
-_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else None
 
 
 def unsupported(model: CausalLM) -> str | None:
@@ -68,10 +66,10 @@ class _Layer(NamedTuple):
 
 
 def _project(x: torch.Tensor, w: torch.Tensor | Int4Weight, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`_linear(x, w, n, bias)` for n one-token rows: the 4-bit kernel called directly (what Int4Weight.mm
-    does for a contiguous float32 x), anything else through _linear itself."""
-    if bias is None and _INT4_MM is not None and isinstance(w, Int4Weight):
-        return _INT4_MM(x.contiguous().to(torch.bfloat16), w.packed, GROUP, w.scales_zeros)
+    """`_linear(x, w, n, bias)` for n one-token rows: a 4-bit weight's product taken directly (what _linear
+    returns for it without a bias), anything else through _linear itself."""
+    if bias is None and isinstance(w, Int4Weight):
+        return w.mm(x)
     return _linear(x, w, n, bias)
 
 

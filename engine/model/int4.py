@@ -1,10 +1,18 @@
 """4-bit weights for CPU decoding (`--cpu-weights int4`).
 
-CPU decode is memory-bound: every token reads every weight. Kept as 4-bit groups of 32 (a scale and a zero
-point per group, PyTorch's int4 weight-only matmul) the projections and the output matrix read ~7x fewer bytes
-than float32. Activations, scales and zero points go through the kernel in bfloat16, so results differ from
-float32 by about 1% (llama.cpp's quantised CPU kernels round activations to 8 bits for the same reason). A
-Q4_0/Q4_1 GGUF's weights already lie on such a grid, so the 4-bit codes themselves are the file's.
+CPU decode is memory-bound: every token reads every weight. Kept as 4-bit groups of 32 (a scale and a minimum per
+group) the projections and the output matrix read ~7x fewer bytes than float32. A Q4_0/Q4_1 GGUF's weights
+already lie on such a grid, so the 4-bit codes themselves are the file's.
+
+Two kernels multiply them, one per process (`kernel()`):
+- "blocks" (engine/model/kernels/blocks.c, x86-64 with AVX2, FMA and F16C, built on first use): the file's own
+  block layout with float16 scales and minimums, activations rounded to int16 per block of 32 and integer dot
+  products; float32 out. On the bundled model its logits are within 0.05 % of float32 arithmetic on the same
+  4-bit weights (8-bit activations, llama.cpp's choice, were 1-9 % away). ~2x PyTorch's kernel per decode
+  product on AVX2, about even on AVX-512 (docs/BENCHMARKS.md).
+- "aten" (PyTorch's `_weight_int4pack_mm_for_cpu`) elsewhere: its own packed layout, activations, scales and
+  zero points in bfloat16, bfloat16 out: 0.2-2.7 % from float32 arithmetic on the bundled model.
+Either way a row's result does not depend on the other rows of the call or the thread count.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import Self, cast
 
 import torch
 
+from engine.model import kernels
 from engine.model.heap import release_freed_memory
 
 GROUP = 32
@@ -26,10 +35,39 @@ Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _ROWS = 1024
 
 
-def available() -> bool:
-    """Whether this torch build has the CPU int4 kernels."""
+def _aten_available() -> bool:
     ops = torch.ops.aten
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+@functools.cache
+def kernel() -> str | None:
+    """This process's 4-bit CPU kernel: "blocks", "aten" or None (see the module docstring); chosen once, so
+    every Int4Weight of a process has one layout. A fixed rule rather than a timing, so that a restarted engine
+    keeps the kernel its parked conversations were computed with: PyTorch's where it has an AVX-512 kernel
+    (faster there, engine/model/kernels), else the native one where it can run."""
+    aten = _aten_available()
+    choice = kernels.choice()
+    if choice == "aten" or (choice == "auto" and aten and torch.backends.cpu.get_cpu_capability() == "AVX512"):
+        return "aten" if aten else None
+    if kernels.library() is not None:
+        return "blocks"
+    return "aten" if aten else None
+
+
+def available() -> bool:
+    """Whether 4-bit CPU weights can be multiplied here."""
+    return kernel() is not None
+
+
+def describe_kernel() -> str:
+    """A line for logs and /health: which kernel, and why not the native one."""
+    if kernel() == "blocks":
+        return "native (AVX2 integer dot products, int16 activations)"
+    if kernels.choice() == "auto" and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return "PyTorch's (AVX-512)"
+    reason = kernels.unavailable_reason()
+    return f"PyTorch's ({reason})" if reason else "PyTorch's"
 
 
 # How much slower than a float32 matmul the 4-bit kernel may run on weights in cache and still be chosen by
@@ -55,14 +93,11 @@ def kernel_slowdown() -> float:
 
 
 def _time_products(n: int, k: int) -> tuple[float, float]:
-    """Seconds of x @ w.T for one row, [n, k] weights: float32, then 4-bit groups."""
-    w = torch.full((n, k), 0.5)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.full((n, k), 7, dtype=torch.int32), 1)
-    scales_zeros = torch.full((k // GROUP, n, 2), 0.25, dtype=torch.bfloat16)
+    """Seconds of x @ w.T for one row, [n, k] weights: float32, then 4-bit groups through this process's kernel."""
+    w = torch.linspace(-1, 1, n * k).view(n, k)
+    q = Int4Weight(w)
     x = torch.full((1, k), 0.5)
-    xb = x.to(torch.bfloat16)
-    return (_best(lambda: torch.nn.functional.linear(x, w)),
-            _best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_zeros)))
+    return _best(lambda: torch.nn.functional.linear(x, w)), _best(lambda: q.mm(x))
 
 
 def _best(run, rounds: int = 8) -> float:
@@ -108,7 +143,10 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 class Int4Weight:
-    """A [out, in] weight as 4-bit groups along `in`; calling it computes x @ w.T."""
+    """A [out, in] weight as 4-bit groups along `in`; calling it computes x @ w.T. Its tensors are those of the
+    process's kernel (`kernel()`): codes / scales / minimums for "blocks", packed / scales_zeros for "aten"."""
+
+    kernel = "aten"  # what CudaInt4Weight (engine/model/gpu_weights.py) keeps too
 
     def __init__(self, w: torch.Tensor) -> None:
         assert can_quantize(w), tuple(w.shape)
@@ -127,46 +165,87 @@ class Int4Weight:
         return self
 
     @classmethod
-    def from_packed(
-        cls, packed: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype = torch.float32
+    def from_state(
+        cls, state: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype = torch.float32
     ) -> Self:
-        """From what `packed` and `scales_zeros` held after an earlier packing (engine/model/weights_cache.py)."""
+        """From what `state()` returned in an earlier process with the same kernel (engine/model/weights_cache.py);
+        ValueError when the tensors are not that kernel's for `shape`."""
         n, k = shape
         assert can_pack(n, k), shape
-        if packed.dtype != torch.uint8 or tuple(packed.shape) != (n, k // 2):
-            raise ValueError(f"packed 4-bit weight: expected uint8 {(n, k // 2)}, got {packed.dtype} {tuple(packed.shape)}")
-        if scales_zeros.dtype != torch.bfloat16 or tuple(scales_zeros.shape) != (k // GROUP, n, 2):
-            raise ValueError(f"4-bit scales: expected bfloat16 {(k // GROUP, n, 2)}, got {scales_zeros.dtype} "
-                             f"{tuple(scales_zeros.shape)}")
+        expected = _state_layout(n, k)
+        if set(state) != set(expected):
+            raise ValueError(f"4-bit weight: expected the tensors {sorted(expected)}, got {sorted(state)}")
+        for name, (want_dtype, want_shape) in expected.items():
+            t = state[name]
+            if t.dtype != want_dtype or tuple(t.shape) != want_shape:
+                raise ValueError(f"4-bit weight {name}: expected {want_dtype} {want_shape}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
         self = cls.__new__(cls)
-        self.packed, self.scales_zeros = packed, scales_zeros
-        self.shape, self.dtype, self.device = (n, k), dtype, packed.device
+        self.kernel = kernel() or "aten"
+        for name, t in state.items():
+            setattr(self, name, t)
+        self.shape, self.dtype, self.device = (n, k), dtype, torch.device("cpu")
         return self
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold this weight (by attribute name), what from_state takes back."""
+        n, k = self.shape
+        return {name: getattr(self, name) for name in _state_layout(n, k, self.kernel)}
+
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> None:
-        # The kernel reconstructs (q - 8) * scale + zero.
+        self.shape = tuple(q.shape)
+        self.dtype = dtype
+        self.device = q.device
+        self.kernel = kernel() or "aten"
+        n, k = q.shape
+        if self.kernel == "blocks":
+            pairs = q.view(n, k // GROUP, 2, GROUP // 2)  # a block's values j and j + 16 share byte j
+            self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+            self.scales, self.minimums = scale.to(torch.float16), low.to(torch.float16)
+            assert self.scales.isfinite().all() and self.minimums.isfinite().all(), "4-bit scales beyond float16"
+            return
+        # The aten kernel reconstructs (q - 8) * scale + zero.
         zero = low + 8 * scale
         self.scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1)
         self.scales_zeros = self.scales_zeros.contiguous().to(torch.bfloat16)
         pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu  # takes int32 codes
-        self.packed = torch.cat([pack(q[a : a + _ROWS].to(torch.int32), 1) for a in range(0, q.shape[0], _ROWS)])
-        self.shape = tuple(q.shape)
-        self.dtype = dtype
-        self.device = q.device
+        self.packed = torch.cat([pack(q[a : a + _ROWS].to(torch.int32), 1) for a in range(0, n, _ROWS)])
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes
+        return sum(t.nbytes for t in self.state().values())
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ w.T as the kernel returns it, in bfloat16: callers that add it to a float32 tensor or write it
-        into one skip a conversion (bfloat16 -> float32 is exact, so the values are those of __call__)."""
+        """x @ w.T as the kernel returns it: float32 from "blocks"; bfloat16 from "aten", which callers that add
+        it to a float32 tensor or write it into one keep (bfloat16 -> float32 is exact, so the values are those
+        of __call__)."""
+        if self.kernel == "blocks":
+            return self._blocks_mm(x)
         if x.dtype != torch.bfloat16 or not x.is_contiguous():
             x = x.contiguous().to(torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
+    def _blocks_mm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        rows, (n, k) = x.shape[0], self.shape
+        assert x.shape == (rows, k), (tuple(x.shape), self.shape)
+        out = torch.empty(rows, n)
+        q4_matmul = cast(kernels.Library, kernels.library()).q4_matmul
+        if q4_matmul(x.data_ptr(), rows, k, self.codes.data_ptr(), self.scales.data_ptr(), self.minimums.data_ptr(), n,
+                     out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"4-bit product: no memory for the int8 copy of {rows} x {k} activations")
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm(x).to(x.dtype)
+
+
+def _state_layout(n: int, k: int, kind: str | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The tensors (dtype, shape) an [n, k] Int4Weight holds with kernel `kind` (this process's by default)."""
+    if (kind or kernel()) == "blocks":
+        return {"codes": (torch.uint8, (n, k // 2)), "scales": (torch.float16, (n, k // GROUP)),
+                "minimums": (torch.float16, (n, k // GROUP))}
+    return {"packed": (torch.uint8, (n, k // 2)), "scales_zeros": (torch.bfloat16, (k // GROUP, n, 2))}
 
 
 def quantize_model(model: torch.nn.Module) -> tuple[int, int]:

@@ -4,8 +4,8 @@ matrix, so the next start reads them from one file instead of splitting nibbles,
 
 A cache file belongs to one GGUF file as it is on disk (absolute path, size, modification time, inode and a hash
 of its header bytes: a cheaper identity than re-reading the weights, and any rewrite of the file changes it) and to
-the code that derived it (FORMAT below, torch's version and CPU capability, whose packing kernel made the bytes,
-and the group size). It carries the model's fingerprint from the first load, so a hit reads none of the weights it
+the code that derived it (FORMAT below, the 4-bit kernel whose layout the bytes are, torch's version and CPU
+capability, whose packing kernel made the aten layout, and the group size). It carries the model's fingerprint from the first load, so a hit reads none of the weights it
 replaces. Every tensor is checked against the xxh3 written beside it before any is used; a file that does not
 match is removed and the model loads from the GGUF as if there were none. Files are published atomically
 (engine/atomic.py) and only the newest KEEP are kept.
@@ -81,7 +81,8 @@ class DerivedWeights:
         tensors: dict[str, torch.Tensor] = {}
         shapes = {}
         for name, w in self._built.items():
-            tensors[name + ".packed"], tensors[name + ".scales_zeros"] = w.packed, w.scales_zeros
+            for part, t in w.state().items():
+                tensors[f"{name}.{part}"] = t
             shapes[name] = list(w.shape)
         digests = {name: _digest(t) for name, t in tensors.items()}
         meta = {"strata_weights_cache": str(FORMAT), "key": json.dumps(self.key, sort_keys=True),
@@ -127,7 +128,8 @@ def _key(source: str, header_size: int, options: dict) -> dict:
     return {
         "format": FORMAT, "source": os.path.abspath(source), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
         "inode": st.st_ino, "header": header, "torch": torch.__version__,
-        "capability": torch.backends.cpu.get_cpu_capability(), "group": int4.GROUP, **options,
+        "capability": torch.backends.cpu.get_cpu_capability(), "group": int4.GROUP, "kernel": int4.kernel(),
+        **options,
     }
 
 
@@ -157,12 +159,14 @@ def _load(path: str, key: dict) -> tuple[dict[str, Int4Weight], str]:
     for name, t in tensors.items():
         if _digest(t) != digests[name]:
             raise ValueError(f"checksum mismatch in {name}")
-    found = {}
-    for name, shape in shapes.items():
-        packed, scales_zeros = tensors.get(name + ".packed"), tensors.get(name + ".scales_zeros")
-        if packed is None or scales_zeros is None:
-            raise ValueError(f"weight {name} is incomplete")
-        found[name] = Int4Weight.from_packed(packed, scales_zeros, (int(shape[0]), int(shape[1])))
+    parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in shapes}
+    for tensor_name, t in tensors.items():
+        name, _, part = tensor_name.rpartition(".")
+        if name not in parts:
+            raise ValueError(f"tensor {tensor_name} belongs to no weight in the header")
+        parts[name][part] = t
+    found = {name: Int4Weight.from_state(parts[name], (int(shape[0]), int(shape[1])))
+             for name, shape in shapes.items()}
     return found, fingerprint
 
 

@@ -85,11 +85,14 @@ class Startup(EngineState):
         if self.cache_identity is None:
             from engine.cache import CacheIdentity
 
+            kernel = self.int4_kernel()
             self.cache_identity = CacheIdentity(
                 model={
                     **self.loaded.config.describe(),
                     "weights": self.loaded.fingerprint,
                     "weights_format": self.weights_format,  # int4 weights give other K/V than float ones
+                    # and the two 4-bit kernels other K/V than each other (engine/model/int4.py)
+                    **({"int4_kernel": kernel} if kernel else {}),
                     "tokenizer": self.tokenizer.fingerprint,
                     **moe_placement.describe(self.model.layers),  # experts' device and format (MoE models)
                 },
@@ -101,6 +104,17 @@ class Startup(EngineState):
                 local_layers=tuple(self.windows.local.tolist()) if self.windows is not None else (),
             )
         return self.cache_identity
+
+    def int4_kernel(self) -> str:
+        """The 4-bit CPU kernel this engine's weights go through ("blocks" or "aten", engine/model/int4.py), or ""
+        when none do: int4 weights on the CPU, or experts kept in host RAM (always 4-bit)."""
+        from engine.model import int4
+
+        on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in self.model.stages)
+        experts = moe_placement.describe(self.model.layers).get("experts", ())
+        if (self.weights_format == "int4" and on_cpu) or any(e.endswith(":cpu:int4") for e in experts):
+            return int4.kernel() or ""
+        return ""
 
     def _session_identity(self) -> CacheIdentity:
         """What a session file must match: the cache identity, but every layer's K/V (a slot file holds all)."""
@@ -126,7 +140,7 @@ def _weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.de
         return _without_int4() if choice == "auto" else choice
     slowdown = int4.kernel_slowdown()
     if slowdown <= int4.SLOWER_LIMIT:
-        log.info("4-bit CPU kernel: %.2fx float32's time on weights in cache", slowdown)
+        log.info("4-bit CPU kernel: %s, %.2fx float32's time on weights in cache", int4.describe_kernel(), slowdown)
         return "int4"
     why = (f"this PyTorch's 4-bit CPU kernel runs {slowdown:.0f}x slower than float32 here (a scalar fallback: "
            f"no vectorised kernel for this CPU, or a build such as PyTorch for Windows that leaves it out)")

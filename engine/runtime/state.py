@@ -76,6 +76,7 @@ class EngineState:
     tokenizer: Any
     model_name: str
     weights_format: str
+    _int4_kernel_name: str  # "blocks", "aten" or "" (engine/runtime/startup.py, int4_kernel)
     expert_arena_bytes: int  # routed experts resident in host RAM (engine/model/moe_placement.py)
     ctx_size: int
     n_slots: int

@@ -58,6 +58,7 @@ class Stats(Control):
             kv_dtype=str(self.kv.layout.dtype).removeprefix("torch."),
             devices=[str(s.device) for s in self.kv.stages],
             weights_format=self.weights_format,
+            int4_kernel=self._int4_kernel_name,
             expert_arena_bytes=self.expert_arena_bytes,  # routed experts resident in host RAM (MoE models)
             threads=self.step_threads.compute,
             decode_threads=self.step_threads.decode,

@@ -1,0 +1,130 @@
+"""Native CPU kernels: blocks.c, compiled on first use with the machine's C compiler and loaded with ctypes.
+
+Why a kernel of our own: decode reads every weight once a token, and on a CPU with AVX2 but not AVX-512 (most
+laptops) PyTorch's 4-bit kernel widens each code to float before multiplying, 72 % of a decode step on the
+bundled model; no library reachable from Python ships the integer 4-bit x 8-bit dot products llama.cpp uses
+there (torchao's x86 CPU int4 path calls the same ATen kernel; ONNX Runtime's MLAS was no faster here;
+docs/BENCHMARKS.md). blocks.c is those dot products and nothing else.
+
+The shared library is built once per source text and machine architecture into the user's cache folder (about a
+second with gcc), published atomically, and reused by every later process. Where no compiler is found, the
+build fails, the CPU lacks AVX2 / FMA / F16C, or STRATA_INT4_KERNEL=aten asks for it, `library()` returns None
+and the engine uses PyTorch's kernel; `unavailable_reason()` says why.
+
+blocks.c is AVX2 code: where PyTorch runs its AVX-512 4-bit kernel, that one decodes the bundled model faster
+(58 against 46 tok/s on one thread of an AVX-512 EPYC; a 512-bit version of blocks.c measured no faster there),
+so `auto` keeps PyTorch's kernel on such CPUs; `native` takes blocks.c anyway (its int16 activations keep the
+logits closer to float32's than PyTorch's bfloat16 ones, engine/model/int4.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import xxhash
+
+from engine import atomic
+from engine.config import kernels_dir
+
+log = logging.getLogger("strata.model")
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "blocks.c")
+# -ffp-contract=off: the compiler must not fuse a multiply and an add in one tile shape and not in another, or a
+# row's result would depend on how many rows share the call.
+_FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"]
+_OPENMP = ["-fopenmp"]  # torch has libgomp loaded already: the kernel's threads come from the same runtime
+_COMPILERS = ("cc", "gcc", "clang")
+# Which 4-bit CPU kernel a process uses (engine/model/int4.py, kernel): "auto" (default), "native" (blocks.c
+# wherever it can run) or "aten" (PyTorch's; this module then builds nothing).
+ENV = "STRATA_INT4_KERNEL"
+CHOICES = ("auto", "native", "aten")
+
+
+def choice() -> str:
+    """STRATA_INT4_KERNEL, checked (ValueError naming the variable, the value and the choices)."""
+    value = os.environ.get(ENV, "auto")
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)} (auto: the native 4-bit kernel "
+                         f"where PyTorch's is not the faster one; native: always where it can run; aten: PyTorch's)")
+    return value
+
+
+class Library:
+    """The loaded blocks.c with its function signatures declared."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)  # ctypes.CDLL releases the GIL during calls: other threads run meanwhile
+        self.path = path
+        self.cpu_ok = bool(lib.blocks_cpu_ok())
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.q4_matmul = lib.q4_matmul
+        self.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+        self.q4_matmul.restype = ctypes.c_int
+
+
+_reason: str | None = None
+
+
+@functools.cache
+def library() -> Library | None:
+    """blocks.c built and loaded, or None (see unavailable_reason)."""
+    global _reason
+    if choice() == "aten":
+        _reason = f"{ENV}=aten"
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _reason = f"written for x86-64 (AVX2), this is {platform.machine()}"
+        return None
+    try:
+        lib = Library(_built())
+    except (OSError, RuntimeError) as e:
+        _reason = str(e)
+        log.warning("native 4-bit kernel unavailable (%s); using PyTorch's", e)
+        return None
+    if not lib.cpu_ok:
+        _reason = "this CPU lacks AVX2, FMA or F16C"
+        return None
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why library() is None (None when it is not, or has not been asked)."""
+    return _reason
+
+
+def _built() -> str:
+    """The path of the shared library for this source, built now if no earlier process has (RuntimeError when
+    it cannot be)."""
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    digest = xxhash.xxh3_64(source + platform.machine().encode() + sys.platform.encode()).hexdigest()
+    folder = kernels_dir()
+    path = os.path.join(folder, f"blocks-{digest}{'.dll' if os.name == 'nt' else '.so'}")
+    if os.path.isfile(path):
+        return path
+    compiler = next((c for c in (os.environ.get("CC"), *_COMPILERS) if c and shutil.which(c)), None)
+    if compiler is None:
+        raise RuntimeError(f"no C compiler found (looked for {', '.join(_COMPILERS)} and $CC)")
+    os.makedirs(folder, exist_ok=True)
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for extra in (_OPENMP, []):  # without OpenMP the kernel runs on one thread
+            out = os.path.join(scratch, "blocks.so")
+            done = subprocess.run([compiler, *_FLAGS, *extra, "-o", out, _SOURCE], capture_output=True, text=True)
+            if done.returncode == 0:
+                if not extra:
+                    log.warning("native 4-bit kernel built without OpenMP (%s): it runs on one thread", errors[-1])
+                with open(out, "rb") as f:
+                    atomic.atomic_write(path, [f.read()])  # a concurrent build writes the same bytes
+                log.info("native 4-bit kernel built with %s: %s", compiler, path)
+                return path
+            errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+    raise RuntimeError(f"{compiler} could not build {os.path.basename(_SOURCE)}: {errors[-1]}")

@@ -1,0 +1,138 @@
+/* 4-bit weight products for CPUs with AVX2, FMA and F16C (engine/model/kernels/__init__.py builds and loads this).
+
+   A weight is kept as GGUF Q4_1 blocks split in three arrays: codes [N, K / 2] (byte j of a 32-value block holds
+   value j in its low nibble and value j + 16 in its high one, as in the file), and one float16 scale and minimum
+   per block [N, K / 32]; value = scale * code + minimum. Activations are rounded to int16 per block of 32 (a
+   float scale each, the block's float sum kept for the minimum's term) and multiplied with the codes by integer
+   dot products, four codes of a block per instruction and one float multiply-add per block: PyTorch's AVX2 int4
+   kernel instead widens every code to float, which made it 72 % of a decode step on an AVX2 CPU
+   (docs/BENCHMARKS.md).
+
+   Every (row, output) pair is computed by one thread with the same operations in the same order, whatever the
+   number of rows or threads, so a row's result does not depend on what it shares a call with (batch-invariant
+   decode) and the engine's parked and recomputed K/V agree bit for bit. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define QK 32
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* Whether this CPU runs the kernels below (they are compiled for AVX2, FMA and F16C whatever the build host). */
+int blocks_cpu_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+/* x rows [M, K] -> int16 codes [M, K], a scale per block [M, K / 32] (the block's largest magnitude / 32767) and
+   the block's float sum [M, K / 32]. 8-bit codes (llama.cpp's Q8 activations) moved the bundled model's logits
+   1-9 % from float32's: the inputs of the projections after a norm carry outlier channels, and one outlier in a
+   block leaves the other 31 values a few levels. 16-bit codes cost the same multiplies (madd_epi16 takes 16
+   pairs where maddubs_epi16 takes 32, but needs no second step) and leave the weights' rounding as the error. */
+AVX2 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs) {
+    const int64_t nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < M * nb; r++) {
+        const float *v = x + r * QK;
+        __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        __m256 vv[4];
+        for (int j = 0; j < 4; j++) {
+            vv[j] = _mm256_loadu_ps(v + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, vv[j]));
+            sum = _mm256_add_ps(sum, vv[j]);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float am = _mm_cvtss_f32(m4);
+        __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(sum, 1), _mm256_castps256_ps128(sum));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+        xd[r] = am / 32767.0f;
+        xs[r] = _mm_cvtss_f32(s4);
+        const __m256 mul = _mm256_set1_ps(am > 0 ? 32767.0f / am : 0.0f);
+        __m256i i[4];
+        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vv[j], mul));  /* round to nearest */
+        /* packs interleaves 128-bit lanes: restore value order with a 64-bit permute */
+        __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), 0xD8);
+        __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(xq + r * QK), p01);
+        _mm256_storeu_si256((__m256i *)(xq + r * QK + 16), p23);
+    }
+}
+
+AVX2 static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+
+/* One tile: rows m0..m0+RM of x against weight rows n0..n0+RN. Each (m, n) accumulates its blocks in order with
+   the same operations whatever the tile, so a row's result does not depend on M or on the threads. */
+AVX2 static inline __attribute__((always_inline)) void tile(
+    int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
+    const float *xs, const uint8_t *codes, const uint16_t *scale, const uint16_t *minimum, float *out) {
+    const int64_t nb = K / QK;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 acc[4][2];
+    float accm[4][2];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) { acc[i][j] = _mm256_setzero_ps(); accm[i][j] = 0.0f; }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w0[2], w1[2];  /* a block's values 0..15 and 16..31 as int16 */
+        float ws[2], wm[2];
+        for (int j = 0; j < RN; j++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(codes + (n0 + j) * (K / 2) + b * 16));
+            w0[j] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+            w1[j] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+            ws[j] = _cvtsh_ss(scale[(n0 + j) * nb + b]);
+            wm[j] = _cvtsh_ss(minimum[(n0 + j) * nb + b]);
+        }
+        for (int i = 0; i < RM; i++) {
+            const int16_t *a = xq + (m0 + i) * K + b * QK;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)a);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a + 16));
+            const float ad = xd[(m0 + i) * nb + b], as = xs[(m0 + i) * nb + b];
+            for (int j = 0; j < RN; j++) {
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ws[j] * ad), acc[i][j]);
+                accm[i][j] += wm[j] * as;
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) out[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + accm[i][j];
+}
+
+#define TILE(rm, rn) tile(rm, rn, m, n, K, N, xq, xd, xs, codes, scale, minimum, out)
+
+/* out [M, N] = x [M, K] @ w.T for w as described at the top; K a multiple of 32. Returns 0, or -1 when the
+   activations' int16 copy could not be allocated. */
+AVX2 int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
+                   const uint16_t *minimum, int64_t N, float *out, int threads) {
+    const int64_t nb = K / QK;
+    int16_t *xq = malloc(sizeof(int16_t) * M * K);
+    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
+    if (!xq || !xd || !xs) {
+        free(xq); free(xd); free(xs);
+        return -1;
+    }
+    quantize_rows(x, M, K, xq, xd, xs);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t np = 0; np < (N + 1) / 2; np++) {
+        const int64_t n = 2 * np;
+        int64_t m = 0;
+        if (n + 1 < N) {
+            for (; m + 4 <= M; m += 4) TILE(4, 2);
+            for (; m < M; m++) TILE(1, 2);
+        } else {
+            for (; m + 4 <= M; m += 4) TILE(4, 1);
+            for (; m < M; m++) TILE(1, 1);
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}
+

@@ -1,0 +1,75 @@
+"""The two 4-bit CPU kernels (engine/model/int4.py: "blocks", the native one, and "aten", PyTorch's) for tests that
+run both, and what each one multiplies by."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from engine.model import int4, kernels
+
+KERNELS = ("blocks", "aten")
+
+
+def _clear() -> None:
+    for cached in (int4.kernel, int4.kernel_slowdown, kernels.library):
+        cached.cache_clear()
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request) -> Iterator[str]:
+    """Each 4-bit kernel in turn (import this fixture into a test module to parametrise its tests by it)."""
+    with int4_kernel(request.param) as name:
+        yield name
+
+
+@contextmanager
+def int4_kernel(name: str) -> Iterator[str]:
+    """Int4Weights made inside use kernel `name` (skips the test where the native one cannot run here)."""
+    assert name in KERNELS, name
+    before = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = "native" if name == "blocks" else "aten"
+    _clear()
+    try:
+        if int4.kernel() != name:
+            pytest.skip(f"4-bit kernel {name} unavailable here ({kernels.unavailable_reason()})")
+        yield name
+    finally:
+        if before is None:
+            os.environ.pop(kernels.ENV, None)
+        else:
+            os.environ[kernels.ENV] = before
+        _clear()
+
+
+def dense(w: int4.Int4Weight) -> torch.Tensor:
+    """The [out, in] matrix the kernel multiplies by: from its codes, scales and minimums ("blocks"), or the
+    kernel's product with the identity ("aten": exact in bfloat16)."""
+    if w.kernel == "aten":
+        return w(torch.eye(w.shape[1])).t()
+    n, k = w.shape
+    low, high = w.codes & 0x0F, w.codes >> 4
+    codes = torch.stack((low.view(n, -1, 16), high.view(n, -1, 16)), dim=2).view(n, -1, int4.GROUP).float()
+    return (codes * w.scales.float().unsqueeze(-1) + w.minimums.float().unsqueeze(-1)).view(n, k)
+
+
+def same(a: int4.Int4Weight, b: int4.Int4Weight) -> bool:
+    """Whether two 4-bit weights hold the same bytes."""
+    sa, sb = a.state(), b.state()
+    return a.shape == b.shape and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def implied(w: int4.Int4Weight, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The matrix `w`'s kernel multiplies by when built from these groups (a file's): scales and minimums rounded
+    to float16 ("blocks": exact for Q4_0 / Q4_1, whose scales are float16 in the file), or to bfloat16 as scale and
+    zero point with a bfloat16 output ("aten")."""
+    groups = codes.view(*scale.shape, int4.GROUP).float()
+    if w.kernel == "aten":
+        bf = scale.bfloat16().float(), (minimum + 8 * scale).bfloat16().float()
+        return ((groups - 8) * bf[0].unsqueeze(-1) + bf[1].unsqueeze(-1)).view(codes.shape).bfloat16().float()
+    half = scale.half().float(), minimum.half().float()
+    return (groups * half[0].unsqueeze(-1) + half[1].unsqueeze(-1)).view(codes.shape)
