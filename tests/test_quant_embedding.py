@@ -13,7 +13,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.kv import KVBuffers, KVLayout
-from engine.model import SeqChunk, gguf_dequant, int4, load_model, plan_stages
+from engine.model import SeqChunk, gguf_dequant, int4, load_model, plan_stages, q8_output
 from engine.model.cpu_decode import CpuDecode, unsupported
 from engine.model.gguf_header import read_gguf_header
 from engine.model.loader import embedded_model_path, read_model_config
@@ -67,10 +67,13 @@ def _same_as_float_table(path: str) -> None:
     assert table.nbytes == raw.numel() and torch.equal(table.blocks.reshape(-1), raw)
     assert table.blocks.shape[0] == lm.config.vocab_size and table.blocks.dtype == torch.uint8
     assert all(b.shape != floats.shape for b in lm.model.buffers())
-    # The tied 4-bit output matrix is the one the whole float table quantises to.
+    # The tied output matrix: the table's own Q8_0 blocks where the native kernels load (engine/model/q8_output.py),
+    # else the 4-bit groups the whole float table quantises to.
     assert lm.config.tie_word_embeddings
-    expected_head = int4.Int4Weight(floats)
-    assert same(lm.model.lm_head, expected_head)
+    if q8_output.can_read(table):
+        assert isinstance(lm.model.lm_head, q8_output.Q8Output) and lm.model.lm_head.blocks is table.blocks
+    else:
+        assert same(lm.model.lm_head, int4.Int4Weight(floats))
     prompt = lm.tokenizer.encode("The capital of France is")
     got = _logits(lm, prompt, 4)
     lean = _logits(lm, prompt, 4, lean=True)
@@ -153,4 +156,12 @@ def test_a_hybrid_gguf_keeps_its_table_in_blocks_with_the_float_tables_logits(tm
     table = _load(path, int4_weights)
     assert isinstance(table.model.embed, torch.Tensor)
     assert kept.fingerprint == table.fingerprint
-    assert torch.equal(logits(kept), logits(table))
+    if isinstance(kept.model.lm_head, q8_output.Q8Output):
+        # The tied output reads the table's Q8_0 blocks (engine/model/q8_output.py): the float table's product
+        # but for the kernel's int16 activations.
+        assert kept.model.lm_head.blocks is kept.model.embed.blocks
+        int4.install(table.model, "lm_head", table.model.embed)
+        a, b = logits(kept), logits(table)
+        assert ((a - b).norm() / b.norm()).item() < 1e-3
+    else:
+        assert torch.equal(logits(kept), logits(table))

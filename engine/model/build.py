@@ -10,11 +10,12 @@ import torch
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, moe_loading
+from engine.model import int4, moe_loading, q8_output
 from engine.model.config import ModelConfig
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.q8_output import Q8Output
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
 from engine.model.tokenizer import Tokenizer
 from engine.model.weights_cache import DerivedWeights
@@ -109,7 +110,7 @@ def _build(
             derived.put(name, built)
         return built
 
-    def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding) -> torch.Tensor:
+    def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding | Q8Output) -> torch.Tensor:
         # A module's buffer must be a tensor: an Int4Weight or QuantEmbedding goes in after construction.
         return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 
@@ -182,8 +183,11 @@ def _build(
             release_freed_memory()
             startup_progress.report(len(layers), n_layers)  # GET /health shows the fraction while loading
     norm = need("norm", (hidden,), last_device)
-    lm_head: torch.Tensor | Int4Weight
-    if float_output:
+    lm_head: torch.Tensor | Int4Weight | Q8Output
+    if int4_weights and head_key == "embed" and last_device == first_device and q8_output.can_read(embed):
+        assert isinstance(embed, QuantEmbedding)
+        lm_head = Q8Output(embed)  # the file's Q8_0 blocks, shared with the token lookup
+    elif float_output:
         assert isinstance(embed, torch.Tensor)  # kept_table keeps no blocks for a float output
         lm_head = embed
     elif head_key == "embed" and not int4_weights:
@@ -195,7 +199,7 @@ def _build(
                      rope_freq_factors=freq_factors)
     if isinstance(embed, QuantEmbedding):
         int4.install(model, "embed", embed)
-    if isinstance(lm_head, Int4Weight):
+    if isinstance(lm_head, (Int4Weight, Q8Output)):
         int4.install(model, "lm_head", lm_head)
     release_freed_memory()
     return model

@@ -28,6 +28,7 @@ from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.float16 import Float16Weight
 from engine.model.int4 import Int4Weight
+from engine.model.q8_output import Q8Output
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
 from engine.model.sliding import first_key, window_mask
@@ -80,7 +81,8 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(
-    x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight, n_single: int, bias: torch.Tensor | None = None, *,
+    x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | Q8Output, n_single: int,
+    bias: torch.Tensor | None = None, *,
     fast: bool = False,
 ) -> torch.Tensor:
     """x @ w.T where the first `n_single` rows are one-token chunks (see the module docstring).
@@ -96,7 +98,7 @@ def _linear(
         y = w.mm(x)
         if bias is not None:
             y = y.to(x.dtype)
-    elif isinstance(w, Float16Weight):  # rows independent of the row count (engine/model/float16.py)
+    elif isinstance(w, (Float16Weight, Q8Output)):  # rows independent of the row count (their modules say so)
         y = w.mm(x)
     elif _onednn(w):
         n = x.shape[0]
@@ -114,7 +116,9 @@ def _linear(
     return y
 
 
-def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight, *, fast: bool = False) -> torch.Tensor:
+def _logit_rows(
+    h: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | Q8Output, *, fast: bool = False
+) -> torch.Tensor:
     """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch); with `fast`
     (see `_linear`) one GEMM over all rows."""
     if fast and isinstance(w, torch.Tensor) and not _onednn(w):
@@ -123,7 +127,7 @@ def _logit_rows(h: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight, *
         if fast or h.shape[0] == 1:  # CUDA 4-bit weights (engine.model.gpu_weights): one call over all rows
             return w(h)
         return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])])
-    if isinstance(w, Float16Weight):
+    if isinstance(w, (Float16Weight, Q8Output)):
         return w(h)
     if _onednn(w):
         if h.shape[0] == 1:
@@ -220,7 +224,7 @@ class CausalLM(torch.nn.Module):
     # int4 replaces the projection weights by Int4Weight ones (build, int4.quantize_model).
     embed: torch.Tensor | QuantEmbedding  # the file's blocks on the CPU (build, quant_embedding.py)
     norm: torch.Tensor
-    lm_head: torch.Tensor | Int4Weight
+    lm_head: torch.Tensor | Int4Weight | Q8Output  # the file's Q8_0 blocks: engine/model/q8_output.py
 
     def __init__(
         self,

@@ -84,6 +84,7 @@ class Startup(EngineState):
         """What parked K/V and session files must match to be restored here (block size is fixed at start)."""
         if self.cache_identity is None:
             from engine.cache import CacheIdentity
+            from engine.model.q8_output import Q8Output
 
             kernel = self.int4_kernel()
             self.cache_identity = CacheIdentity(
@@ -93,6 +94,8 @@ class Startup(EngineState):
                     "weights_format": self.weights_format,  # int4 weights give other K/V than float ones
                     # and the two 4-bit kernels other K/V than each other (engine/model/int4.py)
                     **({"int4_kernel": kernel} if kernel else {}),
+                    # an output matrix read from the file's Q8_0 blocks rather than 4-bit groups
+                    **({"output": "Q8_0"} if isinstance(self.model.lm_head, Q8Output) else {}),
                     "tokenizer": self.tokenizer.fingerprint,
                     **moe_placement.describe(self.model.layers),  # experts' device and format (MoE models)
                 },

@@ -17,7 +17,7 @@ import xxhash
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, moe_loading
+from engine.model import int4, moe_loading, q8_output
 from engine.model.build import LoadedModel
 from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
 from engine.model.hybrid import (
@@ -34,6 +34,7 @@ from engine.model.hybrid import (
 from engine.model.hybrid.attention import AttentionMixer
 from engine.model.hybrid.config import ATTENTION, ConfigError, HybridConfig, hf_hybrid_architecture
 from engine.model.hybrid.model import HybridCausalLM, HybridLayer
+from engine.model.q8_output import Q8Output
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
@@ -144,8 +145,10 @@ def build_hybrid(
             startup_progress.report(len(layers), c.n_layers)  # GET /health shows the fraction while loading
     final_norm = norm("norm", d).to(device=last_device, dtype=dtype)
     lm_head_cpu = None if c.tie_word_embeddings else get("lm_head")
-    head: torch.Tensor | int4_layers.Float32Int4Weight
-    if lm_head_cpu is None and table is not None:  # tied to the kept blocks, with int4 weights (float_output above)
+    head: torch.Tensor | int4_layers.Float32Int4Weight | Q8Output
+    if lm_head_cpu is None and table is not None and q8_output.can_read(table):
+        head = Q8Output(table)  # the file's Q8_0 blocks, shared with the token lookup (int4 weights)
+    elif lm_head_cpu is None and table is not None:  # tied to the kept blocks, with int4 weights (float_output above)
         head = int4_layers.Float32Int4Weight.from_table_groups(*table.int4_groups())
     elif lm_head_cpu is None:
         assert embed_cpu is not None
@@ -175,7 +178,7 @@ def build_hybrid(
     return model
 
 
-def _placeholder(w: torch.Tensor | QuantEmbedding | int4.Int4Weight) -> torch.Tensor:
+def _placeholder(w: torch.Tensor | QuantEmbedding | int4.Int4Weight | Q8Output) -> torch.Tensor:
     # A module's buffer must be a tensor: a QuantEmbedding or 4-bit weight goes in after construction.
     return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 

@@ -30,6 +30,7 @@ from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayo
 from engine.model.int4 import Int4Weight
 from engine.model.llama import SeqChunk, _linear, _logit_rows, rms_norm
 from engine.model.moe import SparseMoe
+from engine.model.q8_output import Q8Output
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
 
@@ -69,7 +70,7 @@ class HybridCausalLM(torch.nn.Module):
     # int4.quantize_model replaces the projection weights by Int4Weight ones.
     embed: torch.Tensor | QuantEmbedding  # a GGUF's own blocks on the CPU (hybrid/loader.py, quant_embedding.py)
     norm: torch.Tensor
-    lm_head: torch.Tensor | Int4Weight
+    lm_head: torch.Tensor | Int4Weight | Q8Output  # the file's Q8_0 blocks: engine/model/q8_output.py
 
     def __init__(
         self, config: HybridConfig, stages: list[tuple[torch.device, int, int]], *, embed: torch.Tensor,

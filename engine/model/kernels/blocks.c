@@ -13,6 +13,7 @@
    decode) and the engine's parked and recomputed K/V agree bit for bit. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 #include <stdlib.h>
 
 #define QK 32
@@ -136,3 +137,67 @@ AVX2 int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
     return 0;
 }
 
+
+/* Q8_0 weights as the file holds them, for an output matrix kept in the file's 8-bit blocks: each row of w is
+   K / 32 blocks of 34 bytes, a float16 scale then 32 int8 codes; value = scale * code. Same activations, same
+   order of operations per (row, output) as q4_matmul, no minimum term. */
+AVX2 static inline __attribute__((always_inline)) void tile8(
+    int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
+    const uint8_t *w8, float *out) {
+    const int64_t nb = K / QK, row = nb * 34;
+    __m256 acc[4][2];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w0[2], w1[2];
+        float ws[2];
+        for (int j = 0; j < RN; j++) {
+            const uint8_t *block = w8 + (n0 + j) * row + b * 34;
+            uint16_t d;
+            memcpy(&d, block, 2);
+            ws[j] = _cvtsh_ss(d);
+            w0[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 2)));
+            w1[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 18)));
+        }
+        for (int i = 0; i < RM; i++) {
+            const int16_t *a = xq + (m0 + i) * K + b * QK;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)a);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a + 16));
+            const float ad = xd[(m0 + i) * nb + b];
+            for (int j = 0; j < RN; j++) {
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ws[j] * ad), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) out[(m0 + i) * N + n0 + j] = hsum(acc[i][j]);
+}
+
+#define TILE8(rm, rn) tile8(rm, rn, m, n, K, N, xq, xd, w8, out)
+
+/* out [M, N] = x [M, K] @ w.T for w as Q8_0 rows (above); K a multiple of 32. Returns 0, or -1 on no memory. */
+AVX2 int q8_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w8, int64_t N, float *out, int threads) {
+    const int64_t nb = K / QK;
+    int16_t *xq = malloc(sizeof(int16_t) * M * K);
+    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
+    if (!xq || !xd || !xs) {
+        free(xq); free(xd); free(xs);
+        return -1;
+    }
+    quantize_rows(x, M, K, xq, xd, xs);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t np = 0; np < (N + 1) / 2; np++) {
+        const int64_t n = 2 * np;
+        int64_t m = 0;
+        if (n + 1 < N) {
+            for (; m + 4 <= M; m += 4) TILE8(4, 2);
+            for (; m < M; m++) TILE8(1, 2);
+        } else {
+            for (; m + 4 <= M; m += 4) TILE8(4, 1);
+            for (; m < M; m++) TILE8(1, 1);
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}
