@@ -226,15 +226,9 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     def _blocks_mm(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().contiguous()
-        rows, (n, k) = x.shape[0], self.shape
-        assert x.shape == (rows, k), (tuple(x.shape), self.shape)
-        out = torch.empty(rows, n)
         q4_matmul = cast(kernels.Library, kernels.library()).q4_matmul
-        if q4_matmul(x.data_ptr(), rows, k, self.codes.data_ptr(), self.scales.data_ptr(), self.minimums.data_ptr(), n,
-                     out.data_ptr(), torch.get_num_threads()):
-            raise MemoryError(f"4-bit product: no memory for the int8 copy of {rows} x {k} activations")
-        return out
+        n, k = self.shape
+        return kernels.product(q4_matmul, x, (n, k), self.codes, self.scales, self.minimums)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm(x).to(x.dtype)

@@ -48,14 +48,8 @@ class Q8Output:
         return self.blocks.nbytes
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().contiguous()
-        rows, (n, k) = x.shape[0], self.shape
-        assert x.shape == (rows, k), (tuple(x.shape), self.shape)
-        out = torch.empty(rows, n)
         q8_matmul = cast(kernels.Library, kernels.library()).q8_matmul
-        if q8_matmul(x.data_ptr(), rows, k, self.blocks.data_ptr(), n, out.data_ptr(), torch.get_num_threads()):
-            raise MemoryError(f"8-bit product: no memory for the int16 copy of {rows} x {k} activations")
-        return out
+        return kernels.product(q8_matmul, x, self.shape, self.blocks)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm(x)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import xxhash
 
 from engine import atomic
@@ -71,6 +72,18 @@ class Library:
         self.q8_matmul = lib.q8_matmul
         self.q8_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         self.q8_matmul.restype = ctypes.c_int
+
+
+def product(fn, x: torch.Tensor, shape: tuple[int, int], *weights: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ w.T -> float32 [rows, out] through `fn` (Library.q4_matmul or q8_matmul), w [out, in] held
+    by `weights` (passed as pointers in order); MemoryError when the kernel finds no memory for its activations."""
+    x = x.float().contiguous()
+    rows, (n, k) = x.shape[0], shape
+    assert x.shape == (rows, k), (tuple(x.shape), shape)
+    out = torch.empty(rows, n)
+    if fn(x.data_ptr(), rows, k, *(w.data_ptr() for w in weights), n, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"native product: no memory for the int16 copy of {rows} x {k} activations")
+    return out
 
 
 _reason: str | None = None

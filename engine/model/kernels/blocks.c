@@ -62,6 +62,45 @@ AVX2 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq
     }
 }
 
+/* The activations of one product, rounded by quantize_rows. */
+typedef struct {
+    int16_t *q;
+    float *scale, *sum;
+} Activations;
+
+static void release(Activations *a) {
+    free(a->q); free(a->scale); free(a->sum);
+}
+
+/* Returns 0, or -1 when there is no memory for them. */
+AVX2 static int prepare(const float *x, int64_t M, int64_t K, Activations *a) {
+    const int64_t nb = K / QK;
+    a->q = malloc(sizeof(int16_t) * M * K);
+    a->scale = malloc(sizeof(float) * M * nb);
+    a->sum = malloc(sizeof(float) * M * nb);
+    if (!a->q || !a->scale || !a->sum) {
+        release(a);
+        return -1;
+    }
+    quantize_rows(x, M, K, a->q, a->scale, a->sum);
+    return 0;
+}
+
+/* Every output pair (n, n + 1) on one thread, rows of x in tiles of 4 then 1: TILE(rows, outputs). */
+#define FOR_EACH_TILE(TILE)                                                                                   \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                          \
+    for (int64_t np = 0; np < (N + 1) / 2; np++) {                                                             \
+        const int64_t n = 2 * np;                                                                              \
+        int64_t m = 0;                                                                                         \
+        if (n + 1 < N) {                                                                                       \
+            for (; m + 4 <= M; m += 4) TILE(4, 2);                                                             \
+            for (; m < M; m++) TILE(1, 2);                                                                     \
+        } else {                                                                                               \
+            for (; m + 4 <= M; m += 4) TILE(4, 1);                                                             \
+            for (; m < M; m++) TILE(1, 1);                                                                     \
+        }                                                                                                      \
+    }
+
 AVX2 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -107,36 +146,18 @@ AVX2 static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < RN; j++) out[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + accm[i][j];
 }
 
-#define TILE(rm, rn) tile(rm, rn, m, n, K, N, xq, xd, xs, codes, scale, minimum, out)
+#define TILE(rm, rn) tile(rm, rn, m, n, K, N, a.q, a.scale, a.sum, codes, scale, minimum, out)
 
 /* out [M, N] = x [M, K] @ w.T for w as described at the top; K a multiple of 32. Returns 0, or -1 when the
    activations' int16 copy could not be allocated. */
 AVX2 int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
                    const uint16_t *minimum, int64_t N, float *out, int threads) {
-    const int64_t nb = K / QK;
-    int16_t *xq = malloc(sizeof(int16_t) * M * K);
-    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
-    if (!xq || !xd || !xs) {
-        free(xq); free(xd); free(xs);
-        return -1;
-    }
-    quantize_rows(x, M, K, xq, xd, xs);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t np = 0; np < (N + 1) / 2; np++) {
-        const int64_t n = 2 * np;
-        int64_t m = 0;
-        if (n + 1 < N) {
-            for (; m + 4 <= M; m += 4) TILE(4, 2);
-            for (; m < M; m++) TILE(1, 2);
-        } else {
-            for (; m + 4 <= M; m += 4) TILE(4, 1);
-            for (; m < M; m++) TILE(1, 1);
-        }
-    }
-    free(xq); free(xd); free(xs);
+    Activations a;
+    if (prepare(x, M, K, &a)) return -1;
+    FOR_EACH_TILE(TILE)
+    release(&a);
     return 0;
 }
-
 
 /* Q8_0 weights as the file holds them, for an output matrix kept in the file's 8-bit blocks: each row of w is
    K / 32 blocks of 34 bytes, a float16 scale then 32 int8 codes; value = scale * code. Same activations, same
@@ -174,30 +195,13 @@ AVX2 static inline __attribute__((always_inline)) void tile8(
         for (int j = 0; j < RN; j++) out[(m0 + i) * N + n0 + j] = hsum(acc[i][j]);
 }
 
-#define TILE8(rm, rn) tile8(rm, rn, m, n, K, N, xq, xd, w8, out)
+#define TILE8(rm, rn) tile8(rm, rn, m, n, K, N, a.q, a.scale, w8, out)
 
 /* out [M, N] = x [M, K] @ w.T for w as Q8_0 rows (above); K a multiple of 32. Returns 0, or -1 on no memory. */
 AVX2 int q8_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w8, int64_t N, float *out, int threads) {
-    const int64_t nb = K / QK;
-    int16_t *xq = malloc(sizeof(int16_t) * M * K);
-    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
-    if (!xq || !xd || !xs) {
-        free(xq); free(xd); free(xs);
-        return -1;
-    }
-    quantize_rows(x, M, K, xq, xd, xs);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t np = 0; np < (N + 1) / 2; np++) {
-        const int64_t n = 2 * np;
-        int64_t m = 0;
-        if (n + 1 < N) {
-            for (; m + 4 <= M; m += 4) TILE8(4, 2);
-            for (; m < M; m++) TILE8(1, 2);
-        } else {
-            for (; m + 4 <= M; m += 4) TILE8(4, 1);
-            for (; m < M; m++) TILE8(1, 1);
-        }
-    }
-    free(xq); free(xd); free(xs);
+    Activations a;
+    if (prepare(x, M, K, &a)) return -1;
+    FOR_EACH_TILE(TILE8)
+    release(&a);
     return 0;
 }
