@@ -222,12 +222,14 @@ class EngineConfig:
     cpu_weights: str = setting(
         "auto", flag="--cpu-weights", label="Weights on the CPU",
         kind="choice", group="model", choices=CPU_WEIGHTS,
-        help="int4: projection weights as 4-bit groups with bfloat16 activations on CPU (several times less memory "
-        "read per token: ~3x faster decode; logits differ slightly from float32); float16: as float16 through "
-        "FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's); float: float32 weights, "
-        "logits as transformers computes them; auto: on the CPU in float32, int4 where PyTorch's 4-bit kernel is "
-        "vectorised for this CPU (timed at start-up), else float16 (PyTorch for Windows has only a scalar 4-bit "
-        "kernel), else float",
+        help="int4: projection weights as 4-bit groups on CPU (several times less memory read per token: ~3x "
+        "faster decode), through the native AVX2 kernel (int16 activations; built on first use with the machine's "
+        "C compiler) or PyTorch's (bfloat16 activations; on AVX-512 CPUs, or without a compiler); a tied Q8_0 "
+        "output matrix is read from the file's blocks where the native kernel loads; logits differ slightly from "
+        "float32; float16: as float16 through FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's); "
+        "float: float32 weights, logits as transformers computes them; auto: on the CPU in float32, int4 where a "
+        "4-bit kernel is vectorised for this CPU (timed at start-up), else float16 (PyTorch for Windows has only a "
+        "scalar 4-bit kernel), else float",
     )
     weights_cache: str = setting(
         "on", flag="--weights-cache", label="Keep converted weights",
