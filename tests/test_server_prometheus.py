@@ -75,9 +75,9 @@ def test_the_expert_arena_goes_by_its_own_name():
 
 def test_text_fields_are_labels_of_an_info_gauge():
     samples = _samples()
-    assert samples["strata_engine_info"][1:] == (1.0, {"kv_dtype": "", "model": "SmolLM2-135M-Instruct",
-                                                      "omp_wait_policy": "", "state": "running",
-                                                      "weights_format": ""})
+    assert samples["strata_engine_info"][1:] == (1.0, {"int4_kernel": "", "kv_dtype": "",
+                                                      "model": "SmolLM2-135M-Instruct", "omp_wait_policy": "",
+                                                      "state": "running", "weights_format": ""})
     assert samples["strata_conversation_cache_info"][2] == {"dir": "", "disk_error": "", "storage": "tiered"}
 
 
