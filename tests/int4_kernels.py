@@ -15,7 +15,8 @@ from engine.model import int4, kernels
 KERNELS = ("blocks", "aten")
 
 
-def _clear() -> None:
+def reset_kernel_choice() -> None:
+    """Forget the process's 4-bit kernel choice, so that the next Int4Weight makes it again."""
     for cached in (int4.kernel, int4.kernel_slowdown, kernels.library):
         cached.cache_clear()
 
@@ -33,7 +34,7 @@ def int4_kernel(name: str) -> Iterator[str]:
     assert name in KERNELS, name
     before = os.environ.get(kernels.ENV)
     os.environ[kernels.ENV] = "native" if name == "blocks" else "aten"
-    _clear()
+    reset_kernel_choice()
     try:
         if int4.kernel() != name:
             pytest.skip(f"4-bit kernel {name} unavailable here ({kernels.unavailable_reason()})")
@@ -43,7 +44,7 @@ def int4_kernel(name: str) -> Iterator[str]:
             os.environ.pop(kernels.ENV, None)
         else:
             os.environ[kernels.ENV] = before
-        _clear()
+        reset_kernel_choice()
 
 
 def dense(w: int4.Int4Weight) -> torch.Tensor:

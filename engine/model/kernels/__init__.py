@@ -19,6 +19,7 @@ logits closer to float32's than PyTorch's bfloat16 ones, engine/model/int4.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -141,6 +142,15 @@ def _built() -> str:
                 with open(out, "rb") as f:
                     atomic.atomic_write(path, [f.read()])  # a concurrent build writes the same bytes
                 log.info("native 4-bit kernel built with %s: %s", compiler, path)
+                _prune(folder, keep=os.path.basename(path))
                 return path
             errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
     raise RuntimeError(f"{compiler} could not build {os.path.basename(_SOURCE)}: {errors[-1]}")
+
+
+def _prune(folder: str, keep: str) -> None:
+    """Remove the builds of earlier sources (a process that still has one loaded keeps its mapping)."""
+    for name in os.listdir(folder):
+        if name.startswith("blocks-") and name != keep:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
