@@ -52,10 +52,21 @@ def dense(w: int4.Int4Weight) -> torch.Tensor:
     kernel's product with the identity ("aten": exact in bfloat16)."""
     if w.kernel == "aten":
         return w(torch.eye(w.shape[1])).t()
+    codes, scale, minimum = groups(w)
     n, k = w.shape
-    low, high = w.codes & 0x0F, w.codes >> 4
-    codes = torch.stack((low.view(n, -1, 16), high.view(n, -1, 16)), dim=2).view(n, -1, int4.GROUP).float()
-    return (codes * w.scales.float().unsqueeze(-1) + w.minimums.float().unsqueeze(-1)).view(n, k)
+    return (codes.view(n, -1, int4.GROUP).float() * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).view(n, k)
+
+
+def groups(w: int4.Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A "blocks" weight's codes uint8 [out, in], scale and minimum float32 [out, in // GROUP], read back from its
+    Q4_1 rows."""
+    assert w.kernel == "blocks"
+    n, k = w.shape
+    rows = w.blocks.view(n, k // int4.GROUP, int4.Q4_BLOCK_BYTES)
+    scale, minimum = (rows[:, :, i : i + 2].contiguous().view(torch.float16).view(n, -1).float() for i in (0, 2))
+    nibbles = rows[:, :, 4:]
+    codes = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(n, k)
+    return codes, scale, minimum
 
 
 def same(a: int4.Int4Weight, b: int4.Int4Weight) -> bool:

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.model import SeqChunk, int4
 from engine.runtime.engine import Engine
 from engine.runtime.requests import GenerationRequest, SamplingParams
-from tests.int4_kernels import KERNELS, dense, implied, int4_kernel, same
+from tests.int4_kernels import KERNELS, dense, groups, implied, int4_kernel, same
 from tests.model_fixtures import write_tiny_gguf, write_tiny_model
 from tools.conversation_cache_parity import run_scenario
 
@@ -153,11 +153,14 @@ def test_q4_1_groups_spanning_0_to_15_pack_to_the_same_bytes_as_requantising(ker
     raw = torch.from_numpy(raw.reshape(-1).copy())
     direct = int4.Int4Weight.from_groups(*q4_groups("w", raw, GGMLQuantizationType.Q4_1, (64, 256)))
     requantised = int4.Int4Weight(dequantize("w", raw, GGMLQuantizationType.Q4_1, (64, 256)))
-    codes = "codes" if kernel == "blocks" else "packed"
-    direct_state, requantised_state = direct.state(), requantised.state()
-    assert torch.equal(direct_state.pop(codes), requantised_state.pop(codes))
-    for name, t in direct_state.items():
-        assert torch.allclose(t.float(), requantised_state[name].float(), rtol=1e-2), name
+    if kernel == "blocks":
+        (codes, *scales), (requantised_codes, *requantised_scales) = groups(direct), groups(requantised)
+    else:
+        codes, requantised_codes = direct.packed, requantised.packed
+        scales, requantised_scales = [direct.scales_zeros.float()], [requantised.scales_zeros.float()]
+    assert torch.equal(codes, requantised_codes)
+    for a, b in zip(scales, requantised_scales, strict=True):
+        assert torch.allclose(a, b, rtol=1e-2)
 
 
 def test_packing_in_row_slices_gives_the_kernel_bytes(monkeypatch):

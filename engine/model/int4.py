@@ -142,9 +142,28 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, scales, lows
 
 
+# A GGUF Q4_1 block, the native kernel's layout: float16 scale, float16 minimum, 16 bytes of codes.
+Q4_BLOCK_BYTES = 20
+
+
+def q4_1_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """4-bit groups (codes uint8 [n, k] in 0..15, scale and minimum [n, k // GROUP]) as GGUF Q4_1 rows, uint8
+    [n, k // GROUP * Q4_BLOCK_BYTES]: byte j of a block's codes holds its value j low and value j + 16 high. A
+    scale or minimum beyond float16's range is refused (AssertionError): no GGUF or 4-bit group has one."""
+    n, k = codes.shape
+    blocks = torch.empty(n, k // GROUP, Q4_BLOCK_BYTES, dtype=torch.uint8)
+    halves = (scale.to(torch.float16), minimum.to(torch.float16))
+    assert all(h.isfinite().all() for h in halves), "4-bit scales beyond float16"
+    for i, h in enumerate(halves):
+        blocks[:, :, 2 * i : 2 * i + 2] = h.contiguous().view(torch.uint8).view(n, k // GROUP, 2)
+    pairs = codes.view(n, k // GROUP, 2, GROUP // 2)
+    blocks[:, :, 4:] = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    return blocks.view(n, -1)
+
+
 class Int4Weight:
     """A [out, in] weight as 4-bit groups along `in`; calling it computes x @ w.T. Its tensors are those of the
-    process's kernel (`kernel()`): codes / scales / minimums for "blocks", packed / scales_zeros for "aten"."""
+    process's kernel (`kernel()`): Q4_1 `blocks` for "blocks", `packed` / `scales_zeros` for "aten"."""
 
     kernel = "aten"  # what CudaInt4Weight (engine/model/gpu_weights.py) keeps too
 
@@ -199,10 +218,7 @@ class Int4Weight:
         self.kernel = kernel() or "aten"
         n, k = q.shape
         if self.kernel == "blocks":
-            pairs = q.view(n, k // GROUP, 2, GROUP // 2)  # a block's values j and j + 16 share byte j
-            self.codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
-            self.scales, self.minimums = scale.to(torch.float16), low.to(torch.float16)
-            assert self.scales.isfinite().all() and self.minimums.isfinite().all(), "4-bit scales beyond float16"
+            self.blocks = q4_1_blocks(q, scale, low)
             return
         # The aten kernel reconstructs (q - 8) * scale + zero.
         zero = low + 8 * scale
@@ -228,7 +244,7 @@ class Int4Weight:
     def _blocks_mm(self, x: torch.Tensor) -> torch.Tensor:
         q4_matmul = cast(kernels.Library, kernels.library()).q4_matmul
         n, k = self.shape
-        return kernels.product(q4_matmul, x, (n, k), self.codes, self.scales, self.minimums)
+        return kernels.product(q4_matmul, x, (n, k), self.blocks)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm(x).to(x.dtype)
@@ -237,8 +253,7 @@ class Int4Weight:
 def _state_layout(n: int, k: int, kind: str | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The tensors (dtype, shape) an [n, k] Int4Weight holds with kernel `kind` (this process's by default)."""
     if (kind or kernel()) == "blocks":
-        return {"codes": (torch.uint8, (n, k // 2)), "scales": (torch.float16, (n, k // GROUP)),
-                "minimums": (torch.float16, (n, k // GROUP))}
+        return {"blocks": (torch.uint8, (n, k // GROUP * Q4_BLOCK_BYTES))}
     return {"packed": (torch.uint8, (n, k // 2)), "scales_zeros": (torch.bfloat16, (k // GROUP, n, 2))}
 
 

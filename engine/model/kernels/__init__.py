@@ -68,7 +68,7 @@ class Library:
         self.cpu_ok = bool(lib.blocks_cpu_ok())
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.q4_matmul = lib.q4_matmul
-        self.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+        self.q4_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         self.q4_matmul.restype = ctypes.c_int
         self.q8_matmul = lib.q8_matmul
         self.q8_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
