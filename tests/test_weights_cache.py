@@ -48,7 +48,7 @@ def q4_model(tmp_path_factory) -> str:
                            intermediate_size=512, head_dim=64)
 
 
-def test_second_load_reads_the_packed_weights_and_computes_the_same(q4_model, tmp_path, monkeypatch):
+def test_second_load_reads_the_packed_weights_and_computes_the_same(q4_model, tmp_path, monkeypatch, kernel):
     cache = str(tmp_path / "weights")
     first = _load(q4_model, cache)
     assert len(_cache_files(cache)) == 1
