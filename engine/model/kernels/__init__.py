@@ -11,9 +11,9 @@ second with gcc), published atomically, and reused by every later process. Where
 build fails, the CPU lacks AVX2 / FMA / F16C, or STRATA_INT4_KERNEL=aten asks for it, `library()` returns None
 and the engine uses PyTorch's kernel; `unavailable_reason()` says why.
 
-blocks.c is AVX2 code: where PyTorch runs its AVX-512 4-bit kernel, that one decodes the bundled model faster
-(58 against 46 tok/s on one thread of an AVX-512 EPYC; a 512-bit version of blocks.c measured no faster there),
-so `auto` keeps PyTorch's kernel on such CPUs; `native` takes blocks.c anyway (its int16 activations keep the
+blocks.c is AVX2 code: where PyTorch runs its AVX-512 4-bit kernel, that one decodes the bundled model as fast
+or faster (58-64 against 56-58 tok/s on one thread of an AVX-512 EPYC) and prefills faster (270 against 178 tok/s;
+a 512-bit version of blocks.c measured no faster there), so `auto` keeps PyTorch's kernel on such CPUs; `native` takes blocks.c anyway (its int16 activations keep the
 logits closer to float32's than PyTorch's bfloat16 ones, engine/model/int4.py).
 """
 
