@@ -76,7 +76,7 @@ class Engine(Scheduler):
         self.model_name = config.alias or loaded.name
         self.weights_format = getattr(loaded, "weights_format", "float")
         self.expert_arena_bytes = moe_placement.arena_bytes(self.model.layers)  # 0 for a dense model
-        self._int4_kernel_name = self.int4_kernel()  # for /metrics; the cache identity asks int4_kernel() too
+        self._int4_kernel_name = self.int4_kernel()  # asked once: for /metrics and the cache identity
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.n_slots = config.parallel

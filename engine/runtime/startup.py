@@ -86,7 +86,7 @@ class Startup(EngineState):
             from engine.cache import CacheIdentity
             from engine.model.q8_output import Q8Output
 
-            kernel = self.int4_kernel()
+            kernel = self._int4_kernel_name
             self.cache_identity = CacheIdentity(
                 model={
                     **self.loaded.config.describe(),
