@@ -122,7 +122,7 @@ AVX2 static inline __attribute__((always_inline)) void tile(
     int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
     const float *xs, const uint8_t *w, float *out) {
     const int64_t nb = K / QK, row = nb * Q4_BLOCK;
-    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i low16 = _mm256_set1_epi16(0x0F);
     __m256 acc[4][2];
     float accm[4][2];
     for (int i = 0; i < RM; i++)
@@ -135,9 +135,10 @@ AVX2 static inline __attribute__((always_inline)) void tile(
             _mm_prefetch((const char *)(block + PREFETCH_BYTES), _MM_HINT_T0);
             uint16_t scale_min[2];
             memcpy(scale_min, block, 4);
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(block + 4));
-            w0[j] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-            w1[j] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+            /* each byte widened to 16 bits: its low nibble is value j, the rest shifted down is value j + 16 */
+            const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + 4)));
+            w0[j] = _mm256_and_si256(raw, low16);
+            w1[j] = _mm256_srli_epi16(raw, 4);
             ws[j] = _cvtsh_ss(scale_min[0]);
             wm[j] = _cvtsh_ss(scale_min[1]);
         }
