@@ -77,6 +77,8 @@ class CpuDecode:
     """Runs forward_chunks' steps of one-token rows on the CPU (module docstring); bound to one KVBuffers at a
     time, the layers' K/V views taken again when a step comes with another."""
 
+    owns_one_token_rows = False  # it runs forward_chunks' own arithmetic
+
     def __init__(self, model: CausalLM) -> None:
         reason = unsupported(model)
         assert reason is None, f"CPU decode step: {reason}"

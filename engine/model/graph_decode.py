@@ -148,6 +148,8 @@ class GraphDecode:
     Bound to one KVBuffers at a time (the graphs hold its addresses): a step over another one re-binds and
     captures again."""
 
+    owns_one_token_rows = False  # it runs forward_chunks' own arithmetic
+
     def __init__(self, model: CausalLM, max_batch: int, *, capture: bool = True) -> None:
         reason = unsupported(model) if capture else None
         assert reason is None, f"decode graphs: {reason}"
@@ -245,13 +247,17 @@ def configure(model: object, max_batch: int, *, cuda_graphs: bool, deterministic
     model.batch_invariant = deterministic or not on_cuda
     model.graphs = None
     if not on_cuda:
-        from engine.model import cpu_decode  # the same kernels with less Python per step
+        from engine.model import cpu_decode, native_decode  # the same kernels with less Python per step
 
+        native_reason = native_decode.unsupported(model)
+        if native_reason is None:
+            model.graphs = native_decode.NativeDecode(model)
+            return "decode: CPU kernels (batch-invariant), one-token rows through the native step"
         reason = cpu_decode.unsupported(model)
         if reason is not None:
             return f"decode: CPU kernels (batch-invariant), through forward_chunks ({reason})"
         model.graphs = cpu_decode.CpuDecode(model)
-        return "decode: CPU kernels (batch-invariant), one-token steps through the lean CPU step"
+        return f"decode: CPU kernels (batch-invariant), one-token steps through the lean CPU step ({native_reason})"
     mode = "batch-invariant per-row kernels" if deterministic else "one GEMM per projection over all rows"
     reason = "--deterministic" if deterministic else unsupported(model)
     if reason is not None:

@@ -61,6 +61,10 @@ class SeqChunk:
 class DecodeRunner(Protocol):
     """What forward_chunks hands a step to first (engine.model.graph_decode.GraphDecode)."""
 
+    # True: the runner's arithmetic is its own (engine/model/native_decode.py), so it computes every one-token
+    # row, those of mixed steps and all_logits calls included, and a row's results stay what they are alone.
+    owns_one_token_rows: bool
+
     def run(self, chunks: list[SeqChunk], kv: KVBuffers) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] (float32) of the step, or None to have forward_chunks compute it."""
 
@@ -284,6 +288,8 @@ class CausalLM(torch.nn.Module):
             captured = self.graphs.run(chunks, kv)
             if captured is not None:
                 return captured
+        if self.graphs is not None and self.graphs.owns_one_token_rows and any(ch.tokens.numel() == 1 for ch in chunks):
+            return self._hand_over_one_token_rows(chunks, kv, all_logits)
         c = self.config
         assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.n_kv_heads, "K/V layout mismatch"
         assert kv.layout.head_dim == c.head_dim and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
@@ -349,6 +355,24 @@ class CausalLM(torch.nn.Module):
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return logits.index_select(0, inverse.to(logits.device))
+
+    def _hand_over_one_token_rows(
+        self, chunks: list[SeqChunk], kv: KVBuffers, all_logits: bool
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """forward_chunks' result with the one-token chunks run by the runner that owns them and the others here."""
+        assert self.graphs is not None
+        single = [i for i, ch in enumerate(chunks) if ch.tokens.numel() == 1]
+        longer = [i for i, ch in enumerate(chunks) if ch.tokens.numel() != 1]
+        owned = self.graphs.run([chunks[i] for i in single], kv)
+        assert owned is not None, "a runner that owns one-token rows runs every step of them"
+        rows: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
+        for k, i in enumerate(single):
+            rows[i] = owned[k : k + 1]
+        if longer:
+            rest = self.forward_chunks([chunks[i] for i in longer], kv, all_logits)
+            for k, i in enumerate(longer):
+                rows[i] = rest[k] if isinstance(rest, list) else rest[k : k + 1]
+        return rows if all_logits else torch.cat(rows)
 
     def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping

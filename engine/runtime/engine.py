@@ -101,9 +101,9 @@ class Engine(Scheduler):
         self.started_at = time.time()
         self.state = "ok"
         self.cache_identity: CacheIdentity | None = None
+        self._configure_decode()  # before the cache: its identity names a decode step with its own arithmetic
         progress.begin("building cache index")
         self.cache: CacheAPI | None = self._make_cache(config)
-        self._configure_decode()
         progress.begin("warming up")
         self._warm_up()
 

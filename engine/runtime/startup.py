@@ -32,7 +32,7 @@ class Startup(EngineState):
             self._forward([SeqChunk(0, 0, prompt)])
             self._forward([SeqChunk(0, len(prompt), prompt[:1])])
             # Captured decode (GraphDecode): the graph of every batch size for short conversations now, not in
-            # a request. The CPU decode step (CpuDecode) captures nothing.
+            # a request. The CPU decode steps (CpuDecode, NativeDecode) capture nothing.
             batches = getattr(getattr(self.model, "graphs", None), "batches", [])
             for rows in batches:
                 self._forward([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)])
@@ -84,6 +84,7 @@ class Startup(EngineState):
         """What parked K/V and session files must match to be restored here (block size is fixed at start)."""
         if self.cache_identity is None:
             from engine.cache import CacheIdentity
+            from engine.model.native_decode import NativeDecode
             from engine.model.q8_output import Q8Output
 
             kernel = self._int4_kernel_name
@@ -96,6 +97,8 @@ class Startup(EngineState):
                     **({"int4_kernel": kernel} if kernel else {}),
                     # an output matrix read from the file's Q8_0 blocks rather than 4-bit groups
                     **({"output": "Q8_0"} if isinstance(self.model.lm_head, Q8Output) else {}),
+                    # decoded tokens' K/V from step.c's arithmetic rather than PyTorch's
+                    **({"decode_step": "native"} if isinstance(getattr(self.model, "graphs", None), NativeDecode) else {}),
                     "tokenizer": self.tokenizer.fingerprint,
                     **moe_placement.describe(self.model.layers),  # experts' device and format (MoE models)
                 },

@@ -1,10 +1,13 @@
-"""Native CPU kernels: blocks.c, compiled on first use with the machine's C compiler and loaded with ctypes.
+"""Native CPU kernels: blocks.c (4- and 8-bit weight products) and step.c (a whole decode step of a dense model
+on them, engine/model/native_decode.py), compiled on first use with the machine's C compiler into one shared
+library and loaded with ctypes.
 
 Why a kernel of our own: decode reads every weight once a token, and on a CPU with AVX2 but not AVX-512 (most
 laptops) PyTorch's 4-bit kernel widens each code to float before multiplying, 72 % of a decode step on the
 bundled model; no library reachable from Python ships the integer 4-bit x 8-bit dot products llama.cpp uses
 there (torchao's x86 CPU int4 path calls the same ATen kernel; ONNX Runtime's MLAS was no faster here;
-docs/BENCHMARKS.md). blocks.c is those dot products and nothing else.
+docs/BENCHMARKS.md). blocks.c is those dot products and nothing else; step.c runs the few hundred floats of
+work between them, which through PyTorch were ~1,500 operator calls a decode step.
 
 The shared library is built once per source text and machine architecture into the user's cache folder (about a
 second with gcc), published atomically, and reused by every later process. Where no compiler is found, the
@@ -38,10 +41,13 @@ from engine.config import kernels_dir
 
 log = logging.getLogger("strata.model")
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "blocks.c")
+_FOLDER = os.path.dirname(__file__)
+_SOURCES = ("blocks.c", "step.c")  # compiled together; blocks.h declares what step.c calls in blocks.c
+_HEADERS = ("blocks.h",)
 # -ffp-contract=off: the compiler must not fuse a multiply and an add in one tile shape and not in another, or a
 # row's result would depend on how many rows share the call.
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"]
+_LIBS = ["-lm"]
 _OPENMP = ["-fopenmp"]  # torch has libgomp loaded already: the kernel's threads come from the same runtime
 _COMPILERS = ("cc", "gcc", "clang")
 # Which 4-bit CPU kernel a process uses (engine/model/int4.py, kernel): "auto" (default), "native" (blocks.c
@@ -60,7 +66,7 @@ def choice() -> str:
 
 
 class Library:
-    """The loaded blocks.c with its function signatures declared."""
+    """The loaded kernels with their function signatures declared."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)  # ctypes.CDLL releases the GIL during calls: other threads run meanwhile
@@ -73,6 +79,9 @@ class Library:
         self.q8_matmul = lib.q8_matmul
         self.q8_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         self.q8_matmul.restype = ctypes.c_int
+        self.decode_step = lib.decode_step  # arguments: engine/model/native_decode.py
+        self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        self.decode_step.restype = ctypes.c_int
 
 
 def product(fn, x: torch.Tensor, shape: tuple[int, int], *weights: torch.Tensor) -> torch.Tensor:
@@ -92,7 +101,7 @@ _reason: str | None = None
 
 @functools.cache
 def library() -> Library | None:
-    """blocks.c built and loaded, or None (see unavailable_reason)."""
+    """The kernels built and loaded, or None (see unavailable_reason)."""
     global _reason
     if choice() == "aten":
         _reason = f"{ENV}=aten"
@@ -120,8 +129,10 @@ def unavailable_reason() -> str | None:
 def _built() -> str:
     """The path of the shared library for this source, built now if no earlier process has (RuntimeError when
     it cannot be)."""
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for name in (*_SOURCES, *_HEADERS):
+        with open(os.path.join(_FOLDER, name), "rb") as f:
+            source += name.encode() + b"\0" + f.read()
     digest = xxhash.xxh3_64(source + platform.machine().encode() + sys.platform.encode()).hexdigest()
     folder = kernels_dir()
     path = os.path.join(folder, f"blocks-{digest}{'.dll' if os.name == 'nt' else '.so'}")
@@ -135,7 +146,9 @@ def _built() -> str:
     with tempfile.TemporaryDirectory() as scratch:
         for extra in (_OPENMP, []):  # without OpenMP the kernel runs on one thread
             out = os.path.join(scratch, "blocks.so")
-            done = subprocess.run([compiler, *_FLAGS, *extra, "-o", out, _SOURCE], capture_output=True, text=True)
+            sources = [os.path.join(_FOLDER, name) for name in _SOURCES]
+            done = subprocess.run([compiler, *_FLAGS, *extra, "-o", out, *sources, *_LIBS], capture_output=True,
+                                  text=True)
             if done.returncode == 0:
                 if not extra:
                     log.warning("native 4-bit kernel built without OpenMP (%s): it runs on one thread", errors[-1])
@@ -145,7 +158,7 @@ def _built() -> str:
                 _prune(folder, keep=os.path.basename(path))
                 return path
             errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
-    raise RuntimeError(f"{compiler} could not build {os.path.basename(_SOURCE)}: {errors[-1]}")
+    raise RuntimeError(f"{compiler} could not build {' and '.join(_SOURCES)}: {errors[-1]}")
 
 
 def _prune(folder: str, keep: str) -> None:

@@ -21,6 +21,8 @@
 #include <string.h>
 #include <stdlib.h>
 
+#include "blocks.h"
+
 #define QK 32
 #define PREFETCH_BYTES 1024
 #define Q4_BLOCK 20 /* float16 scale, float16 minimum, 16 bytes of codes */

@@ -1,0 +1,287 @@
+/* A whole decode step of a dense Llama-family model with 4-bit weights, in one call (engine/model/native_decode.py
+   describes when the engine takes it).
+
+   Run through PyTorch, a decode step of the bundled model on one thread of an AVX2 CPU spends ~12.5 of ~18 ms in
+   the weight products and the rest in ~1,500 small operator calls (norms, RoPE, K/V writes, attention, SiLU, the
+   residual adds) and the Python around them. Here the same step is one loop over the layers: the products are
+   blocks.c's, everything between them is a few passes over vectors of a few hundred floats.
+
+   Invariants, as blocks.c's: every value of a row (its norms, its attention heads, its products) is computed by
+   one thread with the same operations in the same order whatever the other rows of the call, their number or the
+   thread count; so a row's logits and K/V do not depend on what it was batched with. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "blocks.h"
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+/* Head sizes this code takes (engine/model/native_decode.py checks them): a head's values, and those of the query
+   heads sharing a K/V head, kept in registers or on the stack. */
+#define MAX_HEAD_DIM 512
+#define MAX_GROUP_WIDTH 4096
+enum { HEAD_Q4 = 0, HEAD_Q8 = 1 };
+
+/* One layer's weights and K/V (mirrored by engine/model/native_decode.py's StepLayer). */
+typedef struct {
+    const float *attn_norm, *mlp_norm;     /* [hidden] */
+    const uint8_t *wqkv;                   /* Q4 blocks [(H + 2 KVH) D rows] */
+    const float *bqkv;                     /* [(H + 2 KVH) D] or NULL */
+    const uint8_t *wo, *w_gate_up, *w_down;
+    const float *qk_norm;                  /* per-head q then k norm weights [H + KVH, D], or NULL */
+    void *k_cache, *v_cache;               /* [slots, ctx, KVH, D] in the K/V dtype */
+    int64_t window;                        /* a sliding layer's window; 0: every earlier key */
+} StepLayer;
+
+/* The model (mirrored by StepModel there). */
+typedef struct {
+    int64_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, ctx, vocab;
+    int64_t kv_dtype, head_kind;
+    double eps, scale;                     /* RMSNorm epsilon; the attention scores' factor */
+    const StepLayer *layers;
+    const float *norm;                     /* the final norm [hidden] */
+    const uint8_t *head;                   /* the output matrix: Q4 or Q8_0 blocks [vocab rows] */
+} StepModel;
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial for expf, 2^n
+   by the exponent field; about 2 ulp; inputs below -88.37 give 0 (softmax's masked and far scores). */
+AVX2 static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* Sum of squares of n floats (n a multiple of 8), eight lanes then one fixed reduction. */
+AVX2 static inline float squares(const float *x, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    return hsum8(acc);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w over n floats (RMSNorm; x and out may be the same). */
+AVX2 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    const __m256 r = _mm256_set1_ps(1.0f / sqrtf(squares(x, n) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r), _mm256_loadu_ps(w + i)));
+}
+
+/* Rotate-half RoPE of one head in place: x[i] cos[i] - x[i + D/2] sin[i] for the first half, x[i] cos[i] +
+   x[i - D/2] sin[i] for the second (cos and sin the position's rows of the model's table). */
+AVX2 static void rope(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t half = D / 2;
+    float rotated[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < half; i++) {
+        rotated[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        rotated[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    }
+    memcpy(x, rotated, sizeof(float) * D);
+}
+
+/* Eight values of a K/V row from `index` on, as floats. */
+AVX2 static inline __m256 load8(const void *row, int64_t index, int64_t dtype) {
+    if (dtype == KV_FLOAT32) return _mm256_loadu_ps((const float *)row + index);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + index));
+    if (dtype == KV_FLOAT16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* A float as bfloat16, rounded to nearest even (as PyTorch converts). */
+static inline uint16_t to_bfloat16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  /* NaN */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* n floats (a multiple of 8) stored in the K/V dtype at row. */
+AVX2 static void store_kv(void *row, const float *x, int64_t n, int64_t dtype) {
+    if (dtype == KV_FLOAT32) {
+        memcpy(row, x, sizeof(float) * n);
+    } else if (dtype == KV_FLOAT16) {
+        for (int64_t i = 0; i < n; i += 8)
+            _mm_storeu_si128((__m128i *)((uint16_t *)row + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)row)[i] = to_bfloat16(x[i]);
+    }
+}
+
+/* The `group` query heads of one K/V head (consecutive in q) against its keys [first, first + n):
+   softmax(scale q.k) v for each, into out [group, D]. Each key and value row is read once for the whole group, as
+   PyTorch's grouped bmm reads it. `stride`: values between two positions' rows; `scores`: room for group x n
+   rounded up to 8. Inlined for the usual head sizes, so that the compiler keeps a row in registers. */
+AVX2 static inline __attribute__((always_inline)) void attend_group(
+    const float *q, int64_t group, const void *k, const void *v, int64_t dtype, int64_t stride, int64_t first,
+    int64_t n, int64_t D, float scale, float *scores, float *out) {
+    const int64_t padded = (n + 7) & ~(int64_t)7, lanes = D / 8;
+    __m256 qs[MAX_GROUP_WIDTH / 8], acc[MAX_GROUP_WIDTH / 8], row[MAX_HEAD_DIM / 8];
+    for (int64_t i = 0; i < group * lanes; i++) qs[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), _mm256_set1_ps(scale));
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t at = (first + t) * stride;
+        for (int64_t d = 0; d < lanes; d++) row[d] = load8(k, at + 8 * d, dtype);
+        for (int64_t g = 0; g < group; g++) {
+            __m256 dot = _mm256_setzero_ps();
+            for (int64_t d = 0; d < lanes; d++) dot = _mm256_fmadd_ps(qs[g * lanes + d], row[d], dot);
+            scores[g * padded + t] = hsum8(dot);
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {  /* softmax of each head's scores, in place */
+        float *s = scores + g * padded;
+        float best = -INFINITY;
+        for (int64_t t = 0; t < n; t++) best = s[t] > best ? s[t] : best;
+        for (int64_t t = n; t < padded; t++) s[t] = -INFINITY;
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(best)));
+            _mm256_storeu_ps(s + t, e);
+            total = _mm256_add_ps(total, e);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));
+        for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+    }
+    for (int64_t i = 0; i < group * lanes; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t at = (first + t) * stride;
+        for (int64_t d = 0; d < lanes; d++) row[d] = load8(v, at + 8 * d, dtype);
+        for (int64_t g = 0; g < group; g++) {
+            const __m256 p = _mm256_set1_ps(scores[g * padded + t]);
+            for (int64_t d = 0; d < lanes; d++) acc[g * lanes + d] = _mm256_fmadd_ps(p, row[d], acc[g * lanes + d]);
+        }
+    }
+    for (int64_t i = 0; i < group * lanes; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+
+AVX2 static void attend(const float *q, int64_t group, const void *k, const void *v, int64_t dtype, int64_t stride,
+                        int64_t first, int64_t n, int64_t D, float scale, float *scores, float *out) {
+    if (D == 64)
+        attend_group(q, group, k, v, dtype, stride, first, n, 64, scale, scores, out);
+    else if (D == 128)
+        attend_group(q, group, k, v, dtype, stride, first, n, 128, scale, scores, out);
+    else
+        attend_group(q, group, k, v, dtype, stride, first, n, D, scale, scores, out);
+}
+
+/* out = silu(gate) * up for the n values of a row's [gate | up]. */
+AVX2 static void silu_mul(const float *gate_up, int64_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate_up + i);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(gate_up + n + i)));
+    }
+}
+
+AVX2 static void add_rows(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+}
+
+/* Attention of a layer for every row: q/k norms, RoPE, the row's K/V written at its position, then each query
+   K/V head's query heads over its keys (one thread per (row, K/V head)). */
+AVX2 static void attention(const StepModel *m, const StepLayer *L, int64_t M, const int64_t *slots,
+                           const int64_t *positions, const float *cos, const float *sin, float *qkv, float *attn,
+                           float *scores, int64_t scores_per_thread, int threads) {
+    const int64_t H = m->n_heads, G = m->n_kv_heads, D = m->head_dim, width = (H + 2 * G) * D;
+    const int64_t elem = m->kv_dtype == KV_FLOAT32 ? 4 : 2, stride = G * D;
+    for (int64_t r = 0; r < M; r++) {
+        float *row = qkv + r * width;
+        const int64_t p = positions[r];
+        for (int64_t h = 0; h < H + G; h++) {
+            if (L->qk_norm) rms_norm(row + h * D, L->qk_norm + h * D, D, (float)m->eps, row + h * D);
+            rope(row + h * D, cos + p * D, sin + p * D, D);
+        }
+        const int64_t at = (slots[r] * m->ctx + p) * stride * elem;
+        store_kv((char *)L->k_cache + at, row + H * D, stride, m->kv_dtype);
+        store_kv((char *)L->v_cache + at, row + (H + G) * D, stride, m->kv_dtype);
+    }
+    const int64_t group = H / G;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t rg = 0; rg < M * G; rg++) {
+        const int64_t r = rg / G, g = rg % G, p = positions[r];
+        const int64_t first = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+#ifdef _OPENMP
+        float *room = scores + omp_get_thread_num() * scores_per_thread;
+#else
+        float *room = scores;
+#endif
+        const int64_t base = slots[r] * m->ctx * stride * elem + g * D * elem;
+        attend(qkv + r * width + g * group * D, group, (const char *)L->k_cache + base,
+               (const char *)L->v_cache + base, m->kv_dtype, stride, first, p + 1 - first, D, (float)m->scale, room,
+               attn + r * H * D + g * group * D);
+    }
+}
+
+/* Logits [M, vocab] of M one-token rows: x [M, hidden] holds their embeddings (overwritten), slots and positions
+   say where each row's K/V goes, cos and sin are the RoPE table ([> max position, D]). Returns 0, -1 when memory
+   ran out, -2 when the shapes are outside what this code handles. */
+AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const int64_t *positions,
+                     const float *cos, const float *sin, float *x, float *logits, int threads) {
+    const int64_t E = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv_heads, D = m->head_dim;
+    const int64_t width = (H + 2 * G) * D;
+    if (D % 8 || D > MAX_HEAD_DIM || E % 32 || I % 32 || G <= 0 || H % G || H / G * D > MAX_GROUP_WIDTH) return -2;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < M; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+#ifdef _OPENMP
+    const int64_t rooms = threads > 0 ? threads : 1;
+#else
+    const int64_t rooms = 1;
+#endif
+    const int64_t per_thread = H / G * ((longest + 7) & ~(int64_t)7);
+    float *h = malloc(sizeof(float) * M * (E > I ? E : I));
+    float *qkv = malloc(sizeof(float) * M * width);
+    float *attn = malloc(sizeof(float) * M * H * D);
+    float *gate_up = malloc(sizeof(float) * M * 2 * I);
+    float *delta = malloc(sizeof(float) * M * E);
+    float *scores = malloc(sizeof(float) * rooms * per_thread);
+    int status = -1;
+    if (!h || !qkv || !attn || !gate_up || !delta || !scores) goto done;
+    const float eps = (float)m->eps;
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const StepLayer *L = &m->layers[l];
+        for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, L->attn_norm, E, eps, h + r * E);
+        if (q4_matmul(h, M, E, L->wqkv, width, qkv, threads)) goto done;
+        if (L->bqkv)
+            for (int64_t r = 0; r < M; r++) add_rows(qkv + r * width, L->bqkv, width);
+        attention(m, L, M, slots, positions, cos, sin, qkv, attn, scores, per_thread, threads);
+        if (q4_matmul(attn, M, H * D, L->wo, E, delta, threads)) goto done;
+        add_rows(x, delta, M * E);
+        for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, L->mlp_norm, E, eps, h + r * E);
+        if (q4_matmul(h, M, E, L->w_gate_up, 2 * I, gate_up, threads)) goto done;
+        for (int64_t r = 0; r < M; r++) silu_mul(gate_up + r * 2 * I, I, h + r * I);
+        if (q4_matmul(h, M, I, L->w_down, E, delta, threads)) goto done;
+        add_rows(x, delta, M * E);
+    }
+    for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, m->norm, E, eps, h + r * E);
+    if ((m->head_kind == HEAD_Q8 ? q8_matmul : q4_matmul)(h, M, E, m->head, m->vocab, logits, threads)) goto done;
+    status = 0;
+done:
+    free(h); free(qkv); free(attn); free(gate_up); free(delta); free(scores);
+    return status;
+}

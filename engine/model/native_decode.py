@@ -1,0 +1,144 @@
+"""The native CPU decode step: a step of one-token rows of a dense model with native 4-bit weights as one call
+into engine/model/kernels/step.c.
+
+Through PyTorch (engine/model/cpu_decode.py) a decode step of the bundled model on one thread of an AVX2 CPU took
+~18 ms, of which the weight products were ~12.5 and the rest ~1,500 operator calls and their Python; step.c runs
+the same layer (norms, q/k/v, RoPE, the K/V writes, attention, SiLU, the residuals) between the same products in
+one loop (docs/BENCHMARKS.md has the figures).
+
+Its arithmetic is its own (its norms, exponentials and attention sums are not ATen's, ~1e-6 apart), so it owns
+every one-token row of the model: forward_chunks hands it the one-token rows of a mixed step too
+(`owns_one_token_rows`), and a row's logits and K/V are the same whether it decodes alone, batched or beside a
+prefill (step.c's invariants). Prefill chunks stay on forward_chunks. The engine takes this runner where
+`unsupported` finds nothing against it: one CPU, float32, a dense Llama-family model without Gemma's extras,
+every projection in the native 4-bit blocks and the output matrix in the native 4- or 8-bit blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import cast
+
+import torch
+
+from engine.kv import KVBuffers
+from engine.model import cpu_decode, kernels
+from engine.model.int4 import Int4Weight
+from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
+from engine.model.q8_output import Q8Output
+from engine.model.quant_embedding import embed_rows
+
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # step.c's KV_* codes
+_HEAD_Q4, _HEAD_Q8 = 0, 1
+_ERRORS = {-1: "no memory for the step's work buffers", -2: "shapes outside what step.c handles"}
+
+
+class StepLayer(ctypes.Structure):
+    """step.c's StepLayer, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "qk_norm", "k_cache", "v_cache")
+    ] + [("window", ctypes.c_int64)]
+
+
+class StepModel(ctypes.Structure):
+    """step.c's StepModel, field for field."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in (
+        "n_layers", "hidden", "inter", "n_heads", "n_kv_heads", "head_dim", "ctx", "vocab", "kv_dtype", "head_kind")),
+        ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("layers", ctypes.POINTER(StepLayer)),
+        ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p)]
+
+
+def _native(w: object) -> bool:
+    return isinstance(w, Int4Weight) and w.kernel == "blocks"
+
+
+def unsupported(model: CausalLM) -> str | None:
+    """Why this model's decode steps do not run in step.c (None: they do)."""
+    reason = cpu_decode.unsupported(model)
+    if reason is not None:
+        return reason
+    if kernels.library() is None:
+        return f"no native kernels ({kernels.unavailable_reason()})"
+    c = model.config
+    layers = cast(list[DecoderLayer], list(model.layers))
+    if not all(_native(w) for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
+        return "projections not in the native 4-bit blocks"
+    if not (isinstance(model.lm_head, Q8Output) or _native(model.lm_head)):
+        return "output matrix not in native 4- or 8-bit blocks"
+    if c.head_dim % 8 or c.head_dim > 512 or c.n_heads % c.n_kv_heads or c.n_heads // c.n_kv_heads * c.head_dim > 4096:
+        return f"head shape {c.n_heads}x{c.head_dim} over {c.n_kv_heads} K/V heads"  # step.c's MAX_* limits
+    return None
+
+
+class NativeDecode:
+    """Runs steps of one-token rows in step.c (module docstring); bound to one KVBuffers at a time."""
+
+    owns_one_token_rows = True  # forward_chunks hands over the one-token rows of mixed steps too
+
+    def __init__(self, model: CausalLM) -> None:
+        reason = unsupported(model)
+        assert reason is None, f"native decode step: {reason}"
+        self.model = model
+        self._lib = cast(kernels.Library, kernels.library())
+        self._kv: KVBuffers | None = None
+        self._step: StepModel | None = None
+        self.steps = 0
+
+    def _bind(self, kv: KVBuffers) -> None:
+        m, c = self.model, self.model.config
+        assert kv.layout.dtype in _KV_DTYPES, f"K/V dtype {kv.layout.dtype} (step.c takes {list(_KV_DTYPES)})"
+        layers = cast(list[DecoderLayer], list(m.layers))
+        rows = (StepLayer * len(layers))()
+        for li, layer in enumerate(layers):
+            k_cache, v_cache = kv.layer(li)
+            assert k_cache.is_contiguous() and v_cache.is_contiguous(), "step.c indexes K/V as [slot, ctx, KVH, D]"
+            for t in (layer.attn_norm, layer.mlp_norm, layer.bqkv, layer.qk_norm):
+                assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 norms and biases"
+            rows[li] = StepLayer(
+                layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), _blocks(layer.wqkv),
+                None if layer.bqkv is None else layer.bqkv.data_ptr(), _blocks(layer.wo), _blocks(layer.w_gate_up),
+                _blocks(layer.w_down), None if layer.qk_norm is None else layer.qk_norm.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), c.layer_window(li) or 0)
+        head = m.lm_head
+        scale = c.head_dim**-0.5 if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
+        self._layers = rows  # StepModel points into it
+        self._step = StepModel(
+            c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, kv.ctx,
+            c.vocab_size, _KV_DTYPES[kv.layout.dtype], _HEAD_Q8 if isinstance(head, Q8Output) else _HEAD_Q4,
+            c.rms_norm_eps, scale, rows, m.norm.data_ptr(), _blocks(head))
+        self._kv = kv
+
+    def run(self, chunks: list[SeqChunk], kv: KVBuffers) -> torch.Tensor | None:
+        """Logits [len(chunks), vocab] (float32, chunk order) of a step of one-token rows, or None to decline."""
+        if any(ch.tokens.numel() != 1 for ch in chunks):
+            return None
+        if kv is not self._kv:
+            self._bind(kv)
+        slots = [ch.slot for ch in chunks]
+        assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
+        for ch in chunks:
+            assert 0 <= ch.start < kv.ctx and 0 <= ch.slot < kv.n_slots, (ch.slot, ch.start, kv.ctx)
+        m = self.model
+        x = embed_rows(torch.cat([ch.tokens for ch in chunks]), m.embed).float().contiguous()
+        assert x.shape == (len(chunks), m.config.hidden_size), tuple(x.shape)
+        cos, sin = m.rotary.get(max(ch.start for ch in chunks) + 1, x.device, torch.float32)
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == m.config.head_dim
+        where = torch.tensor([[ch.slot for ch in chunks], [ch.start for ch in chunks]], dtype=torch.int64)
+        logits = torch.empty(len(chunks), m.config.vocab_size)
+        assert self._step is not None  # _bind set it
+        status = self._lib.decode_step(
+            ctypes.byref(self._step), len(chunks), where[0].data_ptr(), where[1].data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), x.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        if status == -1:
+            raise MemoryError(f"native decode step: {_ERRORS[status]}")
+        assert status == 0, f"native decode step: {_ERRORS.get(status, status)}"
+        self.steps += 1
+        return logits
+
+
+def _blocks(w: object) -> int:
+    blocks = cast(Int4Weight | Q8Output, w).blocks
+    assert blocks.is_contiguous() and blocks.dtype == torch.uint8, (blocks.dtype, tuple(blocks.shape))
+    return blocks.data_ptr()
