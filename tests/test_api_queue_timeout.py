@@ -11,11 +11,14 @@ from tests.model_fixtures import write_tiny_model
 
 
 def test_a_request_queued_past_the_timeout_gets_503_with_retry_after(tmp_path):
-    model = write_tiny_model(tmp_path, "llama", max_position_embeddings=4096)
-    with engine_process("--model", model, "--ctx-size", "4096", "--parallel", "1", "--queue-timeout", "1",
+    # The long generation must outlast the three refused requests (~3 s): the tiny model decodes a token in well
+    # under a millisecond on the native CPU step, so it is given a context of 64K tokens to fill.
+    ctx = 65536
+    model = write_tiny_model(tmp_path, "llama", max_position_embeddings=ctx)
+    with engine_process("--model", model, "--ctx-size", str(ctx), "--parallel", "1", "--queue-timeout", "1",
                         "--conversation-cache-mib", "0") as proc:
         client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-        long_one = client.completions.create(model="m", prompt="a long story", max_tokens=4000, stream=True,
+        long_one = client.completions.create(model="m", prompt="a long story", max_tokens=ctx - 100, stream=True,
                                              extra_body={"ignore_eos": True})
         next(iter(long_one))  # it holds the only slot now
         body = {"prompt": "me next", "max_tokens": 2}
