@@ -59,14 +59,20 @@ def dense(w: int4.Int4Weight) -> torch.Tensor:
 
 def groups(w: int4.Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A "blocks" weight's codes uint8 [out, in], scale and minimum float32 [out, in // GROUP], read back from its
-    Q4_1 rows."""
+    rows (int4.q4_runs)."""
     assert w.kernel == "blocks"
     n, k = w.shape
-    rows = w.blocks.view(n, k // int4.GROUP, int4.Q4_BLOCK_BYTES)
-    scale, minimum = (rows[:, :, i : i + 2].contiguous().view(torch.float16).view(n, -1).float() for i in (0, 2))
-    nibbles = rows[:, :, 4:]
-    codes = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(n, k)
-    return codes, scale, minimum
+    nb = k // int4.GROUP
+    scales, minimums, nibbles = [], [], []
+    for b0 in range(0, nb, int4.RUN):
+        c = min(int4.RUN, nb - b0)
+        run = w.blocks[:, b0 * int4.Q4_BLOCK_BYTES : (b0 + c) * int4.Q4_BLOCK_BYTES]
+        scales.append(run[:, : 2 * c].contiguous().view(torch.float16).float())
+        minimums.append(run[:, 2 * c : 4 * c].contiguous().view(torch.float16).float())
+        nibbles.append(run[:, 4 * c :].reshape(n, c, int4.GROUP // 2))
+    codes = torch.cat(nibbles, dim=1)
+    codes = torch.cat((codes & 0x0F, codes >> 4), dim=-1).reshape(n, k)
+    return codes, torch.cat(scales, dim=1), torch.cat(minimums, dim=1)
 
 
 def same(a: int4.Int4Weight, b: int4.Int4Weight) -> bool:

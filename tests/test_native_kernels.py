@@ -46,7 +46,8 @@ def test_without_a_compiler_pytorchs_kernel_runs(tmp_path, monkeypatch):
 def test_the_native_products_match_float32_on_awkward_shapes():
     with int4_kernel("blocks"):
         torch.manual_seed(3)
-        for rows, n, k in ((1, 16, 32), (5, 48, 96), (9, 80, 320)):  # tile tails: rows not a multiple of 4
+        # tile tails (rows not a multiple of 4); runs of 8 blocks with and without a shorter last one
+        for rows, n, k in ((1, 16, 32), (5, 48, 96), (9, 80, 320), (3, 16, 544), (4, 32, 256)):
             w = torch.randn(n, k)
             q = int4.Int4Weight(w)
             x = torch.randn(rows, k) * torch.logspace(-3, 1, k)  # a wide range of magnitudes in a block

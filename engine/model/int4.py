@@ -142,28 +142,38 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, scales, lows
 
 
-# A GGUF Q4_1 block, the native kernel's layout: float16 scale, float16 minimum, 16 bytes of codes.
+# The native kernel's layout: a GGUF Q4_1 block's bytes (float16 scale, float16 minimum, 16 bytes of codes), with
+# the scales and minimums of each run of RUN blocks gathered before the run's codes, so that the kernel converts
+# and scales a run's 8 blocks with one vector operation each (engine/model/kernels/blocks.c).
 Q4_BLOCK_BYTES = 20
+RUN = 8
 
 
-def q4_1_blocks(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """4-bit groups (codes uint8 [n, k] in 0..15, scale and minimum [n, k // GROUP]) as GGUF Q4_1 rows, uint8
-    [n, k // GROUP * Q4_BLOCK_BYTES]: byte j of a block's codes holds its value j low and value j + 16 high. A
-    scale or minimum beyond float16's range is refused (AssertionError): no GGUF or 4-bit group has one."""
+def q4_runs(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """4-bit groups (codes uint8 [n, k] in 0..15, scale and minimum [n, k // GROUP]) in the native kernel's rows,
+    uint8 [n, k // GROUP * Q4_BLOCK_BYTES]: each run of up to RUN blocks is its c float16 scales, its c float16
+    minimums, then its c blocks of 16 code bytes (byte j of a block holds its value j low and value j + 16 high,
+    as in a Q4_1 file). A scale or minimum beyond float16's range is refused (AssertionError): no GGUF or 4-bit
+    group has one."""
     n, k = codes.shape
-    blocks = torch.empty(n, k // GROUP, Q4_BLOCK_BYTES, dtype=torch.uint8)
+    nb = k // GROUP
     halves = (scale.to(torch.float16), minimum.to(torch.float16))
     assert all(h.isfinite().all() for h in halves), "4-bit scales beyond float16"
-    for i, h in enumerate(halves):
-        blocks[:, :, 2 * i : 2 * i + 2] = h.contiguous().view(torch.uint8).view(n, k // GROUP, 2)
-    pairs = codes.view(n, k // GROUP, 2, GROUP // 2)
-    blocks[:, :, 4:] = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
-    return blocks.view(n, -1)
+    pairs = codes.view(n, nb, 2, GROUP // 2)
+    nibbles = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    rows = torch.empty(n, nb * Q4_BLOCK_BYTES, dtype=torch.uint8)
+    for b0 in range(0, nb, RUN):
+        c = min(RUN, nb - b0)
+        run = rows[:, b0 * Q4_BLOCK_BYTES : (b0 + c) * Q4_BLOCK_BYTES]
+        for i, h in enumerate(halves):
+            run[:, 2 * c * i : 2 * c * (i + 1)] = h[:, b0 : b0 + c].contiguous().view(torch.uint8)
+        run[:, 4 * c :] = nibbles[:, b0 : b0 + c].reshape(n, c * GROUP // 2)
+    return rows
 
 
 class Int4Weight:
     """A [out, in] weight as 4-bit groups along `in`; calling it computes x @ w.T. Its tensors are those of the
-    process's kernel (`kernel()`): Q4_1 `blocks` for "blocks", `packed` / `scales_zeros` for "aten"."""
+    process's kernel (`kernel()`): `blocks` (q4_runs) for "blocks", `packed` / `scales_zeros` for "aten"."""
 
     kernel = "aten"  # what CudaInt4Weight (engine/model/gpu_weights.py) keeps too
 
@@ -218,7 +228,7 @@ class Int4Weight:
         self.kernel = kernel() or "aten"
         n, k = q.shape
         if self.kernel == "blocks":
-            self.blocks = q4_1_blocks(q, scale, low)
+            self.blocks = q4_runs(q, scale, low)
             return
         # The aten kernel reconstructs (q - 8) * scale + zero.
         zero = low + 8 * scale

@@ -29,7 +29,7 @@ from engine.model.int4 import Int4Weight
 
 log = logging.getLogger("strata.model")
 
-FORMAT = 2  # bump when what is derived, or how, changes: older files then simply stop matching
+FORMAT = 3  # bump when what is derived, or how, changes: older files then simply stop matching
 KEEP = 3  # cache files kept (the newest used); each is about the size of the model's 4-bit weights
 _NAME_RE = re.compile(r"^.+-[0-9a-f]{16}\.int4\.safetensors$")
 _TOKENIZER_RE = re.compile(r"^.+-[0-9a-f]{16}\.tokenizer\.json$")

@@ -1,9 +1,10 @@
 /* Quantised weight products for CPUs with AVX2, FMA and F16C (engine/model/kernels/__init__.py builds and loads
    this).
 
-   A 4-bit weight is kept as GGUF Q4_1 blocks of 20 bytes, one row of blocks per output: a float16 scale, a float16
-   minimum, then 16 bytes of codes (byte j holds value j in its low nibble and value j + 16 in its high one, as in
-   the file); value = scale * code + minimum. An 8-bit one (q8_matmul) as GGUF Q8_0 blocks of 34 bytes: a float16
+   A 4-bit weight is kept as GGUF Q4_1 blocks of 32 values, one row of blocks per output, each block a float16
+   scale, a float16 minimum and 16 bytes of codes (byte j holds value j in its low nibble and value j + 16 in its
+   high one, as in the file); value = scale * code + minimum. A row gathers the scales, then the minimums, of each
+   run of 8 blocks before the run's codes (engine/model/int4.py, q4_runs): 20 bytes a block as in the file. An 8-bit one (q8_matmul) as GGUF Q8_0 blocks of 34 bytes: a float16
    scale and 32 int8 codes. Activations are rounded to int16 per block of 32 (a float scale each, the block's
    float sum kept for the minimum's term) and multiplied with the codes by integer dot products, four codes of a
    block per instruction and one float multiply-add per block: PyTorch's AVX2 int4 kernel instead widens every
@@ -26,6 +27,8 @@
 #define QK 32
 #define PREFETCH_BYTES 1024
 #define Q4_BLOCK 20 /* float16 scale, float16 minimum, 16 bytes of codes */
+#define RUN 8 /* blocks whose scales, then minimums, lie together before their codes */
+#define PADDED(nb) (((nb) + RUN - 1) / RUN * RUN) /* an activation row's blocks, zero-padded to whole runs */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* Whether this CPU runs the kernels below (they are compiled for AVX2, FMA and F16C whatever the build host). */
@@ -34,16 +37,17 @@ int blocks_cpu_ok(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-/* x rows [M, K] -> int16 codes [M, K], a scale per block [M, K / 32] (the block's largest magnitude / 32767) and
-   the block's float sum [M, K / 32]. 8-bit codes (llama.cpp's Q8 activations) moved the bundled model's logits
+/* x rows [M, K] -> int16 codes [M, K], a scale per block [M, PADDED(K / 32)] (the block's largest magnitude /
+   32767) and the block's float sum [M, PADDED(K / 32)], the padding left as the caller zeroed it. 8-bit codes (llama.cpp's Q8 activations) moved the bundled model's logits
    1-9 % from float32's: the inputs of the projections after a norm carry outlier channels, and one outlier in a
    block leaves the other 31 values a few levels. 16-bit codes cost the same multiplies (madd_epi16 takes 16
    pairs where maddubs_epi16 takes 32, but needs no second step) and leave the weights' rounding as the error. */
 AVX2 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs) {
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, padded = PADDED(nb);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < M * nb; r++) {
         const float *v = x + r * QK;
+        const int64_t at = r / nb * padded + r % nb;
         __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
         __m256 vv[4];
         for (int j = 0; j < 4; j++) {
@@ -58,8 +62,8 @@ AVX2 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq
         __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(sum, 1), _mm256_castps256_ps128(sum));
         s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-        xd[r] = am / 32767.0f;
-        xs[r] = _mm_cvtss_f32(s4);
+        xd[at] = am / 32767.0f;
+        xs[at] = _mm_cvtss_f32(s4);
         const __m256 mul = _mm256_set1_ps(am > 0 ? 32767.0f / am : 0.0f);
         __m256i i[4];
         for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vv[j], mul));  /* round to nearest */
@@ -83,10 +87,10 @@ static void release(Activations *a) {
 
 /* Returns 0, or -1 when there is no memory for them. */
 AVX2 static int prepare(const float *x, int64_t M, int64_t K, Activations *a) {
-    const int64_t nb = K / QK;
+    const int64_t nb = PADDED(K / QK);
     a->q = malloc(sizeof(int16_t) * M * K);
-    a->scale = malloc(sizeof(float) * M * nb);
-    a->sum = malloc(sizeof(float) * M * nb);
+    a->scale = calloc(M * nb, sizeof(float));
+    a->sum = calloc(M * nb, sizeof(float));
     if (!a->q || !a->scale || !a->sum) {
         release(a);
         return -1;
@@ -118,46 +122,65 @@ AVX2 static inline float hsum(__m256 v) {
 }
 
 
-/* One tile: rows m0..m0+RM of x against weight rows n0..n0+RN. Each (m, n) accumulates its blocks in order with
-   the same operations whatever the tile, so a row's result does not depend on M or on the threads. */
+/* One tile: rows m0..m0+RM of x against weight rows n0..n0+RN. Per run of 8 blocks the scales are converted and
+   multiplied by the activations' scales as one vector, and the minimums' term is one multiply-add; per block the
+   codes are widened once and dotted with the int16 activations, and the sum scaled by its lane of the run's
+   scales. Each (m, n) accumulates its runs and blocks in order with the same operations whatever the tile, so a
+   row's result does not depend on M or on the threads. */
 AVX2 static inline __attribute__((always_inline)) void tile(
     int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
     const float *xs, const uint8_t *w, float *out) {
-    const int64_t nb = K / QK, row = nb * Q4_BLOCK;
-    const __m256i low16 = _mm256_set1_epi16(0x0F);
-    __m256 acc[4][2];
-    float accm[4][2];
+    const int64_t nb = K / QK, padded = PADDED(nb), row = nb * Q4_BLOCK;
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    __m256 acc[4][2], accm[4][2];
     for (int i = 0; i < RM; i++)
-        for (int j = 0; j < RN; j++) { acc[i][j] = _mm256_setzero_ps(); accm[i][j] = 0.0f; }
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i w0[2], w1[2];  /* a block's values 0..15 and 16..31 as int16 */
-        float ws[2], wm[2];
+        for (int j = 0; j < RN; j++) { acc[i][j] = _mm256_setzero_ps(); accm[i][j] = _mm256_setzero_ps(); }
+    for (int64_t b0 = 0; b0 < nb; b0 += RUN) {
+        const int64_t c = nb - b0 < RUN ? nb - b0 : RUN;
+        const uint8_t *run[2];
+        __m256 ds[4][2];
         for (int j = 0; j < RN; j++) {
-            const uint8_t *block = w + (n0 + j) * row + b * Q4_BLOCK;
-            _mm_prefetch((const char *)(block + PREFETCH_BYTES), _MM_HINT_T0);
-            uint16_t scale_min[2];
-            memcpy(scale_min, block, 4);
-            /* each byte widened to 16 bits: its low nibble is value j, the rest shifted down is value j + 16 */
-            const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(block + 4)));
-            w0[j] = _mm256_and_si256(raw, low16);
-            w1[j] = _mm256_srli_epi16(raw, 4);
-            ws[j] = _cvtsh_ss(scale_min[0]);
-            wm[j] = _cvtsh_ss(scale_min[1]);
+            run[j] = w + (n0 + j) * row + b0 * Q4_BLOCK;
+            _mm_prefetch((const char *)(run[j] + PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(run[j] + PREFETCH_BYTES + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(run[j] + PREFETCH_BYTES + 128), _MM_HINT_T0);
+            __m256 d, mn;
+            if (c == RUN) {
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)run[j]));
+                mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run[j] + 2 * RUN)));
+            } else {
+                uint16_t h[2 * RUN] = {0};
+                memcpy(h, run[j], 2 * c);
+                memcpy(h + RUN, run[j] + 2 * c, 2 * c);
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+                mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + RUN)));
+            }
+            for (int i = 0; i < RM; i++) {
+                ds[i][j] = _mm256_mul_ps(d, _mm256_loadu_ps(xd + (m0 + i) * padded + b0));
+                accm[i][j] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xs + (m0 + i) * padded + b0), accm[i][j]);
+            }
         }
-        for (int i = 0; i < RM; i++) {
-            const int16_t *a = xq + (m0 + i) * K + b * QK;
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)a);
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a + 16));
-            const float ad = xd[(m0 + i) * nb + b], as = xs[(m0 + i) * nb + b];
+        for (int64_t k = 0; k < c; k++) {
+            const __m256i lane = _mm256_set1_epi32((int)k);
+            __m256i w0[2], w1[2];
             for (int j = 0; j < RN; j++) {
-                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ws[j] * ad), acc[i][j]);
-                accm[i][j] += wm[j] * as;
+                const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(run[j] + 4 * c + 16 * k)));
+                w0[j] = _mm256_and_si256(raw, low);
+                w1[j] = _mm256_srli_epi16(raw, 4);
+            }
+            for (int i = 0; i < RM; i++) {
+                const int16_t *a = xq + (m0 + i) * K + (b0 + k) * QK;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)a);
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a + 16));
+                for (int j = 0; j < RN; j++) {
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(ds[i][j], lane), acc[i][j]);
+                }
             }
         }
     }
     for (int i = 0; i < RM; i++)
-        for (int j = 0; j < RN; j++) out[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + accm[i][j];
+        for (int j = 0; j < RN; j++) out[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + hsum(accm[i][j]);
 }
 
 #define TILE(rm, rn) tile(rm, rn, m, n, K, N, a.q, a.scale, a.sum, w, out)
@@ -197,7 +220,7 @@ AVX2 static inline __attribute__((always_inline)) void tile8(
             const int16_t *a = xq + (m0 + i) * K + b * QK;
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)a);
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a + 16));
-            const float ad = xd[(m0 + i) * nb + b];
+            const float ad = xd[(m0 + i) * PADDED(nb) + b];
             for (int j = 0; j < RN; j++) {
                 const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1));
                 acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ws[j] * ad), acc[i][j]);
