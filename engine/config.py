@@ -224,7 +224,7 @@ class EngineConfig:
         kind="choice", group="model", choices=CPU_WEIGHTS,
         help="int4: projection weights as 4-bit groups on CPU (several times less memory read per token: ~3x "
         "faster decode), through the native AVX2 kernel (int16 activations; built on first use with the machine's "
-        "C compiler) or PyTorch's (bfloat16 activations; on AVX-512 CPUs, or without a compiler); a tied Q8_0 "
+        "C compiler) or PyTorch's (bfloat16 activations; without a compiler or AVX2); a tied Q8_0 "
         "output matrix is read from the file's blocks where the native kernel loads; logits differ slightly from "
         "float32; float16: as float16 through FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's); "
         "float: float32 weights, logits as transformers computes them; auto: on the CPU in float32, int4 where a "

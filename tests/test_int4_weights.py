@@ -331,11 +331,10 @@ def test_auto_takes_int4_weights_where_the_kernel_is_vectorised():
 def test_the_native_kernel_gives_int4_weights_whatever_pytorch_compiled():
     with int4_kernel("blocks"):
         pass  # skips where the native kernel cannot be built or run here
-    # PyTorch's AVX2 kernel (most laptops; its scalar one, Windows', alike): the native kernel
+    # PyTorch's AVX2 kernel (most laptops; its scalar one, Windows', alike) and its AVX-512 one: the native kernel
     out = _choose_weights("avx2")
     assert "auto -> int4" in out and "4-bit CPU kernel: native" in out and "WARNING" not in out
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # PyTorch's AVX-512 kernel decodes faster
-        assert "4-bit CPU kernel: PyTorch's (AVX-512)" in _choose_weights(None)
+    assert "4-bit CPU kernel: native" in _choose_weights(None)
 
 
 def test_a_bad_kernel_choice_is_refused_by_name(monkeypatch):

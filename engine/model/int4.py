@@ -44,11 +44,11 @@ def _aten_available() -> bool:
 def kernel() -> str | None:
     """This process's 4-bit CPU kernel: "blocks", "aten" or None (see the module docstring); chosen once, so
     every Int4Weight of a process has one layout. A fixed rule rather than a timing, so that a restarted engine
-    keeps the kernel its parked conversations were computed with: PyTorch's where it has an AVX-512 kernel
-    (faster there, engine/model/kernels), else the native one where it can run."""
+    keeps the kernel its parked conversations were computed with: the native one wherever it can run (with the
+    native decode step it decodes faster than PyTorch's AVX-512 kernel too, engine/model/kernels), else
+    PyTorch's."""
     aten = _aten_available()
-    choice = kernels.choice()
-    if choice == "aten" or (choice == "auto" and aten and torch.backends.cpu.get_cpu_capability() == "AVX512"):
+    if kernels.choice() == "aten":
         return "aten" if aten else None
     if kernels.library() is not None:
         return "blocks"
@@ -64,8 +64,6 @@ def describe_kernel() -> str:
     """A line for logs and /health: which kernel, and why not the native one."""
     if kernel() == "blocks":
         return "native (AVX2 integer dot products, int16 activations)"
-    if kernels.choice() == "auto" and torch.backends.cpu.get_cpu_capability() == "AVX512":
-        return "PyTorch's (AVX-512)"
     reason = kernels.unavailable_reason()
     return f"PyTorch's ({reason})" if reason else "PyTorch's"
 

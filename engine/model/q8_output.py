@@ -23,8 +23,8 @@ _BLOCK_BYTES = 34  # a float16 scale and 32 int8 codes
 
 def can_read(table: object) -> bool:
     """Whether `table` (a kept embedding, or anything else) can serve as the output matrix here: Q8_0 blocks on
-    the CPU and the native kernels loaded, whichever 4-bit kernel the projections use (PyTorch's, on AVX-512,
-    gave the bundled model's wrong answers mostly through its 4-bit output matrix)."""
+    the CPU and the native kernels loaded, whichever 4-bit kernel the projections use (with PyTorch's, forced by
+    STRATA_INT4_KERNEL=aten, the bundled model's wrong answers came mostly from a 4-bit output matrix)."""
     return (isinstance(table, QuantEmbedding) and table.qtype == GGMLQuantizationType.Q8_0
             and table.shape[1] % int4.GROUP == 0 and table.device.type == "cpu" and kernels.library() is not None)
 
