@@ -30,6 +30,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     models = {arch: write_tiny_model(root, arch) for arch in ARCHS}
     models["qwen2-sliding"] = write_tiny_model(root / "sliding", "qwen2", use_sliding_window=True, sliding_window=8,
                                                max_window_layers=1)
+    models["gemma3"] = write_tiny_model(root / "gemma", "gemma3")  # local layers with their own RoPE, GeGLU, post-norms
     return models
 
 
@@ -63,7 +64,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "qwen2-sliding"])
+@pytest.mark.parametrize("arch", [*ARCHS, "qwen2-sliding", "gemma3"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_step_is_forward_chunks_within_tolerance(tiny_models, arch, kv_dtype):
     lm = _native_model(tiny_models[arch])

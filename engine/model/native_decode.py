@@ -10,8 +10,9 @@ Its arithmetic is its own (its norms, exponentials and attention sums are not AT
 every one-token row of the model: forward_chunks hands it the one-token rows of a mixed step too
 (`owns_one_token_rows`), and a row's logits and K/V are the same whether it decodes alone, batched or beside a
 prefill (step.c's invariants). Prefill chunks stay on forward_chunks. The engine takes this runner where
-`unsupported` finds nothing against it: one CPU, float32, a dense Llama-family model without Gemma's extras,
-every projection in the native 4-bit blocks and the output matrix in the native 4- or 8-bit blocks.
+`unsupported` finds nothing against it: one CPU, float32, a dense Llama-family model (Gemma 3's scaled
+embeddings, output norms, GeGLU and local RoPE included; no soft-capped logits), every projection in the native
+4-bit blocks and the output matrix in the native 4- or 8-bit blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import cast
 import torch
 
 from engine.kv import KVBuffers
-from engine.model import cpu_decode, kernels
+from engine.model import kernels
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
 from engine.model.q8_output import Q8Output
@@ -30,22 +31,24 @@ from engine.model.quant_embedding import embed_rows
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # step.c's KV_* codes
 _HEAD_Q4, _HEAD_Q8 = 0, 1
+_SILU, _GELU_TANH = 0, 1
 _ERRORS = {-1: "no memory for the step's work buffers", -2: "shapes outside what step.c handles"}
 
 
 class StepLayer(ctypes.Structure):
     """step.c's StepLayer, field for field."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "qk_norm", "k_cache", "v_cache")
-    ] + [("window", ctypes.c_int64)]
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
+        "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "qk_norm", "post_attn_norm",
+        "post_mlp_norm", "k_cache", "v_cache")), ("window", ctypes.c_int64), ("local", ctypes.c_int64)]
 
 
 class StepModel(ctypes.Structure):
     """step.c's StepModel, field for field."""
 
     _fields_ = [*((name, ctypes.c_int64) for name in (
-        "n_layers", "hidden", "inter", "n_heads", "n_kv_heads", "head_dim", "ctx", "vocab", "kv_dtype", "head_kind")),
+        "n_layers", "hidden", "inter", "n_heads", "n_kv_heads", "head_dim", "ctx", "vocab", "kv_dtype", "head_kind",
+        "activation")),
         ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("layers", ctypes.POINTER(StepLayer)),
         ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p)]
 
@@ -56,13 +59,18 @@ def _native(w: object) -> bool:
 
 def unsupported(model: CausalLM) -> str | None:
     """Why this model's decode steps do not run in step.c (None: they do)."""
-    reason = cpu_decode.unsupported(model)
-    if reason is not None:
-        return reason
-    if kernels.library() is None:
-        return f"no native kernels ({kernels.unavailable_reason()})"
     c = model.config
     layers = cast(list[DecoderLayer], list(model.layers))
+    if len({d for d, _, _ in model.stages}) != 1 or model.stages[0][0].type != "cpu":
+        return "not on one CPU device"
+    if model.dtype != torch.float32:
+        return "compute dtype is not float32"
+    if any(layer.moe is not None or layer.q_norm_full is not None for layer in layers):
+        return "experts or full-width q/k norms"
+    if c.final_logit_softcapping is not None:
+        return "soft-capped logits"
+    if kernels.library() is None:
+        return f"no native kernels ({kernels.unavailable_reason()})"
     if not all(_native(w) for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
         return "projections not in the native 4-bit blocks"
     if not (isinstance(model.lm_head, Q8Output) or _native(model.lm_head)):
@@ -94,20 +102,24 @@ class NativeDecode:
         for li, layer in enumerate(layers):
             k_cache, v_cache = kv.layer(li)
             assert k_cache.is_contiguous() and v_cache.is_contiguous(), "step.c indexes K/V as [slot, ctx, KVH, D]"
-            for t in (layer.attn_norm, layer.mlp_norm, layer.bqkv, layer.qk_norm):
+            vectors = (layer.attn_norm, layer.mlp_norm, layer.bqkv, layer.qk_norm, layer.post_attn_norm,
+                       layer.post_mlp_norm)
+            for t in vectors:
                 assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 norms and biases"
+            attn_norm, mlp_norm, bqkv, qk_norm, post_attn_norm, post_mlp_norm = (
+                None if t is None else t.data_ptr() for t in vectors)
+            local = c.layer_window(li) is not None and m.rotary_local is not None  # Gemma's sliding layers
             rows[li] = StepLayer(
-                layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr(), _blocks(layer.wqkv),
-                None if layer.bqkv is None else layer.bqkv.data_ptr(), _blocks(layer.wo), _blocks(layer.w_gate_up),
-                _blocks(layer.w_down), None if layer.qk_norm is None else layer.qk_norm.data_ptr(),
-                k_cache.data_ptr(), v_cache.data_ptr(), c.layer_window(li) or 0)
+                attn_norm, mlp_norm, _blocks(layer.wqkv), bqkv, _blocks(layer.wo), _blocks(layer.w_gate_up),
+                _blocks(layer.w_down), qk_norm, post_attn_norm, post_mlp_norm, k_cache.data_ptr(),
+                v_cache.data_ptr(), c.layer_window(li) or 0, int(local))
         head = m.lm_head
         scale = c.head_dim**-0.5 if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         self._layers = rows  # StepModel points into it
         self._step = StepModel(
             c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, kv.ctx,
             c.vocab_size, _KV_DTYPES[kv.layout.dtype], _HEAD_Q8 if isinstance(head, Q8Output) else _HEAD_Q4,
-            c.rms_norm_eps, scale, rows, m.norm.data_ptr(), _blocks(head))
+            _GELU_TANH if c.gemma else _SILU, c.rms_norm_eps, scale, rows, m.norm.data_ptr(), _blocks(head))
         self._kv = kv
 
     def run(self, chunks: list[SeqChunk], kv: KVBuffers) -> torch.Tensor | None:
@@ -121,16 +133,18 @@ class NativeDecode:
         for ch in chunks:
             assert 0 <= ch.start < kv.ctx and 0 <= ch.slot < kv.n_slots, (ch.slot, ch.start, kv.ctx)
         m = self.model
-        x = embed_rows(torch.cat([ch.tokens for ch in chunks]), m.embed).float().contiguous()
+        x = embed_rows(torch.cat([ch.tokens for ch in chunks]), m.embed, m.embed_scale).float().contiguous()
         assert x.shape == (len(chunks), m.config.hidden_size), tuple(x.shape)
-        cos, sin = m.rotary.get(max(ch.start for ch in chunks) + 1, x.device, torch.float32)
-        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == m.config.head_dim
+        positions = max(ch.start for ch in chunks) + 1
+        tables = [t for rotary in (m.rotary, m.rotary_local or m.rotary) for t in rotary.get(positions, x.device, torch.float32)]
+        assert all(t.is_contiguous() and t.shape[1] == m.config.head_dim for t in tables)
+        rope = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in tables))
         where = torch.tensor([[ch.slot for ch in chunks], [ch.start for ch in chunks]], dtype=torch.int64)
         logits = torch.empty(len(chunks), m.config.vocab_size)
         assert self._step is not None  # _bind set it
         status = self._lib.decode_step(
-            ctypes.byref(self._step), len(chunks), where[0].data_ptr(), where[1].data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), x.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+            ctypes.byref(self._step), len(chunks), where[0].data_ptr(), where[1].data_ptr(), rope, x.data_ptr(),
+            logits.data_ptr(), torch.get_num_threads())
         if status == -1:
             raise MemoryError(f"native decode step: {_ERRORS[status]}")
         assert status == 0, f"native decode step: {_ERRORS.get(status, status)}"

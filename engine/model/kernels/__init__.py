@@ -81,7 +81,7 @@ class Library:
         self.q8_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
         self.q8_matmul.restype = ctypes.c_int
         self.decode_step = lib.decode_step  # arguments: engine/model/native_decode.py
-        self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self.decode_step.restype = ctypes.c_int
 
 

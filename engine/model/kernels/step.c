@@ -28,6 +28,7 @@ enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP_WIDTH 4096
 enum { HEAD_Q4 = 0, HEAD_Q8 = 1 };
+enum { SILU = 0, GELU_TANH = 1 };  /* the gate's activation: SwiGLU (Llama) or GeGLU with tanh's GELU (Gemma) */
 
 /* One layer's weights and K/V (mirrored by engine/model/native_decode.py's StepLayer). */
 typedef struct {
@@ -36,14 +37,16 @@ typedef struct {
     const float *bqkv;                     /* [(H + 2 KVH) D] or NULL */
     const uint8_t *wo, *w_gate_up, *w_down;
     const float *qk_norm;                  /* per-head q then k norm weights [H + KVH, D], or NULL */
+    const float *post_attn_norm, *post_mlp_norm;  /* Gemma's norms of the attention and MLP outputs, or NULL */
     void *k_cache, *v_cache;               /* [slots, ctx, KVH, D] in the K/V dtype */
     int64_t window;                        /* a sliding layer's window; 0: every earlier key */
+    int64_t local;                         /* 1: RoPE from the local table (Gemma's sliding layers) */
 } StepLayer;
 
 /* The model (mirrored by StepModel there). */
 typedef struct {
     int64_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, ctx, vocab;
-    int64_t kv_dtype, head_kind;
+    int64_t kv_dtype, head_kind, activation;
     double eps, scale;                     /* RMSNorm epsilon; the attention scores' factor */
     const StepLayer *layers;
     const float *norm;                     /* the final norm [hidden] */
@@ -188,13 +191,23 @@ AVX2 static void attend(const float *q, int64_t group, const void *k, const void
         attend_group(q, group, k, v, dtype, stride, first, n, D, scale, scores, out);
 }
 
-/* out = silu(gate) * up for the n values of a row's [gate | up]. */
-AVX2 static void silu_mul(const float *gate_up, int64_t n, float *out) {
+/* out = act(gate) * up for the n values of a row's [gate | up]: SiLU, x / (1 + e^-x), or GELU with tanh,
+   x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) with tanh(y) = 2 / (1 + e^-2y) - 1. */
+AVX2 static void gated(const float *gate_up, int64_t n, int64_t activation, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = 0; i < n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate_up + i);
-        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(gate_up + n + i)));
+        __m256 a;
+        if (activation == SILU) {
+            a = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+        } else {
+            const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(g, _mm256_mul_ps(g, g)))));
+            const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), inner));
+            const __m256 tanh = _mm256_sub_ps(_mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(one, e)), one);
+            a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, tanh));
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(gate_up + n + i)));
     }
 }
 
@@ -239,10 +252,11 @@ AVX2 static void attention(const StepModel *m, const StepLayer *L, int64_t M, co
 }
 
 /* Logits [M, vocab] of M one-token rows: x [M, hidden] holds their embeddings (overwritten), slots and positions
-   say where each row's K/V goes, cos and sin are the RoPE table ([> max position, D]). Returns 0, -1 when memory
+   say where each row's K/V goes; rope holds the RoPE tables' rows ([> max position, D] each): cos, sin, then the
+   local layers' cos and sin (the same pointers again for a model without local layers). Returns 0, -1 when memory
    ran out, -2 when the shapes are outside what this code handles. */
 AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const int64_t *positions,
-                     const float *cos, const float *sin, float *x, float *logits, int threads) {
+                     const float *const *rope, float *x, float *logits, int threads) {
     const int64_t E = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv_heads, D = m->head_dim;
     const int64_t width = (H + 2 * G) * D;
     if (D % 8 || D > MAX_HEAD_DIM || E % 32 || I % 32 || G <= 0 || H % G || H / G * D > MAX_GROUP_WIDTH) return -2;
@@ -269,13 +283,18 @@ AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const 
         if (q4_matmul(h, M, E, L->wqkv, width, qkv, threads)) goto done;
         if (L->bqkv)
             for (int64_t r = 0; r < M; r++) add_rows(qkv + r * width, L->bqkv, width);
-        attention(m, L, M, slots, positions, cos, sin, qkv, attn, scores, per_thread, threads);
+        const float *const *table = rope + (L->local ? 2 : 0);
+        attention(m, L, M, slots, positions, table[0], table[1], qkv, attn, scores, per_thread, threads);
         if (q4_matmul(attn, M, H * D, L->wo, E, delta, threads)) goto done;
+        if (L->post_attn_norm)
+            for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_attn_norm, E, eps, delta + r * E);
         add_rows(x, delta, M * E);
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, L->mlp_norm, E, eps, h + r * E);
         if (q4_matmul(h, M, E, L->w_gate_up, 2 * I, gate_up, threads)) goto done;
-        for (int64_t r = 0; r < M; r++) silu_mul(gate_up + r * 2 * I, I, h + r * I);
+        for (int64_t r = 0; r < M; r++) gated(gate_up + r * 2 * I, I, m->activation, h + r * I);
         if (q4_matmul(h, M, I, L->w_down, E, delta, threads)) goto done;
+        if (L->post_mlp_norm)
+            for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_mlp_norm, E, eps, delta + r * E);
         add_rows(x, delta, M * E);
     }
     for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, m->norm, E, eps, h + r * E);
