@@ -10,12 +10,13 @@ import torch
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, moe_loading, q8_output
+from engine.model import int4, moe_loading, q8_output, q8_weight
 from engine.model.config import ModelConfig
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.q8_output import Q8Output
+from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
 from engine.model.tokenizer import Tokenizer
 from engine.model.weights_cache import DerivedWeights
@@ -48,6 +49,8 @@ Getter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 # (int4.Int4Weight.from_groups), or None when the file holds it otherwise (then it is read with the Getter).
 Groups = int4.Groups
 GroupsGetter = moe_loading.GroupsGetter
+# Whether the file holds a tensor in a block type of more than 4 bits a weight (gguf_dequant.WIDE).
+WideGetter = Callable[[str], bool]
 
 
 def _build(
@@ -59,12 +62,14 @@ def _build(
     *,
     int4_weights: bool = False,
     groups: GroupsGetter | None = None,
+    wide: WideGetter | None = None,
     cpu_experts: frozenset[int] = frozenset(),
     blocks: BlocksGetter | None = None,
     derived: DerivedWeights | None = None,
 ) -> CausalLM:
     """The model from `get`'s tensors; with `int4_weights` its CPU projections and output matrix are built
-    as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor).
+    as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor), or
+    as 8-bit rows where `wide` says the file holds one of the parts with more bits and the native kernels load.
     The routed experts of the layers in `cpu_experts` stay in host RAM as 4-bit groups whatever the layer's
     device (engine/model/moe_placement.py). `blocks` gives the embedding table as the file's quantised blocks
     (engine/model/quant_embedding.py). `derived` holds 4-bit weights from an earlier load of the same file, and
@@ -85,8 +90,11 @@ def _build(
             raise ModelLoadError(f"{path}: weight {key!r} has shape {tuple(t.shape)}, expected {shape}")
         return t.contiguous()
 
-    def projection(name: str, parts: list[tuple[str, tuple[int, int]]], device: torch.device) -> torch.Tensor | Int4Weight:
-        """The weights `parts` stacked by rows: float, or with int4 weights on the CPU as 4-bit groups."""
+    def projection(
+        name: str, parts: list[tuple[str, tuple[int, int]]], device: torch.device
+    ) -> torch.Tensor | Int4Weight | Q8Weight:
+        """The weights `parts` stacked by rows: float, or with int4 weights on the CPU as 4-bit groups, or 8-bit
+        rows where the file holds a part with more than 4 bits (engine/model/q8_weight.py)."""
         rows, cols = sum(shape[0] for _, shape in parts), parts[0][1][1]
         if not (int4_weights and device.type == "cpu" and int4.can_pack(rows, cols)):
             ws = [need(key, shape, device) for key, shape in parts]
@@ -94,6 +102,16 @@ def _build(
         cached = derived.get(name, (rows, cols)) if derived is not None else None
         if cached is not None:
             return cached
+        if wide is not None and any(wide(key) for key, _ in parts) and q8_weight.available():
+            if [key for key, _ in parts] == ["embed"] and isinstance(embed, QuantEmbedding):
+                eight = Q8Weight(torch.cat([q8_weight.q8_0_rows(embed(torch.arange(a, min(a + 4096, rows))))
+                                            for a in range(0, rows, 4096)]), (rows, cols))  # no float table at once
+            else:
+                ws = [need(key, shape, device) for key, shape in parts]
+                eight = Q8Weight.from_float(ws[0] if len(ws) == 1 else torch.cat(ws))
+            if derived is not None:
+                derived.put(name, eight)
+            return eight
         stacked: list[Groups] = []
         for key, shape in parts:
             found = groups(key) if groups is not None else None
@@ -110,7 +128,7 @@ def _build(
             derived.put(name, built)
         return built
 
-    def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding | Q8Output) -> torch.Tensor:
+    def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding | Q8Weight) -> torch.Tensor:
         # A module's buffer must be a tensor: an Int4Weight or QuantEmbedding goes in after construction.
         return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 
@@ -171,7 +189,7 @@ def _build(
                                  moe=moe, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
                                                  | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
-                if isinstance(t, Int4Weight):
+                if isinstance(t, (Int4Weight, Q8Weight)):
                     int4.install(layer, name, t)
             if moe is not None and int4_weights and device.type == "cpu":
                 moe.quantize_experts()  # the experts as 4-bit groups, one Int4Weight per expert and matrix
@@ -183,7 +201,7 @@ def _build(
             release_freed_memory()
             startup_progress.report(len(layers), n_layers)  # GET /health shows the fraction while loading
     norm = need("norm", (hidden,), last_device)
-    lm_head: torch.Tensor | Int4Weight | Q8Output
+    lm_head: torch.Tensor | Int4Weight | Q8Weight
     if int4_weights and head_key == "embed" and last_device == first_device and q8_output.can_read(embed):
         assert isinstance(embed, QuantEmbedding)
         lm_head = Q8Output(embed)  # the file's Q8_0 blocks, shared with the token lookup
@@ -199,7 +217,7 @@ def _build(
                      rope_freq_factors=freq_factors)
     if isinstance(embed, QuantEmbedding):
         int4.install(model, "embed", embed)
-    if isinstance(lm_head, (Int4Weight, Q8Output)):
+    if isinstance(lm_head, (Int4Weight, Q8Weight)):
         int4.install(model, "lm_head", lm_head)
     release_freed_memory()
     return model

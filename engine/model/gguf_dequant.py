@@ -187,6 +187,9 @@ _PLAIN: dict[int, torch.dtype] = {T.F32: torch.float32, T.F16: torch.float16, T.
 # The tables are keyed by int (a raw type read from a file looks them up) but their keys are all members.
 SUPPORTED = cast(frozenset[GGMLQuantizationType], frozenset(_PLAIN) | frozenset(_BLOCK_DECODERS))
 Q4_GROUPED = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+# Block types of more than 4 bits a weight: with 4-bit CPU weights such projections become 8-bit rows instead of
+# 4-bit groups (engine/model/q8_weight.py).
+WIDE = frozenset({T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.Q8_1, T.Q8_K})
 
 
 def type_name(qtype: int) -> str:

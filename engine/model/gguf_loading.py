@@ -197,6 +197,10 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
             found = tuple(_unpermute(x, heads) for x in found)
         return found
 
+    def wide(key: str) -> bool:
+        t = tensors.get(key)
+        return t is not None and t.qtype in gguf_dequant.WIDE
+
     def blocks(key: str, want: torch.dtype) -> QuantEmbedding | None:
         t = tensors.get(key)
         if t is None or not gguf_dequant.is_blocked(t.qtype) or len(t.shape) != 2:
@@ -209,8 +213,8 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         options = {"dtype": str(dtype), "stages": [[str(d), a, b] for d, a, b in stages]}
         derived = DerivedWeights(weights_cache_dir, path, header_size, options)
     with open(path, "rb") as f:
-        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, cpu_experts=cpu_experts,
-                       blocks=blocks, derived=derived)
+        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, wide=wide,
+                       cpu_experts=cpu_experts, blocks=blocks, derived=derived)
     if derived is not None and derived.fingerprint is not None:
         fingerprint = derived.fingerprint  # the weights it replaced were not read: the first load's fingerprint
     else:

@@ -12,7 +12,7 @@ every one-token row of the model: forward_chunks hands it the one-token rows of 
 prefill (step.c's invariants). Prefill chunks stay on forward_chunks. The engine takes this runner where
 `unsupported` finds nothing against it: one CPU, float32, a dense Llama-family model (Gemma 3's scaled
 embeddings, output norms, GeGLU and local RoPE included; no soft-capped logits), every projection in the native
-4-bit blocks and the output matrix in the native 4- or 8-bit blocks.
+4-bit blocks or 8-bit rows (engine/model/q8_weight.py) and the output matrix likewise.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from engine.kv import KVBuffers
 from engine.model import kernels
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
-from engine.model.q8_output import Q8Output
+from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import embed_rows
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # step.c's KV_* codes
@@ -40,7 +40,8 @@ class StepLayer(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_void_p) for name in (
         "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "qk_norm", "post_attn_norm",
-        "post_mlp_norm", "k_cache", "v_cache")), ("window", ctypes.c_int64), ("local", ctypes.c_int64)]
+        "post_mlp_norm", "k_cache", "v_cache")), ("window", ctypes.c_int64), ("local", ctypes.c_int64),
+        ("eight_bit", ctypes.c_int64 * 4)]
 
 
 class StepModel(ctypes.Structure):
@@ -54,7 +55,7 @@ class StepModel(ctypes.Structure):
 
 
 def _native(w: object) -> bool:
-    return isinstance(w, Int4Weight) and w.kernel == "blocks"
+    return isinstance(w, Q8Weight) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
 
 
 def unsupported(model: CausalLM) -> str | None:
@@ -73,7 +74,7 @@ def unsupported(model: CausalLM) -> str | None:
         return f"no native kernels ({kernels.unavailable_reason()})"
     if not all(_native(w) for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
         return "projections not in the native 4-bit blocks"
-    if not (isinstance(model.lm_head, Q8Output) or _native(model.lm_head)):
+    if not _native(model.lm_head):
         return "output matrix not in native 4- or 8-bit blocks"
     if c.head_dim % 8 or c.head_dim > 512 or c.n_heads % c.n_kv_heads or c.n_heads // c.n_kv_heads * c.head_dim > 4096:
         return f"head shape {c.n_heads}x{c.head_dim} over {c.n_kv_heads} K/V heads"  # step.c's MAX_* limits
@@ -109,16 +110,18 @@ class NativeDecode:
             attn_norm, mlp_norm, bqkv, qk_norm, post_attn_norm, post_mlp_norm = (
                 None if t is None else t.data_ptr() for t in vectors)
             local = c.layer_window(li) is not None and m.rotary_local is not None  # Gemma's sliding layers
+            products = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
             rows[li] = StepLayer(
                 attn_norm, mlp_norm, _blocks(layer.wqkv), bqkv, _blocks(layer.wo), _blocks(layer.w_gate_up),
                 _blocks(layer.w_down), qk_norm, post_attn_norm, post_mlp_norm, k_cache.data_ptr(),
-                v_cache.data_ptr(), c.layer_window(li) or 0, int(local))
+                v_cache.data_ptr(), c.layer_window(li) or 0, int(local),
+                (ctypes.c_int64 * 4)(*(int(isinstance(w, Q8Weight)) for w in products)))
         head = m.lm_head
         scale = c.head_dim**-0.5 if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         self._layers = rows  # StepModel points into it
         self._step = StepModel(
             c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, kv.ctx,
-            c.vocab_size, _KV_DTYPES[kv.layout.dtype], _HEAD_Q8 if isinstance(head, Q8Output) else _HEAD_Q4,
+            c.vocab_size, _KV_DTYPES[kv.layout.dtype], _HEAD_Q8 if isinstance(head, Q8Weight) else _HEAD_Q4,
             _GELU_TANH if c.gemma else _SILU, c.rms_norm_eps, scale, rows, m.norm.data_ptr(), _blocks(head))
         self._kv = kv
 
@@ -153,6 +156,6 @@ class NativeDecode:
 
 
 def _blocks(w: object) -> int:
-    blocks = cast(Int4Weight | Q8Output, w).blocks
+    blocks = cast(Int4Weight | Q8Weight, w).blocks
     assert blocks.is_contiguous() and blocks.dtype == torch.uint8, (blocks.dtype, tuple(blocks.shape))
     return blocks.data_ptr()

@@ -10,15 +10,11 @@ the file's values exactly, no second copy of the matrix (the 4-bit copy was 17 M
 
 from __future__ import annotations
 
-from typing import cast
-
-import torch
 from gguf import GGMLQuantizationType
 
 from engine.model import int4, kernels
+from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding
-
-_BLOCK_BYTES = 34  # a float16 scale and 32 int8 codes
 
 
 def can_read(table: object) -> bool:
@@ -29,27 +25,11 @@ def can_read(table: object) -> bool:
             and table.shape[1] % int4.GROUP == 0 and table.device.type == "cpu" and kernels.library() is not None)
 
 
-class Q8Output:
-    """x @ table.T over a QuantEmbedding's Q8_0 blocks; float32 in and out. Every row is computed on its own with
-    the same operations whatever the other rows or the threads (engine/model/kernels/blocks.c)."""
+class Q8Output(Q8Weight):
+    """x @ table.T over a QuantEmbedding's Q8_0 blocks (the table's own tensor, not a copy); float32 in and out.
+    Every row is computed on its own with the same operations whatever the other rows or the threads
+    (engine/model/kernels/blocks.c)."""
 
     def __init__(self, table: QuantEmbedding) -> None:
         assert can_read(table), (table.qtype, table.shape)
-        n, k = table.shape
-        assert tuple(table.blocks.shape) == (n, k // int4.GROUP * _BLOCK_BYTES), tuple(table.blocks.shape)
-        self.blocks = table.blocks  # the embedding's own tensor, not a copy
-        self.shape = (n, k)
-        self.dtype = torch.float32
-        self.device = table.device
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes a product reads (the embedding table's, which this shares)."""
-        return self.blocks.nbytes
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        q8_matmul = cast(kernels.Library, kernels.library()).q8_matmul
-        return kernels.product(q8_matmul, x, self.shape, self.blocks)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mm(x)
+        super().__init__(table.blocks, (table.shape[0], table.shape[1]))

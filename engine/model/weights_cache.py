@@ -1,5 +1,5 @@
 """Derived CPU weights kept on disk (`--weights-cache`): a GGUF model's 4-bit packed projections and output
-matrix, so the next start reads them from one file instead of splitting nibbles, re-quantising and packing again
+matrix (and the 8-bit rows of those the file holds with more bits, engine/model/q8_weight.py), so the next start reads them from one file instead of splitting nibbles, re-quantising and packing again
 (most of a CPU load: the bundled model's 4 s of weights become ~0.1 s).
 
 A cache file belongs to one GGUF file as it is on disk (absolute path, size, modification time, inode and a hash
@@ -26,10 +26,11 @@ import xxhash
 from engine import atomic
 from engine.model import int4
 from engine.model.int4 import Int4Weight
+from engine.model.q8_weight import Q8Weight
 
 log = logging.getLogger("strata.model")
 
-FORMAT = 3  # bump when what is derived, or how, changes: older files then simply stop matching
+FORMAT = 4  # bump when what is derived, or how, changes: older files then simply stop matching
 KEEP = 3  # cache files kept (the newest used); each is about the size of the model's 4-bit weights
 _NAME_RE = re.compile(r"^.+-[0-9a-f]{16}\.int4\.safetensors$")
 _TOKENIZER_RE = re.compile(r"^.+-[0-9a-f]{16}\.tokenizer\.json$")
@@ -46,15 +47,15 @@ class DerivedWeights:
         digest = xxhash.xxh3_64(json.dumps(self.key, sort_keys=True).encode()).hexdigest()
         self.path = os.path.join(folder, f"{_stem(source)}-{digest}.int4.safetensors")
         self.fingerprint: str | None = None  # the model's weights fingerprint, from the file on a hit
-        self._found: dict[str, Int4Weight] = {}
-        self._built: dict[str, Int4Weight] = {}
+        self._found: dict[str, Int4Weight | Q8Weight] = {}
+        self._built: dict[str, Int4Weight | Q8Weight] = {}
         self._read()
 
     @property
     def hit(self) -> bool:
         return self.fingerprint is not None
 
-    def get(self, name: str, shape: tuple[int, int]) -> Int4Weight | None:
+    def get(self, name: str, shape: tuple[int, int]) -> Int4Weight | Q8Weight | None:
         """The cached weight `name` ("3.wqkv", "lm_head"), or None on a miss."""
         w = self._found.get(name)
         if w is None:
@@ -67,7 +68,7 @@ class DerivedWeights:
             return None
         return w
 
-    def put(self, name: str, w: Int4Weight) -> None:
+    def put(self, name: str, w: Int4Weight | Q8Weight) -> None:
         """A weight built by this load, saved by `save`."""
         self._built[name] = w
 
@@ -79,14 +80,16 @@ class DerivedWeights:
         from safetensors.torch import save
 
         tensors: dict[str, torch.Tensor] = {}
-        shapes = {}
+        shapes, kinds = {}, {}
         for name, w in self._built.items():
             for part, t in w.state().items():
                 tensors[f"{name}.{part}"] = t
             shapes[name] = list(w.shape)
+            kinds[name] = "q8" if isinstance(w, Q8Weight) else "int4"
         digests = {name: _digest(t) for name, t in tensors.items()}
         meta = {"strata_weights_cache": str(FORMAT), "key": json.dumps(self.key, sort_keys=True),
-                "fingerprint": fingerprint, "shapes": json.dumps(shapes), "digests": json.dumps(digests)}
+                "fingerprint": fingerprint, "shapes": json.dumps(shapes), "kinds": json.dumps(kinds),
+                "digests": json.dumps(digests)}
         try:
             os.makedirs(self.folder, exist_ok=True)
             n = atomic.atomic_write(self.path, [save(tensors, metadata=meta)])
@@ -137,7 +140,7 @@ def _digest(t: torch.Tensor) -> str:
     return xxhash.xxh3_128(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
-def _load(path: str, key: dict) -> tuple[dict[str, Int4Weight], str]:
+def _load(path: str, key: dict) -> tuple[dict[str, Int4Weight | Q8Weight], str]:
     """The weights of a cache file and its fingerprint; ValueError when it is not whole or not this key's."""
     from safetensors import SafetensorError, safe_open
 
@@ -150,7 +153,7 @@ def _load(path: str, key: dict) -> tuple[dict[str, Int4Weight], str]:
     except (SafetensorError, RuntimeError) as e:
         raise ValueError(f"not a readable safetensors file: {e}") from None
     try:
-        shapes, digests = json.loads(meta["shapes"]), json.loads(meta["digests"])
+        shapes, digests, kinds = (json.loads(meta[k]) for k in ("shapes", "digests", "kinds"))
         fingerprint = meta["fingerprint"]
     except (KeyError, json.JSONDecodeError) as e:
         raise ValueError(f"header incomplete ({e})") from None
@@ -165,8 +168,11 @@ def _load(path: str, key: dict) -> tuple[dict[str, Int4Weight], str]:
         if name not in parts:
             raise ValueError(f"tensor {tensor_name} belongs to no weight in the header")
         parts[name][part] = t
-    found = {name: Int4Weight.from_state(parts[name], (int(shape[0]), int(shape[1])))
-             for name, shape in shapes.items()}
+    if set(kinds) != set(shapes) or not set(kinds.values()) <= {"int4", "q8"}:
+        raise ValueError("weight kinds do not match the header")
+    found: dict[str, Int4Weight | Q8Weight] = {
+        name: (Q8Weight if kinds[name] == "q8" else Int4Weight).from_state(parts[name], (int(shape[0]), int(shape[1])))
+        for name, shape in shapes.items()}
     return found, fingerprint
 
 

@@ -86,6 +86,7 @@ class Startup(EngineState):
             from engine.cache import CacheIdentity
             from engine.model.native_decode import NativeDecode
             from engine.model.q8_output import Q8Output
+            from engine.model.q8_weight import Q8Weight
 
             kernel = self._int4_kernel_name
             self.cache_identity = CacheIdentity(
@@ -97,6 +98,10 @@ class Startup(EngineState):
                     **({"int4_kernel": kernel} if kernel else {}),
                     # an output matrix read from the file's Q8_0 blocks rather than 4-bit groups
                     **({"output": "Q8_0"} if isinstance(self.model.lm_head, Q8Output) else {}),
+                    # projections kept as 8-bit rows because the file holds them with more than 4 bits
+                    **({"eight_bit_weights": eight} if (eight := sum(
+                        isinstance(getattr(layer, name, None), Q8Weight) for layer in self.model.layers
+                        for name in ("wqkv", "wo", "w_gate_up", "w_down"))) else {}),
                     # decoded tokens' K/V from step.c's arithmetic rather than PyTorch's
                     **({"decode_step": "native"} if isinstance(getattr(self.model, "graphs", None), NativeDecode) else {}),
                     "tokenizer": self.tokenizer.fingerprint,

@@ -33,7 +33,7 @@ enum { SILU = 0, GELU_TANH = 1 };  /* the gate's activation: SwiGLU (Llama) or G
 /* One layer's weights and K/V (mirrored by engine/model/native_decode.py's StepLayer). */
 typedef struct {
     const float *attn_norm, *mlp_norm;     /* [hidden] */
-    const uint8_t *wqkv;                   /* Q4 blocks [(H + 2 KVH) D rows] */
+    const uint8_t *wqkv;                   /* Q4 or Q8_0 rows [(H + 2 KVH) D rows] (eight_bit) */
     const float *bqkv;                     /* [(H + 2 KVH) D] or NULL */
     const uint8_t *wo, *w_gate_up, *w_down;
     const float *qk_norm;                  /* per-head q then k norm weights [H + KVH, D], or NULL */
@@ -41,6 +41,7 @@ typedef struct {
     void *k_cache, *v_cache;               /* [slots, ctx, KVH, D] in the K/V dtype */
     int64_t window;                        /* a sliding layer's window; 0: every earlier key */
     int64_t local;                         /* 1: RoPE from the local table (Gemma's sliding layers) */
+    int64_t eight_bit[4];                  /* per product (qkv, o, gate_up, down): 1 for Q8_0 rows, 0 for Q4 */
 } StepLayer;
 
 /* The model (mirrored by StepModel there). */
@@ -211,6 +212,12 @@ AVX2 static void gated(const float *gate_up, int64_t n, int64_t activation, floa
     }
 }
 
+typedef int (*Product)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *, int);
+
+static Product product(int64_t eight_bit) {
+    return eight_bit ? q8_matmul : q4_matmul;
+}
+
 AVX2 static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 8)
         _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
@@ -280,25 +287,25 @@ AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const 
     for (int64_t l = 0; l < m->n_layers; l++) {
         const StepLayer *L = &m->layers[l];
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, L->attn_norm, E, eps, h + r * E);
-        if (q4_matmul(h, M, E, L->wqkv, width, qkv, threads)) goto done;
+        if (product(L->eight_bit[0])(h, M, E, L->wqkv, width, qkv, threads)) goto done;
         if (L->bqkv)
             for (int64_t r = 0; r < M; r++) add_rows(qkv + r * width, L->bqkv, width);
         const float *const *table = rope + (L->local ? 2 : 0);
         attention(m, L, M, slots, positions, table[0], table[1], qkv, attn, scores, per_thread, threads);
-        if (q4_matmul(attn, M, H * D, L->wo, E, delta, threads)) goto done;
+        if (product(L->eight_bit[1])(attn, M, H * D, L->wo, E, delta, threads)) goto done;
         if (L->post_attn_norm)
             for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_attn_norm, E, eps, delta + r * E);
         add_rows(x, delta, M * E);
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, L->mlp_norm, E, eps, h + r * E);
-        if (q4_matmul(h, M, E, L->w_gate_up, 2 * I, gate_up, threads)) goto done;
+        if (product(L->eight_bit[2])(h, M, E, L->w_gate_up, 2 * I, gate_up, threads)) goto done;
         for (int64_t r = 0; r < M; r++) gated(gate_up + r * 2 * I, I, m->activation, h + r * I);
-        if (q4_matmul(h, M, I, L->w_down, E, delta, threads)) goto done;
+        if (product(L->eight_bit[3])(h, M, I, L->w_down, E, delta, threads)) goto done;
         if (L->post_mlp_norm)
             for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_mlp_norm, E, eps, delta + r * E);
         add_rows(x, delta, M * E);
     }
     for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, m->norm, E, eps, h + r * E);
-    if ((m->head_kind == HEAD_Q8 ? q8_matmul : q4_matmul)(h, M, E, m->head, m->vocab, logits, threads)) goto done;
+    if (product(m->head_kind == HEAD_Q8)(h, M, E, m->head, m->vocab, logits, threads)) goto done;
     status = 0;
 done:
     free(h); free(qkv); free(attn); free(gate_up); free(delta); free(scores);
