@@ -92,19 +92,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sleeping_cpu_workers() -> None:
-    """Make idle OpenMP workers sleep instead of spin (OMP_WAIT_POLICY=PASSIVE unless the environment says
-    otherwise); the OpenMP runtime reads it once, when torch loads, so this runs before torch is imported.
+    """Make idle OpenMP workers sleep after a short spin instead of spinning long (OMP_WAIT_POLICY=PASSIVE and
+    GOMP_SPINCOUNT=1000 unless the environment says otherwise); the OpenMP runtime reads them once, when torch
+    loads, so this runs before torch is imported.
 
     A spinning worker that shares its core with another busy process is off the CPU whenever a parallel
     region starts, and every one of a decode step's ~120 matmuls waits for it: measured on 2 cores with one
-    of them busy, decode fell from ~100 to 0.6 tok/s with the default policy and to ~58 tok/s with sleeping
-    workers. On an idle machine sleeping workers cost 10-20 % of decode speed (waking takes longer than
-    spinning); a desktop engine shares its CPU, so that is the better trade.
+    of them busy, decode fell from ~100 to 0.6 tok/s with the default policy (300,000 spins) and to ~58 tok/s
+    with sleeping workers. But a worker that sleeps at once takes longer to wake than a step's products take:
+    the native decode step of the bundled model on two threads, quiet, took 14.9 ms with no spin, 9.5 ms with
+    1,000 spins and 7.4 ms with 10,000, against 13.8 ms on one thread; with a busy loop on one core, 13.8, 22.2
+    and 58.3 ms (one thread: 11.6). 1,000 keeps most of the gain and bounds the loss, and the decode thread
+    count is timed as the engine runs (engine/runtime/threads.py), so a busy machine decodes on one thread.
+    Prefill of 512 tokens on two threads: 349 / 368 tok/s quiet, 197 / 204 busy, without / with the spin.
     """
     if "torch" in sys.modules:
         log.debug("torch already loaded: the OpenMP wait policy stays %s", os.environ.get("OMP_WAIT_POLICY", "unset"))
         return
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # libgomp's (Linux, MinGW); other runtimes ignore it
 
 
 def _setup_logging(level: str) -> None:

@@ -62,3 +62,55 @@ def test_prefill_and_decode_rows_are_the_same_bits_on_one_thread_and_on_two(tiny
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def _feed(probe, rows: int, seconds_by_threads: dict[int, float], steps: int) -> list[int]:
+    """Run `steps` decode steps through the probe, each taking seconds_by_threads[its count]; the counts used."""
+    used = []
+    for _ in range(steps):
+        threads = probe.threads()
+        used.append(threads)
+        probe.record(rows, seconds_by_threads[threads])
+    return used
+
+
+def test_the_decode_thread_count_follows_whichever_measures_faster():
+    from engine.runtime.threads import DecodeThreadsProbe
+
+    probe = DecodeThreadsProbe(compute=4, start=1)
+    period, probe_steps = DecodeThreadsProbe.PERIOD, DecodeThreadsProbe.PROBE
+    # a quiet machine: four threads take half the time of one; after a period, a probe, then four it is
+    used = _feed(probe, 1, {1: 0.010, 4: 0.005}, period + probe_steps)
+    assert used == [1] * period + [4] * probe_steps and probe.current == 4 and probe.switches == 1
+    # the next probe of one thread is slower: four stay
+    _feed(probe, 1, {1: 0.010, 4: 0.005}, period + probe_steps)
+    assert probe.current == 4 and probe.switches == 1
+    # another program takes a core: four threads wait for it, one does not; back to one
+    _feed(probe, 1, {1: 0.011, 4: 0.050}, period + probe_steps)
+    assert probe.current == 1 and probe.switches == 2
+    # within MARGIN (a few % faster) is not a reason to switch
+    _feed(probe, 1, {1: 0.0100, 4: 0.0097}, period + probe_steps)
+    assert probe.current == 1
+    # steps of another row count than the probe's are not compared
+    before = probe.switches
+    _feed(probe, 2, {1: 0.010, 4: 0.001}, period)
+    _feed(probe, 3, {1: 0.010, 4: 0.001}, probe_steps)
+    assert probe.switches == before and probe.current == 1
+
+
+def test_with_decode_threads_0_the_engine_times_its_decode_threads_and_answers_the_same(tiny_model):
+    prompt_text = "a lighthouse keeper counts the ships that pass in the night " * 3
+    answers, probes = [], []
+    for decode_threads in (0, 1):
+        engine = Engine.from_config(EngineConfig(model=tiny_model, threads=2, decode_threads=decode_threads,
+                                                 conversation_cache_mib=0))
+        try:
+            probes.append(engine.step_threads.probe)
+            prompt = engine.tokenizer.encode(prompt_text)
+            request = GenerationRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+            answers.append([e.token_id for e in engine.submit(request) if e.token_id is not None])
+        finally:
+            engine.close()
+    assert probes[0] is not None and probes[1] is None  # a fixed --decode-threads is kept as given
+    assert probes[0].threads() in (1, 2)
+    assert len(answers[0]) == 80 and answers[0] == answers[1]  # whatever counts it ran on, the same tokens

@@ -100,9 +100,11 @@ class NativeDecode:
         assert kv.layout.dtype in _KV_DTYPES, f"K/V dtype {kv.layout.dtype} (step.c takes {list(_KV_DTYPES)})"
         layers = cast(list[DecoderLayer], list(m.layers))
         rows = (StepLayer * len(layers))()
+        views: list[torch.Tensor] = []  # held while step.c has their addresses
         for li, layer in enumerate(layers):
             k_cache, v_cache = kv.layer(li)
             assert k_cache.is_contiguous() and v_cache.is_contiguous(), "step.c indexes K/V as [slot, ctx, KVH, D]"
+            views += [k_cache, v_cache]
             vectors = (layer.attn_norm, layer.mlp_norm, layer.bqkv, layer.qk_norm, layer.post_attn_norm,
                        layer.post_mlp_norm)
             for t in vectors:
@@ -118,7 +120,7 @@ class NativeDecode:
                 (ctypes.c_int64 * 4)(*(int(isinstance(w, Q8Weight)) for w in products)))
         head = m.lm_head
         scale = c.head_dim**-0.5 if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-        self._layers = rows  # StepModel points into it
+        self._layers, self._views = rows, views  # StepModel points into them
         self._step = StepModel(
             c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, kv.ctx,
             c.vocab_size, _KV_DTYPES[kv.layout.dtype], _HEAD_Q8 if isinstance(head, Q8Weight) else _HEAD_Q4,

@@ -96,8 +96,11 @@ class Engine(Scheduler):
         self.windows = slot_windows(mcfg, self.kv, config.conversation_cache_block_tokens) if self.states is None else None
         self.slots = [Slot(i) for i in range(self.n_slots)]
         compute_threads = config.threads or TORCH_DEFAULT_THREADS
+        on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in self.model.stages)
+        # --decode-threads 0 on the CPU: start from the rule, then keep timing (engine/runtime/threads.py)
         self.step_threads = StepThreads(compute_threads, config.decode_threads
-                                        or default_decode_threads(compute_threads, decode_read_bytes(self.model)))
+                                        or default_decode_threads(compute_threads, decode_read_bytes(self.model)),
+                                        probe=config.decode_threads == 0 and on_cpu)
         self.started_at = time.time()
         self.state = "ok"
         self.cache_identity: CacheIdentity | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,10 +59,15 @@ class Startup(EngineState):
     def _forward(self, chunks: list) -> torch.Tensor:
         """One forward over `chunks` (a hybrid model also advances each slot's recurrent state), on the threads
         for its kind of step (engine/runtime/threads.py)."""
-        self.step_threads.before_step(all(ch.tokens.numel() == 1 for ch in chunks))
+        decode = all(ch.tokens.numel() == 1 for ch in chunks)
+        self.step_threads.before_step(decode)
+        started = time.perf_counter()
         if self.states is None:
-            return self.model.forward_chunks(chunks, self.kv)
-        return self.model.forward_chunks(chunks, self.kv, self.states.buffers)
+            logits = self.model.forward_chunks(chunks, self.kv)
+        else:
+            logits = self.model.forward_chunks(chunks, self.kv, self.states.buffers)
+        self.step_threads.after_step(decode, len(chunks), time.perf_counter() - started)
+        return logits
 
     def _configure_decode(self) -> None:
         """The decode mode from --no-cuda-graphs and --deterministic (engine.model.graph_decode.configure)."""
