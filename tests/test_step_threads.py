@@ -78,12 +78,13 @@ def test_the_decode_thread_count_follows_whichever_measures_faster():
     from engine.runtime.threads import DecodeThreadsProbe
 
     probe = DecodeThreadsProbe(compute=4, start=1)
-    period, probe_steps = DecodeThreadsProbe.PERIOD, DecodeThreadsProbe.PROBE
-    # a quiet machine: four threads take half the time of one; after a period, a probe, then four it is
-    used = _feed(probe, 1, {1: 0.010, 4: 0.005}, period + probe_steps)
-    assert used == [1] * period + [4] * probe_steps and probe.current == 4 and probe.switches == 1
-    # the next probe of one thread is slower: four stay
-    _feed(probe, 1, {1: 0.010, 4: 0.005}, period + probe_steps)
+    first, period, probe_steps = DecodeThreadsProbe.FIRST, DecodeThreadsProbe.PERIOD, DecodeThreadsProbe.PROBE
+    # a quiet machine: four threads take half the time of one; after the first few steps, a probe, then four it is
+    used = _feed(probe, 1, {1: 0.010, 4: 0.005}, first + probe_steps)
+    assert used == [1] * first + [4] * probe_steps and probe.current == 4 and probe.switches == 1
+    assert _feed(probe, 1, {1: 0.010, 4: 0.005}, period) == [4] * period  # then a period before the next probe
+    # the next probe, of one thread, is slower: four stay
+    assert _feed(probe, 1, {1: 0.010, 4: 0.005}, probe_steps) == [1] * probe_steps
     assert probe.current == 4 and probe.switches == 1
     # another program takes a core: four threads wait for it, one does not; back to one
     _feed(probe, 1, {1: 0.011, 4: 0.050}, period + probe_steps)

@@ -61,8 +61,10 @@ def engine_prefill(lm, ids: torch.Tensor, chunk: int):
     return run
 
 
-def engine_decode(lm, prompt: torch.Tensor, n_new: int):
-    """A callable that greedily decodes `n_new` tokens after `prompt`; returns tok/s."""
+def engine_decode(lm, prompt: torch.Tensor, n_new: int, step_threads=None):
+    """A callable that greedily decodes `n_new` tokens after `prompt`; returns tok/s. With `step_threads` (an
+    engine.runtime.threads.StepThreads) each step runs on the count it gives and is timed back into it, as the
+    engine's loop does."""
     kv = make_kv(lm, len(prompt) + n_new + 1)
     first = int(lm.model.forward_chunks([SeqChunk(0, 0, prompt)], kv)[0].argmax())
 
@@ -72,8 +74,13 @@ def engine_decode(lm, prompt: torch.Tensor, n_new: int):
         def loop() -> None:
             nonlocal token
             for pos in range(len(prompt), len(prompt) + n_new):
+                if step_threads is not None:
+                    step_threads.before_step(True)
+                    started = time.perf_counter()
                 logits = lm.model.forward_chunks([SeqChunk(0, pos, torch.tensor([token]))], kv)
                 token = int(logits[0].argmax())
+                if step_threads is not None:
+                    step_threads.after_step(True, 1, time.perf_counter() - started)
 
         return n_new / timed(loop)
 

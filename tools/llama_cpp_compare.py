@@ -6,7 +6,8 @@
 - Decode and prefill tok/s, per thread count: the engine's forward in this process (the weights format the
   server picks by default on CPU, unless --cpu-weights names one) against `llama-bench -p P -n N -t T -r 1`,
   one round of each in turn, best of --rounds each side. The engine decodes after a 32-token prompt and times
-  greedy argmax steps; llama-bench's `tg` test generates from an empty context.
+  greedy argmax steps; llama-bench's `tg` test generates from an empty context. At defaults the engine's decode
+  thread count is timed as it runs, across the rounds, as `strata serve` times it (engine/runtime/threads.py).
 - Cold start: spawning the server to `GET /health` 200, `strata serve --conversation-cache-mib 0` against
   `llama-server --cache-ram 0`, alternating (the first round warms the page cache), and RSS once ready.
 - RSS with 2 conversations parked: each server with its RAM cache on (strata's default, llama-server's
@@ -100,7 +101,7 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
     from engine.model.graph_decode import configure
     from engine.model.loader import read_model_config
     from engine.runtime.startup import _weights_format
-    from engine.runtime.threads import decode_read_bytes, default_decode_threads
+    from engine.runtime.threads import StepThreads, decode_read_bytes, default_decode_threads
 
     stages = plan_stages(read_model_config(path).n_layers, "cpu", "")
     weights = _weights_format(args.cpu_weights, torch.float32, stages)  # auto: as the server decides
@@ -116,10 +117,14 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
     own = torch.get_num_threads()  # PyTorch's default: the engine's --threads 0
     step_bytes = decode_read_bytes(lm.model)  # what --decode-threads 0 goes by
     for t in threads:
-        # 0: each side's defaults (the engine: prefill on PyTorch's threads, decode on its --decode-threads default)
+        # 0: each side's defaults (the engine: prefill on PyTorch's threads, decode from its --decode-threads rule
+        # on, the count timed as it runs, as `strata serve` does: engine/runtime/threads.py)
         prefill_threads, decode_threads = (own, default_decode_threads(own, step_bytes)) if t == 0 else (t, t)
         prefill = on_threads(prefill_threads, engine_prefill(lm, ids, args.prompt_tokens))
-        decode = on_threads(decode_threads, engine_decode(lm, short, args.decode_tokens))
+        if t == 0:
+            decode = engine_decode(lm, short, args.decode_tokens, StepThreads(own, decode_threads, probe=True))
+        else:
+            decode = on_threads(decode_threads, engine_decode(lm, short, args.decode_tokens))
         prefill(), decode()  # warm-up
         ours = {"prefill": 0.0, "decode": 0.0}
         theirs: dict[str, float] = {}
@@ -132,7 +137,7 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
                 for key in ("prefill", "decode"):
                     theirs[key] = max(theirs.get(key, 0.0), float(r[key]))
                 build = str(r["build"])
-        name = f"{t} thr" if t else f"defaults ({prefill_threads}/{decode_threads} thr)"
+        name = f"{t} thr" if t else f"defaults ({prefill_threads}/timed from {decode_threads} thr)"
         print(f"# {name} done, load {load()}" + (f", llama.cpp build {build}" if build else ""), flush=True)
         rows.append((f"prefill {args.prompt_tokens}, {name}", ours["prefill"], theirs.get("prefill")))
         rows.append((f"decode {args.decode_tokens}, {name}", ours["decode"], theirs.get("decode")))

@@ -54,10 +54,12 @@ def default_decode_threads(compute_threads: int, step_bytes: int) -> int:
 
 class DecodeThreadsProbe:
     """Chooses between one decode thread and `compute` by timing decode steps as they run: after PERIOD steps on
-    the current count, PROBE steps on the other (the first of them discarded: a count's first step pays for
-    waking its workers); it switches when the probe's median step beats the median of the last PROBE steps before
-    it, of the same row count, by MARGIN."""
+    the current count (FIRST steps the first time, so that a new engine finds its count within its first reply),
+    PROBE steps on the other (the first of them discarded: a count's first step pays for waking its workers); it
+    switches when the probe's median step beats the median of the last PROBE steps before it, of the same row
+    count, by MARGIN. Probing costs PROBE of every PERIOD + PROBE steps on the slower count."""
 
+    FIRST = 8
     PERIOD = 64
     PROBE = 5
     MARGIN = 0.9
@@ -68,7 +70,7 @@ class DecodeThreadsProbe:
         self.current = start
         self._recent: list[tuple[int, float]] = []  # (rows, seconds) of the current count's latest steps
         self._probe: list[tuple[int, float]] = []
-        self._until_probe = self.PERIOD
+        self._until_probe = self.FIRST
         self.switches = 0
 
     def threads(self) -> int:
