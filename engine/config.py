@@ -264,8 +264,9 @@ class EngineConfig:
     decode_threads: int = setting(
         0, flag="--decode-threads", label="CPU threads for decoding", kind="int", group="runtime", minimum=0,
         maximum=1024,
-        help="CPU threads for decode steps, where every row is one token (0 = one for a model that reads under 256 "
-        "MiB of weights a token, whose steps are too small to share, else --threads); prefill uses --threads",
+        help="CPU threads for decode steps, where every row is one token (0 = timed as the engine runs: one or "
+        "--threads, whichever decodes faster at the moment, starting from one for a model that reads under 256 MiB "
+        "of weights a token, else --threads); prefill uses --threads",
     )
     # -- runtime
     ctx_size: int = setting(

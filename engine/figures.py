@@ -75,7 +75,7 @@ class EngineFigures:
     # routed experts resident in host RAM (--moe-experts cpu / --moe-cpu-layers): strata_expert_arena_bytes
     expert_arena_bytes: int = field(default=0, metadata={"metric": "expert_arena_bytes"})
     threads: int = 0  # prefill and mixed steps (--threads)
-    decode_threads: int = 0  # steps whose rows are all one token (--decode-threads)
+    decode_threads: int = 0  # steps whose rows are all one token (--decode-threads; 0 there: the count timed now)
     omp_wait_policy: str = ""
     # requests by why their prompt was computed (engine.runtime.explain's reasons)
     prefill_reasons: dict[str, int] = counter(label="reason", metric="prefill_reason")

@@ -61,7 +61,7 @@ class Stats(Control):
             int4_kernel=self._int4_kernel_name,
             expert_arena_bytes=self.expert_arena_bytes,  # routed experts resident in host RAM (MoE models)
             threads=self.step_threads.compute,
-            decode_threads=self.step_threads.decode,
+            decode_threads=self.step_threads.decode_choice,
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
             prefill_reasons=dict(self.requests.reasons),
         )

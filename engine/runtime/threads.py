@@ -111,8 +111,13 @@ class StepThreads:
 
     @property
     def decode(self) -> int:
-        """The count decode steps run on now."""
+        """The count the next decode step runs on (during a probe, the count being tried)."""
         return self.probe.threads() if self.probe is not None else self._fixed_decode
+
+    @property
+    def decode_choice(self) -> int:
+        """The count decode steps run on between probes (what /metrics reports)."""
+        return self.probe.current if self.probe is not None else self._fixed_decode
 
     def before_step(self, one_token_rows: bool) -> None:
         """Before a forward step: `one_token_rows` when every row of it is a single token (a decode step)."""
