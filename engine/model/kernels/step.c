@@ -1,5 +1,5 @@
-/* A whole decode step of a dense Llama-family model with 4-bit weights, in one call (engine/model/native_decode.py
-   describes when the engine takes it).
+/* A whole decode step of a dense Llama-family model (Gemma 3 included) with 4-bit or 8-bit weights, in one call
+   (engine/model/native_decode.py describes when the engine takes it).
 
    Run through PyTorch, a decode step of the bundled model on one thread of an AVX2 CPU spends ~12.5 of ~18 ms in
    the weight products and the rest in ~1,500 small operator calls (norms, RoPE, K/V writes, attention, SiLU, the
