@@ -112,6 +112,11 @@ class EngineClient(QObject):
         self._http: Any = None  # httpx.Client, made on a worker thread: importing httpx costs start-up time
         self._http_lock = threading.Lock()
 
+    @property
+    def generation(self) -> int:
+        """Counts the engines pointed at; an answer from an earlier one is dropped, its callback never called."""
+        return self._generation
+
     def set_target(self, base_url: str | None, api_key: str | None = None) -> None:
         """Point at an engine (e.g. http://127.0.0.1:8080), or at none."""
         if base_url != self.base_url or api_key != self.api_key:
@@ -262,7 +267,9 @@ class Poller(QObject):
         self.client = client
         self.engine_pid: int | None = None
         self.detail = True
-        self._in_flight: set[str] = set()
+        # What is being fetched, by the client generation it was asked of: a request to an engine that was
+        # replaced meanwhile never calls back (EngineClient.request), so it must not keep its key busy.
+        self._in_flight: dict[str, int] = {}
         self._timer = QTimer(self, interval=interval_ms)
         self._timer.timeout.connect(self.poll)
 
@@ -291,25 +298,30 @@ class Poller(QObject):
             self._fetch("events", f"/cache/events?limit={self.EVENTS_LIMIT}", self._on_events)
             self._fetch("requests", f"/cache/requests?limit={self.REQUESTS_LIMIT}", self._on_requests)
 
+    def _busy(self, key: str) -> bool:
+        return self._in_flight.get(key) == self.client.generation
+
     def _once(self, key: str, work: Callable[[], Any], done: Callback) -> None:
-        if key in self._in_flight:
+        if self._busy(key):
             return
-        self._in_flight.add(key)
+        self._in_flight[key] = generation = self.client.generation
 
         def finish(result: Any) -> None:
-            self._in_flight.discard(key)
+            if self._in_flight.get(key) == generation:
+                del self._in_flight[key]
             if not isinstance(result, BaseException):
                 done(result)
 
         self.client.dispatcher.submit(work, finish)
 
     def _fetch(self, key: str, path: str, done: Callable[[Reply], None]) -> None:
-        if key in self._in_flight:
+        if self._busy(key):
             return
-        self._in_flight.add(key)
+        self._in_flight[key] = generation = self.client.generation
 
         def finish(reply: Reply) -> None:
-            self._in_flight.discard(key)
+            if self._in_flight.get(key) == generation:
+                del self._in_flight[key]
             done(reply)
 
         # A timeout shorter than two rounds keeps a hung engine from holding a worker for long.
