@@ -313,3 +313,13 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def write_decode_models(root: Path) -> dict[str, str]:
+    """The tiny models the decode-step tests run: each of ARCHS, Qwen2 with a sliding window of 8 from layer 1 on,
+    and Gemma 3 (local layers with their own RoPE, GeGLU, output norms); name -> folder."""
+    models = {arch: write_tiny_model(root, arch) for arch in ARCHS}
+    models["qwen2-sliding"] = write_tiny_model(root / "sliding", "qwen2", use_sliding_window=True, sliding_window=8,
+                                               max_window_layers=1)
+    models["gemma3"] = write_tiny_model(root / "gemma", "gemma3")
+    return models

@@ -12,17 +12,12 @@ from engine.model import SeqChunk, int4, load_model, plan_stages
 from engine.model.cpu_decode import CpuDecode, unsupported
 from engine.model.graph_decode import configure
 from engine.model.loader import read_model_config
-from tests.model_fixtures import ARCHS, write_tiny_model
+from tests.model_fixtures import ARCHS, write_decode_models
 
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny")
-    models = {arch: write_tiny_model(root, arch) for arch in ARCHS}
-    models["qwen2-sliding"] = write_tiny_model(root / "sliding", "qwen2", use_sliding_window=True, sliding_window=8,
-                                               max_window_layers=1)
-    models["gemma3"] = write_tiny_model(root / "gemma", "gemma3")
-    return models
+    return write_decode_models(tmp_path_factory.mktemp("tiny"))
 
 
 def _load(path: str):

@@ -13,7 +13,7 @@ from engine.model.graph_decode import configure
 from engine.model.loader import read_model_config
 from engine.model.native_decode import NativeDecode, unsupported
 from tests.int4_kernels import int4_kernel
-from tests.model_fixtures import ARCHS, write_tiny_model
+from tests.model_fixtures import ARCHS, write_decode_models
 
 # Relative L2 distance allowed between the native step's logits and forward_chunks' on the same weights: the two
 # round activations to int16 from inputs that differ in their last bits (other norm and exponential code), and
@@ -26,12 +26,7 @@ PROMPTS = {0: 20, 1: 3, 3: 40}  # slot -> prompt length; slot 3 passes the slidi
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny")
-    models = {arch: write_tiny_model(root, arch) for arch in ARCHS}
-    models["qwen2-sliding"] = write_tiny_model(root / "sliding", "qwen2", use_sliding_window=True, sliding_window=8,
-                                               max_window_layers=1)
-    models["gemma3"] = write_tiny_model(root / "gemma", "gemma3")  # local layers with their own RoPE, GeGLU, post-norms
-    return models
+    return write_decode_models(tmp_path_factory.mktemp("tiny"))
 
 
 def _native_model(path: str):
