@@ -10,9 +10,11 @@ Its arithmetic is its own (its norms, exponentials and attention sums are not AT
 every one-token row of the model: forward_chunks hands it the one-token rows of a mixed step too
 (`owns_one_token_rows`), and a row's logits and K/V are the same whether it decodes alone, batched or beside a
 prefill (step.c's invariants). Prefill chunks stay on forward_chunks. The engine takes this runner where
-`unsupported` finds nothing against it: one CPU, float32, a dense Llama-family model (Gemma 3's scaled
-embeddings, output norms, GeGLU and local RoPE included; no soft-capped logits), every projection in the native
-4-bit blocks or 8-bit rows (engine/model/q8_weight.py) and the output matrix likewise.
+`unsupported` finds nothing against it: one CPU, float32, a Llama-family model (Gemma 3's scaled embeddings,
+output norms, GeGLU and local RoPE included; no soft-capped logits) or a mixture-of-experts one whose layers are
+those with experts (Qwen3-MoE, Qwen2-MoE's shared expert, Mixtral, GraniteMoE; experts.c: the router, top-k and
+each picked expert once over its rows), every projection and expert in the native 4-bit blocks or 8-bit rows
+(engine/model/q8_weight.py) and the output matrix likewise.
 """
 
 from __future__ import annotations
@@ -26,13 +28,25 @@ from engine.kv import KVBuffers
 from engine.model import kernels
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
+from engine.model.moe import SparseMoe
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import embed_rows
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # step.c's KV_* codes
 _HEAD_Q4, _HEAD_Q8 = 0, 1
 _SILU, _GELU_TANH = 0, 1
+_ROUTINGS = {("softmax_topk", False): 0, ("softmax_topk", True): 1, ("topk_softmax", False): 2,
+             ("topk_softmax", True): 2}  # experts.h's routings by (MoeConfig.routing, norm_topk_prob)
 _ERRORS = {-1: "no memory for the step's work buffers", -2: "shapes outside what step.c handles"}
+
+
+class StepExperts(ctypes.Structure):
+    """experts.h's StepExperts, field for field."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in ("n_experts", "top_k", "inter", "shared_inter", "routing")),
+                ("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
+                ("down", ctypes.POINTER(ctypes.c_void_p)), ("shared_gate_up", ctypes.c_void_p),
+                ("shared_down", ctypes.c_void_p), ("shared_eight_bit", ctypes.c_int64 * 2)]
 
 
 class StepLayer(ctypes.Structure):
@@ -41,7 +55,7 @@ class StepLayer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in (
         "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "qk_norm", "post_attn_norm",
         "post_mlp_norm", "k_cache", "v_cache")), ("window", ctypes.c_int64), ("local", ctypes.c_int64),
-        ("eight_bit", ctypes.c_int64 * 4)]
+        ("eight_bit", ctypes.c_int64 * 4), ("experts", ctypes.POINTER(StepExperts))]
 
 
 class StepModel(ctypes.Structure):
@@ -66,18 +80,37 @@ def unsupported(model: CausalLM) -> str | None:
         return "not on one CPU device"
     if model.dtype != torch.float32:
         return "compute dtype is not float32"
-    if any(layer.moe is not None or layer.q_norm_full is not None for layer in layers):
-        return "experts or full-width q/k norms"
+    if any(layer.q_norm_full is not None for layer in layers):
+        return "full-width q/k norms"
     if c.final_logit_softcapping is not None:
         return "soft-capped logits"
     if kernels.library() is None:
         return f"no native kernels ({kernels.unavailable_reason()})"
-    if not all(_native(w) for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)):
+    if not all(_native(w) for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+               if layer.moe is None or w is not None):
         return "projections not in the native 4-bit blocks"
+    experts = next((why for layer in layers if layer.moe is not None and (why := _experts_unsupported(layer.moe))), None)
+    if experts:
+        return experts
     if not _native(model.lm_head):
         return "output matrix not in native 4- or 8-bit blocks"
     if c.head_dim % 8 or c.head_dim > 512 or c.n_heads % c.n_kv_heads or c.n_heads // c.n_kv_heads * c.head_dim > 4096:
         return f"head shape {c.n_heads}x{c.head_dim} over {c.n_kv_heads} K/V heads"  # step.c's MAX_* limits
+    return None
+
+
+def _experts_unsupported(moe: SparseMoe) -> str | None:
+    """Why step.c cannot run this expert block (None: it can)."""
+    c = moe.config
+    if not all(isinstance(w, Int4Weight) and w.kernel == "blocks" for w in (*moe.gate_up, *moe.down)):
+        return "experts not in the native 4-bit blocks"
+    shared = (moe.shared_gate_up, moe.shared_down)
+    if c.shared_expert_size and not all(_native(w) for w in shared):
+        return "shared expert not in native 4- or 8-bit blocks"
+    if c.top_k > 64 or c.expert_size % 32 or c.shared_expert_size % 32:
+        return f"experts of {c.expert_size} with top {c.top_k}"  # experts.c's limits
+    if moe.router.dtype != torch.float32 or moe.router.device.type != "cpu":
+        return "router not float32 on the CPU"
     return None
 
 
@@ -101,6 +134,7 @@ class NativeDecode:
         layers = cast(list[DecoderLayer], list(m.layers))
         rows = (StepLayer * len(layers))()
         views: list[torch.Tensor] = []  # held while step.c has their addresses
+        keep: list[object] = []  # the experts' ctypes arrays, likewise
         for li, layer in enumerate(layers):
             k_cache, v_cache = kv.layer(li)
             assert k_cache.is_contiguous() and v_cache.is_contiguous(), "step.c indexes K/V as [slot, ctx, KVH, D]"
@@ -117,15 +151,32 @@ class NativeDecode:
                 attn_norm, mlp_norm, _blocks(layer.wqkv), bqkv, _blocks(layer.wo), _blocks(layer.w_gate_up),
                 _blocks(layer.w_down), qk_norm, post_attn_norm, post_mlp_norm, k_cache.data_ptr(),
                 v_cache.data_ptr(), c.layer_window(li) or 0, int(local),
-                (ctypes.c_int64 * 4)(*(int(isinstance(w, Q8Weight)) for w in products)))
+                (ctypes.c_int64 * 4)(*(int(isinstance(w, Q8Weight)) for w in products)),
+                None if layer.moe is None else ctypes.pointer(self._experts(layer.moe, keep)))
         head = m.lm_head
         scale = c.head_dim**-0.5 if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-        self._layers, self._views = rows, views  # StepModel points into them
+        self._layers, self._views, self._keep = rows, views, keep  # StepModel points into them
         self._step = StepModel(
             c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, kv.ctx,
             c.vocab_size, _KV_DTYPES[kv.layout.dtype], _HEAD_Q8 if isinstance(head, Q8Weight) else _HEAD_Q4,
             _GELU_TANH if c.gemma else _SILU, c.rms_norm_eps, scale, rows, m.norm.data_ptr(), _blocks(head))
         self._kv = kv
+
+    @staticmethod
+    def _experts(moe: SparseMoe, keep: list[object]) -> StepExperts:
+        """A StepExperts over `moe`'s weights; its ctypes arrays go to `keep`."""
+        c = moe.config
+        assert moe.router.is_contiguous() and moe.router.shape[0] == c.n_experts + (c.shared_expert_size > 0)
+        gate_up = (ctypes.c_void_p * c.n_experts)(*(_blocks(w) for w in moe.gate_up))
+        down = (ctypes.c_void_p * c.n_experts)(*(_blocks(w) for w in moe.down))
+        shared = c.shared_expert_size > 0
+        block = StepExperts(
+            c.n_experts, c.top_k, c.expert_size, c.shared_expert_size, _ROUTINGS[c.routing, c.norm_topk_prob],
+            moe.router.data_ptr(), gate_up, down, _blocks(moe.shared_gate_up) if shared else None,
+            _blocks(moe.shared_down) if shared else None,
+            (ctypes.c_int64 * 2)(*(int(shared and isinstance(w, Q8Weight)) for w in (moe.shared_gate_up, moe.shared_down))))
+        keep += [gate_up, down, block]
+        return block
 
     def run(self, chunks: list[SeqChunk], kv: KVBuffers) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] (float32, chunk order) of a step of one-token rows, or None to decline."""
@@ -157,7 +208,10 @@ class NativeDecode:
         return logits
 
 
-def _blocks(w: object) -> int:
+def _blocks(w: object) -> int | None:
+    """The address of a native weight's blocks (None for no weight: a MoE layer's dense MLP)."""
+    if w is None:
+        return None
     blocks = cast(Int4Weight | Q8Weight, w).blocks
     assert blocks.is_contiguous() and blocks.dtype == torch.uint8, (blocks.dtype, tuple(blocks.shape))
     return blocks.data_ptr()

@@ -43,8 +43,8 @@ from engine.config import kernels_dir
 log = logging.getLogger("strata.model")
 
 _FOLDER = os.path.dirname(__file__)
-_SOURCES = ("blocks.c", "step.c")  # compiled together; blocks.h declares what step.c calls in blocks.c
-_HEADERS = ("blocks.h",)
+_SOURCES = ("blocks.c", "step.c", "experts.c")  # compiled together into one library
+_HEADERS = ("blocks.h", "experts.h", "vector.h")  # what the sources share (hashed with them)
 # -ffp-contract=off: the compiler must not fuse a multiply and an add in one tile shape and not in another, or a
 # row's result would depend on how many rows share the call.
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"]

@@ -1,0 +1,136 @@
+/* The sparse experts of one layer for M one-token rows (step.c calls this where a dense layer runs its MLP).
+
+   The router is a float32 product; each row picks its top-k experts (engine/model/moe.py's routings, ties to the
+   lower expert index); then each expert that any row picked runs once, as two products over all of its rows, and
+   adds its weighted output to each of them. A row's terms are added in ascending expert order starting from zero,
+   as the PyTorch path (moe.py's grouped_experts) adds them, and with a shared expert (Qwen2-MoE) its output, times
+   the sigmoid of its gate, comes last. Every value of a row is computed with the same operations in the same order
+   whatever the other rows: the products are blocks.c's (row-invariant), the routing a row's own. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blocks.h"
+#include "experts.h"
+#include "vector.h"
+
+#define MAX_TOP_K 64
+
+/* out [M, N] = x [M, K] @ w.T for float32 w [N, K] (K a multiple of 32): four lanes of 8 and one fixed reduction. */
+AVX2 static void float_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out,
+                            int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t r = 0; r < M; r++) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t k = 0; k < K; k += 32)
+                for (int j = 0; j < 4; j++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * j),
+                                             _mm256_loadu_ps(w + n * K + k + 8 * j), acc[j]);
+            out[r * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        }
+}
+
+/* The index of the largest of n values not yet taken (the lowest such index on ties; the first one left when every
+   value is NaN), marked taken. */
+static int64_t take_largest(const float *v, int64_t n, unsigned char *taken) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    taken[best] = 1;
+    return best;
+}
+
+/* A row's k experts in ascending index order and their weights, from its router logits [n]. `probs` and `taken`:
+   room for n values. */
+static void route(const float *logits, int64_t n, int64_t k, int64_t routing, float *probs, unsigned char *taken,
+                  int64_t *chosen, float *weight) {
+    memset(taken, 0, (size_t)n);
+    if (routing == TOPK_SOFTMAX) {
+        for (int64_t j = 0; j < k; j++) chosen[j] = take_largest(logits, n, taken);
+        const float top = logits[chosen[0]];
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; j++) total += weight[j] = expf(logits[chosen[j]] - top);
+        for (int64_t j = 0; j < k; j++) weight[j] /= total;
+    } else {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < n; i++) top = logits[i] > top ? logits[i] : top;
+        for (int64_t i = 0; i < n; i++) total += probs[i] = expf(logits[i] - top);
+        for (int64_t i = 0; i < n; i++) probs[i] /= total;
+        float picked = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            chosen[j] = take_largest(probs, n, taken);
+            picked += weight[j] = probs[chosen[j]];
+        }
+        if (routing == SOFTMAX_TOPK_NORM)
+            for (int64_t j = 0; j < k; j++) weight[j] /= picked;
+    }
+    for (int64_t j = 1; j < k; j++)  /* ascending expert order: the order a row's terms are added in */
+        for (int64_t i = j; i > 0 && chosen[i] < chosen[i - 1]; i--) {
+            const int64_t e = chosen[i]; chosen[i] = chosen[i - 1]; chosen[i - 1] = e;
+            const float w = weight[i]; weight[i] = weight[i - 1]; weight[i - 1] = w;
+        }
+}
+
+/* out[r] += w * y over n floats (n a multiple of 8); a multiply, then an add. */
+AVX2 static void add_scaled(float *out, const float *y, float w, int64_t n) {
+    const __m256 s = _mm256_set1_ps(w);
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(s, _mm256_loadu_ps(y + i))));
+}
+
+/* SwiGLU of `rows` rows x [rows, E] through one expert's rows: y [rows, E]; gu and act are work room. */
+AVX2 static int expert(const float *x, int64_t rows, int64_t E, int64_t I, const uint8_t *gate_up,
+                       const uint8_t *down, Product first, Product second, float *gu, float *act, float *y,
+                       int threads) {
+    if (first(x, rows, E, gate_up, 2 * I, gu, threads)) return -1;
+    for (int64_t r = 0; r < rows; r++) gated(gu + r * 2 * I, I, SILU, act + r * I);
+    return second(act, rows, I, down, E, y, threads);
+}
+
+/* out [M, E] = the experts' sum for rows h [M, E] (module comment). Returns 0, -1 when memory ran out, -2 for
+   shapes outside what this code handles. */
+AVX2 int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *h, float *out, int threads) {
+    const int64_t NE = x->n_experts, K = x->top_k, S = x->shared_inter;
+    const int64_t width = NE + (S > 0), wide = x->inter > S ? x->inter : S;
+    if (K <= 0 || K > NE || K > MAX_TOP_K || x->inter % 32 || S % 32 || E % 32) return -2;
+    float *logits = malloc(sizeof(float) * M * width), *weights = malloc(sizeof(float) * M * K);
+    float *probs = malloc(sizeof(float) * NE), *member_weight = malloc(sizeof(float) * M);
+    float *rows = malloc(sizeof(float) * M * E), *y = malloc(sizeof(float) * M * E);
+    float *gu = malloc(sizeof(float) * M * 2 * wide), *act = malloc(sizeof(float) * M * wide);
+    int64_t *chosen = malloc(sizeof(int64_t) * M * K), *members = malloc(sizeof(int64_t) * M);
+    unsigned char *taken = malloc((size_t)NE);
+    int status = -1;
+    if (!logits || !weights || !probs || !member_weight || !rows || !y || !gu || !act || !chosen || !members || !taken)
+        goto done;
+    float_rows(h, M, E, x->router, width, logits, threads);
+    for (int64_t r = 0; r < M; r++)
+        route(logits + r * width, NE, K, x->routing, probs, taken, chosen + r * K, weights + r * K);
+    memset(out, 0, sizeof(float) * M * E);
+    for (int64_t e = 0; e < NE; e++) {
+        int64_t n = 0;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < K; j++)
+                if (chosen[r * K + j] == e) {
+                    members[n] = r;
+                    member_weight[n++] = weights[r * K + j];
+                }
+        if (n == 0) continue;
+        for (int64_t i = 0; i < n; i++) memcpy(rows + i * E, h + members[i] * E, sizeof(float) * E);
+        if (expert(rows, n, E, x->inter, x->gate_up[e], x->down[e], q4_matmul, q4_matmul, gu, act, y, threads))
+            goto done;
+        for (int64_t i = 0; i < n; i++) add_scaled(out + members[i] * E, y + i * E, member_weight[i], E);
+    }
+    if (S > 0) {
+        if (expert(h, M, E, S, x->shared_gate_up, x->shared_down, x->shared_eight_bit[0] ? q8_matmul : q4_matmul,
+                   x->shared_eight_bit[1] ? q8_matmul : q4_matmul, gu, act, y, threads))
+            goto done;
+        for (int64_t r = 0; r < M; r++)
+            add_scaled(out + r * E, y + r * E, 1.0f / (1.0f + expf(-logits[r * width + NE])), E);
+    }
+    status = 0;
+done:
+    free(logits); free(weights); free(probs); free(member_weight); free(rows); free(y); free(gu); free(act);
+    free(chosen); free(members); free(taken);
+    return status;
+}

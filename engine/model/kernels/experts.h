@@ -1,0 +1,23 @@
+/* A layer's sparse experts in the native decode step (experts.c; engine/model/native_decode.py mirrors
+   StepExperts field for field). */
+#ifndef STRATA_EXPERTS_H
+#define STRATA_EXPERTS_H
+#include <stdint.h>
+
+/* How router logits become a row's experts and weights (engine/model/moe_config.py's routings): a softmax over all
+   experts then the top k probabilities, those renormalised to sum to 1, or the top k logits then a softmax over
+   them. */
+enum { SOFTMAX_TOPK = 0, SOFTMAX_TOPK_NORM = 1, TOPK_SOFTMAX = 2 };
+
+typedef struct {
+    int64_t n_experts, top_k, inter, shared_inter, routing;  /* shared_inter 0: no shared expert */
+    const float *router;              /* [n_experts (+ 1: the shared expert's gate), hidden], float32 */
+    const uint8_t *const *gate_up;    /* per expert: Q4 rows [2 inter, hidden], the gate's rows then the up's */
+    const uint8_t *const *down;       /* per expert: Q4 rows [hidden, inter] */
+    const uint8_t *shared_gate_up, *shared_down;  /* the shared expert's rows, or NULL */
+    int64_t shared_eight_bit[2];      /* per shared product: 1 for Q8_0 rows, 0 for Q4 */
+} StepExperts;
+
+int experts_mlp(const StepExperts *x, int64_t M, int64_t hidden, const float *h, float *out, int threads);
+
+#endif
