@@ -36,6 +36,10 @@ import torch.nn.functional as F
 from engine.model import int4
 from engine.model.llama import _linear
 from engine.model.moe_config import MoeConfig
+from engine.model.q4k_weight import Q4KWeight
+
+# An expert stack: float [n_experts, out, in], or one 4-bit weight per expert (Q4 groups, or a file's Q4_K rows).
+Experts = torch.Tensor | list[int4.Int4Weight] | list[Q4KWeight]
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,15 +67,16 @@ class SparseMoe(torch.nn.Module):
 
     `gate_up` is [n_experts, 2 * expert_size, hidden] (each expert's gate rows, then its up rows), `down`
     [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert;
-    a loader that has the experts as 4-bit groups already (a Q4 GGUF's codes) passes such lists itself.
+    a loader that has the experts as 4-bit groups already (a Q4 GGUF's codes) passes such lists itself, or lists
+    of q4k_weight.Q4KWeight (a Q4_K GGUF's own blocks).
     With a shared expert, `router` holds its gate as a last row.
     """
 
     # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
     # quantize_experts replaces the expert weights by Int4Weight ones.
     router: torch.Tensor
-    gate_up: torch.Tensor | list[int4.Int4Weight]
-    down: torch.Tensor | list[int4.Int4Weight]
+    gate_up: Experts
+    down: Experts
     shared_gate_up: torch.Tensor | int4.Int4Weight | None
     shared_down: torch.Tensor | int4.Int4Weight | None
 
@@ -81,8 +86,8 @@ class SparseMoe(torch.nn.Module):
         hidden_size: int,
         *,
         router: torch.Tensor,
-        gate_up: torch.Tensor | list[int4.Int4Weight],
-        down: torch.Tensor | list[int4.Int4Weight],
+        gate_up: Experts,
+        down: Experts,
         shared_gate_up: torch.Tensor | None = None,
         shared_down: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
@@ -273,7 +278,7 @@ _ROW_BLOCK = 4  # the row blocking of MKL's float GEMM (the multi-row part of an
 _SIMD_FLOATS = 64  # a multiple of every CPU vector loop's step (2 x 16 floats with AVX-512)
 
 
-def _shape(w: torch.Tensor | list[int4.Int4Weight]) -> tuple[int, ...]:
+def _shape(w: Experts) -> tuple[int, ...]:
     """An expert stack's [n_experts, out, in], whether a tensor or one Int4Weight per expert (all alike)."""
     if isinstance(w, torch.Tensor):
         return tuple(w.shape)

@@ -25,6 +25,7 @@ import torch
 
 from engine.model import int4
 from engine.model.moe_loading import routed_expert_weights
+from engine.model.q4k_weight import Q4KWeight
 
 log = logging.getLogger("strata.engine")
 
@@ -95,6 +96,14 @@ def describe(layers: Iterable[Any]) -> dict[str, Any]:
     placed = [(i, layer.moe) for i, layer in enumerate(layers) if getattr(layer, "moe", None) is not None]
     if not placed:
         return {}
-    # quantize_experts turns an expert stack into a list of Int4Weight, one per expert.
-    return {"experts": [f"{i}:{m.expert_device.type}:{'int4' if isinstance(m.down, list) else 'float'}"
-                        for i, m in placed]}
+    return {"experts": [f"{i}:{m.expert_device.type}:{_format(m)}" for i, m in placed]}
+
+
+def _format(moe: Any) -> str:
+    """How an expert block's stacks are stored: float, int4 (one Int4Weight per expert, as quantize_experts makes
+    them), q4k (the file's Q4_K rows), or gate_up's and down's formats apart when they differ."""
+    def one(w: Any) -> str:
+        return "float" if isinstance(w, torch.Tensor) else "q4k" if isinstance(w[0], Q4KWeight) else "int4"
+
+    gate_up, down = one(moe.gate_up), one(moe.down)
+    return down if gate_up == down else f"{gate_up}/{down}"

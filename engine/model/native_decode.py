@@ -29,6 +29,7 @@ from engine.model import kernels
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
 from engine.model.moe import SparseMoe
+from engine.model.q4k_weight import Q4KWeight
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import embed_rows
 
@@ -46,7 +47,7 @@ class StepExperts(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("n_experts", "top_k", "inter", "shared_inter", "routing")),
                 ("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
                 ("down", ctypes.POINTER(ctypes.c_void_p)), ("shared_gate_up", ctypes.c_void_p),
-                ("shared_down", ctypes.c_void_p), ("shared_eight_bit", ctypes.c_int64 * 2)]
+                ("shared_down", ctypes.c_void_p), ("kinds", ctypes.c_int64 * 4)]
 
 
 class StepLayer(ctypes.Structure):
@@ -69,7 +70,12 @@ class StepModel(ctypes.Structure):
 
 
 def _native(w: object) -> bool:
-    return isinstance(w, Q8Weight) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
+    return isinstance(w, (Q8Weight, Q4KWeight)) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
+
+
+def _kind(w: object) -> int:
+    """experts.h's ROWS_* for a native weight."""
+    return 2 if isinstance(w, Q4KWeight) else 1 if isinstance(w, Q8Weight) else 0
 
 
 def unsupported(model: CausalLM) -> str | None:
@@ -102,7 +108,8 @@ def unsupported(model: CausalLM) -> str | None:
 def _experts_unsupported(moe: SparseMoe) -> str | None:
     """Why step.c cannot run this expert block (None: it can)."""
     c = moe.config
-    if not all(isinstance(w, Int4Weight) and w.kernel == "blocks" for w in (*moe.gate_up, *moe.down)):
+    stacks = (moe.gate_up, moe.down)
+    if any(isinstance(w, torch.Tensor) or not all(_native(x) and type(x) is type(w[0]) for x in w) for w in stacks):
         return "experts not in the native 4-bit blocks"
     shared = (moe.shared_gate_up, moe.shared_down)
     if c.shared_expert_size and not all(_native(w) for w in shared):
@@ -174,7 +181,8 @@ class NativeDecode:
             c.n_experts, c.top_k, c.expert_size, c.shared_expert_size, _ROUTINGS[c.routing, c.norm_topk_prob],
             moe.router.data_ptr(), gate_up, down, _blocks(moe.shared_gate_up) if shared else None,
             _blocks(moe.shared_down) if shared else None,
-            (ctypes.c_int64 * 2)(*(int(shared and isinstance(w, Q8Weight)) for w in (moe.shared_gate_up, moe.shared_down))))
+            (ctypes.c_int64 * 4)(_kind(moe.gate_up[0]), _kind(moe.down[0]),
+                                 *(_kind(w) if shared else 0 for w in (moe.shared_gate_up, moe.shared_down))))
         keep += [gate_up, down, block]
         return block
 
@@ -212,6 +220,6 @@ def _blocks(w: object) -> int | None:
     """The address of a native weight's blocks (None for no weight: a MoE layer's dense MLP)."""
     if w is None:
         return None
-    blocks = cast(Int4Weight | Q8Weight, w).blocks
+    blocks = cast(Int4Weight | Q8Weight | Q4KWeight, w).blocks
     assert blocks.is_contiguous() and blocks.dtype == torch.uint8, (blocks.dtype, tuple(blocks.shape))
     return blocks.data_ptr()

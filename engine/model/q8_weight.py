@@ -11,7 +11,7 @@ Used where the native kernels load (engine/model/kernels); elsewhere such tensor
 
 from __future__ import annotations
 
-from typing import Self, cast
+from typing import Self
 
 import torch
 
@@ -53,11 +53,11 @@ def dequantize(rows: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return (blocks[:, :, 2:].contiguous().view(torch.int8).float() * scale).view(n, k)
 
 
-class Q8Weight:
+class Q8Weight(kernels.RowsWeight):
     """An [out, in] weight as Q8_0 rows; x @ w.T through the native q8_matmul, float32 in and out. Every row is
     computed on its own with the same operations whatever the other rows or the threads."""
 
-    kernel = "blocks"
+    product_name = "q8_matmul"
 
     def __init__(self, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
         n, k = shape
@@ -84,15 +84,3 @@ class Q8Weight:
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"q8": self.blocks}
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes a product reads."""
-        return self.blocks.nbytes
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        q8_matmul = cast(kernels.Library, kernels.library()).q8_matmul
-        return kernels.product(q8_matmul, x, self.shape, self.blocks)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mm(x)

@@ -74,19 +74,17 @@ class Library:
         self.path = path
         self.cpu_ok = bool(lib.blocks_cpu_ok())
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.q4_matmul = lib.q4_matmul
-        self.q4_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-        self.q4_matmul.restype = ctypes.c_int
-        self.q8_matmul = lib.q8_matmul
-        self.q8_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-        self.q8_matmul.restype = ctypes.c_int
+        self.q4_matmul, self.q8_matmul, self.q4k_matmul = lib.q4_matmul, lib.q8_matmul, lib.q4k_matmul
+        for fn in (self.q4_matmul, self.q8_matmul, self.q4k_matmul):  # blocks.h's Product
+            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+            fn.restype = ctypes.c_int
         self.decode_step = lib.decode_step  # arguments: engine/model/native_decode.py
         self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self.decode_step.restype = ctypes.c_int
 
 
 def product(fn, x: torch.Tensor, shape: tuple[int, int], *weights: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ w.T -> float32 [rows, out] through `fn` (Library.q4_matmul or q8_matmul), w [out, in] held
+    """x [rows, in] @ w.T -> float32 [rows, out] through `fn` (Library.q4_matmul, q8_matmul or q4k_matmul), w [out, in] held
     by `weights` (passed as pointers in order); MemoryError when the kernel finds no memory for its activations."""
     x = x.float().contiguous()
     rows, (n, k) = x.shape[0], shape
@@ -95,6 +93,30 @@ def product(fn, x: torch.Tensor, shape: tuple[int, int], *weights: torch.Tensor)
     if fn(x.data_ptr(), rows, k, *(w.data_ptr() for w in weights), n, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"native product: no memory for the int16 copy of {rows} x {k} activations")
     return out
+
+
+class RowsWeight:
+    """An [out, in] weight held as rows of one of blocks.c's formats (`blocks`, uint8), multiplied by the native
+    product named `product_name`; float32 in and out, every row on its own with the same operations whatever the
+    other rows or the threads."""
+
+    kernel = "blocks"
+    product_name = ""
+    blocks: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a product reads."""
+        return self.blocks.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        lib = library()
+        assert lib is not None, f"native kernels: {unavailable_reason()}"
+        return product(getattr(lib, self.product_name), x, self.shape, self.blocks)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(x)
 
 
 _reason: str | None = None

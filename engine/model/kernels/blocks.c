@@ -250,3 +250,95 @@ AVX2 int q8_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w8, int6
     release(&a);
     return 0;
 }
+
+/* GGUF's Q4_K blocks, read as the file holds them (mixture-of-experts stacks, engine/model/q4k_weight.py): 256
+   values a block of 144 bytes, a float16 d and dmin, the 6-bit scale and minimum of each of its 8 groups of 32
+   packed in 12 bytes, then 128 bytes of codes: bytes 32p..32p+31 hold group 2p in their low nibbles and group
+   2p + 1 in their high ones; value = d scale_g code - dmin minimum_g. The same activations and the same
+   operations per group as q4_matmul (one integer dot product and one multiply-add per group, the minimums'
+   term per block), so rows stay batch- and thread-invariant. */
+#define QK_K 256
+#define Q4K_BLOCK 144
+
+/* A block's 8 group scales (d scale_g) and negated minimums (-dmin minimum_g) as float vectors. */
+AVX2 static inline void q4k_scales(const uint8_t *block, __m256 *scale, __m256 *minimum) {
+    const uint8_t *s = block + 4;
+    uint8_t sc[8], mn[8];
+    for (int g = 0; g < 4; g++) {
+        sc[g] = s[g] & 63;
+        mn[g] = s[g + 4] & 63;
+        sc[g + 4] = (s[g + 8] & 0xF) | ((s[g] >> 6) << 4);
+        mn[g + 4] = (s[g + 8] >> 4) | ((s[g + 4] >> 6) << 4);
+    }
+    uint16_t d, dmin;
+    memcpy(&d, block, 2);
+    memcpy(&dmin, block + 2, 2);
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    const __m256 minimums = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+    *scale = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)), scales);
+    *minimum = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dmin)), minimums);
+}
+
+AVX2 static inline __attribute__((always_inline)) void tile_k(
+    int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
+    const float *xs, const uint8_t *w, float *out) {
+    const int64_t nb = K / QK_K, row = nb * Q4K_BLOCK, groups = K / QK; /* groups == PADDED(groups): K % 256 == 0 */
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    __m256 acc[4][2], accm[4][2];
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) { acc[i][j] = _mm256_setzero_ps(); accm[i][j] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *block[2];
+        __m256 ds[4][2];
+        for (int j = 0; j < RN; j++) {
+            block[j] = w + (n0 + j) * row + b * Q4K_BLOCK;
+            _mm_prefetch((const char *)(block[j] + PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(block[j] + PREFETCH_BYTES + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(block[j] + PREFETCH_BYTES + 128), _MM_HINT_T0);
+            __m256 scale, minimum;
+            q4k_scales(block[j], &scale, &minimum);
+            for (int i = 0; i < RM; i++) {
+                ds[i][j] = _mm256_mul_ps(scale, _mm256_loadu_ps(xd + (m0 + i) * groups + 8 * b));
+                accm[i][j] = _mm256_fmadd_ps(minimum, _mm256_loadu_ps(xs + (m0 + i) * groups + 8 * b), accm[i][j]);
+            }
+        }
+        for (int p = 0; p < 4; p++) {
+            const __m256i even = _mm256_set1_epi32(2 * p), odd = _mm256_set1_epi32(2 * p + 1);
+            __m256i lo[2][2], hi[2][2];
+            for (int j = 0; j < RN; j++) {
+                const uint8_t *q = block[j] + 16 + 32 * p;
+                for (int half = 0; half < 2; half++) {
+                    const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * half)));
+                    lo[j][half] = _mm256_and_si256(raw, low);
+                    hi[j][half] = _mm256_srli_epi16(raw, 4);
+                }
+            }
+            for (int i = 0; i < RM; i++) {
+                const int16_t *a = xq + (m0 + i) * K + b * QK_K + 64 * p; /* group 2p, then group 2p + 1 */
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)a);
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(a + 16));
+                const __m256i y0 = _mm256_loadu_si256((const __m256i *)(a + 32));
+                const __m256i y1 = _mm256_loadu_si256((const __m256i *)(a + 48));
+                for (int j = 0; j < RN; j++) {
+                    const __m256i pe = _mm256_add_epi32(_mm256_madd_epi16(lo[j][0], x0), _mm256_madd_epi16(lo[j][1], x1));
+                    const __m256i po = _mm256_add_epi32(_mm256_madd_epi16(hi[j][0], y0), _mm256_madd_epi16(hi[j][1], y1));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pe), _mm256_permutevar8x32_ps(ds[i][j], even), acc[i][j]);
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(po), _mm256_permutevar8x32_ps(ds[i][j], odd), acc[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < RM; i++)
+        for (int j = 0; j < RN; j++) out[(m0 + i) * N + n0 + j] = hsum(acc[i][j]) + hsum(accm[i][j]);
+}
+
+#define TILE_K(rm, rn) tile_k(rm, rn, m, n, K, N, a.q, a.scale, a.sum, w, out)
+
+/* out [M, N] = x [M, K] @ w.T for w as Q4_K rows (above); K a multiple of 256. Returns 0, or -1 on no memory. */
+AVX2 int q4k_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads) {
+    Activations a;
+    if (prepare(x, M, K, &a)) return -1;
+    FOR_EACH_TILE(TILE_K)
+    release(&a);
+    return 0;
+}

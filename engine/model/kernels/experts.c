@@ -72,6 +72,10 @@ static void route(const float *logits, int64_t n, int64_t k, int64_t routing, fl
         }
 }
 
+static Product product_of(int64_t kind) {
+    return kind == ROWS_Q4_K ? q4k_matmul : kind == ROWS_Q8_0 ? q8_matmul : q4_matmul;
+}
+
 /* out[r] += w * y over n floats (n a multiple of 8); a multiply, then an add. */
 AVX2 static void add_scaled(float *out, const float *y, float w, int64_t n) {
     const __m256 s = _mm256_set1_ps(w);
@@ -94,6 +98,8 @@ AVX2 int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *h,
     const int64_t NE = x->n_experts, K = x->top_k, S = x->shared_inter;
     const int64_t width = NE + (S > 0), wide = x->inter > S ? x->inter : S;
     if (K <= 0 || K > NE || K > MAX_TOP_K || x->inter % 32 || S % 32 || E % 32) return -2;
+    for (int i = 0; i < 4; i++)
+        if (x->kinds[i] == ROWS_Q4_K && (i % 2 == 0 ? E : i == 1 ? x->inter : S) % 256) return -2;
     float *logits = malloc(sizeof(float) * M * width), *weights = malloc(sizeof(float) * M * K);
     float *probs = malloc(sizeof(float) * NE), *member_weight = malloc(sizeof(float) * M);
     float *rows = malloc(sizeof(float) * M * E), *y = malloc(sizeof(float) * M * E);
@@ -117,13 +123,14 @@ AVX2 int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *h,
                 }
         if (n == 0) continue;
         for (int64_t i = 0; i < n; i++) memcpy(rows + i * E, h + members[i] * E, sizeof(float) * E);
-        if (expert(rows, n, E, x->inter, x->gate_up[e], x->down[e], q4_matmul, q4_matmul, gu, act, y, threads))
+        if (expert(rows, n, E, x->inter, x->gate_up[e], x->down[e], product_of(x->kinds[0]), product_of(x->kinds[1]),
+                   gu, act, y, threads))
             goto done;
         for (int64_t i = 0; i < n; i++) add_scaled(out + members[i] * E, y + i * E, member_weight[i], E);
     }
     if (S > 0) {
-        if (expert(h, M, E, S, x->shared_gate_up, x->shared_down, x->shared_eight_bit[0] ? q8_matmul : q4_matmul,
-                   x->shared_eight_bit[1] ? q8_matmul : q4_matmul, gu, act, y, threads))
+        if (expert(h, M, E, S, x->shared_gate_up, x->shared_down, product_of(x->kinds[2]), product_of(x->kinds[3]),
+                   gu, act, y, threads))
             goto done;
         for (int64_t r = 0; r < M; r++)
             add_scaled(out + r * E, y + r * E, 1.0f / (1.0f + expf(-logits[r * width + NE])), E);

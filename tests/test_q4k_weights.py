@@ -1,0 +1,113 @@
+"""Q4_K rows multiplied as the file holds them (engine/model/q4k_weight.py, kernels/blocks.c q4k_matmul): the
+product is the file's values times the activations within the int16 rounding, a row the same alone and batched;
+a Q4_K mixture-of-experts GGUF keeps its expert stacks in the file's bytes (no conversion), closer to the file's
+values than 4-bit groups, and decodes through the native step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv import KVBuffers, KVLayout
+from engine.model import SeqChunk, gguf_dequant, load_model, moe_placement, plan_stages
+from engine.model.int4 import Int4Weight
+from engine.model.loader import read_model_config
+from engine.model.native_decode import NativeDecode, unsupported
+from engine.model.q4k_weight import Q4KWeight
+from tests.int4_kernels import int4_kernel
+from tests.model_fixtures import random_blocks
+from tests.moe_fixtures import write_tiny_moe_gguf
+from tests.test_moe_q4_experts import MOE_LAYERS, SIZES, file_rows
+from tests.test_native_decode import TOLERANCE
+
+gguf = pytest.importorskip("gguf")
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+
+
+def _file_values(raw: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return gguf_dequant.dequantize("w", raw.reshape(-1), Q4_K, (rows, cols))
+
+
+def test_products_are_the_files_values_and_rows_are_batch_invariant():
+    with int4_kernel("blocks"):
+        torch.manual_seed(5)
+        for rows, n, k in ((1, 16, 256), (5, 48, 512), (9, 33, 768), (3, 2, 1024)):
+            raw = torch.from_numpy(random_blocks(Q4_K, n, k, seed=n, scale=0.01))
+            w = Q4KWeight(raw, (n, k))
+            x = torch.randn(rows, k) * torch.logspace(-3, 1, k)  # a wide range of magnitudes in a group
+            ref = x.double() @ _file_values(raw, n, k).double().t()
+            got = w(x)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-4
+            for r in range(rows):
+                assert torch.equal(w(x[r : r + 1])[0], got[r]), f"row {r} of {rows} differs alone"
+
+
+def test_the_rows_must_be_whole_blocks():
+    with pytest.raises(AssertionError):
+        Q4KWeight(torch.zeros(4, 144, dtype=torch.uint8), (4, 128))
+
+
+@pytest.fixture(scope="module")
+def q4k_moe(tmp_path_factory) -> str:
+    return write_tiny_moe_gguf(tmp_path_factory.mktemp("q4k"), "qwen3_moe",
+                               expert_types=dict.fromkeys(("gate", "up", "down"), "Q4_K"), **SIZES)
+
+
+def _load(path: str, kernel: str):
+    with int4_kernel(kernel):
+        return load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32,
+                          int4_weights=True)
+
+
+def _logits(lm, kv=None) -> torch.Tensor:
+    c = lm.config
+    kv = kv or KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), 1, 64, lm.model.stages)
+    return lm.model.forward_chunks([SeqChunk(0, 0, torch.arange(3, 40))], kv, all_logits=True)[0]
+
+
+def test_a_q4k_moe_keeps_the_files_expert_blocks_and_is_closer_to_its_values(q4k_moe):
+    lm = _load(q4k_moe, "blocks")
+    for i in MOE_LAYERS:
+        moe = lm.model.layers[i].moe
+        assert all(isinstance(w, Q4KWeight) for w in (*moe.gate_up, *moe.down))
+        for j in (0, 5):
+            assert torch.equal(moe.gate_up[j].blocks, file_rows(q4k_moe, i, ("gate", "up"), j))
+            assert torch.equal(moe.down[j].blocks, file_rows(q4k_moe, i, ("down",), j))
+    assert all(":q4k" in entry for entry in moe_placement.describe(lm.model.layers)["experts"])
+    # The same model with its experts as the file's float values, and as 4-bit groups of the file's codes (the
+    # native kernel's other format: each group's d x scale rounded to float16).
+    kept = {i: (lm.model.layers[i].moe.gate_up, lm.model.layers[i].moe.down) for i in MOE_LAYERS}
+
+    def swap(make) -> torch.Tensor:
+        for i, stacks in kept.items():
+            for name, stack in zip(("gate_up", "down"), stacks, strict=True):
+                object.__setattr__(lm.model.layers[i].moe, name, make(stack))
+        return _logits(lm)
+
+    with int4_kernel("blocks"):
+        ours = swap(lambda stack: stack)
+        ref = swap(lambda stack: torch.stack([_file_values(w.blocks, *w.shape) for w in stack]))
+        groups = swap(lambda stack: [Int4Weight.from_groups(*gguf_dequant.q4_groups("w", w.blocks.reshape(-1), Q4_K,
+                                                                                    w.shape)) for w in stack])
+    relative, groups_relative = ((x - ref).norm() / ref.norm() for x in (ours, groups))
+    assert relative < 0.01 and relative <= groups_relative, (relative, groups_relative)
+
+
+def test_q4k_experts_decode_through_the_native_step(q4k_moe):
+    lm = _load(q4k_moe, "blocks")
+    assert unsupported(lm.model) is None, unsupported(lm.model)
+    c = lm.config
+    with torch.inference_mode():
+        kvs = [KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 2, 64, lm.model.stages)
+               for _ in range(2)]
+        for kv in kvs:
+            for slot, n in ((0, 20), (1, 7)):
+                lm.model.forward_chunks([SeqChunk(slot, 0, torch.arange(2, 2 + n))], kv)
+        runner = NativeDecode(lm.model)
+        for k in range(3):
+            step = [SeqChunk(0, 20 + k, torch.tensor([9 + k])), SeqChunk(1, 7 + k, torch.tensor([4 + k]))]
+            expected = lm.model.forward_chunks(step, kvs[0])
+            got = runner.run(step, kvs[1])
+            assert got is not None
+            assert ((got - expected).norm() / expected.norm()).item() < TOLERANCE
