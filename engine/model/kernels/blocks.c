@@ -260,23 +260,23 @@ AVX2 int q8_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w8, int6
 #define QK_K 256
 #define Q4K_BLOCK 144
 
-/* A block's 8 group scales (d scale_g) and negated minimums (-dmin minimum_g) as float vectors. */
+/* A block's 8 group scales (d scale_g) and negated minimums (-dmin minimum_g) as float vectors. The 6-bit fields
+   are unpacked four bytes at a time: groups 0-3 are the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums),
+   groups 4-7 the nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 and 4-7 above them. */
 AVX2 static inline void q4k_scales(const uint8_t *block, __m256 *scale, __m256 *minimum) {
-    const uint8_t *s = block + 4;
-    uint8_t sc[8], mn[8];
-    for (int g = 0; g < 4; g++) {
-        sc[g] = s[g] & 63;
-        mn[g] = s[g + 4] & 63;
-        sc[g + 4] = (s[g + 8] & 0xF) | ((s[g] >> 6) << 4);
-        mn[g + 4] = (s[g + 8] >> 4) | ((s[g + 4] >> 6) << 4);
-    }
+    uint32_t a, b, c;
+    memcpy(&a, block + 4, 4);
+    memcpy(&b, block + 8, 4);
+    memcpy(&c, block + 12, 4);
+    const uint64_t scales = (uint64_t)(a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t minimums = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
     uint16_t d, dmin;
     memcpy(&d, block, 2);
     memcpy(&dmin, block + 2, 2);
-    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-    const __m256 minimums = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
-    *scale = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)), scales);
-    *minimum = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dmin)), minimums);
+    *scale = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales))));
+    *minimum = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(dmin)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)minimums))));
 }
 
 AVX2 static inline __attribute__((always_inline)) void tile_k(
