@@ -1,7 +1,7 @@
 """Experts of a Q4_0 / Q4_1 / Q4_K GGUF placed in host RAM (`--moe-experts cpu`, `--moe-cpu-layers N`, or a CPU
 model with `--cpu-weights int4`) become 4-bit groups from the file's own codes, scales and minimums, sliced per
 expert, as a dense Q4 tensor does, instead of being dequantised and quantised again (Q4_K stacks stay in the
-file's blocks where the native kernels run: tests/test_q4k_weights.py). Other types keep the float values
+file's blocks where the native kernels run: tests/test_kquant_weights.py). Other types keep the float values
 quantised (the groups the former path made)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, int4, load_model, plan_stages
 from engine.model.gguf_dequant import q4_groups
+from engine.model.kquant_weight import Q4KWeight
 from engine.model.loader import read_model_config
-from engine.model.q4k_weight import Q4KWeight
 from tests.int4_kernels import dense, implied, same
 from tests.moe_fixtures import N_EXPERTS, write_tiny_moe_gguf
 
@@ -69,7 +69,7 @@ def _reference(path: str, layer: int, parts: tuple[str, ...]) -> list[int4.Int4W
 
 def _skip_file_blocks(qtype: str, kernel: str) -> None:
     if qtype == "Q4_K" and kernel == "blocks":
-        pytest.skip("with the native kernels Q4_K experts stay in the file's blocks (tests/test_q4k_weights.py)")
+        pytest.skip("with the native kernels Q4_K experts stay in the file's blocks (tests/test_kquant_weights.py)")
 
 
 def file_rows(path: str, layer: int, parts: tuple[str, ...], expert: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ def _build(
     *,
     int4_weights: bool = False,
     groups: GroupsGetter | None = None,
-    q4k: moe_loading.Q4KGetter | None = None,
+    kquant: moe_loading.KQuantGetter | None = None,
     wide: WideGetter | None = None,
     cpu_experts: frozenset[int] = frozenset(),
     blocks: BlocksGetter | None = None,
@@ -72,7 +72,7 @@ def _build(
     as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor), or
     as 8-bit rows where `wide` says the file holds one of the parts with more bits and the native kernels load.
     The routed experts of the layers in `cpu_experts` stay in host RAM as 4-bit groups whatever the layer's
-    device (engine/model/moe_placement.py); expert stacks `q4k` finds in Q4_K stay in the file's blocks. `blocks` gives the embedding table as the file's quantised blocks
+    device (engine/model/moe_placement.py); expert stacks `kquant` finds in Q4_K or Q6_K stay in the file's blocks. `blocks` gives the embedding table as the file's quantised blocks
     (engine/model/quant_embedding.py). `derived` holds 4-bit weights from an earlier load of the same file, and
     collects the ones built here (engine/model/weights_cache.py)."""
     _stage_checks(config, stages, path)
@@ -80,7 +80,7 @@ def _build(
     c = config
     folded = moe_loading.fold_scales(c, get)  # GraniteMoE's multipliers into the weights; `get` itself elsewhere
     if folded is not get:
-        get, groups, q4k, blocks = folded, None, None, None  # a file's own blocks would bypass the folding
+        get, groups, kquant, blocks = folded, None, None, None  # a file's own blocks would bypass the folding
     cpu = torch.device("cpu")
 
     def need(key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -168,7 +168,7 @@ def _build(
                 moe = moe_loading.build_sparse_moe(
                     c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu), to_layer, path,
                     to_experts=to_host if i in cpu_experts else to_layer, groups=groups if packed else None,
-                    q4k=q4k if packed else None, dtype=dtype,
+                    kquant=kquant if packed else None, dtype=dtype,
                 )
             else:
                 w["w_gate_up"] = projection(p + "w_gate_up", [(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)

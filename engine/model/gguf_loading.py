@@ -11,7 +11,7 @@ import xxhash
 from gguf import GGMLQuantizationType
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_dequant, moe_loading, q4k_weight
+from engine.model import gguf_dequant, kquant_weight, moe_loading
 from engine.model.build import Groups, LoadedModel, _build
 from engine.model.config import ModelConfig
 from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
@@ -198,13 +198,14 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
             found = tuple(_unpermute(x, heads) for x in found)
         return found
 
-    def q4k(key: str) -> torch.Tensor | None:
-        """An expert stack the file holds as Q4_K, as its bytes [n_experts, rows, row bytes], where the native
-        kernel multiplies Q4_K rows (engine/model/q4k_weight.py); None otherwise."""
+    def kquant(key: str) -> tuple[str, torch.Tensor] | None:
+        """An expert stack the file holds as Q4_K or Q6_K: (its kind, its bytes [n_experts, rows, row bytes]),
+        where the native kernels multiply such rows (engine/model/kquant_weight.py); None otherwise."""
         t = tensors.get(key)
-        if t is None or t.qtype != GGMLQuantizationType.Q4_K or len(t.shape) != 3 or not q4k_weight.available():
+        kind = GGMLQuantizationType(t.qtype).name if t is not None else ""
+        if t is None or kind not in kquant_weight.CLASSES or len(t.shape) != 3 or not kquant_weight.available():
             return None
-        return raw(key, torch.device("cpu")).view(t.shape[0], t.shape[1], q4k_weight.row_bytes(t.shape[2]))
+        return kind, raw(key, torch.device("cpu")).view(t.shape[0], t.shape[1], kquant_weight.row_bytes(t.shape[2], kind))
 
     def wide(key: str) -> bool:
         t = tensors.get(key)
@@ -222,7 +223,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         options = {"dtype": str(dtype), "stages": [[str(d), a, b] for d, a, b in stages]}
         derived = DerivedWeights(weights_cache_dir, path, header_size, options)
     with open(path, "rb") as f:
-        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, q4k=q4k, wide=wide,
+        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, kquant=kquant, wide=wide,
                        cpu_experts=cpu_experts, blocks=blocks, derived=derived)
     if derived is not None and derived.fingerprint is not None:
         fingerprint = derived.fingerprint  # the weights it replaced were not read: the first load's fingerprint

@@ -28,7 +28,7 @@ from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.float16 import Float16Weight
 from engine.model.int4 import Int4Weight
-from engine.model.q4k_weight import Q4KWeight
+from engine.model.kquant_weight import KQuantWeight
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
@@ -86,7 +86,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(
-    x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | Q8Weight | Q4KWeight, n_single: int,
+    x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | Q8Weight | KQuantWeight, n_single: int,
     bias: torch.Tensor | None = None, *,
     fast: bool = False,
 ) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _linear(
         y = w.mm(x)
         if bias is not None:
             y = y.to(x.dtype)
-    elif isinstance(w, (Float16Weight, Q8Weight, Q4KWeight)):  # rows independent of the row count (their modules)
+    elif isinstance(w, (Float16Weight, Q8Weight, KQuantWeight)):  # rows independent of the row count (their modules)
         y = w.mm(x)
     elif _onednn(w):
         n = x.shape[0]

@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import int4
+from engine.model.kquant_weight import KQuantWeight
 from engine.model.llama import _linear
 from engine.model.moe_config import MoeConfig
-from engine.model.q4k_weight import Q4KWeight
 
-# An expert stack: float [n_experts, out, in], or one 4-bit weight per expert (Q4 groups, or a file's Q4_K rows).
-Experts = torch.Tensor | list[int4.Int4Weight] | list[Q4KWeight]
+# An expert stack: float [n_experts, out, in], or one weight per expert (4-bit groups, or a file's K-quant rows).
+Experts = torch.Tensor | list[int4.Int4Weight] | list[KQuantWeight]
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ class SparseMoe(torch.nn.Module):
     `gate_up` is [n_experts, 2 * expert_size, hidden] (each expert's gate rows, then its up rows), `down`
     [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert;
     a loader that has the experts as 4-bit groups already (a Q4 GGUF's codes) passes such lists itself, or lists
-    of q4k_weight.Q4KWeight (a Q4_K GGUF's own blocks).
+    of kquant_weight.KQuantWeight (a GGUF's own Q4_K or Q6_K blocks).
     With a shared expert, `router` holds its gate as a last row.
     """
 

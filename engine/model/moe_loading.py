@@ -19,11 +19,11 @@ from typing import Any, Protocol
 import torch
 
 from engine.errors import ModelLoadError
-from engine.model import int4, q4k_weight
+from engine.model import int4, kquant_weight
 from engine.model.config import ModelConfig
+from engine.model.kquant_weight import KQuantWeight
 from engine.model.moe import Experts, SparseMoe
 from engine.model.moe_config import MoeConfig
-from engine.model.q4k_weight import Q4KWeight
 
 Getter = Callable[[str], "torch.Tensor | None"]
 # The loader's getter (engine.model.build.Getter, not imported from there: build imports this module).
@@ -31,9 +31,9 @@ DeviceGetter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 # A weight the file holds as 4-bit groups (a Q4_0 / Q4_1 / Q4_K tensor's own codes, scales and minimums; for
 # "i.experts.gate" and the like the whole stack [n_experts, rows, cols]), or None when it holds it otherwise.
 GroupsGetter = Callable[[str], "int4.Groups | None"]
-# An expert stack the file holds as Q4_K, as its bytes [n_experts, rows, row bytes] (engine/model/q4k_weight.py),
-# or None when it holds it otherwise or the native kernel cannot multiply it.
-Q4KGetter = Callable[[str], "torch.Tensor | None"]
+# An expert stack the file holds as Q4_K or Q6_K: (that kind, its bytes [n_experts, rows, row bytes]), or None when
+# it holds it otherwise or the native kernels cannot multiply it (engine/model/kquant_weight.py).
+KQuantGetter = Callable[[str], "tuple[str, torch.Tensor] | None"]
 
 _HF_FIXED = {
     "mlp.gate.weight": "router",  # Qwen*, OLMoE
@@ -131,15 +131,15 @@ def build_sparse_moe(
     *,
     to_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     groups: GroupsGetter | None = None,
-    q4k: Q4KGetter | None = None,
+    kquant: KQuantGetter | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> SparseMoe:
     """Layer `index`'s expert block from canonical keys (see the module docstring), on the device `to` moves to;
     the routed experts where `to_experts` moves them (`to` unless given; host RAM for experts placed there).
     With `groups` (given for experts that are to be 4-bit groups on the CPU, computing in `dtype`) the stacked
     experts come as one int4.Int4Weight per expert: from the file's own 4-bit groups where it has them, else
-    quantised from the float stack (the groups quantize_experts would make). With `q4k` too, a stack the file
-    holds as Q4_K stays in its blocks instead (one q4k_weight.Q4KWeight per expert, no conversion)."""
+    quantised from the float stack (the groups quantize_experts would make). With `kquant` too, a stack the
+    file holds as Q4_K or Q6_K stays in its blocks instead (one kquant_weight weight per expert, no conversion)."""
     to_experts = to_experts or to
     c, m = config, config.moe
     assert m is not None and c.is_moe_layer(index), index
@@ -147,10 +147,10 @@ def build_sparse_moe(
     e, inter, h = m.n_experts, m.expert_size, c.hidden_size
     gate_up: Experts | None = get(p + "experts.gate_up")
     down: Experts | None = None
-    if gate_up is None and q4k is not None:
+    if gate_up is None and kquant is not None:
         # The order of the reads (gate, up, down) is that of the float path: the fingerprint stays the same.
-        gate_up = _file_q4k([p + "experts.gate", p + "experts.up"], (e, 2 * inter, h), q4k)
-        down = _file_q4k([p + "experts.down"], (e, h, inter), q4k)
+        gate_up = _file_kquant([p + "experts.gate", p + "experts.up"], (e, 2 * inter, h), kquant)
+        down = _file_kquant([p + "experts.down"], (e, h, inter), kquant)
     if groups is not None and int4.can_pack(2 * inter, h) and int4.can_pack(h, inter):
         if gate_up is None:
             gate_up = _packed_experts([p + "experts.gate", p + "experts.up"], (e, inter, h), get, groups, dtype, path)
@@ -186,16 +186,19 @@ def build_sparse_moe(
     return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=gate_up, down=down, **shared)
 
 
-def _file_q4k(keys: list[str], shape: tuple[int, int, int], q4k: Q4KGetter) -> list[Q4KWeight] | None:
-    """The expert stacks `keys` fused by rows (`shape` [n_experts, all rows, cols]) as the file's Q4_K blocks, one
-    Q4KWeight per expert; None unless the file holds every one of them as Q4_K."""
-    stacks = []
+def _file_kquant(keys: list[str], shape: tuple[int, int, int], kquant: KQuantGetter) -> list[KQuantWeight] | None:
+    """The expert stacks `keys` fused by rows (`shape` [n_experts, all rows, cols]) as the file's K-quant blocks,
+    one weight per expert; None unless the file holds every one of them in the same K-quant."""
+    found = []
     for key in keys:
-        stack = q4k(key)
+        stack = kquant(key)
         if stack is None:
             return None
-        stacks.append(stack)
-    return q4k_weight.expert_rows(stacks, shape)
+        found.append(stack)
+    kinds = {kind for kind, _ in found}
+    if len(kinds) != 1:
+        return None
+    return kquant_weight.expert_rows(kinds.pop(), [stack for _, stack in found], shape)
 
 
 def _packed_experts(keys: list[str], shape: tuple[int, int, int], get: Getter, groups: GroupsGetter,

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from engine.model import int4
+from engine.model.kquant_weight import KQuantWeight
 from engine.model.moe_loading import routed_expert_weights
-from engine.model.q4k_weight import Q4KWeight
 
 log = logging.getLogger("strata.engine")
 
@@ -101,9 +101,11 @@ def describe(layers: Iterable[Any]) -> dict[str, Any]:
 
 def _format(moe: Any) -> str:
     """How an expert block's stacks are stored: float, int4 (one Int4Weight per expert, as quantize_experts makes
-    them), q4k (the file's Q4_K rows), or gate_up's and down's formats apart when they differ."""
+    them), q4k / q6k (the file's K-quant rows), or gate_up's and down's formats apart when they differ."""
     def one(w: Any) -> str:
-        return "float" if isinstance(w, torch.Tensor) else "q4k" if isinstance(w[0], Q4KWeight) else "int4"
+        if isinstance(w, torch.Tensor):
+            return "float"
+        return w[0].kind.replace("_", "").lower() if isinstance(w[0], KQuantWeight) else "int4"  # q4k, q6k
 
     gate_up, down = one(moe.gate_up), one(moe.down)
     return down if gate_up == down else f"{gate_up}/{down}"

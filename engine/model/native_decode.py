@@ -27,9 +27,9 @@ import torch
 from engine.kv import KVBuffers
 from engine.model import kernels
 from engine.model.int4 import Int4Weight
+from engine.model.kquant_weight import KQuantWeight, Q6KWeight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
 from engine.model.moe import SparseMoe
-from engine.model.q4k_weight import Q4KWeight
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import embed_rows
 
@@ -70,12 +70,14 @@ class StepModel(ctypes.Structure):
 
 
 def _native(w: object) -> bool:
-    return isinstance(w, (Q8Weight, Q4KWeight)) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
+    return isinstance(w, (Q8Weight, KQuantWeight)) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
 
 
 def _kind(w: object) -> int:
     """experts.h's ROWS_* for a native weight."""
-    return 2 if isinstance(w, Q4KWeight) else 1 if isinstance(w, Q8Weight) else 0
+    if isinstance(w, KQuantWeight):
+        return 3 if isinstance(w, Q6KWeight) else 2
+    return 1 if isinstance(w, Q8Weight) else 0
 
 
 def unsupported(model: CausalLM) -> str | None:
@@ -220,6 +222,6 @@ def _blocks(w: object) -> int | None:
     """The address of a native weight's blocks (None for no weight: a MoE layer's dense MLP)."""
     if w is None:
         return None
-    blocks = cast(Int4Weight | Q8Weight | Q4KWeight, w).blocks
+    blocks = cast(Int4Weight | Q8Weight | KQuantWeight, w).blocks
     assert blocks.is_contiguous() and blocks.dtype == torch.uint8, (blocks.dtype, tuple(blocks.shape))
     return blocks.data_ptr()

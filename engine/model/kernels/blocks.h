@@ -3,11 +3,12 @@
 #define STRATA_BLOCKS_H
 #include <stdint.h>
 
-/* out [M, N] = x [M, K] @ w.T for w as 4-bit (q4), 8-bit (q8) or Q4_K (q4k) rows. */
+/* out [M, N] = x [M, K] @ w.T for w as 4-bit (q4), 8-bit (q8), Q4_K (q4k) or Q6_K (q6k) rows. */
 typedef int (*Product)(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads);
 
 int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads);
 int q8_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w8, int64_t N, float *out, int threads);
 int q4k_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads);
+int q6k_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads);
 
 #endif

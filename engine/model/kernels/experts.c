@@ -73,7 +73,7 @@ static void route(const float *logits, int64_t n, int64_t k, int64_t routing, fl
 }
 
 static Product product_of(int64_t kind) {
-    return kind == ROWS_Q4_K ? q4k_matmul : kind == ROWS_Q8_0 ? q8_matmul : q4_matmul;
+    return kind == ROWS_Q6_K ? q6k_matmul : kind == ROWS_Q4_K ? q4k_matmul : kind == ROWS_Q8_0 ? q8_matmul : q4_matmul;
 }
 
 /* out[r] += w * y over n floats (n a multiple of 8); a multiply, then an add. */
@@ -99,7 +99,7 @@ AVX2 int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *h,
     const int64_t width = NE + (S > 0), wide = x->inter > S ? x->inter : S;
     if (K <= 0 || K > NE || K > MAX_TOP_K || x->inter % 32 || S % 32 || E % 32) return -2;
     for (int i = 0; i < 4; i++)
-        if (x->kinds[i] == ROWS_Q4_K && (i % 2 == 0 ? E : i == 1 ? x->inter : S) % 256) return -2;
+        if (x->kinds[i] >= ROWS_Q4_K && (i % 2 == 0 ? E : i == 1 ? x->inter : S) % 256) return -2;
     float *logits = malloc(sizeof(float) * M * width), *weights = malloc(sizeof(float) * M * K);
     float *probs = malloc(sizeof(float) * NE), *member_weight = malloc(sizeof(float) * M);
     float *rows = malloc(sizeof(float) * M * E), *y = malloc(sizeof(float) * M * E);

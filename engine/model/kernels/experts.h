@@ -10,7 +10,7 @@
 enum { SOFTMAX_TOPK = 0, SOFTMAX_TOPK_NORM = 1, TOPK_SOFTMAX = 2 };
 
 /* The row formats of blocks.c's products. */
-enum { ROWS_Q4 = 0, ROWS_Q8_0 = 1, ROWS_Q4_K = 2 };
+enum { ROWS_Q4 = 0, ROWS_Q8_0 = 1, ROWS_Q4_K = 2, ROWS_Q6_K = 3 };
 
 typedef struct {
     int64_t n_experts, top_k, inter, shared_inter, routing;  /* shared_inter 0: no shared expert */

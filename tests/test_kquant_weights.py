@@ -1,4 +1,4 @@
-"""Q4_K rows multiplied as the file holds them (engine/model/q4k_weight.py, kernels/blocks.c q4k_matmul): the
+"""Q4_K rows multiplied as the file holds them (engine/model/kquant_weight.py, kernels/blocks.c q4k_matmul): the
 product is the file's values times the activations within the int16 rounding, a row the same alone and batched;
 a Q4_K mixture-of-experts GGUF keeps its expert stacks in the file's bytes (no conversion), closer to the file's
 values than 4-bit groups, and decodes through the native step."""
@@ -11,9 +11,9 @@ import torch
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, gguf_dequant, load_model, moe_placement, plan_stages
 from engine.model.int4 import Int4Weight
+from engine.model.kquant_weight import CLASSES, Q4KWeight, Q6KWeight
 from engine.model.loader import read_model_config
 from engine.model.native_decode import NativeDecode, unsupported
-from engine.model.q4k_weight import Q4KWeight
 from tests.int4_kernels import int4_kernel
 from tests.model_fixtures import random_blocks
 from tests.moe_fixtures import write_tiny_moe_gguf
@@ -24,18 +24,19 @@ gguf = pytest.importorskip("gguf")
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 
 
-def _file_values(raw: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return gguf_dequant.dequantize("w", raw.reshape(-1), Q4_K, (rows, cols))
+def _file_values(raw: torch.Tensor, rows: int, cols: int, kind: str = "Q4_K") -> torch.Tensor:
+    return gguf_dequant.dequantize("w", raw.reshape(-1), gguf.GGMLQuantizationType[kind], (rows, cols))
 
 
-def test_products_are_the_files_values_and_rows_are_batch_invariant():
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_products_are_the_files_values_and_rows_are_batch_invariant(kind):
     with int4_kernel("blocks"):
         torch.manual_seed(5)
         for rows, n, k in ((1, 16, 256), (5, 48, 512), (9, 33, 768), (3, 2, 1024)):
-            raw = torch.from_numpy(random_blocks(Q4_K, n, k, seed=n, scale=0.01))
-            w = Q4KWeight(raw, (n, k))
+            raw = torch.from_numpy(random_blocks(gguf.GGMLQuantizationType[kind], n, k, seed=n, scale=0.01))
+            w = CLASSES[kind](raw, (n, k))
             x = torch.randn(rows, k) * torch.logspace(-3, 1, k)  # a wide range of magnitudes in a group
-            ref = x.double() @ _file_values(raw, n, k).double().t()
+            ref = x.double() @ _file_values(raw, n, k, kind).double().t()
             got = w(x)
             assert got.dtype == torch.float32 and got.shape == (rows, n)
             assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-4
@@ -46,12 +47,21 @@ def test_products_are_the_files_values_and_rows_are_batch_invariant():
 def test_the_rows_must_be_whole_blocks():
     with pytest.raises(AssertionError):
         Q4KWeight(torch.zeros(4, 144, dtype=torch.uint8), (4, 128))
+    with pytest.raises(AssertionError):
+        Q6KWeight(torch.zeros(4, 144, dtype=torch.uint8), (4, 256))
 
 
 @pytest.fixture(scope="module")
 def q4k_moe(tmp_path_factory) -> str:
     return write_tiny_moe_gguf(tmp_path_factory.mktemp("q4k"), "qwen3_moe",
                                expert_types=dict.fromkeys(("gate", "up", "down"), "Q4_K"), **SIZES)
+
+
+@pytest.fixture(scope="module")
+def q6k_down_moe(tmp_path_factory) -> str:
+    """Q4_K gate and up stacks beside a Q6_K down stack, as llama.cpp's Q4_K_M mix has them in some layers."""
+    return write_tiny_moe_gguf(tmp_path_factory.mktemp("q6k"), "qwen3_moe",
+                               expert_types={"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, **SIZES)
 
 
 def _load(path: str, kernel: str):
@@ -94,8 +104,15 @@ def test_a_q4k_moe_keeps_the_files_expert_blocks_and_is_closer_to_its_values(q4k
     assert relative < 0.01 and relative <= groups_relative, (relative, groups_relative)
 
 
-def test_q4k_experts_decode_through_the_native_step(q4k_moe):
-    lm = _load(q4k_moe, "blocks")
+@pytest.mark.parametrize("mix", ["q4k", "q4k/q6k"])
+def test_kquant_experts_decode_through_the_native_step(q4k_moe, q6k_down_moe, mix):
+    path = q4k_moe if mix == "q4k" else q6k_down_moe
+    lm = _load(path, "blocks")
+    moe = lm.model.layers[0].moe
+    assert type(moe.gate_up[0]) is Q4KWeight and type(moe.down[0]) is (Q4KWeight if mix == "q4k" else Q6KWeight)
+    assert all(entry.endswith(mix) for entry in moe_placement.describe(lm.model.layers)["experts"])
+    if mix != "q4k":
+        assert torch.equal(moe.down[3].blocks, file_rows(path, 0, ("down",), 3))
     assert unsupported(lm.model) is None, unsupported(lm.model)
     c = lm.config
     with torch.inference_mode():

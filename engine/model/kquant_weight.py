@@ -1,0 +1,78 @@
+"""CPU weights kept in a GGUF's own K-quant blocks (Q4_K, Q6_K), multiplied by the native kernels as they are.
+
+The routed experts of a mixture-of-experts model are most of its bytes, and a Q4_K_M file holds most expert
+stacks as Q4_K (some down stacks, its output matrix and value projections as Q6_K). Converted to the native
+kernel's Q4 runs (float16 scale and minimum per group of 32) or to Q8_0 rows they cost a pass over every weight
+at every start (~1.2 s for a 270 MiB model on the 2-core box, minutes for a 17 GB one), differ from the file by
+the conversion's rounding (Q6_K to 4-bit groups moved Gemma-3-270M's logits 35 %), and Q8_0 rows read 8.5 bits a
+weight where Q6_K reads 6.6. Kept as the file's blocks (Q4_K: 144 bytes for 256 values, float16 d and dmin, 6-bit
+scales and minimums, 4-bit codes; Q6_K: 210 bytes, 6-bit codes, an int8 scale per 16 values, float16 d) they are
+the bytes read from the file, and kernels/blocks.c's q4k_matmul and q6k_matmul multiply them with the same int16
+activations and integer dot products as the other native products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model import kernels
+
+VALUES = 256  # a K-quant block's values
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+
+
+def available() -> bool:
+    """Whether K-quant rows can be multiplied here (the native kernels load)."""
+    return kernels.library() is not None
+
+
+def row_bytes(cols: int, kind: str = "Q4_K") -> int:
+    assert cols % VALUES == 0, cols
+    return cols // VALUES * BLOCK_BYTES[kind]
+
+
+class KQuantWeight(kernels.RowsWeight):
+    """An [out, in] weight as the file's K-quant rows (uint8 [out, in / 256 * block bytes]); x @ w.T through the
+    native product for its kind, float32 in and out. Every row is computed on its own with the same operations
+    whatever the other rows or the threads."""
+
+    kind = ""
+
+    def __init__(self, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
+        n, k = shape
+        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == (n, row_bytes(k, self.kind)), (
+            blocks.dtype, tuple(blocks.shape), shape)
+        assert blocks.is_contiguous() and blocks.device.type == "cpu", "the kernel reads contiguous host rows"
+        self.blocks = blocks
+        self.shape = (n, k)
+        self.dtype = torch.float32
+        self.device = blocks.device
+
+
+
+class Q4KWeight(KQuantWeight):
+    """Q4_K rows (144 bytes a block) through q4k_matmul."""
+
+    product_name = "q4k_matmul"
+    kind = "Q4_K"
+
+
+class Q6KWeight(KQuantWeight):
+    """Q6_K rows (210 bytes a block) through q6k_matmul."""
+
+    product_name = "q6k_matmul"
+    kind = "Q6_K"
+
+
+CLASSES = {"Q4_K": Q4KWeight, "Q6_K": Q6KWeight}
+
+
+def expert_rows(kind: str, stacks: list[torch.Tensor], shape: tuple[int, int, int]) -> list[KQuantWeight]:
+    """One weight of `kind` ("Q4_K" or "Q6_K") per expert from stacks of it (each uint8 [n_experts, rows_i, row
+    bytes], the file's bytes) fused by rows: expert e's weight is every stack's rows of expert e, in order.
+    `shape`: [n_experts, sum of rows_i, cols]."""
+    e, rows, cols = shape
+    fused = stacks[0] if len(stacks) == 1 else torch.cat(stacks, dim=1)
+    assert tuple(fused.shape) == (e, rows, row_bytes(cols, kind)), (tuple(fused.shape), shape, kind)
+    fused = fused.contiguous()
+    return [CLASSES[kind](fused[j], (rows, cols)) for j in range(e)]
