@@ -1,7 +1,7 @@
 """Q4_K rows multiplied as the file holds them (engine/model/kquant_weight.py, kernels/blocks.c q4k_matmul): the
 product is the file's values times the activations within the int16 rounding, a row the same alone and batched;
 a Q4_K mixture-of-experts GGUF keeps its expert stacks in the file's bytes (no conversion), closer to the file's
-values than 4-bit groups, and decodes through the native step."""
+values than 4-bit groups, and decodes through the native step, beside Q6_K or Q8_0 down stacks kept likewise."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from engine.model.int4 import Int4Weight
 from engine.model.kquant_weight import CLASSES, Q4KWeight, Q6KWeight
 from engine.model.loader import read_model_config
 from engine.model.native_decode import NativeDecode, unsupported
+from engine.model.q8_weight import Q8Weight
 from tests.int4_kernels import int4_kernel
 from tests.model_fixtures import random_blocks
 from tests.moe_fixtures import write_tiny_moe_gguf
@@ -58,10 +59,12 @@ def q4k_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def q6k_down_moe(tmp_path_factory) -> str:
-    """Q4_K gate and up stacks beside a Q6_K down stack, as llama.cpp's Q4_K_M mix has them in some layers."""
-    return write_tiny_moe_gguf(tmp_path_factory.mktemp("q6k"), "qwen3_moe",
-                               expert_types={"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, **SIZES)
+def mixed_moes(tmp_path_factory) -> dict[str, str]:
+    """Q4_K gate and up stacks beside a Q6_K down stack (as llama.cpp's Q4_K_M mix has them in some layers) or a
+    Q8_0 one."""
+    return {down: write_tiny_moe_gguf(tmp_path_factory.mktemp(down), "qwen3_moe",
+                                      expert_types={"gate": "Q4_K", "up": "Q4_K", "down": down}, **SIZES)
+            for down in ("Q6_K", "Q8_0")}
 
 
 def _load(path: str, kernel: str):
@@ -104,12 +107,13 @@ def test_a_q4k_moe_keeps_the_files_expert_blocks_and_is_closer_to_its_values(q4k
     assert relative < 0.01 and relative <= groups_relative, (relative, groups_relative)
 
 
-@pytest.mark.parametrize("mix", ["q4k", "q4k/q6k"])
-def test_kquant_experts_decode_through_the_native_step(q4k_moe, q6k_down_moe, mix):
-    path = q4k_moe if mix == "q4k" else q6k_down_moe
+@pytest.mark.parametrize("mix", ["q4k", "q4k/q6k", "q4k/q8"])
+def test_kquant_experts_decode_through_the_native_step(q4k_moe, mixed_moes, mix):
+    path = q4k_moe if mix == "q4k" else mixed_moes["Q6_K" if mix == "q4k/q6k" else "Q8_0"]
     lm = _load(path, "blocks")
     moe = lm.model.layers[0].moe
-    assert type(moe.gate_up[0]) is Q4KWeight and type(moe.down[0]) is (Q4KWeight if mix == "q4k" else Q6KWeight)
+    down = {"q4k": Q4KWeight, "q4k/q6k": Q6KWeight, "q4k/q8": Q8Weight}[mix]
+    assert type(moe.gate_up[0]) is Q4KWeight and type(moe.down[0]) is down
     assert all(entry.endswith(mix) for entry in moe_placement.describe(lm.model.layers)["experts"])
     if mix != "q4k":
         assert torch.equal(moe.down[3].blocks, file_rows(path, 0, ("down",), 3))

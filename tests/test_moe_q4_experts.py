@@ -14,6 +14,7 @@ from engine.model import SeqChunk, int4, load_model, plan_stages
 from engine.model.gguf_dequant import q4_groups
 from engine.model.kquant_weight import Q4KWeight
 from engine.model.loader import read_model_config
+from engine.model.q8_weight import Q8Weight
 from tests.int4_kernels import dense, implied, same
 from tests.moe_fixtures import N_EXPERTS, write_tiny_moe_gguf
 
@@ -141,8 +142,9 @@ def test_q4_experts_give_the_logits_of_the_dense_reuse_path(files, qtype, kernel
 
 
 def test_other_expert_types_are_quantised_from_their_values_beside_q4_ones(files):
-    """Q4_K gate/up with a Q8_0 down: gate/up are the file's groups, down the groups quantize_experts makes of
-    its values (today's path); the CPU model with --cpu-weights int4 takes the file's groups too."""
+    """Q4_K gate/up with a Q8_0 down: with PyTorch's kernel gate/up are the file's groups and down the groups
+    quantize_experts makes of its values; with the native kernels both stay the file's rows (Q4_K, Q8_0); the
+    CPU model with --cpu-weights int4 likewise."""
     path = files["mixed"]
     floats = _load(path)
     for load in (lambda: _load(path, cpu_experts=frozenset({2})), lambda: _load(path, int4_weights=True)):
@@ -154,4 +156,7 @@ def test_other_expert_types_are_quantised_from_their_values_beside_q4_ones(files
         else:
             gate_up = _reference(path, 2, ("gate", "up"))
             assert all(same(a, b) for a, b in zip(moe.gate_up, gate_up, strict=True))
-        assert all(same(a, int4.Int4Weight(float_moe.down[j])) for j, a in enumerate(moe.down))
+        if isinstance(moe.down[0], Q8Weight):  # the native kernels multiply the file's Q8_0 rows as they are
+            assert all(torch.equal(w.blocks, file_rows(path, 2, ("down",), j)) for j, w in enumerate(moe.down))
+        else:
+            assert all(same(a, int4.Int4Weight(float_moe.down[j])) for j, a in enumerate(moe.down))

@@ -72,7 +72,8 @@ def _build(
     as 4-bit groups straight away (from `groups` where the file has them, else quantised tensor by tensor), or
     as 8-bit rows where `wide` says the file holds one of the parts with more bits and the native kernels load.
     The routed experts of the layers in `cpu_experts` stay in host RAM as 4-bit groups whatever the layer's
-    device (engine/model/moe_placement.py); expert stacks `kquant` finds in Q4_K or Q6_K stay in the file's blocks. `blocks` gives the embedding table as the file's quantised blocks
+    device (engine/model/moe_placement.py); expert stacks `kquant` finds in Q4_K, Q6_K or Q8_0 stay in the
+    file's blocks. `blocks` gives the embedding table as the file's quantised blocks
     (engine/model/quant_embedding.py). `derived` holds 4-bit weights from an earlier load of the same file, and
     collects the ones built here (engine/model/weights_cache.py)."""
     _stage_checks(config, stages, path)

@@ -199,7 +199,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         return found
 
     def kquant(key: str) -> tuple[str, torch.Tensor] | None:
-        """An expert stack the file holds as Q4_K or Q6_K: (its kind, its bytes [n_experts, rows, row bytes]),
+        """An expert stack the file holds as Q4_K, Q6_K or Q8_0: (its type, its bytes [n_experts, rows, row bytes]),
         where the native kernels multiply such rows (engine/model/kquant_weight.py); None otherwise."""
         t = tensors.get(key)
         kind = GGMLQuantizationType(t.qtype).name if t is not None else ""

@@ -8,7 +8,9 @@ the conversion's rounding (Q6_K to 4-bit groups moved Gemma-3-270M's logits 35 %
 weight where Q6_K reads 6.6. Kept as the file's blocks (Q4_K: 144 bytes for 256 values, float16 d and dmin, 6-bit
 scales and minimums, 4-bit codes; Q6_K: 210 bytes, 6-bit codes, an int8 scale per 16 values, float16 d) they are
 the bytes read from the file, and kernels/blocks.c's q4k_matmul and q6k_matmul multiply them with the same int16
-activations and integer dot products as the other native products.
+activations and integer dot products as the other native products. An expert stack the file holds as Q8_0 is
+kept likewise, as q8_weight.Q8Weight rows (the native kernel's 8-bit format is Q8_0's), instead of being rounded to
+4-bit groups.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from engine.model import kernels
+from engine.model.q8_weight import Q8Weight
 
 VALUES = 256  # a K-quant block's values
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+BLOCKS = {"Q4_K": (VALUES, 144), "Q6_K": (VALUES, 210), "Q8_0": (32, 34)}  # kind -> (values, bytes) a block
 
 
 def available() -> bool:
@@ -27,8 +30,9 @@ def available() -> bool:
 
 
 def row_bytes(cols: int, kind: str = "Q4_K") -> int:
-    assert cols % VALUES == 0, cols
-    return cols // VALUES * BLOCK_BYTES[kind]
+    values, size = BLOCKS[kind]
+    assert cols % values == 0, (cols, kind)
+    return cols // values * size
 
 
 class KQuantWeight(kernels.RowsWeight):
@@ -64,11 +68,12 @@ class Q6KWeight(KQuantWeight):
     kind = "Q6_K"
 
 
-CLASSES = {"Q4_K": Q4KWeight, "Q6_K": Q6KWeight}
+# The rows kept as the file holds them, by the file's type.
+CLASSES: dict[str, type[KQuantWeight] | type[Q8Weight]] = {"Q4_K": Q4KWeight, "Q6_K": Q6KWeight, "Q8_0": Q8Weight}
 
 
-def expert_rows(kind: str, stacks: list[torch.Tensor], shape: tuple[int, int, int]) -> list[KQuantWeight]:
-    """One weight of `kind` ("Q4_K" or "Q6_K") per expert from stacks of it (each uint8 [n_experts, rows_i, row
+def expert_rows(kind: str, stacks: list[torch.Tensor], shape: tuple[int, int, int]) -> list[kernels.RowsWeight]:
+    """One weight of `kind` (a key of CLASSES) per expert from stacks of it (each uint8 [n_experts, rows_i, row
     bytes], the file's bytes) fused by rows: expert e's weight is every stack's rows of expert e, in order.
     `shape`: [n_experts, sum of rows_i, cols]."""
     e, rows, cols = shape

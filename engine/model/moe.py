@@ -34,12 +34,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import int4
-from engine.model.kquant_weight import KQuantWeight
+from engine.model.kernels import RowsWeight
 from engine.model.llama import _linear
 from engine.model.moe_config import MoeConfig
 
-# An expert stack: float [n_experts, out, in], or one weight per expert (4-bit groups, or a file's K-quant rows).
-Experts = torch.Tensor | list[int4.Int4Weight] | list[KQuantWeight]
+# An expert stack: float [n_experts, out, in], or one weight per expert (4-bit groups, or the file's Q4_K / Q6_K /
+# Q8_0 rows, engine/model/kquant_weight.py).
+Experts = torch.Tensor | list[int4.Int4Weight] | list[RowsWeight]
 
 
 def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +69,7 @@ class SparseMoe(torch.nn.Module):
     `gate_up` is [n_experts, 2 * expert_size, hidden] (each expert's gate rows, then its up rows), `down`
     [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert;
     a loader that has the experts as 4-bit groups already (a Q4 GGUF's codes) passes such lists itself, or lists
-    of kquant_weight.KQuantWeight (a GGUF's own Q4_K or Q6_K blocks).
+    of kernels.RowsWeight (a GGUF's own Q4_K, Q6_K or Q8_0 blocks, engine/model/kquant_weight.py).
     With a shared expert, `router` holds its gate as a last row.
     """
 

@@ -21,7 +21,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model import int4, kquant_weight
 from engine.model.config import ModelConfig
-from engine.model.kquant_weight import KQuantWeight
+from engine.model.kernels import RowsWeight
 from engine.model.moe import Experts, SparseMoe
 from engine.model.moe_config import MoeConfig
 
@@ -31,7 +31,7 @@ DeviceGetter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 # A weight the file holds as 4-bit groups (a Q4_0 / Q4_1 / Q4_K tensor's own codes, scales and minimums; for
 # "i.experts.gate" and the like the whole stack [n_experts, rows, cols]), or None when it holds it otherwise.
 GroupsGetter = Callable[[str], "int4.Groups | None"]
-# An expert stack the file holds as Q4_K or Q6_K: (that kind, its bytes [n_experts, rows, row bytes]), or None when
+# An expert stack the file holds as Q4_K, Q6_K or Q8_0: (that type, its bytes [n_experts, rows, row bytes]), or None when
 # it holds it otherwise or the native kernels cannot multiply it (engine/model/kquant_weight.py).
 KQuantGetter = Callable[[str], "tuple[str, torch.Tensor] | None"]
 
@@ -139,7 +139,7 @@ def build_sparse_moe(
     With `groups` (given for experts that are to be 4-bit groups on the CPU, computing in `dtype`) the stacked
     experts come as one int4.Int4Weight per expert: from the file's own 4-bit groups where it has them, else
     quantised from the float stack (the groups quantize_experts would make). With `kquant` too, a stack the
-    file holds as Q4_K or Q6_K stays in its blocks instead (one kquant_weight weight per expert, no conversion)."""
+    file holds as Q4_K, Q6_K or Q8_0 stays in its blocks instead (one weight per expert, no conversion)."""
     to_experts = to_experts or to
     c, m = config, config.moe
     assert m is not None and c.is_moe_layer(index), index
@@ -186,7 +186,7 @@ def build_sparse_moe(
     return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=gate_up, down=down, **shared)
 
 
-def _file_kquant(keys: list[str], shape: tuple[int, int, int], kquant: KQuantGetter) -> list[KQuantWeight] | None:
+def _file_kquant(keys: list[str], shape: tuple[int, int, int], kquant: KQuantGetter) -> list[RowsWeight] | None:
     """The expert stacks `keys` fused by rows (`shape` [n_experts, all rows, cols]) as the file's K-quant blocks,
     one weight per expert; None unless the file holds every one of them in the same K-quant."""
     found = []

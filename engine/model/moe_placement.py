@@ -26,6 +26,7 @@ import torch
 from engine.model import int4
 from engine.model.kquant_weight import KQuantWeight
 from engine.model.moe_loading import routed_expert_weights
+from engine.model.q8_weight import Q8Weight
 
 log = logging.getLogger("strata.engine")
 
@@ -101,10 +102,12 @@ def describe(layers: Iterable[Any]) -> dict[str, Any]:
 
 def _format(moe: Any) -> str:
     """How an expert block's stacks are stored: float, int4 (one Int4Weight per expert, as quantize_experts makes
-    them), q4k / q6k (the file's K-quant rows), or gate_up's and down's formats apart when they differ."""
+    them), q4k / q6k / q8 (the file's Q4_K, Q6_K or Q8_0 rows), or gate_up's and down's formats apart when they differ."""
     def one(w: Any) -> str:
         if isinstance(w, torch.Tensor):
             return "float"
+        if isinstance(w[0], Q8Weight):
+            return "q8"
         return w[0].kind.replace("_", "").lower() if isinstance(w[0], KQuantWeight) else "int4"  # q4k, q6k
 
     gate_up, down = one(moe.gate_up), one(moe.down)

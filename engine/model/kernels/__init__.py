@@ -105,6 +105,8 @@ class RowsWeight:
     product_name = ""
     blocks: torch.Tensor
     shape: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
 
     @property
     def nbytes(self) -> int:
