@@ -34,7 +34,6 @@ from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import embed_rows
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # step.c's KV_* codes
-_HEAD_Q4, _HEAD_Q8 = 0, 1
 _SILU, _GELU_TANH = 0, 1
 _ROUTINGS = {("softmax_topk", False): 0, ("softmax_topk", True): 1, ("topk_softmax", False): 2,
              ("topk_softmax", True): 2}  # experts.h's routings by (MoeConfig.routing, norm_topk_prob)
@@ -56,7 +55,7 @@ class StepLayer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in (
         "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "qk_norm", "post_attn_norm",
         "post_mlp_norm", "k_cache", "v_cache")), ("window", ctypes.c_int64), ("local", ctypes.c_int64),
-        ("eight_bit", ctypes.c_int64 * 4), ("experts", ctypes.POINTER(StepExperts))]
+        ("kinds", ctypes.c_int64 * 4), ("experts", ctypes.POINTER(StepExperts))]
 
 
 class StepModel(ctypes.Structure):
@@ -74,7 +73,7 @@ def _native(w: object) -> bool:
 
 
 def _kind(w: object) -> int:
-    """experts.h's ROWS_* for a native weight."""
+    """blocks.h's ROWS_* for a native weight."""
     if isinstance(w, KQuantWeight):
         return 3 if isinstance(w, Q6KWeight) else 2
     return 1 if isinstance(w, Q8Weight) else 0
@@ -160,14 +159,14 @@ class NativeDecode:
                 attn_norm, mlp_norm, _blocks(layer.wqkv), bqkv, _blocks(layer.wo), _blocks(layer.w_gate_up),
                 _blocks(layer.w_down), qk_norm, post_attn_norm, post_mlp_norm, k_cache.data_ptr(),
                 v_cache.data_ptr(), c.layer_window(li) or 0, int(local),
-                (ctypes.c_int64 * 4)(*(int(isinstance(w, Q8Weight)) for w in products)),
+                (ctypes.c_int64 * 4)(*(_kind(w) if w is not None else 0 for w in products)),
                 None if layer.moe is None else ctypes.pointer(self._experts(layer.moe, keep)))
         head = m.lm_head
         scale = c.head_dim**-0.5 if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         self._layers, self._views, self._keep = rows, views, keep  # StepModel points into them
         self._step = StepModel(
             c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, kv.ctx,
-            c.vocab_size, _KV_DTYPES[kv.layout.dtype], _HEAD_Q8 if isinstance(head, Q8Weight) else _HEAD_Q4,
+            c.vocab_size, _KV_DTYPES[kv.layout.dtype], _kind(head),
             _GELU_TANH if c.gemma else _SILU, c.rms_norm_eps, scale, rows, m.norm.data_ptr(), _blocks(head))
         self._kv = kv
 

@@ -72,10 +72,6 @@ static void route(const float *logits, int64_t n, int64_t k, int64_t routing, fl
         }
 }
 
-static Product product_of(int64_t kind) {
-    return kind == ROWS_Q6_K ? q6k_matmul : kind == ROWS_Q4_K ? q4k_matmul : kind == ROWS_Q8_0 ? q8_matmul : q4_matmul;
-}
-
 /* out[r] += w * y over n floats (n a multiple of 8); a multiply, then an add. */
 AVX2 static void add_scaled(float *out, const float *y, float w, int64_t n) {
     const __m256 s = _mm256_set1_ps(w);

@@ -9,16 +9,13 @@
    them. */
 enum { SOFTMAX_TOPK = 0, SOFTMAX_TOPK_NORM = 1, TOPK_SOFTMAX = 2 };
 
-/* The row formats of blocks.c's products. */
-enum { ROWS_Q4 = 0, ROWS_Q8_0 = 1, ROWS_Q4_K = 2, ROWS_Q6_K = 3 };
-
 typedef struct {
     int64_t n_experts, top_k, inter, shared_inter, routing;  /* shared_inter 0: no shared expert */
     const float *router;              /* [n_experts (+ 1: the shared expert's gate), hidden], float32 */
     const uint8_t *const *gate_up;    /* per expert: rows [2 inter, hidden], the gate's rows then the up's */
     const uint8_t *const *down;       /* per expert: rows [hidden, inter] */
     const uint8_t *shared_gate_up, *shared_down;  /* the shared expert's rows, or NULL */
-    int64_t kinds[4];                 /* ROWS_* of gate_up, down, shared_gate_up, shared_down */
+    int64_t kinds[4];                 /* ROWS_* (blocks.h) of gate_up, down, shared_gate_up, shared_down */
 } StepExperts;
 
 int experts_mlp(const StepExperts *x, int64_t M, int64_t hidden, const float *h, float *out, int threads);

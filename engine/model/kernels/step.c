@@ -27,12 +27,11 @@ enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
    heads sharing a K/V head, kept in registers or on the stack. */
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP_WIDTH 4096
-enum { HEAD_Q4 = 0, HEAD_Q8 = 1 };
 
 /* One layer's weights and K/V (mirrored by engine/model/native_decode.py's StepLayer). */
 typedef struct {
     const float *attn_norm, *mlp_norm;     /* [hidden] */
-    const uint8_t *wqkv;                   /* Q4 or Q8_0 rows [(H + 2 KVH) D rows] (eight_bit) */
+    const uint8_t *wqkv;                   /* rows [(H + 2 KVH) D] in the format kinds[0] says */
     const float *bqkv;                     /* [(H + 2 KVH) D] or NULL */
     const uint8_t *wo, *w_gate_up, *w_down;
     const float *qk_norm;                  /* per-head q then k norm weights [H + KVH, D], or NULL */
@@ -40,14 +39,14 @@ typedef struct {
     void *k_cache, *v_cache;               /* [slots, ctx, KVH, D] in the K/V dtype */
     int64_t window;                        /* a sliding layer's window; 0: every earlier key */
     int64_t local;                         /* 1: RoPE from the local table (Gemma's sliding layers) */
-    int64_t eight_bit[4];                  /* per product (qkv, o, gate_up, down): 1 for Q8_0 rows, 0 for Q4 */
+    int64_t kinds[4];                      /* ROWS_* (blocks.h) of wqkv, wo, w_gate_up, w_down */
     const StepExperts *experts;            /* a sparse expert block instead of the dense MLP (experts.c), or NULL */
 } StepLayer;
 
 /* The model (mirrored by StepModel there). */
 typedef struct {
     int64_t n_layers, hidden, inter, n_heads, n_kv_heads, head_dim, ctx, vocab;
-    int64_t kv_dtype, head_kind, activation;
+    int64_t kv_dtype, head_kind, activation;  /* head_kind: the output matrix's ROWS_* */
     double eps, scale;                     /* RMSNorm epsilon; the attention scores' factor */
     const StepLayer *layers;
     const float *norm;                     /* the final norm [hidden] */
@@ -167,9 +166,6 @@ AVX2 static void attend(const float *q, int64_t group, const void *k, const void
         attend_group(q, group, k, v, dtype, stride, first, n, D, scale, scores, out);
 }
 
-static Product product(int64_t eight_bit) {
-    return eight_bit ? q8_matmul : q4_matmul;
-}
 
 AVX2 static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 8)
@@ -220,6 +216,11 @@ AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const 
     const int64_t E = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv_heads, D = m->head_dim;
     const int64_t width = (H + 2 * G) * D;
     if (D % 8 || D > MAX_HEAD_DIM || E % 32 || I % 32 || G <= 0 || H % G || H / G * D > MAX_GROUP_WIDTH) return -2;
+    for (int64_t l = 0; l < m->n_layers; l++) {  /* K-quant rows take whole blocks of 256 values */
+        const int64_t *kinds = m->layers[l].kinds, in[4] = {E, H * D, E, I};
+        for (int p = 0; p < 4; p++)
+            if (kinds[p] >= ROWS_Q4_K && in[p] % 256) return -2;
+    }
     int64_t longest = 1;
     for (int64_t r = 0; r < M; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
 #ifdef _OPENMP
@@ -240,12 +241,12 @@ AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const 
     for (int64_t l = 0; l < m->n_layers; l++) {
         const StepLayer *L = &m->layers[l];
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, L->attn_norm, E, eps, h + r * E);
-        if (product(L->eight_bit[0])(h, M, E, L->wqkv, width, qkv, threads)) goto done;
+        if (product_of(L->kinds[0])(h, M, E, L->wqkv, width, qkv, threads)) goto done;
         if (L->bqkv)
             for (int64_t r = 0; r < M; r++) add_rows(qkv + r * width, L->bqkv, width);
         const float *const *table = rope + (L->local ? 2 : 0);
         attention(m, L, M, slots, positions, table[0], table[1], qkv, attn, scores, per_thread, threads);
-        if (product(L->eight_bit[1])(attn, M, H * D, L->wo, E, delta, threads)) goto done;
+        if (product_of(L->kinds[1])(attn, M, H * D, L->wo, E, delta, threads)) goto done;
         if (L->post_attn_norm)
             for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_attn_norm, E, eps, delta + r * E);
         add_rows(x, delta, M * E);
@@ -254,16 +255,16 @@ AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const 
             if ((status = experts_mlp(L->experts, M, E, h, delta, threads))) goto done;
             status = -1;
         } else {
-            if (product(L->eight_bit[2])(h, M, E, L->w_gate_up, 2 * I, gate_up, threads)) goto done;
+            if (product_of(L->kinds[2])(h, M, E, L->w_gate_up, 2 * I, gate_up, threads)) goto done;
             for (int64_t r = 0; r < M; r++) gated(gate_up + r * 2 * I, I, m->activation, h + r * I);
-            if (product(L->eight_bit[3])(h, M, I, L->w_down, E, delta, threads)) goto done;
+            if (product_of(L->kinds[3])(h, M, I, L->w_down, E, delta, threads)) goto done;
         }
         if (L->post_mlp_norm)
             for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_mlp_norm, E, eps, delta + r * E);
         add_rows(x, delta, M * E);
     }
     for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, m->norm, E, eps, h + r * E);
-    if (product(m->head_kind == HEAD_Q8)(h, M, E, m->head, m->vocab, logits, threads)) goto done;
+    if (product_of(m->head_kind)(h, M, E, m->head, m->vocab, logits, threads)) goto done;
     status = 0;
 done:
     free(h); free(qkv); free(attn); free(gate_up); free(delta); free(scores);
