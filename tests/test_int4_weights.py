@@ -104,6 +104,8 @@ def _load_q4(path: str, int4_weights: bool):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_q4_gguf_weights_become_int4_groups_without_a_float_round_trip(tmp_path, qtype, kernel):
+    if qtype == "Q4_K" and kernel == "blocks":
+        pytest.skip("with the native kernels Q4_K projections stay the file's rows (tests/test_kquant_weights.py)")
     import gguf
     import numpy as np
 

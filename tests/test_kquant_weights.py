@@ -16,7 +16,7 @@ from engine.model.loader import read_model_config
 from engine.model.native_decode import NativeDecode, unsupported
 from engine.model.q8_weight import Q8Weight
 from tests.int4_kernels import int4_kernel
-from tests.model_fixtures import random_blocks
+from tests.model_fixtures import random_blocks, write_tiny_gguf
 from tests.moe_fixtures import write_tiny_moe_gguf
 from tests.test_moe_q4_experts import MOE_LAYERS, SIZES, file_rows
 from tests.test_native_decode import TOLERANCE
@@ -128,6 +128,59 @@ def test_kquant_experts_decode_through_the_native_step(q4k_moe, mixed_moes, mix)
         runner = NativeDecode(lm.model)
         for k in range(3):
             step = [SeqChunk(0, 20 + k, torch.tensor([9 + k])), SeqChunk(1, 7 + k, torch.tensor([4 + k]))]
+            expected = lm.model.forward_chunks(step, kvs[0])
+            got = runner.run(step, kvs[1])
+            assert got is not None
+            assert ((got - expected).norm() / expected.norm()).item() < TOLERANCE
+
+
+PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+@pytest.fixture(scope="module")
+def q4k_dense(tmp_path_factory) -> str:
+    """A dense Llama GGUF whose projections are all Q4_K (q/k rows permuted as llama.cpp's converter does)."""
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {f"blk.{i}.{name}.weight": "Q4_K" for i in range(3) for name in names}
+    return write_tiny_gguf(tmp_path_factory.mktemp("dense"), "llama", tensor_types=types, hidden_size=256,
+                           intermediate_size=256, head_dim=64)  # o's rows: 4 heads of 64, whole 256-value blocks
+
+
+def _rows_values(w) -> torch.Tensor:
+    return _file_values(w.blocks, *w.shape)
+
+
+def test_dense_q4k_projections_are_the_files_rows_and_need_no_weights_cache(q4k_dense, tmp_path):
+    lm = _load(q4k_dense, "blocks")
+    floats = load_model(q4k_dense, plan_stages(read_model_config(q4k_dense).n_layers, "cpu", ""), torch.float32)
+    for i in range(lm.config.n_layers):
+        layer, exact = lm.model.layers[i], floats.model.layers[i]
+        for name in PROJECTIONS:
+            w = getattr(layer, name)
+            assert type(w) is Q4KWeight, (i, name, type(w))
+            # the file's values, q/k rows in the engine's order as the float path puts them
+            assert torch.equal(_rows_values(w), getattr(exact, name)), (i, name)
+    with int4_kernel("blocks"):
+        cached = [load_model(q4k_dense, plan_stages(lm.config.n_layers, "cpu", ""), torch.float32, int4_weights=True,
+                             weights_cache_dir=str(tmp_path)) for _ in range(2)]
+    assert cached[0].fingerprint == cached[1].fingerprint == lm.fingerprint
+    for name in PROJECTIONS:  # a second start takes them from the file again, not from the cache
+        assert torch.equal(getattr(cached[1].model.layers[2], name).blocks, getattr(lm.model.layers[2], name).blocks)
+    assert torch.equal(_logits(cached[1]), _logits(lm))
+
+
+def test_dense_q4k_projections_decode_through_the_native_step(q4k_dense):
+    lm = _load(q4k_dense, "blocks")
+    assert unsupported(lm.model) is None, unsupported(lm.model)
+    c = lm.config
+    with torch.inference_mode():
+        kvs = [KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 1, 64, lm.model.stages)
+               for _ in range(2)]
+        for kv in kvs:
+            lm.model.forward_chunks([SeqChunk(0, 0, torch.arange(2, 22))], kv)
+        runner = NativeDecode(lm.model)
+        for k in range(3):
+            step = [SeqChunk(0, 20 + k, torch.tensor([9 + k]))]
             expected = lm.model.forward_chunks(step, kvs[0])
             got = runner.run(step, kvs[1])
             assert got is not None

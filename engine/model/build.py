@@ -10,10 +10,11 @@ import torch
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, moe_loading, q8_output, q8_weight
+from engine.model import int4, kquant_weight, moe_loading, q8_output, q8_weight
 from engine.model.config import ModelConfig
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
+from engine.model.kernels import RowsWeight
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.q8_output import Q8Output
 from engine.model.q8_weight import Q8Weight
@@ -51,6 +52,8 @@ Groups = int4.Groups
 GroupsGetter = moe_loading.GroupsGetter
 # Whether the file holds a tensor in a block type of more than 4 bits a weight (gguf_dequant.WIDE).
 WideGetter = Callable[[str], bool]
+# Dense projections kept in the file's rows when the file holds them so (kquant_weight.py).
+FILE_ROWS = ("Q4_K", "Q8_0")
 
 
 def _build(
@@ -94,9 +97,10 @@ def _build(
 
     def projection(
         name: str, parts: list[tuple[str, tuple[int, int]]], device: torch.device
-    ) -> torch.Tensor | Int4Weight | Q8Weight:
-        """The weights `parts` stacked by rows: float, or with int4 weights on the CPU as 4-bit groups, or 8-bit
-        rows where the file holds a part with more than 4 bits (engine/model/q8_weight.py)."""
+    ) -> torch.Tensor | Int4Weight | RowsWeight:
+        """The weights `parts` stacked by rows: float, or with int4 weights on the CPU the file's own Q4_K or
+        Q8_0 rows (`file_rows`), else 4-bit groups, or 8-bit rows where the file holds a part with more than 4
+        bits (engine/model/q8_weight.py)."""
         rows, cols = sum(shape[0] for _, shape in parts), parts[0][1][1]
         if not (int4_weights and device.type == "cpu" and int4.can_pack(rows, cols)):
             ws = [need(key, shape, device) for key, shape in parts]
@@ -104,6 +108,9 @@ def _build(
         cached = derived.get(name, (rows, cols)) if derived is not None else None
         if cached is not None:
             return cached
+        as_read = file_rows(parts) if kquant is not None and device.type == "cpu" else None
+        if as_read is not None:
+            return as_read
         if wide is not None and any(wide(key) for key, _ in parts) and q8_weight.available():
             if [key for key, _ in parts] == ["embed"] and isinstance(embed, QuantEmbedding):
                 eight = Q8Weight(torch.cat([q8_weight.q8_0_rows(embed(torch.arange(a, min(a + 4096, rows))))
@@ -130,7 +137,24 @@ def _build(
             derived.put(name, built)
         return built
 
-    def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding | Q8Weight) -> torch.Tensor:
+    def file_rows(parts: list[tuple[str, tuple[int, int]]]) -> RowsWeight | None:
+        """The parts as the file's own rows where it holds all of them as Q4_K or as Q8_0, which the native kernels
+        multiply as they are: the file's values, nothing converted, nothing to keep in the weights cache. Q6_K
+        parts still become Q8_0 rows (faster per token, kquant_weight.py)."""
+        if any(key == "embed" for key, _ in parts):  # a tied output matrix: the table's own blocks (q8_output.py)
+            return None
+        assert kquant is not None  # the caller checks
+        found = kquant([key for key, _ in parts], FILE_ROWS)
+        if found is None:
+            return None
+        kind, blocks = found
+        for (key, (n, k)), b in zip(parts, blocks, strict=True):
+            if tuple(b.shape) != (n, kquant_weight.row_bytes(k, kind)):
+                raise ModelLoadError(f"{path}: weight {key!r} has {kind} rows {tuple(b.shape)}, expected {n} of {k} values")
+        rows = blocks[0].contiguous() if len(blocks) == 1 else torch.cat(blocks)
+        return kquant_weight.CLASSES[kind](rows, (rows.shape[0], parts[0][1][1]))
+
+    def placeholder(w: torch.Tensor | Int4Weight | QuantEmbedding | RowsWeight) -> torch.Tensor:
         # A module's buffer must be a tensor: an Int4Weight or QuantEmbedding goes in after construction.
         return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 
@@ -191,7 +215,7 @@ def _build(
                                  moe=moe, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
                                                  | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
-                if isinstance(t, (Int4Weight, Q8Weight)):
+                if isinstance(t, (Int4Weight, RowsWeight)):
                     int4.install(layer, name, t)
             if moe is not None and int4_weights and device.type == "cpu":
                 moe.quantize_experts()  # the experts as 4-bit groups, one Int4Weight per expert and matrix
@@ -203,7 +227,7 @@ def _build(
             release_freed_memory()
             startup_progress.report(len(layers), n_layers)  # GET /health shows the fraction while loading
     norm = need("norm", (hidden,), last_device)
-    lm_head: torch.Tensor | Int4Weight | Q8Weight
+    lm_head: torch.Tensor | Int4Weight | RowsWeight
     if int4_weights and head_key == "embed" and last_device == first_device and q8_output.can_read(embed):
         assert isinstance(embed, QuantEmbedding)
         lm_head = Q8Output(embed)  # the file's Q8_0 blocks, shared with the token lookup
@@ -219,7 +243,7 @@ def _build(
                      rope_freq_factors=freq_factors)
     if isinstance(embed, QuantEmbedding):
         int4.install(model, "embed", embed)
-    if isinstance(lm_head, (Int4Weight, Q8Weight)):
+    if isinstance(lm_head, (Int4Weight, RowsWeight)):
         int4.install(model, "lm_head", lm_head)
     release_freed_memory()
     return model

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from engine.kv import KVBuffers
 from engine.model.int4 import Int4Weight
+from engine.model.kernels import RowsWeight
 from engine.model.llama import (
     CausalLM,
     DecoderLayer,
@@ -30,7 +31,6 @@ from engine.model.llama import (
     _logit_rows,
     rms_norm,
 )
-from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import embed_rows
 from engine.model.sliding import first_key
 
@@ -54,19 +54,19 @@ def unsupported(model: CausalLM) -> str | None:
 
 class _Layer(NamedTuple):
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor | Int4Weight | Q8Weight
+    wqkv: torch.Tensor | Int4Weight | RowsWeight
     bqkv: torch.Tensor | None
-    wo: torch.Tensor | Int4Weight | Q8Weight
+    wo: torch.Tensor | Int4Weight | RowsWeight
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor | Int4Weight | Q8Weight
-    w_down: torch.Tensor | Int4Weight | Q8Weight
+    w_gate_up: torch.Tensor | Int4Weight | RowsWeight
+    w_down: torch.Tensor | Int4Weight | RowsWeight
     qk_norm: torch.Tensor | None  # per-head q and k norms (Qwen3)
     window: int | None  # a sliding layer's window (engine/model/sliding.py)
     k_cache: torch.Tensor  # [n_slots, ctx, KVH, D]
     v_cache: torch.Tensor
 
 
-def _project(x: torch.Tensor, w: torch.Tensor | Int4Weight | Q8Weight, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _project(x: torch.Tensor, w: torch.Tensor | Int4Weight | RowsWeight, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """`_linear(x, w, n, bias)` for n one-token rows: a 4-bit weight's product taken directly (what _linear
     returns for it without a bias), anything else through _linear itself."""
     if bias is None and isinstance(w, Int4Weight):

@@ -198,14 +198,23 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
             found = tuple(_unpermute(x, heads) for x in found)
         return found
 
-    def kquant(key: str) -> tuple[str, torch.Tensor] | None:
-        """An expert stack the file holds as Q4_K, Q6_K or Q8_0: (its type, its bytes [n_experts, rows, row bytes]),
-        where the native kernels multiply such rows (engine/model/kquant_weight.py); None otherwise."""
-        t = tensors.get(key)
-        kind = GGMLQuantizationType(t.qtype).name if t is not None else ""
-        if t is None or kind not in kquant_weight.CLASSES or len(t.shape) != 3 or not kquant_weight.available():
+    def kquant(keys: list[str], kinds: tuple[str, ...]) -> tuple[str, list[torch.Tensor]] | None:
+        """Tensors the file holds in one block type of `kinds` (keys of kquant_weight.CLASSES), where the native
+        kernels multiply such rows as they are: (that type, each one's bytes [..., rows, row bytes], q/k rows in
+        this engine's order); None, reading nothing, otherwise."""
+        found = [tensors.get(key) for key in keys]
+        names = {GGMLQuantizationType(t.qtype).name if t is not None else "" for t in found}
+        kind = names.pop() if len(names) == 1 else ""
+        if kind not in kinds or kind not in kquant_weight.CLASSES or not kquant_weight.available():
             return None
-        return kind, raw(key, torch.device("cpu")).view(t.shape[0], t.shape[1], kquant_weight.row_bytes(t.shape[2], kind))
+        out = []
+        for key, t in zip(keys, found, strict=True):
+            assert t is not None  # its type is in kinds
+            b = raw(key, torch.device("cpu")).view(*t.shape[:-1], kquant_weight.row_bytes(t.shape[-1], kind))
+            if permuted and key.endswith((".q", ".k")):
+                b = _unpermute(b, config.n_heads if key.endswith(".q") else config.n_kv_heads)
+            out.append(b)
+        return kind, out
 
     def wide(key: str) -> bool:
         t = tensors.get(key)

@@ -28,6 +28,7 @@ from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.float16 import Float16Weight
 from engine.model.int4 import Int4Weight
+from engine.model.kernels import RowsWeight
 from engine.model.kquant_weight import KQuantWeight
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
@@ -86,7 +87,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(
-    x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | Q8Weight | KQuantWeight, n_single: int,
+    x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | RowsWeight, n_single: int,
     bias: torch.Tensor | None = None, *,
     fast: bool = False,
 ) -> torch.Tensor:
@@ -103,7 +104,7 @@ def _linear(
         y = w.mm(x)
         if bias is not None:
             y = y.to(x.dtype)
-    elif isinstance(w, (Float16Weight, Q8Weight, KQuantWeight)):  # rows independent of the row count (their modules)
+    elif isinstance(w, (Float16Weight, RowsWeight)):  # rows independent of the row count (their modules say so)
         y = w.mm(x)
     elif _onednn(w):
         n = x.shape[0]
@@ -122,7 +123,7 @@ def _linear(
 
 
 def _logit_rows(
-    h: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | Q8Weight, *, fast: bool = False
+    h: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | RowsWeight, *, fast: bool = False
 ) -> torch.Tensor:
     """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch); with `fast`
     (see `_linear`) one GEMM over all rows."""
@@ -132,7 +133,7 @@ def _logit_rows(
         if fast or h.shape[0] == 1:  # CUDA 4-bit weights (engine.model.gpu_weights): one call over all rows
             return w(h)
         return torch.cat([w(h[i : i + 1]) for i in range(h.shape[0])])
-    if isinstance(w, (Float16Weight, Q8Weight)):
+    if isinstance(w, (Float16Weight, RowsWeight)):
         return w(h)
     if _onednn(w):
         if h.shape[0] == 1:
@@ -157,12 +158,12 @@ class DecoderLayer(torch.nn.Module):
     # int4 replaces the projection weights by Int4Weight ones (build, int4.quantize_model), or by Q8Weight ones
     # where the file holds them with more bits (engine/model/q8_weight.py).
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor | Int4Weight | Q8Weight
+    wqkv: torch.Tensor | Int4Weight | Q8Weight | KQuantWeight
     bqkv: torch.Tensor | None
-    wo: torch.Tensor | Int4Weight | Q8Weight
+    wo: torch.Tensor | Int4Weight | Q8Weight | KQuantWeight
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor | Int4Weight | Q8Weight | None
-    w_down: torch.Tensor | Int4Weight | Q8Weight | None
+    w_gate_up: torch.Tensor | Int4Weight | Q8Weight | KQuantWeight | None
+    w_down: torch.Tensor | Int4Weight | Q8Weight | KQuantWeight | None
     q_norm_full: torch.Tensor | None
     k_norm_full: torch.Tensor | None
     qk_norm: torch.Tensor | None
@@ -230,7 +231,7 @@ class CausalLM(torch.nn.Module):
     # int4 replaces the projection weights by Int4Weight ones (build, int4.quantize_model).
     embed: torch.Tensor | QuantEmbedding  # the file's blocks on the CPU (build, quant_embedding.py)
     norm: torch.Tensor
-    lm_head: torch.Tensor | Int4Weight | Q8Weight  # the file's Q8_0 blocks: engine/model/q8_output.py
+    lm_head: torch.Tensor | Int4Weight | Q8Weight | KQuantWeight  # the file's Q8_0 blocks: engine/model/q8_output.py
 
     def __init__(
         self,

@@ -31,9 +31,10 @@ DeviceGetter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
 # A weight the file holds as 4-bit groups (a Q4_0 / Q4_1 / Q4_K tensor's own codes, scales and minimums; for
 # "i.experts.gate" and the like the whole stack [n_experts, rows, cols]), or None when it holds it otherwise.
 GroupsGetter = Callable[[str], "int4.Groups | None"]
-# An expert stack the file holds as Q4_K, Q6_K or Q8_0: (that type, its bytes [n_experts, rows, row bytes]), or None when
-# it holds it otherwise or the native kernels cannot multiply it (engine/model/kquant_weight.py).
-KQuantGetter = Callable[[str], "tuple[str, torch.Tensor] | None"]
+# Tensors the file holds in one block type of the given ones (keys of engine/model/kquant_weight.py's CLASSES), as
+# (that type, each one's bytes [..., rows, row bytes]); None, reading nothing, when it holds them otherwise or the
+# native kernels cannot multiply them.
+KQuantGetter = Callable[[list[str], tuple[str, ...]], "tuple[str, list[torch.Tensor]] | None"]
 
 _HF_FIXED = {
     "mlp.gate.weight": "router",  # Qwen*, OLMoE
@@ -188,17 +189,9 @@ def build_sparse_moe(
 
 def _file_kquant(keys: list[str], shape: tuple[int, int, int], kquant: KQuantGetter) -> list[RowsWeight] | None:
     """The expert stacks `keys` fused by rows (`shape` [n_experts, all rows, cols]) as the file's K-quant blocks,
-    one weight per expert; None unless the file holds every one of them in the same K-quant."""
-    found = []
-    for key in keys:
-        stack = kquant(key)
-        if stack is None:
-            return None
-        found.append(stack)
-    kinds = {kind for kind, _ in found}
-    if len(kinds) != 1:
-        return None
-    return kquant_weight.expert_rows(kinds.pop(), [stack for _, stack in found], shape)
+    one weight per expert; None unless the file holds every one of them in the same K-quant (or Q8_0)."""
+    found = kquant(keys, tuple(kquant_weight.CLASSES))
+    return None if found is None else kquant_weight.expert_rows(found[0], found[1], shape)
 
 
 def _packed_experts(keys: list[str], shape: tuple[int, int, int], get: Getter, groups: GroupsGetter,

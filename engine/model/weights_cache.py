@@ -30,7 +30,8 @@ from engine.model.q8_weight import Q8Weight
 
 log = logging.getLogger("strata.model")
 
-FORMAT = 4  # bump when what is derived, or how, changes: older files then simply stop matching
+FORMAT = 5  # bump when what is derived, or how, changes: older files then simply stop matching (5: Q4_K and
+# Q8_0 projections are the file's rows, no longer derived)
 KEEP = 3  # cache files kept (the newest used); each is about the size of the model's 4-bit weights
 _NAME_RE = re.compile(r"^.+-[0-9a-f]{16}\.int4\.safetensors$")
 _TOKENIZER_RE = re.compile(r"^.+-[0-9a-f]{16}\.tokenizer\.json$")

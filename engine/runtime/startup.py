@@ -90,6 +90,7 @@ class Startup(EngineState):
         """What parked K/V and session files must match to be restored here (block size is fixed at start)."""
         if self.cache_identity is None:
             from engine.cache import CacheIdentity
+            from engine.model.kquant_weight import KQuantWeight
             from engine.model.native_decode import NativeDecode
             from engine.model.q8_output import Q8Output
             from engine.model.q8_weight import Q8Weight
@@ -107,6 +108,10 @@ class Startup(EngineState):
                     # projections kept as 8-bit rows because the file holds them with more than 4 bits
                     **({"eight_bit_weights": eight} if (eight := sum(
                         isinstance(getattr(layer, name, None), Q8Weight) for layer in self.model.layers
+                        for name in ("wqkv", "wo", "w_gate_up", "w_down"))) else {}),
+                    # projections multiplied in the file's own K-quant rows rather than converted (kquant_weight.py)
+                    **({"kquant_weights": n} if (n := sum(
+                        isinstance(getattr(layer, name, None), KQuantWeight) for layer in self.model.layers
                         for name in ("wqkv", "wo", "w_gate_up", "w_down"))) else {}),
                     # decoded tokens' K/V from step.c's arithmetic rather than PyTorch's
                     **({"decode_step": "native"} if isinstance(getattr(self.model, "graphs", None), NativeDecode) else {}),
