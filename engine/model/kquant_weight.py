@@ -58,6 +58,7 @@ class Q4KWeight(KQuantWeight):
     """Q4_K rows (144 bytes a block) through q4k_matmul."""
 
     product_name = "q4k_matmul"
+    rows_code = 2
     kind = "Q4_K"
 
 
@@ -65,6 +66,7 @@ class Q6KWeight(KQuantWeight):
     """Q6_K rows (210 bytes a block) through q6k_matmul."""
 
     product_name = "q6k_matmul"
+    rows_code = 3
     kind = "Q6_K"
 
 

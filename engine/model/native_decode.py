@@ -27,10 +27,8 @@ import torch
 from engine.kv import KVBuffers
 from engine.model import kernels
 from engine.model.int4 import Int4Weight
-from engine.model.kquant_weight import KQuantWeight, Q6KWeight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
 from engine.model.moe import SparseMoe
-from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import embed_rows
 
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # step.c's KV_* codes
@@ -69,14 +67,14 @@ class StepModel(ctypes.Structure):
 
 
 def _native(w: object) -> bool:
-    return isinstance(w, (Q8Weight, KQuantWeight)) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
+    return isinstance(w, kernels.RowsWeight) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
 
 
 def _kind(w: object) -> int:
-    """blocks.h's ROWS_* for a native weight."""
-    if isinstance(w, KQuantWeight):
-        return 3 if isinstance(w, Q6KWeight) else 2
-    return 1 if isinstance(w, Q8Weight) else 0
+    """blocks.h's ROWS_* for a native weight (0: Int4Weight's Q4 runs)."""
+    code = w.rows_code if isinstance(w, kernels.RowsWeight) else 0
+    assert code >= 0, type(w)
+    return code
 
 
 def unsupported(model: CausalLM) -> str | None:
@@ -221,6 +219,6 @@ def _blocks(w: object) -> int | None:
     """The address of a native weight's blocks (None for no weight: a MoE layer's dense MLP)."""
     if w is None:
         return None
-    blocks = cast(Int4Weight | Q8Weight | KQuantWeight, w).blocks
+    blocks = cast(Int4Weight | kernels.RowsWeight, w).blocks
     assert blocks.is_contiguous() and blocks.dtype == torch.uint8, (blocks.dtype, tuple(blocks.shape))
     return blocks.data_ptr()

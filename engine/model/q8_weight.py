@@ -58,6 +58,7 @@ class Q8Weight(kernels.RowsWeight):
     computed on its own with the same operations whatever the other rows or the threads."""
 
     product_name = "q8_matmul"
+    rows_code = 1
 
     def __init__(self, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
         n, k = shape

@@ -103,6 +103,7 @@ class RowsWeight:
 
     kernel = "blocks"
     product_name = ""
+    rows_code = -1  # blocks.h's ROWS_* for this format (Q4 runs, Int4Weight's, are 0)
     blocks: torch.Tensor
     shape: tuple[int, int]
     dtype: torch.dtype
