@@ -23,7 +23,7 @@ from engine.model.graph_decode import (
     length_buckets,
     unsupported,
 )
-from engine.model.llama import _linear, _logit_rows
+from engine.model.projections import _linear, _logit_rows
 from tests.model_fixtures import ARCHS, write_tiny_model
 
 CUDA = torch.cuda.is_available()

@@ -193,11 +193,11 @@ def test_embedded_tokenizer_matches_transformers(embedded, embedded_reference, t
 def test_greedy_decode_is_identical_alone_and_batched(embedded, backend, monkeypatch):
     """A slot's logits are bitwise the same whatever it is batched with (prefills, decodes, both),
     through oneDNN and through the BLAS fallback (what runs where oneDNN does not)."""
-    import engine.model.llama as llama
+    import engine.model.projections as projections
 
     if backend == "blas":
-        monkeypatch.setattr(llama, "_ONEDNN", False)
-    elif not llama._ONEDNN:
+        monkeypatch.setattr(projections, "_ONEDNN", False)
+    elif not projections._ONEDNN:
         pytest.skip("this torch build has no oneDNN")
     model, tok = embedded.model, embedded.tokenizer
     prompt = torch.tensor(tok.encode(tok.render_chat([{"role": "user", "content": "Name three colours."}])))
@@ -241,12 +241,12 @@ def test_greedy_decode_is_identical_alone_and_batched(embedded, backend, monkeyp
 @pytest.mark.parametrize("backend", ["onednn", "blas"])
 def test_projection_rows_do_not_depend_on_row_count(embedded, single, backend, monkeypatch):
     """The primitive behind batch invariance: a row's product is bitwise the same for any number of rows."""
-    import engine.model.llama as llama
-    from engine.model.llama import _linear
+    import engine.model.projections as projections
+    from engine.model.projections import _linear
 
     if backend == "blas":
-        monkeypatch.setattr(llama, "_ONEDNN", False)
-    elif not llama._ONEDNN:
+        monkeypatch.setattr(projections, "_ONEDNN", False)
+    elif not projections._ONEDNN:
         pytest.skip("this torch build has no oneDNN")
 
     w = embedded.model.layers[0].w_gate_up

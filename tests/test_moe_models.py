@@ -112,11 +112,11 @@ def test_two_slots_batched_equal_alone(loaded, arch, backend, monkeypatch):
     """A slot's logits are bitwise the same whether another slot's prefill and decodes share its forward calls
     (so its tokens share experts' matmuls with the other slot's tokens), through oneDNN and through the BLAS
     path (gemv rows for one-token chunks, what runs on CUDA)."""
-    import engine.model.llama as llama
+    import engine.model.projections as projections
 
     if backend == "blas":
-        monkeypatch.setattr(llama, "_ONEDNN", False)
-    elif not llama._ONEDNN:
+        monkeypatch.setattr(projections, "_ONEDNN", False)
+    elif not projections._ONEDNN:
         pytest.skip("this torch build has no oneDNN")
     lm = loaded(arch)
     mine = torch.tensor(lm.tokenizer.encode(TEXT))

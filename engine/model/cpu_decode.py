@@ -27,10 +27,9 @@ from engine.model.llama import (
     SeqChunk,
     _decode_attention,
     _head_rms_norm,
-    _linear,
-    _logit_rows,
     rms_norm,
 )
+from engine.model.projections import _linear, _logit_rows
 from engine.model.quant_embedding import embed_rows
 from engine.model.sliding import first_key
 

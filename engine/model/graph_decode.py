@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from engine.kv import KVBuffers
 from engine.model.gpu_weights import CudaInt4Weight
 from engine.model.int4 import Int4Weight
-from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, _logit_rows, rms_norm
+from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, rms_norm
+from engine.model.projections import _logit_rows
 
 MIN_ATTENTION_LENGTH = 256
 

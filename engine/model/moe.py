@@ -8,8 +8,8 @@ matmul over all the rows routed to it (a prefill of 1000 tokens makes at most n_
 Numerics follow transformers exactly: the same routing ops on the same values in the same order (so ties
 between equal router scores go the same way: torch.topk on the float32 probabilities over experts in index
 order), and each token's expert outputs are summed in ascending expert order starting from zero, as
-transformers' `index_add_` loop does. The projections go through llama.py's `_linear`, so a row's result does
-not depend on how many other rows an expert got (the batch invariance llama.py's docstring describes): a
+transformers' `index_add_` loop does. The projections go through projections.py's `_linear`, so a row's result does
+not depend on how many other rows an expert got (the batch invariance projections.py describes): a
 slot's logits are the same alone and batched.
 
 On a GPU by default (`fast`, i.e. not --deterministic; bfloat16 experts on an sm90 / sm100 device), the routed
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from engine.model import int4
 from engine.model.kernels import RowsWeight
-from engine.model.llama import _linear
 from engine.model.moe_config import MoeConfig
+from engine.model.projections import _linear
 
 # An expert stack: float [n_experts, out, in], or one weight per expert (4-bit groups, or the file's Q4_K / Q6_K /
 # Q8_0 rows, engine/model/kquant_weight.py).

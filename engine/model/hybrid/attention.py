@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import HybridConfig
-from engine.model.llama import _linear
+from engine.model.projections import _linear
 
 
 class AttentionMixer(torch.nn.Module):

@@ -22,8 +22,9 @@ from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import LAYER_KINDS, MLP
 from engine.model.hybrid.nemotron_moe import NemotronMoe
 from engine.model.int4 import Int4Weight
-from engine.model.llama import _linear, rms_norm
+from engine.model.llama import rms_norm
 from engine.model.moe import SparseMoe
+from engine.model.projections import _linear
 
 ACTIVATIONS = ("swiglu", "relu2")
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.model.hybrid.batch import Batch, apply_conv
 from engine.model.hybrid.config import ATTENTION, SHORT_CONV, ConfigError, HybridConfig
-from engine.model.llama import _linear
+from engine.model.projections import _linear
 
 
 class ShortConvMixer(torch.nn.Module):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.model.hybrid.batch import Batch, apply_conv, lanewise, segment_decay, segment_edges
 from engine.model.hybrid.config import HybridConfig
-from engine.model.llama import _linear
+from engine.model.projections import _linear
 
 
 def ssd_step(

@@ -14,7 +14,7 @@ state starts at zero whatever the buffers hold). Checkpoints: `state.request_che
 before the call makes the recurrent mixers cut their scan there and copy the state (no second pass);
 `state.take_checkpoints(slot)` returns them as StateSnapshots that `state.write` restores.
 
-Projections go through `engine.model.llama._linear` (batch-invariant on CPU float32: a slot's logits do not
+Projections go through `engine.model.projections._linear` (batch-invariant on CPU float32: a slot's logits do not
 depend on what it was batched with) and logits through `_logit_rows`.
 """
 
@@ -28,8 +28,9 @@ from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import HybridConfig
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayout
 from engine.model.int4 import Int4Weight
-from engine.model.llama import SeqChunk, _linear, _logit_rows, rms_norm
+from engine.model.llama import SeqChunk, rms_norm
 from engine.model.moe import SparseMoe
+from engine.model.projections import _linear, _logit_rows
 from engine.model.q8_output import Q8Output
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable

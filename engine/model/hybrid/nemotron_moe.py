@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.hybrid.nemotron_config import NemotronExperts
-from engine.model.llama import _linear
 from engine.model.moe import _SIMD_FLOATS, grouped_experts
+from engine.model.projections import _linear
 
 
 class NemotronMoe(torch.nn.Module):
