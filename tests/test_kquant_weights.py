@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine.kv import KVBuffers, KVLayout
-from engine.model import SeqChunk, gguf_dequant, load_model, moe_placement, plan_stages
+from engine.model import SeqChunk, gguf_dequant, load_model, moe_placement, plan_stages, q8_weight
 from engine.model.int4 import Int4Weight
-from engine.model.kquant_weight import CLASSES, Q4KWeight, Q6KWeight
+from engine.model.kquant_weight import CLASSES, Q4KWeight, Q6KWeight, q6k_to_q8_0
 from engine.model.loader import read_model_config
 from engine.model.native_decode import NativeDecode, unsupported
 from engine.model.q8_weight import Q8Weight
@@ -43,6 +43,14 @@ def test_products_are_the_files_values_and_rows_are_batch_invariant(kind):
             assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-4
             for r in range(rows):
                 assert torch.equal(w(x[r : r + 1])[0], got[r]), f"row {r} of {rows} differs alone"
+
+
+def test_q6k_to_q8_0_rows_are_the_bytes_q8_0_rows_makes_of_the_files_values():
+    with int4_kernel("blocks"):
+        for seed, (n, k) in enumerate(((3, 256), (40, 1024), (7, 512))):
+            # float16 d of every magnitude, subnormal and zero included (random_blocks without a scale)
+            raw = torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q6_K, n, k, seed=seed))
+            assert torch.equal(q6k_to_q8_0(raw, (n, k)), q8_weight.q8_0_rows(_file_values(raw, n, k, "Q6_K")))
 
 
 def test_the_rows_must_be_whole_blocks():

@@ -74,6 +74,8 @@ def test_projections_the_file_holds_with_more_bits_become_8_bit(mixed_gguf):
         v_rows = slice(lm.config.n_heads * lm.config.head_dim + lm.config.n_kv_heads * lm.config.head_dim, None)
         wqkv = lm.model.layers[1].wqkv
         assert torch.equal(q8_weight.dequantize(wqkv.blocks, wqkv.shape)[v_rows], floats.model.layers[1].wqkv[v_rows])
+        # the Q6_K down projection converted natively: the bytes q8_0_rows makes of the file's values
+        assert torch.equal(lm.model.layers[1].w_down.blocks, q8_weight.q8_0_rows(floats.model.layers[1].w_down))
         # the decode follows the file's values more closely than 4-bit groups of them do
         reference = _decode(floats)
         eight_bit = _decode(lm)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from gguf import GGMLQuantizationType
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
@@ -113,11 +114,13 @@ def _build(
             return as_read
         if wide is not None and any(wide(key) for key, _ in parts) and q8_weight.available():
             if [key for key, _ in parts] == ["embed"] and isinstance(embed, QuantEmbedding):
-                eight = Q8Weight(torch.cat([q8_weight.q8_0_rows(embed(torch.arange(a, min(a + 4096, rows))))
-                                            for a in range(0, rows, 4096)]), (rows, cols))  # no float table at once
-            else:
-                ws = [need(key, shape, device) for key, shape in parts]
-                eight = Q8Weight.from_float(ws[0] if len(ws) == 1 else torch.cat(ws))
+                if embed.qtype == GGMLQuantizationType.Q6_K:
+                    eight = Q8Weight(kquant_weight.q6k_to_q8_0(embed.blocks, (rows, cols)), (rows, cols))
+                else:  # a slice of rows at a time: no float table at once
+                    eight = Q8Weight(torch.cat([q8_weight.q8_0_rows(embed(torch.arange(a, min(a + 4096, rows))))
+                                                for a in range(0, rows, 4096)]), (rows, cols))
+            else:  # Q8_0 rows are per row: the parts' rows one after the other are the fused matrix's
+                eight = Q8Weight(torch.cat([eight_bit_rows(key, shape, device) for key, shape in parts]), (rows, cols))
             if derived is not None:
                 derived.put(name, eight)
             return eight
@@ -136,6 +139,18 @@ def _build(
         if derived is not None:
             derived.put(name, built)
         return built
+
+    def eight_bit_rows(key: str, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """A part's Q8_0 rows: a Q6_K tensor's converted natively from the file's blocks, any other from its
+        float values (the same bytes either way)."""
+        found = kquant([key], ("Q6_K",)) if kquant is not None else None
+        if found is None:
+            return q8_weight.q8_0_rows(need(key, shape, device))
+        blocks = found[1][0]
+        if tuple(blocks.shape) != (shape[0], kquant_weight.row_bytes(shape[1], "Q6_K")):
+            raise ModelLoadError(f"{path}: weight {key!r} has Q6_K rows {tuple(blocks.shape)}, expected {shape[0]} of "
+                                 f"{shape[1]} values")
+        return kquant_weight.q6k_to_q8_0(blocks, shape)
 
     def file_rows(parts: list[tuple[str, tuple[int, int]]]) -> RowsWeight | None:
         """The parts as the file's own rows where it holds all of them as Q4_K or as Q8_0, which the native kernels

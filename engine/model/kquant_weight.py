@@ -74,6 +74,22 @@ class Q6KWeight(KQuantWeight):
 CLASSES: dict[str, type[KQuantWeight] | type[Q8Weight]] = {"Q4_K": Q4KWeight, "Q6_K": Q6KWeight, "Q8_0": Q8Weight}
 
 
+def q6k_to_q8_0(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A Q6_K matrix (uint8 [rows, row bytes], the file's bytes) as Q8_0 rows, byte for byte what
+    q8_weight.q8_0_rows makes of its float32 values, in one native pass instead of a float copy and PyTorch's
+    passes over it; AssertionError where q8_0_rows would refuse the values (a scale beyond float16)."""
+    rows, cols = shape
+    assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == (rows, row_bytes(cols, "Q6_K")), (
+        blocks.dtype, tuple(blocks.shape), shape)
+    src = blocks.contiguous()
+    out = torch.empty(rows, cols // 32 * BLOCKS["Q8_0"][1], dtype=torch.uint8)
+    lib = kernels.library()
+    assert lib is not None, f"native kernels: {kernels.unavailable_reason()}"
+    done = lib.q6k_to_q8_0(src.data_ptr(), rows * cols // VALUES, out.data_ptr(), torch.get_num_threads())
+    assert done == 0, "8-bit scales beyond float16"
+    return out
+
+
 def expert_rows(kind: str, stacks: list[torch.Tensor], shape: tuple[int, int, int]) -> list[kernels.RowsWeight]:
     """One weight of `kind` (a key of CLASSES) per expert from stacks of it (each uint8 [n_experts, rows_i, row
     bytes], the file's bytes) fused by rows: expert e's weight is every stack's rows of expert e, in order.

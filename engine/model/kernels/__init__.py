@@ -79,6 +79,9 @@ class Library:
         for fn in (self.q4_matmul, self.q8_matmul, self.q4k_matmul, self.q6k_matmul):  # blocks.h's Product
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
             fn.restype = ctypes.c_int
+        self.q6k_to_q8_0 = lib.q6k_to_q8_0  # Q6_K blocks -> Q8_0 rows (engine/model/kquant_weight.py)
+        self.q6k_to_q8_0.argtypes = [ptr, i64, ptr, ctypes.c_int]
+        self.q6k_to_q8_0.restype = ctypes.c_int
         self.decode_step = lib.decode_step  # arguments: engine/model/native_decode.py
         self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self.decode_step.restype = ctypes.c_int

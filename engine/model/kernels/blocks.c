@@ -18,6 +18,7 @@
    number of rows or threads, so a row's result does not depend on what it shares a call with (batch-invariant
    decode) and the engine's parked and recomputed K/V agree bit for bit. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -445,3 +446,48 @@ AVX2 static inline void tile_6k_row(int64_t m0, int64_t n0, int64_t K, int64_t N
 
 /* w as Q6_K rows (above); K a multiple of 256. */
 PRODUCT(q6k_matmul, TILE_6K)
+
+/* Q6_K blocks -> Q8_0 rows, for the tensors a GGUF holds as Q6_K that the engine keeps as Q8_0 rows (q6k_matmul
+   decodes slower than q8_matmul): byte for byte what q8_weight.q8_0_rows makes of gguf_dequant's float32 values
+   (each value (d scale) (q - 32) in float32, each block of 32 a float16 scale of its largest magnitude / 127,
+   rounded to nearest even, and codes rounded to nearest even), without the float copy or PyTorch's passes over
+   it; blocks are independent, spread over `threads`. Returns 0, or -1 when a block's d or a Q8_0 scale is not a
+   finite float16 (q8_0_rows refuses those too). */
+AVX2 int q6k_to_q8_0(const uint8_t *src, int64_t n_blocks, uint8_t *dst, int threads) {
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *block = src + b * Q6K_BLOCK;
+        uint16_t h;
+        memcpy(&h, block + 208, 2);
+        const float d = _cvtsh_ss(h);
+        if (!isfinite(d)) {
+            bad = 1;
+            continue;
+        }
+        float v[QK_K];
+        for (int i = 0; i < QK_K; i++) {
+            const int half = i / 128, within = (i % 128) / 32, l = i % 32;
+            const uint8_t low_bits = block[64 * half + 32 * (within % 2) + l];
+            const int code = (within < 2 ? low_bits & 0xF : low_bits >> 4) | (((block[128 + 32 * half + l] >> (2 * within)) & 3) << 4);
+            v[i] = (d * (float)(int8_t)block[192 + i / 16]) * (float)(code - 32);
+        }
+        for (int g = 0; g < QK_K / QK; g++) {
+            const float *x = v + QK * g;
+            float largest = 0.0f;
+            for (int i = 0; i < QK; i++) largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
+            const uint16_t scale = _cvtss_sh(largest / 127.0f, 0);
+            const float wide = _cvtsh_ss(scale);
+            bad |= !isfinite(wide);
+            const float safe = wide == 0.0f ? 1.0f : wide;
+            uint8_t *out = dst + (b * (QK_K / QK) + g) * 34;
+            memcpy(out, &scale, 2);
+            for (int i = 0; i < QK; i++) {
+                float c = nearbyintf(x[i] / safe);
+                c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+                out[2 + i] = (uint8_t)(int8_t)c;
+            }
+        }
+    }
+    return bad ? -1 : 0;
+}

@@ -10,6 +10,7 @@ int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
 int q8_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w8, int64_t N, float *out, int threads);
 int q4k_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads);
 int q6k_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads);
+int q6k_to_q8_0(const uint8_t *src, int64_t n_blocks, uint8_t *dst, int threads);
 
 /* The row formats of those products, as step.c and experts.c are told them (engine/model/native_decode.py). */
 enum { ROWS_Q4 = 0, ROWS_Q8_0 = 1, ROWS_Q4_K = 2, ROWS_Q6_K = 3 };
