@@ -115,6 +115,26 @@ def test_a_q4k_moe_keeps_the_files_expert_blocks_and_is_closer_to_its_values(q4k
     assert relative < 0.01 and relative <= groups_relative, (relative, groups_relative)
 
 
+def _native_step_follows_forward_chunks(lm, prompts: dict[int, int]) -> None:
+    """Three decode steps of the slots `prompts` (slot -> prompt length) through the native step stay within its
+    tolerance of forward_chunks' on the same weights."""
+    assert unsupported(lm.model) is None, unsupported(lm.model)
+    c = lm.config
+    with torch.inference_mode():
+        kvs = [KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), len(prompts), 64,
+                         lm.model.stages) for _ in range(2)]
+        for kv in kvs:
+            for slot, n in prompts.items():
+                lm.model.forward_chunks([SeqChunk(slot, 0, torch.arange(2, 2 + n))], kv)
+        runner = NativeDecode(lm.model)
+        for k in range(3):
+            step = [SeqChunk(slot, n + k, torch.tensor([9 + slot + k])) for slot, n in prompts.items()]
+            expected = lm.model.forward_chunks(step, kvs[0])
+            got = runner.run(step, kvs[1])
+            assert got is not None
+            assert ((got - expected).norm() / expected.norm()).item() < TOLERANCE
+
+
 @pytest.mark.parametrize("mix", ["q4k", "q4k/q6k", "q4k/q8"])
 def test_kquant_experts_decode_through_the_native_step(q4k_moe, mixed_moes, mix):
     path = q4k_moe if mix == "q4k" else mixed_moes["Q6_K" if mix == "q4k/q6k" else "Q8_0"]
@@ -125,21 +145,7 @@ def test_kquant_experts_decode_through_the_native_step(q4k_moe, mixed_moes, mix)
     assert all(entry.endswith(mix) for entry in moe_placement.describe(lm.model.layers)["experts"])
     if mix != "q4k":
         assert torch.equal(moe.down[3].blocks, file_rows(path, 0, ("down",), 3))
-    assert unsupported(lm.model) is None, unsupported(lm.model)
-    c = lm.config
-    with torch.inference_mode():
-        kvs = [KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 2, 64, lm.model.stages)
-               for _ in range(2)]
-        for kv in kvs:
-            for slot, n in ((0, 20), (1, 7)):
-                lm.model.forward_chunks([SeqChunk(slot, 0, torch.arange(2, 2 + n))], kv)
-        runner = NativeDecode(lm.model)
-        for k in range(3):
-            step = [SeqChunk(0, 20 + k, torch.tensor([9 + k])), SeqChunk(1, 7 + k, torch.tensor([4 + k]))]
-            expected = lm.model.forward_chunks(step, kvs[0])
-            got = runner.run(step, kvs[1])
-            assert got is not None
-            assert ((got - expected).norm() / expected.norm()).item() < TOLERANCE
+    _native_step_follows_forward_chunks(lm, {0: 20, 1: 7})
 
 
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -178,18 +184,4 @@ def test_dense_q4k_projections_are_the_files_rows_and_need_no_weights_cache(q4k_
 
 
 def test_dense_q4k_projections_decode_through_the_native_step(q4k_dense):
-    lm = _load(q4k_dense, "blocks")
-    assert unsupported(lm.model) is None, unsupported(lm.model)
-    c = lm.config
-    with torch.inference_mode():
-        kvs = [KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32), 1, 64, lm.model.stages)
-               for _ in range(2)]
-        for kv in kvs:
-            lm.model.forward_chunks([SeqChunk(0, 0, torch.arange(2, 22))], kv)
-        runner = NativeDecode(lm.model)
-        for k in range(3):
-            step = [SeqChunk(0, 20 + k, torch.tensor([9 + k]))]
-            expected = lm.model.forward_chunks(step, kvs[0])
-            got = runner.run(step, kvs[1])
-            assert got is not None
-            assert ((got - expected).norm() / expected.norm()).item() < TOLERANCE
+    _native_step_follows_forward_chunks(_load(q4k_dense, "blocks"), {0: 20})
