@@ -5,8 +5,8 @@ layer is attention where `attention.head_count_kv` is non-zero, a feed-forward b
 `feed_forward_length` is non-zero, and Mamba-2 where both are 0. Each block's one norm is `attn_norm`; the
 Mamba-2 tensors are rewritten as for Granite-4.0-H (ssm_a = -exp(A_log) and ssm_d as [heads, 1], ssm_norm as
 [groups, inner / groups], the conv squeezed, dt_bias as `ssm_dt.bias`) and the q/k rows permuted as for llama
-(undone by `engine.model.hybrid.gguf_loader`). The file has no key for transformers' `time_step_min`, so its
-default (0.001) clamps dt as the HF model does.
+(undone by `engine.model.hybrid.gguf_loader`). dt is not clamped: the file has no key for a dt limit, and
+llama.cpp's scan applies none (mamba_ssm's default `dt_limit` (0, inf)).
 
 `nemotron_h_moe` (the MoE models): a feed-forward layer with an `ffn_gate_inp` router runs experts
 (`ffn_{up,down}_exps`, the router bias `exp_probs_b`, `ffn_{up,down}_shexp`, the latent projections
@@ -36,7 +36,6 @@ LAYER_NAMES = {
     "ffn_latent_down.weight": "latent_in", "ffn_latent_up.weight": "latent_out",
 }
 GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-_DT_MIN = 0.001  # transformers' NemotronHConfig.time_step_min default
 _CHUNK = 128  # and its chunk_size: where the scan cuts its blocks (float rounding only)
 
 
@@ -79,7 +78,6 @@ def config(meta: dict, tensor_names: set[str], path: str, embed_rows: int) -> Hy
         tie_word_embeddings="output.weight" not in tensor_names,
         **mamba_fields(key, tensor_names, path),
         mamba_chunk=_CHUNK,
-        mamba_dt_min=_DT_MIN,
         nemotron_experts=_experts(meta, arch, moe, path) if moe else None,
     )
 

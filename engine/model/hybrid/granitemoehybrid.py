@@ -86,13 +86,23 @@ def mamba_fields(cfg: dict[str, Any], inner: int) -> dict[str, Any]:
     head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
     if heads * head_dim != inner:
         raise ConfigError(f"mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal the Mamba width ({inner})")
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    low, high = time_step_limit(cfg.get("time_step_limit"))
     return dict(
         conv_kernel=int(cfg.get("mamba_d_conv", 4)), conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         mamba_heads=heads, mamba_head_dim=head_dim, mamba_groups=int(cfg.get("mamba_n_groups", 1)),
         mamba_state_dim=int(cfg.get("mamba_d_state", 256)), mamba_chunk=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_dt_min=_float(limit[0]), mamba_dt_max=_float(limit[1]),
+        mamba_dt_min=low, mamba_dt_max=high,
     )
+
+
+def time_step_limit(value: Any) -> tuple[float, float]:
+    """Mamba-2's dt clamp (mamba_ssm's `dt_limit`), default none. `time_step_min`/`_max` only initialise dt_bias
+    in training; they are not a clamp."""
+    if value is None:
+        return 0.0, float("inf")
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ConfigError(f"time_step_limit: expected [low, high], got {value!r}")
+    return _float(value[0]), _float(value[1])
 
 
 def _float(value: Any) -> float:

@@ -2,7 +2,7 @@
 
 The layer pattern (`layers_block_type`, or the older `hybrid_override_pattern` string) picks each block's part:
 "M" / linear_attention a Mamba-2 mixer (the same SSD scan as Granite-4.0-H, its gated RMSNorm normalised per group,
-dt clamped below at `time_step_min` as transformers' chunked scan does), "*" / full_attention GQA attention without
+dt clamped to `time_step_limit`, no clamp by default), "*" / full_attention GQA attention without
 any position encoding (softmax scale 1/sqrt(head_dim)), "-" / mlp an ungated feed-forward down(relu(up x)^2).
 "E" / moe a mixture-of-experts feed-forward (Nemotron-3 Nano: sigmoid routing with a score-correction bias, relu2
 experts and a shared one; `engine.model.hybrid.nemotron_moe`). Checkpoints name the model `backbone.*`.
@@ -62,6 +62,11 @@ def experts_from_hf(cfg: dict[str, Any]) -> NemotronExperts | None:
     )
 
 
+def _dt_limit(value: Any) -> dict[str, float]:
+    low, high = granitemoehybrid.time_step_limit(value)
+    return {"mamba_dt_min": low, "mamba_dt_max": high}
+
+
 def _key(cfg: dict[str, Any], name: str, old: str, default: Any) -> Any:
     """A config value under its current name, or the older `mamba_*` one transformers still reads."""
     value = cfg.get(name, cfg.get(old))
@@ -99,8 +104,9 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         mamba_groups=int(_key(cfg, "n_groups", "mamba_n_groups", 8)),
         mamba_state_dim=int(cfg.get("ssm_state_size", 128)),
         mamba_chunk=int(_key(cfg, "chunk_size", "mamba_chunk_size", 128)),
-        # transformers' mixer uses (time_step_min, inf) whatever time_step_limit says
-        mamba_dt_min=float(_key(cfg, "time_step_min", "mamba_dt_min", 0.001)),
+        # dt clamped to time_step_limit (mamba_ssm's dt_limit, default none), as transformers >= 5.25 and
+        # llama.cpp compute it; time_step_min only initialises dt_bias (docs/DETAILS.md, "Nemotron-H's dt")
+        **_dt_limit(_key(cfg, "time_step_limit", "mamba_dt_limit", None)),
         nemotron_experts=experts_from_hf(cfg),
     )
 
