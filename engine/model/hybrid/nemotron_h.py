@@ -62,11 +62,6 @@ def experts_from_hf(cfg: dict[str, Any]) -> NemotronExperts | None:
     )
 
 
-def _dt_limit(value: Any) -> dict[str, float]:
-    low, high = granitemoehybrid.time_step_limit(value)
-    return {"mamba_dt_min": low, "mamba_dt_max": high}
-
-
 def _key(cfg: dict[str, Any], name: str, old: str, default: Any) -> Any:
     """A config value under its current name, or the older `mamba_*` one transformers still reads."""
     value = cfg.get(name, cfg.get(old))
@@ -85,6 +80,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
     kinds = layer_kinds(cfg)
     hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg.get("attention_head_dim") or hidden // n_heads)
+    dt_low, dt_high = granitemoehybrid.time_step_limit(_key(cfg, "time_step_limit", "mamba_dt_limit", None))
     return HybridConfig(
         architecture="nemotron_h",
         vocab_size=int(cfg["vocab_size"]),
@@ -106,7 +102,7 @@ def config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         mamba_chunk=int(_key(cfg, "chunk_size", "mamba_chunk_size", 128)),
         # dt clamped to time_step_limit (mamba_ssm's dt_limit, default none), as transformers >= 5.25 and
         # llama.cpp compute it; time_step_min only initialises dt_bias (docs/DETAILS.md, "Nemotron-H's dt")
-        **_dt_limit(_key(cfg, "time_step_limit", "mamba_dt_limit", None)),
+        mamba_dt_min=dt_low, mamba_dt_max=dt_high,
         nemotron_experts=experts_from_hf(cfg),
     )
 
