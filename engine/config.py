@@ -336,6 +336,23 @@ class EngineConfig:
         help="how long a request may wait for a free slot before it is refused with 503 and Retry-After "
         "(0 = wait as long as it takes)",
     )
+    max_tokens_policy: str = setting(
+        "cap", flag="--max-tokens-policy", label="Longer answers than fit",
+        kind="choice", group="server", choices=("cap", "refuse"),
+        help="a request whose max_tokens reaches past the context: cap generates up to the context's end and stops "
+        "with finish_reason length (agents send max_tokens 32000 whatever the context); refuse answers 400",
+    )
+    n_predict: int = setting(
+        0, flag="--n-predict", label="Most tokens per answer", ui="line",
+        kind="int", group="server", unit="tokens", minimum=0, maximum=1 << 24,
+        help="most tokens generated for one request, whatever it asks (0 = no limit but the context)",
+    )
+    chat_template: str = setting(
+        "", flag="--chat-template", label="Chat template",
+        kind="str", group="model", metavar="FILE|NAME",
+        help="a Jinja chat template file, or a built-in name (chatml), instead of the model's own "
+        "(empty = the model's own; ChatML where it has none)",
+    )
     slot_save_path: str | None = setting(
         None, flag="--slot-save-path", label="Slot files folder", ui="folder",
         kind="optional_path", group="server", metavar="DIR",

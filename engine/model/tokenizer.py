@@ -200,6 +200,11 @@ class Tokenizer:
 
     # -- chat
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` from now on (engine.model.chat_templates chooses it)."""
+        self.chat_template = template
+        self._template = None
+
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True, **extra: Any
     ) -> str:

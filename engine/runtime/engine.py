@@ -30,6 +30,7 @@ from engine.errors import BadValue, Unavailable
 from engine.figures import EngineFigures, counter_names
 from engine.kv import KVBuffers, KVLayout
 from engine.model import moe_placement
+from engine.model.chat_templates import choose_chat_template
 from engine.runtime.explain import RequestLog
 from engine.runtime.pending_restores import PendingRestores
 from engine.runtime.requests import GenerationRequest
@@ -74,6 +75,9 @@ class Engine(Scheduler):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = config.alias or loaded.name
+        template, source = choose_chat_template(config.chat_template, self.tokenizer.chat_template, loaded.name)
+        self.tokenizer.use_chat_template(template)
+        self.chat_template_source = source
         self.weights_format = getattr(loaded, "weights_format", "float")
         self.expert_arena_bytes = moe_placement.arena_bytes(self.model.layers)  # 0 for a dense model
         self._int4_kernel_name = self.int4_kernel()  # asked once: for /metrics and the cache identity
@@ -183,10 +187,16 @@ class Engine(Scheduler):
                 param="messages",
             )
         max_tokens = request.params.max_tokens
+        if self.config.n_predict and (max_tokens is None or max_tokens > self.config.n_predict):
+            request.params.max_tokens = max_tokens = self.config.n_predict
+        if max_tokens is not None and n + max_tokens > self.ctx_size and self.config.max_tokens_policy == "cap":
+            # Agents ask for 32000 tokens whatever the context: generate to the context's end, finish "length".
+            request.params.max_tokens = max_tokens = None
         if max_tokens is not None and n + max_tokens > self.ctx_size:
             raise BadValue(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context "
-                f"of {self.ctx_size} tokens per slot; lower max_tokens or shorten the prompt",
+                f"of {self.ctx_size} tokens per slot; lower max_tokens or shorten the prompt "
+                "(--max-tokens-policy cap generates up to the context's end instead)",
                 param="max_tokens",
             )
         if self.state != "ok":
