@@ -50,7 +50,8 @@ class Usage:
 class TokenEvent:
     """One step of a stream: new text (may be empty while a UTF-8 sequence or stop string is pending).
 
-    The last event of a request has `finish_reason` ("stop" or "length") and `usage`; an engine-side failure
+    The last event of a request has `finish_reason` ("stop" or "length"), `usage`, and `stop_string` when a
+    stop string ended it; an engine-side failure
     ends the stream with finish_reason "error" and `error` set.
     """
 
@@ -59,3 +60,4 @@ class TokenEvent:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    stop_string: str | None = None  # on the last event: the stop string that ended generation, if one did

@@ -10,6 +10,7 @@ class StopStringFilter:
         self.stops = [s for s in stops if s]
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended generation
 
     def push(self, text: str) -> str:
         """Add generated text; returns what can be sent now (nothing after a stop string is ever returned)."""
@@ -18,8 +19,9 @@ class StopStringFilter:
         if not self.stops:
             return text
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self.stopped = True
             out, self._pending = self._pending[:cut], ""
             return out

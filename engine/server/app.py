@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import __version__
 from engine.errors import ApiError, EngineError
-from engine.server import control_routes, openai_routes
+from engine.server import anthropic_routes, control_routes, openai_routes
 from engine.server.errors import error_response, from_domain, loc_to_param, validation_error
 from engine.server.guards import (
     MIB,
@@ -37,6 +37,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Strata", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.include_router(openai_routes.router)
+    app.include_router(anthropic_routes.router)
     app.include_router(control_routes.router)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
 
@@ -44,7 +45,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         if exc.status >= 500 and exc.status != 503:
             log.error("%s %s: %s", request.method, request.url.path, exc.message)
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(EngineError)
     async def on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
@@ -52,13 +53,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ValidationError)
     async def on_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         param = loc_to_param(tuple(p for p in first["loc"] if p not in ("body", "query", "path")))
-        return error_response(ApiError(400, f"'{param}': {first['msg']}", param=param))
+        return error_response(ApiError(400, f"'{param}': {first['msg']}", param=param), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -68,13 +69,14 @@ def create_app(state: ServerState) -> FastAPI:
             message = f"{request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return error_response(ApiError(exc.status_code, message), headers=getattr(exc, "headers", None))
+        return error_response(ApiError(exc.status_code, message), headers=getattr(exc, "headers", None),
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after this response is sent, and uvicorn logs the traceback once.
         log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), path=request.url.path)
 
     # Added innermost first: a request meets HostGuard, OriginGuard, ApiKeyGuard, BodyGuard (engine/server/guards.py).
     config = state.config

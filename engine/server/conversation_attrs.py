@@ -100,3 +100,12 @@ def conversation_name(text: str) -> str:
             return name or word[:MAX_NAME_CHARS]
         name = candidate
     return name
+
+
+def template_attrs(messages: list[dict[str, Any]], metadata: Mapping[str, Any] | None,
+                   headers: Mapping[str, str]) -> ConvAttrs:
+    """The attributes of a request already turned into chat-template messages (Anthropic Messages, OpenAI
+    Responses): named from its first user message, its system words from its first system message."""
+    user = next((m["content"] for m in messages if m["role"] == "user"), "")
+    system = next((m["content"] for m in messages if m["role"] == "system"), "")
+    return request_attrs(metadata, headers, user[:4096], system[:4096])

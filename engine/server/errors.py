@@ -18,10 +18,29 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The HTTP response for a refused request; `code` repeats the status as OpenAI-compatible servers do."""
-    return JSONResponse(error_body(err.message, err.type, err.param, err.status), status_code=err.status,
-                        headers=headers)
+# Anthropic's error types by status (its API reference, "Errors"); 503 is its overloaded_error.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages", "/messages")
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a route's clients expect Anthropic's error shape (the Messages API) rather than OpenAI's."""
+    return path.startswith(ANTHROPIC_PATHS)
+
+
+def anthropic_error_body(err: ApiError) -> dict[str, Any]:
+    """{"type": "error", "error": {"type", "message"}} as Anthropic's API returns it."""
+    kind = ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def error_response(err: ApiError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The HTTP response for a refused request, in the shape the route's API uses: OpenAI's (`code` repeats the
+    status as OpenAI-compatible servers do) or, under /v1/messages, Anthropic's."""
+    body = anthropic_error_body(err) if speaks_anthropic(path) else error_body(err.message, err.type, err.param,
+                                                                                 err.status)
+    return JSONResponse(body, status_code=err.status, headers=headers)
 
 
 def from_domain(exc: EngineError) -> ApiError:

@@ -53,7 +53,7 @@ def host_name(host_header: str) -> str:
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, err: ApiError,
                   headers: dict[str, str] | None = None) -> None:
-    await error_response(err, headers=headers)(scope, receive, send)
+    await error_response(err, headers=headers, path=scope.get("path", ""))(scope, receive, send)
 
 
 class HostGuard:
@@ -120,7 +120,8 @@ class OriginGuard:
 
 
 class ApiKeyGuard:
-    """Refuses every HTTP request without `Authorization: Bearer KEY` (401), except GET /health."""
+    """Refuses every HTTP request without `Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's SDKs send the
+    latter) (401), except GET /health."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -128,9 +129,13 @@ class ApiKeyGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not (scope["path"] in OPEN_PATHS and scope["method"] in ("GET", "HEAD")):
-            given = dict(scope["headers"]).get(b"authorization")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization")
+            if given is None and b"x-api-key" in headers:
+                given = b"bearer " + headers[b"x-api-key"].strip()
             if given is None:
-                message = "missing API key: send 'Authorization: Bearer KEY' (this server was started with --api-key)"
+                message = ("missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY' (this server was "
+                           "started with --api-key)")
             elif not hmac.compare_digest(_bearer_lower(given), self.expected):
                 message = "invalid API key"
             else:

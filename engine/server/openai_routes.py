@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.server.conversation_attrs import chat_attrs, completion_attrs
-from engine.server.errors import error_body, error_response
+from engine.server.errors import error_body
+from engine.server.generation import collect, failure, sse_response, wait_for_slot
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -27,12 +28,11 @@ from engine.server.schemas import (
     sampling_params,
 )
 from engine.server.state import require_engine, server_state
-from engine.server.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, engine_events, sse
+from engine.server.streaming import SSE_DONE, ClientDisconnected, engine_events, sse
 from engine.server.tool_calls import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
 router = APIRouter()
-RETRY_AFTER_S = 5  # what a request refused by --queue-timeout is told to wait before trying again
 
 
 def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
@@ -45,41 +45,6 @@ def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def _failure(event: TokenEvent | None) -> ApiError:
-    reason = event.error if event is not None and event.error else "the engine ended the request without a result"
-    return ApiError(500, f"generation failed: {reason}")
-
-
-async def _collect(stream: Any, request: Request) -> tuple[str, TokenEvent]:
-    """All text of a non-streaming request and its final event; cancels the stream if the client leaves."""
-    parts: list[str] = []
-    final: TokenEvent | None = None
-    async with contextlib.aclosing(engine_events(stream, request)) as events:
-        async for event in events:
-            parts.append(event.text)
-            if event.finish_reason is not None:
-                final = event
-    if final is None or final.finish_reason == "error":
-        raise _failure(final)
-    return "".join(parts), final
-
-
-async def _wait_for_slot(stream: Any, request: Request, n_slots: int) -> Response | None:
-    """None once a slot took the request; a 503 with Retry-After if none did within --queue-timeout."""
-    timeout = server_state(request).config.queue_timeout
-    if timeout <= 0 or await stream.wait_started(timeout):
-        return None
-    stream.cancel()
-    log.info("%s: no slot free within --queue-timeout %g s, refused", stream.request_id, timeout)
-    err = ApiError(503, f"the server is busy: no slot became free within {timeout:g} s (--queue-timeout; "
-                   f"{n_slots} slot{'s' if n_slots != 1 else ''}, see --parallel); retry in {RETRY_AFTER_S} s")
-    return error_response(err, headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _error_event(err: ApiError) -> str:
@@ -103,15 +68,15 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params, attrs))
-    refused = await _wait_for_slot(stream, request, engine.n_slots)
+    refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused
     created = int(time.time())
     if req.stream:
-        return _sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
+        return sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
                                           tools is not None, req.include_usage()))
     try:
-        text, final = await _collect(stream, request)
+        text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", request_id)
         return Response(status_code=499)
@@ -161,7 +126,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
         if final is None:  # the response ended before the engine did: free the slot
             stream.cancel()
     if final is None or final.finish_reason == "error":
-        yield _error_event(_failure(final))
+        yield _error_event(failure(final))
         return
     finish_reason = final.finish_reason
     if calls is not None:
@@ -193,16 +158,16 @@ async def completions(request: Request) -> Response:
     params = sampling_params(req, req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS, engine.ctx_size)
     request_id = "cmpl-" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(request_id, prompt, params, attrs))
-    refused = await _wait_for_slot(stream, request, engine.n_slots)
+    refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused
     created = int(time.time())
     echo = await run_in_threadpool(engine.tokenizer.decode, prompt) if req.echo else ""
     if req.stream:
-        return _sse_response(_completion_chunks(stream, request, request_id, created, engine.model_name, echo,
+        return sse_response(_completion_chunks(stream, request, request_id, created, engine.model_name, echo,
                                                 req.include_usage()))
     try:
-        text, final = await _collect(stream, request)
+        text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", request_id)
         return Response(status_code=499)
@@ -244,7 +209,7 @@ async def _completion_chunks(stream: Any, request: Request, request_id: str, cre
         if final is None:  # the response ended before the engine did: free the slot
             stream.cancel()
     if final is None or final.finish_reason == "error":
-        yield _error_event(_failure(final))
+        yield _error_event(failure(final))
         return
     yield chunk("", final.finish_reason)
     if include_usage:
@@ -270,7 +235,6 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 @router.get("/models/{model_id:path}", include_in_schema=False)
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    card = _model_card(request)
-    if model_id != card["id"]:
-        raise ApiError(404, f"model {model_id!r} not found; this server serves {card['id']!r}", param="model")
-    return card
+    # Any name is the served model: agents ask for the names they were built for (Claude Code for a small, fast
+    # one beside the main one), and a 404 here stops them.
+    return {**_model_card(request), "id": model_id}

@@ -10,6 +10,7 @@ import jinja2
 
 from engine.errors import ApiError
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
+from engine.server.tool_prompt import inline_tools, template_renders_tools
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
@@ -36,13 +37,13 @@ def content_text(content: Any, param: str) -> str | None:
     return "\n".join(texts)
 
 
-def _arguments_object(arguments: Any) -> Any:
+def arguments_object(arguments: Any) -> Any:
     # Chat templates (Qwen, Hermes, Llama 3) serialise arguments themselves and expect an object, while
     # OpenAI clients send the JSON text the model produced.
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
             return arguments
     return {} if arguments is None else arguments
 
@@ -61,7 +62,7 @@ def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:
         if msg.tool_calls:
             out["tool_calls"] = [
                 {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                 "function": {"name": call.function.name, "arguments": arguments_object(call.function.arguments)}}
                 for call in msg.tool_calls
             ]
     else:
@@ -99,12 +100,20 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> tuple[list[int], 
         raise ApiError(400, "'messages' must contain at least one message", param="messages")
     messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
+    return render_prompt(tokenizer, messages, tools), tools
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
+    tools (each API's route converts its own request to these)."""
+    if not template_renders_tools(tokenizer.chat_template):
+        messages, tools = inline_tools(messages, tools), None
     try:
         text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False), tools
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def completion_prompt(tokenizer: Any, prompt: Any) -> list[int]:

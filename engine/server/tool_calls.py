@@ -27,7 +27,7 @@ def new_call_id() -> str:
 def _call_from_block(body: str) -> dict[str, Any] | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # garbled, or nested deeper than Python's parser goes: stays text
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None

@@ -1,0 +1,181 @@
+"""Anthropic's Messages API: `POST /v1/messages` (streaming or not, tools) and `POST /v1/messages/count_tokens`,
+as Anthropic's SDKs and Claude Code use them. Errors come in Anthropic's shape (engine.server.errors).
+
+Usage: `input_tokens` counts the prompt tokens computed for this request, `cache_read_input_tokens` those the
+engine did not recompute (its live slot or the conversation cache), so the two add up to the prompt as Anthropic's
+do; `cache_creation_input_tokens` is 0: every conversation is kept by the conversation cache without being asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
+from engine.server.anthropic_schemas import (
+    CountTokensRequest,
+    MessagesRequest,
+    function_tools,
+    template_messages,
+    tool_input,
+)
+from engine.server.conversation_attrs import template_attrs
+from engine.server.errors import anthropic_error_body
+from engine.server.generation import collect, failure, sse_response, wait_for_slot
+from engine.server.prompts import render_prompt
+from engine.server.schemas import parse_body
+from engine.server.state import require_engine
+from engine.server.streaming import ClientDisconnected, engine_events
+from engine.server.tool_calls import ParsedOutput, ToolCallStream, parse_tool_calls
+
+log = logging.getLogger("strata.server")
+router = APIRouter()
+
+
+def usage_dict(usage: Usage | None, output_tokens: int | None = None) -> dict[str, int]:
+    prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if usage is not None else (0, 0)
+    done = usage.completion_tokens if usage is not None else 0
+    return {"input_tokens": prompt - cached, "output_tokens": done if output_tokens is None else output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def stop_reason(final: TokenEvent, called: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished request."""
+    if called:
+        return "tool_use", None
+    if final.stop_string is not None:
+        return "stop_sequence", final.stop_string
+    return ("max_tokens" if final.finish_reason == "length" else "end_turn"), None
+
+
+def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": tool_input(call["function"]["arguments"])}
+
+
+def _sampling(req: MessagesRequest) -> SamplingParams:
+    params = SamplingParams(max_tokens=req.max_tokens, stop=[s for s in req.stop_sequences or [] if s])
+    if req.temperature is not None:
+        params.temperature = req.temperature
+    if req.top_p is not None:
+        params.top_p = req.top_p
+    if req.top_k is not None:
+        params.top_k = req.top_k
+    return params
+
+
+def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest) -> tuple[list[int], list[dict[str, Any]],
+                                                                                 list[dict[str, Any]] | None]:
+    messages = template_messages(req)
+    tools = function_tools(req)
+    return render_prompt(tokenizer, messages, tools), messages, tools
+
+
+@router.post("/v1/messages")
+@router.post("/messages", include_in_schema=False)
+async def messages(request: Request) -> Response:
+    engine = require_engine(request)
+    req = await run_in_threadpool(parse_body, MessagesRequest, await request.body())
+    prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req)
+    attrs = template_attrs(turns, req.metadata, request.headers)
+    message_id = "msg_" + uuid.uuid4().hex
+    stream = engine.submit(GenerationRequest(message_id, prompt, _sampling(req), attrs))
+    refused = await wait_for_slot(stream, request, engine.n_slots)
+    if refused is not None:
+        return refused
+    model = req.model or engine.model_name
+    if req.stream:
+        return sse_response(_events(stream, request, message_id, model, tools is not None))
+    try:
+        text, final = await collect(stream, request)
+    except ClientDisconnected:
+        log.info("%s: client disconnected, request cancelled", message_id)
+        return Response(status_code=499)
+    parsed = parse_tool_calls(text) if tools is not None else ParsedOutput(text)
+    content: list[dict[str, Any]] = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    content += [tool_use_block(call) for call in parsed.tool_calls]
+    reason, sequence = stop_reason(final, bool(parsed.tool_calls))
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
+                         "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                         "usage": usage_dict(final.usage)})
+
+
+def _event(kind: str, body: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: " + json.dumps({"type": kind, **body}, ensure_ascii=False,
+                                                 separators=(",", ":")) + "\n\n"
+
+
+async def _events(stream: Any, request: Request, message_id: str, model: str, parse_tools: bool
+                  ) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, ping, a text block's start/deltas/stop, a block per tool call,
+    message_delta (stop_reason, usage), message_stop. An engine failure ends the stream with an error event."""
+    calls = ToolCallStream() if parse_tools else None
+    final: TokenEvent | None = None
+    started = text_open = False
+    index = 0
+    try:
+        async with contextlib.aclosing(engine_events(stream, request)) as events:
+            async for event in events:
+                if not started and event.finish_reason != "error":
+                    # After the first token: the prompt's usage (what the cache reused) is known by then.
+                    started = True
+                    yield _event("message_start", {"message": {
+                        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                        "stop_reason": None, "stop_sequence": None, "usage": usage_dict(event.usage, 1)}})
+                    yield _event("ping", {})
+                text = calls.feed(event.text) if calls is not None else event.text
+                if text:
+                    if not text_open:
+                        text_open = True
+                        yield _event("content_block_start", {"index": index,
+                                                             "content_block": {"type": "text", "text": ""}})
+                    yield _event("content_block_delta", {"index": index,
+                                                         "delta": {"type": "text_delta", "text": text}})
+                if event.finish_reason is not None:
+                    final = event
+    except ClientDisconnected:
+        log.info("%s: client disconnected, stream cancelled", message_id)
+        return
+    finally:
+        if final is None:  # the response ended before the engine did: free the slot
+            stream.cancel()
+    if final is None or final.finish_reason == "error":
+        yield _event("error", {"error": anthropic_error_body(failure(final))["error"]})
+        return
+    rest = calls.finish() if calls is not None else ParsedOutput(None)
+    if rest.content:
+        if not text_open:
+            text_open = True
+            yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+        yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": rest.content}})
+    if text_open:
+        yield _event("content_block_stop", {"index": index})
+        index += 1
+    for call in rest.tool_calls:
+        block = tool_use_block(call)
+        yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+        yield _event("content_block_delta", {"index": index, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+        yield _event("content_block_stop", {"index": index})
+        index += 1
+    reason, sequence = stop_reason(final, bool(rest.tool_calls))
+    yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                   "usage": usage_dict(final.usage)})
+    yield _event("message_stop", {})
+
+
+@router.post("/v1/messages/count_tokens")
+@router.post("/messages/count_tokens", include_in_schema=False)
+async def count_tokens(request: Request) -> dict[str, int]:
+    engine = require_engine(request)
+    req = await run_in_threadpool(parse_body, CountTokensRequest, await request.body())
+    prompt, _, _ = await run_in_threadpool(_prompt, engine.tokenizer, req)
+    return {"input_tokens": len(prompt)}

@@ -1,0 +1,223 @@
+"""Anthropic Messages requests (`POST /v1/messages`), as Anthropic's API reference documents them and its SDKs and
+Claude Code send them: parsed strictly, then turned into the chat-template messages and OpenAI-style function tools
+every API renders through (engine.server.prompts.render_prompt).
+
+Ranges: max_tokens >= 1 (required), temperature [0, 1], top_p (0, 1], top_k >= 0, at most 16 stop_sequences.
+Content blocks: text, tool_use, tool_result, thinking / redacted_thinking (kept as the assistant's reasoning);
+image and document blocks are refused (the models served here read text only). `cache_control` marks and fields
+this server has no use for (service_tier, container, mcp_servers, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import Field
+
+from engine.errors import ApiError
+from engine.server.schemas import MAX_INT32, MAX_STOP_STRINGS, StrictBody
+
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+class AnthropicTool(StrictBody):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent; server tools (web_search_..., bash_...) are refused
+
+
+class MessagesRequest(StrictBody):
+    model: str | None = None  # any name: the served model answers (Claude Code asks for a small one too)
+    max_tokens: int = Field(ge=1, le=MAX_INT32)
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stream: bool | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_INT32)
+    metadata: dict[str, Any] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # accepted: reasoning models think as their template tells them
+
+
+class CountTokensRequest(StrictBody):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
+    """A message's content as a list of blocks: a string is one text block."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{param}': expected a string or a list of content blocks, got {content!r}"[:200],
+                       param=param)
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise ApiError(400, f"'{param}[{i}]': expected a content block like {{\"type\": \"text\", \"text\": "
+                           "\"...\"}", param=f"{param}[{i}]")
+    return content
+
+
+def _text_of(block: dict[str, Any], param: str, field: str = "text") -> str:
+    value = block.get(field)
+    if not isinstance(value, str):
+        raise ApiError(400, f"'{param}.{field}': expected a string, got {value!r}"[:200], param=f"{param}.{field}")
+    return value
+
+
+def _refuse_media(kind: str, param: str) -> None:
+    raise ApiError(400, f"'{param}': {kind} blocks are not supported: the model served here reads text only",
+                   param=param)
+
+
+def system_text(system: str | list[dict[str, Any]] | None) -> str:
+    """The system prompt as one string: text blocks joined by blank lines."""
+    if system is None or isinstance(system, str):
+        return system or ""
+    texts = []
+    for i, block in enumerate(_blocks(system, "system")):
+        if block["type"] != "text":
+            raise ApiError(400, f"'system[{i}]': expected a text block, got type {block['type']!r}",
+                           param=f"system[{i}]")
+        texts.append(_text_of(block, f"system[{i}]"))
+    return "\n\n".join(texts)
+
+
+def _tool_result_text(block: dict[str, Any], param: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for i, part in enumerate(_blocks(content, f"{param}.content")):
+            if part["type"] != "text":
+                _refuse_media(part["type"], f"{param}.content[{i}]")
+            parts.append(_text_of(part, f"{param}.content[{i}]"))
+        text = "\n".join(parts)
+    return ("Error: " + text) if block.get("is_error") is True else text
+
+
+def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    """A user message's blocks: tool results become tool messages (in order), text joins one user message."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for i, block in enumerate(blocks):
+        where, kind = f"{param}[{i}]", block["type"]
+        if kind == "text":
+            texts.append(_text_of(block, where))
+        elif kind == "tool_result":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str):
+                raise ApiError(400, f"'{where}.tool_use_id': expected a string", param=f"{where}.tool_use_id")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, where)})
+        elif kind in ("image", "document"):
+            _refuse_media(kind, where)
+        else:
+            raise ApiError(400, f"'{where}.type': {kind!r} is not a block a user message can hold; expected text, "
+                           "tool_result, image or document", param=f"{where}.type")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_turn(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
+    """An assistant message's blocks: text joined, tool_use blocks as tool calls, thinking as its reasoning."""
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for i, block in enumerate(blocks):
+        where, kind = f"{param}[{i}]", block["type"]
+        if kind == "text":
+            texts.append(_text_of(block, where))
+        elif kind == "thinking":
+            thinking.append(_text_of(block, where, "thinking"))
+        elif kind == "redacted_thinking":
+            continue  # opaque to any model but the one that wrote it
+        elif kind == "tool_use":
+            name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
+            if not isinstance(name, str) or not name:
+                raise ApiError(400, f"'{where}.name': expected the tool's name", param=f"{where}.name")
+            if not isinstance(arguments, dict):
+                raise ApiError(400, f"'{where}.input': expected an object, got {arguments!r}"[:200],
+                               param=f"{where}.input")
+            calls.append({"id": call_id if isinstance(call_id, str) else None, "type": "function",
+                          "function": {"name": name, "arguments": arguments}})
+        else:
+            raise ApiError(400, f"'{where}.type': {kind!r} is not a block an assistant message can hold; expected "
+                           "text, thinking or tool_use", param=f"{where}.type")
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thinking:
+        out["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The request's system prompt and turns as Hugging Face chat templates expect them."""
+    if not req.messages:
+        raise ApiError(400, "'messages' must contain at least one message", param="messages")
+    out: list[dict[str, Any]] = []
+    system = system_text(req.system)
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, msg in enumerate(req.messages):
+        param = f"messages[{i}]"
+        role = msg.get("role")
+        if role not in ("user", "assistant"):
+            raise ApiError(400, f"'{param}.role': expected user or assistant, got {role!r}"[:200],
+                           param=f"{param}.role")
+        if "content" not in msg:
+            raise ApiError(400, f"'{param}.content' is required", param=f"{param}.content")
+        blocks = _blocks(msg["content"], f"{param}.content")
+        if role == "user":
+            out.extend(_user_turn(blocks, f"{param}.content"))
+        else:
+            out.append(_assistant_turn(blocks, f"{param}.content"))
+    return out
+
+
+def function_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]] | None:
+    """The tools as OpenAI-style function definitions (what chat templates render); None when none are offered or
+    tool_choice is none."""
+    choice = req.tool_choice
+    if choice is not None:
+        kind = choice.get("type")
+        if kind not in TOOL_CHOICES:
+            raise ApiError(400, f"'tool_choice.type': expected one of {', '.join(TOOL_CHOICES)}, got {kind!r}"[:200],
+                           param="tool_choice.type")
+        if kind == "tool" and not isinstance(choice.get("name"), str):
+            raise ApiError(400, "'tool_choice.name' is required when tool_choice.type is tool",
+                           param="tool_choice.name")
+        if kind == "none":
+            return None
+    if not req.tools:
+        return None
+    out = []
+    for i, tool in enumerate(req.tools):
+        if tool.type not in (None, "custom"):
+            raise ApiError(400, f"'tools[{i}].type': server tools ({tool.type}) are not supported; define the tool "
+                           "with name, description and input_schema", param=f"tools[{i}].type")
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
+        if tool.description:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A parsed call's arguments (JSON text) as the object a tool_use block holds."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}

@@ -1,0 +1,58 @@
+"""What every generating route shares, whichever API it speaks (OpenAI chat and completions, Anthropic Messages,
+OpenAI Responses): waiting for a slot, collecting a whole answer, the failure of a request the engine ended."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.errors import ApiError
+from engine.runtime.requests import TokenEvent
+from engine.server.errors import error_response
+from engine.server.state import server_state
+from engine.server.streaming import SSE_HEADERS, engine_events
+
+log = logging.getLogger("strata.server")
+RETRY_AFTER_S = 5  # what a request refused by --queue-timeout is told to wait before trying again
+
+
+def failure(event: TokenEvent | None) -> ApiError:
+    """The error of a request that ended without a result (None) or with finish_reason "error"."""
+    reason = event.error if event is not None and event.error else "the engine ended the request without a result"
+    return ApiError(500, f"generation failed: {reason}")
+
+
+async def collect(stream: Any, request: Request) -> tuple[str, TokenEvent]:
+    """All text of a non-streaming request and its final event; cancels the stream if the client leaves
+    (raising ClientDisconnected)."""
+    parts: list[str] = []
+    final: TokenEvent | None = None
+    async with contextlib.aclosing(engine_events(stream, request)) as events:
+        async for event in events:
+            parts.append(event.text)
+            if event.finish_reason is not None:
+                final = event
+    if final is None or final.finish_reason == "error":
+        raise failure(final)
+    return "".join(parts), final
+
+
+async def wait_for_slot(stream: Any, request: Request, n_slots: int) -> Response | None:
+    """None once a slot took the request; a 503 with Retry-After if none did within --queue-timeout."""
+    timeout = server_state(request).config.queue_timeout
+    if timeout <= 0 or await stream.wait_started(timeout):
+        return None
+    stream.cancel()
+    log.info("%s: no slot free within --queue-timeout %g s, refused", stream.request_id, timeout)
+    err = ApiError(503, f"the server is busy: no slot became free within {timeout:g} s (--queue-timeout; "
+                   f"{n_slots} slot{'s' if n_slots != 1 else ''}, see --parallel); retry in {RETRY_AFTER_S} s")
+    return error_response(err, headers={"Retry-After": str(RETRY_AFTER_S)}, path=request.url.path)
+
+
+def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,57 @@
+"""Tools for a model whose chat template cannot show them (the bundled SmolLM2's, many base fine-tunes'): the tool
+list goes into the system message, past calls into the assistant's text and tool results into user turns, all in
+the Hermes `<tool_call>` form that engine.server.tool_calls parses back. A template that renders `tools` itself is
+left to do so."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+INSTRUCTIONS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def template_renders_tools(template: str) -> bool:
+    """Whether a chat template reads the `tools` variable (a template that never names it drops them)."""
+    return "tools" in template
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    function = call["function"]
+    return "<tool_call>\n" + json.dumps({"name": function["name"], "arguments": function["arguments"]},
+                                        ensure_ascii=False) + "\n</tool_call>"
+
+
+def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`messages` with the tools and every past call and result written as text any template renders."""
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools or [])
+    out: list[dict[str, Any]] = []
+    if tools:
+        block = INSTRUCTIONS.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            out.append({**messages[0], "content": messages[0]["content"] + "\n\n" + block})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    for msg in messages:
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            calls = "\n".join(_call_text(call) for call in msg["tool_calls"])
+            text = (msg.get("content") or "") + ("\n" if msg.get("content") else "") + calls
+            out.append({k: v for k, v in msg.items() if k != "tool_calls"} | {"content": text})
+        elif msg["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"})
+        else:
+            out.append(msg)
+    return out
