@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import __version__
 from engine.errors import ApiError, EngineError
-from engine.server import anthropic_routes, control_routes, openai_routes
+from engine.server import anthropic_routes, control_routes, openai_routes, responses_routes
 from engine.server.errors import error_response, from_domain, loc_to_param, validation_error
 from engine.server.guards import (
     MIB,
@@ -38,6 +38,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(control_routes.router)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
 

@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from engine.config import EngineConfig
 from engine.errors import ApiError
+from engine.server.response_store import ResponseStore
 from engine.startup_progress import StartupProgress
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class ServerState:
     shutdown: Callable[[], None] | None = None  # set by the CLI; POST /shutdown calls it
     started: int = field(default_factory=lambda: int(time.time()))
     progress: StartupProgress = field(default_factory=StartupProgress)  # the loader moves it on
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
 
 
 def server_state(request: Request) -> ServerState:

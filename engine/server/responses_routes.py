@@ -1,0 +1,251 @@
+"""OpenAI's Responses API: `POST /v1/responses` (streaming or not, function tools, stored responses continued with
+`previous_response_id`), `GET` and `DELETE /v1/responses/{id}`, as the openai SDK's `client.responses` and Codex
+use them. Errors are OpenAI's shape. Stored responses: engine.server.response_store (in memory, the most recent
+256, until the engine stops).
+
+Usage: `input_tokens` is the whole prompt, `input_tokens_details.cached_tokens` what the engine did not recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from engine.errors import ApiError
+from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
+from engine.server.conversation_attrs import template_attrs
+from engine.server.generation import collect, failure, sse_response, wait_for_slot
+from engine.server.prompts import render_prompt
+from engine.server.response_store import StoredResponse
+from engine.server.responses_schemas import ResponsesRequest, function_tools, input_messages
+from engine.server.schemas import parse_body
+from engine.server.state import require_engine, server_state
+from engine.server.streaming import ClientDisconnected, engine_events
+from engine.server.tool_calls import ParsedOutput, ToolCallStream, parse_tool_calls
+
+log = logging.getLogger("strata.server")
+router = APIRouter()
+
+
+def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+@dataclass
+class Turn:
+    """One request on its way: its id, what it was asked, and what it answered so far."""
+
+    response_id: str
+    req: ResponsesRequest
+    model: str
+    history: list[dict[str, Any]]  # earlier turns (previous_response_id) and this input, without instructions
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
+             incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        r = self.req
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "usage": usage_dict(usage), "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+            "previous_response_id": r.previous_response_id, "temperature": r.temperature, "top_p": r.top_p,
+            "tool_choice": r.tool_choice if r.tool_choice is not None else "auto", "tools": r.tools or [],
+            "parallel_tool_calls": r.parallel_tool_calls if r.parallel_tool_calls is not None else True,
+            "store": r.store is not False, "text": r.text or {"format": {"type": "text"}},
+            "reasoning": r.reasoning or {}, "metadata": r.metadata or {}, "truncation": "disabled",
+        }
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"] if status == "completed" else "", "status": status}
+
+
+def _sampling(req: ResponsesRequest) -> SamplingParams:
+    params = SamplingParams(max_tokens=req.max_output_tokens)
+    if req.temperature is not None:
+        params.temperature = req.temperature
+    if req.top_p is not None:
+        params.top_p = req.top_p
+    return params
+
+
+def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]]
+            ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
+    history = earlier + input_messages(req.input)
+    if not history:
+        raise ApiError(400, "'input' must contain at least one item", param="input")
+    tools = function_tools(req)
+    instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return render_prompt(tokenizer, instructions + history, tools), history, tools
+
+
+def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str) -> dict[str, Any]:
+    """The finished response object: completed, or incomplete when max_output_tokens (or the context) ended it."""
+    output = [message_item(message_id, parsed.content)] if parsed.content else []
+    output += [call_item(call) for call in parsed.tool_calls]
+    incomplete = "max_output_tokens" if final.finish_reason == "length" and not parsed.tool_calls else None
+    return turn.body("incomplete" if incomplete else "completed", output, final.usage, incomplete)
+
+
+def _store(request: Request, turn: Turn, parsed: ParsedOutput, body: dict[str, Any]) -> None:
+    """Keeps the turn's conversation for a follow-up's previous_response_id, unless the request said store: false."""
+    if turn.req.store is False:
+        return
+    answer: dict[str, Any] = {"role": "assistant", "content": parsed.content or ""}
+    if parsed.tool_calls:
+        answer["tool_calls"] = parsed.tool_calls
+    server_state(request).responses.put(turn.response_id, StoredResponse([*turn.history, answer], body))
+
+
+@router.post("/v1/responses")
+@router.post("/responses", include_in_schema=False)
+async def responses(request: Request) -> Response:
+    engine = require_engine(request)
+    req = await run_in_threadpool(parse_body, ResponsesRequest, await request.body())
+    earlier: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = server_state(request).responses.get(req.previous_response_id)
+        if stored is None:
+            raise ApiError(400, f"previous response {req.previous_response_id!r} not found: stored responses are "
+                           "kept in memory, the most recent 256, until the engine stops; send the whole input "
+                           "instead", param="previous_response_id")
+        earlier = stored.history
+    prompt, history, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, earlier)
+    attrs = template_attrs(history, req.metadata, request.headers)
+    turn = Turn("resp_" + uuid.uuid4().hex, req, req.model or engine.model_name, history)
+    stream = engine.submit(GenerationRequest(turn.response_id, prompt, _sampling(req), attrs))
+    refused = await wait_for_slot(stream, request, engine.n_slots)
+    if refused is not None:
+        return refused
+    if req.stream:
+        return sse_response(_events(stream, request, turn, tools is not None))
+    try:
+        text, final = await collect(stream, request)
+    except ClientDisconnected:
+        log.info("%s: client disconnected, request cancelled", turn.response_id)
+        return Response(status_code=499)
+    parsed = parse_tool_calls(text) if tools is not None else ParsedOutput(text)
+    body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex)
+    _store(request, turn, parsed, body)
+    return JSONResponse(body)
+
+
+class _Events:
+    """Numbers the stream's events (`sequence_number`, as the SDK expects)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, body: dict[str, Any]) -> str:
+        event = {"type": kind, "sequence_number": self.n, **body}
+        self.n += 1
+        return f"event: {kind}\ndata: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+async def _events(stream: Any, request: Request, turn: Turn, parse_tools: bool) -> AsyncIterator[str]:
+    """response.created / in_progress; a message item whose output_text streams as deltas; a function_call item per
+    call (its arguments as one delta); then response.completed (or .incomplete, or .failed)."""
+    ev = _Events()
+    message_id = "msg_" + uuid.uuid4().hex
+    calls = ToolCallStream() if parse_tools else None
+    final: TokenEvent | None = None
+    text_parts: list[str] = []
+    opened = False
+    yield ev("response.created", {"response": turn.body("in_progress", [])})
+    yield ev("response.in_progress", {"response": turn.body("in_progress", [])})
+    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+    try:
+        async with contextlib.aclosing(engine_events(stream, request)) as events:
+            async for event in events:
+                text = calls.feed(event.text) if calls is not None else event.text
+                if text:
+                    if not opened:
+                        opened = True
+                        yield ev("response.output_item.added", {"output_index": 0,
+                                                                "item": message_item(message_id, "", "in_progress")})
+                        yield ev("response.content_part.added", {**where, "part": {
+                            "type": "output_text", "text": "", "annotations": []}})
+                    text_parts.append(text)
+                    yield ev("response.output_text.delta", {**where, "delta": text, "logprobs": []})
+                if event.finish_reason is not None:
+                    final = event
+    except ClientDisconnected:
+        log.info("%s: client disconnected, stream cancelled", turn.response_id)
+        return
+    finally:
+        if final is None:  # the response ended before the engine did: free the slot
+            stream.cancel()
+    if final is None or final.finish_reason == "error":
+        err = failure(final)
+        yield ev("response.failed", {"response": turn.body("failed", [], error={
+            "code": "server_error", "message": err.message})})
+        return
+    rest = calls.finish() if calls is not None else ParsedOutput(None)
+    if rest.content:
+        if not opened:
+            opened = True
+            yield ev("response.output_item.added", {"output_index": 0,
+                                                    "item": message_item(message_id, "", "in_progress")})
+            yield ev("response.content_part.added", {**where, "part": {"type": "output_text", "text": "",
+                                                                       "annotations": []}})
+        text_parts.append(rest.content)
+        yield ev("response.output_text.delta", {**where, "delta": rest.content, "logprobs": []})
+    text = "".join(text_parts)
+    parsed = ParsedOutput(text if opened else None, rest.tool_calls)
+    if opened:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        yield ev("response.output_text.done", {**where, "text": text, "logprobs": []})
+        yield ev("response.content_part.done", {**where, "part": part})
+        yield ev("response.output_item.done", {"output_index": 0, "item": message_item(message_id, text)})
+    for i, call in enumerate(rest.tool_calls, start=1 if opened else 0):
+        item = call_item(call)
+        yield ev("response.output_item.added", {"output_index": i, "item": call_item(call, "in_progress")})
+        yield ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": i,
+                                                            "delta": item["arguments"]})
+        yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
+                                                           "arguments": item["arguments"]})
+        yield ev("response.output_item.done", {"output_index": i, "item": item})
+    body = _finish(turn, parsed, final, message_id)
+    _store(request, turn, parsed, body)
+    yield ev("response.incomplete" if body["status"] == "incomplete" else "response.completed", {"response": body})
+
+
+@router.get("/v1/responses/{response_id}")
+@router.get("/responses/{response_id}", include_in_schema=False)
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    stored = server_state(request).responses.get(response_id)
+    if stored is None:
+        raise ApiError(404, f"response {response_id!r} not found: stored responses are kept in memory, the most "
+                       "recent 256, until the engine stops", param="response_id")
+    return stored.body
+
+
+@router.delete("/v1/responses/{response_id}")
+@router.delete("/responses/{response_id}", include_in_schema=False)
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    if not server_state(request).responses.delete(response_id):
+        raise ApiError(404, f"response {response_id!r} not found", param="response_id")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
