@@ -61,3 +61,4 @@ class TokenEvent:
     usage: Usage | None = None
     error: str | None = None
     stop_string: str | None = None  # on the last event: the stop string that ended generation, if one did
+    generated: list[int] | None = None  # on the last event: every token id generated (a final end-of-turn included)

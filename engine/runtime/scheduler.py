@@ -445,7 +445,8 @@ class Scheduler(Stats):
         slot.active = None
         slot.last_used = time.time()
         self._publish_stats()  # before the client hears the end, so its next stats read counts this request
-        a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage, stop_string=a.stops.matched))
+        a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage, stop_string=a.stops.matched,
+                                generated=list(a.generated)))
 
     # ------------------------------------------------------------------ shutdown
 

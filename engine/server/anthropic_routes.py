@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
+from engine.server.answer_ids import AnswerIds
 from engine.server.anthropic_schemas import (
     CountTokensRequest,
     MessagesRequest,
@@ -29,10 +30,10 @@ from engine.server.anthropic_schemas import (
 )
 from engine.server.conversation_attrs import template_attrs
 from engine.server.errors import anthropic_error_body
-from engine.server.generation import collect, failure, sse_response, wait_for_slot
+from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
 from engine.server.prompts import render_prompt
 from engine.server.schemas import parse_body
-from engine.server.state import require_engine
+from engine.server.state import require_engine, server_state
 from engine.server.streaming import ClientDisconnected, engine_events
 from engine.server.tool_calls import ParsedOutput, ToolCallStream, parse_tool_calls
 
@@ -72,11 +73,11 @@ def _sampling(req: MessagesRequest) -> SamplingParams:
     return params
 
 
-def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest) -> tuple[list[int], list[dict[str, Any]],
-                                                                                 list[dict[str, Any]] | None]:
+def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, answers: AnswerIds | None = None
+            ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
     messages = template_messages(req)
     tools = function_tools(req)
-    return render_prompt(tokenizer, messages, tools), messages, tools
+    return render_prompt(tokenizer, messages, tools, answers), messages, tools
 
 
 @router.post("/v1/messages")
@@ -84,7 +85,7 @@ def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest) -> tuple[
 async def messages(request: Request) -> Response:
     engine = require_engine(request)
     req = await run_in_threadpool(parse_body, MessagesRequest, await request.body())
-    prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req)
+    prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, server_state(request).answers)
     attrs = template_attrs(turns, req.metadata, request.headers)
     message_id = "msg_" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(message_id, prompt, _sampling(req), attrs))
@@ -93,12 +94,13 @@ async def messages(request: Request) -> Response:
         return refused
     model = req.model or engine.model_name
     if req.stream:
-        return sse_response(_events(stream, request, message_id, model, tools is not None))
+        return sse_response(_events(stream, request, message_id, model, tools is not None, engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", message_id)
         return Response(status_code=499)
+    remember_answer(request, engine.tokenizer, final)
     parsed = parse_tool_calls(text) if tools is not None else ParsedOutput(text)
     content: list[dict[str, Any]] = [{"type": "text", "text": parsed.content}] if parsed.content else []
     content += [tool_use_block(call) for call in parsed.tool_calls]
@@ -113,7 +115,7 @@ def _event(kind: str, body: dict[str, Any]) -> str:
                                                  separators=(",", ":")) + "\n\n"
 
 
-async def _events(stream: Any, request: Request, message_id: str, model: str, parse_tools: bool
+async def _events(stream: Any, request: Request, message_id: str, model: str, parse_tools: bool, tokenizer: Any
                   ) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, ping, a text block's start/deltas/stop, a block per tool call,
     message_delta (stop_reason, usage), message_stop. An engine failure ends the stream with an error event."""
@@ -150,6 +152,7 @@ async def _events(stream: Any, request: Request, message_id: str, model: str, pa
     if final is None or final.finish_reason == "error":
         yield _event("error", {"error": anthropic_error_body(failure(final))["error"]})
         return
+    remember_answer(request, tokenizer, final)
     rest = calls.finish() if calls is not None else ParsedOutput(None)
     if rest.content:
         if not text_open:

@@ -54,5 +54,12 @@ async def wait_for_slot(stream: Any, request: Request, n_slots: int) -> Response
     return error_response(err, headers={"Retry-After": str(RETRY_AFTER_S)}, path=request.url.path)
 
 
+def remember_answer(request: Request, tokenizer: Any, final: TokenEvent) -> None:
+    """Keep the ids generated for a finished answer, for the turn that sends it back (engine.server.answer_ids).
+    An answer a stop string cut is not the text of its ids, and is not kept."""
+    if final.finish_reason in ("stop", "length") and final.stop_string is None and final.generated:
+        server_state(request).answers.remember(tokenizer, final.generated)
+
+
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)

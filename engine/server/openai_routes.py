@@ -17,7 +17,7 @@ from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.server.conversation_attrs import chat_attrs, completion_attrs
 from engine.server.errors import error_body
-from engine.server.generation import collect, failure, sse_response, wait_for_slot
+from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -63,7 +63,7 @@ async def chat_completions(request: Request) -> Response:
     req = await run_in_threadpool(parse_body, ChatCompletionRequest, await request.body())
     check_common(req)
     attrs = chat_attrs(req, request.headers)
-    prompt, tools = await run_in_threadpool(chat_prompt, engine.tokenizer, req)
+    prompt, tools = await run_in_threadpool(chat_prompt, engine.tokenizer, req, server_state(request).answers)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
@@ -74,12 +74,13 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         return sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
-                                          tools is not None, req.include_usage()))
+                                         tools is not None, req.include_usage(), engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", request_id)
         return Response(status_code=499)
+    remember_answer(request, engine.tokenizer, final)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = final.finish_reason
     if tools is not None:
@@ -98,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_chunks(stream: Any, request: Request, request_id: str, created: int, model: str,
-                       parse_tools: bool, include_usage: bool) -> AsyncIterator[str]:
+                       parse_tools: bool, include_usage: bool, tokenizer: Any) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -128,6 +129,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
     if final is None or final.finish_reason == "error":
         yield _error_event(failure(final))
         return
+    remember_answer(request, tokenizer, final)
     finish_reason = final.finish_reason
     if calls is not None:
         rest = calls.finish()

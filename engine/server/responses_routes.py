@@ -23,8 +23,9 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
+from engine.server.answer_ids import AnswerIds
 from engine.server.conversation_attrs import template_attrs
-from engine.server.generation import collect, failure, sse_response, wait_for_slot
+from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
 from engine.server.prompts import render_prompt
 from engine.server.response_store import StoredResponse
 from engine.server.responses_schemas import ResponsesRequest, function_tools, input_messages
@@ -91,14 +92,14 @@ def _sampling(req: ResponsesRequest) -> SamplingParams:
     return params
 
 
-def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]]
+def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]], answers: AnswerIds
             ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
     history = earlier + input_messages(req.input)
     if not history:
         raise ApiError(400, "'input' must contain at least one item", param="input")
     tools = function_tools(req)
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return render_prompt(tokenizer, instructions + history, tools), history, tools
+    return render_prompt(tokenizer, instructions + history, tools, answers), history, tools
 
 
 def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str) -> dict[str, Any]:
@@ -132,7 +133,8 @@ async def responses(request: Request) -> Response:
                            "kept in memory, the most recent 256, until the engine stops; send the whole input "
                            "instead", param="previous_response_id")
         earlier = stored.history
-    prompt, history, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, earlier)
+    prompt, history, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, earlier,
+                                                     server_state(request).answers)
     attrs = template_attrs(history, req.metadata, request.headers)
     turn = Turn("resp_" + uuid.uuid4().hex, req, req.model or engine.model_name, history)
     stream = engine.submit(GenerationRequest(turn.response_id, prompt, _sampling(req), attrs))
@@ -140,12 +142,13 @@ async def responses(request: Request) -> Response:
     if refused is not None:
         return refused
     if req.stream:
-        return sse_response(_events(stream, request, turn, tools is not None))
+        return sse_response(_events(stream, request, turn, tools is not None, engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", turn.response_id)
         return Response(status_code=499)
+    remember_answer(request, engine.tokenizer, final)
     parsed = parse_tool_calls(text) if tools is not None else ParsedOutput(text)
     body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex)
     _store(request, turn, parsed, body)
@@ -164,7 +167,8 @@ class _Events:
         return f"event: {kind}\ndata: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-async def _events(stream: Any, request: Request, turn: Turn, parse_tools: bool) -> AsyncIterator[str]:
+async def _events(stream: Any, request: Request, turn: Turn, parse_tools: bool, tokenizer: Any
+                  ) -> AsyncIterator[str]:
     """response.created / in_progress; a message item whose output_text streams as deltas; a function_call item per
     call (its arguments as one delta); then response.completed (or .incomplete, or .failed)."""
     ev = _Events()
@@ -202,6 +206,7 @@ async def _events(stream: Any, request: Request, turn: Turn, parse_tools: bool) 
         yield ev("response.failed", {"response": turn.body("failed", [], error={
             "code": "server_error", "message": err.message})})
         return
+    remember_answer(request, tokenizer, final)
     rest = calls.finish() if calls is not None else ParsedOutput(None)
     if rest.content:
         if not opened:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from engine.config import EngineConfig
 from engine.errors import ApiError
+from engine.server.answer_ids import AnswerIds
 from engine.server.response_store import ResponseStore
 from engine.startup_progress import StartupProgress
 
@@ -29,6 +30,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     progress: StartupProgress = field(default_factory=StartupProgress)  # the loader moves it on
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
+    answers: AnswerIds = field(default_factory=AnswerIds)  # the ids generated for answers returned (answer_ids.py)
 
 
 def server_state(request: Request) -> ServerState:
