@@ -53,8 +53,10 @@ class LiveApply(QObject):
         if result == QMessageBox.StandardButton.Yes:
             self._send(changes)
         else:
-            self.tab.show_result("Not applied: the running engine keeps its budgets. Apply sends it, Revert "
-                                 "goes back to what the engine runs.", True)
+            self.tab.put_back(list(changes))
+            kept = ", ".join(f"{label_of(k)} = {getattr(self.engine.config, k)}" for k in changes
+                             if self.engine.config is not None)
+            self.tab.show_result(f"Not applied: kept {kept}; nothing was dropped.", True)
 
     def _send(self, changes: dict[str, Any]) -> None:
         sent = dict(changes)

@@ -241,7 +241,9 @@ class SettingsTab(QWidget):
         if name in FOLDER_SETTINGS or name == "model":
             self.captions.check_folders_soon()
         self.refresh()
-        if apply and not row.error and row.spec.live and not (paused and name in FOLDER_SETTINGS):
+        # A pause stores the value but never applies it: "2" on the way to "2048" would shrink a budget (and its
+        # question would take the keyboard mid-word); Enter, leaving the field or a choice applies.
+        if apply and not row.error and row.spec.live and not paused:
             self.apply_live_changes()
         self.committed.emit(name)
 
@@ -435,6 +437,24 @@ class SettingsTab(QWidget):
         self.autosaver.schedule()
         self.result.setText("Reverted to what the running engine uses." + (
             f" Set by the environment, not reverted: {', '.join(kept)}." if kept else ""))
+        self.refresh()
+
+    def put_back(self, names: list[str]) -> None:
+        """These settings back to what the running engine uses (an apply the user declined: Cancel means the old
+        value, in the field, in the file and at the next start)."""
+        if self.running is None:
+            return
+        for name in names:
+            try:
+                self.store.set(name, getattr(self.running, name))
+            except SettingError:  # set by the environment since: its caption says so
+                continue
+            row = self.rows.get(name)
+            if row is not None:
+                row.error = ""
+                row.set_value(self.store.value(name))
+                self.captions.show(row)
+        self.autosaver.schedule()
         self.refresh()
 
     def show_result(self, text: str, ok: bool) -> None:

@@ -52,3 +52,26 @@ def test_restart_resumes_parked_conversation_from_disk(tmp_path, storage, never_
     assert a2 == never_restarted[1]
     assert usage2.prompt_tokens_details.cached_tokens >= history_tokens - 1
     assert metrics["conversation_cache"]["restores"] == 1
+
+
+def test_a_smaller_disk_budget_at_start_keeps_what_fits_and_the_pinned_and_says_so(tmp_path):
+    flags = ("--conversation-cache-storage", "disk", "--conversation-cache-dir", str(tmp_path), "--parallel", "1")
+    with engine_process(*flags) as engine:
+        client = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="none")
+        for i, topic in enumerate(["atlases", "herbariums", "ship logs", "railway timetables"]):
+            pin = {"strata_pin": "true"} if i == 0 else {}
+            client.chat.completions.create(model="m", max_tokens=2, metadata=pin, messages=[
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me of the {topic}."}])
+        assert engine.stop() == 0, engine.logs()
+    with engine_process(*flags) as engine:
+        _, listed = engine.get_json("/cache/conversations")
+        rows = listed["conversations"]
+        assert len(rows) == 4, rows
+    # Each conversation is ~11 MiB: 1 MiB holds none of them, not even the pinned one.
+    with engine_process(*flags, "--conversation-cache-disk-mib", "1") as engine:
+        _, listed = engine.get_json("/cache/conversations")
+        rows = listed["conversations"]
+        logs = engine.logs()
+    assert [r["pinned"] for r in rows] == [True], "the pinned conversation is never dropped at start"
+    assert "over the disk budget of 1 MiB or 64 conversations: dropped 3 in eviction order" in logs
+    assert "1 pinned conversations" in logs and "kept over the disk budget of 1 MiB" in logs

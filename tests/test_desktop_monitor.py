@@ -188,9 +188,12 @@ def test_a_smaller_budget_says_what_it_evicts_and_asks_first(qtbot, window):
     assert "estimate" in box.text()
     box.button(QMessageBox.StandardButton.Cancel).click()
     qtbot.waitUntil(lambda: "Not applied" in tab.result.text(), timeout=3000)
+    assert "kept RAM budget = 4096" in tab.result.text()
     assert window.engine.config.conversation_cache_mib == 4096, "nothing was sent"
-    assert "not applied yet: RAM budget" in tab.pending.text(), "the file and the engine differ, and it says so"
-    tab.apply_button.click()
+    assert window.store.value("conversation_cache_mib") == 4096, "Cancel puts the value back: a restart keeps it"
+    assert tab.rows["conversation_cache_mib"].text() == "4096"
+    assert "not applied yet: RAM budget" not in tab.pending.text()
+    tab.set_text("conversation_cache_mib", "2")
     window.live.box.button(QMessageBox.StandardButton.Yes).click()
     qtbot.waitUntil(lambda: "Applied to the running engine" in tab.result.text(), timeout=5000)
     assert window.engine.config.conversation_cache_mib == 2
@@ -343,3 +346,27 @@ def test_a_hybrid_conversation_shows_its_checkpoints_and_their_bytes(qtbot):
     assert model.index(0, col).data() == f"3 · {format_bytes(3 * ident.state_bytes)}"
     assert "resume" in model.index(0, col).data(Qt.ItemDataRole.ToolTipRole)
     assert model.index(1, col).data() == "–"
+
+
+def test_a_pause_in_typing_a_budget_neither_applies_nor_asks(qtbot, window):
+    from PySide6.QtCore import Qt
+    from PySide6.QtTest import QTest
+
+    from desktop.settings_tab import SETTLE_MS
+
+    window.start()
+    ready(qtbot, window)
+    qtbot.waitUntil(lambda: window.conversations is not None and len(window.conversations) == 2, timeout=5000)
+    qtbot.waitUntil(lambda: window.metrics is not None, timeout=5000)
+    tab = window.settings_tab
+    editor = tab.rows["conversation_cache_mib"].editor
+    editor.setFocus()
+    editor.selectAll()
+    QTest.keyClicks(editor, "2")
+    qtbot.wait(SETTLE_MS + 400)
+    assert window.live.box is None, "no question in the middle of typing"
+    assert window.engine.config.conversation_cache_mib == 4096, "nothing half-typed was applied"
+    QTest.keyClicks(editor, "048")
+    QTest.keyClick(editor, Qt.Key.Key_Return)
+    assert window.live.box is None, "2048 MiB evicts nothing: applied without a question"
+    qtbot.waitUntil(lambda: window.engine.config.conversation_cache_mib == 2048, timeout=5000)

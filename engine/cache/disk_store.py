@@ -144,8 +144,10 @@ class DiskStore:
         self.index.release(res.reused, RESERVED)
         self.files.delete_blocks([k for k in written if k not in self.index.blocks])
 
-    def enforce_budget(self) -> None:
-        """Evict entries in eviction order (never one in flight) until the tier is within its budget and slots."""
+    def enforce_budget(self, *, keep_pinned: bool = False) -> list[tuple[str, int, int]]:
+        """Evict entries in eviction order (never one in flight) until the tier is within its budget and slots;
+        `keep_pinned` passes over pinned ones (the folder found at start-up). Returns (id, tokens, bytes) of each
+        entry evicted."""
         plan = plan_room(
             self.index,
             need_bytes=0,
@@ -153,13 +155,16 @@ class DiskStore:
             slots=self.settings.slots,
             keep_keys=set(),
             leaving=set(),
-            exclude=set(),
+            exclude={cid for cid, c in self.index.convs.items() if c.pinned} if keep_pinned else set(),
             adding=0,
             best_effort=True,
         )
+        dropped = []
         for cid in plan.victims:
             if cid in self.index.convs:
-                self.remove(cid, reason="evict")
+                conv = self.index.convs[cid]
+                dropped.append((cid, conv.n_tokens, self.remove(cid, reason="evict")))
+        return dropped
 
     def expire_if_due(self) -> None:
         now = time.time()
