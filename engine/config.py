@@ -353,6 +353,12 @@ class EngineConfig:
         help="a Jinja chat template file, or a built-in name (chatml), instead of the model's own "
         "(empty = the model's own; ChatML where it has none)",
     )
+    allow_special_in_content: bool = setting(
+        False, flag="--allow-special-in-content", label="Control tokens in messages",
+        kind="bool", group="server",
+        help="tokenize special-token text inside messages (<|im_end|>, <|im_start|>) as the control tokens, as "
+        "llama.cpp and vLLM do; off: message text is text, so a message cannot forge a turn of the template",
+    )
     slot_save_path: str | None = setting(
         None, flag="--slot-save-path", label="Slot files folder", ui="folder",
         kind="optional_path", group="server", metavar="DIR",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, cast
@@ -67,6 +69,12 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._text_backend: FastTokenizer | None = None  # encode_text's copy, built on first use
+        self._text_lock = threading.Lock()
+        # The text of every special (control) token, longest first: what user text must not turn into.
+        specials = sorted({t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content},
+                          key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     # -- construction
 
@@ -191,6 +199,21 @@ class Tokenizer:
             assert self.bos_token_id is not None  # add_bos is only set with a BOS token
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def special_text_in(self, text: str) -> str | None:
+        """The first special token's text found in `text` (e.g. "<|im_end|>"), or None."""
+        found = self._special_text.search(text) if self._special_text is not None else None
+        return found.group(0) if found is not None else None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` read as text only: special-token text ("<|im_start|>") is spelled with ordinary
+        tokens, never the control token, so a message cannot forge a turn of the template."""
+        with self._text_lock:
+            if self._text_backend is None:
+                copy = FastTokenizer.from_str(self.backend.to_str())
+                copy.encode_special_tokens = True
+                self._text_backend = copy
+        return self._text_backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

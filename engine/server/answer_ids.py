@@ -58,29 +58,3 @@ class AnswerIds:
             self._items.move_to_end(_key(text))
             return ids.tolist()
 
-
-def encode_with_answers(tokenizer: Any, text: str, messages: list[dict[str, Any]], answers: AnswerIds | None
-                        ) -> list[int]:
-    """`text` (the rendered prompt of `messages`) as token ids, each earlier answer the engine generated spliced in
-    as its generated ids where the template wrote its text unchanged; everything else tokenized as usual."""
-    if answers is None:
-        return tokenizer.encode(text, add_special_tokens=False)
-    ids: list[int] = []
-    pos = 0
-    for msg in messages:
-        content = msg.get("content")
-        if msg.get("role") != "assistant" or not isinstance(content, str) or not content:
-            continue
-        generated = answers.get(content)
-        if generated is None:
-            continue
-        at = text.find(content, pos)
-        if at < 0:  # the template rewrote the answer (trimmed it, dropped its reasoning): tokenized as text
-            continue
-        if at > pos:
-            ids += tokenizer.encode(text[pos:at], add_special_tokens=False)
-        ids += generated
-        pos = at + len(content)
-    if pos < len(text):
-        ids += tokenizer.encode(text[pos:], add_special_tokens=False)
-    return ids

@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
-from engine.server.answer_ids import AnswerIds
 from engine.server.anthropic_schemas import (
     CountTokensRequest,
     MessagesRequest,
@@ -31,6 +30,7 @@ from engine.server.anthropic_schemas import (
 from engine.server.conversation_attrs import template_attrs
 from engine.server.errors import anthropic_error_body
 from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
+from engine.server.prompt_tokens import PromptIds
 from engine.server.prompts import render_prompt
 from engine.server.schemas import parse_body
 from engine.server.state import require_engine, server_state
@@ -73,11 +73,11 @@ def _sampling(req: MessagesRequest) -> SamplingParams:
     return params
 
 
-def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, answers: AnswerIds | None = None
+def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, ids: PromptIds | None = None
             ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
     messages = template_messages(req)
     tools = function_tools(req)
-    return render_prompt(tokenizer, messages, tools, answers), messages, tools
+    return render_prompt(tokenizer, messages, tools, ids), messages, tools
 
 
 @router.post("/v1/messages")
@@ -85,7 +85,7 @@ def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, answers: 
 async def messages(request: Request) -> Response:
     engine = require_engine(request)
     req = await run_in_threadpool(parse_body, MessagesRequest, await request.body())
-    prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, server_state(request).answers)
+    prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, server_state(request).prompt_ids)
     attrs = template_attrs(turns, req.metadata, request.headers)
     message_id = "msg_" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(message_id, prompt, _sampling(req), attrs))

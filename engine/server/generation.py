@@ -58,7 +58,7 @@ def remember_answer(request: Request, tokenizer: Any, final: TokenEvent) -> None
     """Keep the ids generated for a finished answer, for the turn that sends it back (engine.server.answer_ids).
     An answer a stop string cut is not the text of its ids, and is not kept."""
     if final.finish_reason in ("stop", "length") and final.stop_string is None and final.generated:
-        server_state(request).answers.remember(tokenizer, final.generated)
+        server_state(request).prompt_ids.answers.remember(tokenizer, final.generated)
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:

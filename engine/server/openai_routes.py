@@ -63,7 +63,7 @@ async def chat_completions(request: Request) -> Response:
     req = await run_in_threadpool(parse_body, ChatCompletionRequest, await request.body())
     check_common(req)
     attrs = chat_attrs(req, request.headers)
-    prompt, tools = await run_in_threadpool(chat_prompt, engine.tokenizer, req, server_state(request).answers)
+    prompt, tools = await run_in_threadpool(chat_prompt, engine.tokenizer, req, server_state(request).prompt_ids)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex

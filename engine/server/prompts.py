@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 
 from engine.errors import ApiError
-from engine.server.answer_ids import AnswerIds, encode_with_answers
+from engine.server.prompt_tokens import PromptIds, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
 from engine.server.tool_prompt import inline_tools, template_renders_tools
 
@@ -95,21 +95,21 @@ def active_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [tool.model_dump(exclude_none=True) for tool in req.tools]
 
 
-def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, answers: AnswerIds | None = None
+def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | None = None
                 ) -> tuple[list[int], list[dict[str, Any]] | None]:
     """Prompt token ids for a chat request, and the tools offered (None if none)."""
     if not req.messages:
         raise ApiError(400, "'messages' must contain at least one message", param="messages")
     messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
-    return render_prompt(tokenizer, messages, tools, answers), tools
+    return render_prompt(tokenizer, messages, tools, ids), tools
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  answers: AnswerIds | None = None) -> list[int]:
+                  ids: PromptIds | None = None) -> list[int]:
     """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
-    tools (each API's route converts its own request to these); earlier answers found in `answers` keep the ids
-    the engine generated for them."""
+    tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
+    answers keep the ids the engine generated for them (engine.server.prompt_tokens)."""
     if not template_renders_tools(tokenizer.chat_template):
         messages, tools = inline_tools(messages, tools), None
     try:
@@ -117,7 +117,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
-    return encode_with_answers(tokenizer, text, messages, answers)
+    return encode_prompt(tokenizer, text, messages, ids)
 
 
 def completion_prompt(tokenizer: Any, prompt: Any) -> list[int]:

@@ -23,9 +23,9 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
-from engine.server.answer_ids import AnswerIds
 from engine.server.conversation_attrs import template_attrs
 from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
+from engine.server.prompt_tokens import PromptIds
 from engine.server.prompts import render_prompt
 from engine.server.response_store import StoredResponse
 from engine.server.responses_schemas import ResponsesRequest, function_tools, input_messages
@@ -92,14 +92,14 @@ def _sampling(req: ResponsesRequest) -> SamplingParams:
     return params
 
 
-def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]], answers: AnswerIds
+def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]], ids: PromptIds
             ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
     history = earlier + input_messages(req.input)
     if not history:
         raise ApiError(400, "'input' must contain at least one item", param="input")
     tools = function_tools(req)
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return render_prompt(tokenizer, instructions + history, tools, answers), history, tools
+    return render_prompt(tokenizer, instructions + history, tools, ids), history, tools
 
 
 def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str) -> dict[str, Any]:
@@ -134,7 +134,7 @@ async def responses(request: Request) -> Response:
                            "instead", param="previous_response_id")
         earlier = stored.history
     prompt, history, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, earlier,
-                                                     server_state(request).answers)
+                                                     server_state(request).prompt_ids)
     attrs = template_attrs(history, req.metadata, request.headers)
     turn = Turn("resp_" + uuid.uuid4().hex, req, req.model or engine.model_name, history)
     stream = engine.submit(GenerationRequest(turn.response_id, prompt, _sampling(req), attrs))

@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from engine.config import EngineConfig
 from engine.errors import ApiError
-from engine.server.answer_ids import AnswerIds
+from engine.server.prompt_tokens import PromptIds
 from engine.server.response_store import ResponseStore
 from engine.startup_progress import StartupProgress
 
@@ -30,7 +30,10 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     progress: StartupProgress = field(default_factory=StartupProgress)  # the loader moves it on
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
-    answers: AnswerIds = field(default_factory=AnswerIds)  # the ids generated for answers returned (answer_ids.py)
+    prompt_ids: PromptIds = field(init=False)  # how prompts become ids: answers as generated, text as text
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = PromptIds(contents_as_text=not self.config.allow_special_in_content)
 
 
 def server_state(request: Request) -> ServerState:
