@@ -34,7 +34,7 @@ def test_a_chat_switch_back_reuses_the_whole_previous_turn(engine):
         ask = [{"role": "user", "content": question}]
         r = client.chat.completions.create(model="m", messages=ask, max_tokens=48, temperature=1.2, seed=seed)
         first[question] = (ask + [{"role": "assistant", "content": r.choices[0].message.content}], r.usage)
-    for seed, question in enumerate(QUESTIONS):  # each one comes back after the others took the slot
+    for question in QUESTIONS:  # each one comes back after the others took the slot
         history, usage = first[question]
         follow = history + [{"role": "user", "content": "Shorter, please."}]
         stream = client.chat.completions.create(model="m", messages=follow, max_tokens=4, temperature=0,
