@@ -95,3 +95,63 @@ def test_stream_releases_a_malformed_block_as_content():
     content, calls = _stream(["ok ", "<tool_call>", "{oops", "</tool_call>"])
     assert calls == []
     assert content == "ok <tool_call>{oops</tool_call>"
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "zip": {"type": "string"}, "options": {"type": "object"}}}}}]
+
+
+def test_qwen3_coder_xml_calls_read_values_by_the_schema():
+    text = ("I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n75001\n</parameter>\n"
+            "<parameter=options>\n{\"metric\": true}\n</parameter>\n</function>\n</tool_call>")
+    parsed = parse_tool_calls(text, WEATHER_TOOLS)
+    assert parsed.content == "I'll look."
+    [call] = parsed.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3, "zip": "75001",
+                                                          "options": {"metric": True}}
+
+
+def test_mistral_calls_in_both_spellings():
+    listed = parse_tool_calls('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]', WEATHER_TOOLS)
+    assert [json.loads(c["function"]["arguments"]) for c in listed.tool_calls] == [{"city": "Rome"}]
+    named = parse_tool_calls('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', WEATHER_TOOLS)
+    assert named.content == "Sure." and named.tool_calls[0]["function"]["name"] == "get_weather"
+    # The marker is a control token the decoder may leave out: a whole answer that is the list still counts.
+    bare = parse_tool_calls('[{"name": "get_weather", "arguments": {"city": "Lima"}}]', WEATHER_TOOLS)
+    assert bare.content is None and len(bare.tool_calls) == 1
+
+
+def test_llama3_json_calls_count_only_for_an_offered_tool():
+    call = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Cairo"}}'
+    parsed = parse_tool_calls(call, WEATHER_TOOLS)
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Cairo"}
+    just_json = '{"name": "Ada", "parameters": []}'
+    assert parse_tool_calls(just_json, WEATHER_TOOLS).tool_calls == [], "an answer that is JSON stays an answer"
+    assert parse_tool_calls(just_json, WEATHER_TOOLS).content == just_json
+
+
+def test_garbled_calls_of_every_format_stay_text():
+    for text in ('<tool_call><function=get_weather><parameter=city>Paris', '[TOOL_CALLS]get_weather[ARGS]{"city"',
+                 '{"name": "get_weather", "parameters": {"city": ', "[" * 5000 + "{"):
+        parsed = parse_tool_calls(text, WEATHER_TOOLS)
+        if parsed.tool_calls:  # an unclosed XML call is complete enough to run, as for JSON blocks
+            assert text.startswith("<tool_call>")
+        else:
+            assert parsed.content == text
+
+
+def test_stream_holds_an_answer_that_starts_as_a_json_call_and_releases_one_that_does_not():
+    filt = ToolCallStream(WEATHER_TOOLS)
+    assert filt.feed('{"name": "get_weather", ') == ""
+    assert filt.feed('"parameters": {"city": "Bern"}}') == ""
+    rest = filt.finish()
+    assert rest.content == "" and rest.tool_calls[0]["function"]["name"] == "get_weather"
+    filt = ToolCallStream(WEATHER_TOOLS)
+    assert filt.feed("[") == ""
+    assert filt.feed("See the docs]") == "[See the docs]", "a link, not a call: let through at once"
+    assert filt.feed(" and [TOOL") == " and "
+    assert filt.feed('_CALLS]get_weather[ARGS]{"city": "Quito"}') == ""
+    assert filt.finish().tool_calls[0]["function"]["name"] == "get_weather"

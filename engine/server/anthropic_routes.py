@@ -94,14 +94,14 @@ async def messages(request: Request) -> Response:
         return refused
     model = req.model or engine.model_name
     if req.stream:
-        return sse_response(_events(stream, request, message_id, model, tools is not None, engine.tokenizer))
+        return sse_response(_events(stream, request, message_id, model, tools, engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", message_id)
         return Response(status_code=499)
     remember_answer(request, engine.tokenizer, final)
-    parsed = parse_tool_calls(text) if tools is not None else ParsedOutput(text)
+    parsed = parse_tool_calls(text, tools) if tools is not None else ParsedOutput(text)
     content: list[dict[str, Any]] = [{"type": "text", "text": parsed.content}] if parsed.content else []
     content += [tool_use_block(call) for call in parsed.tool_calls]
     reason, sequence = stop_reason(final, bool(parsed.tool_calls))
@@ -115,11 +115,11 @@ def _event(kind: str, body: dict[str, Any]) -> str:
                                                  separators=(",", ":")) + "\n\n"
 
 
-async def _events(stream: Any, request: Request, message_id: str, model: str, parse_tools: bool, tokenizer: Any
+async def _events(stream: Any, request: Request, message_id: str, model: str, tools: list[dict[str, Any]] | None, tokenizer: Any
                   ) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, ping, a text block's start/deltas/stop, a block per tool call,
     message_delta (stop_reason, usage), message_stop. An engine failure ends the stream with an error event."""
-    calls = ToolCallStream() if parse_tools else None
+    calls = ToolCallStream(tools) if tools is not None else None
     final: TokenEvent | None = None
     started = text_open = False
     index = 0

@@ -74,7 +74,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         return sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
-                                         tools is not None, req.include_usage(), engine.tokenizer))
+                                         tools, req.include_usage(), engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
@@ -84,7 +84,7 @@ async def chat_completions(request: Request) -> Response:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = final.finish_reason
     if tools is not None:
-        parsed = parse_tool_calls(text)
+        parsed = parse_tool_calls(text, tools)
         if parsed.tool_calls:
             message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
             finish_reason = "tool_calls"
@@ -99,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_chunks(stream: Any, request: Request, request_id: str, created: int, model: str,
-                       parse_tools: bool, include_usage: bool, tokenizer: Any) -> AsyncIterator[str]:
+                       tools: list[dict[str, Any]] | None, include_usage: bool, tokenizer: Any) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -109,7 +109,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
             body["usage"] = None
         return sse(body)
 
-    calls = ToolCallStream() if parse_tools else None
+    calls = ToolCallStream(tools) if tools is not None else None
     final: TokenEvent | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})

@@ -142,14 +142,14 @@ async def responses(request: Request) -> Response:
     if refused is not None:
         return refused
     if req.stream:
-        return sse_response(_events(stream, request, turn, tools is not None, engine.tokenizer))
+        return sse_response(_events(stream, request, turn, tools, engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", turn.response_id)
         return Response(status_code=499)
     remember_answer(request, engine.tokenizer, final)
-    parsed = parse_tool_calls(text) if tools is not None else ParsedOutput(text)
+    parsed = parse_tool_calls(text, tools) if tools is not None else ParsedOutput(text)
     body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex)
     _store(request, turn, parsed, body)
     return JSONResponse(body)
@@ -167,13 +167,13 @@ class _Events:
         return f"event: {kind}\ndata: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-async def _events(stream: Any, request: Request, turn: Turn, parse_tools: bool, tokenizer: Any
+async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[str, Any]] | None, tokenizer: Any
                   ) -> AsyncIterator[str]:
     """response.created / in_progress; a message item whose output_text streams as deltas; a function_call item per
     call (its arguments as one delta); then response.completed (or .incomplete, or .failed)."""
     ev = _Events()
     message_id = "msg_" + uuid.uuid4().hex
-    calls = ToolCallStream() if parse_tools else None
+    calls = ToolCallStream(tools) if tools is not None else None
     final: TokenEvent | None = None
     text_parts: list[str] = []
     opened = False
