@@ -424,15 +424,13 @@ class Scheduler(Stats):
             self._finish(slot, "stop")
             return
         text = a.stops.push(a.decoder.push(token))
-        # The first token's event carries the prompt's usage (cached tokens known): Anthropic's message_start says it.
-        early = Usage(len(a.request.prompt_tokens), 1, a.cached_tokens) if len(a.generated) == 1 else None
         if a.stops.stopped:
-            if text or early is not None:
-                a.stream.put(TokenEvent(text=text, token_id=token, usage=early))
+            if text:
+                a.stream.put(TokenEvent(text=text, token_id=token))
             a.next_token = token
             self._finish(slot, "stop")
             return
-        a.stream.put(TokenEvent(text=text, token_id=token, usage=early))
+        a.stream.put(TokenEvent(text=text, token_id=token))
         a.next_token = token
         if len(a.generated) >= a.max_tokens or len(slot.tokens) + 1 >= self.ctx_size:
             self._finish(slot, "length")

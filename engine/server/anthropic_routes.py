@@ -34,18 +34,18 @@ from engine.server.prompt_tokens import PromptIds
 from engine.server.prompts import render_prompt
 from engine.server.schemas import parse_body
 from engine.server.state import require_engine, server_state
-from engine.server.streaming import ClientDisconnected, engine_events
+from engine.server.streaming import ClientDisconnected, engine_events, with_heartbeat
 from engine.server.tool_calls import ParsedOutput, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
 router = APIRouter()
+PING_INTERVAL_S = 10.0  # a ping this often while nothing else is sent (a long prefill), as Anthropic's API does
 
 
-def usage_dict(usage: Usage | None, output_tokens: int | None = None) -> dict[str, int]:
-    prompt, cached = (usage.prompt_tokens, usage.cached_tokens) if usage is not None else (0, 0)
-    done = usage.completion_tokens if usage is not None else 0
-    return {"input_tokens": prompt - cached, "output_tokens": done if output_tokens is None else output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+def usage_dict(usage: Usage | None) -> dict[str, int]:
+    prompt, cached, done = (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) if usage else (0, 0, 0)
+    return {"input_tokens": prompt - cached, "output_tokens": done, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached}
 
 
 def stop_reason(final: TokenEvent, called: bool) -> tuple[str, str | None]:
@@ -94,7 +94,7 @@ async def messages(request: Request) -> Response:
         return refused
     model = req.model or engine.model_name
     if req.stream:
-        return sse_response(_events(stream, request, message_id, model, tools, engine.tokenizer))
+        return sse_response(_events(stream, request, message_id, model, len(prompt), tools, engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
@@ -115,24 +115,25 @@ def _event(kind: str, body: dict[str, Any]) -> str:
                                                  separators=(",", ":")) + "\n\n"
 
 
-async def _events(stream: Any, request: Request, message_id: str, model: str, tools: list[dict[str, Any]] | None, tokenizer: Any
-                  ) -> AsyncIterator[str]:
-    """Anthropic's event sequence: message_start, ping, a text block's start/deltas/stop, a block per tool call,
-    message_delta (stop_reason, usage), message_stop. An engine failure ends the stream with an error event."""
+async def _events(stream: Any, request: Request, message_id: str, model: str, n_prompt: int,
+                  tools: list[dict[str, Any]] | None, tokenizer: Any) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start and a ping at once, pings while the prompt is computed, a text
+    block's start/deltas/stop, a block per tool call, message_delta (stop_reason, the final usage: what the cache
+    reused is known only once the prompt is in), message_stop. An engine failure ends with an error event."""
     calls = ToolCallStream(tools) if tools is not None else None
     final: TokenEvent | None = None
-    started = text_open = False
+    text_open = False
     index = 0
+    yield _event("message_start", {"message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": usage_dict(Usage(n_prompt, 0, 0))}})
+    yield _event("ping", {})
     try:
         async with contextlib.aclosing(engine_events(stream, request)) as events:
-            async for event in events:
-                if not started and event.finish_reason != "error":
-                    # After the first token: the prompt's usage (what the cache reused) is known by then.
-                    started = True
-                    yield _event("message_start", {"message": {
-                        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-                        "stop_reason": None, "stop_sequence": None, "usage": usage_dict(event.usage, 1)}})
+            async for event in with_heartbeat(events, PING_INTERVAL_S):
+                if event is None:
                     yield _event("ping", {})
+                    continue
                 text = calls.feed(event.text) if calls is not None else event.text
                 if text:
                     if not text_open:

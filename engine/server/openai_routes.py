@@ -28,7 +28,15 @@ from engine.server.schemas import (
     sampling_params,
 )
 from engine.server.state import require_engine, server_state
-from engine.server.streaming import SSE_DONE, ClientDisconnected, engine_events, sse
+from engine.server.streaming import (
+    KEEPALIVE_S,
+    SSE_DONE,
+    SSE_KEEPALIVE,
+    ClientDisconnected,
+    engine_events,
+    sse,
+    with_heartbeat,
+)
 from engine.server.tool_calls import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
@@ -114,7 +122,10 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
     try:
         yield chunk({"role": "assistant", "content": ""})
         async with contextlib.aclosing(engine_events(stream, request)) as events:
-            async for event in events:
+            async for event in with_heartbeat(events, KEEPALIVE_S):
+                if event is None:  # the prompt is still being computed
+                    yield SSE_KEEPALIVE
+                    continue
                 text = calls.feed(event.text) if calls is not None else event.text
                 if text:
                     yield chunk({"content": text})

@@ -31,7 +31,13 @@ from engine.server.response_store import StoredResponse
 from engine.server.responses_schemas import ResponsesRequest, function_tools, input_messages
 from engine.server.schemas import parse_body
 from engine.server.state import require_engine, server_state
-from engine.server.streaming import ClientDisconnected, engine_events
+from engine.server.streaming import (
+    KEEPALIVE_S,
+    SSE_KEEPALIVE,
+    ClientDisconnected,
+    engine_events,
+    with_heartbeat,
+)
 from engine.server.tool_calls import ParsedOutput, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
@@ -182,7 +188,10 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
     where = {"item_id": message_id, "output_index": 0, "content_index": 0}
     try:
         async with contextlib.aclosing(engine_events(stream, request)) as events:
-            async for event in events:
+            async for event in with_heartbeat(events, KEEPALIVE_S):
+                if event is None:  # the prompt is still being computed
+                    yield SSE_KEEPALIVE
+                    continue
                 text = calls.feed(event.text) if calls is not None else event.text
                 if text:
                     if not opened:

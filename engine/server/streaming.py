@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -12,6 +13,8 @@ from starlette.requests import Request
 from engine.runtime.requests import TokenEvent
 
 SSE_DONE = "data: [DONE]\n\n"
+SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies and idle timers see traffic
+KEEPALIVE_S = 10.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -63,3 +66,30 @@ async def engine_events(stream: Any, request: Request) -> AsyncGenerator[TokenEv
             step.cancel()
         if not finished:
             stream.cancel()
+
+
+async def with_heartbeat(events: AsyncGenerator[TokenEvent, None], interval_s: float
+                         ) -> AsyncGenerator[TokenEvent | None, None]:
+    """`events`, with None whenever `interval_s` pass without one: a long prefill sends nothing for minutes, and
+    clients (Claude Code, proxies) drop a stream that stays silent."""
+    step: asyncio.Future[TokenEvent] | None = None
+    try:
+        while True:
+            if step is None:
+                step = asyncio.ensure_future(events.__anext__())
+            done, _ = await asyncio.wait({step}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                event = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield event
+    finally:
+        if step is not None and not step.done():
+            step.cancel()
+            # Wait for it to stop: `events` cannot be closed (aclosing) while its step is still running.
+            with contextlib.suppress(BaseException):
+                await step
