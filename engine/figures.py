@@ -7,10 +7,11 @@ the Prometheus renderer reads their fields. Adding a figure is one line here (pl
     expert_arena_bytes: int = 0                      # a gauge
     prefill_recomputed: int = counter()              # a monotonic total: `strata_<section>_<name>_total`
     prefill_reasons: dict[str, int] = counter(label="reason", metric="prefill_reason")  # one labelled counter
+    disk_error: str = condition(label="reason", metric="disk_error")  # a 0/1 gauge, the text as its label
 
 A figure's default is what an engine that does not measure it reports (so an older engine's answer still
-parses). Nested dataclasses and dicts of numbers become `<section>_<field>_<key>` gauges; text fields become
-labels of one `strata_<section>_info` gauge; lists and nulls are left out of the Prometheus text.
+parses). Nested dataclasses and dicts of numbers become `<section>_<field>_<key>` gauges; other text fields
+become labels of one `strata_<section>_info` gauge; lists and nulls are left out of the Prometheus text.
 This module imports only the standard library (the desktop loads it without torch).
 """
 
@@ -28,6 +29,12 @@ def counter(*, label: str = "", metric: str = "") -> Any:
     if label:
         return field(default_factory=dict, metadata=meta)
     return field(default=0, metadata=meta)
+
+
+def condition(*, label: str, metric: str) -> Any:
+    """A text that says what is wrong, empty while all is well. Prometheus gets the gauge `strata_<metric>`: 1 with
+    the text as its `label` label, 0 (the label empty) when fine, so an alert needs no text matching."""
+    return field(default="", metadata={"condition": label, "metric": metric})
 
 
 def counter_names(cls: type) -> tuple[str, ...]:
@@ -119,7 +126,9 @@ class CacheFigures:
     bytes_spilled: int = counter()
     restore_bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s per tier, as the cost model uses
     prefill_tokens_per_s: float | None = None
-    disk_error: str = ""  # why the disk tier is unusable; empty when fine
+    # why the disk tier is unusable, else the last write that failed ("ENOSPC (No space left on device): writing
+    # conversation ID failed at 2025-05-01T12:00:00Z") until a later write succeeds; empty when fine
+    disk_error: str = condition(label="reason", metric="disk_error")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

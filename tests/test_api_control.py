@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
@@ -187,6 +188,58 @@ def test_purge_reports_what_it_dropped(http, alternated):
     assert result["tier"] == "all"
     assert result["dropped"]["conversations"] >= 1
     assert ok(http.get("/cache/conversations"))["conversations"] == []
+
+
+def test_head_health_is_get_without_the_body(http):
+    get, head = http.get("/health"), http.head("/health")
+    assert (head.status_code, head.content) == (get.status_code, b"") == (200, b"")
+    assert head.headers["content-type"] == get.headers["content-type"] == "application/json"
+
+
+PROMPT = "Caf\u00e9 \u2603 \U0001d11e: " + FILLER  # Latin-1, BMP and astral characters
+
+
+@pytest.mark.parametrize("charset, codec, bom", [
+    ("utf-8", "utf-8", b""), (None, "utf-8", b"\xef\xbb\xbf"), ("utf-16", "utf-16", b""),
+    ("UTF-16LE", "utf-16-le", b""), ('"utf-16be"', "utf-16-be", b""), (None, "utf-16-le", b"\xff\xfe"),
+    ("utf-32", "utf-32", b""), ("utf-32be", "utf-32-be", b""), (None, "utf-32-be", b"\x00\x00\xfe\xff"),
+    ("utf-16", "utf-16-be", b""),  # unmarked: the zero bytes around the first character show the byte order
+    (None, "utf-16-le", b""), (None, "utf-32-le", b""),
+])
+def test_bodies_are_decoded_by_their_charset_or_byte_order_mark(http, charset, codec, bom):
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True}
+    expected = ok(http.post("/v1/completions", json=body))
+    raw = bom + json.dumps(body, ensure_ascii=False).encode(codec)
+    content_type = "application/json" + (f"; charset={charset}" if charset else "")
+    answer = ok(http.post("/v1/completions", content=raw, headers={"Content-Type": content_type}))
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert answer["choices"][0]["text"].startswith(PROMPT)  # echoed: every character arrived whole
+    assert answer["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+
+
+def test_a_charset_json_cannot_use_is_refused_naming_it(http):
+    raw = json.dumps({"prompt": "Caf\u00e9", "max_tokens": 1}, ensure_ascii=False).encode("latin-1")
+    err = error_of(http.post("/v1/completions", content=raw,
+                             headers={"Content-Type": "application/json; charset=ISO-8859-1"}), 415)
+    assert "ISO-8859-1" in err["message"] and "UTF-8" in err["message"] and err["param"] == "Content-Type"
+    # A byte order mark that contradicts the declared charset is a 400 naming both.
+    raw = b"\xff\xfe" + '{"prompt": "x"}'.encode("utf-16-le")
+    err = error_of(http.post("/v1/completions", content=raw,
+                             headers={"Content-Type": "application/json; charset=utf-32"}), 400)
+    assert "UTF-16" in err["message"] and "utf-32" in err["message"]
+    odd = '{"prompt": "x"}'.encode("utf-16-le")[:-1]  # a byte short of whole UTF-16 code units
+    err = error_of(http.post("/v1/completions", content=odd,
+                             headers={"Content-Type": "application/json; charset=utf-16le"}), 400)
+    assert "not valid UTF-16LE" in err["message"]
+
+
+def test_openapi_declares_the_prometheus_text_that_metrics_serves(http):
+    doc = ok(http.get("/openapi.json"))
+    content = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert set(content) == {"application/json", "text/plain; version=0.0.4"}
+    served = http.get("/metrics", params={"format": "prometheus"}).headers["content-type"]
+    assert served.split(";")[:2] == "text/plain; version=0.0.4".split(";"), served
+    assert ok(http.get("/metrics"))  # and JSON by default
 
 
 def test_shutdown_stops_the_engine_cleanly(http, engine):

@@ -115,6 +115,40 @@ def test_failed_background_write_is_counted_logged_and_keeps_the_written_version
     again.close(spill=False)
 
 
+def test_a_failed_write_shows_in_disk_error_until_a_later_write_succeeds(tmp_path):
+    import re
+    import resource
+    import signal
+
+    slots = FakeSlots()
+    stamp = re.compile(r"at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+
+    def full_then_freed() -> bool:
+        cache = make_cache(storage="disk", dir=str(tmp_path))
+        big = make_cache(storage="disk", dir=str(tmp_path / "big"), spill_queue_bytes=0)  # writes before returning
+        assert cache.stats().disk_error == big.stats().disk_error == ""
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, limit[1]))  # every block file is larger: EFBIG
+        assert park_tokens(cache, slots, conversation(250, 5 * BLOCK)).parked  # its background write fails
+        assert not cache.flush(10)
+        refused = park_tokens(big, slots, conversation(251, 5 * BLOCK))
+        background, now = cache.stats().disk_error, big.stats().disk_error
+        assert not refused.parked and refused.reason == "disk_error"
+        for error in (background, now):
+            assert error.startswith("EFBIG (File too large): writing ") and stamp.search(error), error
+            assert str(tmp_path) not in error  # the file by its name in the folder
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        assert park_tokens(cache, slots, conversation(252, 5 * BLOCK)).parked and cache.flush(10)
+        assert park_tokens(big, slots, conversation(253, 5 * BLOCK)).parked
+        assert cache.stats().disk_error == big.stats().disk_error == ""  # cleared by the writes that succeeded
+        cache.close(spill=False)
+        big.close(spill=False)
+        return True
+
+    assert _in_child(full_then_freed) == 0
+
+
 def _while_being_written(cache, slots, seed: int, action):
     """Park 8 MiB conversations until one is caught mid-write; run `action(tokens, id)` then, holding the lock
     (the writer cannot finish that write while it is held). Returns (action's result, tokens, id)."""

@@ -81,3 +81,10 @@ def test_openapi_document_lists_every_route_with_its_body_and_error_shape():
     assert all("default" in op["responses"] and "422" not in op["responses"]
                for methods in paths.values() for op in methods.values())
     assert c.get("/docs").status_code == 404  # no page that would load scripts from a CDN
+
+
+def test_head_health_answers_like_get_without_a_body():
+    c, _ = client(api_key="s3cret")  # open without the key, as GET is
+    get, head = c.get("/health"), c.head("/health")
+    assert (head.status_code, head.content) == (get.status_code, b"") == (503, b"")
+    assert head.headers["content-type"] == get.headers["content-type"]

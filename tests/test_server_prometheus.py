@@ -78,7 +78,15 @@ def test_text_fields_are_labels_of_an_info_gauge():
     assert samples["strata_engine_info"][1:] == (1.0, {"int4_kernel": "", "kv_dtype": "",
                                                       "model": "SmolLM2-135M-Instruct", "omp_wait_policy": "",
                                                       "state": "running", "weights_format": ""})
-    assert samples["strata_conversation_cache_info"][2] == {"dir": "", "disk_error": "", "storage": "tiered"}
+    assert samples["strata_conversation_cache_info"][2] == {"dir": "", "storage": "tiered"}
+
+
+def test_a_condition_is_a_zero_or_one_gauge_with_its_text_as_a_label():
+    assert _samples()["strata_disk_error"] == ("gauge", 0.0, {"reason": ""})
+    error = "ENOSPC (No space left on device): writing conversation 0123 failed at 2025-05-01T12:00:00Z"
+    body = replace(STATS, conversation_cache=replace(STATS.conversation_cache, disk_error=error))
+    assert _samples(body)["strata_disk_error"] == ("gauge", 1.0, {"reason": error})
+    assert "disk_error" not in _samples(body)["strata_conversation_cache_info"][2]  # not a label of the info too
 
 
 def test_each_render_is_independent():

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.cache.attrs import ConvAttrs
+from engine.cache.disk_tier import os_reason
 from engine.cache.errors import ParkRefused
 from engine.cache.index import Block, Conv
 from engine.cache.lifecycle import EntryState
@@ -175,6 +176,8 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
     except Exception as exc:
         with store._lock:
             store._rollback(res, written)
+            if isinstance(exc, OSError):
+                store.files.write_failed(f"conversation {conv_id}", os_reason(exc))
         if isinstance(exc, ParkRefused):
             raise
         if isinstance(exc, OSError):
@@ -185,6 +188,7 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         log.exception("conversation cache: parking to disk failed")
         raise ParkRefused("read_error", f"parking to disk failed: {exc}") from None
     with store._lock:
+        store.files.write_succeeded()
         new_blocks = [Block(keys[i], written[keys[i]], on_disk=True, state=i in states.blocks)
                       for i in range(have, len(keys))]
         for old in superseded:

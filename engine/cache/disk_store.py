@@ -15,6 +15,7 @@ it leaves the index at once and its files go when the writer reports (`_reap`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -319,7 +320,10 @@ class DiskStore:
         if self.index.is_pinned(conv):
             return "being written to or read from disk"
         error = self.files.remove_manifest(conv)
-        return f"its files cannot be removed from {self.files.folder}: {error}" if error else ""
+        # The file by its name in the cache folder: the reason goes to HTTP clients, the folder's path is the
+        # operator's (GET /cache/config shows it to those who may see it).
+        name = os.path.basename(self.files.conv_path(conv.id))
+        return f"its manifest {name} in the cache folder cannot be removed: {error}" if error else ""
 
     # ------------------------------------------------------------------ the writer and what it reports
 
@@ -372,7 +376,9 @@ class DiskStore:
         if result.error:
             conv.error = result.error
             conv.move(EntryState.FAILED)
+            self.files.write_failed(f"conversation {conv.id}", result.error)
         else:
+            self.files.write_succeeded()
             conv.move(EntryState.WRITTEN)
             conv.tail = None
             conv.checkpoints = dict.fromkeys(conv.checkpoints)  # on disk now: RAM keeps only the positions

@@ -10,6 +10,7 @@ its last partial block; its full blocks are the `blk-*` files named by its chain
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -45,6 +46,15 @@ DAY = 86400.0
 _REASONS = ("alien", "foreign", "version", "corrupt", "truncated")
 
 
+def os_reason(exc: BaseException) -> str:
+    """A failed file operation in words an operator can search for, without the path: the errno's name and the
+    system's message ('ENOSPC (No space left on device)'); another exception's type and message."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+        return f"{name} ({exc.strerror or os.strerror(exc.errno)})"
+    return f"{type(exc).__name__} ({exc})"
+
+
 def _unlink(path: str) -> bool:
     return not _unlink_error(path)
 
@@ -57,7 +67,7 @@ def _unlink_error(path: str) -> str:
     except FileNotFoundError:
         return ""
     except OSError as exc:
-        reason = exc.strerror or str(exc)
+        reason = exc.strerror or type(exc).__name__  # str(exc) would name the path: callers name the file
         log.warning("conversation cache: cannot remove %s: %s", path, reason)
         return reason
 
@@ -73,6 +83,9 @@ class DiskTier:
         self.index = TierIndex("disk")
         self._lock_fd: int | None = None
         self.error = ""  # why the folder is unusable (parks are refused with this), empty when fine
+        # The last write that failed (a full disk, a folder remounted read-only), until a later one succeeds: the
+        # folder stays usable meanwhile (space may come back), so this is not `error`, but GET /metrics shows it.
+        self.write_error = ""
 
     # ------------------------------------------------------------------ folder, lock, start-up index
 
@@ -121,6 +134,15 @@ class DiskTier:
                 _unlock_file(self._lock_fd)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def write_failed(self, what: str, reason: str) -> None:
+        """Record a failed write of `what` (`reason`: `os_reason`'s words) with the time it failed, in UTC.
+        Caller holds the cache's lock."""
+        self.write_error = f"{reason}: writing {what} failed at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+
+    def write_succeeded(self) -> None:
+        """A write went through: the disk takes writes again. Caller holds the cache's lock."""
+        self.write_error = ""
 
     def block_path(self, key: str) -> str:
         return os.path.join(self.folder, f"blk-{key}.safetensors")

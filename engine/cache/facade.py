@@ -229,14 +229,17 @@ class ConversationCache:
         try:
             return (*self.ram.park(toks, keys, read_parts, keep, attrs, states), "ram")
         except ParkRefused as exc:
-            fallback = self.settings.storage == "tiered" and exc.reason in ("larger_than_budget", "floor", "priority")
+            fallback = self.settings.storage == "tiered" and exc.reason in (
+                "larger_than_budget", "floor", "priority", "no_room")
             if not (fallback and self.disk is not None):
                 raise
             log.info("conversation cache: %s; parking on disk instead", exc)
-            # RAM is full of conversations that outrank this one: the disk may still take it, through the
-            # writer; refused for its size or the floor, it is written before returning (staging it in RAM
-            # would defeat the reason RAM refused it)
-            background = exc.reason == "priority"
+            # RAM is full of conversations that outrank this one, or that are in use (the hit about to be
+            # restored into this slot: with one slot and room for one conversation, every switch back would
+            # otherwise drop the one switched out): the disk may still take it, through the writer; refused for
+            # its size or the floor, it is written before returning (staging it in RAM would defeat the reason
+            # RAM refused it)
+            background = exc.reason in ("priority", "no_room")
             return (*self.disk.park(toks, keys, read_parts, keep, attrs, background=background,
                                     states=states), "disk")
 
@@ -402,7 +405,7 @@ class ConversationCache:
                 restore_ms=j.restore_ms.summary(),
                 restore_bandwidth=dict(j.bandwidth),
                 prefill_tokens_per_s=self.prefill_tokens_per_s,
-                disk_error=disk.files.error if disk else "",
+                disk_error=(disk.files.error or disk.files.write_error) if disk else "",
                 **j.counts,
             )
 

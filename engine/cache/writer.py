@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.cache.disk_tier import DiskTier
+from engine.cache.disk_tier import DiskTier, os_reason
 from engine.cache.index import Conv, History
 from engine.cache.parts import Parts
 
@@ -36,7 +36,7 @@ class WriteJob:
 @dataclass(slots=True)
 class WriteResult:
     job: WriteJob
-    error: str = ""  # empty: every file was published
+    error: str = ""  # empty: every file was published; else `os_reason`'s words (ENOSPC (No space left on device))
     sizes: dict[str, int] = field(default_factory=dict)  # block key -> file bytes, for the files published
     manifest_bytes: int = 0
     ms: float = 0.0
@@ -111,6 +111,6 @@ class DiskWriter(threading.Thread):
             result.sizes = self._files.write_blocks(job.items)
             result.manifest_bytes = self._files.write_manifest(job.conv, job.tail, history=job.history)
         except Exception as exc:  # disk full, read-only folder, ...: the write is dropped, never the engine
-            result.error = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            result.error = os_reason(exc)
         result.ms = (time.perf_counter() - t0) * 1000
         return result

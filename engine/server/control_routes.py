@@ -11,7 +11,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ConfigDict
 from starlette.background import BackgroundTask
 
@@ -31,6 +30,7 @@ from engine.contract import (
 )
 from engine.errors import ApiError
 from engine.runtime.explain import REQUEST_LOG_SIZE
+from engine.server.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
 from engine.server.prometheus import render_prometheus
 from engine.server.schemas import StrictBody, parse_body
 from engine.server.slot_names import check_slot_file_name
@@ -59,8 +59,11 @@ class ConversationPatch(StrictBody):
 
 
 @router.get("/health")
+@router.head("/health")
 async def health(request: Request) -> JSONResponse:
-    """503 "loading" with the start-up phase while the model loads, 200 "ok" once the engine serves."""
+    """503 "loading" with the start-up phase while the model loads, 200 "ok" once the engine serves.
+
+    HEAD too: load balancers and `curl -I` probe with it; the server sends GET's status and headers, no body."""
     state = server_state(request)
     ready = state.engine is not None
     return JSONResponse(to_json(state.progress.health(ready)), status_code=200 if ready else 503)
@@ -83,7 +86,7 @@ async def metrics(request: Request) -> Response:
     snapshot = require_engine(request).stats_snapshot()
     body = MetricsBody(engine=snapshot["engine"], conversation_cache=snapshot["conversation_cache"])
     if prometheus:
-        return Response(render_prometheus(body), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_prometheus(body), media_type=PROMETHEUS_TYPE)
     return JSONResponse(to_json(body))
 
 

@@ -9,9 +9,10 @@ fetch) and, through DNS rebinding, can make its own origin resolve to 127.0.0.1.
    --cors-origins (403 otherwise); any other request that changes state (not GET/HEAD) and carries an Origin that
    is neither this server nor in --cors-origins is refused (403). Allowed origins get CORS headers from
    Starlette's CORSMiddleware.
-3. `ApiKeyGuard`: `Authorization: Bearer KEY` when --api-key is set; GET /health stays open.
+3. `ApiKeyGuard`: `Authorization: Bearer KEY` when --api-key is set; GET and HEAD /health stay open.
 4. `BodyGuard`: a body must be `application/json` (415) and at most --max-request-mib (413); the body is read
-   here, so the routes never see more than the limit.
+   here, so the routes never see more than the limit, and handed on as UTF-8 (a UTF-16 or UTF-32 body, by its
+   charset or byte order mark, is re-encoded; any other charset is a 415: engine/server/body_charset.py).
 
 Every refusal is in OpenAI's error shape.
 """
@@ -27,6 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import ApiError
+from engine.server.body_charset import declared_charset, to_utf8
 from engine.server.errors import error_response
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -121,7 +123,7 @@ class OriginGuard:
 
 class ApiKeyGuard:
     """Refuses every HTTP request without `Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's SDKs send the
-    latter) (401), except GET /health."""
+    latter) (401), except GET and HEAD /health."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -158,7 +160,8 @@ def _is_json(content_type: str) -> bool:
 
 
 class BodyGuard:
-    """Bodies must be JSON and at most `max_bytes`; reads the whole body before the route runs."""
+    """Bodies must be JSON and at most `max_bytes`; reads the whole body before the route runs and hands it on
+    as UTF-8."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         assert max_bytes > 0
@@ -190,6 +193,11 @@ class BodyGuard:
         if content_type is not None and not _is_json(content_type):
             await _refuse(scope, receive, send, self._not_json(scope, f"Content-Type {content_type[:80]!r}"))
             return
+        try:
+            charset = declared_charset(content_type)
+        except ApiError as exc:
+            await _refuse(scope, receive, send, exc)
+            return
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -207,7 +215,13 @@ class BodyGuard:
         if content_type is None and size > 0:
             await _refuse(scope, receive, send, self._not_json(scope, "no Content-Type"))
             return
-        body = b"".join(chunks)
+        try:
+            body = to_utf8(b"".join(chunks), charset)
+        except ApiError as exc:
+            await _refuse(scope, receive, send, exc)
+            return
+        if charset is not None or size != len(body):
+            scope = _as_utf8(scope, len(body))
         replayed = False
 
         async def replay() -> Message:
@@ -219,3 +233,12 @@ class BodyGuard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _as_utf8(scope: Scope, length: int) -> Scope:
+    """The request's scope with headers that say what the routes now read: UTF-8 of `length` bytes."""
+    headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-length")]
+    media = Headers(scope=scope).get("content-type", "application/json").split(";", 1)[0].strip()
+    headers += [(b"content-type", f"{media}; charset=utf-8".encode("latin-1")),
+                (b"content-length", str(length).encode())]
+    return {**scope, "headers": headers}

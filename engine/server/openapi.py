@@ -2,7 +2,8 @@
 
 The routes read their bodies themselves (to give OpenAI-shaped errors naming the field), so FastAPI cannot see
 what they take. This module adds it from the same pydantic models and settings table the routes validate with:
-request bodies, query parameters, and the error shape every failure uses.
+request bodies, query parameters, the error shape every failure uses, and /metrics' Prometheus text as the
+alternative to its JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from engine.cache.attrs import PRIORITIES
 from engine.config import LIVE_SETTINGS, setting_of
 from engine.runtime.explain import REQUEST_LOG_SIZE
 from engine.server.control_routes import PurgeRequest, SlotFileRequest
+from engine.server.prometheus import MEDIA_TYPE as PROMETHEUS_TEXT
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -102,6 +104,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             if not operation["parameters"]:
                 del operation["parameters"]
             operation["responses"].pop("422", None)  # validation failures are 400s here
+            if (path, method) == ("/metrics", "get"):  # ?format=prometheus (or an Accept asking for it)
+                operation["responses"]["200"]["content"][PROMETHEUS_TEXT] = {"schema": {"type": "string"}}
             operation["responses"]["default"] = {
                 "description": "any failure, in OpenAI's error shape",
                 "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}}}

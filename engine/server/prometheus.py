@@ -3,8 +3,9 @@
 A numeric field `engine.prompt_tokens` becomes `strata_engine_prompt_tokens`; nested figures and dicts of numbers
 join their names with `_` (`conversation_cache.park_ms.p95` -> `strata_conversation_cache_park_ms_p95`).
 Booleans are 0/1. A field declared with `counter()` is a counter (exposed with `_total`); a dict declared with
-`counter(label=...)` is one labelled counter family; every other number is a gauge. Text fields become labels
-of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out.
+`counter(label=...)` is one labelled counter family; every other number is a gauge. A text declared with
+`condition()` is its own 0/1 gauge with the text as a label (`strata_disk_error{reason="..."} 1`); other text
+fields become labels of one `strata_<section>_info` gauge whose value is 1. Lists and nulls are left out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from engine.contract import MetricsBody
 
 PREFIX = "strata"
+# What `render_prometheus` writes: the text format 0.0.4, which every Prometheus reads. prometheus_client's
+# CONTENT_TYPE_LATEST now names 1.0.0, which older scrapers do not know; /openapi.json declares this type too.
+MEDIA_TYPE = "text/plain; version=0.0.4"
+CONTENT_TYPE = MEDIA_TYPE + "; charset=utf-8"
 _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -57,6 +62,12 @@ class _FiguresCollector:
                     for key in sorted(value):
                         family.add_metric([str(key)], value[key])
                     yield family
+                    continue
+                if meta.get("condition"):
+                    gauge = GaugeMetricFamily(_name([meta["metric"]]), doc + " (1 while it is not empty)",
+                                              labels=[meta["condition"]])
+                    gauge.add_metric([value], 1 if value else 0)
+                    yield gauge
                     continue
                 if isinstance(value, str):
                     labels[_NOT_NAME.sub("_", "_".join(path[1:]))] = value
