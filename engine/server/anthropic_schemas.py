@@ -4,6 +4,7 @@ every API renders through (engine.server.prompts.render_prompt).
 
 Ranges: max_tokens >= 1 (required), temperature [0, 1], top_p (0, 1], top_k >= 0, at most 16 stop_sequences.
 Content blocks: text, tool_use, tool_result, thinking / redacted_thinking (kept as the assistant's reasoning);
+system messages after the first turn (Claude Code's mid-conversation system beta) join the user turn beside them;
 image and document blocks are refused (the models served here read text only). `cache_control` marks and fields
 this server has no use for (service_tier, container, mcp_servers, ...) are accepted and ignored.
 """
@@ -173,17 +174,35 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[st
     for i, msg in enumerate(req.messages):
         param = f"messages[{i}]"
         role = msg.get("role")
-        if role not in ("user", "assistant"):
-            raise ApiError(400, f"'{param}.role': expected user or assistant, got {role!r}"[:200],
-                           param=f"{param}.role")
+        if role not in ("user", "assistant") and not (role == "system" and i > 0):
+            raise ApiError(400, f"'{param}.role': expected user or assistant (or system after the first turn), got "
+                           f"{role!r}"[:200], param=f"{param}.role")
         if "content" not in msg:
             raise ApiError(400, f"'{param}.content' is required", param=f"{param}.content")
         blocks = _blocks(msg["content"], f"{param}.content")
         if role == "user":
-            out.extend(_user_turn(blocks, f"{param}.content"))
+            turns = _user_turn(blocks, f"{param}.content")
+        elif role == "system":
+            turns = [{"role": "user", "content": _system_turn(blocks, f"{param}.content")}]
         else:
-            out.append(_assistant_turn(blocks, f"{param}.content"))
+            turns = [_assistant_turn(blocks, f"{param}.content")]
+        for turn in turns:
+            if turn["role"] == "user" and out and out[-1]["role"] == "user":
+                # Consecutive user turns are one turn, as Anthropic's API combines them (templates alternate).
+                out[-1] = {**out[-1], "content": "\n\n".join(t for t in (out[-1]["content"], turn["content"]) if t)}
+            else:
+                out.append(turn)
     return out
+
+
+def _system_turn(blocks: list[dict[str, Any]], param: str) -> str:
+    """A system message inside `messages` (Claude Code sends them, beta mid-conversation-system-2026-04-07): its
+    text, given to the model as user text where it stands, since chat templates take a system turn only first."""
+    for i, block in enumerate(blocks):
+        if block["type"] != "text":
+            raise ApiError(400, f"'{param}[{i}]': expected a text block, got type {block['type']!r}"[:200],
+                           param=f"{param}[{i}]")
+    return "\n".join(_text_of(block, f"{param}[{i}]") for i, block in enumerate(blocks))
 
 
 def function_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]] | None:
