@@ -56,3 +56,29 @@ def test_a_streamed_anthropic_answer_is_reused_as_generated(engine):
     again = client.messages.create(model="m", max_tokens=2, messages=follow)
     whole = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens - 1
     assert again.usage.cache_read_input_tokens >= whole
+
+
+def test_a_template_that_trims_answers_still_gets_the_generated_ids():
+    from engine.model.gguf_header import read_gguf_header
+    from engine.model.loader import embedded_model_path
+    from engine.model.tokenizer import Tokenizer
+    from engine.server.prompt_tokens import PromptIds
+    from engine.server.prompts import render_prompt
+
+    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_header(embedded_model_path()).metadata)
+    # Gemma's and Llama 3's templates trim every message.
+    tokenizer.use_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n"
+                                "{% endfor %}<|im_start|>assistant\n")
+    answer = "Paris is the capital."
+    # A spelling the tokenizer would not choose ("Par" + "is"), then a trailing newline token, as sampled.
+    generated = tokenizer.encode("Par") + tokenizer.encode("is is the capital.") + tokenizer.encode("\n")
+    assert tokenizer.decode(generated) == answer + "\n" and generated[:-1] != tokenizer.encode(answer)
+    ids = PromptIds()
+    ids.answers.remember(tokenizer, generated)
+    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": answer + "\n"},
+                {"role": "user", "content": "Thanks."}]
+    prompt = render_prompt(tokenizer, messages, None, ids)
+    kept = generated[:-1]
+    assert any(prompt[i:i + len(kept)] == kept for i in range(len(prompt))), "the answer's ids as generated, trimmed"
+    without = render_prompt(tokenizer, messages, None, PromptIds())
+    assert not any(without[i:i + len(kept)] == kept for i in range(len(without))), "re-tokenized, it differs"

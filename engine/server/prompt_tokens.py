@@ -33,6 +33,16 @@ def _texts(msg: dict[str, Any]) -> list[tuple[str, bool]]:
     return [(t, optional) for t, optional in parts if isinstance(t, str) and t]
 
 
+def _trimmed(tokenizer: Any, ids: list[int], text: str) -> list[int] | None:
+    """`ids` without the leading and trailing tokens that are only white space, if what remains is `text`."""
+    lo, hi = 0, len(ids)
+    while lo < hi and not tokenizer.decode(ids[lo:lo + 1]).strip():
+        lo += 1
+    while hi > lo and not tokenizer.decode(ids[hi - 1:hi]).strip():
+        hi -= 1
+    return ids[lo:hi] if tokenizer.decode(ids[lo:hi]) == text else None
+
+
 def encode_prompt(tokenizer: Any, text: str, messages: list[dict[str, Any]], ids: PromptIds | None) -> list[int]:
     """`text`, the rendered prompt of `messages`, as token ids (see the module docstring)."""
     if ids is None:
@@ -46,9 +56,13 @@ def encode_prompt(tokenizer: Any, text: str, messages: list[dict[str, Any]], ids
             if generated is None and control is None:
                 continue
             at = text.find(part, pos)
-            if at < 0 and generated is None and part.strip() != part:  # templates often trim a message
+            if at < 0 and part.strip() != part:  # templates often trim a message (Gemma's, Llama 3's)
                 part = part.strip()
                 at = text.find(part, pos)
+                if generated is not None:
+                    generated = _trimmed(tokenizer, generated, part)
+                    if generated is None and control is None:
+                        continue
             if at < 0:
                 if control is not None and not optional:  # the template changed the text: it cannot be kept apart
                     raise ApiError(400, f"'messages[{i}]' holds the text of the model's control token {control!r}, "
