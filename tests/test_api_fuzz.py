@@ -1,5 +1,5 @@
 """Issue 19.9 / standards: every route, fuzzed from the server's own /openapi.json with schemathesis against a
-real engine, answers 4xx in OpenAI's error shape for what it refuses and never a 5xx; the server keeps serving.
+real engine, answers 4xx in its API's error shape (OpenAI's; Anthropic's for the Messages API) for what it refuses and never a 5xx; the server keeps serving.
 Bounded examples per route (seeded), so the whole run stays within a couple of minutes."""
 
 from __future__ import annotations
@@ -30,9 +30,14 @@ def engine(tmp_path_factory):
         yield e
 
 
-def assert_openai_error(status: int, body: bytes, what: str) -> None:
+def assert_api_error(status: int, body: bytes, what: str) -> None:
+    """A 4xx in the shape of the route's API: Anthropic's under /v1/messages, OpenAI's everywhere else."""
     assert status < 500, f"{what} -> {status}: {body[:500]!r}"
-    if status >= 400:
+    if status >= 400 and " /v1/messages" in what:
+        parsed = json.loads(body)
+        assert parsed["type"] == "error" and set(parsed["error"]) == {"type", "message"}, f"{what}: {body[:500]!r}"
+        assert parsed["error"]["message"], what
+    elif status >= 400:
         err = json.loads(body)["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], f"{what}: {body[:500]!r}"
         assert err["code"] == status, what
@@ -58,7 +63,7 @@ def test_every_route_survives_fuzzing_from_its_openapi_document(engine):
             nonlocal seen
             response = case.call(base_url=engine.base_url, timeout=60)
             seen += 1
-            assert_openai_error(response.status_code, response.content, f"{case.method} {case.formatted_path}")
+            assert_api_error(response.status_code, response.content, f"{case.method} {case.formatted_path}")
 
         fuzz()
     assert seen >= 100

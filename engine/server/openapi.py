@@ -18,8 +18,10 @@ from engine import __version__
 from engine.cache.attrs import PRIORITIES
 from engine.config import LIVE_SETTINGS, setting_of
 from engine.runtime.explain import REQUEST_LOG_SIZE
+from engine.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from engine.server.control_routes import PurgeRequest, SlotFileRequest
 from engine.server.prometheus import MEDIA_TYPE as PROMETHEUS_TEXT
+from engine.server.responses_schemas import ResponsesRequest
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -84,6 +86,9 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     bodies = {
         ("/v1/chat/completions", "post"): _body(ChatCompletionRequest, components),
         ("/v1/completions", "post"): _body(CompletionRequest, components),
+        ("/v1/messages", "post"): _body(MessagesRequest, components),
+        ("/v1/messages/count_tokens", "post"): _body(CountTokensRequest, components),
+        ("/v1/responses", "post"): _body(ResponsesRequest, components),
         ("/slots/{slot_id}", "post"): _body(SlotFileRequest, components, required=False),
         ("/cache/purge", "post"): _body(PurgeRequest, components, required=False),
         ("/cache/config", "put"): _body(live, components),
