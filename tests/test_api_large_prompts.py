@@ -1,12 +1,15 @@
-"""Issue 19.5: a prompt of several MB is tokenised on a worker thread, so /health and the stats keep answering
-while it is; a body over --max-request-mib is refused with a 413 naming the limit."""
+"""Large requests: a prompt longer than the context could hold in any tokenization is refused from its length,
+before it is tokenized (which took seconds and 90-140x its size in RAM); a body over --max-request-mib is refused
+with a 413 naming the limit."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
+import psutil
 import pytest
 
 from tests.engine_process import engine_process
@@ -20,27 +23,48 @@ def engine(tmp_path_factory):
         yield e
 
 
-def test_health_and_metrics_answer_while_a_huge_prompt_is_tokenised(engine):
+def _peak_rss_during(pid: int, work) -> tuple[int, int]:
+    """(RSS before, highest RSS seen while `work()` runs), sampled every 20 ms."""
+    proc = psutil.Process(pid)
+    before = proc.memory_info().rss
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        work()
+    finally:
+        done.set()
+        sampler.join()
+    return before, peak[0]
+
+
+def test_a_prompt_no_tokenization_could_fit_is_refused_before_it_is_tokenized(engine):
     body = json.dumps({"prompt": "é中" * 1_600_000, "max_tokens": 1}, ensure_ascii=False).encode()  # 8 MB
-    outcome: dict = {}
+    chat = json.dumps({"messages": [{"role": "user", "content": "x" * (8 << 20)}], "max_tokens": 1}).encode()
+    for route, data in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        replies = []
 
-    def send_big() -> None:
-        r = httpx.post(engine.base_url + "/v1/completions", content=body, timeout=600,
-                       headers={"Content-Type": "application/json"})
-        outcome["status"], outcome["error"] = r.status_code, r.json()["error"]["message"]
+        def send(route=route, data=data, replies=replies) -> None:
+            started = time.monotonic()
+            replies.append((httpx.post(engine.base_url + route, content=data, timeout=600,
+                                       headers={"Content-Type": "application/json"}), time.monotonic() - started))
 
-    big = threading.Thread(target=send_big)
-    big.start()
-    answered_while_pending = 0
-    with httpx.Client(base_url=engine.base_url, timeout=5) as http:
-        while big.is_alive():
-            # A timeout here (5 s) would mean the server stopped serving while it tokenised.
-            assert http.get("/health").json()["status"] == "ok"
-            assert http.get("/metrics").status_code == 200
-            answered_while_pending += big.is_alive()
-    big.join()
-    assert outcome["status"] == 400 and "tokens but the context holds 256" in outcome["error"]
-    assert answered_while_pending >= 1
+        before, peak = _peak_rss_during(engine.proc.pid, send)
+        [(r, seconds)] = replies
+        assert r.status_code == 400, r.text[:300]
+        assert "more than the context can hold in any tokenization" in r.json()["error"]["message"]
+        # Tokenizing 8 MB took seconds and ~1 GB; refused from its length, the body's parse is the cost.
+        assert seconds < 20
+        print(f"{route}: {seconds:.2f} s, RSS {before >> 20} -> {peak >> 20} MiB")
+        assert peak - before < 20 * len(data), f"{route}: RSS {before >> 20} -> {peak >> 20} MiB"
+    assert engine.get_status("/health") == 200
 
 
 def test_a_body_over_the_limit_is_a_413_naming_it(engine):

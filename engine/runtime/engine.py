@@ -83,6 +83,7 @@ class Engine(Scheduler):
         self._int4_kernel_name = self.int4_kernel()  # asked once: for /metrics and the cache identity
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
+        self.tokenizer.limit_prompts(self.ctx_size)
         self.n_slots = config.parallel
         from engine.model.loader import resolve_kv_dtype
 

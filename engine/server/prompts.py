@@ -110,6 +110,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
     answers keep the ids the engine generated for them (engine.server.prompt_tokens)."""
+    check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
     if not template_renders_tools(tokenizer.chat_template):
         messages, tools = inline_tools(messages, tools), None
     try:
@@ -117,7 +118,21 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
+    check_length(tokenizer, len(text), "messages")
     return encode_prompt(tokenizer, text, messages, ids)
+
+
+def _texts_of(msg: dict[str, Any]) -> list[str]:
+    return [t for t in (msg.get("content"), msg.get("reasoning_content")) if isinstance(t, str)]
+
+
+def check_length(tokenizer: Any, n_chars: int, param: str) -> None:
+    """A 400 for text too long to fit the context whatever its tokens, before a byte of it is tokenized."""
+    limit = getattr(tokenizer, "max_prompt_chars", None)
+    if limit is not None and n_chars > limit:
+        raise ApiError(400, f"the prompt is {n_chars:,} characters long, more than the context can hold in any "
+                       f"tokenization (at most {limit:,} characters: the context's tokens times the longest "
+                       "token); shorten it", param=param)
 
 
 def completion_prompt(tokenizer: Any, prompt: Any) -> list[int]:
@@ -129,6 +144,7 @@ def completion_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "'prompt' is empty", param="prompt")
+        check_length(tokenizer, len(prompt), "prompt")
         tokens = tokenizer.encode(prompt, add_special_tokens=True)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not prompt:
