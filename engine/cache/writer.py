@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.cache.disk_tier import DiskTier, os_reason
 from engine.cache.index import Conv, History
 from engine.cache.parts import Parts
+from engine.kv.host_memory import return_free_memory
 
 
 @dataclass(slots=True)
@@ -101,6 +102,12 @@ class DiskWriter(threading.Thread):
                 self._report(result)
                 self._busy = False
                 self.cond.notify_all()
+            # The job holds the parked tensors: no reference may outlive the write, or a disk park keeps its whole
+            # copy in RAM until the next job comes (what `disk` storage exists to avoid).
+            job.items, job.tail = [], None
+            del job, result
+            if not self._queue:
+                return_free_memory()  # the freed copies' pages go back now, not at some later allocation
 
     def _write(self, job: WriteJob) -> WriteResult:
         t0 = time.perf_counter()
