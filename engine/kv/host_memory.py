@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import Any
 
 import torch
 
@@ -82,25 +83,24 @@ def populate(view: torch.Tensor) -> bool:
     return True
 
 
-_libc_malloc_trim = None
+_malloc_trim: Any = None  # glibc's malloc_trim once looked up, False where there is none
 
 
 def return_free_memory() -> bool:
     """Give the C heap's free pages back to the system (glibc's malloc_trim). A parked copy freed after its disk
     write otherwise stays in the engine's RSS: glibc raises its mmap threshold after large frees, so such copies
     come from the heap, whose free pages it keeps. False where there is no glibc (Windows, musl, macOS)."""
-    global _libc_malloc_trim
-    if _libc_malloc_trim is None:
+    global _malloc_trim
+    if _malloc_trim is None:
         import ctypes
 
         try:
             fn = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError):
-            _libc_malloc_trim = False
-            return False
-        fn.argtypes, fn.restype = (ctypes.c_size_t,), ctypes.c_int
-        _libc_malloc_trim = fn
-    if _libc_malloc_trim is False:
+            fn.argtypes, fn.restype = (ctypes.c_size_t,), ctypes.c_int
+            _malloc_trim = fn
+        except (AttributeError, OSError, TypeError):  # no such symbol; no C library handle (Windows)
+            _malloc_trim = False
+    if _malloc_trim is False:
         return False
-    _libc_malloc_trim(0)
+    _malloc_trim(0)
     return True
