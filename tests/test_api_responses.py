@@ -140,3 +140,20 @@ def test_the_function_call_output_round_trip_is_accepted(tool_client):
     second = tool_client.responses.create(model="m", input=turn, tools=[WEATHER], max_output_tokens=8, store=False)
     assert second.usage.input_tokens > first.usage.input_tokens + 10
     assert second.output[0].type == "function_call"
+
+
+def test_tools_in_an_additional_tools_item_are_offered_as_codex_sends_them(tool_client):
+    # Codex's default request: its tools in an input item, grouped in a namespace, beside kinds no model here runs.
+    item = {"type": "additional_tools", "role": "developer", "tools": [
+        {"type": "namespace", "name": "functions", "tools": [WEATHER, {"type": "custom", "name": "exec"}]}]}
+    r = tool_client.responses.create(model="m", input=[item, {"role": "user", "content": QUESTION}],
+                                     max_output_tokens=8, store=False)
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+
+
+def test_an_input_item_kind_this_server_does_not_know_is_left_out(client):
+    known = client.responses.create(model="m", input=QUESTION, max_output_tokens=1, store=False)
+    unknown = client.responses.create(model="m", max_output_tokens=1, store=False, input=[
+        {"type": "future_item_kind", "id": "x1"}, {"role": "user", "content": QUESTION}])
+    assert unknown.usage.input_tokens == known.usage.input_tokens

@@ -4,8 +4,10 @@ parsed strictly, then turned into the chat-template messages and function tools 
 Input: a string (one user message) or items: messages (`input_text` / `output_text` parts, or a string),
 `function_call`, `function_call_output`, `reasoning` (its summary or content text kept as the assistant's
 reasoning; `encrypted_content` alone is dropped). `input_image` / `input_file` parts and `item_reference` items are
-refused. Tools: `function` tools are rendered; tools the engine cannot run for the client (`web_search`,
-`local_shell`, `custom`, ...) are left out of the prompt, and the log says so once per request.
+refused; item kinds this server does not know, which carry no text for the model, are left out and logged. Tools:
+`function` tools are rendered, from `tools` and from `additional_tools` input items (Codex's, in namespaces);
+tools of other kinds (`web_search`, `local_shell`, `custom`, ...) are left out of the prompt, and the log says so
+once per request.
 """
 
 from __future__ import annotations
@@ -115,9 +117,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             text = _content_text(parts, f"{param}.summary") if parts else ""
             if text:
                 _last_assistant(out)["reasoning_content"] = text
-        else:
-            raise ApiError(400, f"'{param}.type': input items of type {kind!r} are not supported; expected message, "
-                           "function_call, function_call_output or reasoning", param=f"{param}.type")
+        elif kind == "additional_tools":
+            continue  # tools, not a turn: function_tools reads them
+        elif kind == "item_reference":
+            raise ApiError(400, f"'{param}.type': item_reference items are not supported (this server keeps no "
+                           "items by id); send the item itself", param=f"{param}.type")
+        else:  # an item kind newer than this server, with no text for the model: leaving it out is safe
+            log.info("responses: input items of type %r left out of the prompt", kind)
     return out
 
 
@@ -127,16 +133,28 @@ def function_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
     if choice is not None and not isinstance(choice, dict) and choice not in TOOL_CHOICE_MODES:
         raise ApiError(400, f"'tool_choice': expected one of {', '.join(TOOL_CHOICE_MODES)} or "
                        f"{{\"type\": \"function\", \"name\": ...}}, got {choice!r}"[:300], param="tool_choice")
-    if choice == "none" or not req.tools:
+    # Codex also sends tools as an `additional_tools` input item, grouped in namespaces.
+    offered = [(f"tools[{i}]", tool) for i, tool in enumerate(req.tools or [])]
+    if isinstance(req.input, list):
+        for i, item in enumerate(req.input):
+            if isinstance(item, dict) and item.get("type") == "additional_tools":
+                offered += [(f"input[{i}].tools[{j}]", tool) for j, tool in enumerate(item.get("tools") or [])]
+    if choice == "none" or not offered:
         return None
-    out, skipped = [], []
-    for i, tool in enumerate(req.tools):
-        if tool.get("type") != "function":
-            skipped.append(str(tool.get("type")))
+    out: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    while offered:
+        param, tool = offered.pop(0)
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            offered[:0] = [(f"{param}.tools[{j}]", t) for j, t in enumerate(tool.get("tools") or [])]
+            continue
+        if kind != "function":
+            skipped.append(str(kind))
             continue
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise ApiError(400, f"'tools[{i}].name': expected the function's name", param=f"tools[{i}].name")
+            raise ApiError(400, f"'{param}.name': expected the function's name", param=f"{param}.name")
         function: dict[str, Any] = {"name": name, "parameters": tool.get("parameters") or {"type": "object"}}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
