@@ -138,6 +138,7 @@ def serve(config: EngineConfig) -> int:
     import uvicorn
 
     from engine.server.app import ServerState, create_app
+    from engine.server.http_protocol import HeadDeadlineProtocol
 
     _setup_logging(config.log_level)
     try:
@@ -151,7 +152,7 @@ def serve(config: EngineConfig) -> int:
     state = ServerState(config=config)
     app = create_app(state)
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=5))
+                                    timeout_graceful_shutdown=5, http=HeadDeadlineProtocol))
     outcome = {"exit": 0}
 
     def request_shutdown() -> None:

@@ -19,6 +19,7 @@ Every refusal is in OpenAI's error shape.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -32,6 +33,7 @@ from engine.server.body_charset import declared_charset, to_utf8
 from engine.server.errors import error_response
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+BODY_IDLE_S = 15.0  # the longest a request body may pause between bytes (its head: engine/server/http_protocol.py)
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/health"})  # answerable without the API key: it says only ok / loading
@@ -202,7 +204,12 @@ class BodyGuard:
         size = 0
         more = True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except TimeoutError:  # a stalled body would hold its buffered bytes for as long as the client likes
+                await _refuse(scope, receive, send, ApiError(
+                    408, f"the request body stalled: no bytes for {BODY_IDLE_S:g} s after {size} of them"))
+                return
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunk = message.get("body", b"")
