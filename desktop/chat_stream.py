@@ -17,6 +17,10 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
+# Who the engine lists these requests as (X-Strata-Client, engine/server/conversation_attrs.py): the Monitor's
+# requests and conversations say "Strata Desktop chat", not the HTTP library's User-Agent.
+CLIENT_NAME = "Strata Desktop chat"
+
 
 @dataclass(frozen=True, slots=True)
 class TurnStats:
@@ -115,7 +119,9 @@ class ChatStream(QObject):
     def _run(self) -> None:
         import httpx  # here, not at import: the GUI starts without it
 
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"X-Strata-Client": CLIENT_NAME}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         timeout = httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s)
         start = self.started_at or time.perf_counter()
         first: float | None = None

@@ -103,6 +103,20 @@ def describe_config_error(reason: str) -> str:
     return f"{head}: {detail}. Change it in Settings and start the engine again."
 
 
+def refused_words(reason: str) -> str:
+    """A refused start in a few words, for the header and the tray: "port 8080 is in use"."""
+    busy = busy_port(reason)
+    if busy:
+        return f"port {busy.port} is in use"
+    if reason.startswith("cannot load the model"):
+        return "the model could not be loaded"
+    if reason.startswith("conversation cache"):
+        return "the conversation cache could not be set up"
+    if reason.startswith("--host/--port"):
+        return "the address could not be used"
+    return "a setting was refused"
+
+
 def setting_for_error(reason: str) -> str:
     """The setting a refused start points at: the one to open in Settings."""
     if busy_port(reason) or reason.startswith("--host/--port"):

@@ -27,7 +27,7 @@ from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signa
 
 import engine
 from desktop.client import EngineClient, Reply
-from desktop.engine_errors import config_error
+from desktop.engine_errors import config_error, refused_words
 from desktop.log_files import APP_PREFIX
 from desktop.pid_file import read_pid_file, write_pid_file
 from engine.config import EngineConfig
@@ -55,6 +55,14 @@ class EngineState(StrEnum):
             "stopped": "Stopped", "starting": "Starting…", "loading": "Loading model…", "ready": "Ready",
             "stopping": "Stopping…", "crashed": "Crashed",
         }[self.value]
+
+
+def state_words(state: EngineState, outcome: ProcessOutcome | None) -> str:
+    """The state as the header and the tray say it: a start the engine refused (its settings, a busy port: exit
+    status 2 and its reason) is "Not started: port 8080 is in use", not "Crashed"."""
+    if state is EngineState.CRASHED and outcome is not None and outcome.config_error:
+        return f"Not started: {refused_words(outcome.config_error)}"
+    return state.label
 
 
 def engine_command(config: EngineConfig, port: int | None = None) -> list[str]:
@@ -182,6 +190,11 @@ class EngineProcess(QObject):
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.state() != QProcess.ProcessState.NotRunning
+
+    @property
+    def state_text(self) -> str:
+        """The state in words, with why a start was refused ("Not started: port 8080 is in use")."""
+        return state_words(self.state, self.outcome)
 
     # ------------------------------------------------------------------ control
 

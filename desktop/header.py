@@ -3,8 +3,10 @@ Start / Stop / Restart buttons (enabled as the state allows)."""
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWidget
 
 from desktop.engine_process import EngineState
 from desktop.startup_view import StartupView
@@ -16,6 +18,8 @@ class EngineHeader(QWidget):
         super().__init__(parent)
         self.state_label = QLabel()
         self.state_label.setObjectName("engineState")
+        # Said whole ("Not started: port 8080 is in use"): the URL and the start-up view's kept room give way first.
+        self.state_label.setSizePolicy(QSizePolicy.Policy.Minimum, QSizePolicy.Policy.Preferred)
         self.startup = StartupView()  # the loading phase and its bar while the engine starts
         self.url_label = QLabel()
         self.url_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -28,10 +32,11 @@ class EngineHeader(QWidget):
                                 (self.start_button, 0), (self.stop_button, 0), (self.restart_button, 0)):
             layout.addWidget(widget, stretch)
 
-    def set_state(self, state: EngineState, running: bool) -> None:
-        """`running`: a process is up (it may be stopping)."""
+    def set_state(self, state: EngineState, running: bool, words: str = "") -> None:
+        """`running`: a process is up (it may be stopping); `words`: the state said otherwise than its label
+        (a refused start: "Not started: port 8080 is in use")."""
         color = STATE_COLORS[state]
-        self.state_label.setText(f"<b style='color:{color}'>●</b> Engine: <b>{state.label}</b>")
+        self.state_label.setText(f"<b style='color:{color}'>●</b> Engine: <b>{html.escape(words or state.label)}</b>")
         settled = state is not EngineState.STOPPING
         self.start_button.setEnabled(not running and settled)
         self.stop_button.setEnabled(running and settled)

@@ -9,7 +9,7 @@ import collections
 from collections.abc import Iterable
 from pathlib import Path
 
-from PySide6.QtCore import QUrl
+from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QFont, QGuiApplication, QTextCursor, QTextDocument
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -26,6 +26,8 @@ from desktop.engine_process import LOG_LINES
 
 
 class LogsTab(QWidget):
+    folder_not_opened = Signal(str)  # nothing could show the log folder: the message, naming its path
+
     def __init__(self, log_dir: Path | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.log_dir = log_dir
@@ -67,6 +69,25 @@ class LogsTab(QWidget):
         self.folder_button.setEnabled(log_dir is not None)
         self.folder_button.clicked.connect(self.open_log_folder)
 
+        # Said when nothing could open the folder (no file manager registered): where it is, to select or copy.
+        self.folder_message = QLabel()
+        self.folder_message.setObjectName("folderMessage")
+        self.folder_message.setWordWrap(True)
+        self.folder_message.setTextFormat(Qt.TextFormat.PlainText)
+        self.folder_message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse
+                                                    | Qt.TextInteractionFlag.TextSelectableByKeyboard)
+        self.folder_message.setStyleSheet("color: #b26a00;")
+        self.copy_path_button = QPushButton("Copy path")
+        self.copy_path_button.setToolTip("Copy the log folder's path to the clipboard")
+        self.copy_path_button.clicked.connect(self.copy_log_path)
+        self.folder_row = QWidget()
+        folder_layout = QHBoxLayout(self.folder_row)
+        folder_layout.setContentsMargins(0, 0, 0, 0)
+        folder_layout.addWidget(self.folder_message, 1)
+        folder_layout.addWidget(self.copy_path_button)
+        self.folder_row.hide()
+        self.folder_message.hide()
+
         bar = QHBoxLayout()
         bar.addWidget(self.search, 1)
         bar.addWidget(self.prev_button)
@@ -80,6 +101,7 @@ class LogsTab(QWidget):
         bar.addWidget(self.folder_button)
         layout = QVBoxLayout(self)
         layout.addLayout(bar)
+        layout.addWidget(self.folder_row)
         layout.addWidget(self.follow_off)
         layout.addWidget(self.view, 1)
 
@@ -138,11 +160,31 @@ class LogsTab(QWidget):
         QGuiApplication.clipboard().setText(self.text())
 
     def open_log_folder(self) -> bool:
-        """Show the log folder in the file manager."""
+        """Show the log folder in the file manager; where none opens it (none registered), say so with the
+        folder's path to select or copy (here and through `folder_not_opened`, for the status bar)."""
         if self.log_dir is None:
             return False
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        return QDesktopServices.openUrl(QUrl.fromLocalFile(str(self.log_dir)))
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._folder_not_opened(f"The log folder could not be created ({e.strerror}): {self.log_dir}")
+            return False
+        if QDesktopServices.openUrl(QUrl.fromLocalFile(str(self.log_dir))):
+            self.folder_row.hide()
+            self.folder_message.hide()
+            return True
+        self._folder_not_opened("Could not open the log folder (no file manager is set up to open folders). "
+                                f"The log files are in {self.log_dir}")
+        return False
+
+    def _folder_not_opened(self, text: str) -> None:
+        self.folder_message.setText(text)
+        self.folder_message.show()
+        self.folder_row.show()
+        self.folder_not_opened.emit(text)
+
+    def copy_log_path(self) -> None:
+        QGuiApplication.clipboard().setText(str(self.log_dir) if self.log_dir is not None else "")
 
     # ------------------------------------------------------------------ search
 

@@ -169,6 +169,7 @@ class MainWindow(QMainWindow):
         self.settings_tab.restart_requested.connect(self.restart_engine)
         self.settings_tab.prefs_changed.connect(self._prefs_changed)
         self.autosaver.failed.connect(self.show_notice)
+        self.logs.folder_not_opened.connect(lambda text: self.statusBar().showMessage(text, 30000))
         self.tray.open_requested.connect(self.show_window)
         self.tray.start_requested.connect(self.start_engine)
         self.tray.stop_requested.connect(self.stop_engine)
@@ -225,7 +226,7 @@ class MainWindow(QMainWindow):
         self.engine.restart(self.store.engine_config())
 
     def _on_state(self, state: EngineState) -> None:
-        self.header.set_state(state, self.engine.running)
+        self.header.set_state(state, self.engine.running, self.engine.state_text)
         self.monitor.set_engine_state(state)
         self.chat.set_engine(state, self.client.base_url, self.client.api_key)
         self.settings_tab.set_engine(state, self.engine.config if self.engine.running else None)
@@ -308,7 +309,7 @@ class MainWindow(QMainWindow):
         parked = len(self.conversations) if (ready and self.conversations is not None) else None
         health = self.engine.health
         self.tray.update_status(self.engine.state, self.metrics if ready else None, parked,
-                                describe(health) if health is not None else "")
+                                describe(health) if health is not None else "", self.engine.state_text)
 
     # ------------------------------------------------------------------ settings
 

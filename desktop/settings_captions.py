@@ -1,6 +1,8 @@
-"""What the Settings tab says under and beside each field: the refusal in words, or how the setting applies and
-where its value comes from, warnings (a folder not writable, a risky budget), the figures beside a budget, and
-the budgets the storage mode does not use greyed out. Folder checks and the host's RAM are read off the GUI thread.
+"""What the Settings tab says under and beside each field: the refusal in words, or only what is worth saying
+(a value changed from its default and when it applies, one set by the environment, what 0 means where it means
+something, warnings: a folder not writable, a risky budget), the figures beside a budget, and the budgets the
+storage mode does not use greyed out. An untouched field says nothing: how a group applies is said once above it
+and in each field's tooltip. Folder checks and the host's RAM are read off the GUI thread.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from PySide6.QtCore import QObject, QTimer
 from desktop.folders import FolderReport, check_folder
 from desktop.settings import SettingsStore, Source, format_bytes, format_mib
 from desktop.settings_rows import SettingRow
-from desktop.settings_words import arena_words, risk_warning
-from engine.config import SettingError, default_cache_dir
+from desktop.settings_words import applies_words, arena_words, risk_warning, value_words, zero_words
+from engine.config import EngineConfig, SettingError, default_cache_dir
 
 Submit = Callable[[Callable[[], Any], Callable[[Any], None]], None]
 
@@ -38,9 +40,9 @@ class RowCaptions(QObject):
         self._folder_timer.start()
 
     def show(self, row: SettingRow) -> None:
-        """The caption under `row`: its refusal, or how it applies, where its value comes from and any warning."""
+        """The caption under `row`: its refusal, or what is worth saying of its value ("" hides it)."""
         if row.error:
-            row.caption.setText(row.error)
+            self._say(row, row.error)
             row.caption.setToolTip(row.flag_error)
             row.caption.setStyleSheet("color: #c62828;")
             row.editor.setStyleSheet("QLineEdit { border: 1px solid #c62828; }")
@@ -49,17 +51,23 @@ class RowCaptions(QObject):
             return
         row.editor.setStyleSheet("")
         row.caption.setToolTip("")
-        parts = ["applies live" if row.spec.live else "applies after a restart",
-                 self.store.describe_source(row.name)]
+        value = self._shown_value(row.name)
+        parts = [zero_words(row.name, value)]
         unused = self.unused_in_mode(row.name)
         if unused:
             parts.insert(0, unused)
+        if self.store.source(row.name) is Source.ENV:
+            parts.append(self.store.describe_source(row.name))
+        else:
+            default = getattr(EngineConfig(), row.name)
+            if value != default:
+                parts += [f"changed from the default ({value_words(row.spec, default)})", applies_words(row.spec)]
         report = self.folder_reports.get("conversation_cache_dir")
-        risk = risk_warning(row.name, self._shown_value(row.name), row.text(), self.host_total,
+        risk = risk_warning(row.name, value, row.text(), self.host_total,
                             report.free_bytes if report else None)
         arena, arena_warns = "", False
         if row.name == "conversation_cache_mib":  # a MoE model's expert arena, and what it leaves
-            arena, arena_warns = arena_words(self.expert_arena, self._shown_value(row.name),
+            arena, arena_warns = arena_words(self.expert_arena, value,
                                              self._shown_value("conversation_cache_min_free_mib"), self.host_total,
                                              self.store.value("conversation_cache_storage"))
             if arena and not arena_warns:
@@ -67,10 +75,16 @@ class RowCaptions(QObject):
         warning = "; ".join(w for w in (self._folder_warning(row.name), risk, arena if arena_warns else "") if w)
         if warning:
             parts.append(warning)
-        row.caption.setText(" · ".join(parts))
+        self._say(row, " · ".join(p for p in parts if p))
         row.caption.setStyleSheet("color: #b26a00;" if warning else "color: #666;")
         if row.info is not None:
             row.info.setText(self._info_text(row.name))
+
+    @staticmethod
+    def _say(row: SettingRow, text: str) -> None:
+        """Put `text` under the field; an empty caption is hidden (it would only leave a gap)."""
+        row.caption.setText(text)
+        row.caption.setVisible(bool(text))
 
     def unused_in_mode(self, name: str) -> str:
         """Why a budget does nothing in the chosen storage mode ("" when it is used)."""

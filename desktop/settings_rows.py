@@ -7,10 +7,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QToolButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 from desktop.settings import is_budget, parse_mib
-from desktop.settings_words import STORAGE_HELP
+from desktop.settings_words import STORAGE_HELP, applies_words
 from engine.config import Setting, SettingError, all_settings, default_cache_dir, setting_of
 
 FOLDER_SETTINGS = tuple(name for name, spec, _ in all_settings() if spec.ui == "folder")
@@ -40,11 +49,15 @@ class SettingRow:
     def text(self) -> str:
         if isinstance(self.editor, QComboBox):
             return str(self.editor.currentData())
+        if isinstance(self.editor, QCheckBox):
+            return "true" if self.editor.isChecked() else "false"
         assert isinstance(self.editor, QLineEdit)
         return self.editor.text()
 
     def parsed(self) -> Any:
         """The typed text as a value (a budget in MiB from "4 GiB"); raises SettingError with the reason."""
+        if isinstance(self.editor, QCheckBox):
+            return self.editor.isChecked()
         text = self.text()
         if is_budget(self.spec):
             return parse_mib(text, self.spec)
@@ -60,6 +73,8 @@ class SettingRow:
         self.editor.blockSignals(True)
         if isinstance(self.editor, QComboBox):
             self.editor.setCurrentIndex(max(0, self.editor.findData(value)))
+        elif isinstance(self.editor, QCheckBox):
+            self.editor.setChecked(value is True)
         else:
             assert isinstance(self.editor, QLineEdit)
             if value is None:
@@ -72,6 +87,12 @@ class SettingRow:
                 text = str(value)
             self.editor.setText(text)
         self.editor.blockSignals(False)
+
+
+def tooltip(spec: Setting, extra: str = "") -> str:
+    """A field's tooltip: the flag and its help, when a change reaches the engine, and `extra`."""
+    applies = applies_words(spec)
+    return f"{spec.flag}: {spec.help}\n{applies[:1].upper()}{applies[1:]}." + (f"\n{extra}" if extra else "")
 
 
 def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> SettingRow:
@@ -89,6 +110,13 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
             editor.addItem(STORAGE_HELP[choice] if name == "conversation_cache_storage" else choice, choice)
         editor.currentIndexChanged.connect(lambda _i, n=name: actions.commit(n))  # a choice is always whole
         line.addWidget(editor, 1)
+    elif spec.kind == "bool":
+        # Yes or no: a checkbox (its label is the row's); a click is a whole value, stored and applied at once.
+        editor = QCheckBox()
+        assert isinstance(editor, QCheckBox)
+        editor.toggled.connect(lambda _on, n=name: actions.commit(n))
+        line.addWidget(editor)
+        line.addStretch(1)
     else:
         editor = QLineEdit()
         assert isinstance(editor, QLineEdit)
@@ -127,7 +155,7 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
             info = QLabel()
             info.setStyleSheet("color: #555; margin-left: 6px;")
             line.addWidget(info)
-    editor.setToolTip(f"{spec.flag}: {spec.help}")
+    editor.setToolTip(tooltip(spec))
     editor.setObjectName(name)
     if spec.kind in ("int", "float") or name in ("host", "dtype", "log_level", "devices", "layer_split"):
         # Short values: a narrow field, the unit and figures beside it, the rest of the line free.

@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
 
 from desktop.autostart import Autostart
 from desktop.engine_process import EngineState
+from desktop.gpu import GPU_ONLY_SETTINGS, nvidia_gpu_present
 from desktop.settings import (
     HIDDEN_SETTINGS,
     AutoSaver,
@@ -44,8 +45,8 @@ from desktop.settings import (
     secret_variables,
 )
 from desktop.settings_captions import RowCaptions
-from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row
-from desktop.settings_words import GROUPS, label_of, plain_error
+from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row, tooltip
+from desktop.settings_words import GROUPS, group_note, label_of, plain_error
 from desktop.widgets import CommandView, guard_wheel
 from engine.config import EngineConfig, SettingError, all_settings
 
@@ -65,9 +66,13 @@ class SettingsTab(QWidget):
 
     def __init__(self, store: SettingsStore, autosaver: AutoSaver,
                  submit: Callable[[Callable[[], Any], Callable[[Any], None]], None],
-                 autostart: Autostart | None = None, parent: QWidget | None = None) -> None:
+                 autostart: Autostart | None = None, parent: QWidget | None = None, *,
+                 gpu: bool | None = None) -> None:
+        """`gpu`: whether this machine has an NVIDIA GPU (None: look); without one the GPU-only settings are
+        hidden, except those changed from their defaults (in effect, so shown)."""
         super().__init__(parent)
         self.store = store
+        self.gpu = nvidia_gpu_present() if gpu is None else gpu
         self.autostart = autostart
         self.autosaver = autosaver
         self._submit = submit
@@ -88,17 +93,30 @@ class SettingsTab(QWidget):
                              pick_model=lambda file: self._pick_model(file=file), pick_folder=self._pick_folder)
         content = QWidget()
         content_layout = QVBoxLayout(content)
+        hidden = [] if self.gpu else [name for name in GPU_ONLY_SETTINGS if store.source(name) is Source.DEFAULT]
+        self.gpu_note = QLabel("No NVIDIA GPU found on this computer: the settings that only act on one are hidden ("
+                               + ", ".join(label_of(n) for n in hidden) + ").")
+        self.gpu_note.setWordWrap(True)
+        self.gpu_note.setStyleSheet("color: #666;")
+        self.gpu_note.setVisible(bool(hidden))
+        content_layout.addWidget(self.gpu_note)
+        specs = {name: spec for name, spec, _ in all_settings()}
         for group, title in GROUPS:
+            names = [name for name, spec, _ in all_settings()
+                     if spec.group == group and name not in HIDDEN_SETTINGS and name not in hidden]
             box = QGroupBox(title)
             form = QFormLayout(box)
             form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
-            for name, spec, _default in all_settings():
-                if spec.group != group or name in HIDDEN_SETTINGS:
-                    continue
+            note = QLabel(group_note(names, specs))  # how they apply, said once here and in each tooltip
+            note.setWordWrap(True)
+            note.setStyleSheet("color: #666;")
+            form.addRow(note)
+            for name in names:
+                spec = specs[name]
                 row = build_row(name, spec, actions, locked=store.source(name) is Source.ENV)
                 self.rows[name] = row
                 label = QLabel(label_of(name))
-                label.setToolTip(f"{spec.flag}: {spec.help}")
+                label.setToolTip(tooltip(spec))
                 form.addRow(label, row.container)
             content_layout.addWidget(box)
         app_box = QGroupBox("Desktop app")
@@ -252,14 +270,18 @@ class SettingsTab(QWidget):
         row = self.rows[name]
         if isinstance(row.editor, QComboBox):
             row.editor.setCurrentIndex(row.editor.findData(text))
+        elif isinstance(row.editor, QCheckBox):
+            row.editor.setChecked(row.spec.parse(text))  # a change commits (toggled)
         else:
             assert isinstance(row.editor, QLineEdit)
             row.editor.setText(text)
             self._commit(name)  # a whole value put in at once (a picked folder): nothing to wait for
 
     def focus_setting(self, name: str) -> None:
-        """Scroll to one setting and put the keyboard in its field."""
-        row = self.rows[name]
+        """Scroll to one setting and put the keyboard in its field (one not shown here: nothing to focus)."""
+        row = self.rows.get(name)
+        if row is None:
+            return
         self.scroll.ensureWidgetVisible(row.container)
         row.editor.setFocus()
 
@@ -345,7 +367,7 @@ class SettingsTab(QWidget):
         row = self.rows["conversation_cache_dir"]
         if row.info is not None:
             row.info.setText("")
-        row.editor.setToolTip(f"{row.spec.flag}: {row.spec.help}" + (f"\nThe engine uses {path}" if path else ""))
+        row.editor.setToolTip(tooltip(row.spec, f"The engine uses {path}" if path else ""))
 
     def differences(self) -> tuple[dict[str, Any], list[str]]:
         """(live changes {name: value}, names that need a restart) between the settings and the running engine."""

@@ -7,8 +7,9 @@ line and the logs, not for a form. Here each says which field, what it takes, an
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from desktop.settings import format_bytes
+from desktop.settings import format_bytes, format_mib, is_budget
 from engine.config import Setting, SettingError, all_settings
 
 GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
@@ -19,11 +20,72 @@ STORAGE_HELP = {
     "tiered": "tiered — memory first; evictions and shutdown spill to disk",
 }
 SIZE_UNITS = (("PiB", 1 << 30), ("TiB", 1 << 20), ("GiB", 1 << 10), ("MiB", 1))
+# What 0 means, said under the field when it holds 0, for every setting that takes 0 (engine/config.py's help
+# texts and the code behind them); the port's 0 is said by its warning (risk_warning).
+ZERO_WORDS = {
+    "moe_cpu_layers": "0 = none: experts stay where Experts on puts them",
+    "threads": "0 = automatic: PyTorch's default number of threads",
+    "decode_threads": "0 = automatic: one thread or CPU threads, whichever decodes faster, timed as the engine runs",
+    "side_call_tokens": "0 = off: a short call takes a slot like any other request",
+    "queue_timeout": "0 = no limit: a request waits for a free slot as long as it takes",
+    "n_predict": "0 = no limit but the context",
+    "conversation_cache_mib": "0 = no RAM parking",
+    "conversation_cache_disk_mib": "0 = no disk parking: every park to disk is refused",
+    "conversation_cache_write_buffer_mib": "0 = nothing waits in RAM: each disk write is done before the switch "
+                                           "continues",
+    "conversation_cache_min_free_mib": "0 = no floor: a RAM park is refused only when the memory available "
+                                       "cannot hold it",
+    "conversation_cache_days": "0 = the folder is emptied at every start",
+    "conversation_cache_checkpoint_tokens": "0 = at each prompt's end only",
+    "conversation_cache_n_min": "0 = automatic: the cost model decides",
+    "conversation_cache_similarity": "0 = off: a hit of any share may be restored (the cost model decides)",
+}
+APPLIES_LIVE = "applies live"
+APPLIES_AT_RESTART = "applies after a restart"
 
 
 def label_of(name: str) -> str:
     """The words a setting is shown with, as its declaration gives them."""
     return LABELS[name]
+
+
+def applies_words(spec: Setting) -> str:
+    """When a change reaches the engine: "applies live" or "applies after a restart"."""
+    return APPLIES_LIVE if spec.live else APPLIES_AT_RESTART
+
+
+def zero_words(name: str, value: Any) -> str:
+    """What 0 means for this setting when `value` is 0 ("" otherwise, or where 0 means nothing special)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != 0:
+        return ""
+    return ZERO_WORDS.get(name, "")
+
+
+def value_words(spec: Setting, value: Any) -> str:
+    """A setting's value as the form would say it: "16 GiB", "8192 tokens", "off", "empty"."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if is_budget(spec) and isinstance(value, int):
+        return format_mib(value)
+    if isinstance(value, int | float):
+        number = _number(value)
+        return f"{number} {spec.unit}" if spec.unit else number
+    return str(value) if value != "" else "empty"
+
+
+def group_note(names: list[str], specs: dict[str, Setting]) -> str:
+    """How a group's settings reach a running engine, said once above them."""
+    later = [n for n in names if not specs[n].live]
+    if len(later) == len(names):
+        return "These apply when the engine starts: after a restart if it is running."
+    if not later:
+        return "These apply live to the running engine."
+    labels = [label_of(n) for n in later]
+    listed = labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
+    which = "which applies" if len(labels) == 1 else "which apply"
+    return f"These apply live to the running engine, except {listed}, {which} after a restart."
 
 
 def size_words(mib: float) -> str:

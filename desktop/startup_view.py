@@ -2,7 +2,8 @@
 
 The phase comes from the engine's GET /health (engine/contract.py HealthBody): a bar with the percentage where
 the engine can tell (loading weights, layer by layer), a busy bar where it cannot (reading the model file).
-The widget keeps its size whether shown or not, so the header never jumps when loading ends.
+The widget keeps its size whether shown or not while the engine runs, so the header never jumps when loading
+ends; a stopped or failed engine gives its room to the state's words ("Not started: port 8080 is in use").
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def describe(health: HealthBody | None) -> str:
 
 
 class StartupView(QWidget):
-    """A label and a bar for the start-up phase; hidden (its room kept) unless the engine is starting."""
+    """A label and a bar for the start-up phase; hidden (its room kept while the engine runs) unless the engine
+    is starting."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -63,6 +65,11 @@ class StartupView(QWidget):
 
     def _show(self) -> None:
         starting = self.state in (EngineState.STARTING, EngineState.LOADING)
+        policy = self.sizePolicy()
+        keep = self.state not in (EngineState.STOPPED, EngineState.CRASHED)
+        if policy.retainSizeWhenHidden() != keep:
+            policy.setRetainSizeWhenHidden(keep)
+            self.setSizePolicy(policy)
         self.setVisible(starting)
         if not starting:
             return

@@ -44,9 +44,11 @@ def tray_available() -> bool:
     return QSystemTrayIcon.isSystemTrayAvailable()
 
 
-def tooltip_text(state: EngineState, metrics: dict[str, Any] | None, parked: int | None, loading: str = "") -> str:
-    """Strata — Ready · 3 parked · RAM 12.0 MiB · disk 0 B (or, loading: the start-up phase in words)"""
-    parts = [f"Strata — {state.label.rstrip('…')}"]
+def tooltip_text(state: EngineState, metrics: dict[str, Any] | None, parked: int | None, loading: str = "",
+                 words: str = "") -> str:
+    """Strata — Ready · 3 parked · RAM 12.0 MiB · disk 0 B (or, loading: the start-up phase in words; `words`:
+    the state said otherwise than its label, e.g. "Not started: port 8080 is in use")."""
+    parts = [f"Strata — {(words or state.label).rstrip('…')}"]
     if state is EngineState.LOADING and loading:
         parts.append(loading)
     if state is EngineState.READY and metrics:
@@ -99,11 +101,11 @@ class Tray(QObject):
         self.icon.hide()
 
     def update_status(self, state: EngineState, metrics: dict[str, Any] | None, parked: int | None,
-                      loading: str = "") -> None:
+                      loading: str = "", words: str = "") -> None:
         if state is not self.state:  # the tooltip changes every poll; the icon only with the state
             self.icon.setIcon(self.icons[state])
         self.state = state
-        self.icon.setToolTip(tooltip_text(state, metrics, parked, loading))
+        self.icon.setToolTip(tooltip_text(state, metrics, parked, loading, words))
         stoppable = state in (EngineState.STARTING, EngineState.LOADING, EngineState.READY)
         self.engine_action.setText("Stop engine" if stoppable else "Start engine")
         self.engine_action.setEnabled(state is not EngineState.STOPPING)

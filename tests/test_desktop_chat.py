@@ -46,6 +46,7 @@ def app_window(qapp, tmp_path_factory):
     w = MainWindow(Paths(base / "cfg", base / "state"), use_tray=False, environ={})
     w.store.set("port", 0)
     w.store.set("parallel", 1)
+    w.store.set("max_tokens_policy", "refuse")  # a max_tokens past the context is refused (the default caps it)
     w.store.set("conversation_cache_dir", str(base / "parked"))
     w.show()
     w.start()
@@ -181,3 +182,16 @@ def test_stop_cancels_the_answer_and_the_engine_serves_the_next_turn(qtbot, app_
     # The engine freed the slot: the next turn is answered.
     after = say(qtbot, tab, "Thanks, that is enough.")
     assert after.completion_tokens >= 1
+
+
+def test_the_engine_lists_the_chats_requests_as_the_strata_desktop_chat(qtbot, app_window):
+    """The Chat tab's requests name their client (X-Strata-Client), not the HTTP library that sends them."""
+    import httpx
+
+    w = app_window
+    tab = w.chat
+    tab.new_button.click()
+    say(qtbot, tab, "Name a colour.")
+    body = httpx.get(w.engine.url + "/cache/requests?limit=50", timeout=10, trust_env=False).json()
+    clients = {row["client"] for row in body["requests"]}
+    assert clients == {"Strata Desktop chat"}, clients

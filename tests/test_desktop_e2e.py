@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from PySide6.QtCore import QEventLoop
+from PySide6.QtCore import QEventLoop, Qt
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QMessageBox
 
@@ -159,7 +159,7 @@ def test_storage_mode_change_in_settings_reaches_the_engine(qtbot, app_window):
     assert json.loads(w.paths.settings_file.read_text())["engine"]["conversation_cache_storage"] == "tiered"
 
 
-def test_a_typed_live_budget_applies_once_it_settles_and_a_restart_setting_offers_restart(qtbot, app_window):
+def test_a_typed_live_budget_applies_on_enter_and_a_restart_setting_offers_restart(qtbot, app_window):
     w = app_window
     tab = w.settings_tab
     w.tabs.setCurrentWidget(tab)
@@ -167,8 +167,10 @@ def test_a_typed_live_budget_applies_once_it_settles_and_a_restart_setting_offer
     editor = tab.rows["conversation_cache_slots"].editor
     editor.setFocus()
     editor.selectAll()
-    QTest.keyClicks(editor, "48")  # typed, then a pause: settled, valid, live -> sent without a click
-    assert w.engine.config.conversation_cache_slots != 48, "nothing is sent while typing"
+    QTest.keyClicks(editor, "48")
+    qtbot.wait(1500)  # a pause stores it, but never applies a half-typed number
+    assert w.engine.config.conversation_cache_slots != 48, "nothing is sent while typing, nor on a pause"
+    QTest.keyClick(editor, Qt.Key.Key_Return)  # Enter: valid, live -> sent without a click
     qtbot.waitUntil(lambda: "Applied to the running engine: Most conversations = 48" in tab.result.text(),
                     timeout=30000)
     http = httpx.get(w.engine.url + "/cache/config", timeout=10).json()

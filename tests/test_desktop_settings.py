@@ -214,7 +214,7 @@ def test_settings_tab_validates_as_you_type_and_autosaves(qtbot, tmp_path):
 
     tab.set_text("port", "8181")
     assert row.error == "" and store.value("port") == 8181
-    assert "settings file" in row.caption.text() and "after a restart" in row.caption.text()
+    assert row.caption.text() == "changed from the default (8080) · applies after a restart"
 
     tab.set_text("conversation_cache_mib", "2 GiB")
     assert store.value("conversation_cache_mib") == 2048
@@ -476,4 +476,153 @@ def test_the_ram_budget_says_what_a_moe_models_expert_arena_leaves(qtbot, tmp_pa
     assert "expert arena" in row.caption.text() and "refused" not in row.caption.text()
     tab.set_expert_arena(0)
     assert "expert arena" not in row.caption.text()
+    dispatcher.close()
+
+
+def _tab(qtbot, store, **kwargs):
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    saver = AutoSaver(store, dispatcher.submit, delay_ms=50)
+    tab = SettingsTab(store, saver, dispatcher.submit, **kwargs)
+    qtbot.addWidget(tab)
+    return tab, saver, dispatcher
+
+
+def test_yes_no_settings_are_checkboxes_stored_and_applied_like_the_others(qtbot, tmp_path):
+    """Every kind="bool" setting is a checkbox (never a text field holding "False"); a click stores, saves and
+    puts the flag on the command line; a value from the file shows checked; Reset unchecks."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QCheckBox
+
+    from engine.config import all_settings
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"schema": 1, "engine": {"no_cuda_graphs": True}}))
+    store = SettingsStore(path, environ={})
+    store.load()
+    tab, saver, dispatcher = _tab(qtbot, store)
+    tab.show()
+    yes_no = [name for name, spec, _ in all_settings() if spec.kind == "bool"]
+    assert {"no_cuda_graphs", "deterministic", "allow_special_in_content"} <= set(yes_no)
+    for name in yes_no:
+        if name in tab.rows:
+            editor = tab.rows[name].editor
+            assert isinstance(editor, QCheckBox), (name, type(editor).__name__)
+            assert editor.isChecked() is store.value(name), name
+    assert "allow_special_in_content" in tab.rows and "no_cuda_graphs" in tab.rows, "changed: shown on any machine"
+    assert tab.rows["no_cuda_graphs"].editor.isChecked(), "true in the file: checked"
+
+    box = tab.rows["allow_special_in_content"].editor
+    qtbot.mouseClick(box, Qt.MouseButton.LeftButton)
+    assert box.isChecked() and store.value("allow_special_in_content") is True
+    assert store.source("allow_special_in_content") is Source.FILE
+    assert "--allow-special-in-content true" in tab.command.text()
+    assert EngineConfig.from_mapping({"allow-special-in-content": "true"}).allow_special_in_content is True
+    with qtbot.waitSignal(saver.saved, timeout=3000):
+        pass
+    assert json.loads(path.read_text())["engine"] == {"allow_special_in_content": True, "no_cuda_graphs": True}
+    tab.reset("allow_special_in_content")
+    assert not box.isChecked() and store.source("allow_special_in_content") is Source.DEFAULT
+    tab.set_text("no_cuda_graphs", "false")  # as set_text types any other setting
+    assert not tab.rows["no_cuda_graphs"].editor.isChecked() and store.value("no_cuda_graphs") is False
+    dispatcher.close()
+
+
+def test_gpu_only_settings_are_hidden_without_an_nvidia_gpu(qtbot, tmp_path):
+    """No NVIDIA GPU: the settings that only act on CUDA are not shown (one line says so), unless one was changed
+    from its default (then it is in effect and stays shown). The check reads the driver's files, never torch."""
+    import stat
+
+    from desktop.gpu import GPU_ONLY_SETTINGS, nvidia_gpu_present
+    from desktop.settings_tab import SettingsTab
+
+    # The check itself, on real files: the Linux driver's /proc entry, WSL's library, nvidia-smi on PATH.
+    empty = tmp_path / "root"
+    (empty / "bin").mkdir(parents=True)
+    assert not nvidia_gpu_present(platform="linux", root=str(empty), path=str(empty / "bin"))
+    assert not nvidia_gpu_present(platform="darwin", root=str(empty), path=str(empty / "bin"))
+    driver = tmp_path / "driver"
+    (driver / "proc/driver/nvidia").mkdir(parents=True)
+    (driver / "proc/driver/nvidia/version").write_text("NVRM version: 550.54\n")
+    assert nvidia_gpu_present(platform="linux", root=str(driver), path=str(empty / "bin"))
+    smi = empty / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    assert nvidia_gpu_present(platform="linux", root=str(empty), path=str(empty / "bin"))
+    windows = tmp_path / "windows"
+    (windows / "System32").mkdir(parents=True)
+    (windows / "System32" / "nvml.dll").write_bytes(b"MZ")
+    assert nvidia_gpu_present(platform="win32", root=str(windows), path=str(tmp_path / "nothing"))
+
+    assert set(GPU_ONLY_SETTINGS) == {"no_cuda_graphs", "deterministic", "gpu_weights", "devices", "layer_split"}
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    store.set("gpu_weights", "int4")  # changed: in effect, so shown even here
+    tab, _saver, dispatcher = _tab(qtbot, store, gpu=False)
+    assert [n for n in GPU_ONLY_SETTINGS if n in tab.rows] == ["gpu_weights"]
+    assert "cpu_weights" in tab.rows and "moe_experts" in tab.rows and "threads" in tab.rows
+    assert "No NVIDIA GPU" in tab.gpu_note.text() and "No CUDA graphs" in tab.gpu_note.text()
+    assert "Weights on the GPU" not in tab.gpu_note.text(), "shown: not listed as hidden"
+    assert "--gpu-weights int4" in tab.command.text()
+    dispatcher.close()
+
+    tab, _saver, dispatcher = _tab(qtbot, SettingsStore(tmp_path / "t.json", environ={}), gpu=True)
+    assert all(n in tab.rows for n in GPU_ONLY_SETTINGS) and tab.gpu_note.isHidden()
+    dispatcher.close()
+    # Left to itself the tab asks this machine.
+    tab, _saver, dispatcher = _tab(qtbot, SettingsStore(tmp_path / "u.json", environ={}))
+    assert ("no_cuda_graphs" in tab.rows) is nvidia_gpu_present() is tab.gpu
+    assert isinstance(tab, SettingsTab)
+    dispatcher.close()
+
+
+def test_captions_speak_only_when_they_say_something_and_zero_is_said_in_words(qtbot, tmp_path):
+    """No caption under an untouched field ("applies after a restart · default" forty times): how a group's
+    settings apply is said once per group and in each field's tooltip; a changed value, an error or a warning
+    is said under its field, and so is what 0 means where it means something."""
+    from PySide6.QtWidgets import QGroupBox, QLabel
+
+    from desktop.settings_words import ZERO_WORDS
+
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab, _saver, dispatcher = _tab(qtbot, store, gpu=True)
+    tab.resize(900, 700)
+    tab.show()
+    qtbot.waitUntil(lambda: tab.host_total is not None, timeout=5000)
+    spoken = {name: row.caption.text() for name, row in tab.rows.items() if row.caption.text()}
+    zero_now = {name for name in ZERO_WORDS if name in tab.rows and store.value(name) == 0}
+    assert spoken.pop("conversation_cache_disk_mib") == "not used in ram mode"
+    assert set(spoken) == zero_now, "only 0's meaning is said under untouched fields"
+    for name, text in spoken.items():
+        assert text == ZERO_WORDS[name] and "restart" not in text, (name, text)
+        assert tab.rows[name].caption.isVisibleTo(tab)
+    assert tab.rows["ctx_size"].caption.isHidden(), "an empty caption takes no room"
+    everything = [label.text() for label in tab.findChildren(QLabel)]
+    assert sum("after a restart" in t for t in everything) <= len(tab.findChildren(QGroupBox)), "once per group"
+    assert "after a restart" in tab.rows["ctx_size"].editor.toolTip()
+    assert "live" in tab.rows["conversation_cache_mib"].editor.toolTip()
+
+    # 0 in words, where the setting gives 0 a meaning.
+    assert tab.rows["threads"].caption.text() == ZERO_WORDS["threads"] and "automatic" in ZERO_WORDS["threads"]
+    tab.set_text("conversation_cache_similarity", "0.5")
+    assert tab.rows["conversation_cache_similarity"].caption.text().startswith("changed from the default (0)")
+    tab.set_text("conversation_cache_similarity", "0")
+    assert tab.rows["conversation_cache_similarity"].caption.text() == ZERO_WORDS["conversation_cache_similarity"]
+    tab.set_text("conversation_cache_storage", "tiered")
+    tab.set_text("conversation_cache_disk_mib", "0")
+    disk = tab.rows["conversation_cache_disk_mib"].caption.text()
+    assert "no disk parking" in disk and "changed from the default (16 GiB)" in disk, disk
+    tab.set_text("conversation_cache_mib", "0")
+    assert "no RAM parking" in tab.rows["conversation_cache_mib"].caption.text()
+    # A changed value says what it replaced and when it applies.
+    tab.set_text("port", "8181")
+    assert tab.rows["port"].caption.text() == "changed from the default (8080) · applies after a restart"
+    tab.reset("port")
+    assert tab.rows["port"].caption.text() == "" and tab.rows["port"].caption.isHidden()
+    # Every setting that takes 0 and does not forbid it says what 0 means (the port warns instead).
+    from engine.config import all_settings
+
+    takes_zero = {n for n, spec, _ in all_settings() if spec.kind in ("int", "float") and spec.minimum == 0}
+    assert takes_zero - {"port"} == set(ZERO_WORDS), takes_zero ^ set(ZERO_WORDS)
     dispatcher.close()

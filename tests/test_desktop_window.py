@@ -379,6 +379,11 @@ def test_a_busy_port_names_its_owner_and_is_not_retried(qtbot, tmp_path):
         expected = f"Port {port} is in use by {me.name()} (pid {me.pid}): choose another port in Settings."
         qtbot.waitUntil(lambda: w.crash_text.text() == expected, timeout=10000)
         assert "status 2" not in w.crash_text.text() and "crashed" not in w.notice.text()
+        # Labelled as what it is, in the header and the tray: a start refused, not a crash.
+        label = f"Not started: port {port} is in use"
+        assert label in w.state_label.text() and "Crashed" not in w.state_label.text(), w.state_label.text()
+        assert w.tray.icon.toolTip() == f"Strata — {label}"
+        qtbot.waitUntil(lambda: w.state_label.width() >= w.state_label.sizeHint().width(), timeout=2000)  # whole
         assert w.monitor.banner.text().startswith(expected)
         assert not w.crash_settings.isHidden()
         qtbot.wait(1500)  # past the first back-off
@@ -461,3 +466,25 @@ def test_quit_while_typing_keeps_the_value_and_sends_nothing_to_the_stopping_eng
     assert window.live.box is None, "no question while quitting"
     assert window.engine.config.conversation_cache_mib == 4096, "nothing sent"
     assert json.loads(window.paths.settings_file.read_text())["engine"]["conversation_cache_mib"] == 2, "kept"
+
+
+def test_open_log_folder_without_a_file_manager_says_where_the_logs_are(qtbot, window):
+    """Where nothing can open a folder (no file manager registered; Qt's offscreen platform is such a place),
+    the button says so, in the status bar and under the log bar, with the folder's path to select or copy."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QGuiApplication
+
+    logs = window.logs
+    window.tabs.setCurrentWidget(logs)
+    path = str(window.paths.logs)
+    assert logs.folder_message.isHidden()
+    logs.folder_button.click()
+    assert path in window.statusBar().currentMessage()
+    assert not logs.folder_message.isHidden() and path in logs.folder_message.text()
+    assert "could not" in logs.folder_message.text().lower()
+    flags = logs.folder_message.textInteractionFlags()
+    assert flags & Qt.TextInteractionFlag.TextSelectableByMouse
+    logs.copy_path_button.click()
+    assert QGuiApplication.clipboard().text() == path
+    assert window.paths.logs.is_dir(), "the folder exists, to be opened by hand"
+    assert logs.open_log_folder() is False, "offscreen: nothing opens folders"
