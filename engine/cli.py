@@ -157,6 +157,12 @@ def serve(config: EngineConfig) -> int:
 
     def request_shutdown() -> None:
         log.info("shutdown requested")
+        engine = state.engine
+        if engine is not None:
+            # End the requests in flight first (their streams get their last event and finish), so the server's
+            # graceful shutdown has none to cancel; the live slots are parked meanwhile.
+            threading.Thread(target=engine.close, kwargs={"deadline_s": SHUTDOWN_DEADLINE_S},
+                             name="strata-close", daemon=True).start()
         server.should_exit = True
 
     state.shutdown = request_shutdown

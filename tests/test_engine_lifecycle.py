@@ -107,3 +107,36 @@ def test_threads_and_sleeping_workers_are_what_the_engine_runs_with(tiny_model, 
     assert stats["threads"] == 1
     assert stats["decode_threads"] == 1  # a tiny model decodes on one thread by default
     assert stats["omp_wait_policy"] == (policy or "PASSIVE")
+
+
+def test_sigterm_with_streams_in_flight_ends_them_and_exits_at_once_without_tracebacks():
+    import threading
+    import time
+
+    import httpx
+
+    with engine_process("--model", "", "--parallel", "2", "--ctx-size", "2048") as engine:
+        ends: list[str] = []
+
+        def stream(i: int) -> None:
+            body = {"messages": [{"role": "user", "content": f"A story, part {i}."}], "max_tokens": 1500,
+                    "stream": True, "ignore_eos": True}
+            try:
+                with httpx.stream("POST", engine.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+                    ends.extend(line for line in r.iter_lines() if line == "data: [DONE]")
+            except httpx.HTTPError:
+                ends.append("cut")
+
+        clients = [threading.Thread(target=stream, args=(i,)) for i in range(3)]  # two served, one queued
+        for c in clients:
+            c.start()
+        time.sleep(3)
+        started = time.monotonic()
+        assert engine.stop() == 0
+        took = time.monotonic() - started
+        for c in clients:
+            c.join(30)
+        logs = engine.logs()
+    assert took < 4, f"shutdown took {took:.1f} s: the server's graceful timeout cancelled the streams"
+    assert "Traceback" not in logs and "CancelledError" not in logs, logs[-3000:]
+    assert ends.count("data: [DONE]") >= 2, ends  # the streams in flight were ended, not cut

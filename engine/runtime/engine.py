@@ -108,6 +108,8 @@ class Engine(Scheduler):
                                         probe=config.decode_threads == 0 and on_cpu)
         self.started_at = time.time()
         self.state = "ok"
+        self._closing = threading.Lock()  # close() is called from the signal path and at exit: one does the work
+        self._closed = threading.Event()
         self.cache_identity: CacheIdentity | None = None
         self._configure_decode()  # before the cache: its identity names a decode step with its own arithmetic
         progress.begin("building cache index")
@@ -223,10 +225,23 @@ class Engine(Scheduler):
         return await asyncio.wrap_future(self.call(lambda: fn(*args)))
 
     def close(self, deadline_s: float = 30.0) -> None:
-        """Stop taking work, park live slots worth keeping (tiered/disk) and shut the cache down cleanly."""
-        if self.state == "stopped":
+        """Stop taking work, end the requests in flight, park live slots worth keeping (tiered/disk) and shut the
+        cache down cleanly. Any thread; a second call waits for the first one's end."""
+        with self._closing:
+            if self.state != "ok":
+                first = False
+            else:
+                first = True
+                self.state = "stopping"
+        if not first:
+            self._closed.wait(deadline_s + 10)
             return
-        self.state = "stopping"
+        try:
+            self._close(deadline_s)
+        finally:
+            self._closed.set()
+
+    def _close(self, deadline_s: float) -> None:
         done = self.call(lambda: self._shutdown(deadline_s))
         try:
             done.result(timeout=deadline_s + 5)
