@@ -88,6 +88,13 @@ stream_max_retries = 0
 
 [analytics]
 enabled = false
+
+# Tools a 135M model cannot use and whose descriptions would not fit its 8K context with the rest.
+[features]
+multi_agent = false
+image_generation = false
+skill_search = false
+view_image = false
 """
 
 
