@@ -3,6 +3,9 @@ Retry-After header and OpenAI's error shape, streaming or not, instead of hangin
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import httpx
 import openai
 
@@ -41,3 +44,23 @@ def test_a_request_queued_past_the_timeout_gets_503_with_retry_after(tmp_path):
             r = http.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
         assert proc.alive()
+
+
+def test_a_queued_request_whose_client_left_leaves_the_queue_at_once(tmp_path):
+    ctx = 65536
+    model = write_tiny_model(tmp_path, "llama", max_position_embeddings=ctx)
+    with engine_process("--model", model, "--ctx-size", str(ctx), "--parallel", "1", "--queue-timeout", "60",
+                        "--conversation-cache-mib", "0") as proc:
+        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        long_one = client.completions.create(model="m", prompt="a long story", max_tokens=ctx - 100, stream=True,
+                                             extra_body={"ignore_eos": True})
+        next(iter(long_one))  # it holds the only slot now
+        with (httpx.Client(base_url=proc.base_url, timeout=1.0) as impatient,
+              contextlib.suppress(httpx.ReadTimeout)):
+            impatient.post("/v1/completions", json={"prompt": "me next", "max_tokens": 2})
+        deadline = time.monotonic() + 10
+        while proc.get_json("/metrics")[1]["engine"]["queued"] != 0:
+            assert time.monotonic() < deadline, "the request of a client that left stayed queued"
+            time.sleep(0.1)
+        assert proc.get_json("/slots")[1][0]["state"] == "busy", "while the long one still runs"
+        long_one.close()

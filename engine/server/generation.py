@@ -3,6 +3,7 @@ OpenAI Responses): waiting for a slot, collecting a whole answer, the failure of
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from engine.errors import ApiError
 from engine.runtime.requests import TokenEvent
 from engine.server.errors import error_response
 from engine.server.state import server_state
-from engine.server.streaming import SSE_HEADERS, engine_events
+from engine.server.streaming import SSE_HEADERS, engine_events, wait_disconnect
 
 log = logging.getLogger("strata.server")
 RETRY_AFTER_S = 5  # what a request refused by --queue-timeout is told to wait before trying again
@@ -43,11 +44,25 @@ async def collect(stream: Any, request: Request) -> tuple[str, TokenEvent]:
 
 
 async def wait_for_slot(stream: Any, request: Request, n_slots: int) -> Response | None:
-    """None once a slot took the request; a 503 with Retry-After if none did within --queue-timeout."""
+    """None once a slot took the request; a 503 with Retry-After if none did within --queue-timeout; a 499 if the
+    client left while it waited (the request leaves the queue at once, not when a slot frees)."""
     timeout = server_state(request).config.queue_timeout
-    if timeout <= 0 or await stream.wait_started(timeout):
+    if timeout <= 0:
+        return None  # the response's own stream watches the client from here
+    started = asyncio.ensure_future(stream.wait_started(timeout))
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({started, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not started.done():
+            started.cancel()
+    if started.done() and not started.cancelled() and started.result():
         return None
     stream.cancel()
+    if not started.done() or started.cancelled():
+        log.info("%s: client disconnected while queued, request dropped", stream.request_id)
+        return Response(status_code=499)
     log.info("%s: no slot free within --queue-timeout %g s, refused", stream.request_id, timeout)
     err = ApiError(503, f"the server is busy: no slot became free within {timeout:g} s (--queue-timeout; "
                    f"{n_slots} slot{'s' if n_slots != 1 else ''}, see --parallel); retry in {RETRY_AFTER_S} s")

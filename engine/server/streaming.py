@@ -27,7 +27,7 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its request finished; its stream was cancelled."""
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     # The body has been read already, so the next ASGI message can only be the disconnect.
     while True:
         message = await request.receive()
@@ -42,7 +42,7 @@ async def engine_events(stream: Any, request: Request) -> AsyncGenerator[TokenEv
     (disconnect, the response task being cancelled, the consumer closing us) the stream is cancelled, so the
     engine frees the slot.
     """
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request))
     step: asyncio.Future[TokenEvent] | None = None
     finished = False
     try:
