@@ -64,3 +64,33 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once(tmp_path):
             time.sleep(0.1)
         assert proc.get_json("/slots")[1][0]["state"] == "busy", "while the long one still runs"
         long_one.close()
+
+
+def test_a_client_that_stops_reading_its_stream_has_its_request_cancelled(tmp_path):
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    ctx = 65536
+    model = write_tiny_model(tmp_path, "llama", max_position_embeddings=ctx)
+    with engine_process("--model", model, "--ctx-size", str(ctx), "--parallel", "1",
+                        "--conversation-cache-mib", "0") as proc:
+        url = urlsplit(proc.base_url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((url.hostname, url.port))
+        body = json.dumps({"prompt": "a long story", "max_tokens": ctx - 100, "stream": True,
+                           "ignore_eos": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.recv(1024)  # it started; from here on nothing is read
+        deadline = time.monotonic() + 60
+        while "stopped reading, request cancelled" not in proc.logs():
+            assert time.monotonic() < deadline, "generation went on into buffers for a client that stopped reading"
+            time.sleep(0.2)
+        while proc.get_json("/slots")[1][0]["state"] != "idle":
+            assert time.monotonic() < deadline, "the slot stayed busy"
+            time.sleep(0.1)
+        generated = proc.get_json("/metrics")[1]["engine"]["generated_tokens"]
+        sock.close()
+    assert generated < ctx // 2, generated

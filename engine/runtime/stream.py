@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 
 from engine.runtime.requests import TokenEvent
+
+log = logging.getLogger("strata.engine")
+# A consumer this many events behind has stopped reading (a client that no longer reads its stream, whose socket
+# buffers are full): its request is cancelled rather than generated on into memory. ~40 s at 100 tokens/s.
+MAX_UNREAD = 4096
 
 
 class RequestStream:
@@ -45,6 +51,11 @@ class RequestStream:
     def put(self, event: TokenEvent) -> None:
         if not self.started.is_set():
             self.mark_started()
+        if (self._async_queue is not None and self._async_queue.qsize() > MAX_UNREAD
+                and event.finish_reason is None and not self.cancelled.is_set()):
+            log.warning("request %s: its client has not read %d events: it stopped reading, request cancelled",
+                        self.request_id, self._async_queue.qsize())
+            self.cancelled.set()
         if self._loop is not None and self._async_queue is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
