@@ -23,6 +23,11 @@ def engine(tmp_path_factory):
         yield e
 
 
+# The most a request may add to the engine's peak RSS, in multiples of its body (docs/API.md): its bytes, the JSON
+# parse's strings, the validated copy. Measured 2-3.1x for 8 MB prompts.
+PEAK_FACTOR = 5
+
+
 def _peak_rss_during(pid: int, work) -> tuple[int, int]:
     """(RSS before, highest RSS seen while `work()` runs), sampled every 20 ms."""
     proc = psutil.Process(pid)
@@ -62,8 +67,7 @@ def test_a_prompt_no_tokenization_could_fit_is_refused_before_it_is_tokenized(en
         assert "more than the context can hold in any tokenization" in r.json()["error"]["message"]
         # Tokenizing 8 MB took seconds and ~1 GB; refused from its length, the body's parse is the cost.
         assert seconds < 20
-        print(f"{route}: {seconds:.2f} s, RSS {before >> 20} -> {peak >> 20} MiB")
-        assert peak - before < 20 * len(data), f"{route}: RSS {before >> 20} -> {peak >> 20} MiB"
+        assert peak - before < PEAK_FACTOR * len(data), f"{route}: RSS {before >> 20} -> {peak >> 20} MiB"
     assert engine.get_status("/health") == 200
 
 
