@@ -32,15 +32,21 @@ def _messages(text: str) -> list[dict]:
     return [{"role": "system", "content": "You answer. " * 6}, {"role": "user", "content": text}]
 
 
-def _alone(folder: str, conversations: list[list[dict]]) -> list[str]:
-    """Greedy tokens of the model run alone (no engine): prefill the whole prompt, then one token at a time."""
+def _alone(folder: str, conversations: list[list[dict]], generated: list[list[int]] = ()) -> tuple[list[str], list]:
+    """Greedy answers (texts and ids) of the model run alone (no engine): prefill the whole prompt, then one token
+    at a time. Earlier answers in `generated` are in the prompt as the ids generated, as the server sends them."""
     from engine.model import SeqChunk, load_model
     from engine.model.loader import read_model_config
+    from engine.server.prompt_tokens import PromptIds
+    from engine.server.prompts import render_prompt
 
     lm = load_model(folder, [(torch.device("cpu"), 0, read_model_config(folder).n_layers)], torch.float32)
-    out = []
+    ids = PromptIds()
+    for answer in generated:
+        ids.answers.remember(lm.tokenizer, answer)
+    texts, answers = [], []
     for messages in conversations:
-        prompt = lm.tokenizer.encode(lm.tokenizer.render_chat(messages), add_special_tokens=False)
+        prompt = render_prompt(lm.tokenizer, messages, None, ids)
         kv, state = lm.model.new_buffers(1, 512)
         logits = lm.model.forward_chunks([SeqChunk(0, 0, torch.tensor(prompt))], kv, state)
         tokens, pos = [], len(prompt)
@@ -48,8 +54,9 @@ def _alone(folder: str, conversations: list[list[dict]]) -> list[str]:
             tokens.append(int(logits[0].argmax()))
             logits = lm.model.forward_chunks([SeqChunk(0, pos, torch.tensor(tokens[-1:]))], kv, state)
             pos += 1
-        out.append(lm.tokenizer.decode(tokens))
-    return out
+        texts.append(lm.tokenizer.decode(tokens))
+        answers.append(tokens)
+    return texts, answers
 
 
 def _ask(client: openai.OpenAI, messages: list[dict]):
@@ -63,7 +70,7 @@ def _ask(client: openai.OpenAI, messages: list[dict]):
 def test_hybrid_model_served_matches_the_model_alone(folders, arch):
     folder = folders[arch]
     conversations = [_messages(q) for q in QUESTIONS]
-    reference = _alone(folder, conversations)
+    reference, generated = _alone(folder, conversations)
     engine = start_engine("--model", folder, "--ctx-size", "512", "--parallel", "2", "--prefill-chunk", "16",
                           "--cpu-weights", "float", "--threads", "1", "--conversation-cache-min-free-mib", "0")
     try:
@@ -77,7 +84,9 @@ def test_hybrid_model_served_matches_the_model_alone(folders, arch):
         follow = conversations[0] + [{"role": "assistant", "content": texts[0]}, {"role": "user", "content": "more"}]
         again = _ask(client, follow)
         assert again.usage.prompt_tokens_details.cached_tokens > 0
-        assert again.choices[0].message.content == _alone(folder, [follow])[0]
+        # The answer sent back is the ids the engine generated for it (engine/server/answer_ids.py).
+        follow_texts, follow_ids = _alone(folder, [follow], generated)
+        assert again.choices[0].message.content == follow_texts[0]
         # Two other conversations take both slots (parking the first two), then the first comes back.
         others = [_messages(f"{q} and then some other words {i}") for i, q in enumerate(QUESTIONS)]
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -87,7 +96,7 @@ def test_hybrid_model_served_matches_the_model_alone(folders, arch):
         resumed = _ask(client, back)
         # at least from the previous prompt's end checkpoint (the state before its last token)
         assert resumed.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
-        assert resumed.choices[0].message.content == _alone(folder, [back])[0]
+        assert resumed.choices[0].message.content == _alone(folder, [back], generated + follow_ids)[0][0]
         metrics = httpx.get(engine.base_url + "/metrics", timeout=10).json()
         assert metrics["conversation_cache"]["restores"] >= 1
         assert metrics["engine"]["restores_without_reuse"] == 0
