@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
     defaults = Paths.default()
     paths = Paths(config_dir=args.config_dir or defaults.config_dir, state_dir=args.state_dir or defaults.state_dir,
-                  log_dir=args.log_dir or (None if args.state_dir else defaults.log_dir))
+                  log_dir=args.log_dir or (None if args.state_dir else defaults.log_dir),
+                  data_dir=None if args.state_dir else defaults.data_dir)
     app = QApplication([sys.argv[0], *argv])
     app.setApplicationName("Strata Desktop")
     app.setDesktopFileName("strata-desktop")

@@ -44,10 +44,22 @@ def purge_summary(rows: list[dict[str, Any]], metrics: dict[str, Any] | None, ti
     return sum(1 for r in rows if tier in tiers_of(r)), number(cache, f"bytes_{tier}")
 
 
-def purge_question(count: int, size: float | None, tier: str) -> str:
+def live_slots_note(metrics: dict[str, Any] | None) -> str:
+    """What a purge leaves: the conversations in the engine's slots are not parked, so no purge reaches them.
+
+    Said for "Purge everything", whose name promises more than it can do."""
+    slots = int(number(metrics, "engine", "slots") or 1)
+    if slots == 1:
+        return "The conversation in the engine's slot now is not parked and stays until it is switched out."
+    return (f"The conversations in the engine's {slots} slots now are not parked and stay until they are "
+            "switched out.")
+
+
+def purge_question(count: int, size: float | None, tier: str, metrics: dict[str, Any] | None = None) -> str:
     where = {"ram": "from RAM", "disk": "from disk", "all": "from RAM and disk"}[tier]
-    return (f"Drop {count} parked conversation{'s' if count != 1 else ''} ({format_bytes(size)}) {where}?\n\n"
+    text = (f"Drop {count} parked conversation{'s' if count != 1 else ''} ({format_bytes(size)}) {where}?\n\n"
             "They will be prefilled again when they come back.")
+    return text + (f"\n\n{live_slots_note(metrics)}" if tier == "all" else "")
 
 
 def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
@@ -64,6 +76,11 @@ def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
         elif isinstance(item, list | tuple) and len(item) == 2:
             skipped.append(f"{item[0]}: {item[1]}")
     return int(count), size, skipped
+
+
+def older_ids(row: dict[str, Any]) -> list[str]:
+    """The other ids a merged row holds: a restored conversation parked again beside its disk copy."""
+    return [str(i) for i in row.get("ids") or [] if i != row.get("id")]
 
 
 def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_id: str, changes: dict[str, Any],
@@ -91,6 +108,8 @@ def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_
         poll()
 
     client.change_conversation(conversation_id, changes, done)
+    for other in older_ids(row):  # its older copy under another id keeps the same priority and pin
+        client.change_conversation(other, changes)
 
 
 def drop_conversation(parent: QWidget, client: EngineClient, monitor: MonitorTab, conversation_id: str,
@@ -120,6 +139,8 @@ def drop_conversation(parent: QWidget, client: EngineClient, monitor: MonitorTab
 
     def answered(button: int) -> None:
         if button == QMessageBox.StandardButton.Yes:
+            for other in older_ids(row):  # its older copy too, or it comes back as a row of its own
+                client.drop_conversation(other)
             client.drop_conversation(conversation_id, done)
 
     return ask(parent, "Drop conversation", f"Drop {name}{size} from the conversation cache? Its next turn is "

@@ -72,6 +72,7 @@ class ChatTab(QWidget):
     turn_finished = Signal(object)  # TurnStats of a turn the engine completed
     turn_stopped = Signal(object)  # TurnStats of a turn the user stopped
     turn_failed = Signal(str)
+    changed = Signal()  # a turn ended (answered, stopped or failed): the transcripts are worth saving
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -159,6 +160,21 @@ class ChatTab(QWidget):
         self.list.addItem("New conversation")
         self.list.setCurrentRow(len(self.conversations) - 1)
         self.input.setFocus()
+
+    def restore(self, conversations: list[Conversation]) -> None:
+        """Conversations kept from an earlier launch, listed in place of the empty one; the latest is shown."""
+        if not conversations:
+            return
+        self.conversations = list(conversations)
+        self.list.clear()
+        for conversation in self.conversations:
+            self.list.addItem(conversation.title)
+            self._retitle(conversation)
+        self.list.setCurrentRow(len(self.conversations) - 1)
+
+    def kept(self) -> list[Conversation]:
+        """The conversations worth keeping across launches: those with messages."""
+        return [c for c in self.conversations if c.messages]
 
     def pick(self, index: int) -> None:
         """Show conversation `index` (0 = the first made)."""
@@ -260,6 +276,7 @@ class ChatTab(QWidget):
         if conversation is self.current:
             self._show()
         self._update_controls()
+        self.changed.emit()
         if stopped:
             self.turn_stopped.emit(stats)
 

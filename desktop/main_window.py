@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
 
 from desktop.autostart import Autostart
 from desktop.cache_actions import change_conversation, drop_conversation
+from desktop.chat_store import ChatKeeper
 from desktop.chat_tab import ChatTab
 from desktop.client import Dispatcher, EngineClient, MemorySample, Poller
 from desktop.crash_panel import CrashPanel
@@ -76,7 +77,6 @@ class MainWindow(QMainWindow):
         self.engine.auto_restart = self.store.prefs.auto_restart
         self.poller = Poller(self.client, BACKGROUND_INTERVAL_MS, self)
         self.metrics: dict[str, Any] | None = None
-        self.conversations: list[dict[str, Any]] | None = None  # merged: one row per conversation
         self.conversation_rows: list[dict[str, Any]] | None = None  # as the engine lists them, one per tier
         self.conversations_at = 0.0  # time.monotonic() of that snapshot
         self.memory: MemorySample | None = None  # the last sample (a crash report says if memory ran out)
@@ -115,6 +115,9 @@ class MainWindow(QMainWindow):
         self.logs = LogsTab(self.paths.logs)
         self.tabs = QTabWidget()
         self.chat = ChatTab()
+        self.chat_keeper = ChatKeeper(self.paths.chats_file, self.dispatcher.submit, self)
+        chats, chats_problem = self.chat_keeper.load()
+        self.chat.restore(chats)
         self.tabs.addTab(self.monitor, "Monitor")
         self.tabs.addTab(self.chat, "Chat")
         self.tabs.addTab(self.settings_tab, "Settings")
@@ -169,6 +172,8 @@ class MainWindow(QMainWindow):
         self.settings_tab.restart_requested.connect(self.restart_engine)
         self.settings_tab.prefs_changed.connect(self._prefs_changed)
         self.autosaver.failed.connect(self.show_notice)
+        self.chat.changed.connect(lambda: self.chat_keeper.save_later(self.chat.kept()))
+        self.chat_keeper.failed.connect(self.app_line)
         self.logs.folder_not_opened.connect(lambda text: self.statusBar().showMessage(text, 30000))
         self.tray.open_requested.connect(self.show_window)
         self.tray.start_requested.connect(self.start_engine)
@@ -177,7 +182,10 @@ class MainWindow(QMainWindow):
         self.tray.quit_requested.connect(self.quit)
 
         self._on_state(EngineState.STOPPED)
-        messages = [*self.load_messages, *([self.log_files.error] if self.log_files.error else [])]
+        if chats_problem:
+            self.app_line(chats_problem)
+        messages = [*self.load_messages, *([self.log_files.error] if self.log_files.error else []),
+                    *([chats_problem] if chats_problem else [])]
         if messages:
             self.show_notice("\n".join(messages))
 
@@ -239,7 +247,7 @@ class MainWindow(QMainWindow):
             self.live.fetch_cache_config()
         if state is EngineState.STARTING:
             self.monitor.engine_restarted()
-            self.conversations = self.conversation_rows = None  # the earlier run's, not this one's
+            self.conversation_rows = None  # the earlier run's, not this one's
 
     def _on_ended(self, outcome: ProcessOutcome) -> None:
         if outcome.clean or self._quitting:
@@ -277,6 +285,13 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ polling results
 
+    @property
+    def conversations(self) -> list[dict[str, Any]] | None:
+        """The last listing merged one row per conversation, whichever tiers and ids hold it (the Monitor learns
+        from the event log which ids are one conversation, maybe after the listing came)."""
+        rows = self.conversation_rows
+        return None if rows is None else merge_tiers(rows, self.monitor.model.links)
+
     def cache_snapshot(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """The engine's last reported conversations (one row each) and metrics: what purge and eviction see."""
         return self.conversations or [], self.metrics
@@ -293,7 +308,6 @@ class MainWindow(QMainWindow):
         self._update_tray()
 
     def _on_conversations(self, rows: list[dict[str, Any]]) -> None:
-        self.conversations = merge_tiers(rows)  # one row per conversation, whichever tiers hold it
         self.conversation_rows, self.conversations_at = rows, time.monotonic()
         self.monitor.set_conversations(rows)
         self._update_tray()
@@ -413,6 +427,7 @@ class MainWindow(QMainWindow):
         self.poller.stop()
         self.tray.hide()
         self.dispatcher.close(wait=True)
+        self.chat_keeper.flush(self.chat.kept())  # after the pool: no older background write lands after it
         self.client.close()
         self.log_files.close()
 

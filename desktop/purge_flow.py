@@ -9,7 +9,7 @@ from typing import Any
 from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QMessageBox, QWidget
 
-from desktop.cache_actions import Snapshot, ask, purge_outcome, purge_question, purge_summary
+from desktop.cache_actions import Snapshot, ask, live_slots_note, purge_outcome, purge_question, purge_summary
 from desktop.client import EngineClient, Reply
 from desktop.settings import format_bytes
 from engine.contract import ContractError, PurgeBody, parse, to_json
@@ -33,7 +33,8 @@ class PurgeFlow(QObject):
     def request(self, tier: str) -> None:
         """Ask for confirmation, naming what goes, then purge."""
         count, size = self.summary(tier)
-        self.box = ask(self.window, "Purge the conversation cache", purge_question(count, size, tier), "Purge",
+        question = purge_question(count, size, tier, self.snapshot()[1])
+        self.box = ask(self.window, "Purge the conversation cache", question, "Purge",
                        lambda result: self._confirmed(tier, result))
 
     def _confirmed(self, tier: str, result: int) -> None:
@@ -56,7 +57,8 @@ class PurgeFlow(QObject):
             text = f"Purged {tier}: dropped {count} conversation(s), {format_bytes(size)}"
             if skipped:
                 text += f"; skipped {len(skipped)} (" + "; ".join(skipped[:3]) + ")"
-            self.status(text + ".", 15000)
+            text += "." + (f" {live_slots_note(self.snapshot()[1])}" if tier == "all" else "")
+            self.status(text, 15000)
             self.polled()
 
         self.client.request("POST", "/cache/purge", done, json={"tier": tier}, timeout=30.0)

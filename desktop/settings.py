@@ -30,6 +30,7 @@ from engine.config import APP_NAME, EngineConfig, Setting, SettingError, all_set
 SCHEMA_VERSION = 1
 SETTINGS_FILE = "desktop-settings.json"
 PID_FILE = "engine.pid"
+CHATS_FILE = "chats.json"
 ENV_PREFIX = "STRATA_"
 # Settings the Settings tab does not show: an alias of storage=tiered + dir, kept for the seeds' command lines.
 HIDDEN_SETTINGS = ("conversation_cache_spill_dir",)
@@ -50,6 +51,7 @@ class Paths:
     config_dir: Path
     state_dir: Path
     log_dir: Path | None = None  # None: a "logs" folder in state_dir
+    data_dir: Path | None = None  # None: state_dir (tests and --state-dir keep everything in one folder)
 
     @classmethod
     def default(cls) -> Paths:
@@ -57,6 +59,7 @@ class Paths:
             config_dir=Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)),
             state_dir=Path(platformdirs.user_state_dir(APP_NAME, appauthor=False)),
             log_dir=Path(platformdirs.user_log_dir(APP_NAME, appauthor=False)),
+            data_dir=Path(platformdirs.user_data_dir(APP_NAME, appauthor=False)),
         )
 
     @property
@@ -71,6 +74,11 @@ class Paths:
     @property
     def pid_file(self) -> Path:
         return self.state_dir / PID_FILE
+
+    @property
+    def chats_file(self) -> Path:
+        """The Chat tab's transcripts: the user's data, not state the app could rebuild."""
+        return (self.data_dir if self.data_dir is not None else self.state_dir) / CHATS_FILE
 
 
 @dataclass(slots=True)

@@ -143,6 +143,22 @@ def test_purge_empties_the_table_and_counters(qtbot, app_window):
     assert w.monitor.counters.ram_bar.value() == 0
 
 
+def test_purge_everything_says_the_slots_conversation_stays_and_it_does(qtbot, app_window):
+    w = app_window
+    chat(w, CONV_A)
+    chat(w, CONV_B)  # A parked, B in the only slot
+    qtbot.waitUntil(lambda: w.monitor.model.rowCount() >= 1, timeout=10000)
+    stays = "The conversation in the engine's slot now is not parked and stays until it is switched out."
+    w.monitor.purge_actions["all"].trigger()
+    assert w.purger.box.text().endswith(stays)
+    w.purger.box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: stays in w.statusBar().currentMessage(), timeout=10000)
+    assert w.statusBar().currentMessage().startswith("Purged all: dropped ")
+    kept = chat(w, CONV_B).usage.prompt_tokens_details.cached_tokens
+    gone = chat(w, CONV_A).usage.prompt_tokens_details.cached_tokens
+    assert kept > 100 and gone < kept // 4, (kept, gone)  # B was kept by its slot, A was purged
+
+
 def test_storage_mode_change_in_settings_reaches_the_engine(qtbot, app_window):
     w = app_window
     tab = w.settings_tab

@@ -58,6 +58,41 @@ def test_monitor_at_800x560_scrolls_instead_of_overlapping_rows(qtbot, window):
     assert window.monitor.scroll.verticalScrollBar().maximum() > 0, "the Monitor scrolls at this size"
 
 
+def test_the_parked_list_shows_rows_and_plot_titles_fit_at_small_sizes(qtbot, window):
+    """At 1366x768 the first screen showed 1.3 rows of the parked list (the counters' height pushed it down); at
+    800x560 the plots were cut by the counters beside them and their titles clipped at both ends."""
+    from PySide6.QtCore import QPoint, QRect
+
+    window.start()
+    ready(qtbot, window)
+    monitor = window.monitor
+    qtbot.waitUntil(lambda: monitor.model.rowCount() == 2, timeout=5000)
+    table, port = monitor.table, monitor.scroll.viewport()
+
+    def rows_in_view() -> float:
+        """Rows of the parked list the Monitor shows without scrolling."""
+        shown = QRect(table.viewport().mapTo(port, QPoint(0, 0)), table.viewport().size()).intersected(port.rect())
+        return shown.height() / table.verticalHeader().defaultSectionSize()
+
+    window.resize(1200, 708)  # the first size on a 1366x768 screen (main_window.default_size)
+    qtbot.wait(100)
+    assert monitor.scroll.verticalScrollBar().value() == 0 and rows_in_view() >= 4, rows_in_view()
+    window.poller.stop()  # the figures of the real engine on this machine (the stand-in reports shorter ones)
+    monitor.counters.labels["compute"].setText("int4 weights (native kernel) · K/V float32 · 2 threads, "
+                                               "1 for decoding")
+    monitor.counters.labels["park_ms"].setText("last 2.1 ms · median 2.3 ms · p95 2.4 ms · 1\u202f901 MiB/s")
+    window.resize(800, 560)
+    qtbot.wait(100)
+    counters_left = monitor.counters.mapTo(monitor, QPoint(0, 0)).x()
+    for plot in (monitor.memory.engine_plot, monitor.memory.host_plot, monitor.timings.plot):
+        item = plot.getPlotItem()
+        assert plot.mapTo(monitor, QPoint(plot.width(), 0)).x() <= counters_left, "not under the counters"
+        # pyqtgraph widens the plot to its title's width: the view then shows only its left part, cut.
+        assert item.sceneBoundingRect().width() <= plot.viewport().width(), "the whole plot is in view"
+        title = item.titleLabel.item.boundingRect().width()
+        assert title <= item.vb.width(), (item.titleLabel.text, title, item.vb.width())
+
+
 def test_layout_does_not_jump(qtbot, window):
     """The status bar's first message and a missed poll or two during generation move nothing."""
     window.resize(window.minimumSize())
@@ -167,6 +202,39 @@ def test_tiered_conversation_shows_once_with_its_history(qtbot):
     assert "RAM 2.9 MiB" in model.index(0, 2).data(Qt.ItemDataRole.ToolTipRole)
     assert merge_tiers(listed[:2]) == listed[:2], "conversations in one tier pass through unchanged"
     assert merge_tiers([{"tier": "ram"}, "junk"]) == [{"tier": "ram"}], "rows without an id kept, junk dropped"
+
+
+def test_a_restored_conversation_parked_again_is_one_row_and_a_branch_stays_its_own(qtbot):
+    """The event log ties a disk row to the RAM row it was restored into and parked as; a partial restore does not
+    (another conversation sharing its start). Rows from /cache/conversations as a tiered engine lists them."""
+    from desktop.monitor import MonitorTab
+
+    disk = {"id": "old", "tokens": 213, "bytes": 9_000_000, "tier": "disk", "created": 100.0, "last_used": 300.0,
+            "hits": 5, "name": "apples", "system": ""}
+    ram = {"id": "new", "tokens": 230, "bytes": 10_000_000, "tier": "ram", "created": 301.0, "last_used": 301.0,
+           "hits": 0, "name": "apples", "system": "", "priority": "high"}
+    restored = {"time": 300.0, "kind": "restore", "conversation_id": "old", "tokens": 213, "tier": "disk"}
+    parked = {"time": 301.0, "kind": "park", "conversation_id": "new", "tokens": 230, "tier": "ram"}
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.set_conversations([disk, ram])
+    assert tab.model.rowCount() == 2, "without the event log nothing ties them"
+    tab.set_events([restored, parked])
+    assert tab.model.rowCount() == 1
+    row = tab.model.rows[0]
+    assert row["id"] == "new" and row["ids"] == ["new", "old"] and row["priority"] == "high", "the live id speaks"
+    assert row["tier"] == ["ram", "disk"] and row["hits"] == 5 and row["tokens"] == 230 and row["created"] == 100.0
+    assert tab.model.index(0, 3).data() == "RAM + disk" and tab.model.index(0, 6).data() == "5"
+    tab.set_conversations([disk, ram])  # the next poll keeps it one row
+    assert tab.model.rowCount() == 1
+    tab.set_conversations([ram])  # the disk copy superseded: the link goes with it
+    assert tab.model.links == {} and tab.model.rows == [ram]
+
+    branch = MonitorTab()
+    qtbot.addWidget(branch)
+    branch.set_events([{**restored, "tokens": 64}, parked])  # only its start was restored
+    branch.set_conversations([disk, ram])
+    assert branch.model.rowCount() == 2
 
 
 def test_purge_counts_a_tiered_conversation_once(qtbot, window):

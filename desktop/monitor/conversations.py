@@ -7,6 +7,7 @@ from typing import Any
 
 from PySide6.QtCore import Qt
 
+from desktop.monitor.lineage import final_id
 from desktop.monitor.report import format_age, format_count, number, timestamp
 from desktop.monitor.rows_model import Index, RowsModel
 from desktop.settings import format_bytes
@@ -24,53 +25,66 @@ def tier_label(tier: Any) -> str:
 TIER_ORDER = {"ram": 0, "disk": 1}
 
 
-def merge_tiers(rows: list[Any]) -> list[dict[str, Any]]:
-    """One row per conversation id: the engine lists a conversation once per tier that holds it (tiered mode).
+def merge_tiers(rows: list[Any], links: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One row per conversation: the engine lists a conversation once per tier that holds it (tiered mode), and
+    a conversation restored from disk and parked again under a new id beside its disk copy (`links`, old id ->
+    new, from `desktop.monitor.lineage`).
 
-    The merged row's tier is the list of tiers (RAM first); tokens the most any copy holds; bytes what all
-    copies take together, with `bytes_by_tier`; created the earliest, last used the latest; hits the most any
-    copy counted (a copy written to disk carries the hits it had then, so adding them would count twice);
-    checkpoints (and their bytes) the most any copy holds.
+    The merged row carries the newest id (the one actions address) and `ids`, all of them; its tier is the list
+    of tiers (RAM first); tokens the most any copy holds; bytes what all copies take together, with
+    `bytes_by_tier`; created the earliest, last used the latest; hits the most any copy of one id counted (a copy
+    written to disk carries the hits it had then, so adding them would count twice), added up over ids (a new id
+    counts from zero); checkpoints (and their bytes) the most any copy holds.
     Rows without an id are kept as they are. The first appearance fixes the order.
     """
-    merged: dict[Any, dict[str, Any]] = {}
-    out: list[dict[str, Any]] = []
+    links = links or {}
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    out: list[Any] = []
     for row in rows:
         if not isinstance(row, dict):
             continue
-        key = row.get("id")
-        if key is None:
+        if row.get("id") is None:
             out.append(row)
             continue
-        tier = str(row.get("tier") or "")
-        size = number(row, "bytes")
-        have = merged.get(key)
-        if have is None:
-            have = dict(row)
-            have["tier"] = [tier] if tier else []
-            have["bytes_by_tier"] = {tier: size} if tier and size is not None else {}
-            merged[key] = have
-            out.append(have)
-            continue
-        if tier and tier not in have["tier"]:
-            have["tier"] = sorted([*have["tier"], tier], key=lambda t: (TIER_ORDER.get(t, 9), t))
-        if tier and size is not None:
-            have["bytes_by_tier"][tier] = size
-        for field, pick in (("tokens", max), ("hits", max), ("last_used", max), ("created", min),
-                            ("checkpoints", max), ("checkpoint_bytes", max)):
-            values = [v for v in (have.get(field), row.get(field)) if v is not None]
-            numeric = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
-            if numeric and len(numeric) == len(values):
-                have[field] = pick(numeric)
-        sizes = list(have["bytes_by_tier"].values())
-        have["bytes"] = sum(sizes) if sizes else have.get("bytes")
-        have["pending"] = bool(have.get("pending")) or bool(row.get("pending"))
-    for row in out:
-        if isinstance(row.get("tier"), list) and len(row["tier"]) <= 1 and len(row.get("bytes_by_tier", {})) <= 1:
-            # Held by one tier: the engine's row as it was.
-            row["tier"] = row["tier"][0] if row["tier"] else None
-            row.pop("bytes_by_tier", None)
-    return out
+        key = final_id(row["id"], links)
+        if key not in groups:
+            groups[key] = []
+            out.append(key)
+        groups[key].append(row)
+    return [_merged(key, groups[key]) if not isinstance(key, dict) else key for key in out]
+
+
+def _merged(key: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(rows) == 1:
+        return rows[0]  # held by one tier under one id: the engine's row as it was
+    own = next((r for r in rows if r["id"] == key), rows[0])  # the live id speaks for priority, pin, name
+    have = dict(own)
+    have["ids"] = list(dict.fromkeys([key, *(r["id"] for r in rows)]))
+    tiers = {str(r.get("tier") or "") for r in rows} - {""}
+    have["tier"] = sorted(tiers, key=lambda t: (TIER_ORDER.get(t, 9), t))
+    by_tier: dict[str, float] = {}
+    for r in rows:
+        size = number(r, "bytes")
+        if r.get("tier") and size is not None:
+            by_tier[str(r["tier"])] = by_tier.get(str(r["tier"]), 0) + size
+    have["bytes_by_tier"] = by_tier
+    for field, pick in (("tokens", max), ("last_used", max), ("created", min), ("checkpoints", max),
+                        ("checkpoint_bytes", max)):
+        values = [r.get(field) for r in rows if r.get(field) is not None]
+        if values and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            have[field] = pick(values)
+    hits: dict[Any, Any] = {}
+    for r in rows:
+        if isinstance(r.get("hits"), int | float) and not isinstance(r.get("hits"), bool):
+            hits[r["id"]] = max(hits.get(r["id"], 0), r["hits"])
+    if hits:
+        have["hits"] = sum(hits.values())
+    have["bytes"] = sum(by_tier.values()) if by_tier else have.get("bytes")
+    have["pending"] = any(bool(r.get("pending")) for r in rows)
+    if len(have["tier"]) <= 1 and len(by_tier) <= 1 and len(have["ids"]) == 1:
+        have["tier"] = have["tier"][0] if have["tier"] else None
+        have.pop("bytes_by_tier", None)
+    return have
 
 
 def name_tooltip(row: dict[str, Any]) -> str:
@@ -104,11 +118,12 @@ class ConversationsModel(RowsModel):
     def __init__(self, parent: Any = None) -> None:
         super().__init__(parent)
         self.now = time.time()
+        self.links: dict[str, str] = {}  # old id -> the id it goes on under (desktop.monitor.lineage)
 
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
         """Replace the rows; the same conversations in the same order update in place (selection survives)."""
         self.now = time.time()
-        rows = merge_tiers(rows)
+        rows = merge_tiers(rows, self.links)
         if [r.get("id") for r in rows] == [r.get("id") for r in self.rows]:
             self.rows = rows
             if rows:

@@ -38,6 +38,8 @@ class BudgetBar(QProgressBar):
 def _value_label() -> QLabel:
     label = QLabel("–")
     label.setObjectName("value")
+    # Long figures ("Runs as", "Park time") wrap: unwrapped, their width squeezed the plots beside them at 800 px.
+    label.setWordWrap(True)
     return label
 
 

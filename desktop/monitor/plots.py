@@ -3,12 +3,14 @@ and park/restore timings of recent events."""
 
 from __future__ import annotations
 
+import html
 import time
 from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QFont, QFontMetrics, QTextDocument, QTextDocumentFragment
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from desktop.client import MemorySample
@@ -25,16 +27,68 @@ ARENA_COLOR = "#9467bd"
 ARENA_PEN = pg.mkPen(ARENA_COLOR, width=1)
 ARENA_BRUSH = pg.mkBrush(148, 103, 189, 70)
 ENGINE_TITLE = "Engine memory (RSS of its process tree)"
+ENGINE_TITLES = (ENGINE_TITLE, "Engine memory (RSS)", "Engine RSS")
+HOST_TITLES = ("Available host memory", "Host memory free", "Host free")
 PARK_BRUSH = pg.mkBrush("#ff7f0e")
 RESTORE_BRUSH = pg.mkBrush("#1f77b4")
-TIMING_TITLE = ("Park <span style='color:#ff7f0e'>&#9679;</span> and restore "
-                "<span style='color:#1f77b4'>&#9650;</span> times (recent events)")
+PARK_KEY, RESTORE_KEY = "<span style='color:#ff7f0e'>&#9679;</span>", "<span style='color:#1f77b4'>&#9650;</span>"
+TIMING_TITLE = f"Park {PARK_KEY} and restore {RESTORE_KEY} times (recent events)"
+TIMING_TITLES = (TIMING_TITLE, f"Park {PARK_KEY} and restore {RESTORE_KEY} times", f"Park {PARK_KEY} restore {RESTORE_KEY}")
+TITLE_PT = 10
 
 
-def _plot(title: str, y_label: str) -> pg.PlotWidget:
-    w = pg.PlotWidget(background="w", axisItems={"bottom": pg.DateAxisItem(orientation="bottom")})
+def title_width(html: str, font: QFont) -> float:
+    """How wide a title's rich text is drawn in `font`."""
+    doc = QTextDocument()
+    doc.setDocumentMargin(0)
+    doc.setDefaultFont(font)
+    doc.setHtml(html)
+    return doc.idealWidth()
+
+
+class TitledPlot(pg.PlotWidget):
+    """A plot whose title fits its width: the longest of its variants that fits, else the shortest, elided.
+
+    pyqtgraph draws a title wider than the plot cut at both ends ("Engine memory (RSS of" at 800x560), with
+    nothing to say that it was cut."""
+
+    def __init__(self, titles: tuple[str, ...], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.titles = titles
+        self.title = ""
+
+    def set_titles(self, titles: tuple[str, ...]) -> None:
+        self.titles = titles
+        self.fit_title()
+
+    def resizeEvent(self, event: Any) -> None:
+        super().resizeEvent(event)
+        self.fit_title()
+
+    def fit_title(self) -> None:
+        if not getattr(self, "titles", None) or self.getPlotItem() is None:
+            return  # a resize while pyqtgraph builds the widget
+        font = QFont(self.font())
+        font.setPointSizeF(TITLE_PT)
+        # The title sits above the data area only: the plot less its value axis and margins.
+        room = int(self.width() - self.getPlotItem().getAxis("left").width() - 16)
+        # Not laid out yet (hidden): the full title, fitted once the plot has its size.
+        title = self.titles[0] if not self.isVisible() else next(
+            (t for t in self.titles if title_width(t, font) <= room), None)
+        if title is None:
+            plain = QTextDocumentFragment.fromHtml(self.titles[-1]).toPlainText()
+            title = html.escape(QFontMetrics(font).elidedText(plain, Qt.TextElideMode.ElideRight, max(room, 0)))
+        if title != self.title:
+            self.title = title
+            self.getPlotItem().setTitle(title, color="#333", size=f"{TITLE_PT}pt")
+            if self.centralWidget is not None:  # laid out again: a shorter title lowers the plot's minimum width
+                self.centralWidget.setGeometry(self.range)
+
+
+def _plot(titles: tuple[str, ...], y_label: str) -> TitledPlot:
+    w = TitledPlot(titles, background="w", axisItems={"bottom": pg.DateAxisItem(orientation="bottom")})
     item = w.getPlotItem()
-    item.setTitle(title, color="#333", size="10pt")
+    w.fit_title()
     item.setLabel("left", y_label)
     item.showGrid(x=True, y=True, alpha=0.2)
     item.setMenuEnabled(False)
@@ -42,7 +96,7 @@ def _plot(title: str, y_label: str) -> pg.PlotWidget:
     item.getAxis("left").setStyle(showValues=False)  # until there is data (see _y_from_zero)
     item.setClipToView(True)
     item.setDownsampling(auto=True, mode="peak")
-    w.setMinimumHeight(140)
+    w.setMinimumHeight(110)  # three stacked leave the parked list room at 1366x768
     return w
 
 
@@ -67,8 +121,8 @@ class MemoryPlots(QWidget):
         self.host_available = RingBuffer(HISTORY)
         self.expert_arena = RingBuffer(HISTORY)
         self.arena_bytes = 0  # the engine's last report; sampled with each memory sample
-        self.engine_plot = _plot(ENGINE_TITLE, "MiB")
-        self.host_plot = _plot("Available host memory", "MiB")
+        self.engine_plot = _plot(ENGINE_TITLES, "MiB")
+        self.host_plot = _plot(HOST_TITLES, "MiB")
         self.host_plot.setXLink(self.engine_plot)
         # Added first, so the RSS line is drawn over the band.
         self.arena_curve = self.engine_plot.plot(pen=ARENA_PEN, fillLevel=0, brush=ARENA_BRUSH)
@@ -95,11 +149,13 @@ class MemoryPlots(QWidget):
     def set_arena(self, arena_bytes: int) -> None:
         """The expert arena the engine reports (0: a dense model, or experts in GPU memory)."""
         self.arena_bytes = max(int(arena_bytes), 0)
-        title = ENGINE_TITLE
+        titles = ENGINE_TITLES
         if self.arena_bytes:
-            title += (f" · <span style='color:{ARENA_COLOR}'>&#9632;</span> expert arena "
-                      f"{self.arena_bytes / MIB:.0f} MiB")
-        self.engine_plot.getPlotItem().setTitle(title, color="#333", size="10pt")
+            band = f"<span style='color:{ARENA_COLOR}'>&#9632;</span>"
+            arena = f"{self.arena_bytes / MIB:.0f} MiB"
+            titles = (f"{ENGINE_TITLE} · {band} expert arena {arena}", f"Engine memory · {band} expert arena {arena}",
+                      f"Engine RSS · {band} experts {arena}", f"Engine RSS · {band} {arena}")
+        self.engine_plot.set_titles(titles)
 
     def set_floor(self, floor_bytes: float | None) -> None:
         if floor_bytes is None:
@@ -141,7 +197,7 @@ class TimingPlot(QWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.plot = _plot(TIMING_TITLE, "ms")
+        self.plot = _plot(TIMING_TITLES, "ms")
         self.park = pg.ScatterPlotItem(size=7, brush=PARK_BRUSH, pen=None, name="park")
         self.restore = pg.ScatterPlotItem(size=7, brush=RESTORE_BRUSH, pen=None, symbol="t", name="restore")
         self.plot.addItem(self.park)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from PySide6.QtCore import QSortFilterProxyModel, Qt, Signal
+from PySide6.QtCore import QSize, QSortFilterProxyModel, Qt, Signal
 from PySide6.QtGui import QAction, QHideEvent, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -29,11 +29,28 @@ from desktop.engine_process import EngineState
 from desktop.monitor.conversation_controls import ConversationControls
 from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
 from desktop.monitor.counters import CountersPanel
+from desktop.monitor.lineage import learn_links
 from desktop.monitor.report import budget
 from desktop.monitor.requests import RequestLogPanel
 
 UNREACHABLE_AFTER = 3  # missed polls in a row before the "did not answer" banner shows
 CONTENT_MINIMUM_WIDTH = 720  # plots and counters readable side by side; a narrower window scrolls
+TABLE_MINIMUM_ROWS = 4  # parked conversations always visible without scrolling the tab (1366x768 showed 1.3)
+
+
+class CountersScroll(QScrollArea):
+    """The counters, scrolled on their own when short of height: their full height (~500 px) as the top row's
+    minimum pushed the parked list below the fold. As wide as the counters need, so none is cut off."""
+
+    def minimumSizeHint(self) -> QSize:
+        inner = self.widget().minimumSizeHint() if self.widget() is not None else QSize(0, 0)
+        return QSize(inner.width() + self.verticalScrollBar().sizeHint().width() + 2, 120)
+
+
+def rows_height(table: QTableView, rows: int) -> int:
+    """The height a table needs to show its header and `rows` rows, with room for a horizontal scroll bar."""
+    return (table.horizontalHeader().sizeHint().height() + rows * table.verticalHeader().defaultSectionSize()
+            + table.horizontalScrollBar().sizeHint().height() + 2 * table.frameWidth())
 
 
 class MonitorTab(QWidget):
@@ -71,7 +88,7 @@ class MonitorTab(QWidget):
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
         self.table.setAlternatingRowColors(True)
-        self.table.setMinimumHeight(130)
+        self.table.setMinimumHeight(rows_height(self.table, TABLE_MINIMUM_ROWS))
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for col in range(1, len(ConversationsModel.COLUMNS)):
@@ -115,8 +132,13 @@ class MonitorTab(QWidget):
         self._plots_placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self._plots_layout.addWidget(self._plots_placeholder)
         top = QSplitter(Qt.Orientation.Horizontal)
+        self.counters_scroll = CountersScroll()
+        self.counters_scroll.setWidgetResizable(True)
+        self.counters_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.counters_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.counters_scroll.setWidget(self.counters)
         top.addWidget(self.plots)
-        top.addWidget(self.counters)
+        top.addWidget(self.counters_scroll)
         top.setStretchFactor(0, 3)
         top.setStretchFactor(1, 2)
         self.splitter = QSplitter(Qt.Orientation.Vertical)
@@ -190,6 +212,7 @@ class MonitorTab(QWidget):
 
     def set_conversations(self, rows: list[dict[str, Any]]) -> None:
         self.conversation_rows = rows
+        learn_links(self._events, rows, self.model.links)
         before = (self.selected_conversation() or {}).get("id")
         self.model.set_rows(rows)
         self.counters.set_parked(len(self.model.rows))
@@ -201,7 +224,7 @@ class MonitorTab(QWidget):
 
     def _select(self, conversation_id: Any) -> None:
         for i, row in enumerate(self.model.rows):
-            if row.get("id") == conversation_id:
+            if conversation_id in (row.get("ids") or [row.get("id")]):  # a merged row answers to each of its ids
                 self.table.selectRow(self.proxy.mapFromSource(self.model.index(i, 0)).row())
                 return
         self._update_counts()
@@ -236,6 +259,8 @@ class MonitorTab(QWidget):
     def set_events(self, events: list[dict[str, Any]]) -> None:
         self._events = events
         self.counters.set_events(events)
+        if learn_links(events, self.conversation_rows, self.model.links):
+            self.set_conversations(self.conversation_rows)  # a restored conversation parked again: one row
         if self.timings is not None:
             self.timings.set_events(events)
             if self.isVisible():
