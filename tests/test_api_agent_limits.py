@@ -94,3 +94,16 @@ def test_a_bad_chat_template_stops_the_start_with_the_reason(tmp_path, value, wo
     with pytest.raises(EngineStartError) as info, engine_process("--model", "", "--chat-template", value):
         pass
     assert words in str(info.value)
+
+
+def test_tools_a_template_cannot_show_are_left_out_when_they_would_not_fit(capped):
+    # SmolLM2's template has no tools: they are written into its system turn, unless the prompt then overflows.
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does a thing. " * 10,
+                                               "parameters": {"type": "object"}}} for i in range(6)]
+    client = client_for(capped)
+    small = client.chat.completions.create(model="m", messages=ASK, max_tokens=2, tools=tools[:1])
+    plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=2)
+    assert small.usage.prompt_tokens > plain.usage.prompt_tokens + 40, "one tool fits: it is shown"
+    many = client.chat.completions.create(model="m", messages=ASK, max_tokens=2, tools=tools)
+    assert many.usage.prompt_tokens == plain.usage.prompt_tokens, "six do not: answered without them"
+    assert "answering without them" in capped.logs()

@@ -76,12 +76,14 @@ class Tokenizer:
                           key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.max_prompt_chars: int | None = None  # set by limit_prompts
+        self.context_tokens: int | None = None  # set by limit_prompts
 
     def limit_prompts(self, context_tokens: int) -> None:
         """Text longer than this many characters cannot fit `context_tokens` tokens: no token covers more
         characters than the vocabulary's longest (a byte-level token's string has one character per byte, and a
         character is at least one byte). Prompts are checked against it before they are tokenized, so a huge one
         costs neither the memory nor the seconds of tokenizing it."""
+        self.context_tokens = context_tokens
         longest = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
         self.max_prompt_chars = context_tokens * max(longest, 1)
 

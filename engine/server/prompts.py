@@ -4,6 +4,7 @@ as text or token ids. Every refusal is a 400 naming the message or field at faul
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import jinja2
@@ -13,6 +14,7 @@ from engine.server.prompt_tokens import PromptIds, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
 from engine.server.tool_prompt import inline_tools, template_renders_tools
 
+log = logging.getLogger("strata.server")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
@@ -111,8 +113,25 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
     answers keep the ids the engine generated for them (engine.server.prompt_tokens)."""
     check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
-    if not template_renders_tools(tokenizer.chat_template):
-        messages, tools = inline_tools(messages, tools), None
+    if template_renders_tools(tokenizer.chat_template):
+        return _encode(tokenizer, messages, tools, ids)
+    if not tools:  # past calls and results still become text the template can show
+        return _encode(tokenizer, inline_tools(messages, None), None, ids)
+    # The template cannot show tools: they go into its system turn, unless that no longer fits the context; then
+    # the model answers without them (as llama.cpp's server always does for such a template), and the log says so.
+    prompt = _encode(tokenizer, inline_tools(messages, tools), None, ids)
+    context = getattr(tokenizer, "context_tokens", None)
+    if context is None or len(prompt) < context:
+        return prompt
+    without = _encode(tokenizer, inline_tools(messages, None), None, ids)
+    log.warning("the %d tools offered take the prompt to %d tokens, past the context of %d, and this model's chat "
+                "template cannot show them more briefly: answering without them (%d tokens)", len(tools),
+                len(prompt), context, len(without))
+    return without
+
+
+def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            ids: PromptIds | None) -> list[int]:
     try:
         text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
