@@ -444,8 +444,19 @@ class SettingsTab(QWidget):
         if self.running is None:
             return
         live, restart = self.differences()
+        kept = self.put_back([*live, *restart])
+        self.result.setText("Reverted to what the running engine uses." + (
+            f" Set by the environment, not reverted: {', '.join(kept)}." if kept else ""))
+        self.refresh()
+
+    def put_back(self, names: list[str]) -> list[str]:
+        """These settings back to what the running engine uses (Revert; an apply the user declined: Cancel means
+        the old value, in the field, in the file and at the next start). Returns the labels of those the
+        environment sets, which stay."""
         kept: list[str] = []
-        for name in [*live, *restart]:
+        if self.running is None:
+            return kept
+        for name in names:
             try:
                 self.store.set(name, getattr(self.running, name))
             except SettingError:  # set by the environment since: its caption says so
@@ -457,27 +468,8 @@ class SettingsTab(QWidget):
                 row.set_value(self.store.value(name))
                 self.captions.show(row)
         self.autosaver.schedule()
-        self.result.setText("Reverted to what the running engine uses." + (
-            f" Set by the environment, not reverted: {', '.join(kept)}." if kept else ""))
         self.refresh()
-
-    def put_back(self, names: list[str]) -> None:
-        """These settings back to what the running engine uses (an apply the user declined: Cancel means the old
-        value, in the field, in the file and at the next start)."""
-        if self.running is None:
-            return
-        for name in names:
-            try:
-                self.store.set(name, getattr(self.running, name))
-            except SettingError:  # set by the environment since: its caption says so
-                continue
-            row = self.rows.get(name)
-            if row is not None:
-                row.error = ""
-                row.set_value(self.store.value(name))
-                self.captions.show(row)
-        self.autosaver.schedule()
-        self.refresh()
+        return kept
 
     def show_result(self, text: str, ok: bool) -> None:
         """The outcome of an apply (the engine's answer, a refusal, a declined eviction)."""
