@@ -14,7 +14,7 @@ from typing import Any
 
 from desktop.client import MemorySample
 from desktop.engine_process import ProcessOutcome
-from desktop.settings import format_bytes
+from desktop.settings import SUMMED_BYTES, format_bytes
 
 LOW_MEMORY_FRACTION = 0.05  # free RAM below this share of the total (or LOW_MEMORY_BYTES) counts as nearly none
 LOW_MEMORY_BYTES = 256 << 20
@@ -38,7 +38,8 @@ class CacheLoss:
                 if self.lost else "Lost: none")
         kept = (f"Kept: {_conversations(self.kept)} on disk ({format_bytes(self.kept_bytes)}), restored when the "
                 "engine starts again" if self.kept else "Kept: none on disk")
-        return f"{lost}. {kept}{as_of}."
+        summed = f" {SUMMED_BYTES}" if self.lost + self.kept > 1 else ""
+        return f"{lost}. {kept}{as_of}.{summed}"
 
 
 def _conversations(n: int) -> str:

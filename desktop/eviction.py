@@ -12,7 +12,7 @@ from typing import Any
 
 from desktop.monitor.conversations import tiers_of
 from desktop.monitor.report import number, timestamp
-from desktop.settings import format_bytes, format_mib
+from desktop.settings import SUMMED_BYTES, format_bytes, format_mib
 
 MIB = 1 << 20
 BUDGETS = {"ram": "conversation_cache_mib", "disk": "conversation_cache_disk_mib"}
@@ -87,4 +87,4 @@ def describe(evictions: list[Eviction]) -> str:
             lines.append(f"• drops {what} from {place}, to fit the {place} budget of {e.limit}.")
     return ("Applying this change\n" + "\n".join(lines) + "\n\nThe least recently used go first. This is an "
             "estimate from the engine's last list of conversations; dropped ones are prefilled again when they "
-            "come back.")
+            "come back. " + SUMMED_BYTES)

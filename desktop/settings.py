@@ -135,6 +135,14 @@ def format_bytes(n: float | None) -> str:
     return f"{value:.1f} TiB"
 
 
+# Two ways the same parked bytes are counted, said wherever a figure could be compared with the other: a block
+# (the K/V of a run of tokens) shared by conversations with the same start is stored once.
+SUMMED_BYTES = ("Sizes are each conversation's own, added up: blocks that conversations share (the same start) "
+                "are stored once, so the RAM and Disk bars, which count them once, can show less.")
+UNIQUE_BYTES = "Bytes stored, a block that several conversations share counted once (the parked list's Size " \
+               "counts it in each)."
+
+
 def is_budget(spec: Setting) -> bool:
     """A size in MiB, typed in MiB or GiB (the setting's declared UI kind)."""
     return spec.ui == "size"

@@ -170,19 +170,21 @@ class SettingsTab(QWidget):
         bottom = QWidget()
         bl = QVBoxLayout(bottom)
         bl.setContentsMargins(0, 0, 0, 0)
+        # The lines whose length changes (an apply's outcome, what is pending, the note on secrets) sit above the
+        # command line, which has a fixed height and is anchored to the window's bottom edge: growing text
+        # pushes the page above up, never the Copy button from under the pointer.
+        bl.addWidget(self.result)
+        act_row = QHBoxLayout()
+        act_row.addWidget(self.pending, 1)
+        for button in (self.apply_button, self.revert_button, self.restart_button):
+            act_row.addWidget(button, 0, Qt.AlignmentFlag.AlignBottom)
+        bl.addLayout(act_row)
+        bl.addWidget(self.command_note)
         cmd_row = QHBoxLayout()
         cmd_row.addWidget(QLabel("Command line:"))
         cmd_row.addWidget(self.command, 1)
         cmd_row.addWidget(self.copy_button, 0, Qt.AlignmentFlag.AlignTop)
         bl.addLayout(cmd_row)
-        bl.addWidget(self.command_note)
-        act_row = QHBoxLayout()
-        act_row.addWidget(self.pending, 1)
-        act_row.addWidget(self.apply_button)
-        act_row.addWidget(self.revert_button)
-        act_row.addWidget(self.restart_button)
-        bl.addLayout(act_row)
-        bl.addWidget(self.result)
         layout = QVBoxLayout(self)
         layout.addWidget(scroll, 1)
         layout.addWidget(bottom)
@@ -258,6 +260,8 @@ class SettingsTab(QWidget):
         self.captions.show(row)
         if name in FOLDER_SETTINGS or name == "model":
             self.captions.check_folders_soon()
+        if not paused:
+            self._forget_result()
         self.refresh()
         # A pause stores the value but never applies it: "2" on the way to "2048" would shrink a budget (and its
         # question would take the keyboard mid-word); Enter, leaving the field or a choice applies.
@@ -286,13 +290,26 @@ class SettingsTab(QWidget):
         row.editor.setFocus()
 
     def reset(self, name: str) -> None:
+        """Back to the default, stored, saved and (a live setting) applied, as an edit that settled."""
+        self._settling.discard(name)  # a pending pause-commit of the old text must not undo the reset
         self.store.reset(name)
         row = self.rows[name]
         row.error = ""
         row.set_value(self.store.value(name))
         self.autosaver.schedule()
         self.captions.show(row)
+        self._forget_result()
         self.refresh()
+        if row.spec.live:
+            self.apply_live_changes()
+        self.committed.emit(name)
+
+    def _forget_result(self) -> None:
+        """The last apply's outcome no longer describes what is shown once the values or the engine change:
+        "Applied to the running engine: Expiry = 20.0" under a reset Expiry would be read as the current state."""
+        if not self._applying:
+            self.result.setText("")
+            self.result.setStyleSheet("")
 
     def _pref_toggled(self, name: str, on: bool) -> None:
         self.store.set_pref(name, on)
@@ -342,6 +359,9 @@ class SettingsTab(QWidget):
         """The engine's state and the config it runs with (None when not running); once it is Ready, what was
         edited while it started is applied."""
         became_ready = state is EngineState.READY and self.engine_state is not EngineState.READY
+        if state is not self.engine_state:
+            self._applying = self._applying and state is EngineState.READY
+            self._forget_result()  # an outcome told of the engine before a restart is not this one's
         self.engine_state = state
         self.running = running
         if state is not EngineState.READY:

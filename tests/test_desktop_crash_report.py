@@ -37,9 +37,11 @@ def test_loss_counts_a_conversation_once_and_a_written_copy_as_kept():
     ]
     loss = cache_loss(rows, age_s=0.4)
     assert (loss.lost, loss.lost_bytes, loss.kept, loss.kept_bytes) == (2, 5 << 20, 2, 5 << 20)
-    assert loss.describe() == ("Lost: 2 parked conversations held in RAM or not yet written (5.0 MiB). "
-                               "Kept: 2 parked conversations on disk (5.0 MiB), restored when the engine starts "
-                               "again.")
+    said = loss.describe()
+    assert said.startswith("Lost: 2 parked conversations held in RAM or not yet written (5.0 MiB). Kept: 2 parked "
+                           "conversations on disk (5.0 MiB), restored when the engine starts again. "), said
+    assert "each conversation's own, added up" in said and "stored once" in said, "says how the sizes add up"
+    assert "added up" not in cache_loss(rows[:1], 0).describe(), "one conversation: nothing to add up"
     assert cache_loss([], 7).describe() == ("No parked conversations were lost: none were parked (as last "
                                             "reported 7 s before the engine ended).")
     assert cache_loss(rows[:1], 0).describe().endswith("Kept: none on disk.")

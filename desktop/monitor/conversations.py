@@ -114,6 +114,8 @@ class ConversationsModel(RowsModel):
     COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits", "Client", "Priority", "Pinned",
                "Checkpoints")
     TEXT_COLUMNS = (0, 3, 7, 8, 9)
+    HEADER_TIPS = {"Size": "This conversation's own bytes, the blocks it shares with others included (the RAM and "
+                           "Disk bars count a shared block once)."}
 
     def __init__(self, parent: Any = None) -> None:
         super().__init__(parent)

@@ -7,7 +7,7 @@ from typing import Any
 from PySide6.QtWidgets import QFormLayout, QGridLayout, QGroupBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
 from desktop.monitor.report import budget, dig, format_age, format_count, format_ms, number, total
-from desktop.settings import format_bytes
+from desktop.settings import UNIQUE_BYTES, format_bytes
 
 MIB = 1 << 20
 
@@ -146,7 +146,7 @@ class CountersPanel(QWidget):
         error = str(dig(c, "disk_error", default=""))
         if error:
             self.disk_bar.setFormat("error: " + error)
-        self.disk_bar.setToolTip(error)
+        self.disk_bar.setToolTip(error or UNIQUE_BYTES)
         self._slots_budget = budget(c, "slots")
         if self._parked is None:
             entries = number(c, "entries")

@@ -13,6 +13,7 @@ class RowsModel(QAbstractTableModel):
     """`rows` (dicts) under `COLUMNS`; a subclass says how a row reads (`data`) and how rows arrive."""
 
     COLUMNS: tuple[str, ...] = ()
+    HEADER_TIPS: dict[str, str] = {}  # a column's header tooltip, where its figures need a word
 
     def __init__(self, parent: Any = None) -> None:
         super().__init__(parent)
@@ -27,6 +28,8 @@ class RowsModel(QAbstractTableModel):
     def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
             return self.COLUMNS[section]
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.ToolTipRole:
+            return self.HEADER_TIPS.get(self.COLUMNS[section])
         return None
 
     def row_at(self, index: Index) -> dict[str, Any] | None:
