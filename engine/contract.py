@@ -228,7 +228,9 @@ class RequestRecord:
     and why the rest was computed.
 
     `source`: "live" (the slot still held it), "ram", "disk", "checkpoint" or "none". `reason`: "new_tokens" (only
-    tokens nothing held), "diverged" (the prompt left the best candidate at `detail.diverged_at`), "evicted" (the
+    tokens nothing held), "diverged" (the prompt left the best candidate at `detail.diverged_at`), "template" (as
+    "diverged", where the chat template wrote the history otherwise than at the earlier turn, from token
+    `detail.rewritten_at`: past reasoning left out, an answer or an earlier turn rewritten), "evicted" (the
     conversation was dropped: `detail` says when, by what and under which budget), "floor" (its park was refused
     by --conversation-cache-min-free-mib), "refused" (its park was refused otherwise), "n_min", "similarity",
     "cost" (a parked hit was declined; `detail` has the thresholds and both predicted times), "small_gain" (a hit

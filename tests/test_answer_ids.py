@@ -77,8 +77,8 @@ def test_a_template_that_trims_answers_still_gets_the_generated_ids():
     ids.answers.remember(tokenizer, generated)
     messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": answer + "\n"},
                 {"role": "user", "content": "Thanks."}]
-    prompt = render_prompt(tokenizer, messages, None, ids)
+    prompt = render_prompt(tokenizer, messages, None, ids).ids
     kept = generated[:-1]
     assert any(prompt[i:i + len(kept)] == kept for i in range(len(prompt))), "the answer's ids as generated, trimmed"
-    without = render_prompt(tokenizer, messages, None, PromptIds())
+    without = render_prompt(tokenizer, messages, None, PromptIds()).ids
     assert not any(without[i:i + len(kept)] == kept for i in range(len(without))), "re-tokenized, it differs"

@@ -46,7 +46,7 @@ def _alone(folder: str, conversations: list[list[dict]], generated: list[list[in
         ids.answers.remember(lm.tokenizer, answer)
     texts, answers = [], []
     for messages in conversations:
-        prompt = render_prompt(lm.tokenizer, messages, None, ids)
+        prompt = render_prompt(lm.tokenizer, messages, None, ids).ids
         kv, state = lm.model.new_buffers(1, 512)
         logits = lm.model.forward_chunks([SeqChunk(0, 0, torch.tensor(prompt))], kv, state)
         tokens, pos = [], len(prompt)

@@ -40,6 +40,9 @@ def reason_text(record: dict[str, Any], now: float | None = None) -> str:
         return f"new tokens only ({format_count(number(d, 'computed'))})"
     if reason == "diverged":
         return f"diverged at token {format_count(number(d, 'diverged_at'))}"
+    if reason == "template":
+        return (f"the chat template rewrote the history from token {format_count(number(d, 'rewritten_at'))} "
+                f"(diverged at {format_count(number(d, 'diverged_at'))})")
     if reason == "evicted":
         when = number(d, "when")
         ago = "" if when is None else f" {format_age((now or time.time()) - when)} ago"
@@ -71,7 +74,7 @@ def reason_tooltip(record: dict[str, Any]) -> str:
     """The reason's whole detail: the text either side of a divergence, what evicted it, the two predictions."""
     d = record.get("detail") or {}
     lines = [reason_text(record)]
-    if record.get("reason") == "diverged":
+    if record.get("reason") in ("diverged", "template"):
         lines += [f"compared with {d.get('candidate', '?')} ({format_count(number(d, 'candidate_tokens'))} tokens)",
                   f"prompt:    …{d.get('before', '')}⟦{d.get('prompt_after', '')}⟧",
                   f"candidate: …{d.get('before', '')}⟦{d.get('candidate_after', '')}⟧"]

@@ -18,9 +18,11 @@ from engine.contract import RequestRecord
 
 REQUEST_LOG_SIZE = 1000
 # Every reason a record can give (RequestRecord documents them); each is a Prometheus label, counted from 0.
-REASONS = ("new_tokens", "diverged", "evicted", "floor", "refused", "n_min", "similarity", "cost", "small_gain",
-           "restore_failed", "window", "cold")
+REASONS = ("new_tokens", "diverged", "template", "evicted", "floor", "refused", "n_min", "similarity", "cost",
+           "small_gain", "restore_failed", "window", "cold")
 CONTEXT_TOKENS = 6  # tokens shown either side of where a prompt left its candidate
+# The template's rewrite position is the text before it tokenized alone; the prompt's own tokens may merge across it.
+REWRITE_SLACK = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,7 @@ class Admission:
     report: LookupReport  # what the cache saw
     small_gain: bool = False  # a hit existed but saved fewer than the minimum over the live slot
     restore_failed: str = ""  # why a chosen hit could not be restored
+    rewritten_at: int | None = None  # GenerationRequest.rewritten_at
 
 
 Decode = Callable[[Sequence[int]], str]
@@ -87,8 +90,10 @@ def explain(adm: Admission, decode: Decode) -> tuple[str, dict[str, Any]]:
         # The prompt goes on from all of it: only tokens nothing held were computed. (matched 0 with a
         # candidate: nothing is shared.)
         return ("new_tokens", computed) if matched else ("cold", computed)
-    return "diverged", {
-        **computed, "diverged_at": matched, "candidate": label, "candidate_tokens": n_tokens,
+    # Left where the template wrote the history otherwise than before: not the client's change, the template's.
+    template = adm.rewritten_at is not None and matched + REWRITE_SLACK >= adm.rewritten_at
+    return "template" if template else "diverged", {
+        **computed, "diverged_at": matched, **({"rewritten_at": adm.rewritten_at} if template else {}), "candidate": label, "candidate_tokens": n_tokens,
         "before": decode(prompt[max(0, matched - CONTEXT_TOKENS):matched]),
         "prompt_after": decode(prompt[matched:matched + CONTEXT_TOKENS]),
         "candidate_after": decode(after),

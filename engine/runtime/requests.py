@@ -37,6 +37,9 @@ class GenerationRequest:
     prompt_tokens: list[int]
     params: SamplingParams
     attrs: ConvAttrs = NO_ATTRS  # its conversation's priority, pin, name and client (metadata / X-Strata-*)
+    # The first token the chat template wrote otherwise than at the conversation's earlier turns (None: it only
+    # appended); a prompt leaving its cached candidate there is explained as the template's doing.
+    rewritten_at: int | None = None
 
 
 @dataclass(slots=True)

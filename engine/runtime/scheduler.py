@@ -174,7 +174,8 @@ class Scheduler(Stats):
             if not reused:
                 slot.priority, slot.pinned = DEFAULT_PRIORITY, False
             source = "live" if reused else "none"
-            self._start(request, stream, slot, Admission(prompt, reused, source, candidate, report, small_gain))
+            self._start(request, stream, slot, Admission(prompt, reused, source, candidate, report, small_gain,
+                                                             rewritten_at=request.rewritten_at))
 
     def _start_restored(self, slot: Slot, looked: Looked, reused: int, failed: str,
                         read: dict[str, Any] | None = None) -> None:
@@ -185,7 +186,8 @@ class Scheduler(Stats):
         continues = reused > 0 and reused >= report.candidate_tokens
         slot.conversation_id, slot.unnamed = (hit.conversation_id if continues else None), []
         source = hit.tier if reused else "none"
-        adm = Admission(request.prompt_tokens, reused, source, candidate, report, small_gain, failed)
+        adm = Admission(request.prompt_tokens, reused, source, candidate, report, small_gain, failed,
+                        request.rewritten_at)
         self._start(request, stream, slot, adm, read)
 
     def _start(self, request: GenerationRequest, stream: RequestStream, slot: Slot, adm: Admission,

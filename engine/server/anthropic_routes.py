@@ -30,7 +30,7 @@ from engine.server.anthropic_schemas import (
 from engine.server.conversation_attrs import template_attrs
 from engine.server.errors import anthropic_error_body
 from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
-from engine.server.prompt_tokens import PromptIds
+from engine.server.prompt_tokens import PromptIds, RenderedPrompt
 from engine.server.prompts import render_prompt
 from engine.server.schemas import parse_body
 from engine.server.state import require_engine, server_state
@@ -74,7 +74,7 @@ def _sampling(req: MessagesRequest) -> SamplingParams:
 
 
 def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, ids: PromptIds | None = None
-            ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
+            ) -> tuple[RenderedPrompt, list[dict[str, Any]], list[dict[str, Any]] | None]:
     messages = template_messages(req)
     tools = function_tools(req)
     return render_prompt(tokenizer, messages, tools, ids), messages, tools
@@ -88,13 +88,13 @@ async def messages(request: Request) -> Response:
     prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, server_state(request).prompt_ids)
     attrs = template_attrs(turns, req.metadata, request.headers)
     message_id = "msg_" + uuid.uuid4().hex
-    stream = engine.submit(GenerationRequest(message_id, prompt, _sampling(req), attrs))
+    stream = engine.submit(GenerationRequest(message_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at))
     refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused
     model = req.model or engine.model_name
     if req.stream:
-        return sse_response(_events(stream, request, message_id, model, len(prompt), tools, engine.tokenizer))
+        return sse_response(_events(stream, request, message_id, model, len(prompt.ids), tools, engine.tokenizer))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
@@ -182,4 +182,4 @@ async def count_tokens(request: Request) -> dict[str, int]:
     engine = require_engine(request)
     req = await run_in_threadpool(parse_body, CountTokensRequest, await request.body())
     prompt, _, _ = await run_in_threadpool(_prompt, engine.tokenizer, req)
-    return {"input_tokens": len(prompt)}
+    return {"input_tokens": len(prompt.ids)}

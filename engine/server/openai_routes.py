@@ -75,7 +75,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
-    stream = engine.submit(GenerationRequest(request_id, prompt, params, attrs))
+    stream = engine.submit(GenerationRequest(request_id, prompt.ids, params, attrs, prompt.rewritten_at))
     refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused

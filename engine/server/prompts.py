@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import jinja2
 
 from engine.errors import ApiError
-from engine.server.prompt_tokens import PromptIds, encode_prompt
+from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
 from engine.server.tool_prompt import inline_tools, template_renders_tools
 
@@ -62,6 +63,8 @@ def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role}
     if role == "assistant":
         out["content"] = text or ""
+        if msg.reasoning_content:
+            out["reasoning_content"] = msg.reasoning_content
         if msg.tool_calls:
             out["tool_calls"] = [
                 {"id": call.id, "type": "function",
@@ -98,7 +101,7 @@ def active_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 
 def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | None = None
-                ) -> tuple[list[int], list[dict[str, Any]] | None]:
+                ) -> tuple[RenderedPrompt, list[dict[str, Any]] | None]:
     """Prompt token ids for a chat request, and the tools offered (None if none)."""
     if not req.messages:
         raise ApiError(400, "'messages' must contain at least one message", param="messages")
@@ -108,7 +111,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  ids: PromptIds | None = None) -> list[int]:
+                  ids: PromptIds | None = None) -> RenderedPrompt:
     """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
     answers keep the ids the engine generated for them (engine.server.prompt_tokens)."""
@@ -121,24 +124,56 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     # the model answers without them (as llama.cpp's server always does for such a template), and the log says so.
     prompt = _encode(tokenizer, inline_tools(messages, tools), None, ids)
     context = getattr(tokenizer, "context_tokens", None)
-    if context is None or len(prompt) < context:
+    if context is None or len(prompt.ids) < context:
         return prompt
     without = _encode(tokenizer, inline_tools(messages, None), None, ids)
     log.warning("the %d tools offered take the prompt to %d tokens, past the context of %d, and this model's chat "
                 "template cannot show them more briefly: answering without them (%d tokens)", len(tools),
-                len(prompt), context, len(without))
+                len(prompt.ids), context, len(without.ids))
     return without
 
 
 def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            ids: PromptIds | None) -> list[int]:
+            ids: PromptIds | None) -> RenderedPrompt:
     try:
         text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
     check_length(tokenizer, len(text), "messages")
-    return encode_prompt(tokenizer, text, messages, ids)
+    prompt, dropped = encode_prompt(tokenizer, text, messages, ids)
+    if ids is None:  # counting tokens: nothing is served, nothing to explain
+        return RenderedPrompt(prompt)
+    rewritten = [c for c in (dropped, _history_rewritten(tokenizer, messages, tools, text)) if c is not None]
+    if not rewritten:
+        return RenderedPrompt(prompt)
+    # The token the rewrite falls in (the text before it tokenized alone: near enough for a report).
+    return RenderedPrompt(prompt, len(tokenizer.encode(text[:min(rewritten)], add_special_tokens=False)))
+
+
+def _history_rewritten(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       text: str) -> int | None:
+    """Where `text` stops beginning with the prompt of the conversation's previous turn (the messages before the last
+    answer) rendered now, followed by that answer as it was returned, as a character position; None when it begins
+    with them (the template only appends).
+
+    Agents send a conversation's history back unchanged, so a difference there is the template's: one that moves
+    the tool list, dates its system turn, rewrites earlier turns once a later one arrives, or writes an answer
+    otherwise than after its own generation prompt (trimmed, or after a line break the prompt did not end with)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=0)
+    if last == 0:
+        return None
+    try:
+        earlier = tokenizer.render_chat(messages[:last], tools=tools, add_generation_prompt=True)
+    except (ValueError, TypeError, jinja2.TemplateError):
+        return None  # a template that refuses a history ending where this one did: nothing to compare with
+    answer = messages[last]
+    plain = isinstance(answer.get("content"), str) and not answer.get("tool_calls") and \
+        not answer.get("reasoning_content")  # how calls and reasoning are written is each template's own
+    expected = earlier + answer["content"] if plain else earlier
+    if text.startswith(expected):
+        return None
+    return len(os.path.commonprefix([expected, text]))
 
 
 def _texts_of(msg: dict[str, Any]) -> list[str]:

@@ -25,7 +25,7 @@ from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
 from engine.server.conversation_attrs import template_attrs
 from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
-from engine.server.prompt_tokens import PromptIds
+from engine.server.prompt_tokens import PromptIds, RenderedPrompt
 from engine.server.prompts import render_prompt
 from engine.server.response_store import StoredResponse
 from engine.server.responses_schemas import ResponsesRequest, function_tools, input_messages
@@ -99,7 +99,7 @@ def _sampling(req: ResponsesRequest) -> SamplingParams:
 
 
 def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]], ids: PromptIds
-            ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
+            ) -> tuple[RenderedPrompt, list[dict[str, Any]], list[dict[str, Any]] | None]:
     history = earlier + input_messages(req.input)
     if not history:
         raise ApiError(400, "'input' must contain at least one item", param="input")
@@ -143,7 +143,7 @@ async def responses(request: Request) -> Response:
                                                      server_state(request).prompt_ids)
     attrs = template_attrs(history, req.metadata, request.headers)
     turn = Turn("resp_" + uuid.uuid4().hex, req, req.model or engine.model_name, history)
-    stream = engine.submit(GenerationRequest(turn.response_id, prompt, _sampling(req), attrs))
+    stream = engine.submit(GenerationRequest(turn.response_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at))
     refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused

@@ -80,6 +80,9 @@ class ChatMessage(StrictBody):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning as the client got it back (llama.cpp's, vLLM's and DeepSeek's field): templates
+    # that write past reasoning (Qwen3's, within a tool loop) need it to render the turn as it was generated.
+    reasoning_content: str | None = None
 
 
 class FunctionDef(StrictBody):
