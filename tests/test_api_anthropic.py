@@ -182,3 +182,11 @@ def test_tool_choice_none_keeps_the_call_as_text(tool_client):
     r = tool_client.messages.create(model="m", max_tokens=8, messages=HELLO, tools=[WEATHER_TOOL],
                                     tool_choice={"type": "none"})
     assert r.stop_reason == "end_turn" and r.content[0].type == "text" and "<tool_call>" in r.content[0].text
+
+
+def test_a_parked_conversation_says_it_came_through_the_messages_api(engine, client):
+    client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "Name a river in Spain."}])
+    client.messages.create(model="m", max_tokens=2, messages=HELLO)  # takes the slot: the river is parked
+    rows = httpx.get(engine.base_url + "/cache/conversations", headers={"x-api-key": "sekrit"}).json()["conversations"]
+    [river] = [r for r in rows if r["name"] == "Name a river in Spain."]
+    assert river["client"].startswith("Anthropic/Python") and river["client"].endswith(" · Messages"), river

@@ -74,6 +74,7 @@ def test_metadata_and_headers_reach_the_parked_conversation(parked):
     gamma = _row(parked, "Gamma")
     assert (gamma.priority, gamma.pinned) == ("normal", False)
     assert gamma.client.startswith("OpenAI/"), "without a client name, the User-Agent's first product token"
+    assert gamma.client.endswith(" · Chat Completions"), "and the API it came through"
     assert alpha.name == "Alpha conversation about the parser and its many", "whole words, at most 48 characters"
     assert all(len(name) <= 48 for name in parked)
 

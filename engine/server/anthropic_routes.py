@@ -86,7 +86,7 @@ async def messages(request: Request) -> Response:
     engine = require_engine(request)
     req = await run_in_threadpool(parse_body, MessagesRequest, await request.body())
     prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, server_state(request).prompt_ids)
-    attrs = template_attrs(turns, req.metadata, request.headers)
+    attrs = template_attrs(turns, req.metadata, request.headers, "Messages")
     message_id = "msg_" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(message_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at))
     refused = await wait_for_slot(stream, request, engine.n_slots)

@@ -43,8 +43,12 @@ def _param(where: str) -> str:
 
 
 def request_attrs(metadata: Mapping[str, Any] | None, headers: Mapping[str, str], first_user_text: str,
-                  system_text: str = "") -> ConvAttrs:
-    """The conversation attributes of one request (`headers` with lower-case names, as Starlette gives them)."""
+                  system_text: str = "", api: str = "") -> ConvAttrs:
+    """The conversation attributes of one request (`headers` with lower-case names, as Starlette gives them).
+
+    A client that names itself is shown as named; otherwise the User-Agent's first product and the API it spoke
+    (`api`: "Chat Completions", "Completions", "Messages", "Responses"), so a Monitor row says "claude-cli/2.1 ·
+    Messages" and an agent's conversations are told from a chat's."""
     metadata = metadata or {}
     unknown = sorted(k for k in metadata if k.startswith("strata_") and k not in FIELDS.values())
     if unknown:
@@ -63,9 +67,13 @@ def request_attrs(metadata: Mapping[str, Any] | None, headers: Mapping[str, str]
             raise ApiError(400, f"'{where}': expected true or false, got {value!r}"[:200], param=_param(where))
         pinned = PIN_VALUES[value.strip().lower()]
     given = _given("client", metadata, headers)
-    client = given[0] if given is not None else headers.get("user-agent", "").split(" ", 1)[0]
-    return ConvAttrs(priority, pinned, conversation_name(first_user_text), _printable(client)[:MAX_CLIENT_CHARS],
-                     conversation_name(system_text))
+    if given is not None:
+        client = _printable(given[0])[:MAX_CLIENT_CHARS]
+    else:
+        suffix = f" · {api}" if api else ""
+        product = _printable(headers.get("user-agent", "").split(" ", 1)[0])[:MAX_CLIENT_CHARS - len(suffix)]
+        client = f"{product}{suffix}" if product else api
+    return ConvAttrs(priority, pinned, conversation_name(first_user_text), client, conversation_name(system_text))
 
 
 def chat_attrs(req: ChatCompletionRequest, headers: Mapping[str, str]) -> ConvAttrs:
@@ -75,7 +83,7 @@ def chat_attrs(req: ChatCompletionRequest, headers: Mapping[str, str]) -> ConvAt
     text = "" if first is None else content_text(req.messages[first].content, f"messages[{first}].content")
     sys_i = next((i for i, m in enumerate(req.messages) if m.role in ("system", "developer")), None)
     system = "" if sys_i is None else content_text(req.messages[sys_i].content, f"messages[{sys_i}].content")
-    return request_attrs(req.metadata, headers, (text or "")[:4096], (system or "")[:4096])
+    return request_attrs(req.metadata, headers, (text or "")[:4096], (system or "")[:4096], "Chat Completions")
 
 
 def completion_attrs(req: CompletionRequest, headers: Mapping[str, str]) -> ConvAttrs:
@@ -83,7 +91,7 @@ def completion_attrs(req: CompletionRequest, headers: Mapping[str, str]) -> Conv
     prompt = req.prompt
     if isinstance(prompt, list):
         prompt = next((p for p in prompt if isinstance(p, str)), "")
-    return request_attrs(req.metadata, headers, prompt[:4096] if isinstance(prompt, str) else "")
+    return request_attrs(req.metadata, headers, prompt[:4096] if isinstance(prompt, str) else "", api="Completions")
 
 
 def _printable(text: str) -> str:
@@ -103,9 +111,9 @@ def conversation_name(text: str) -> str:
 
 
 def template_attrs(messages: list[dict[str, Any]], metadata: Mapping[str, Any] | None,
-                   headers: Mapping[str, str]) -> ConvAttrs:
+                   headers: Mapping[str, str], api: str) -> ConvAttrs:
     """The attributes of a request already turned into chat-template messages (Anthropic Messages, OpenAI
     Responses): named from its first user message, its system words from its first system message."""
     user = next((m["content"] for m in messages if m["role"] == "user"), "")
     system = next((m["content"] for m in messages if m["role"] == "system"), "")
-    return request_attrs(metadata, headers, user[:4096], system[:4096])
+    return request_attrs(metadata, headers, user[:4096], system[:4096], api)

@@ -141,7 +141,7 @@ async def responses(request: Request) -> Response:
         earlier = stored.history
     prompt, history, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, earlier,
                                                      server_state(request).prompt_ids)
-    attrs = template_attrs(history, req.metadata, request.headers)
+    attrs = template_attrs(history, req.metadata, request.headers, "Responses")
     turn = Turn("resp_" + uuid.uuid4().hex, req, req.model or engine.model_name, history)
     stream = engine.submit(GenerationRequest(turn.response_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at))
     refused = await wait_for_slot(stream, request, engine.n_slots)
