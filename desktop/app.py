@@ -7,9 +7,7 @@ Nothing heavy is imported at module level: a frozen build re-runs this entry poi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,28 +30,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     parser.add_argument("--version", action="version", version=f"strata-desktop {__version__}")
     return parser.parse_args(argv)
-
-
-def _install_signal_handlers(app: object, on_quit: object) -> None:
-    """Let Ctrl+C and SIGTERM reach the Qt event loop: a wake-up fd makes Python run the handler promptly."""
-    import socket
-
-    from PySide6.QtCore import QSocketNotifier
-
-    rsock, wsock = socket.socketpair()
-    rsock.setblocking(False)
-    wsock.setblocking(False)
-    signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
-    notifier = QSocketNotifier(rsock.fileno(), QSocketNotifier.Type.Read, app)  # type: ignore[arg-type]
-
-    def drain() -> None:
-        with contextlib.suppress(OSError):
-            rsock.recv(64)
-
-    notifier.activated.connect(drain)
-    app._signal_sockets = (rsock, wsock, notifier)  # type: ignore[attr-defined]
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: on_quit())  # type: ignore[operator]
 
 
 def _process_age() -> float:
@@ -104,16 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from PySide6.QtCore import QTimer
-    from PySide6.QtWidgets import QApplication
 
     from desktop.instance import SingleInstance, instance_name, notify_running
+    from desktop.quit_requests import Application
     from desktop.settings import Paths
 
     defaults = Paths.default()
     paths = Paths(config_dir=args.config_dir or defaults.config_dir, state_dir=args.state_dir or defaults.state_dir,
                   log_dir=args.log_dir or (None if args.state_dir else defaults.log_dir),
                   data_dir=None if args.state_dir else defaults.data_dir)
-    app = QApplication([sys.argv[0], *argv])
+    app = Application([sys.argv[0], *argv])
     app.setApplicationName("Strata Desktop")
     app.setDesktopFileName("strata-desktop")
     app.setQuitOnLastWindowClosed(False)  # the window may close to the tray; quitting is explicit
@@ -131,9 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_engine:
         window.store.prefs.start_engine = False
     instance.activated.connect(window.show_window)
+    # Every way out is the one clean quit (desktop/quit_requests.py); aboutToQuit's teardown also stops the
+    # engine cleanly, for Windows ending the session, which ends the event loop without asking.
     app.aboutToQuit.connect(window.shutdown_now)
     app.aboutToQuit.connect(instance.close)
-    _install_signal_handlers(app, window.quit)
+    app.route_quits(window.request_quit)
+    app.quit_on_signals(window.quit)
+    app.quit_on_close_requests(window.quit)
     if not (args.hidden and window.use_tray):
         window.show()
     if args.print_startup_time:

@@ -24,19 +24,20 @@ WINDOWS_LINK = f"{APP_NAME}.lnk"
 WINDOWS_FALLBACK = f"{APP_NAME}.cmd"  # used when no PowerShell can write a .lnk
 
 
-def app_command() -> list[str]:
-    """The program (and leading arguments) that starts the desktop app on this installation."""
+def app_command(platform: str | None = None) -> list[str]:
+    """The program (and leading arguments) that starts the desktop app on this installation, for `platform`
+    (sys.platform's spelling; default: this one)."""
+    windows = (platform or sys.platform) == "win32"
     if getattr(sys, "frozen", False):
         return [sys.executable]
     exe = Path(sys.executable)
-    for name in (APP_ID, f"{APP_ID}.exe"):
-        script = exe.with_name(name)
-        if script.is_file():
-            return [str(script)]
+    script = exe.with_name(f"{APP_ID}.exe" if windows else APP_ID)
+    if script.is_file():
+        return [str(script)]
     found = shutil.which(APP_ID)
     if found:
         return [found]
-    if os.name == "nt" and exe.with_name("pythonw.exe").is_file():
+    if windows and exe.with_name("pythonw.exe").is_file():
         exe = exe.with_name("pythonw.exe")  # no console window at login
     return [str(exe), "-m", "desktop"]
 
@@ -250,7 +251,7 @@ class Autostart:
         self.platform = platform or sys.platform
         self.windows = self.platform == "win32"
         self._folder = folder
-        self.command = [*(command or app_command()), HIDDEN_FLAG]
+        self.command = [*(command or app_command(self.platform)), HIDDEN_FLAG]
         self._write_shortcut = shortcut_writer or write_shortcut
         self._read_shortcut = shortcut_reader or read_shortcut
 

@@ -2,9 +2,11 @@
 
 One `EngineProcess` wraps one QProcess. States: stopped -> starting (spawned) -> loading (listening, /health
 says 503) -> ready (/health 200) -> stopping -> stopped, or crashed when it ends without being asked to.
-A stop asks the engine itself first (`POST /shutdown`, so a tiered cache spills to disk), then terminates,
-then kills after a deadline. A pid file records the running engine so that one orphaned by a crash of the
-app is found and stopped at the next launch (`desktop.pid_file.reap_orphan`).
+A stop asks the engine itself (`POST /shutdown`, and its stdin closed) and waits for its own exit, in which it
+parks its live slots and a tiered cache spills to disk; only an engine that has not exited by the deadline is
+killed. Never terminate(): on Windows that is TerminateProcess, the same crash as a kill, taken mid-spill.
+A pid file records the running engine so that one orphaned by a crash of the app is found and stopped at the
+next launch (`desktop.pid_file.reap_orphan`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from engine.contract import ContractError, HealthBody, parse
 
 LISTENING = re.compile(r"strata: listening on (https?://\S+)")
 LOG_LINES = 5000  # lines kept in memory for the Logs tab and the crash report
+# How long a stopping engine is given before it is killed. A serving one: its own shutdown deadline is 60 s
+# (engine/cli.py: finish the requests in flight, park the live slots, spill the RAM tier), then its server's
+# 5 s graceful stop and the interpreter's exit. One still starting or loading has nothing parked yet.
+SHUTDOWN_GRACE_S = 90.0
+LOADING_GRACE_S = 20.0
 
 
 class EngineState(StrEnum):
@@ -156,8 +163,8 @@ class EngineProcess(QObject):
         self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
         self.auto_restart = False
         self.command_for: Callable[[EngineConfig], list[str]] = engine_command  # how to start it (one place)
-        self.shutdown_grace_s = 20.0  # a tiered cache may need a while to spill
-        self.terminate_grace_s = 5.0
+        self.shutdown_grace_s = SHUTDOWN_GRACE_S
+        self.loading_grace_s = LOADING_GRACE_S
         self.started_at: float | None = None
         self.health: HealthBody | None = None  # the last /health answer of this run (None before the first)
         self._proc: QProcess | None = None
@@ -171,8 +178,6 @@ class EngineProcess(QObject):
         self._health_in_flight = False
         self._health_timer = QTimer(self, interval=250)
         self._health_timer.timeout.connect(self._check_health)
-        self._terminate_timer = QTimer(self, singleShot=True)
-        self._terminate_timer.timeout.connect(self._terminate)
         self._kill_timer = QTimer(self, singleShot=True)
         self._kill_timer.timeout.connect(self.kill)
         self._auto_timer = QTimer(self, singleShot=True)
@@ -237,7 +242,8 @@ class EngineProcess(QObject):
         proc.start(self.command[0], self.command[1:])
 
     def stop(self) -> None:
-        """Stop cleanly: POST /shutdown, then terminate, then kill after the deadlines."""
+        """Stop cleanly: POST /shutdown and close the engine's stdin, then wait for its own exit; kill it only
+        when it has not exited by the deadline."""
         self._auto_timer.stop()
         if not self.running:
             if self.state is EngineState.CRASHED:
@@ -247,16 +253,34 @@ class EngineProcess(QObject):
             return
         self._stop_requested = True
         self._health_timer.stop()
-        ready = self.state in (EngineState.READY, EngineState.LOADING) and self.url is not None
+        serving = self.state is EngineState.READY
+        listening = self.state in (EngineState.READY, EngineState.LOADING) and self.url is not None
         self._set_state(EngineState.STOPPING)
-        if ready:
+        if listening:
             self._emit_line("strata-desktop: asking the engine to shut down (POST /shutdown)")
             self.client.request("POST", "/shutdown", self._on_shutdown_reply, timeout=3.0)
-            # The engine also shuts down when its stdin closes; closing it lets its stdin reader finish too.
-            self._proc.closeWriteChannel()
-            self._terminate_timer.start(int(self.shutdown_grace_s * 1000))
         else:
-            self._terminate()
+            self._emit_line("strata-desktop: asking the engine to shut down (closing its stdin)")
+            self._close_stdin()
+        grace = self.shutdown_grace_s if serving else self.loading_grace_s
+        self._kill_timer.start(int(grace * 1000))
+
+    def _close_stdin(self) -> None:
+        """The engine shuts down cleanly when its stdin closes: the request that reaches it whether it listens
+        yet or not, and whatever became of an HTTP request."""
+        if self._proc is not None:
+            self._proc.closeWriteChannel()
+
+    def stop_and_wait(self) -> None:
+        """The clean stop, waited for here: at exit, when no event loop runs any more. Waits for the engine's own
+        exit until the stop's deadline, then kills it: no engine may outlive the app."""
+        self.stop()
+        self._close_stdin()  # no event loop will deliver the answer to the POST, after which it would be closed
+        if self.running:
+            self._proc.waitForFinished(max(self._kill_timer.remainingTime(), 0))
+        if self.running:
+            self.kill()
+            self._proc.waitForFinished(3000)
 
     def restart(self, config: EngineConfig | None = None) -> None:
         """Stop (if running) and start again, with `config` or the last one."""
@@ -284,17 +308,16 @@ class EngineProcess(QObject):
 
     # ------------------------------------------------------------------ internals
 
-    def _terminate(self) -> None:
+    def _on_shutdown_reply(self, reply: Reply) -> None:
+        """Close the engine's stdin once the POST is answered (not before: an engine the closed stdin stopped
+        already would drop the request's connection). A failed POST is left to the stdin: an engine that is
+        stopping already drops the connection, and killing it would lose what it is parking and spilling."""
         if not self.running:
             return
-        self._emit_line("strata-desktop: terminating the engine")
-        self._proc.terminate()
-        self._kill_timer.start(int(self.terminate_grace_s * 1000))
-
-    def _on_shutdown_reply(self, reply: Reply) -> None:
-        if not reply.ok and self.running:
-            self._emit_line(f"strata-desktop: /shutdown failed ({reply.error}); terminating")
-            self._terminate()
+        if not reply.ok:
+            self._emit_line(f"strata-desktop: /shutdown failed ({reply.error}); closing the engine's stdin and "
+                            "waiting for it to exit")
+        self._close_stdin()
 
     def _masked(self, command: list[str]) -> list[str]:
         return [("***" if i > 0 and command[i - 1] == "--api-key" else a) for i, a in enumerate(command)]
@@ -412,7 +435,6 @@ class EngineProcess(QObject):
 
     def _finish(self, outcome: ProcessOutcome) -> None:
         self._health_timer.stop()
-        self._terminate_timer.stop()
         self._kill_timer.stop()
         self._health_in_flight = False
         proc, self._proc = self._proc, None

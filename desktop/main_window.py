@@ -81,6 +81,7 @@ class MainWindow(QMainWindow):
         self.conversations_at = 0.0  # time.monotonic() of that snapshot
         self.memory: MemorySample | None = None  # the last sample (a crash report says if memory ran out)
         self._quitting = False
+        self._finished = False  # torn down: nothing of the window runs any more
         self._started = False
         self._painted = False
         self.notice_kind: str | None = None
@@ -371,7 +372,10 @@ class MainWindow(QMainWindow):
         if self._quitting:
             event.accept()
             return
-        if self.use_tray and self.store.prefs.close_to_tray and tray_available():
+        # Only a shown window's close can be a person's click on its close button (close to the tray); a hidden
+        # one's is the system or a program asking the app to end (on Windows: WM_CLOSE from taskkill without /F,
+        # an uninstaller, Task Manager's "End task").
+        if self.isVisible() and self.use_tray and self.store.prefs.close_to_tray and tray_available():
             event.ignore()
             self.hide()
             if not self.store.prefs.tray_notice_shown:
@@ -383,6 +387,14 @@ class MainWindow(QMainWindow):
             return
         event.ignore()
         self.quit()
+
+    def request_quit(self) -> bool:
+        """A request from Qt or the platform to end the event loop: True once the clean quit is done; until then
+        it starts that quit (`quit`), which ends the loop itself."""
+        if self._finished:
+            return True
+        self.quit()
+        return False
 
     def quit(self) -> None:
         """Save settings, stop the engine cleanly (it may spill its cache), then leave the event loop."""
@@ -398,13 +410,13 @@ class MainWindow(QMainWindow):
             self.engine.ended.connect(lambda _o: self._finish_quit())
             self.engine.stop()
             # Safety net: the engine's own deadlines end it; this only guards against a stuck process.
-            deadline = self.engine.shutdown_grace_s + self.engine.terminate_grace_s + 5
+            deadline = self.engine.shutdown_grace_s + 10
             QTimer.singleShot(int(deadline * 1000), self._finish_quit)
         else:
             QTimer.singleShot(0, self._finish_quit)
 
     def _finish_quit(self) -> None:
-        if getattr(self, "_finished", False):
+        if self._finished:
             return
         self._teardown()
         self.quit_finished.emit()
@@ -413,7 +425,10 @@ class MainWindow(QMainWindow):
             app.quit()
 
     def shutdown_now(self) -> None:
-        """Synchronous teardown for tests and aboutToQuit: nothing may keep running."""
+        """Synchronous teardown for tests and aboutToQuit: the engine's clean stop, waited for here, and nothing
+        else may keep running."""
+        if self._finished:
+            return
         self._quitting = True
         self.autosaver.flush()
         self._teardown()
@@ -422,7 +437,7 @@ class MainWindow(QMainWindow):
         """End everything the window runs: no engine, thread, timer or open file outlives it."""
         self._finished = True
         self.chat.shutdown()
-        self.engine.kill_and_wait()
+        self.engine.stop_and_wait()
         self.engine.close()
         self.poller.stop()
         self.tray.hide()

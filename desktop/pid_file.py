@@ -59,7 +59,7 @@ def _same_process(pid: Any, create_time: Any) -> psutil.Process | None:
         return None
 
 
-def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float = 10.0) -> str | None:
+def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float = 30.0) -> str | None:
     """Stop an engine left running by an app that is gone, then remove the pid file. Blocking: run off the GUI thread.
 
     Returns what was done, for the user, or None when there was nothing to do.
@@ -75,24 +75,28 @@ def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float =
     engine = _same_process(record.get("pid"), record.get("create_time"))
     message = None
     if engine is not None:
-        # Ask it first so a tiered cache spills; then signals.
-        if client is not None and record.get("url"):
-            client.call("POST", str(record["url"]).rstrip("/") + "/shutdown", timeout=2.0)
-        try:
-            engine.wait(timeout=grace_s if client is not None and record.get("url") else 0.1)
-        except psutil.TimeoutExpired:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                engine.terminate()
-            try:
-                engine.wait(timeout=5)
-            except psutil.TimeoutExpired:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    engine.kill()
-                with contextlib.suppress(psutil.TimeoutExpired):
-                    engine.wait(timeout=5)
-        except psutil.NoSuchProcess:
-            pass
+        url = record.get("url")
+        if client is not None and url:
+            client.call("POST", str(url).rstrip("/") + "/shutdown", timeout=2.0)
+        _wait_then_kill(engine, grace_s)
         message = f"Stopped an engine (pid {engine.pid}) left running by an earlier session of the app."
     with contextlib.suppress(OSError):
         path.unlink()
     return message
+
+
+def _wait_then_kill(engine: psutil.Process, grace_s: float) -> None:
+    """Wait for the engine's own clean exit, which POST /shutdown or its stdin began (the pipe closed when its app
+    died), so that it parks and spills its cache; kill it only after `grace_s`. No terminate() in between: on
+    Windows that is TerminateProcess, the same crash as a kill."""
+    try:
+        engine.wait(timeout=grace_s)
+        return
+    except psutil.TimeoutExpired:
+        pass
+    except psutil.NoSuchProcess:
+        return
+    with contextlib.suppress(psutil.NoSuchProcess):
+        engine.kill()
+    with contextlib.suppress(psutil.Error):
+        engine.wait(timeout=5)

@@ -4,7 +4,11 @@
         client = openai.OpenAI(base_url=engine.base_url + "/v1", api_key="none")
 
 The engine listens on a free port (`--port 0`); its log (stdout and stderr together) goes to a file whose text is
-in `engine.logs()`, and is printed when start-up fails so the failure explains itself.
+in `engine.logs()`, and is printed when start-up fails so the failure explains itself. Its stdin is a pipe this
+side holds: an engine whose test process died stops by itself.
+
+`stop()` is the engine's own clean stop on every platform, never `terminate()`: on Windows that is
+TerminateProcess, a crash that skips parking the live slots and spilling the tiered cache.
 """
 
 from __future__ import annotations
@@ -66,9 +70,10 @@ class EngineProcess:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (a clean shutdown), then SIGKILL if it does not exit within `timeout`; returns the exit status."""
+        """Stop cleanly (`ask_to_stop`), wait for the engine's own exit, and kill it only if it has not exited
+        within `timeout`; returns the exit status."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.ask_to_stop()
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -76,15 +81,26 @@ class EngineProcess:
                 self.proc.wait(timeout=10)
         return self.proc.returncode
 
+    def ask_to_stop(self) -> None:
+        """POST /shutdown (once it listens), then close its stdin: either one starts the engine's clean shutdown,
+        and the second still reaches an engine that is loading, not yet listening, or stopping already."""
+        if self.base_url:
+            request = urllib.request.Request(self.base_url + "/shutdown", method="POST", headers=self.headers())
+            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=5):
+                pass
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
 
 def start_engine(*args: str, api_key: str | None = None, timeout: float = 120.0, env: dict[str, str] | None = None,
-                 log_dir: str | None = None, stdin_pipe: bool = False, cwd: str = REPO,
+                 log_dir: str | None = None, cwd: str = REPO,
                  health_log: list[tuple[int, object]] | None = None) -> EngineProcess:
     """Start `python -m engine serve --port 0 ARGS...` and return once GET /health answers 200.
 
-    `api_key` is passed as --api-key and used for the health check. With `stdin_pipe`, stdin is a pipe the test
-    may close (the engine shuts down when it does). `cwd` is the engine's working folder (the repository is put
-    on PYTHONPATH, so it imports the same code from anywhere). `health_log` receives every answer of
+    `api_key` is passed as --api-key and used for the health check. Its stdin is a pipe (`engine.proc.stdin`) a
+    test may close (the engine shuts down when it does). `cwd` is the engine's working folder (the repository is
+    put on PYTHONPATH, so it imports the same code from anywhere). `health_log` receives every answer of
     GET /health (status, body) while it waits, polled often, to follow the start-up phases.
     """
     argv = [sys.executable, "-m", "engine", "serve", "--port", "0", *args]
@@ -94,7 +110,7 @@ def start_engine(*args: str, api_key: str | None = None, timeout: float = 120.0,
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(
             argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             env={**os.environ, "PYTHONUNBUFFERED": "1",
                  "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p), **(env or {})},
         )

@@ -139,6 +139,16 @@ def test_slot_file_names_outside_the_save_path_are_refused(http, engine):
     error_of(http.post("/slots/0", params={"action": "save"}, json={}), 400)
 
 
+def test_a_folder_named_as_a_slot_file_is_refused_as_a_folder(http, engine, alternated):
+    """Not "Permission denied", which Windows says when a folder is opened as a file."""
+    os.makedirs(engine.save_dir / "kept.slot", exist_ok=True)
+    for action in ("save", "restore"):
+        err = error_of(http.post("/slots/0", params={"action": action}, json={"filename": "kept.slot"}), 400)
+        assert "'kept.slot' is a folder, expected a file" in err["message"], err
+        assert str(engine.save_dir) not in err["message"]
+    assert os.listdir(engine.save_dir / "kept.slot") == []
+
+
 JSON = {"Content-Type": "application/json"}
 
 

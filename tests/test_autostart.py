@@ -92,6 +92,22 @@ def test_default_command_starts_this_installation_hidden(xdg):
     assert entry.command[0] == sys.executable or Path(entry.command[0]).name == "strata-desktop"
 
 
+def test_the_interpreter_without_a_console_is_chosen_for_windows_only(tmp_path, monkeypatch):
+    """A source install with no launcher on PATH starts `python -m desktop`; pythonw.exe (no console window at
+    login) is a Windows program, chosen by the platform asked for, not the one the check runs on."""
+    folder = tmp_path / "venv" / "bin"
+    folder.mkdir(parents=True)
+    for name in ("python", "python.exe", "pythonw.exe"):
+        (folder / name).write_bytes(b"")
+    monkeypatch.setattr(sys, "executable", str(folder / "python"))
+    monkeypatch.setattr(autostart.shutil, "which", lambda name: None)
+    assert Autostart(platform="linux").command == [str(folder / "python"), "-m", "desktop", HIDDEN_FLAG]
+    assert Autostart(platform="win32").command == [str(folder / "pythonw.exe"), "-m", "desktop", HIDDEN_FLAG]
+    (folder / "strata-desktop.exe").write_bytes(b"")  # a Windows install's launcher is not a Linux one's
+    assert Autostart(platform="linux").command[0] == str(folder / "python")
+    assert Autostart(platform="win32").command == [str(folder / "strata-desktop.exe"), HIDDEN_FLAG]
+
+
 def test_unsupported_platform_is_off():
     entry = Autostart(platform="darwin", command=["/x"])
     assert not entry.supported and not entry.is_enabled()

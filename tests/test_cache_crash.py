@@ -1,10 +1,11 @@
 """kill -9 at seeded points of the purge, reconfigure and shutdown paths: nothing published is lost, nothing
 half-written is adopted.
 
-Each trial forks a child that runs a seeded program of cache steps on its own folder and reports over a pipe
-what it parked, when each step starts and, when it ends, which conversations have their files published. The
-child kills itself at a seeded fault point (inside a write, a rename, a folder fsync or a removal) counted only
-inside the steps the trial is about. A fresh cache on the folder must then hold only whole, valid files, no temp
+Each trial starts a child process (tests/cache_faults.py: spawned as on Windows, or forked where the platform
+can) that runs a seeded program of cache steps on its own folder and reports over a pipe what it parked, when
+each step starts and, when it ends, which conversations have their files published. The child kills itself at a
+seeded fault point (inside a write, a rename, a folder fsync or a removal) counted only inside the steps the
+trial is about. A fresh cache on the folder must then hold only whole, valid files, no temp
 file, and conversations that the interrupted step allows: a step that only adds (a park, a ram -> disk change,
 a shutdown's spill, a start-up scan) keeps everything listed before it; a step that only removes (a purge, a
 budget shrink) brings nothing back that was gone; every conversation found restores byte-identical.
@@ -15,15 +16,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
+from collections.abc import Callable
 
 import pytest
-import torch
 
 from engine.atomic import is_temp_name
 from engine.cache.disk_tier import BLOCK_RE, CONV_RE
 from engine.cache.fileformat import FileFormatError, read_header, read_tensor
-from tests.cache_faults import arm_fault_points
+from tests.cache_faults import FAST, SPAWN, arm_fault_points, crashed, run_child
 from tests.test_cache_disk import check_restores
 from tests.test_cache_support import BLOCK, LAYOUT, FakeSlots, conversation, identity, make_cache, park_tokens
 
@@ -40,12 +40,12 @@ KINDS = {  # the steps a trial of each kind kills in
 class Reporter:
     """The child's side of the pipe: one line per report, each a single write."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, report: Callable[[str], None]) -> None:
+        self.report = report
         self.step = ""
 
     def send(self, *message) -> None:
-        os.write(self.fd, (json.dumps(message) + "\n").encode())
+        self.report(json.dumps(message) + "\n")
 
     def start(self, step: str) -> None:
         self.step = step
@@ -118,31 +118,20 @@ def manifests_in(folder: str) -> list[str]:
     return sorted(m.group(1) for n in os.listdir(sub) if (m := CONV_RE.match(n)))
 
 
-def _run_child(kind: str, mode: str, folder: str, seed: int) -> list[list]:
-    """Fork the child for one trial; returns its reports once it was killed."""
+def _trial_child(report: Callable[[str], None], kind: str, mode: str, folder: str, seed: int) -> int:
+    """The child of one trial: runs its program until the fault point kills it."""
     rng = random.Random(seed)
     target = rng.randrange(40)
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_fd)
-        code = 3
-        try:
-            torch.set_num_threads(1)
-            rep = Reporter(write_fd)
-            arm_fault_points(target, lambda: rep.step in KINDS[kind], unlinks=True)
-            _program(kind, mode, folder, rep, rng)
-        except BaseException:
-            import traceback
+    rep = Reporter(report)
+    arm_fault_points(target, lambda: rep.step in KINDS[kind], unlinks=True)
+    _program(kind, mode, folder, rep, rng)
+    return 3  # reached only when the fault point was never hit
 
-            traceback.print_exc()
-        finally:
-            os._exit(code)  # reached only when something failed or the fault point was never hit
-    os.close(write_fd)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (kind, mode, seed, status)
-    with os.fdopen(read_fd) as pipe:
-        lines = pipe.readlines()
+
+def _run_child(kind: str, mode: str, folder: str, seed: int, method: str = FAST) -> list[list]:
+    """Start the child for one trial; returns its reports once it was killed."""
+    status, lines = run_child(_trial_child, kind, mode, folder, seed, method=method)
+    assert crashed(status), (kind, mode, seed, status)
     assert all(line.endswith("\n") for line in lines)  # each report is one write
     return [json.loads(line) for line in lines]
 
@@ -215,7 +204,8 @@ def _trials(tmp_path, n: int, seed: int) -> dict[str, int]:
         kind = list(KINDS)[trial % len(KINDS)]
         mode = "disk" if (trial // len(KINDS)) % 2 == 0 else "tiered"
         folder = str(tmp_path / f"t{trial}")
-        reports = _run_child(kind, mode, folder, rng.randrange(1 << 30))
+        # The first child starts as on Windows, in a fresh interpreter; forking the others keeps the test quick.
+        reports = _run_child(kind, mode, folder, rng.randrange(1 << 30), SPAWN if trial == 0 else FAST)
         torn[kind] += _check_after_kill(kind, reports, folder)
     return torn
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import struct
 import time
 
@@ -14,7 +15,14 @@ import torch
 
 from engine.cache import CacheDirLockedError, CacheRestoreError, ConversationCache
 from engine.kv import KVLayout
-from tests.cache_faults import arm_fault_points
+from tests.cache_faults import (
+    FAST,
+    SPAWN,
+    arm_fault_points,
+    crashed,
+    no_file_size_limit_on_windows,
+    run_child,
+)
 from tests.test_cache_support import (
     BLOCK,
     LAYOUT,
@@ -330,22 +338,22 @@ def test_two_caches_on_one_folder_are_refused_clearly(tmp_path):
     first = make_cache(storage="disk", dir=str(tmp_path))
     with pytest.raises(CacheDirLockedError, match="in use by another Strata engine"):
         make_cache(storage="disk", dir=str(tmp_path))
-    pid = os.fork()
-    if pid == 0:  # another process is refused too
-        try:
-            make_cache(storage="disk", dir=str(tmp_path))
-            os._exit(1)
-        except CacheDirLockedError:
-            os._exit(0)
-        except BaseException:
-            os._exit(2)
-    assert os.waitpid(pid, 0)[1] == 0
+    assert run_child(_refused_here, str(tmp_path), method=SPAWN)[0] == 0  # another process is refused too
     other_model = make_cache(
         identity({"architecture": "other"}), storage="disk", dir=str(tmp_path)
     )  # own folder
     first.close(spill=False)
     make_cache(storage="disk", dir=str(tmp_path)).close(spill=False)
     other_model.close(spill=False)
+
+
+def _refused_here(_report, folder: str) -> int:
+    """In a child: 0 when the cache folder is refused as in use, 1 when it is not."""
+    try:
+        make_cache(storage="disk", dir=folder)
+    except CacheDirLockedError:
+        return 0
+    return 1
 
 
 def test_unusable_folder_refuses_parks_with_a_clear_log(tmp_path, caplog):
@@ -360,7 +368,8 @@ def test_unusable_folder_refuses_parks_with_a_clear_log(tmp_path, caplog):
 
 
 def _in_child(fn) -> int:
-    """Run `fn` in a forked child; returns its exit status (0 = fn returned True)."""
+    """Run `fn` in a forked child; returns its exit status (0 = fn returned True). POSIX only: `fn` is a closure
+    that changes the child's process limits or user, which only tests of POSIX mechanisms do."""
     pid = os.fork()
     if pid == 0:
         code = 3
@@ -376,6 +385,7 @@ def _in_child(fn) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+@no_file_size_limit_on_windows
 def test_write_failure_and_read_only_folder_refuse_the_park_and_keep_what_is_on_disk():
     import resource
     import shutil
@@ -442,12 +452,33 @@ def _write_failure_and_read_only(tmp_path, resource, signal):
     again.close(spill=False)
 
 
+def _park_until_killed(report, mode: str, folder: str, trial: int, min_reported: int, target: int,
+                       rng_state: tuple) -> int:
+    """In a child: park (disk) or park and spill (tiered) in a loop, reporting each conversation once its files
+    are published, until the fault point armed after `min_reported` reports kills the process."""
+    rng = random.Random()
+    rng.setstate(rng_state)  # the parent's generator, as a forked child would go on with it
+    slots = FakeSlots()
+    reported: set[str] = set()
+    arm_fault_points(target, lambda: len(reported) >= min_reported)
+    c = make_cache(storage=mode, dir=folder, ram_bytes=8 * BLOCK * BPT, disk_bytes=1 << 30, slots=100_000)
+    parked: dict[str, list[int]] = {}
+    for i in range(10_000):
+        base = conversation(1000 * trial + i, rng.randrange(1, 12) * BLOCK + rng.randrange(BLOCK))
+        r = park_tokens(c, slots, base)
+        assert r.parked, r
+        parked[r.conversation_id] = base
+        assert c.flush(30)  # every write is published before the next park starts
+        for info in c.conversations():  # disk parks and tiered spills alike, once published
+            if info.tier == "disk" and not info.pending and info.id in parked and info.id not in reported:
+                report(json.dumps([info.id, parked[info.id]]) + "\n")
+                reported.add(info.id)
+    return 3  # reached only when the fault point was never hit
+
+
 def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
     """Children park (disk) or park and spill (tiered) in a loop, reporting each conversation once its files are
     published; each is killed at a seeded point inside a file write once it has reported a seeded number."""
-    import random
-    import signal
-
     rng = random.Random(7)
     slots = FakeSlots()
     published: dict[str, list[int]] = {}
@@ -457,49 +488,16 @@ def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
     for trial in range(12):
         mode = "disk" if trial % 2 == 0 else "tiered"
         min_reported, target = rng.randint(1, 3), rng.randrange(60)
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            code = 3
-            try:
-                torch.set_num_threads(1)
-                reported: set[str] = set()
-                arm_fault_points(target, lambda r=reported, n=min_reported: len(r) >= n)
-                c = make_cache(
-                    storage=mode,
-                    dir=str(tmp_path),
-                    ram_bytes=8 * BLOCK * BPT,
-                    disk_bytes=1 << 30,
-                    slots=100_000,
-                )
-                parked: dict[str, list[int]] = {}
-                for i in range(10_000):
-                    base = conversation(1000 * trial + i, rng.randrange(1, 12) * BLOCK + rng.randrange(BLOCK))
-                    r = park_tokens(c, slots, base)
-                    assert r.parked, r
-                    parked[r.conversation_id] = base
-                    assert c.flush(30)  # every write is published before the next park starts
-                    for info in c.conversations():  # disk parks and tiered spills alike, once published
-                        if info.tier == "disk" and not info.pending and info.id in parked and info.id not in reported:
-                            os.write(write_fd, (json.dumps([info.id, parked[info.id]]) + "\n").encode())
-                            reported.add(info.id)
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                os._exit(code)  # reached only when the fault point was never hit
-        os.close(write_fd)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        # The first child starts as on Windows, in a fresh interpreter; forking the others keeps the test quick.
+        status, lines = run_child(_park_until_killed, mode, str(tmp_path), trial, min_reported, target,
+                                  rng.getstate(), method=SPAWN if trial == 0 else FAST)
+        assert crashed(status), status
         reported_now = 0
-        with os.fdopen(read_fd) as pipe:
-            for line in pipe:
-                assert line.endswith("\n"), line  # each report is one write, made before the next park
-                cid, toks = json.loads(line)
-                published[cid] = toks
-                reported_now += 1
+        for line in lines:
+            assert line.endswith("\n"), line  # each report is one write, made before the next park
+            cid, toks = json.loads(line)
+            published[cid] = toks
+            reported_now += 1
         assert reported_now >= min_reported, (trial, reported_now, min_reported)
         # after every kill: a new engine adopts no partial file, and everything published is there and restores
         sub = os.path.join(str(tmp_path), slots_identity_key)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
 from engine.atomic import publish, write_temp
 from engine.cache.fileformat import encode_header, file_chunks, read_header, read_tensor
+from tests.cache_faults import SPAWN, run_child
 from tests.test_cache_support import BLOCK, FakeSlots, conversation, make_cache, park_tokens
 
 
@@ -54,15 +53,11 @@ def test_distinct_last_use_and_hits_survive_a_restart_whatever_the_files_mtimes(
         again.close(spill=False)
 
 
-def _restore_then_die(where: str, tokens: list[int]) -> None:
-    """In a child: restore `tokens` from disk, then end without closing the cache (as a crash or a kill does)."""
-    code = 3
-    try:
-        torch.set_num_threads(1)
-        cache = make_cache(storage="disk", dir=where)
-        code = 0 if _restore(cache, FakeSlots(), tokens) == "disk" else 1
-    finally:
-        os._exit(code)
+def _restore_then_die(_report, where: str, tokens: list[int]) -> int:
+    """In a child: restore `tokens` from disk; the child then ends without closing the cache (as a crash or a kill
+    does: tests/cache_faults.py `run_child`)."""
+    cache = make_cache(storage="disk", dir=where)
+    return 0 if _restore(cache, FakeSlots(), tokens) == "disk" else 1
 
 
 def test_a_restore_from_disk_is_remembered_after_a_crash(tmp_path):
@@ -74,10 +69,7 @@ def test_a_restore_from_disk_is_remembered_after_a_crash(tmp_path):
     created, parked_at, hits, _ = _rows(first)[cid]
     assert hits == 0
     first.close(spill=False)
-    pid = os.fork()
-    if pid == 0:
-        _restore_then_die(where, tokens)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert run_child(_restore_then_die, where, tokens, method=SPAWN)[0] == 0
     again = make_cache(storage="disk", dir=where)
     row = _rows(again)[cid]
     assert row[0] == created and row[1] > parked_at and row[2] == 1, row

@@ -42,7 +42,7 @@ def test_restart_resumes_parked_conversation_from_disk(tmp_path, storage, never_
         a1, usage1 = _chat(engine, first)
         assert a1 == never_restarted[0]
         history_tokens = usage1.prompt_tokens
-        assert engine.stop() == 0, engine.logs()  # SIGTERM: a clean shutdown parks the live slot on disk
+        assert engine.stop() == 0, engine.logs()  # a clean shutdown parks the live slot on disk
         assert "parked" in engine.logs()
 
     with engine_process(*flags) as engine:

@@ -137,13 +137,35 @@ def test_old_format_version_is_refused(saved):
 def test_other_files_are_refused(tmp_path):
     _expect_refusal(str(tmp_path / "missing"), "does not exist")
     os.mkdir(tmp_path / "dir")
-    _expect_refusal(str(tmp_path / "dir"), "directory")
+    _expect_refusal(str(tmp_path / "dir"), "'dir' is a folder, expected a file")
     (tmp_path / "text").write_text("hello world, not a session file at all")
     _expect_refusal(str(tmp_path / "text"), "corrupt|truncated")
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(3)}, str(tmp_path / "other.safetensors"))
     _expect_refusal(str(tmp_path / "other.safetensors"), "not a Strata session file")
+
+
+def test_a_folder_is_named_as_one_whatever_the_platform_says_when_it_is_opened(tmp_path, monkeypatch):
+    """Windows answers "Permission denied" when a folder is opened as a file: the folder is told apart first."""
+    import builtins
+
+    real_open = builtins.open
+
+    def open_as_windows_does(path, *args, **kwargs):
+        if os.path.isdir(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    os.mkdir(tmp_path / "chat.bin")
+    monkeypatch.setattr(builtins, "open", open_as_windows_does)
+    _expect_refusal(str(tmp_path / "chat.bin"), "'chat.bin' is a folder, expected a file")
+    slots, tokens = FakeSlots(), conversation(2, 40)
+    slots.fill(0, tokens)
+    with pytest.raises(SessionFileError, match="'chat.bin' is a folder, expected a file"):
+        save_session(str(tmp_path / "chat.bin"), identity(), tokens, slots.kv.read(0, 0, len(tokens)),
+                     engine_version="t")
+    assert os.listdir(tmp_path) == ["chat.bin"] and os.listdir(tmp_path / "chat.bin") == []  # nothing written
 
 
 def test_save_refuses_mismatched_kv(tmp_path):

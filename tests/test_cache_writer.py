@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from engine.cache.lifecycle import EntryState
+from tests.cache_faults import no_file_size_limit_on_windows
 from tests.test_cache_disk import _in_child, check_restores, folder_of, our_files
 from tests.test_cache_support import BLOCK, LAYOUT, FakeSlots, conversation, make_cache, park_tokens
 
@@ -75,6 +76,7 @@ def test_close_writes_pending_parks_within_its_deadline(tmp_path):
     again.close(spill=False)
 
 
+@no_file_size_limit_on_windows
 def test_failed_background_write_is_counted_logged_and_keeps_the_written_version(tmp_path, caplog):
     import resource
     import signal
@@ -115,6 +117,7 @@ def test_failed_background_write_is_counted_logged_and_keeps_the_written_version
     again.close(spill=False)
 
 
+@no_file_size_limit_on_windows
 def test_a_failed_write_shows_in_disk_error_until_a_later_write_succeeds(tmp_path):
     import re
     import resource

@@ -29,6 +29,10 @@ from tests.test_desktop_support import FAKE_ENGINE, fake_engine_command
 
 pytestmark = pytest.mark.timeout(60)
 
+# What an engine does before it listens: it stops when its stdin (a pipe) closes.
+STOPS_ON_STDIN = ("import os, sys; print('waiting', flush=True); "
+                  "[None for _ in iter(lambda: os.read(0, 4096), b'')]; print('stdin closed', flush=True)")
+
 
 @pytest.fixture
 def supervisor(qtbot, tmp_path):
@@ -86,10 +90,9 @@ def test_stop_asks_the_engine_first_and_removes_the_pid_file(qtbot, supervisor):
     qtbot.waitUntil(lambda: not supervisor.pid_file.exists(), timeout=3000)
 
 
-def test_stop_kills_an_engine_that_ignores_shutdown_and_sigterm(qtbot, supervisor):
+def test_stop_kills_an_engine_that_ignores_shutdown_and_its_stdin(qtbot, supervisor):
     supervisor.command_for = fake_engine_command("--ignore-shutdown", "--ignore-term")
     supervisor.shutdown_grace_s = 0.5
-    supervisor.terminate_grace_s = 0.5
     supervisor.start(EngineConfig(port=0))
     wait_state(qtbot, supervisor, EngineState.READY)
     start = time.monotonic()
@@ -98,6 +101,39 @@ def test_stop_kills_an_engine_that_ignores_shutdown_and_sigterm(qtbot, superviso
     assert blocker.args[0].signalled and blocker.args[0].exit_code == signal.SIGKILL
     assert time.monotonic() - start < 5
     assert any("killing the engine" in line for line in supervisor.lines)
+
+
+def test_a_loading_engine_stops_on_its_closed_stdin_and_one_that_ignores_it_is_killed(qtbot, supervisor):
+    """Before it listens the engine cannot be asked over HTTP: its stdin closing is the same clean stop."""
+    supervisor.command_for = lambda config: [sys.executable, "-c", STOPS_ON_STDIN]
+    supervisor.start(EngineConfig(port=0))
+    qtbot.waitUntil(lambda: any("waiting" in line for line in supervisor.lines), timeout=10000)
+    with qtbot.waitSignal(supervisor.ended, timeout=10000) as blocker:
+        supervisor.stop()
+    assert blocker.args[0].exit_code == 0 and not blocker.args[0].signalled, supervisor.lines
+    assert any("stdin closed" in line for line in supervisor.lines)
+
+    supervisor.command_for = lambda config: [sys.executable, "-c", "import time; print('waiting', flush=True); "
+                                             "time.sleep(60)"]
+    supervisor.loading_grace_s = 0.5
+    supervisor.start(EngineConfig(port=0))
+    qtbot.waitUntil(lambda: bool(supervisor.lines) and supervisor.lines[-1] == "waiting", timeout=10000)
+    with qtbot.waitSignal(supervisor.ended, timeout=10000) as blocker:
+        supervisor.stop()
+    assert blocker.args[0].signalled and any("killing the engine" in line for line in supervisor.lines)
+
+
+def test_at_exit_the_stop_is_waited_for_and_ends_in_the_engines_own_exit(qtbot, supervisor):
+    """aboutToQuit (Windows ending the session sends it without a quit request) runs no event loop any more: the
+    clean stop is waited for there, and the engine exits by itself."""
+    supervisor.command_for = fake_engine_command()
+    supervisor.start(EngineConfig(port=0))
+    wait_state(qtbot, supervisor, EngineState.READY)
+    ended: list[ProcessOutcome] = []
+    supervisor.ended.connect(ended.append)
+    supervisor.stop_and_wait()
+    assert not supervisor.running and ended and ended[0].exit_code == 0 and not ended[0].signalled
+    assert not any("killing" in line for line in supervisor.lines), supervisor.lines
 
 
 def test_crash_is_detected_within_two_seconds_and_restart_brings_it_back(qtbot, supervisor):
@@ -171,7 +207,7 @@ def test_auto_restart_backs_off(qtbot, supervisor):
 def _spawn_orphan(tmp_path) -> tuple[subprocess.Popen, dict]:
     """An engine whose app is gone: started by a short-lived process that wrote the pid file and died."""
     engine = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "serve", "--port", "0"],
-                              stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     line = engine.stdout.readline()
     url = line.split("listening on ")[1].strip()
     dead_app = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -1,16 +1,18 @@
 """Helpers for the desktop tests: a stand-in engine process speaking the engine's HTTP API, and fixtures.
 
 The stand-in is a real child process (run as `python tests/test_desktop_support.py serve ...`) so the
-supervisor's mechanics (start, readiness, crash, /shutdown, terminate, kill, pid file) are tested against a
-process a user would see, quickly and without torch. The end-to-end tests use the real engine.
+supervisor's mechanics (start, readiness, crash, /shutdown, its stdin closing, kill, pid file) are tested against
+a process a user would see, quickly and without torch. The end-to-end tests use the real engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -263,6 +265,23 @@ def _make_handler(state: _State, server_ref: list):
     return Handler
 
 
+def _exit_when_stdin_closes() -> None:
+    """As the engine does (engine/cli.py): its stdin, when a pipe, closing is a request to stop."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(0).st_mode):
+            return
+    except OSError:
+        return
+
+    def wait() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        os._exit(0)
+
+    threading.Thread(target=wait, daemon=True).start()
+
+
 def serve(argv: list[str]) -> None:
     args: dict[str, str] = {}
     for i, a in enumerate(argv):
@@ -270,6 +289,8 @@ def serve(argv: list[str]) -> None:
             args[a] = argv[i + 1]
     if "--ignore-term" in argv:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--ignore-shutdown" not in argv:
+        _exit_when_stdin_closes()
     if "--noisy" in argv:  # long log lines, as a traceback with long paths gives
         for i in range(30):
             print(f"stand-in: noisy line {i} " + "/very/long/path/segment" * 20, file=sys.stderr, flush=True)

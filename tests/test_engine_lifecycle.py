@@ -21,7 +21,7 @@ def tiny_model(tmp_path_factory):
 
 
 def test_post_shutdown_exits_0_with_stdin_still_open(tiny_model):
-    engine = start_engine("--model", tiny_model, stdin_pipe=True)
+    engine = start_engine("--model", tiny_model)
     try:
         urllib.request.urlopen(urllib.request.Request(engine.base_url + "/shutdown", method="POST"), timeout=10)
         assert engine.proc.wait(timeout=60) == 0, engine.logs()
@@ -31,7 +31,7 @@ def test_post_shutdown_exits_0_with_stdin_still_open(tiny_model):
 
 
 def test_closing_stdin_shuts_down_cleanly(tiny_model):
-    engine = start_engine("--model", tiny_model, stdin_pipe=True)
+    engine = start_engine("--model", tiny_model)
     try:
         engine.proc.stdin.close()
         assert engine.proc.wait(timeout=60) == 0, engine.logs()

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,11 +74,27 @@ class Server:
         return p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
 
     def stop(self) -> None:
-        self.proc.terminate()
+        """Ask the server to stop (POST /shutdown) and wait for its own exit: a strata engine parks and spills its
+        cache first. Never terminate(): on Windows that is TerminateProcess, a crash. A server that refuses the
+        request (llama-server has no such route) keeps nothing to save and is killed after a short wait."""
         try:
-            self.proc.wait(timeout=90)
+            self.proc.wait(timeout=90 if self._ask_shutdown() else 5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+
+    def _ask_shutdown(self) -> bool:
+        """False when the server answered the request with an error; True when it accepted it, or the
+        connection dropped because it is stopping already."""
+        if not self.base:
+            return False
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.base + "/shutdown", method="POST"), timeout=10):
+                return True
+        except urllib.error.HTTPError:
+            return False
+        except OSError:
+            return True
 
 
 def free_port() -> int:

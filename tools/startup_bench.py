@@ -59,7 +59,9 @@ def _one(model: str, extra: list[str]) -> dict:
         return {"listening_s": round(listening, 2), "ready_s": round(ready, 2), "phases": phases,
                 "rss_mib": round(info.rss / 2**20), "uss_mib": round(info.uss / 2**20)}
     finally:
-        proc.terminate()
+        # Closing stdin is the engine's clean stop before and after it listens; terminate() would be
+        # TerminateProcess on Windows, a crash.
+        proc.stdin.close()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:

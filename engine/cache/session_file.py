@@ -208,9 +208,17 @@ def save_session(
             f"session K/V has shape {tuple(kv.shape)} {kv.dtype}, expected "
             f"{identity.layout.host_shape(len(toks))} {identity.layout.dtype} for {len(toks)} tokens"
         )
+    refuse_folder(path)
     header, tensors = conversation_file(identity, toks, {"kv": kv}, n_blocks=0, engine_version=engine_version,
                                         checkpoints=checkpoints)
     return atomic_write(path, file_chunks(header, tensors))
+
+
+def refuse_folder(path: str) -> None:
+    """Raise SessionFileError when `path` is a folder. Asked before opening: Windows answers "Permission denied"
+    for a folder opened as a file, which would send the user looking at access rights."""
+    if os.path.isdir(path):
+        raise SessionFileError(f"session file {os.path.basename(path)!r} is a folder, expected a file")
 
 
 def load_session(path: str, identity: CacheIdentity) -> tuple[list[int], torch.Tensor]:
@@ -223,6 +231,7 @@ def load_session_parts(path: str, identity: CacheIdentity) -> tuple[list[int], t
     """`load_session` plus a hybrid model's recurrent-state checkpoints by position, the one after all the file's
     tokens among them ({} for attention only)."""
     name = os.path.basename(path)
+    refuse_folder(path)
     try:
         with open(path, "rb", buffering=0) as f:
             header = read_header(f)
@@ -244,8 +253,6 @@ def load_session_parts(path: str, identity: CacheIdentity) -> tuple[list[int], t
                               for s in identity.state_parts} for p in positions}
     except FileNotFoundError:
         raise SessionFileError(f"session file {name!r} does not exist") from None
-    except IsADirectoryError:
-        raise SessionFileError(f"session file {name!r} is a directory, not a file") from None
     except FileFormatError as exc:
         what = {
             "truncated": "is truncated",

@@ -59,7 +59,7 @@ class Control(Startup):
             raise BadValue(str(exc), param="filename") from exc
 
     def save_slot(self, slot_id: int, filename: Any) -> dict:
-        from engine.cache.session_file import save_session
+        from engine.cache.session_file import SessionFileError, save_session
 
         slot = self._slot_for_file_op(slot_id)
         path = self._session_path(filename)
@@ -73,8 +73,11 @@ class Control(Startup):
             raise BadValue(f"slot {slot_id} was restored from the conversation cache, which keeps only the last "
                            "window of the local layers' K/V; a session file needs all of it: send the next turn "
                            "first, or prefill the slot anew", param="id")
-        nbytes = save_session(path, self._session_identity(), slot.tokens, self.kv.read(slot.id, 0, n),
-                              engine_version=__version__, checkpoints=checkpoints)
+        try:
+            nbytes = save_session(path, self._session_identity(), slot.tokens, self.kv.read(slot.id, 0, n),
+                                  engine_version=__version__, checkpoints=checkpoints)
+        except SessionFileError as exc:
+            raise BadValue(str(exc), param="filename") from exc
         ms = (time.perf_counter() - t0) * 1000
         log.info("slot %d saved to %s: %d tokens, %d bytes, %.1f ms", slot_id, os.path.basename(path), n, nbytes, ms)
         return {"id_slot": slot_id, "filename": os.path.basename(path), "n_saved": n, "n_written": nbytes,
@@ -85,7 +88,7 @@ class Control(Startup):
 
         slot = self._slot_for_file_op(slot_id)
         path = self._session_path(filename)
-        if not os.path.isfile(path):
+        if not (os.path.isfile(path) or os.path.isdir(path)):  # a folder is refused as one by load_session_parts
             raise NotFound(f"no session file named {os.path.basename(path)!r} in the slot save path", param="filename")
         t0 = time.perf_counter()
         try:
