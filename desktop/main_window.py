@@ -207,7 +207,8 @@ class MainWindow(QMainWindow):
         self.monitor.ensure_plots()
         self.poller.start()
         path, client = self.paths.pid_file, self.client
-        self.dispatcher.submit(lambda: reap_orphan(path, client), self._orphan_checked)
+        key = self.store.engine_config().api_key  # what the orphan was most likely started with
+        self.dispatcher.submit(lambda: reap_orphan(path, client, api_key=key), self._orphan_checked)
 
     def _orphan_checked(self, result: Any) -> None:
         if isinstance(result, str):

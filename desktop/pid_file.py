@@ -59,8 +59,12 @@ def _same_process(pid: Any, create_time: Any) -> psutil.Process | None:
         return None
 
 
-def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float = 30.0) -> str | None:
+def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float = 30.0,
+                api_key: str | None = None) -> str | None:
     """Stop an engine left running by an app that is gone, then remove the pid file. Blocking: run off the GUI thread.
+
+    `api_key`: the settings' key, which an engine started with one needs on /shutdown (one that refuses it still
+    stops when its stdin closes, as it did with its app, or is killed after `grace_s`).
 
     Returns what was done, for the user, or None when there was nothing to do.
     """
@@ -77,7 +81,7 @@ def reap_orphan(path: Path, client: EngineClient | None = None, grace_s: float =
     if engine is not None:
         url = record.get("url")
         if client is not None and url:
-            client.call("POST", str(url).rstrip("/") + "/shutdown", timeout=2.0)
+            client.call("POST", str(url).rstrip("/") + "/shutdown", api_key=api_key, timeout=2.0)
         _wait_then_kill(engine, grace_s)
         message = f"Stopped an engine (pid {engine.pid}) left running by an earlier session of the app."
     with contextlib.suppress(OSError):

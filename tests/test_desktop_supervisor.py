@@ -282,3 +282,25 @@ def test_a_refused_start_points_at_its_setting():
     assert setting_for_error("--ctx-size: expected a whole number from 1 to 1048576, got \"0\"") == "ctx_size"
     assert setting_for_error("conversation cache: folder is locked by another engine") == "conversation_cache_dir"
     assert setting_for_error("cannot load the model: no such file") == "model"
+
+
+def test_reap_orphan_stops_an_engine_started_with_an_api_key_through_shutdown(tmp_path):
+    """The orphan's stdin is still open here (as when its app hangs rather than dies): only an authorised
+    /shutdown stops it cleanly before the grace ends, and a kill would exit with a signal."""
+    from tests.engine_process import start_engine
+
+    real = start_engine("--model", "", "--ctx-size", "256", "--parallel", "1", api_key="orphan-key")
+    dead_app = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_app.wait()
+    (tmp_path / "engine.pid").write_text(json.dumps({
+        "pid": real.proc.pid, "create_time": psutil.Process(real.proc.pid).create_time(), "app_pid": dead_app.pid,
+        "app_create_time": 0.0, "url": real.base_url, "command": []}))
+    dispatcher = Dispatcher()
+    try:
+        started = time.monotonic()
+        assert reap_orphan(tmp_path / "engine.pid", EngineClient(dispatcher), grace_s=60, api_key="orphan-key")
+        assert real.proc.wait(timeout=5) == 0, "stopped by /shutdown, not killed"
+        assert time.monotonic() - started < 30
+    finally:
+        real.stop()
+        dispatcher.close()

@@ -61,7 +61,9 @@ Filename: "{app}\{#AppExe}"; Description: "{cm:LaunchProgram,{#AppName}}"; Flags
 [UninstallRun]
 ; Ask a running app to quit first (its engine then spills a tiered cache to disk); force only what remains.
 Filename: "{sys}\taskkill.exe"; Parameters: "/IM {#AppExe} /T"; Flags: runhidden; RunOnceId: "AskQuit"
-Filename: "{sys}\timeout.exe"; Parameters: "/T 5 /NOBREAK"; Flags: runhidden; RunOnceId: "WaitQuit"
+; The app's clean stop waits up to 90 s for its engine (desktop/engine_process.py SHUTDOWN_GRACE_S): a tiered cache
+; being spilled must not be cut off by the forced kill below. Wait-Process returns as soon as the app has exited.
+Filename: "{sys}\WindowsPowerShell\v1.0\powershell.exe"; Parameters: "-NoProfile -NonInteractive -Command ""Wait-Process -Name strata-desktop -Timeout 95 -ErrorAction SilentlyContinue"""; Flags: runhidden; RunOnceId: "WaitQuit"
 Filename: "{sys}\taskkill.exe"; Parameters: "/F /IM {#AppExe} /T"; Flags: runhidden; RunOnceId: "ForceQuit"
 
 [UninstallDelete]
