@@ -282,7 +282,7 @@ def test_tiered_spill_queue_is_bounded(tmp_path):
     conv_bytes = 6 * BLOCK * BPT
     cache = make_cache(storage="tiered", dir=str(tmp_path), ram_bytes=conv_bytes + 4096, spill_queue_bytes=0)
     slots = FakeSlots()
-    with cache._lock:  # hold the writer back: every spill stays pending
+    with cache.lock:  # hold the writer back: every spill stays pending
         for i in range(4):
             park_tokens(cache, slots, conversation(90 + i, 6 * BLOCK))
         st = cache.stats()

@@ -58,7 +58,7 @@ def test_the_record_of_losses_is_bounded_and_the_newest_are_kept():
     convs = [conversation(100 + i, BLOCK + 1) for i in range(MAX_LOSSES + 3)]
     for tokens in convs:
         park_tokens(cache, slots, tokens)
-    losses = cache._journal.losses.records
+    losses = cache.journal.losses.records
     assert len(losses) == MAX_LOSSES
     assert cache.explain_lookup(convs[0] + [1])[1].loss is None, "the oldest loss is forgotten"
     assert cache.explain_lookup(convs[-2] + [1])[1].loss_kind == "evict"
@@ -66,11 +66,11 @@ def test_the_record_of_losses_is_bounded_and_the_newest_are_kept():
 
 def test_the_record_of_losses_holds_a_bounded_number_of_tokens():
     cache, slots = make_cache(slots=1), FakeSlots()
-    cache._journal.losses.max_tokens = 5 * BLOCK
+    cache.journal.losses.max_tokens = 5 * BLOCK
     convs = [conversation(400 + i, 2 * BLOCK) for i in range(5)]
     for tokens in convs:
         park_tokens(cache, slots, tokens)
-    kept = cache._journal.losses.records
+    kept = cache.journal.losses.records
     assert sum(len(r.tokens) for r in kept) <= 5 * BLOCK and len(kept) == 2
     assert cache.explain_lookup(convs[-2] + [1])[1].loss is not None
     assert cache.explain_lookup(convs[0] + [1])[1].loss is None

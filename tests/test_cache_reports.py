@@ -65,7 +65,7 @@ def test_listing_says_which_conversations_are_on_disk(tmp_path):
     slots = FakeSlots()
     first, second = conversation(150, 4 * BLOCK), conversation(151, 4 * BLOCK)
     park_tokens(cache, slots, first)
-    with cache._lock:  # hold the writer back: the spill of `first` stays pending
+    with cache.lock:  # hold the writer back: the spill of `first` stays pending
         park_tokens(cache, slots, second)  # RAM holds one: `first` is evicted and spilled
         rows = {r.tier: r for r in cache.conversations()}
         assert (rows["ram"].on_disk, rows["disk"].on_disk, rows["disk"].pending) == (False, False, True)

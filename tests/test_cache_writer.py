@@ -21,7 +21,7 @@ def test_disk_park_returns_before_the_write_and_is_served_from_its_ram_copy(tmp_
     cache, slots = make_cache(storage="disk", dir=str(tmp_path)), FakeSlots()
     a = conversation(200, 7 * BLOCK + 5)
     grown = conversation(201, len(a) + 2 * BLOCK + 3, a)
-    with cache._lock:  # the writer needs this lock: nothing can be written while the test holds it
+    with cache.lock:  # the writer needs this lock: nothing can be written while the test holds it
         first = park_tokens(cache, slots, a)  # returns all the same: a park never waits on the disk
         assert first.parked and first.tier == "disk"
         assert our_files(folder_of(cache)) == []
@@ -47,7 +47,7 @@ def test_disk_staging_is_bounded_dropping_the_oldest_pending_write(tmp_path):
     cache = make_cache(storage="disk", dir=str(tmp_path), spill_queue_bytes=int(2.5 * conv_bytes))
     slots = FakeSlots()
     convs = [conversation(210 + i, 6 * BLOCK) for i in range(4)]
-    with cache._lock:  # hold the writer back: every park stays pending
+    with cache.lock:  # hold the writer back: every park stays pending
         ids = [park_tokens(cache, slots, t).conversation_id for t in convs]  # none of them blocks
         st = cache.stats()
         assert st.spill_dropped == 2 and st.bytes_pending == 2 * conv_bytes
@@ -66,7 +66,7 @@ def test_disk_staging_is_bounded_dropping_the_oldest_pending_write(tmp_path):
 def test_close_writes_pending_parks_within_its_deadline(tmp_path):
     cache, slots = make_cache(storage="disk", dir=str(tmp_path)), FakeSlots()
     convs = [conversation(230 + i, 5 * BLOCK + i) for i in range(3)]
-    with cache._lock:
+    with cache.lock:
         ids = [park_tokens(cache, slots, t).conversation_id for t in convs]
     cache.close(spill=False, deadline_s=30)
     again = make_cache(storage="disk", dir=str(tmp_path))
@@ -160,7 +160,7 @@ def _while_being_written(cache, slots, seed: int, action):
         cid = park_tokens(cache, slots, tokens).conversation_id
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            with cache._lock:
+            with cache.lock:
                 conv = cache.disk.index.convs[cid]
                 if conv.state is EntryState.WRITING:
                     return action(tokens, cid), tokens, cid

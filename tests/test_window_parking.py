@@ -71,7 +71,7 @@ def test_restart_resumes_the_parked_window(models, arch, storage):
 def _parked_a(engine: Engine, n_tokens: int):
     """Conversation A's entry in the tier that holds it, and that tier's index."""
     cache = engine.cache
-    for _, index in cache._tiers():
+    for _, index in cache.tiers():
         for conv in index.convs.values():
             if conv.n_tokens == n_tokens:
                 return conv, index

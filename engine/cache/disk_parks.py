@@ -44,7 +44,7 @@ def park(
     if not store.usable or not store.settings.uses_disk:
         raise ParkRefused("disk_unavailable", store.files.error or "no disk tier")
     idx, b = store.index, store.identity.block_tokens
-    with store._lock:
+    with store.lock:
         candidates = [c for c in idx.prefixes_of(toks) if not c.failed]
         superseded = [c for c in candidates if not idx.is_pinned(c)]
         same = [c for c in candidates if c.n_tokens == len(toks)]  # parked (written or on its way)
@@ -58,7 +58,7 @@ def park(
             return same[0], 0, 0
         held = idx.matched_blocks(keys)
         states = states.settled(held, lambda i: idx.blocks[keys[i]].state, b)
-        have, victims = store._room(
+        have, victims = store.room(
             keys,
             len(toks),
             leaving={c.id for c in candidates},
@@ -71,8 +71,8 @@ def park(
         staged = ((len(keys) - have) * store.identity.block_bytes + n_tail * store.identity.bytes_per_token
                   + states.new_blocks(have) * store.identity.state_bytes + states.own_bytes)
         protect = {c.id for c in candidates} | set(victims) | ({keep} if keep else set())
-        background = background and store._writer is not None and store.staging.make_room(staged, protect, rank)
-        res = store._reserve(keys, have, victims, pin_pending=not background)
+        background = background and store.writer is not None and store.staging.make_room(staged, protect, rank)
+        res = store.reserve(keys, have, victims, pin_pending=not background)
         # a staged entry continues its line's id even while that line's last version is being written
         line = inherit(candidates if background else superseded)
     if background:
@@ -101,16 +101,16 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
         if len(toks) > len(keys) * b:
             tail = _capture(store, read_parts, len(keys) * b, len(toks))
     except Exception as exc:
-        with store._lock:
-            store._rollback(res, {})
+        with store.lock:
+            store.rollback(res, {})
         if isinstance(exc, ParkRefused):
             raise
         log.exception("conversation cache: reading the slot's K/V failed")
         raise ParkRefused("read_error", f"reading the slot's K/V failed: {exc}") from None
-    with store._lock:
+    with store.lock:
         for cid in res.victims:
             if cid in idx.convs:
-                store._evict(cid)
+                store.evict(cid)
         previous = None
         later: list[str] = []
         for old in superseded:
@@ -142,9 +142,9 @@ def _stage(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reservation
             checkpoints=dict(states.own),
         )
         conv.set_attrs(attrs)
-        store._publish(res, conv, new_blocks, {})
-        assert store._writer is not None
-        store._writer.submit(conv_id)
+        store.publish(res, conv, new_blocks, {})
+        assert store.writer is not None
+        store.writer.submit(conv_id)
     new_bytes = (sum(parts_nbytes(blk.data) for blk in new_blocks) + parts_nbytes(tail)
                  + states.own_bytes)
     return conv, new_bytes, len(res.victims)
@@ -174,8 +174,8 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         conv.move(EntryState.WRITTEN)
         conv.checkpoints = dict.fromkeys(conv.checkpoints)  # on disk now: RAM keeps only the positions
     except Exception as exc:
-        with store._lock:
-            store._rollback(res, written)
+        with store.lock:
+            store.rollback(res, written)
             if isinstance(exc, OSError):
                 store.files.write_failed(f"conversation {conv_id}", os_reason(exc))
         if isinstance(exc, ParkRefused):
@@ -187,7 +187,7 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
             ) from None
         log.exception("conversation cache: parking to disk failed")
         raise ParkRefused("read_error", f"parking to disk failed: {exc}") from None
-    with store._lock:
+    with store.lock:
         store.files.write_succeeded()
         new_blocks = [Block(keys[i], written[keys[i]], on_disk=True, state=i in states.blocks)
                       for i in range(have, len(keys))]
@@ -198,10 +198,10 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
                 idx.remove(old.id)  # its manifest file was just replaced by the new one
             else:
                 store.remove(old.id)
-                store._journal.redirect(old.id, conv_id)
-        store._publish(res, conv, new_blocks, written)
+                store.journal.redirect(old.id, conv_id)
+        store.publish(res, conv, new_blocks, written)
         for cid in res.victims:
             if cid in idx.convs:
-                store._evict(cid)
+                store.evict(cid)
     return conv, sum(written.values()) + conv.nbytes, len(res.victims)
 

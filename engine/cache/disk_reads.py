@@ -42,7 +42,7 @@ def disk_pieces(
     except (FileFormatError, OSError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         log.warning("conversation cache: conversation %s cannot be restored (%s); removing it", conv.id, message)
-        with store._lock:
+        with store.lock:
             _drop_broken(store, conv, blocks)
         raise CacheRestoreError(f"parked conversation {conv.id} is damaged ({message}); prefill instead") from None
     return pieces, sum(parts_nbytes(p) for _, p in pieces) + parts_nbytes(state), state

@@ -63,11 +63,11 @@ class DiskStore:
         self.identity = identity
         self.files = files
         self.index = files.index
-        self._lock = lock
-        self._journal = journal
+        self.lock = lock
+        self.journal = journal
         self._orphans: set[Conv] = set()
         self._results: list[WriteResult] = []
-        self._writer: DiskWriter | None = None
+        self.writer: DiskWriter | None = None
         self._next_expiry = 0.0
         self.staging = StagingBound(self)
 
@@ -77,7 +77,7 @@ class DiskStore:
 
     # ------------------------------------------------------------------ budget: one planner, two phases
 
-    def _room(
+    def room(
         self,
         keys: list[str],
         n_tokens: int,
@@ -118,7 +118,7 @@ class DiskStore:
             raise refuse_room(plan, "on disk")
         return have, plan.victims
 
-    def _reserve(self, keys: list[str], have: int, victims: list[str], *, pin_pending: bool) -> Reservation:
+    def reserve(self, keys: list[str], have: int, victims: list[str], *, pin_pending: bool) -> Reservation:
         res = Reservation(keys[:have], victims)
         self.index.reserve(res.reused, RESERVED)
         if pin_pending:
@@ -129,7 +129,7 @@ class DiskStore:
                 self.index.blocks[k].pins += 1
         return res
 
-    def _publish(self, res: Reservation, conv: Conv, new_blocks: list[Block], written: dict[str, int]) -> None:
+    def publish(self, res: Reservation, conv: Conv, new_blocks: list[Block], written: dict[str, int]) -> None:
         idx = self.index
         for k, _ in res.pinned:
             blk = idx.blocks[k]
@@ -139,7 +139,7 @@ class DiskStore:
         idx.add(conv, new_blocks)
         idx.release(res.reused, RESERVED)
 
-    def _rollback(self, res: Reservation, written: dict[str, int]) -> None:
+    def rollback(self, res: Reservation, written: dict[str, int]) -> None:
         for k, _ in res.pinned:
             self.index.blocks[k].pins -= 1
         self.index.release(res.reused, RESERVED)
@@ -208,19 +208,19 @@ class DiskStore:
                 self.record_use(same)
             return True  # already on disk (or on its way)
         try:
-            have, victims = self._room(
+            have, victims = self.room(
                 conv.keys, conv.n_tokens, leaving={c.id for c in superseded}, exclude=set(), rank=rank_of(conv.priority),
                 states=Checkpoints({}, dict(conv.checkpoints)),  # type: ignore[arg-type]
             )
         except ParkRefused as exc:
-            self._journal.count("spill_dropped")
+            self.journal.count("spill_dropped")
             if exc.reason == "priority":
-                self._journal.refused("priority")
-            self._journal.event("spill_drop", conv.id, conv.n_tokens, 0, 0.0, "disk", reason=str(exc))
+                self.journal.refused("priority")
+            self.journal.event("spill_drop", conv.id, conv.n_tokens, 0, 0.0, "disk", reason=str(exc))
             log.warning("conversation cache: %s for %s (%d tokens); dropped", exc, conv.id, conv.n_tokens)
             return False
         # Hold the blocks this spill reuses: evicting a victim that shares them must not free them.
-        res = self._reserve(conv.keys, have, victims, pin_pending=False)
+        res = self.reserve(conv.keys, have, victims, pin_pending=False)
         for cid in victims:
             self.remove(cid, reason="evict")
         conv_id = conv.id if conv.id not in idx.convs else inherit([])[0]
@@ -241,9 +241,9 @@ class DiskStore:
             checkpoints=dict(conv.checkpoints),
         )
         pending.set_attrs(conv.attrs)
-        self._publish(res, pending, new_blocks, {})
-        assert self._writer is not None
-        self._writer.submit(conv_id)
+        self.publish(res, pending, new_blocks, {})
+        assert self.writer is not None
+        self.writer.submit(conv_id)
         if bounded:
             self.staging.bound(keep=conv_id)
         return True
@@ -262,7 +262,7 @@ class DiskStore:
         if conv.on_disk and self.index.convs.get(conv.id) is conv:
             self.index.bytes += self.files.touch(conv)
 
-    def _evict(self, conv_id: str) -> None:
+    def evict(self, conv_id: str) -> None:
         """Evict an entry; one being written leaves the index now and its files once the writer is done."""
         conv = self.index.convs[conv_id]
         for c in (conv, conv.previous):
@@ -288,14 +288,14 @@ class DiskStore:
         if conv.previous is not None and not conv.on_disk:
             self.files.delete_conv(conv.previous, [])  # the written version it was to replace goes too
             conv.previous = None
-        if self._writer is not None:
-            self._writer.forget(conv_id)
+        if self.writer is not None:
+            self.writer.forget(conv_id)
         if reason:
             full = len(idx.convs) + 1 >= self.settings.slots
-            self._journal.losses.dropped(conv.tokens, conv_id, reason, "disk", slots_full=full)
+            self.journal.losses.dropped(conv.tokens, conv_id, reason, "disk", slots_full=full)
             if reason == "evict":
-                self._journal.count("evictions")
-            self._journal.event(reason, conv_id, conv.n_tokens, before - idx.bytes - stuck, 0.0, "disk")
+                self.journal.count("evictions")
+            self.journal.event(reason, conv_id, conv.n_tokens, before - idx.bytes - stuck, 0.0, "disk")
         return before - idx.bytes - stuck
 
     def purge(self) -> tuple[int, int, list[tuple[str, str]]]:
@@ -328,26 +328,26 @@ class DiskStore:
     # ------------------------------------------------------------------ the writer and what it reports
 
     def start_writer(self) -> None:
-        if self._writer is None:
-            self._writer = DiskWriter(self._lock, self.files, self._claim, self._report)
-            self._writer.start()
+        if self.writer is None:
+            self.writer = DiskWriter(self.lock, self.files, self._claim, self._report)
+            self.writer.start()
 
     @property
     def writing(self) -> bool:
-        return self._writer is not None
+        return self.writer is not None
 
     def drain(self, deadline: float) -> bool:
-        return self._writer.drain(deadline) if self._writer is not None else True
+        return self.writer.drain(deadline) if self.writer is not None else True
 
     def stop_writer(self, deadline: float) -> bool:
         """Let the writer finish what is queued until `deadline` (monotonic); True when everything was written."""
-        if self._writer is None:
+        if self.writer is None:
             return True
-        done = self._writer.drain(deadline)
-        self._writer.stop(deadline)
-        with self._lock:
+        done = self.writer.drain(deadline)
+        self.writer.stop(deadline)
+        with self.lock:
             self.reap()
-            self._writer = None
+            self.writer = None
         return done
 
     def _claim(self, conv_id: str) -> WriteJob | None:
@@ -389,9 +389,9 @@ class DiskStore:
             if conv.history != result.job.history:
                 self.record_use(conv)  # used or changed while it was written: the manifest records the claim's
             written = sum(result.sizes.values()) + result.manifest_bytes
-            self._journal.count("spills")
-            self._journal.count("bytes_spilled", written)
-            self._journal.event("spill", conv.id, conv.n_tokens, written, result.ms, "disk")
+            self.journal.count("spills")
+            self.journal.count("bytes_spilled", written)
+            self.journal.event("spill", conv.id, conv.n_tokens, written, result.ms, "disk")
         self._results.append(result)
 
     def reap(self) -> None:
@@ -412,7 +412,7 @@ class DiskStore:
                 if written.failed and conv is not None and conv.previous is written:
                     conv.previous = written.previous  # the one before it is still the file on disk
                     written.previous = None
-                    self._journal.count("spill_failed")
+                    self.journal.count("spill_failed")
                     log.warning(
                         "conversation cache: writing %s to disk failed (%s); its newer version is pending",
                         conv_id,
@@ -423,12 +423,12 @@ class DiskStore:
                 for old in conv.supersedes:
                     if old in idx.convs and old != conv_id and not idx.is_pinned(idx.convs[old]):
                         self.remove(old)
-                        self._journal.redirect(old, conv_id)
+                        self.journal.redirect(old, conv_id)
                 conv.supersedes = []
             elif idx.is_pinned(conv):
                 self._results.append(result)  # dropped once its reader is done
             else:
-                self._journal.count("spill_failed")
+                self.journal.count("spill_failed")
                 log.warning(
                     "conversation cache: writing %s to disk failed (%s); dropped%s; nothing already on disk was lost",
                     conv_id,

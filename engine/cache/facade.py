@@ -65,12 +65,12 @@ class ConversationCache:
         self.identity = identity
         self.engine_version = engine_version
         self.prefill_tokens_per_s: float | None = None
-        self._lock = threading.RLock()
-        self._journal = Journal()
-        self.ram = RamTier(settings, identity, self._lock, self._journal, self._spill)
+        self.lock = threading.RLock()
+        self.journal = Journal()
+        self.ram = RamTier(settings, identity, self.lock, self.journal, self._spill)
         self.disk: DiskStore | None = None
         if settings.uses_disk:
-            self.disk = self._open_disk(settings)
+            self.disk = self.open_disk(settings)
             self.disk.start_writer()
             self._fit_found_folder()
         log.info(
@@ -83,18 +83,18 @@ class ConversationCache:
             identity.block_bytes / MIB,
         )
 
-    def _open_disk(self, settings: CacheSettings) -> DiskStore:
+    def open_disk(self, settings: CacheSettings) -> DiskStore:
         files = DiskTier(settings.dir, self.identity, engine_version=self.engine_version)
         files.open(days=settings.days)
-        return DiskStore(settings, self.identity, self._lock, self._journal, files)
+        return DiskStore(settings, self.identity, self.lock, self.journal, files)
 
-    def _tiers(self) -> list[tuple[str, TierIndex]]:
+    def tiers(self) -> list[tuple[str, TierIndex]]:
         tiers = [("ram", self.ram.index)]
         if self.disk is not None:
             tiers.append(("disk", self.disk.index))
         return tiers
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         if self.disk is not None:
             self.disk.reap()
 
@@ -110,11 +110,11 @@ class ConversationCache:
         if len(toks) < 2 or not self.settings.enabled:
             return None, LookupReport()
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
-        with self._lock:
-            self._reap()  # a failed write gives its conversation's written version back before matching
+        with self.lock:
+            self.reap()  # a failed write gives its conversation's written version back before matching
             best: tuple[int, str, Conv] | None = None
             shared = 0  # a sliding-window model: the most a candidate shares, resumable or not
-            for tier, index in self._tiers():
+            for tier, index in self.tiers():
                 for conv in index.candidates(keys):
                     if conv.failed:
                         continue
@@ -124,20 +124,20 @@ class ConversationCache:
                         n = resume_point(self.identity, index, conv, n)
                     if best is None or n > best[0]:
                         best = (n, tier, conv)
-            report = lookup_report(self._journal.losses, toks, best, live_prefix)
+            report = lookup_report(self.journal.losses, toks, best, live_prefix)
             if self.identity.local_layers and best is not None and shared > best[0]:
                 report = dataclasses.replace(report, window_shared=shared)
             if best is None or best[0] <= max(live_prefix, 0):
                 return None, report
             n, tier, conv = best
             verdict = decline_reason(self.settings, self.identity, n=n, n_request=len(toks), live_prefix=live_prefix,
-                                     bandwidth=self._journal.bandwidth[tier],
+                                     bandwidth=self.journal.bandwidth[tier],
                                      prefill_tokens_per_s=self.prefill_tokens_per_s)
             detail = {**verdict.detail(), "offered": n, "n_min": self.settings.n_min,
                       "similarity": self.settings.similarity, "tier": tier}
             report = dataclasses.replace(report, verdict=verdict.reason, verdict_detail=detail)
             if verdict.reason:
-                self._journal.declined_hit(verdict.reason)
+                self.journal.declined_hit(verdict.reason)
                 return None, report
             nbytes = n * self.identity.bytes_per_token + self.identity.state_bytes
             hit = CacheHit(conv.id, n, tier, nbytes, self.identity.key, conv.priority,
@@ -145,8 +145,8 @@ class ConversationCache:
             return hit, report
 
     def record_miss(self) -> None:
-        with self._lock:
-            self._journal.count("misses")
+        with self.lock:
+            self.journal.count("misses")
 
     # ------------------------------------------------------------------ park
 
@@ -172,8 +172,8 @@ class ConversationCache:
             toks = token_array(tokens)
         except ValueError as exc:
             return self._refuse("bad_tokens", str(exc), 0)
-        with self._lock:
-            self._reap()
+        with self.lock:
+            self.reap()
             if self.disk is not None:
                 self.disk.expire_if_due()
         if not self.settings.enabled:
@@ -190,26 +190,26 @@ class ConversationCache:
             return self._refuse("read_error", f"the slot's recurrent state: {exc}", len(toks))
         if checkpoints and not self.identity.state_parts:
             return self._refuse("read_error", "checkpoints given for a model without recurrent state", len(toks))
-        with self._lock:  # the line may live in another tier than the one this park lands in (tiered)
-            line = [c for _, index in self._tiers() for c in index.prefixes_of(toks) if not c.failed]
+        with self.lock:  # the line may live in another tier than the one this park lands in (tiered)
+            line = [c for _, index in self.tiers() for c in index.prefixes_of(toks) if not c.failed]
             attrs = ConvAttrs(*attrs.resolve(line))
-            cause = self._journal.losses.begin("park", tokens=len(toks))
+            cause = self.journal.losses.begin("park", tokens=len(toks))
         try:
             conv, new_bytes, evicted, tier = self._park(toks, keys, read_parts, keep, attrs, states)
         except ParkRefused as exc:
-            with self._lock:
-                self._journal.losses.refused(toks, exc.reason)
+            with self.lock:
+                self.journal.losses.refused(toks, exc.reason)
             return self._refuse(exc.reason, str(exc), len(toks))
         finally:
-            with self._lock:
-                self._journal.losses.begin("budget")
+            with self.lock:
+                self.journal.losses.begin("budget")
         cause["conversation_id"] = conv.id  # the evictions it caused name the conversation that took the room
         ms = (time.perf_counter() - t0) * 1000
-        with self._lock:
-            self._journal.count("parks")
-            self._journal.count("bytes_parked", new_bytes)
-            self._journal.park_ms.add(ms)
-            self._journal.event("park", conv.id, len(toks), new_bytes, ms, tier)
+        with self.lock:
+            self.journal.count("parks")
+            self.journal.count("bytes_parked", new_bytes)
+            self.journal.park_ms.add(ms)
+            self.journal.event("park", conv.id, len(toks), new_bytes, ms, tier)
         log.info(
             "conversation cache: parked %s in %s: %d tokens, %.1f MiB new, %.1f ms",
             conv.id,
@@ -244,9 +244,9 @@ class ConversationCache:
                                     states=states), "disk")
 
     def _refuse(self, reason: str, message: str, n_tokens: int) -> ParkResult:
-        with self._lock:
-            self._journal.refused(reason)
-            self._journal.event("refuse", None, n_tokens, 0, 0.0, "", reason=reason)
+        with self.lock:
+            self.journal.refused(reason)
+            self.journal.event("refuse", None, n_tokens, 0, 0.0, "", reason=reason)
         level = logging.DEBUG if reason in ("off", "empty") else logging.WARNING
         log.log(level, "conversation cache: park of %d tokens refused: %s", n_tokens, message)
         return ParkResult(False, None, reason, n_tokens=n_tokens)
@@ -283,9 +283,9 @@ class ConversationCache:
             raise ValueError(f"tier: expected ram, disk or all, got {tier!r}")
         dropped, freed = 0, 0
         skipped: list[tuple[str, str]] = []
-        with self._lock:
-            self._journal.losses.begin("purge")
-            self._reap()
+        with self.lock:
+            self.journal.losses.begin("purge")
+            self.reap()
             if tier in ("ram", "all"):
                 dropped, freed = self.ram.purge()
             if tier in ("disk", "all") and self.disk is not None:
@@ -304,13 +304,13 @@ class ConversationCache:
         """Drop one parked conversation from every tier that holds it (a person's choice, like a purge of one: it
         is recorded as purged, never spilled). Raises KeyError for an id not parked. On disk, an entry being
         written or read, or whose manifest cannot be removed, stays and is reported as skipped."""
-        with self._lock:
-            self._reap()
+        with self.lock:
+            self.reap()
             in_ram = conv_id in self.ram.index.convs
             on_disk = self.disk is not None and conv_id in self.disk.index.convs
             if not (in_ram or on_disk):
                 raise KeyError(conv_id)
-            self._journal.losses.begin("purge")
+            self.journal.losses.begin("purge")
             try:
                 dropped = freed = 0
                 skipped: list[tuple[str, str]] = []
@@ -324,14 +324,14 @@ class ConversationCache:
                     else:
                         freed, dropped = freed + self.disk.remove(conv_id, reason="purge"), 1
             finally:
-                self._journal.losses.begin("budget")
+                self.journal.losses.begin("budget")
         log.info("conversation cache: dropped %s (%.1f MiB)%s", conv_id, freed / MIB,
                  f"; skipped on disk: {skipped[0][1]}" if skipped else "")
         return PurgeResult(dropped, freed, skipped, "all")
 
     def conversations(self) -> list[ConversationInfo]:
         """Every parked conversation, most recently used first."""
-        with self._lock:
+        with self.lock:
             rows = [
                 ConversationInfo(
                     conv.id,
@@ -351,7 +351,7 @@ class ConversationCache:
                     checkpoints=(n := len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys)),
                     checkpoint_bytes=n * self.identity.state_bytes,
                 )
-                for tier, index in self._tiers()
+                for tier, index in self.tiers()
                 for conv in index.convs.values()
             ]
         return sorted(rows, key=lambda r: r.last_used, reverse=True)
@@ -363,13 +363,13 @@ class ConversationCache:
         a priority that is not one of PRIORITIES. Eviction follows the new values from the next park on."""
         if priority is not None and priority not in PRIORITIES:
             raise ValueError(f"priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
-        with self._lock:
-            self._reap()
+        with self.lock:
+            self.reap()
             found = self._find(CacheHit(conv_id, 0, "ram", 0))
             if found is None:
                 raise KeyError(conv_id)
             target = found[1].id
-            for tier, index in self._tiers():
+            for tier, index in self.tiers():
                 conv = index.convs.get(target)
                 if conv is None:
                     continue
@@ -381,8 +381,8 @@ class ConversationCache:
             return target
 
     def stats(self) -> CacheStats:
-        with self._lock:
-            s, disk, j = self.settings, self.disk, self._journal
+        with self.lock:
+            s, disk, j = self.settings, self.disk, self.journal
             return CacheStats(
                 enabled=s.enabled,
                 storage=s.storage,
@@ -411,8 +411,8 @@ class ConversationCache:
 
     def events(self, limit: int = 200) -> list[dict]:
         """The most recent park/restore/evict/spill/refuse events, oldest first."""
-        with self._lock:
-            return list(self._journal.events)[-limit:] if limit > 0 else []
+        with self.lock:
+            return list(self.journal.events)[-limit:] if limit > 0 else []
 
     # ------------------------------------------------------------------ budgets, reconfigure, flush, close
 
@@ -422,7 +422,7 @@ class ConversationCache:
         budget, until unpinned, deleted or purged), and the log says what went, what stayed and why."""
         disk = self.disk
         assert disk is not None
-        with self._lock:
+        with self.lock:
             found, found_bytes = len(disk.index.convs), disk.index.bytes
             dropped = disk.enforce_budget(keep_pinned=True)
             self.ram.enforce_budget()
@@ -441,14 +441,14 @@ class ConversationCache:
                     "a budget never drops a pinned conversation at start-up; unpin, delete or purge them, or raise "
                     "the budget", len(pinned), sum(c.nbytes for c in pinned) / MIB, self.settings.disk_bytes // MIB)
 
-    def _enforce_budgets(self) -> None:
+    def enforce_budgets(self) -> None:
         """Evict LRU conversations until every tier is within its budget and slot count."""
-        with self._lock:
+        with self.lock:
             self.ram.enforce_budget()
             if self.disk is not None:
                 self.disk.enforce_budget()
 
-    def _set_settings(self, settings: CacheSettings) -> None:
+    def set_settings(self, settings: CacheSettings) -> None:
         self.settings = self.ram.settings = settings
         if self.disk is not None:
             self.disk.settings = settings
@@ -464,20 +464,20 @@ class ConversationCache:
         `spill_failed` and logged; the entry is dropped and any version of it already on disk is kept).
         """
         disk = self.disk
-        with self._lock:
-            failed = self._journal.counts["spill_failed"]
+        with self.lock:
+            failed = self.journal.counts["spill_failed"]
         done = disk.drain(time.monotonic() + max(timeout, 0.0)) if disk is not None else True
-        with self._lock:
-            self._reap()
+        with self.lock:
+            self.reap()
             left = self.disk is not None and self.disk.staging.any_pending()
-            return done and not left and self._journal.counts["spill_failed"] == failed
+            return done and not left and self.journal.counts["spill_failed"] == failed
 
     def close(self, *, spill: bool, deadline_s: float = 30.0) -> None:
         """Stop the cache. Tiered with `spill`: write everything parked to disk within the deadline (logged if hit)."""
         deadline = time.monotonic() + deadline_s
         disk = self.disk
-        with self._lock:
-            self._reap()
+        with self.lock:
+            self.reap()
             if spill and self.settings.storage == "tiered" and disk is not None and disk.writing:
                 for cid in reversed(list(self.ram.index.convs)):  # most recently used first
                     conv = self.ram.index.convs[cid]
@@ -485,12 +485,12 @@ class ConversationCache:
         if disk is None:
             return
         if not disk.stop_writer(deadline):
-            with self._lock:
+            with self.lock:
                 left = sum(1 for c in disk.index.convs.values() if not c.on_disk)
             log.warning(
                 "conversation cache: shutdown deadline of %.0f s hit; %d conversations not written",
                 deadline_s,
                 left,
             )
-        with self._lock:
+        with self.lock:
             disk.files.close()

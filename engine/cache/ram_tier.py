@@ -69,8 +69,8 @@ class RamTier:
         self.settings = settings
         self.identity = identity
         self.index = TierIndex("ram")
-        self._lock = lock
-        self._journal = journal
+        self.lock = lock
+        self.journal = journal
         self._on_evict = on_evict
 
     def park(
@@ -80,7 +80,7 @@ class RamTier:
         """Park in RAM; returns (entry, new bytes, evictions). Raises ParkRefused; nothing changed then."""
         s, idx, b = self.settings, self.index, self.identity.block_tokens
         bpt = self.identity.bytes_per_token
-        with self._lock:
+        with self.lock:
             superseded = idx.prefixes_of(toks)
             resolved = attrs.resolve(superseded)
             same = [c for c in superseded if c.n_tokens == len(toks)]
@@ -135,20 +135,20 @@ class RamTier:
             if n_tail:
                 tail = capture(self.identity, read_parts, len(keys) * b, len(toks))
         except ParkRefused:
-            with self._lock:
+            with self.lock:
                 idx.release(keys[:have], RESERVED)
             raise
         except Exception as exc:
-            with self._lock:
+            with self.lock:
                 idx.release(keys[:have], RESERVED)
             log.exception("conversation cache: reading the slot's K/V failed")
             raise ParkRefused("read_error", f"reading the slot's K/V failed: {exc}") from None
-        with self._lock:
+        with self.lock:
             conv_id, created, hits = inherit(superseded)
             for old in superseded:
                 idx.remove(old.id)
                 if old.id != conv_id:
-                    self._journal.redirect(old.id, conv_id)
+                    self.journal.redirect(old.id, conv_id)
             conv = Conv(conv_id, toks, keys, own, tail=tail, created=created, last_used=time.time(), hits=hits,
                         checkpoints=dict(states.own))
             conv.set_attrs(resolved)
@@ -168,12 +168,12 @@ class RamTier:
         conv = idx.convs[conv_id]
         tensors = self.data_of(conv)
         before = idx.bytes
-        self._journal.losses.dropped(conv.tokens, conv_id, reason, "ram", slots_full=len(idx.convs) >= self.settings.slots)
+        self.journal.losses.dropped(conv.tokens, conv_id, reason, "ram", slots_full=len(idx.convs) >= self.settings.slots)
         idx.remove(conv_id)
         freed = before - idx.bytes
         if reason == "evict":
-            self._journal.count("evictions")
-        self._journal.event(reason, conv_id, conv.n_tokens, freed, 0.0, "ram")
+            self.journal.count("evictions")
+        self.journal.event(reason, conv_id, conv.n_tokens, freed, 0.0, "ram")
         if spill:
             self._on_evict(conv, tensors)
         return freed

@@ -33,15 +33,15 @@ def apply(cache: ConversationCache, settings: CacheSettings) -> list[str]:
         return []
     if settings.block_tokens != old.block_tokens:
         raise ValueError("block_tokens cannot change on a running engine; restart with the new value")
-    with cache._lock:
-        cache._journal.losses.begin("settings change", changed=changed)
+    with cache.lock:
+        cache.journal.losses.begin("settings change", changed=changed)
     wants_disk = settings.uses_disk
     new_disk = None
     if wants_disk and (cache.disk is None or settings.dir != old.dir):
-        new_disk = cache._open_disk(settings)  # may raise: nothing changed yet
+        new_disk = cache.open_disk(settings)  # may raise: nothing changed yet
     if cache.disk is not None and (new_disk is not None or not wants_disk):
         cache.disk.stop_writer(time.monotonic() + 600)
-        with cache._lock:
+        with cache.lock:
             if new_disk is not None:
                 move_entries(cache.disk, new_disk)
             else:
@@ -52,20 +52,20 @@ def apply(cache: ConversationCache, settings: CacheSettings) -> list[str]:
                 )
             cache.disk.files.close()
             cache.disk = None
-    with cache._lock:
+    with cache.lock:
         if new_disk is not None:
             cache.disk = new_disk
-        cache._set_settings(settings)
+        cache.set_settings(settings)
     if cache.disk is not None:
         cache.disk.start_writer()
     if cache.ram.index.convs and not settings.uses_ram and cache.disk is not None:
         # ram -> disk: every RAM conversation is written before the change returns
-        with cache._lock:
+        with cache.lock:
             for cid in list(cache.ram.index.convs):
                 cache.disk.queue_spill(*cache.ram.take(cid), bounded=False)
         cache.disk.drain(time.monotonic() + 600)
-        with cache._lock:
-            cache._reap()
-    cache._enforce_budgets()
+        with cache.lock:
+            cache.reap()
+    cache.enforce_budgets()
     log.info("conversation cache: reconfigured %s", ", ".join(changed))
     return changed

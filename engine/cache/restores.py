@@ -55,22 +55,22 @@ class RestoreRead:
     def __init__(self, cache: ConversationCache, hit: CacheHit) -> None:
         self.cache, self.hit = cache, hit
         b = cache.identity.block_tokens
-        with cache._lock:
-            cache._reap()
+        with cache.lock:
+            cache.reap()
             if hit.identity_key and hit.identity_key != cache.identity.key:
-                cache._journal.count("restore_failures")
+                cache.journal.count("restore_failures")
                 raise CacheRestoreError("the hit was made for another model identity; prefill instead")
             found = find_entry(cache, hit)
             if found is None:
-                cache._journal.count("restore_failures")
+                cache.journal.count("restore_failures")
                 raise CacheRestoreError(f"conversation {hit.conversation_id} is no longer parked; prefill instead")
             self.tier, conv = found
             n = hit.n_tokens
             if not 0 < n <= conv.n_tokens:
-                cache._journal.count("restore_failures")
+                cache.journal.count("restore_failures")
                 raise CacheRestoreError(f"hit of {n} tokens does not fit conversation {conv.id} ({conv.n_tokens})")
             if hit.tokens_key and tokens_key(cache.identity.key, conv.tokens[:n]) != hit.tokens_key:
-                cache._journal.count("restore_failures")
+                cache.journal.count("restore_failures")
                 raise CacheRestoreError(f"conversation {conv.id} no longer holds the hit's tokens; prefill instead")
             n_full = min(len(conv.keys), math.ceil(n / b))
             self.use_tail = n > len(conv.keys) * b
@@ -80,13 +80,13 @@ class RestoreRead:
             if cache.identity.local_layers:  # a sliding-window model: the window checkpoint that serves n
                 self.own_state = window.checkpoint_for(conv.checkpoints, n)
                 if self.own_state is None:
-                    cache._journal.count("restore_failures")
+                    cache.journal.count("restore_failures")
                     raise CacheRestoreError(f"conversation {conv.id} keeps no local-layer window for {n} tokens")
             elif cache.identity.state_parts:
                 if n in conv.checkpoints:
                     self.own_state = n
                 elif not (0 < n == n_full * b and self.index.blocks[conv.keys[n_full - 1]].state):
-                    cache._journal.count("restore_failures")
+                    cache.journal.count("restore_failures")
                     raise CacheRestoreError(f"conversation {conv.id} keeps no recurrent state at {n} tokens")
             self.blocks = [self.index.blocks[k] for k in conv.keys[:n_full]]
             # Reading (on the reader thread, for a disk restore or one into a GPU slot): the entry and its
@@ -124,7 +124,7 @@ class RestoreRead:
             log.exception("conversation cache: reading %s failed", conv.id)
             self.error = CacheRestoreError(f"reading conversation {conv.id} failed ({exc}); prefill instead")
         finally:
-            with cache._lock:
+            with cache.lock:
                 conv.pins -= 1
                 for blk in self.blocks:
                     blk.pins -= 1
@@ -143,8 +143,8 @@ class RestoreRead:
             return early
         cache, conv, n = self.cache, self.conv, self.n
         if self.error is not None:
-            with cache._lock:
-                cache._journal.count("restore_failures")
+            with cache.lock:
+                cache.journal.count("restore_failures")
             raise self.error
         t0 = time.perf_counter()
         specs = cache.identity.parts
@@ -159,7 +159,7 @@ class RestoreRead:
         ms = self.read_ms + (time.perf_counter() - t0) * 1000  # the read and the copy, not the wait between
         nbytes = n * cache.identity.bytes_per_token + parts_nbytes(self.state)
         tier, index, disk = self.tier, self.index, self.disk
-        with cache._lock:
+        with cache.lock:
             conv.hits += 1
             conv.last_used = time.time()
             if conv.id in index.convs:
@@ -167,9 +167,9 @@ class RestoreRead:
             if persist_use and disk is not None and cache.disk is disk:
                 disk.record_use(conv)
             for name, value in (("restores", 1), ("hits", 1), ("tokens_reused", n), ("bytes_restored", nbytes)):
-                cache._journal.count(name, value)
-            cache._journal.restored(tier, self.read_bytes, ms)
-            cache._journal.event("restore", conv.id, n, nbytes, ms, tier)
+                cache.journal.count(name, value)
+            cache.journal.restored(tier, self.read_bytes, ms)
+            cache.journal.event("restore", conv.id, n, nbytes, ms, tier)
         log.info("conversation cache: restored %s from %s: %d tokens, %.1f MiB, %.1f ms (read %.1f ms)",
                  conv.id, tier, n, nbytes / MIB, ms, self.read_ms)
         self.pieces, self.state = [], None  # the slot holds them now
@@ -195,7 +195,7 @@ class RestoreRead:
         cache, disk = self.cache, self.disk
         if disk is None:
             return
-        with cache._lock:
+        with cache.lock:
             if cache.disk is disk:
                 disk.record_use(self.conv)
 
@@ -221,9 +221,9 @@ def _window_for(identity: CacheIdentity, conv: Conv, position: int | None, n: in
 def find_entry(cache: ConversationCache, hit: CacheHit) -> tuple[str, Conv] | None:
     """The tier and entry a hit (or an id superseded by a later turn) names now, or None."""
     conv_id = hit.conversation_id
-    redirects = cache._journal.redirects
+    redirects = cache.journal.redirects
     for _ in range(16):
-        tiers = sorted(cache._tiers(), key=lambda t: t[0] != hit.tier)
+        tiers = sorted(cache.tiers(), key=lambda t: t[0] != hit.tier)
         for tier, index in tiers:
             conv = index.convs.get(conv_id)
             if conv is not None and not conv.failed and conv.n_tokens >= hit.n_tokens:

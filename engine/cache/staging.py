@@ -103,12 +103,12 @@ class StagingBound:
             if victim is None:
                 conv = idx.convs.get(keep)
                 if conv is not None and not conv.on_disk and not idx.is_pinned(conv):
-                    store._journal.refused("priority")
+                    store.journal.refused("priority")
                     self._drop(conv, "spill queue full of writes of a higher priority; dropped pending spill of %s (%d tokens)")
                 return
             self._drop(victim, "spill queue full; dropped pending spill of %s (%d tokens)")
 
     def _drop(self, conv: Conv, message: str) -> None:
-        self._store._journal.count("spill_dropped")
+        self._store.journal.count("spill_dropped")
         log.warning("conversation cache: " + message, conv.id, conv.n_tokens)
         self.drop_pending(conv, "spill_drop")
