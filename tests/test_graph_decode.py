@@ -23,7 +23,7 @@ from engine.model.graph_decode import (
     length_buckets,
     unsupported,
 )
-from engine.model.projections import _linear, _logit_rows
+from engine.model.projections import linear, logit_rows
 from tests.model_fixtures import ARCHS, write_tiny_model
 
 CUDA = torch.cuda.is_available()
@@ -132,13 +132,13 @@ def test_one_gemm_rows_match_per_row_products():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=gen).bfloat16()
     w = torch.randn(96, 64, generator=gen).bfloat16()
-    per_row = _linear(x, w, 5)
-    one = _linear(x, w, 5, fast=True)
+    per_row = linear(x, w, 5)
+    one = linear(x, w, 5, fast=True)
     torch.testing.assert_close(one.float(), per_row.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(_logit_rows(x, w, fast=True).float(), _logit_rows(x, w).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(logit_rows(x, w, fast=True).float(), logit_rows(x, w).float(), rtol=2e-2, atol=2e-2)
     # Float32 weights on the CPU take oneDNN whatever `fast` says (batch-invariant, and the faster kernel there).
     xf, wf = x.float(), w.float()
-    assert torch.equal(_linear(xf, wf, 5, fast=True), _linear(xf, wf, 5))
+    assert torch.equal(linear(xf, wf, 5, fast=True), linear(xf, wf, 5))
 
 
 @pytest.mark.gpu

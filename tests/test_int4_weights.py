@@ -282,17 +282,17 @@ _CHOOSE = """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
 from engine.model import int4
-from engine.runtime.startup import _weights_format
+from engine.runtime.startup import choose_weights_format
 cpu = [(torch.device("cpu"), 0, 2)]
 print("capability", torch.backends.cpu.get_cpu_capability())
-print("auto ->", _weights_format("auto", torch.float32, cpu))
-print("int4 ->", _weights_format("int4", torch.float32, cpu))
-print("bf16 auto ->", _weights_format("auto", torch.bfloat16, cpu))
+print("auto ->", choose_weights_format("auto", torch.float32, cpu))
+print("int4 ->", choose_weights_format("int4", torch.float32, cpu))
+print("bf16 auto ->", choose_weights_format("auto", torch.bfloat16, cpu))
 """
 
 
 def _choose_weights(capability: str | None, kernel_choice: str = "auto") -> str:
-    """What _weights_format chooses in a fresh process with PyTorch's kernels at `capability` and
+    """What choose_weights_format chooses in a fresh process with PyTorch's kernels at `capability` and
     STRATA_INT4_KERNEL=`kernel_choice`."""
     import os
     import subprocess

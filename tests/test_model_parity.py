@@ -242,7 +242,7 @@ def test_greedy_decode_is_identical_alone_and_batched(embedded, backend, monkeyp
 def test_projection_rows_do_not_depend_on_row_count(embedded, single, backend, monkeypatch):
     """The primitive behind batch invariance: a row's product is bitwise the same for any number of rows."""
     import engine.model.projections as projections
-    from engine.model.projections import _linear
+    from engine.model.projections import linear
 
     if backend == "blas":
         monkeypatch.setattr(projections, "_ONEDNN", False)
@@ -253,9 +253,9 @@ def test_projection_rows_do_not_depend_on_row_count(embedded, single, backend, m
     rows = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(0))
     counts = [1, 2, 3, 4, 5, 8, 17, 40] if single else [2, 3, 4, 5, 8, 17, 40]
     with torch.inference_mode():
-        ref = _linear(rows[: counts[0]], w, counts[0] if single else 0)[0]
+        ref = linear(rows[: counts[0]], w, counts[0] if single else 0)[0]
         for m in counts[1:]:
-            got = _linear(rows[:m], w, m if single else 0)[0]
+            got = linear(rows[:m], w, m if single else 0)[0]
             assert torch.equal(got, ref), f"{m} rows: first row differs by {_max_diff(got, ref):.3g}"
 
 

@@ -100,11 +100,11 @@ def throughput(args, path: str, threads: list[int]) -> list[tuple[str, float, fl
     from engine.model import load_model, plan_stages
     from engine.model.graph_decode import configure
     from engine.model.loader import read_model_config
-    from engine.runtime.startup import _weights_format
+    from engine.runtime.startup import choose_weights_format
     from engine.runtime.threads import StepThreads, decode_read_bytes, default_decode_threads
 
     stages = plan_stages(read_model_config(path).n_layers, "cpu", "")
-    weights = _weights_format(args.cpu_weights, torch.float32, stages)  # auto: as the server decides
+    weights = choose_weights_format(args.cpu_weights, torch.float32, stages)  # auto: as the server decides
     lm = load_model(path, stages, torch.float32, int4_weights=weights == "int4")
     if weights == "float16":
         from engine.model import float16

@@ -57,7 +57,7 @@ WideGetter = Callable[[str], bool]
 FILE_ROWS = ("Q4_K", "Q8_0")
 
 
-def _build(
+def build_model(
     config: ModelConfig,
     stages: list[tuple[torch.device, int, int]],
     dtype: torch.dtype,

@@ -4,7 +4,7 @@ general bookkeeping.
 Measured on the bundled SmolLM2-135M (int4, 1 thread): of a ~16 ms decode step the 121 4-bit matmuls take
 ~8.6 ms and the ~50 small ops per layer (norms, RoPE, K/V writes, attention) far less than the rest, which is
 Python: chunk sorting and checks, attention plans, the RoPE rows' gather, per-layer calls through `_layer`,
-`qkv`, `_linear` and `attention_out_and_mlp`, and `nn.Module` attribute lookups for every buffer. This runner
+`qkv`, `linear` and `attention_out_and_mlp`, and `nn.Module` attribute lookups for every buffer. This runner
 binds each layer's weights and K/V views once (per KVBuffers) and runs the same kernels on the same inputs in
 the same order, so its logits are bit for bit those of forward_chunks (tests/test_cpu_decode.py checks it);
 what it does not cover it declines, and forward_chunks runs the step: prefill chunks, mixed steps, sliding
@@ -29,7 +29,7 @@ from engine.model.llama import (
     _head_rms_norm,
     rms_norm,
 )
-from engine.model.projections import _linear, _logit_rows
+from engine.model.projections import linear, logit_rows
 from engine.model.quant_embedding import embed_rows
 from engine.model.sliding import first_key
 
@@ -66,11 +66,11 @@ class _Layer(NamedTuple):
 
 
 def _project(x: torch.Tensor, w: torch.Tensor | Int4Weight | RowsWeight, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`_linear(x, w, n, bias)` for n one-token rows: a 4-bit weight's product taken directly (what _linear
-    returns for it without a bias), anything else through _linear itself."""
+    """`linear(x, w, n, bias)` for n one-token rows: a 4-bit weight's product taken directly (what linear
+    returns for it without a bias), anything else through linear itself."""
     if bias is None and isinstance(w, Int4Weight):
         return w.mm(x)
-    return _linear(x, w, n, bias)
+    return linear(x, w, n, bias)
 
 
 class CpuDecode:
@@ -153,4 +153,4 @@ class CpuDecode:
             gate_up = _project(h, layer.w_gate_up, n, None)
             act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
             x = x + _project(act, layer.w_down, n, None)
-        return _logit_rows(rms_norm(x, m.norm, eps), m.lm_head).float()
+        return logit_rows(rms_norm(x, m.norm, eps), m.lm_head).float()

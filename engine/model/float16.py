@@ -66,7 +66,7 @@ class Float16Weight:
         return self.mm(x)
 
 
-# What a layer (dense, or a hybrid's mixer) multiplies through engine.model.projections._linear: attention, the
+# What a layer (dense, or a hybrid's mixer) multiplies through engine.model.projections.linear: attention, the
 # recurrent mixers' input and output projections, the dense MLP. Experts (own format), norms, convolutions stay.
 _PROJECTIONS = ("wqkv", "wo", "w_in", "w_out", "w_gate_up", "w_down")
 

@@ -12,10 +12,11 @@ from gguf import GGMLQuantizationType
 
 from engine.errors import ModelLoadError
 from engine.model import gguf_dequant, kquant_weight, moe_loading
-from engine.model.build import Groups, LoadedModel, _build
+from engine.model.build import Groups, LoadedModel, build_model
 from engine.model.config import ModelConfig
 from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
-from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
+from engine.model.gguf_header import forget_headers, read_gguf_header
+from engine.model.gguf_tensors import check_gguf_tensors, unpermute
 from engine.model.quant_embedding import QuantEmbedding
 from engine.model.sliding import gguf_sliding_layers
 from engine.model.tokenizer import Tokenizer, TokenizerError
@@ -45,7 +46,7 @@ def _gguf_canonical(name: str) -> str | None:
     return None
 
 
-def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
+def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     moe_arch = moe_loading.gguf_architecture(arch, meta)  # mixture-of-experts families
     if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma3") and moe_arch is None:
@@ -100,36 +101,7 @@ def _gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     )
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of q/k rows so RoPE uses the rotate-half convention."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _check_gguf_tensors(path: str, directory: list[GGUFTensor], used: dict[str, GGUFTensor]) -> None:
-    """Refuse, before any tensor is read, a file whose tensor directory does not match its data: a tensor that
-    runs into the next one or past the end of the file, a type this loader cannot decode, a shape that is not
-    whole blocks."""
-    file_size = os.path.getsize(path)
-    ordered = sorted(directory, key=lambda t: t.offset)
-    for t, after in zip(ordered, [*ordered[1:], None], strict=True):
-        end = t.offset + t.n_bytes
-        if end > file_size:
-            raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
-        if after is not None and end > after.offset:
-            raise ModelLoadError(
-                f"{path}: corrupt tensor directory: tensor {t.name} ({gguf_dequant.type_name(t.qtype)}, shape "
-                f"{t.shape}, {t.n_bytes} bytes) runs into tensor {after.name}"
-            )
-    for t in used.values():
-        try:
-            expected = gguf_dequant.tensor_bytes(t.name, t.qtype, t.shape)
-        except ModelLoadError as e:
-            raise ModelLoadError(f"{path}: {e}") from None
-        assert expected == t.n_bytes, (t.name, expected, t.n_bytes)  # gguf sizes a tensor the same way
-
-
-def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
+def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
                cpu_experts: frozenset[int] = frozenset(), weights_cache_dir: str | None = None) -> LoadedModel:
     header = read_gguf_header(path)  # the lean reader: metadata values and the directory, no numpy views
     meta = header.metadata
@@ -146,9 +118,9 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         key = _gguf_canonical(t.name)
         if key is not None:
             tensors[key] = t
-    config = _gguf_config(meta, {t.name for t in directory}, path)
+    config = gguf_config(meta, {t.name for t in directory}, path)
     file_size = os.path.getsize(path)
-    _check_gguf_tensors(path, directory, tensors)
+    check_gguf_tensors(path, directory, tensors)
     kept_tokenizer = KeptTokenizer(weights_cache_dir, path, header_size) if weights_cache_dir else None
     kept = kept_tokenizer.load() if kept_tokenizer is not None else None
     try:
@@ -185,7 +157,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
             return None
         w = gguf_dequant.dequantize(t.name, raw(key, device), t.qtype, t.shape, want)
         if permuted and key.endswith((".q", ".k", ".q_bias", ".k_bias")):
-            w = _unpermute(w, config.n_heads if ".q" in key else config.n_kv_heads)
+            w = unpermute(w, config.n_heads if ".q" in key else config.n_kv_heads)
         return w
 
     def q4(key: str) -> Groups | None:
@@ -195,7 +167,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         found = gguf_dequant.q4_groups(t.name, raw(key, torch.device("cpu")), t.qtype, t.shape)
         if permuted and key.endswith((".q", ".k")):
             heads = config.n_heads if key.endswith(".q") else config.n_kv_heads
-            found = tuple(_unpermute(x, heads) for x in found)
+            found = tuple(unpermute(x, heads) for x in found)
         return found
 
     def kquant(keys: list[str], kinds: tuple[str, ...]) -> tuple[str, list[torch.Tensor]] | None:
@@ -212,7 +184,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
             assert t is not None  # its type is in kinds
             b = raw(key, torch.device("cpu")).view(*t.shape[:-1], kquant_weight.row_bytes(t.shape[-1], kind))
             if permuted and key.endswith((".q", ".k")):
-                b = _unpermute(b, config.n_heads if key.endswith(".q") else config.n_kv_heads)
+                b = unpermute(b, config.n_heads if key.endswith(".q") else config.n_kv_heads)
             out.append(b)
         return kind, out
 
@@ -232,7 +204,7 @@ def _load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False
         options = {"dtype": str(dtype), "stages": [[str(d), a, b] for d, a, b in stages]}
         derived = DerivedWeights(weights_cache_dir, path, header_size, options)
     with open(path, "rb") as f:
-        model = _build(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, kquant=kquant, wide=wide,
+        model = build_model(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, kquant=kquant, wide=wide,
                        cpu_experts=cpu_experts, blocks=blocks, derived=derived)
     if derived is not None and derived.fingerprint is not None:
         fingerprint = derived.fingerprint  # the weights it replaced were not read: the first load's fingerprint

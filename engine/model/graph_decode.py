@@ -30,7 +30,7 @@ from engine.kv import KVBuffers
 from engine.model.gpu_weights import CudaInt4Weight
 from engine.model.int4 import Int4Weight
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, rms_norm
-from engine.model.projections import _logit_rows
+from engine.model.projections import logit_rows
 
 MIN_ATTENTION_LENGTH = 256
 
@@ -126,7 +126,7 @@ def decode_step(
         values = v_cache[:, :length].index_select(0, slots).transpose(1, 2)
         x = model.attention_out_and_mlp(layer, x, _masked_attention(q, keys, values, mask).reshape(n, H * D), n)
     h = rms_norm(x, model.norm, c.rms_norm_eps)
-    return _logit_rows(h, model.lm_head, fast=not model.batch_invariant).float()
+    return logit_rows(h, model.lm_head, fast=not model.batch_invariant).float()
 
 
 def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

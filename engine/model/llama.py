@@ -20,7 +20,7 @@ from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.kquant_weight import KQuantWeight
-from engine.model.projections import _linear, _logit_rows
+from engine.model.projections import linear, logit_rows
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
@@ -164,7 +164,7 @@ class CausalLM(torch.nn.Module):
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.rotary = RotaryTable(config, rope_freq_factors)
-        # False: projections of a batch run as one GEMM (`_linear`'s fast path); the engine clears it on CUDA
+        # False: projections of a batch run as one GEMM (`linear`'s fast path); the engine clears it on CUDA
         # unless --deterministic. CPU float32 and int4 kernels are batch-invariant either way.
         self.batch_invariant = True
         # A runner of captured decode steps (engine.model.graph_decode.GraphDecode), set by the engine on CUDA;
@@ -251,9 +251,9 @@ class CausalLM(torch.nn.Module):
         if all_logits:
             h = rms_norm(x, self.norm, c.rms_norm_eps)
             # One-token chunks get the same per-row logits as without all_logits.
-            parts = [_logit_rows(h[:n_single], self.lm_head, fast=fast)] if n_single else []
+            parts = [logit_rows(h[:n_single], self.lm_head, fast=fast)] if n_single else []
             if total > n_single:
-                parts.append(_linear(h[n_single:], self.lm_head, 0, fast=fast))
+                parts.append(linear(h[n_single:], self.lm_head, 0, fast=fast))
             logits = self._soft_cap(torch.cat(parts).float() if len(parts) > 1 else parts[0].float())
             out = [logits[offsets[k] : offsets[k + 1]] for k in range(len(ordered))]
             result: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
@@ -262,7 +262,7 @@ class CausalLM(torch.nn.Module):
             return result
         if total != len(ordered):
             x = x.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device))
-        logits = self._soft_cap(_logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head, fast=fast).float())
+        logits = self._soft_cap(logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head, fast=fast).float())
         if order == sorted(order):
             return logits
         inverse = torch.empty(len(order), dtype=torch.int64)
@@ -347,7 +347,7 @@ class CausalLM(torch.nn.Module):
         c = self.config
         H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-        qkv = _linear(h, layer.wqkv, n_single, layer.bqkv, fast=not self.batch_invariant)
+        qkv = linear(h, layer.wqkv, n_single, layer.bqkv, fast=not self.batch_invariant)
         if layer.q_norm_full is not None:  # OLMoE (DecoderLayer)
             assert layer.k_norm_full is not None  # set with q_norm_full (DecoderLayer)
             qw, kw = H * D, KVH * D
@@ -366,7 +366,7 @@ class CausalLM(torch.nn.Module):
         """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual."""
         c = self.config
         fast = not self.batch_invariant
-        attn_out = _linear(attn, layer.wo, n_single, fast=fast)
+        attn_out = linear(attn, layer.wo, n_single, fast=fast)
         if layer.post_attn_norm is not None:  # Gemma 3
             attn_out = rms_norm(attn_out.to(x.dtype), layer.post_attn_norm, c.rms_norm_eps)
         x = x + attn_out
@@ -374,13 +374,13 @@ class CausalLM(torch.nn.Module):
         if layer.moe is not None:
             return x + layer.moe(h, n_single, fast=fast)
         assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
-        gate_up = _linear(h, layer.w_gate_up, n_single, fast=fast)
+        gate_up = linear(h, layer.w_gate_up, n_single, fast=fast)
         inter = c.intermediate_size
         if c.gemma:  # GeGLU with the tanh approximation of GeLU
             act = F.gelu(gate_up[:, :inter].to(x.dtype), approximate="tanh") * gate_up[:, inter:]
         else:
             act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
-        mlp_out = _linear(act, layer.w_down, n_single, fast=fast)
+        mlp_out = linear(act, layer.w_down, n_single, fast=fast)
         if layer.post_mlp_norm is not None:
             mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, c.rms_norm_eps)
         return x + mlp_out

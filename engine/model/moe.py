@@ -8,7 +8,7 @@ matmul over all the rows routed to it (a prefill of 1000 tokens makes at most n_
 Numerics follow transformers exactly: the same routing ops on the same values in the same order (so ties
 between equal router scores go the same way: torch.topk on the float32 probabilities over experts in index
 order), and each token's expert outputs are summed in ascending expert order starting from zero, as
-transformers' `index_add_` loop does. The projections go through projections.py's `_linear`, so a row's result does
+transformers' `index_add_` loop does. The projections go through projections.py's `linear`, so a row's result does
 not depend on how many other rows an expert got (the batch invariance projections.py describes): a
 slot's logits are the same alone and batched.
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from engine.model import int4
 from engine.model.kernels import RowsWeight
 from engine.model.moe_config import MoeConfig
-from engine.model.projections import _linear
+from engine.model.projections import linear
 
 # An expert stack: float [n_experts, out, in], or one weight per expert (4-bit groups, or the file's Q4_K / Q6_K /
 # Q8_0 rows, engine/model/kquant_weight.py).
@@ -58,9 +58,9 @@ def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Ten
 
 def _mlp(x: torch.Tensor, gate_up, down, n_single: int, fast: bool = False) -> torch.Tensor:
     """SwiGLU over fused [gate; up] rows: down(silu(gate x) * up x)."""
-    gu = _linear(x, gate_up, n_single, fast=fast)
+    gu = linear(x, gate_up, n_single, fast=fast)
     inter = gu.shape[1] // 2
-    return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, n_single, fast=fast)
+    return linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, n_single, fast=fast)
 
 
 class SparseMoe(torch.nn.Module):
@@ -123,9 +123,9 @@ class SparseMoe(torch.nn.Module):
     def forward(self, h: torch.Tensor, n_single: int, *, fast: bool = False) -> torch.Tensor:
         """h [tokens, hidden] (the first `n_single` rows are one-token chunks) -> the block's output.
 
-        `fast` (the CUDA default, `_linear`'s): one GEMM over all rows for the router and the shared expert, and
+        `fast` (the CUDA default, `linear`'s): one GEMM over all rows for the router and the shared expert, and
         the routed experts as one grouped GEMM where `grouped_ready` says they can be."""
-        logits = _linear(h, self.router, n_single, fast=fast)
+        logits = linear(h, self.router, n_single, fast=fast)
         n_experts = self.config.n_experts
         weights, experts = route(logits[:, :n_experts], self.config)
         where = self.expert_device

@@ -51,7 +51,7 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(padded, w)[:n]
 
 
-def _linear(
+def linear(
     x: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | RowsWeight, n_single: int,
     bias: torch.Tensor | None = None, *,
     fast: bool = False,
@@ -87,11 +87,11 @@ def _linear(
     return y
 
 
-def _logit_rows(
+def logit_rows(
     h: torch.Tensor, w: torch.Tensor | Int4Weight | Float16Weight | RowsWeight, *, fast: bool = False
 ) -> torch.Tensor:
     """Logits of each row of h on its own (the 1-row kernel, whatever else is in the batch); with `fast`
-    (see `_linear`) one GEMM over all rows."""
+    (see `linear`) one GEMM over all rows."""
     if fast and isinstance(w, torch.Tensor) and not _onednn(w):
         return F.linear(h, w)
     if isinstance(w, Int4Weight):

@@ -42,7 +42,7 @@ from engine.runtime.startup import (
     _gpu_weights_format,
     _pack_float16,
     _quantize_gpu_weights,
-    _weights_format,
+    choose_weights_format,
 )
 from engine.runtime.state import Slot
 from engine.runtime.stream import RequestStream
@@ -154,7 +154,7 @@ class Engine(Scheduler):
         # Planned again with the per-layer size: a device without memory for its layers is refused here.
         stages = plan_stages(shape.n_layers, config.devices, config.layer_split,
                              bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx, cpu_experts))
-        weights_format = _weights_format(config.cpu_weights, dtype, stages)
+        weights_format = choose_weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
             _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
         elif weights_format == "float16":

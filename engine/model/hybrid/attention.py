@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import HybridConfig
-from engine.model.projections import _linear
+from engine.model.projections import linear
 
 
 class AttentionMixer(torch.nn.Module):
@@ -52,7 +52,7 @@ class AttentionMixer(torch.nn.Module):
         c = self.config
         H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
         total, n_single = batch.total, batch.n_single
-        qkv = _linear(h, self.wqkv, n_single)
+        qkv = linear(h, self.wqkv, n_single)
         gate = None
         if c.attention_gate:
             qg = qkv[:, : self.q_rows].view(total, H, 2 * D)
@@ -100,7 +100,7 @@ class AttentionMixer(torch.nn.Module):
         out = attn.view(total, H * D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return _linear(out, self.wo, n_single)
+        return linear(out, self.wo, n_single)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from engine.model.hybrid.nemotron_moe import NemotronMoe
 from engine.model.int4 import Int4Weight
 from engine.model.llama import rms_norm
 from engine.model.moe import SparseMoe
-from engine.model.projections import _linear
+from engine.model.projections import linear
 
 ACTIVATIONS = ("swiglu", "relu2")
 
@@ -80,11 +80,11 @@ class BlockLayer(torch.nn.Module):
 
     def _dense(self, h: torch.Tensor, n_single: int) -> torch.Tensor:
         assert self.w_gate_up is not None and self.w_down is not None
-        up = _linear(h, self.w_gate_up, n_single)
+        up = linear(h, self.w_gate_up, n_single)
         if self.act == "relu2":
-            return _linear(torch.square(F.relu(up)), self.w_down, n_single)
+            return linear(torch.square(F.relu(up)), self.w_down, n_single)
         inter = up.shape[1] // 2
-        return _linear(F.silu(up[:, :inter]) * up[:, inter:], self.w_down, n_single)
+        return linear(F.silu(up[:, :inter]) * up[:, inter:], self.w_down, n_single)
 
     def _residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + y * self.residual_multiplier if self.residual_multiplier != 1.0 else x + y

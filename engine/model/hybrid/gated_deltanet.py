@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from engine.model.hybrid import fla_kernels
 from engine.model.hybrid.batch import Batch, apply_conv, lanewise, segment_decay, segment_edges
 from engine.model.hybrid.config import HybridConfig
-from engine.model.projections import _linear
+from engine.model.projections import linear
 
 BLOCK = 64
 
@@ -92,7 +92,7 @@ class GatedDeltaNetMixer(torch.nn.Module):
         c = self.config
         total = h.shape[0]
         hv, dk, dv = c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
-        proj = _linear(h, self.w_in, batch.n_single)
+        proj = linear(h, self.w_in, batch.n_single)
         conv_dim = c.conv_channels
         mixed = F.silu(apply_conv(proj[:, :conv_dim], self.conv, None, self.layer, batch))
         z = proj[:, conv_dim : conv_dim + self.value_dim].reshape(total, hv, dv)
@@ -140,4 +140,4 @@ class GatedDeltaNetMixer(torch.nn.Module):
         yf = y.float()
         y = self.norm * (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(h.dtype)
         y = (y.float() * F.silu(z.float())).to(h.dtype)
-        return _linear(y.reshape(total, self.value_dim), self.w_out, batch.n_single)
+        return linear(y.reshape(total, self.value_dim), self.w_out, batch.n_single)

@@ -31,7 +31,7 @@ from engine.errors import ModelLoadError
 from engine.model import gguf_dequant, moe_loading
 from engine.model.build import LoadedModel
 from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
-from engine.model.gguf_loading import _check_gguf_tensors, _unpermute
+from engine.model.gguf_tensors import check_gguf_tensors, unpermute
 from engine.model.hybrid import gguf_falcon, gguf_mamba, gguf_nemotron, gguf_qwen35
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
@@ -198,7 +198,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
             tensors[key] = t
     # Layout checks for every tensor, type and size checks for those gguf_dequant decodes (gguf's decoder checks
     # the others' sizes as it reads them).
-    _check_gguf_tensors(path, directory, {k: t for k, t in tensors.items() if t.qtype in gguf_dequant.SUPPORTED})
+    check_gguf_tensors(path, directory, {k: t for k, t in tensors.items() if t.qtype in gguf_dequant.SUPPORTED})
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except TokenizerError as e:
@@ -253,7 +253,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
         elif key.endswith((".d_skip", ".ssm_norm")):
             w = w.reshape(-1)
         elif (arch == "granitehybrid" or arch in gguf_nemotron.ARCHITECTURES) and key.endswith((".q", ".k")):
-            w = _unpermute(w, config.n_heads if key.endswith(".q") else config.n_kv_heads)
+            w = unpermute(w, config.n_heads if key.endswith(".q") else config.n_kv_heads)
         if arch in gguf_qwen35.GGUF_ARCHITECTURES:
             w = gguf_qwen35.fix(config, key, w)
         return w

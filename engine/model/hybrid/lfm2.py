@@ -12,7 +12,7 @@ import torch
 
 from engine.model.hybrid.batch import Batch, apply_conv
 from engine.model.hybrid.config import ATTENTION, SHORT_CONV, ConfigError, HybridConfig
-from engine.model.projections import _linear
+from engine.model.projections import linear
 
 
 class ShortConvMixer(torch.nn.Module):
@@ -41,10 +41,10 @@ class ShortConvMixer(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
         d = h.shape[1]
-        bcx = _linear(h, self.w_in, batch.n_single, self.b_in)
+        bcx = linear(h, self.w_in, batch.n_single, self.b_in)
         b, c, x = bcx[:, :d], bcx[:, d : 2 * d], bcx[:, 2 * d :]
         y = c * apply_conv(b * x, self.conv, self.conv_bias, self.layer, batch)
-        return _linear(y, self.w_out, batch.n_single, self.b_out)
+        return linear(y, self.w_out, batch.n_single, self.b_out)
 
 
 def mlp_size(cfg: dict[str, Any]) -> int:

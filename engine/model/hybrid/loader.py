@@ -19,7 +19,7 @@ from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model import int4, moe_loading, q8_output
 from engine.model.build import LoadedModel
-from engine.model.hf_loading import _folder_tokenizer, _header_fingerprint, _open_tensors, _safetensors_files
+from engine.model.hf_files import folder_tokenizer, header_fingerprint, open_tensors, safetensors_files
 from engine.model.hybrid import (
     falcon_h1,
     granitemoehybrid,
@@ -209,7 +209,7 @@ def _hf_canonical(family: ModuleType, name: str) -> str | None:
 
 def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
                    cpu_experts: frozenset[int] = frozenset(), int4_weights: bool = False) -> LoadedModel:
-    """Load a hybrid HF folder; same identity rules as `engine.model.hf_loading._load_hf` (config, file headers
+    """Load a hybrid HF folder; same identity rules as `engine.model.hf_loading.load_hf` (config, file headers
     and every weight's bytes in the fingerprint)."""
 
     try:
@@ -217,10 +217,10 @@ def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
     except ConfigError as e:
         raise ModelLoadError(f"{os.path.join(folder, 'config.json')}: {e}") from None
     family = FAMILIES[config.architecture]
-    files = _safetensors_files(folder)
-    h = _header_fingerprint(config.describe(), files)
-    tokenizer = _folder_tokenizer(folder)
-    handles, where = _open_tensors(files, lambda name: _hf_canonical(family, name))
+    files = safetensors_files(folder)
+    h = header_fingerprint(config.describe(), files)
+    tokenizer = folder_tokenizer(folder)
+    handles, where = open_tensors(files, lambda name: _hf_canonical(family, name))
     content = xxhash.xxh3_128()
 
     def get(key: str) -> torch.Tensor | None:

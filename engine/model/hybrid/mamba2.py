@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.model.hybrid.batch import Batch, apply_conv, lanewise, segment_decay, segment_edges
 from engine.model.hybrid.config import HybridConfig
-from engine.model.projections import _linear
+from engine.model.projections import linear
 
 
 def ssd_step(
@@ -84,7 +84,7 @@ class Mamba2Mixer(torch.nn.Module):
         c = self.config
         total = h.shape[0]
         heads, p, g, n_state = c.mamba_heads, c.mamba_head_dim, c.mamba_groups, c.mamba_state_dim
-        proj = _linear(h, self.w_in, batch.n_single)
+        proj = linear(h, self.w_in, batch.n_single)
         if self.in_scale is not None:  # Falcon-H1's per-row multipliers, after the projection as transformers does
             proj = proj * self.in_scale
         z = proj[:, : self.inner]
@@ -123,7 +123,7 @@ class Mamba2Mixer(torch.nn.Module):
         y = y + self.d_skip.float()[:, None] * x
         gate = F.silu(z.float())
         if c.mamba_norm == "gate_only":  # Falcon-H1 without mamba_rms_norm
-            return _linear((y.reshape(total, self.inner) * gate).to(h.dtype), self.w_out, batch.n_single)
+            return linear((y.reshape(total, self.inner) * gate).to(h.dtype), self.w_out, batch.n_single)
         gated = y.reshape(total, self.inner)
         if c.mamba_norm == "gated":
             gated = gated * gate
@@ -133,4 +133,4 @@ class Mamba2Mixer(torch.nn.Module):
         out = self.norm * grouped.view(total, self.inner).to(h.dtype)
         if c.mamba_norm == "norm_then_gate":
             out = out * gate.to(h.dtype)
-        return _linear(out, self.w_out, batch.n_single)
+        return linear(out, self.w_out, batch.n_single)

@@ -14,8 +14,8 @@ state starts at zero whatever the buffers hold). Checkpoints: `state.request_che
 before the call makes the recurrent mixers cut their scan there and copy the state (no second pass);
 `state.take_checkpoints(slot)` returns them as StateSnapshots that `state.write` restores.
 
-Projections go through `engine.model.projections._linear` (batch-invariant on CPU float32: a slot's logits do not
-depend on what it was batched with) and logits through `_logit_rows`.
+Projections go through `engine.model.projections.linear` (batch-invariant on CPU float32: a slot's logits do not
+depend on what it was batched with) and logits through `logit_rows`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayo
 from engine.model.int4 import Int4Weight
 from engine.model.llama import SeqChunk, rms_norm
 from engine.model.moe import SparseMoe
-from engine.model.projections import _linear, _logit_rows
+from engine.model.projections import linear, logit_rows
 from engine.model.q8_output import Q8Output
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
@@ -173,12 +173,12 @@ class HybridCausalLM(torch.nn.Module):
         if not all_logits and total != len(ordered):
             h = h.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=h.device))
         if all_logits:
-            parts = [_logit_rows(h[:n_single], self.lm_head)] if n_single else []
+            parts = [logit_rows(h[:n_single], self.lm_head)] if n_single else []
             if total > n_single:
-                parts.append(_linear(h[n_single:], self.lm_head, 0))
+                parts.append(linear(h[n_single:], self.lm_head, 0))
             logits = (torch.cat(parts) if len(parts) > 1 else parts[0]).float()
         else:
-            logits = _logit_rows(h, self.lm_head).float()
+            logits = logit_rows(h, self.lm_head).float()
         if c.logits_scaling != 1.0:
             logits = logits / c.logits_scaling
         if all_logits:
@@ -205,9 +205,9 @@ class HybridCausalLM(torch.nn.Module):
             y = layer.moe(h, batch.n_single)
         else:
             assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (see HybridLayer)
-            gate_up = _linear(h, layer.w_gate_up, batch.n_single)
+            gate_up = linear(h, layer.w_gate_up, batch.n_single)
             inter = layer.w_down.shape[1]
-            y = _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, batch.n_single)
+            y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, batch.n_single)
         return x + y * c.residual_multiplier if c.residual_multiplier != 1.0 else x + y
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.model.hybrid.nemotron_config import NemotronExperts
 from engine.model.moe import _SIMD_FLOATS, grouped_experts
-from engine.model.projections import _linear
+from engine.model.projections import linear
 
 
 class NemotronMoe(torch.nn.Module):
@@ -59,7 +59,7 @@ class NemotronMoe(torch.nn.Module):
     def route(self, h: torch.Tensor, n_single: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, k] float32, experts [tokens, k] int64) for the hidden rows `h`."""
         s = self.settings
-        logits = _linear(h.float(), self.router, n_single)
+        logits = linear(h.float(), self.router, n_single)
         scores = _sigmoid_rows(logits)
         choice = scores + self.score_bias
         if s.n_group > 1:
@@ -77,11 +77,11 @@ class NemotronMoe(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, n_single: int) -> torch.Tensor:
         weights, experts = self.route(h, n_single)
-        x = _linear(h, self.latent_in, n_single) if self.latent_in is not None else h
+        x = linear(h, self.latent_in, n_single) if self.latent_in is not None else h
         out = grouped_experts(x, experts, weights.to(h.dtype), n_single, self.settings.n_experts,
                               lambda rows, e, n_one: _relu2_mlp(rows, self.up[e], self.down[e], n_one))
         if self.latent_out is not None:
-            out = _linear(out, self.latent_out, n_single)
+            out = linear(out, self.latent_out, n_single)
         return out + _relu2_mlp(h, self.shared_up, self.shared_down, n_single)
 
     @property
@@ -95,7 +95,7 @@ class NemotronMoe(torch.nn.Module):
 
 
 def _relu2_mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, n_single: int) -> torch.Tensor:
-    return _linear(torch.square(F.relu(_linear(x, up, n_single))), down, n_single)
+    return linear(torch.square(F.relu(linear(x, up, n_single))), down, n_single)
 
 
 def _sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
