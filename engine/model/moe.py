@@ -132,15 +132,17 @@ class SparseMoe(torch.nn.Module):
         if fast and self.grouped_ready:
             assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)  # grouped_ready
             out = grouped_mm_experts(h, experts, weights.to(h.dtype), self.gate_up, self.down)
-        elif where == h.device:
-            out = self._routed(h, experts, weights.to(h.dtype), n_single)
         else:
-            # Experts in host RAM: the hidden states and the routing go to them, their weighted sum comes back.
-            out = self._routed(h.to(where), experts.to(where), weights.to(where, h.dtype), n_single)
+            # Experts run where their weights are (host RAM beside a GPU) and in the dtype their products give
+            # (float32 for the 4- and 8-bit kinds, whatever the layer's dtype): the hidden states and the routing
+            # go to them, their weighted sum comes back in the layer's device and dtype.
+            dtype = self.expert_dtype
+            out = self._routed(h.to(where, dtype), experts.to(where), weights.to(where, dtype), n_single)
             out = out.to(h.device, h.dtype)
         if self.shared_gate_up is not None:
             gate = _sigmoid_column(logits[:, n_experts:])
-            out = out + gate * _mlp(h, self.shared_gate_up, self.shared_down, n_single, fast)
+            shared = _mlp(h, self.shared_gate_up, self.shared_down, n_single, fast)
+            out = out + gate * shared.to(h.dtype)  # a 4-bit shared expert gives float32
         return out
 
     def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:
@@ -160,6 +162,11 @@ class SparseMoe(torch.nn.Module):
         """Where the routed experts' weights are (and so where they run)."""
         w = self.gate_up[0] if isinstance(self.gate_up, list) else self.gate_up
         return torch.device(w.device)
+
+    @property
+    def expert_dtype(self) -> torch.dtype:
+        """The dtype the routed experts compute in: their own for float stacks, float32 for 4- and 8-bit ones."""
+        return self.gate_up.dtype if isinstance(self.gate_up, torch.Tensor) else torch.float32
 
     @property
     def expert_bytes(self) -> int:
