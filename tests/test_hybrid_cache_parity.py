@@ -121,7 +121,7 @@ def test_decode_takes_a_checkpoint_at_each_block_end_it_crosses(folders):
         params = SamplingParams(temperature=0.0, max_tokens=block_end - prompt + 4, ignore_eos=True)
         tokens = [e.token_id for e in eng.submit(GenerationRequest("across", ids, params)) if e.token_id is not None]
         assert prompt + len(tokens) - 1 > block_end  # decode fed the tokens across it
-        positions = eng.call(lambda: sorted(eng.states.checkpoints[0])).result()
+        positions = eng.call(lambda: sorted(eng.memory.states.checkpoints[0])).result()
     finally:
         eng.close()
     assert block_end in positions and prompt - 1 in positions, positions

@@ -40,7 +40,7 @@ def test_a_hybrid_engine_keeps_attention_kv_in_the_chosen_dtype_and_its_state_in
         try:
             want = {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
             assert engine.kv.stages[0].k.dtype == want and engine.kv.layout.dtype == want
-            assert engine.states is not None and engine.states.buffers.layout.dtype == torch.float32
+            assert engine.memory.states.buffers.layout.dtype == torch.float32
             assert engine.cache_identity is not None
             keys.add(engine.cache_identity.key)  # another K/V dtype: another model's parked conversations
             sizes[name] = engine.stats_snapshot()["engine"].kv_bytes

@@ -127,7 +127,7 @@ def test_parked_bytes_of_a_local_layer_are_bounded_by_its_window(models, storage
         _, tokens, cached = _generate(eng, turn2, 12)
         assert tokens == ref_tokens and cached >= n_a
         slot = next(s for s in eng.slots if s.tokens[:n_a] == list(conv.tokens))
-        assert eng.windows.floors[slot.id] > 0  # restored from a window: older local rows are not its own
+        assert eng.memory.windows.floors[slot.id] > 0  # restored from a window: older local rows are not its own
         with pytest.raises(BadValue, match="last window"):
             eng.call(lambda: eng.save_slot(slot.id, "a.bin")).result()
         # a prompt leaving A before that slot's window is not computed from it: the never-parked answer

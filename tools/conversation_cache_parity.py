@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from engine.config import CPU_WEIGHTS, EngineConfig  # noqa: E402
 from engine.runtime.engine import Engine  # noqa: E402
+from engine.runtime.memory import RecurrentMemory, WindowMemory  # noqa: E402
 from engine.runtime.requests import GenerationRequest, SamplingParams  # noqa: E402
 
 SCENARIOS = ("basic", "shared-system", "edited", "parallel", "pressure")
@@ -85,11 +86,12 @@ def _slot_kv(engine: Engine, slot: int) -> tuple[list[int], torch.Tensor]:
 
 def _slot_state(engine: Engine, slot: int) -> tuple[int, bytes] | None:
     """A hybrid model's slot: (its recurrent state's position, the state's bytes); None for attention only."""
-    if engine.states is None:
+    memory = engine.memory
+    if not isinstance(memory, RecurrentMemory):
         return None
 
     def read():
-        snap = engine.states.read(slot)
+        snap = memory.states.read(slot)
         return snap.position, b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in snap.tensors)
 
     return engine.call(read).result()
@@ -98,15 +100,16 @@ def _slot_state(engine: Engine, slot: int) -> tuple[int, bytes] | None:
 def _floor(engine: Engine, slot: int) -> int:
     """A sliding-window model's slot: the first row its local layers hold as the conversation's own (a restore
     writes only the last window of them); 0 for every other model."""
-    return 0 if engine.windows is None else engine.call(lambda: engine.windows.floors[slot]).result()
+    memory = engine.memory
+    return engine.call(lambda: memory.windows.floors[slot]).result() if isinstance(memory, WindowMemory) else 0
 
 
 def _read_rows(engine: Engine, kv: torch.Tensor, floor: int) -> torch.Tensor:
     """`kv` as a continuation reads it: a sliding-window model's local rows before `floor` zeroed (never read)."""
-    if engine.windows is None or floor == 0:
+    if not isinstance(engine.memory, WindowMemory) or floor == 0:
         return kv
     out = kv.clone()
-    out[engine.windows.local, :, :floor] = 0
+    out[engine.memory.windows.local, :, :floor] = 0
     return out
 
 

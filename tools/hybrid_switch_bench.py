@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model.hybrid import fla_kernels  # noqa: E402
 from engine.runtime.engine import Engine  # noqa: E402
+from engine.runtime.memory import RecurrentMemory  # noqa: E402
 from engine.runtime.requests import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 512
@@ -157,7 +158,8 @@ def run(model: str, n: int, storage: str, cache_mib: int, folder: str, device: s
             ask(engine, b + [5, r])  # B takes the slot again
         edited = a[: len(a) - 100] + [11, 12, 13]
         t_edit, cached_edit, _ = ask(engine, edited)
-        state = engine.states.nbytes // engine.n_slots if engine.states is not None else 0
+        memory = engine.memory
+        state = memory.states.nbytes // engine.n_slots if isinstance(memory, RecurrentMemory) else 0
     finally:
         engine.close()
     return {"switch_s": statistics.median(switch), "cached": cached, "edit_s": t_edit, "edit_cached": cached_edit,

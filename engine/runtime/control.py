@@ -68,11 +68,7 @@ class Control(Startup):
         os.makedirs(self.config.slot_save_path or ".", exist_ok=True)
         t0 = time.perf_counter()
         n = len(slot.tokens)
-        checkpoints = self.states.park_checkpoints(slot.id, n) if self.states is not None else None
-        if self.windows is not None and self.windows.floors[slot.id]:
-            raise BadValue(f"slot {slot_id} was restored from the conversation cache, which keeps only the last "
-                           "window of the local layers' K/V; a session file needs all of it: send the next turn "
-                           "first, or prefill the slot anew", param="id")
+        checkpoints = self.memory.session_checkpoints(slot.id, n)
         try:
             nbytes = save_session(path, self._session_identity(), slot.tokens, self.kv.read(slot.id, 0, n),
                                   engine_version=__version__, checkpoints=checkpoints)
@@ -108,26 +104,18 @@ class Control(Startup):
         n = len(slot.tokens)
         slot.tokens, slot.conversation_id, slot.unnamed = [], None, []
         self.kv.clear(slot.id)
-        if self.states is not None:
-            self.states.clear(slot.id)
-        if self.windows is not None:
-            self.windows.clear(slot.id)
+        self.memory.clear(slot.id)
         return {"id_slot": slot_id, "n_erased": n}
 
 
     def _write_slot(self, slot: Slot, tokens: list[int], kv: torch.Tensor, states: dict | None = None) -> None:
         slot.tokens, slot.conversation_id, slot.unnamed = [], None, []  # a session file is no parked conversation
-        if self.windows is not None:
-            self.windows.clear(slot.id)  # a session file holds every row of every layer
         try:
             self.kv.write(slot.id, 0, kv)
-            if self.states is not None:  # a hybrid model: its state after exactly those tokens, its checkpoints
-                assert states and len(tokens) in states, "a hybrid model's session file carries its state"
-                self.states.put_parts(slot.id, len(tokens), states)
+            self.memory.put_session(slot.id, len(tokens), states)  # a hybrid model: its state after those tokens
         except BaseException:
             self.kv.clear(slot.id)
-            if self.states is not None:
-                self.states.clear(slot.id)
+            self.memory.clear(slot.id)
             raise
         slot.tokens = list(tokens)
 

@@ -28,14 +28,14 @@ import torch
 from engine.config import EngineConfig, weights_cache_dir
 from engine.errors import BadValue, Unavailable
 from engine.figures import EngineFigures, counter_names
-from engine.kv import KVBuffers, KVLayout
 from engine.model import moe_placement
 from engine.model.chat_templates import choose_chat_template
 from engine.runtime.explain import RequestLog
+from engine.runtime.memory import slot_memory
 from engine.runtime.pending_restores import PendingRestores
 from engine.runtime.requests import GenerationRequest
 from engine.runtime.scheduler import Scheduler
-from engine.runtime.slot_states import SlotStates, checkpoint_interval, hybrid_buffers
+from engine.runtime.slot_states import checkpoint_interval
 from engine.runtime.startup import (
     _check_float16,
     _check_int4,
@@ -52,7 +52,6 @@ from engine.runtime.threads import (
     decode_read_bytes,
     default_decode_threads,
 )
-from engine.runtime.windows import slot_windows
 from engine.startup_progress import StartupProgress
 
 if TYPE_CHECKING:
@@ -88,17 +87,12 @@ class Engine(Scheduler):
         from engine.model.loader import resolve_kv_dtype
 
         kv_dtype = resolve_kv_dtype(config.kv_dtype, loaded.dtype)
-        self.states: SlotStates | None = None
-        if hasattr(self.model, "new_buffers"):  # a hybrid model: K/V of its attention layers + recurrent state
-            every = checkpoint_interval(config.conversation_cache_checkpoint_tokens,
-                                        config.conversation_cache_block_tokens)
-            self.kv, self.states = hybrid_buffers(self.model, self.n_slots, self.ctx_size, every, kv_dtype)
-            self.layout = self.kv.layout
-        else:
-            self.layout = KVLayout(mcfg.n_layers, mcfg.n_kv_heads, mcfg.head_dim, kv_dtype)
-            self.kv = KVBuffers(self.layout, self.n_slots, self.ctx_size, stages)
-        # a sliding-window model: the cache parks its local layers' last window only (engine/runtime/windows.py)
-        self.windows = slot_windows(mcfg, self.kv, config.conversation_cache_block_tokens) if self.states is None else None
+        # What each slot holds beside its K/V (a hybrid's recurrent state, a sliding-window model's windows):
+        # engine/runtime/memory.py, the one place that tells the kinds apart.
+        every = checkpoint_interval(config.conversation_cache_checkpoint_tokens, config.conversation_cache_block_tokens)
+        self.kv, self.memory = slot_memory(self.model, mcfg, self.n_slots, self.ctx_size, kv_dtype, stages, every,
+                                           config.conversation_cache_block_tokens)
+        self.layout = self.kv.layout
         self.slots = [Slot(i) for i in range(self.n_slots)]
         compute_threads = config.threads or TORCH_DEFAULT_THREADS
         on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in self.model.stages)
@@ -126,8 +120,8 @@ class Engine(Scheduler):
         self.requests = RequestLog()  # every request explained (GET /cache/requests)
         # reads off this thread; an attention-only model without windows also has its GPU copies issued there
         # (a hybrid's state and a sliding-window model's local rows are written through their own slot writers)
-        plain_kv = self.states is None and self.windows is None
-        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)), kv=self.kv if plain_kv else None)
+        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)),
+                                         kv=self.kv if self.memory.direct_kv else None)
         self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)

@@ -12,7 +12,6 @@ import torch
 
 from engine.cache.attrs import DEFAULT_PRIORITY
 from engine.cache.explain import LookupReport
-from engine.cache.parts import kv_reader, kv_writer
 from engine.contract import RequestRecord
 from engine.runtime.explain import Admission, Candidate, explain
 from engine.runtime.pending_restores import Looked
@@ -110,10 +109,7 @@ class Scheduler(Stats):
                 slot.active = None
                 # What the failed step wrote is unknown: forget the slot's contents.
                 slot.tokens = []
-                if self.states is not None:
-                    self.states.clear(slot.id)
-                if self.windows is not None:
-                    self.windows.clear(slot.id)
+                self.memory.clear(slot.id)
 
     # ------------------------------------------------------------------ admission: slot choice + cache
 
@@ -167,10 +163,7 @@ class Scheduler(Stats):
             if not (reused and reused == len(slot.tokens)):  # not going on from all of it: another conversation
                 slot.conversation_id, slot.unnamed = None, []
             slot.tokens = slot.tokens[:reused]
-            if self.states is not None:
-                self.states.rewind(slot.id, reused)
-            if not reused and self.windows is not None:
-                self.windows.clear(slot.id)
+            self.memory.rewind(slot.id, reused)
             if not reused:
                 slot.priority, slot.pinned = DEFAULT_PRIORITY, False
             source = "live" if reused else "none"
@@ -243,9 +236,7 @@ class Scheduler(Stats):
     def _live_reuse(self, slot: Slot, prompt: list[int], usable: int) -> int:
         """Tokens of the slot's contents this prompt can keep (a hybrid model: up to a state checkpoint)."""
         common = min(common_prefix(slot.tokens, prompt), usable)
-        if self.windows is not None:  # a slot restored from a window: from where its local rows are its own
-            return self.windows.reusable(slot.id, common)
-        return common if self.states is None else self.states.reusable(slot.id, len(slot.tokens), common)
+        return self.memory.reusable(slot.id, len(slot.tokens), common)
 
     def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
         """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
@@ -259,13 +250,9 @@ class Scheduler(Stats):
     def _park(self, slot: Slot, protect: str | None = None) -> None:
         assert self.cache is not None
         tokens = list(slot.tokens)
-        extra = {} if self.states is None else {"checkpoints": self.states.park_checkpoints(slot.id, len(tokens))}
-        reader = kv_reader(lambda a, b: self.kv.read(slot.id, a, b))
-        if self.windows is not None:  # the global layers in blocks, the local layers' last window with it
-            reader = self.windows.reader(slot.id)
-            extra = {"checkpoints": self.windows.checkpoints(slot.id, len(tokens), len(slot.prompt))}
+        reader, checkpoints = self.memory.park_parts(slot.id, len(tokens), len(slot.prompt))
         try:
-            result = self.cache.park(tokens, reader, keep=protect, attrs=slot.attrs, **extra)
+            result = self.cache.park(tokens, reader, keep=protect, attrs=slot.attrs, checkpoints=checkpoints)
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return
@@ -288,8 +275,7 @@ class Scheduler(Stats):
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
-            if self.states is not None:
-                self.states.clear(slot.id)
+            self.memory.clear(slot.id)
             self._start_restored(slot, looked, 0, str(exc) or type(exc).__name__)
             return
         n, sid = hit.n_tokens, slot.id
@@ -322,31 +308,24 @@ class Scheduler(Stats):
         def write_kv(start: int, data: torch.Tensor) -> None:
             self._write_queued(slot, start, data, hit.n_tokens)
 
-        writer = kv_writer(write_kv) if self.states is None else self.states.writer(slot.id, write_kv)
-        if self.windows is not None:
-            self.windows.clear(slot.id)
-            writer = self.windows.writer(slot.id, write_kv)
+        writer = self.memory.restore_writer(slot.id, write_kv)
         try:
             result = self.cache.restore(hit, writer) if read is None else read.deliver(writer, persist_use=False)
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.kv.clear(slot.id)
-            if self.windows is not None:
-                self.windows.clear(slot.id)
-            if self.states is not None:
-                self.states.clear(slot.id)
+            self.memory.clear(slot.id)
             return 0, str(exc) or type(exc).__name__
         n = min(result.n_tokens, len(prompt) - 1)
-        if n <= 0 or (self.states is not None and self.states.position(slot.id) != n):
+        held = self.memory.resumes_at(slot.id, n)
+        if n <= 0 or held != n:
             # A restore that leaves the prefill to start elsewhere than where it restored reuses nothing: a bug
             # to see (llama.cpp #25913), not a silent full prefill.
-            held = self.states.position(slot.id) if self.states is not None else n
             log.warning("restore of conversation %s did not resume at %d tokens (state at %d); prefilling "
                         "from token 0", hit.conversation_id, n, held)
             self._counters["restores_without_reuse"] += 1
             self.kv.clear(slot.id)
-            if self.states is not None:
-                self.states.clear(slot.id)
+            self.memory.clear(slot.id)
             return 0, f"the restored state is at {held} tokens, not at the {n} restored"
         slot.tokens = list(prompt[:n])
         return n, ""
@@ -372,24 +351,21 @@ class Scheduler(Stats):
             assert not slot.restoring, f"slot {slot.id} is restoring and must not be stepped"
             pos = len(slot.tokens)
             if a.next_token is not None:  # decoding: feed the last sampled token
-                if self.states is not None:  # a block end crossed in decode gets its checkpoint too
-                    self.states.before_prefill(slot.id, pos, pos + 1, len(slot.prompt))
+                self.memory.before_step(slot.id, pos, pos + 1, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor([a.next_token], dtype=torch.int64)))
                 owners.append((slot, True))
                 n_decode += 1
             else:  # prefilling the prompt, one chunk per step
                 end = _prefill_end(pos, len(slot.prompt), self.config.prefill_chunk)
-                if self.states is not None:
-                    self.states.before_prefill(slot.id, pos, end, len(slot.prompt))
+                self.memory.before_step(slot.id, pos, end, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
                 owners.append((slot, end == len(slot.prompt)))
                 n_prefill += end - pos
         t0 = time.perf_counter()
         logits = self._forward(chunks)
         dt = time.perf_counter() - t0
-        if self.states is not None:
-            for slot, _ in owners:
-                self.states.after_prefill(slot.id, len(slot.prompt))
+        for slot, _ in owners:
+            self.memory.after_step(slot.id, len(slot.prompt))
         self._note_rates(n_prefill, n_decode, dt)
 
         for i, (slot, produces) in enumerate(owners):

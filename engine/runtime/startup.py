@@ -40,8 +40,7 @@ class Startup(EngineState):
         torch.set_num_threads(self.step_threads.compute)  # this thread's count as the engine found it
         for i in range(max(batches, default=1)):
             self.kv.clear(i)
-            if self.states is not None:
-                self.states.clear(i)
+            self.memory.clear(i)
         self._build_rope_tables()
 
     def _build_rope_tables(self) -> None:
@@ -62,10 +61,7 @@ class Startup(EngineState):
         decode = all(ch.tokens.numel() == 1 for ch in chunks)
         self.step_threads.before_step(decode)
         started = time.perf_counter()
-        if self.states is None:
-            logits = self.model.forward_chunks(chunks, self.kv)
-        else:
-            logits = self.model.forward_chunks(chunks, self.kv, self.states.buffers)
+        logits = self.model.forward_chunks(chunks, self.kv, *self.memory.forward_args())
         self.step_threads.after_step(decode, len(chunks), time.perf_counter() - started)
         return logits
 
@@ -120,10 +116,8 @@ class Startup(EngineState):
                 },
                 layout=self.layout,
                 block_tokens=self.config.conversation_cache_block_tokens,
-                # a hybrid model's recurrent state: its checkpoints are parked beside the attention K/V
-                state=self.states.buffers.layout.describe() if self.states is not None else None,
-                window=self.windows.window if self.windows is not None else None,
-                local_layers=tuple(self.windows.local.tolist()) if self.windows is not None else (),
+                # a hybrid model's recurrent state (parked beside the attention K/V), a sliding-window one's window
+                **self.memory.identity(),
             )
         return self.cache_identity
 
@@ -166,6 +160,8 @@ def choose_weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[to
         return "int4"
     why = (f"this PyTorch's 4-bit CPU kernel runs {slowdown:.0f}x slower than float32 here (a scalar fallback: "
            f"no vectorised kernel for this CPU, or a build such as PyTorch for Windows that leaves it out)")
+    if int4.kernel() == "blocks":  # the native kernels' generic build: a CPU without AVX2 (engine/model/kernels)
+        why = f"the 4-bit CPU kernel runs {slowdown:.0f}x slower than float32 here: {int4.describe_kernel()}"
     if choice == "int4":
         log.warning("--cpu-weights int4: %s; --cpu-weights auto decodes faster", why)
         return "int4"

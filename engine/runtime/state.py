@@ -25,10 +25,9 @@ if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
     from engine.runtime.explain import RequestLog
+    from engine.runtime.memory import SlotMemory
     from engine.runtime.pending_restores import PendingRestores
-    from engine.runtime.slot_states import SlotStates
     from engine.runtime.threads import StepThreads
-    from engine.runtime.windows import SlotWindows
 
 log = logging.getLogger("strata.engine")
 
@@ -82,8 +81,7 @@ class EngineState:
     n_slots: int
     layout: KVLayout
     kv: KVBuffers
-    states: SlotStates | None  # a hybrid model's recurrent state per slot (None for attention-only models)
-    windows: SlotWindows | None  # a sliding-window model's slots as the cache parks them (None for the others)
+    memory: SlotMemory  # what each slot holds beside its K/V (engine/runtime/memory.py)
     slots: list[Slot]
     step_threads: StepThreads  # torch's threads per kind of step (engine/runtime/threads.py)
     started_at: float
