@@ -223,8 +223,8 @@ class EngineConfig:
         "auto", flag="--cpu-weights", label="Weights on the CPU",
         kind="choice", group="model", choices=CPU_WEIGHTS,
         help="int4: projection weights as 4-bit groups on CPU (several times less memory read per token: ~3x "
-        "faster decode), through the native AVX2 kernel (int16 activations; built on first use with the machine's "
-        "C compiler) or PyTorch's (bfloat16 activations; without a compiler or AVX2); a tied Q8_0 "
+        "faster decode), through the native kernel (int16 activations; shipped built for AVX-512, AVX2 and any "
+        "other CPU) or PyTorch's (bfloat16 activations; where no native build loads); a tied Q8_0 "
         "output matrix is read from the file's blocks where the native kernel loads; logits differ slightly from "
         "float32; float16: as float16 through FBGEMM (half of float32's bytes, logits within ~1e-3 of float32's); "
         "float: float32 weights, logits as transformers computes them; auto: on the CPU in float32, int4 where a "

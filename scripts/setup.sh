@@ -11,8 +11,9 @@ APT_PACKAGES=(
   libx11-xcb1 libxkbcommon-x11-0 libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0
   libxcb-render0 libxcb-render-util0 libxcb-shape0 libxcb-shm0 libxcb-sync1 libxcb-util1 libxcb-xfixes0
   libxcb-xkb1
-  # a C compiler for the native 4-bit CPU kernel, built on first use (engine/model/kernels)
-  gcc libc6-dev
+  # a C compiler for the native CPU kernels, which `pip install -e .` below builds (engine/model/kernels/build.py),
+  # and MinGW-w64 to cross-build their Windows DLLs for the Windows installer (scripts/build-kernels.sh)
+  gcc libc6-dev gcc-mingw-w64-x86-64-win32
   # tests and packaging: virtual screen, tray host, desktop-entry validation, PyInstaller's needs
   xvfb xauth trayer xdotool desktop-file-utils binutils
 )
@@ -46,6 +47,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086
   "${PIP[@]}" ${STRATA_TORCH:-torch==2.13.0}
 fi
-# The project itself, built with the locked setuptools (no isolated build environment of floating versions).
+# The project itself, built with the locked setuptools (no isolated build environment of floating versions); its build
+# step compiles the native CPU kernels beside their sources (setup.py; those already built are kept).
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 echo "setup: ready (.venv)"

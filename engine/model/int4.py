@@ -5,7 +5,7 @@ group) the projections and the output matrix read ~7x fewer bytes than float32. 
 already lie on such a grid, so the 4-bit codes themselves are the file's.
 
 Two kernels multiply them, one per process (`kernel()`):
-- "blocks" (engine/model/kernels/blocks.c, x86-64 with AVX2, FMA and F16C, built on first use): the file's own
+- "blocks" (engine/model/kernels/blocks.c, shipped built for AVX-512, AVX2 and any other CPU): the file's own
   block layout with float16 scales and minimums, activations rounded to int16 per block of 32 and integer dot
   products; float32 out. On the bundled model its logits are within 0.05 % of float32 arithmetic on the same
   4-bit weights (8-bit activations, llama.cpp's choice, were 1-9 % away). ~2x PyTorch's kernel per decode
@@ -62,8 +62,9 @@ def available() -> bool:
 
 def describe_kernel() -> str:
     """A line for logs and /health: which kernel, and why not the native one."""
-    if kernel() == "blocks":
-        return "native (AVX2 integer dot products, int16 activations)"
+    lib = kernels.library() if kernel() == "blocks" else None
+    if lib is not None:
+        return f"native ({lib.isa} build: integer dot products, int16 activations)"
     reason = kernels.unavailable_reason()
     return f"PyTorch's ({reason})" if reason else "PyTorch's"
 

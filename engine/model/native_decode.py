@@ -66,6 +66,28 @@ class StepModel(ctypes.Structure):
         ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p)]
 
 
+_MIRRORS = {"StepModel": StepModel, "StepLayer": StepLayer, "StepExperts": StepExperts}
+
+
+def layout_mismatch(lib: kernels.Library) -> str | None:
+    """How step.c's structs as this library compiled them (its step_layout table) differ from the ctypes mirrors
+    above, or None when every size and field offset agrees: a field added on one side only would otherwise be
+    read as another field."""
+    ours: dict[tuple[str, str], tuple[int, int]] = {}
+    for name, mirror in _MIRRORS.items():
+        ours[name, ""] = (0, ctypes.sizeof(mirror))
+        for field, *_ in mirror._fields_:
+            described = getattr(mirror, field)
+            ours[name, field] = (described.offset, described.size)
+    compiled = lib.layout()
+    differ = sorted(key for key in ours.keys() | compiled.keys() if ours.get(key) != compiled.get(key))
+    if not differ:
+        return None
+    names = ", ".join(f"{t}.{f}" if f else f"sizeof({t})" for t, f in differ)
+    first = "; ".join(f"{t}.{f or 'size'} {ours.get((t, f))} here, {compiled.get((t, f))} in C" for t, f in differ[:3])
+    return f"step.c's structs differ from native_decode.py's in {names} ((offset, size): {first})"
+
+
 def _native(w: object) -> bool:
     return isinstance(w, kernels.RowsWeight) or (isinstance(w, Int4Weight) and w.kernel == "blocks")
 
@@ -89,8 +111,11 @@ def unsupported(model: CausalLM) -> str | None:
         return "full-width q/k norms"
     if c.final_logit_softcapping is not None:
         return "soft-capped logits"
-    if kernels.library() is None:
+    lib = kernels.library()
+    if lib is None:
         return f"no native kernels ({kernels.unavailable_reason()})"
+    if mismatch := layout_mismatch(lib):
+        return mismatch
     if not all(_native(w) for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
                if layer.moe is None or w is not None):
         return "projections not in the native 4-bit blocks"

@@ -2,7 +2,8 @@
 #   dist\strata-desktop\                                 the PyInstaller one-folder bundle
 #   dist\strata-desktop-<version>-windows-x64.zip        that folder, to unpack anywhere
 #   dist\strata-desktop-<version>-windows-x64-setup.exe  the per-user installer (Inno Setup 6)
-# Needs: Python 3.11+ (x64), Inno Setup 6 (iscc.exe; winget install JRSoftware.InnoSetup).
+# Needs: Python 3.11+ (x64), Inno Setup 6 (iscc.exe; winget install JRSoftware.InnoSetup), and the native kernels'
+# DLLs cross-built on Linux (scripts/build-kernels.sh --target windows-x86_64) in engine\model\kernels\.
 # Usage (from the repository root): powershell -ExecutionPolicy Bypass -File packaging\windows\build.ps1
 param(
     [string]$Python = "py -3.11",
@@ -25,6 +26,14 @@ if ($LASTEXITCODE) { throw "pip install of requirements\lock.txt failed" }
 if ($LASTEXITCODE) { throw "pip install torch failed" }
 & $Py -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 if ($LASTEXITCODE) { throw "pip install failed" }
+
+# The native CPU kernels' DLLs for this checkout's sources, which the bundle carries: cross-built on Linux with
+# MinGW-w64 (scripts/build-kernels.sh --target windows-x86_64) and copied into engine\model\kernels\, or built here
+# where a MinGW gcc is on PATH. Without them the installed engine would need a compiler or run PyTorch's kernel.
+& $Py engine\model\kernels\build.py --target windows-x86_64
+if ($LASTEXITCODE) {
+    throw "the native kernels' DLLs are missing: run scripts/build-kernels.sh --target windows-x86_64 on Linux and copy engine/model/kernels/_strata_kernels-windows-x86_64-* here (docs/DEVELOPERS.md)"
+}
 
 $Version = (& $Py -c "import desktop; print(desktop.__version__)").Trim()
 Write-Host "build: PyInstaller bundle (version $Version)"

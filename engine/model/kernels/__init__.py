@@ -1,6 +1,6 @@
-"""Native CPU kernels: blocks.c (4- and 8-bit weight products) and step.c (a whole decode step of a dense model
-on them, engine/model/native_decode.py), compiled on first use with the machine's C compiler into one shared
-library and loaded with ctypes.
+"""Native CPU kernels: blocks.c (4- and 8-bit weight products), step.c (a whole decode step of a dense model on
+them, engine/model/native_decode.py) and experts.c (its mixture-of-experts layers), one shared library loaded
+with ctypes.
 
 Why a kernel of our own: decode reads every weight once a token, and on a CPU with AVX2 but not AVX-512 (most
 laptops) PyTorch's 4-bit kernel widens each code to float before multiplying, 72 % of a decode step on the
@@ -9,16 +9,23 @@ there (torchao's x86 CPU int4 path calls the same ATen kernel; ONNX Runtime's ML
 docs/BENCHMARKS.md). blocks.c is those dot products and nothing else; step.c runs the few hundred floats of
 work between them, which through PyTorch were ~1,500 operator calls a decode step.
 
-The shared library is built once per source text and machine architecture into the user's cache folder (about a
-second with gcc), published atomically, and reused by every later process. Where no compiler is found, the
-build fails, the CPU lacks AVX2 / FMA / F16C, or STRATA_INT4_KERNEL=aten asks for it, `library()` returns None
-and the engine uses PyTorch's kernel; `unavailable_reason()` says why.
+Builds. The library comes in three builds of the same source (simd.h), best first: avx512 (AVX-512 F/BW/VL/DQ:
+the same 256-bit operations with 32 registers), avx2 (AVX2, FMA, F16C) and generic (any CPU of the architecture,
+the intrinsics in portable C, scalar.h). All three give the same results bit for bit, so a conversation's logits
+do not depend on the CPU's generation. The package is built with them (setup.py, build.py: Linux x86-64 here,
+Windows x86-64 cross-compiled with MinGW-w64), named by a digest of the sources; `library()` takes, in order:
+1. a prebuilt library beside this module for this platform and these sources, the best build this CPU runs
+   (STRATA_KERNEL_ISA=avx512|avx2|generic forces one; `auto`, the default, takes the best);
+2. else the same build compiled now with the machine's C compiler into the user's cache folder, once per source
+   (a developer who changed the C; published atomically, reused by later processes);
+3. else None: the engine uses PyTorch's kernel, and `unavailable_reason()` says why (also for
+   STRATA_INT4_KERNEL=aten). Which build loaded, and from where, goes to the log.
 
-The kernels are AVX2 code, and `auto` takes them on AVX-512 CPUs too: there, with the native decode step, they
-decoded the bundled model at 86 against 49 tok/s for PyTorch's AVX-512 kernel through PyTorch's step (one thread
-of an AVX-512 EPYC, same hour), while PyTorch's prefilled faster (246 against 186 tok/s; a 512-bit version of
-blocks.c measured no faster there). Their int16 activations also keep the logits closer to float32's than
-PyTorch's bfloat16 ones (engine/model/int4.py). `native` is `auto`'s choice made explicit; `aten` keeps PyTorch's.
+The native kernels are taken on AVX-512 CPUs too: there, with the native decode step, they decoded the bundled
+model at 86 against 49 tok/s for PyTorch's AVX-512 kernel through PyTorch's step (one thread of an AVX-512 EPYC,
+same hour), while PyTorch's prefilled faster (246 against 186 tok/s). Their int16 activations also keep the
+logits closer to float32's than PyTorch's bfloat16 ones (engine/model/int4.py). `native` is `auto`'s choice made
+explicit; `aten` keeps PyTorch's.
 """
 
 from __future__ import annotations
@@ -28,33 +35,23 @@ import ctypes
 import functools
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import torch
-import xxhash
 
-from engine import atomic
 from engine.config import kernels_dir
+from engine.model.kernels import build
 
 log = logging.getLogger("strata.model")
 
-_FOLDER = os.path.dirname(__file__)
-_SOURCES = ("blocks.c", "step.c", "experts.c")  # compiled together into one library
-_HEADERS = ("blocks.h", "experts.h", "vector.h")  # what the sources share (hashed with them)
-# -ffp-contract=off: the compiler must not fuse a multiply and an add in one tile shape and not in another, or a
-# row's result would depend on how many rows share the call.
-_FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-std=c11"]
-_LIBS = ["-lm"]
-_OPENMP = ["-fopenmp"]  # torch has libgomp loaded already: the kernel's threads come from the same runtime
-_COMPILERS = ("cc", "gcc", "clang")
+_FOLDER = os.path.dirname(os.path.abspath(__file__))
 # Which 4-bit CPU kernel a process uses (engine/model/int4.py, kernel): "auto" (default) and "native" take these
-# kernels wherever they can run, "aten" PyTorch's (this module then builds nothing).
+# kernels wherever they can run, "aten" PyTorch's (this module then loads nothing).
 ENV = "STRATA_INT4_KERNEL"
 CHOICES = ("auto", "native", "aten")
+# Which build of them: "auto" (default) the best this CPU runs, else that one (tests compare them; a user can rule
+# one out). The builds' results are the same; only their speed differs.
+ISA_ENV = "STRATA_KERNEL_ISA"
+ISA_CHOICES = ("auto", "avx512", "avx2", "generic")
 
 
 def choice() -> str:
@@ -66,13 +63,33 @@ def choice() -> str:
     return value
 
 
-class Library:
-    """The loaded kernels with their function signatures declared."""
+def isa_choice() -> str:
+    """STRATA_KERNEL_ISA, checked (ValueError naming the variable, the value and the choices)."""
+    value = os.environ.get(ISA_ENV, "auto")
+    if value not in ISA_CHOICES:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_CHOICES)} (auto: the best build of "
+                         f"the native kernels this CPU runs)")
+    return value
 
-    def __init__(self, path: str) -> None:
+
+class Field(ctypes.Structure):
+    """step.c's Field: one entry of its struct layout table."""
+
+    _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", ctypes.c_int64),
+                ("size", ctypes.c_int64)]
+
+
+class Library:
+    """The loaded kernels with their function signatures declared; `origin` says where the file came from."""
+
+    def __init__(self, path: str, origin: str = "") -> None:
         lib = ctypes.CDLL(path)  # ctypes.CDLL releases the GIL during calls: other threads run meanwhile
-        self.path = path
-        self.cpu_ok = bool(lib.blocks_cpu_ok())
+        self.path, self.origin = path, origin
+        self.cpu_ok = bool(lib.blocks_cpu_ok())  # baseline code: safe to ask on any CPU
+        for name in ("kernels_isa", "kernels_threads"):
+            getattr(lib, name).restype = ctypes.c_char_p
+        self.isa: str = lib.kernels_isa().decode()
+        self.threads: str = lib.kernels_threads().decode()
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.q4_matmul, self.q8_matmul, self.q4k_matmul = lib.q4_matmul, lib.q8_matmul, lib.q4k_matmul
         self.q6k_matmul = lib.q6k_matmul
@@ -85,6 +102,22 @@ class Library:
         self.decode_step = lib.decode_step  # arguments: engine/model/native_decode.py
         self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self.decode_step.restype = ctypes.c_int
+        self._step_layout = lib.step_layout
+        self._step_layout.restype = ctypes.POINTER(Field)
+
+    def layout(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """step.c's structs as compiled: (struct, field) -> (offset, size); field "" holds the struct's size."""
+        table = self._step_layout()
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for i in range(1000):
+            entry = table[i]
+            if not entry.type:
+                return out
+            out[entry.type.decode(), (entry.field or b"").decode()] = (entry.offset, entry.size)
+        raise AssertionError("step_layout: no end marker")
+
+    def describe(self) -> str:
+        return f"{self.isa} build, {self.threads} threads, {self.origin}: {self.path}"
 
 
 def product(fn, x: torch.Tensor, shape: tuple[int, int], *weights: torch.Tensor) -> torch.Tensor:
@@ -131,23 +164,27 @@ _reason: str | None = None
 
 @functools.cache
 def library() -> Library | None:
-    """The kernels built and loaded, or None (see unavailable_reason)."""
+    """The kernels loaded (module docstring: a prebuilt library, else one compiled here), or None (see
+    unavailable_reason)."""
     global _reason
     if choice() == "aten":
         _reason = f"{ENV}=aten"
         return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        _reason = f"written for x86-64 (AVX2), this is {platform.machine()}"
-        return None
+    isa = isa_choice()
     try:
-        lib = Library(_built())
-    except (OSError, RuntimeError) as e:
+        target = build.target(build.host_name())
+    except ValueError as e:
         _reason = str(e)
-        log.warning("native 4-bit kernel unavailable (%s); using PyTorch's", e)
         return None
-    if not lib.cpu_ok:
-        _reason = "this CPU lacks AVX2, FMA or F16C"
+    variants = target.variants if isa == "auto" else tuple(v for v in target.variants if v == isa)
+    if not variants:
+        _reason = f"{ISA_ENV}={isa}: {target.name} has no such build (it has {', '.join(target.variants)})"
         return None
+    lib, _reason = _load(target, variants, build.digest())
+    if lib is None:
+        log.warning("native kernels unavailable (%s); using PyTorch's", _reason)
+    else:
+        log.info("native kernels: %s", lib.describe())
     return lib
 
 
@@ -156,44 +193,42 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def _built() -> str:
-    """The path of the shared library for this source, built now if no earlier process has (RuntimeError when
-    it cannot be)."""
-    source = b""
-    for name in (*_SOURCES, *_HEADERS):
-        with open(os.path.join(_FOLDER, name), "rb") as f:
-            source += name.encode() + b"\0" + f.read()
-    digest = xxhash.xxh3_64(source + platform.machine().encode() + sys.platform.encode()).hexdigest()
-    folder = kernels_dir()
-    path = os.path.join(folder, f"blocks-{digest}{'.dll' if os.name == 'nt' else '.so'}")
+def _load(target: build.Target, variants: tuple[str, ...], source: str) -> tuple[Library | None, str | None]:
+    """The best of `variants` this CPU runs: the prebuilt file where there is one for these sources, else one
+    compiled now (in the user cache; a file from an earlier process is reused). (library, None) or (None, why)."""
+    why: list[str] = []
+    for variant in variants:
+        name = build.library_name(target, variant, source)
+        path, origin = os.path.join(_FOLDER, name), "prebuilt"
+        if not os.path.isfile(path):
+            path, origin = os.path.join(kernels_dir(), name), "built on this machine"
+            try:
+                _compiled(target, variant, path, source)
+            except build.BuildError as e:
+                why.append(f"{e} and no prebuilt library for these sources")
+                continue
+        try:
+            lib = Library(path, origin)
+        except (OSError, AttributeError) as e:
+            why.append(f"{name}: {e}")
+            continue
+        if lib.cpu_ok:
+            return lib, None
+        why.append(f"this CPU lacks {build.REQUIRES[variant]} (the {variant} build)")
+    return None, "; ".join(dict.fromkeys(why))  # each reason once (no compiler: the same for every build)
+
+
+def _compiled(target: build.Target, variant: str, path: str, source: str) -> None:
+    """Compiles `variant` into `path` unless an earlier process has (BuildError when it cannot be built), and
+    removes the cache's builds of earlier sources."""
     if os.path.isfile(path):
-        return path
-    compiler = next((c for c in (os.environ.get("CC"), *_COMPILERS) if c and shutil.which(c)), None)
-    if compiler is None:
-        raise RuntimeError(f"no C compiler found (looked for {', '.join(_COMPILERS)} and $CC)")
-    os.makedirs(folder, exist_ok=True)
-    errors: list[str] = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for extra in (_OPENMP, []):  # without OpenMP the kernel runs on one thread
-            out = os.path.join(scratch, "blocks.so")
-            sources = [os.path.join(_FOLDER, name) for name in _SOURCES]
-            done = subprocess.run([compiler, *_FLAGS, *extra, "-o", out, *sources, *_LIBS], capture_output=True,
-                                  text=True)
-            if done.returncode == 0:
-                if not extra:
-                    log.warning("native 4-bit kernel built without OpenMP (%s): it runs on one thread", errors[-1])
-                with open(out, "rb") as f:
-                    atomic.atomic_write(path, [f.read()])  # a concurrent build writes the same bytes
-                log.info("native 4-bit kernel built with %s: %s", compiler, path)
-                _prune(folder, keep=os.path.basename(path))
-                return path
-            errors.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
-    raise RuntimeError(f"{compiler} could not build {' and '.join(_SOURCES)}: {errors[-1]}")
-
-
-def _prune(folder: str, keep: str) -> None:
-    """Remove the builds of earlier sources (a process that still has one loaded keeps its mapping)."""
-    for name in os.listdir(folder):
-        if name.startswith("blocks-") and name != keep:
+        return
+    folder = os.path.dirname(path)
+    threads = build.compile_variant(target, variant, path)
+    if threads != "openmp" and target.openmp:
+        log.warning("native kernels (%s) built without OpenMP: their own thread pool runs them", variant)
+    log.info("native kernels: %s built with %s", os.path.basename(path), build.find_compiler(target))
+    for name in os.listdir(folder):  # a process that still has one loaded keeps its mapping
+        if (name.startswith(build.PREFIX) and source not in name) or name.startswith("blocks-"):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))

@@ -1,5 +1,6 @@
-/* Quantised weight products for CPUs with AVX2, FMA and F16C (engine/model/kernels/__init__.py builds and loads
-   this).
+/* Quantised weight products, written with AVX2, FMA and F16C intrinsics and built for AVX2, AVX-512 or any CPU
+   of the architecture (simd.h; engine/model/kernels/build.py builds the three, __init__.py loads the best one
+   this CPU runs).
 
    A 4-bit weight is kept as GGUF Q4_1 blocks of 32 values, one row of blocks per output, each block a float16
    scale, a float16 minimum and 16 bytes of codes (byte j holds value j in its low nibble and value j + 16 in its
@@ -17,33 +18,49 @@
    Every (row, output) pair is computed by one thread with the same operations in the same order, whatever the
    number of rows or threads, so a row's result does not depend on what it shares a call with (batch-invariant
    decode) and the engine's parked and recomputed K/V agree bit for bit. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
 
 #include "blocks.h"
+#include "parallel.h"
+#include "simd.h"
 
 #define QK 32
 #define PREFETCH_BYTES 1024
 #define Q4_BLOCK 20 /* float16 scale, float16 minimum, 16 bytes of codes */
 #define RUN 8 /* blocks whose scales, then minimums, lie together before their codes */
 #define PADDED(nb) (((nb) + RUN - 1) / RUN * RUN) /* an activation row's blocks, zero-padded to whole runs */
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* Whether this CPU runs the kernels below (they are compiled for AVX2, FMA and F16C whatever the build host). */
-int blocks_cpu_ok(void) {
+/* Whether this CPU runs this build of the kernels (simd.h; the vector builds need their instructions whatever the
+   build host had). Baseline code, so that a loader may ask on any CPU. */
+EXPORT int blocks_cpu_ok(void) {
+#ifdef STRATA_GENERIC
+    return 1;
+#else
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#ifdef STRATA_AVX512
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+    return avx2;
+#endif
+#endif
 }
+
+/* Which build this is, for the loader's log and the tests: the instruction set (simd.h) and how parts of a
+   product run on threads (parallel.c). */
+EXPORT const char *kernels_isa(void) { return STRATA_ISA; }
+EXPORT const char *kernels_threads(void) { return parallel_kind(); }
 
 /* x rows [M, K] -> int16 codes [M, K], a scale per block [M, PADDED(K / 32)] (the block's largest magnitude /
    32767) and the block's float sum [M, PADDED(K / 32)], the padding left as the caller zeroed it. 8-bit codes (llama.cpp's Q8 activations) moved the bundled model's logits
    1-9 % from float32's: the inputs of the projections after a norm carry outlier channels, and one outlier in a
    block leaves the other 31 values a few levels. 16-bit codes cost the same multiplies (madd_epi16 takes 16
    pairs where maddubs_epi16 takes 32, but needs no second step) and leave the weights' rounding as the error. */
-AVX2 static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs) {
+KERNEL static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *xd, float *xs) {
     const int64_t nb = K / QK, padded = PADDED(nb);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < M * nb; r++) {
@@ -87,7 +104,7 @@ static void release(Activations *a) {
 }
 
 /* Returns 0, or -1 when there is no memory for them. */
-AVX2 static int prepare(const float *x, int64_t M, int64_t K, Activations *a) {
+KERNEL static int prepare(const float *x, int64_t M, int64_t K, Activations *a) {
     const int64_t nb = PADDED(K / QK);
     a->q = malloc(sizeof(int16_t) * M * K);
     a->scale = calloc(M * nb, sizeof(float));
@@ -100,18 +117,17 @@ AVX2 static int prepare(const float *x, int64_t M, int64_t K, Activations *a) {
     return 0;
 }
 
-/* TILE(rows, outputs) over every (row, output): with fewer than 4 rows (decode) one output at a time, one weight
-   row streaming from memory (two rows read side by side kept ~9 GB/s in flight on one thread here, one ~16, at
-   the same prefetch); else every output pair (n, n + 1) on one thread, rows of x in tiles of 4 then 1, each weight
-   block loaded once for 4 rows and each activation block once for 2 outputs. */
+/* TILE(rows, outputs) over the outputs [begin, end) of a part: with fewer than 4 rows (decode) one output at a
+   time, one weight row streaming from memory (two rows read side by side kept ~9 GB/s in flight on one thread
+   here, one ~16, at the same prefetch); else the part's output pairs (n, n + 1) (begin and end count pairs), rows
+   of x in tiles of 4 then 1, each weight block loaded once for 4 rows and each activation block once for 2
+   outputs. */
 #define FOR_EACH_TILE(TILE)                                                                                   \
     if (M < 4) {                                                                                               \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
-        for (int64_t n = 0; n < N; n++)                                                                        \
+        for (int64_t n = begin; n < end; n++)                                                                  \
             for (int64_t m = 0; m < M; m++) TILE(1, 1);                                                        \
     } else {                                                                                                   \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
-        for (int64_t np = 0; np < (N + 1) / 2; np++) {                                                         \
+        for (int64_t np = begin; np < end; np++) {                                                             \
             const int64_t n = 2 * np;                                                                          \
             int64_t m = 0;                                                                                     \
             if (n + 1 < N) {                                                                                   \
@@ -124,7 +140,15 @@ AVX2 static int prepare(const float *x, int64_t M, int64_t K, Activations *a) {
         }                                                                                                      \
     }
 
-AVX2 static inline float hsum(__m256 v) {
+/* One product's arguments, handed to its parts. */
+typedef struct {
+    int64_t M, K, N;
+    Activations a;
+    const uint8_t *w;
+    float *out;
+} Job;
+
+KERNEL static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -137,7 +161,7 @@ AVX2 static inline float hsum(__m256 v) {
    codes are widened once and dotted with the int16 activations, and the sum scaled by its lane of the run's
    scales. Each (m, n) accumulates its runs and blocks in order with the same operations whatever the tile, so a
    row's result does not depend on M or on the threads. */
-AVX2 static inline __attribute__((always_inline)) void tile(
+KERNEL static inline __attribute__((always_inline)) void tile(
     int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
     const float *xs, const uint8_t *w, float *out) {
     const int64_t nb = K / QK, padded = PADDED(nb), row = nb * Q4_BLOCK;
@@ -195,14 +219,25 @@ AVX2 static inline __attribute__((always_inline)) void tile(
 
 #define TILE(rm, rn) tile(rm, rn, m, n, K, N, a.q, a.scale, a.sum, w, out)
 
-/* A product's entry point: out [M, N] = x [M, K] @ w.T, every (row, output) through TILE_OF; returns 0, or -1
-   when the activations' int16 copy could not be allocated. */
+/* A product's entry point: out [M, N] = x [M, K] @ w.T, every (row, output) through TILE_OF, the outputs (output
+   pairs from 4 rows on) spread over the threads; returns 0, or -1 when the activations' int16 copy could not be
+   allocated. */
 #define PRODUCT(name, TILE_OF)                                                                                 \
-    AVX2 int name(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out, int threads) { \
-        Activations a;                                                                                         \
-        if (prepare(x, M, K, &a)) return -1;                                                                   \
+    KERNEL static void name##_part(void *job, int64_t begin, int64_t end, int part) {                          \
+        const Job *j = job;                                                                                    \
+        const int64_t M = j->M, K = j->K, N = j->N;                                                            \
+        const Activations a = j->a;                                                                            \
+        const uint8_t *w = j->w;                                                                               \
+        float *out = j->out;                                                                                   \
+        (void)part;                                                                                            \
         FOR_EACH_TILE(TILE_OF)                                                                                 \
-        release(&a);                                                                                           \
+    }                                                                                                          \
+    EXPORT KERNEL int name(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *out,      \
+                           int threads) {                                                                      \
+        Job j = {M, K, N, {0, 0, 0}, w, out};                                                                  \
+        if (prepare(x, M, K, &j.a)) return -1;                                                                 \
+        parallel_for(M < 4 ? N : (N + 1) / 2, threads, name##_part, &j);                                       \
+        release(&j.a);                                                                                         \
         return 0;                                                                                              \
     }
 
@@ -211,7 +246,7 @@ PRODUCT(q4_matmul, TILE)
 
 /* Q8_0 rows (an output matrix kept in the file's 8-bit blocks): the same activations and order of operations per
    (row, output) as q4_matmul, no minimum term. */
-AVX2 static inline __attribute__((always_inline)) void tile8(
+KERNEL static inline __attribute__((always_inline)) void tile8(
     int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
     const uint8_t *w8, float *out) {
     const int64_t nb = K / QK, row = nb * 34;
@@ -262,7 +297,7 @@ PRODUCT(q8_matmul, TILE8)
 /* A block's 8 group scales (d scale_g) and negated minimums (-dmin minimum_g) as float vectors. The 6-bit fields
    are unpacked four bytes at a time: groups 0-3 are the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums),
    groups 4-7 the nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 and 4-7 above them. */
-AVX2 static inline void q4k_scales(const uint8_t *block, __m256 *scale, __m256 *minimum) {
+KERNEL static inline void q4k_scales(const uint8_t *block, __m256 *scale, __m256 *minimum) {
     uint32_t a, b, c;
     memcpy(&a, block + 4, 4);
     memcpy(&b, block + 8, 4);
@@ -278,7 +313,7 @@ AVX2 static inline void q4k_scales(const uint8_t *block, __m256 *scale, __m256 *
                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)minimums))));
 }
 
-AVX2 static inline __attribute__((always_inline)) void tile_k(
+KERNEL static inline __attribute__((always_inline)) void tile_k(
     int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
     const float *xs, const uint8_t *w, float *out) {
     const int64_t nb = K / QK_K, row = nb * Q4K_BLOCK, groups = K / QK; /* groups == PADDED(groups): K % 256 == 0 */
@@ -345,7 +380,7 @@ PRODUCT(q4k_matmul, TILE_K)
    int16 and a group's sum in int32), then one multiply-add per group of 32 as q8_matmul does. */
 #define Q6K_BLOCK 210
 
-AVX2 static inline __attribute__((always_inline)) void tile_6k(
+KERNEL static inline __attribute__((always_inline)) void tile_6k(
     int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
     const uint8_t *w, float *out) {
     const int64_t nb = K / QK_K, row = nb * Q6K_BLOCK, groups = K / QK;
@@ -401,7 +436,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_6k(
    its multiply-add, in the same group order: the same result as tile_6k (integer sums are exact). A cold
    49K x 1024 matrix on one thread here: 3.8-4.0 ms against tile_6k's 5.5 (Q8_0 rows of it: 2.8-3.2 ms, which is
    why an output matrix the file holds as Q6_K is still made Q8_0 rows). */
-AVX2 static inline void tile_6k_row(int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq,
+KERNEL static inline void tile_6k_row(int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq,
                                     const float *xd, const uint8_t *w, float *out) {
     const int64_t nb = K / QK_K, row = nb * Q6K_BLOCK, groups = K / QK;
     const __m256i low = _mm256_set1_epi16(0x0F), high = _mm256_set1_epi16(0x30), offset = _mm256_set1_epi16(32);
@@ -453,11 +488,19 @@ PRODUCT(q6k_matmul, TILE_6K)
    rounded to nearest even, and codes rounded to nearest even), without the float copy or PyTorch's passes over
    it; blocks are independent, spread over `threads`. Returns 0, or -1 when a block's d or a Q8_0 scale is not a
    finite float16 (q8_0_rows refuses those too). */
-AVX2 int q6k_to_q8_0(const uint8_t *src, int64_t n_blocks, uint8_t *dst, int threads) {
+/* The blocks [begin, end) of a q6k_to_q8_0 call. */
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    int bad;  /* set (atomically) by a part that met a bad block */
+} Conversion;
+
+KERNEL static void q6k_to_q8_0_part(void *job, int64_t begin, int64_t end, int part) {
+    Conversion *c = job;
     int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
-    for (int64_t b = 0; b < n_blocks; b++) {
-        const uint8_t *block = src + b * Q6K_BLOCK;
+    (void)part;
+    for (int64_t b = begin; b < end; b++) {
+        const uint8_t *block = c->src + b * Q6K_BLOCK;
         uint16_t h;
         memcpy(&h, block + 208, 2);
         const float d = _cvtsh_ss(h);
@@ -480,14 +523,20 @@ AVX2 int q6k_to_q8_0(const uint8_t *src, int64_t n_blocks, uint8_t *dst, int thr
             const float wide = _cvtsh_ss(scale);
             bad |= !isfinite(wide);
             const float safe = wide == 0.0f ? 1.0f : wide;
-            uint8_t *out = dst + (b * (QK_K / QK) + g) * 34;
+            uint8_t *out = c->dst + (b * (QK_K / QK) + g) * 34;
             memcpy(out, &scale, 2);
             for (int i = 0; i < QK; i++) {
-                float c = nearbyintf(x[i] / safe);
-                c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
-                out[2 + i] = (uint8_t)(int8_t)c;
+                float q = nearbyintf(x[i] / safe);
+                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                out[2 + i] = (uint8_t)(int8_t)q;
             }
         }
     }
-    return bad ? -1 : 0;
+    if (bad) __atomic_store_n(&c->bad, 1, __ATOMIC_RELAXED);
+}
+
+EXPORT int q6k_to_q8_0(const uint8_t *src, int64_t n_blocks, uint8_t *dst, int threads) {
+    Conversion c = {src, dst, 0};
+    parallel_for(n_blocks, threads, q6k_to_q8_0_part, &c);
+    return c.bad ? -1 : 0;
 }

@@ -12,23 +12,38 @@
 
 #include "blocks.h"
 #include "experts.h"
+#include "parallel.h"
 #include "vector.h"
 
 #define MAX_TOP_K 64
 
-/* out [M, N] = x [M, K] @ w.T for float32 w [N, K] (K a multiple of 32): four lanes of 8 and one fixed reduction. */
-AVX2 static void float_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out,
-                            int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++)
+/* A float32 product's arguments, handed to its parts. */
+typedef struct {
+    const float *x, *w;
+    int64_t M, K, N;
+    float *out;
+} FloatRows;
+
+/* The outputs [begin, end) of float_rows: four lanes of 8 and one fixed reduction per (row, output). */
+KERNEL static void float_rows_part(void *job, int64_t begin, int64_t end, int part) {
+    const FloatRows *f = job;
+    const int64_t M = f->M, K = f->K, N = f->N;
+    (void)part;
+    for (int64_t n = begin; n < end; n++)
         for (int64_t r = 0; r < M; r++) {
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t k = 0; k < K; k += 32)
                 for (int j = 0; j < 4; j++)
-                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * j),
-                                             _mm256_loadu_ps(w + n * K + k + 8 * j), acc[j]);
-            out[r * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(f->x + r * K + k + 8 * j),
+                                             _mm256_loadu_ps(f->w + n * K + k + 8 * j), acc[j]);
+            f->out[r * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         }
+}
+
+/* out [M, N] = x [M, K] @ w.T for float32 w [N, K] (K a multiple of 32), the outputs spread over the threads. */
+static void float_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out, int threads) {
+    FloatRows job = {x, w, M, K, N, out};
+    parallel_for(N, threads, float_rows_part, &job);
 }
 
 /* The index of the largest of n values not yet taken (the lowest such index on ties; the first one left when every
@@ -73,14 +88,14 @@ static void route(const float *logits, int64_t n, int64_t k, int64_t routing, fl
 }
 
 /* out[r] += w * y over n floats (n a multiple of 8); a multiply, then an add. */
-AVX2 static void add_scaled(float *out, const float *y, float w, int64_t n) {
+KERNEL static void add_scaled(float *out, const float *y, float w, int64_t n) {
     const __m256 s = _mm256_set1_ps(w);
     for (int64_t i = 0; i < n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(s, _mm256_loadu_ps(y + i))));
 }
 
 /* SwiGLU of `rows` rows x [rows, E] through one expert's rows: y [rows, E]; gu and act are work room. */
-AVX2 static int expert(const float *x, int64_t rows, int64_t E, int64_t I, const uint8_t *gate_up,
+KERNEL static int expert(const float *x, int64_t rows, int64_t E, int64_t I, const uint8_t *gate_up,
                        const uint8_t *down, Product first, Product second, float *gu, float *act, float *y,
                        int threads) {
     if (first(x, rows, E, gate_up, 2 * I, gu, threads)) return -1;
@@ -90,7 +105,7 @@ AVX2 static int expert(const float *x, int64_t rows, int64_t E, int64_t I, const
 
 /* out [M, E] = the experts' sum for rows h [M, E] (module comment). Returns 0, -1 when memory ran out, -2 for
    shapes outside what this code handles. */
-AVX2 int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *h, float *out, int threads) {
+KERNEL int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *h, float *out, int threads) {
     const int64_t NE = x->n_experts, K = x->top_k, S = x->shared_inter;
     const int64_t width = NE + (S > 0), wide = x->inter > S ? x->inter : S;
     if (K <= 0 || K > NE || K > MAX_TOP_K || x->inter % 32 || S % 32 || E % 32) return -2;

@@ -9,17 +9,15 @@
    Invariants, as blocks.c's: every value of a row (its norms, its attention heads, its products) is computed by
    one thread with the same operations in the same order whatever the other rows of the call, their number or the
    thread count; so a row's logits and K/V do not depend on what it was batched with. */
-#include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "blocks.h"
 #include "experts.h"
+#include "parallel.h"
 #include "vector.h"
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
@@ -54,7 +52,7 @@ typedef struct {
 } StepModel;
 
 /* Sum of squares of n floats (n a multiple of 8), eight lanes then one fixed reduction. */
-AVX2 static inline float squares(const float *x, int64_t n) {
+KERNEL static inline float squares(const float *x, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i);
@@ -64,7 +62,7 @@ AVX2 static inline float squares(const float *x, int64_t n) {
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w over n floats (RMSNorm; x and out may be the same). */
-AVX2 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+KERNEL static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     const __m256 r = _mm256_set1_ps(1.0f / sqrtf(squares(x, n) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r), _mm256_loadu_ps(w + i)));
@@ -72,7 +70,7 @@ AVX2 static void rms_norm(const float *x, const float *w, int64_t n, float eps, 
 
 /* Rotate-half RoPE of one head in place: x[i] cos[i] - x[i + D/2] sin[i] for the first half, x[i] cos[i] +
    x[i - D/2] sin[i] for the second (cos and sin the position's rows of the model's table). */
-AVX2 static void rope(float *x, const float *cos, const float *sin, int64_t D) {
+KERNEL static void rope(float *x, const float *cos, const float *sin, int64_t D) {
     const int64_t half = D / 2;
     float rotated[MAX_HEAD_DIM];
     for (int64_t i = 0; i < half; i++) {
@@ -83,7 +81,7 @@ AVX2 static void rope(float *x, const float *cos, const float *sin, int64_t D) {
 }
 
 /* Eight values of a K/V row from `index` on, as floats. */
-AVX2 static inline __m256 load8(const void *row, int64_t index, int64_t dtype) {
+KERNEL static inline __m256 load8(const void *row, int64_t index, int64_t dtype) {
     if (dtype == KV_FLOAT32) return _mm256_loadu_ps((const float *)row + index);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + index));
     if (dtype == KV_FLOAT16) return _mm256_cvtph_ps(h);
@@ -99,7 +97,7 @@ static inline uint16_t to_bfloat16(float f) {
 }
 
 /* n floats (a multiple of 8) stored in the K/V dtype at row. */
-AVX2 static void store_kv(void *row, const float *x, int64_t n, int64_t dtype) {
+KERNEL static void store_kv(void *row, const float *x, int64_t n, int64_t dtype) {
     if (dtype == KV_FLOAT32) {
         memcpy(row, x, sizeof(float) * n);
     } else if (dtype == KV_FLOAT16) {
@@ -115,7 +113,7 @@ AVX2 static void store_kv(void *row, const float *x, int64_t n, int64_t dtype) {
    softmax(scale q.k) v for each, into out [group, D]. Each key and value row is read once for the whole group, as
    PyTorch's grouped bmm reads it. `stride`: values between two positions' rows; `scores`: room for group x n
    rounded up to 8. Inlined for the usual head sizes, so that the compiler keeps a row in registers. */
-AVX2 static inline __attribute__((always_inline)) void attend_group(
+KERNEL static inline __attribute__((always_inline)) void attend_group(
     const float *q, int64_t group, const void *k, const void *v, int64_t dtype, int64_t stride, int64_t first,
     int64_t n, int64_t D, float scale, float *scores, float *out) {
     const int64_t padded = (n + 7) & ~(int64_t)7, lanes = D / 8;
@@ -156,7 +154,7 @@ AVX2 static inline __attribute__((always_inline)) void attend_group(
     for (int64_t i = 0; i < group * lanes; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
-AVX2 static void attend(const float *q, int64_t group, const void *k, const void *v, int64_t dtype, int64_t stride,
+KERNEL static void attend(const float *q, int64_t group, const void *k, const void *v, int64_t dtype, int64_t stride,
                         int64_t first, int64_t n, int64_t D, float scale, float *scores, float *out) {
     if (D == 64)
         attend_group(q, group, k, v, dtype, stride, first, n, 64, scale, scores, out);
@@ -167,16 +165,44 @@ AVX2 static void attend(const float *q, int64_t group, const void *k, const void
 }
 
 
-AVX2 static void add_rows(float *x, const float *y, int64_t n) {
+KERNEL static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 8)
         _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 }
 
+/* One layer's attention over the (row, K/V head) pairs, handed to its parts; `scores` holds a room of
+   `scores_per_part` floats for each part. */
+typedef struct {
+    const StepModel *m;
+    const StepLayer *L;
+    const int64_t *slots, *positions;
+    const float *qkv;
+    float *attn, *scores;
+    int64_t scores_per_part;
+} Attention;
+
+KERNEL static void attention_part(void *job, int64_t begin, int64_t end, int part) {
+    const Attention *a = job;
+    const StepModel *m = a->m;
+    const StepLayer *L = a->L;
+    const int64_t H = m->n_heads, G = m->n_kv_heads, D = m->head_dim, width = (H + 2 * G) * D, group = H / G;
+    const int64_t elem = m->kv_dtype == KV_FLOAT32 ? 4 : 2, stride = G * D;
+    float *room = a->scores + part * a->scores_per_part;
+    for (int64_t rg = begin; rg < end; rg++) {
+        const int64_t r = rg / G, g = rg % G, p = a->positions[r];
+        const int64_t first = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+        const int64_t base = a->slots[r] * m->ctx * stride * elem + g * D * elem;
+        attend(a->qkv + r * width + g * group * D, group, (const char *)L->k_cache + base,
+               (const char *)L->v_cache + base, m->kv_dtype, stride, first, p + 1 - first, D, (float)m->scale, room,
+               a->attn + r * H * D + g * group * D);
+    }
+}
+
 /* Attention of a layer for every row: q/k norms, RoPE, the row's K/V written at its position, then each query
-   K/V head's query heads over its keys (one thread per (row, K/V head)). */
-AVX2 static void attention(const StepModel *m, const StepLayer *L, int64_t M, const int64_t *slots,
-                           const int64_t *positions, const float *cos, const float *sin, float *qkv, float *attn,
-                           float *scores, int64_t scores_per_thread, int threads) {
+   K/V head's query heads over its keys (each (row, K/V head) within one part). */
+KERNEL static void attention(const StepModel *m, const StepLayer *L, int64_t M, const int64_t *slots,
+                             const int64_t *positions, const float *cos, const float *sin, float *qkv, float *attn,
+                             float *scores, int64_t scores_per_part, int threads) {
     const int64_t H = m->n_heads, G = m->n_kv_heads, D = m->head_dim, width = (H + 2 * G) * D;
     const int64_t elem = m->kv_dtype == KV_FLOAT32 ? 4 : 2, stride = G * D;
     for (int64_t r = 0; r < M; r++) {
@@ -190,29 +216,16 @@ AVX2 static void attention(const StepModel *m, const StepLayer *L, int64_t M, co
         store_kv((char *)L->k_cache + at, row + H * D, stride, m->kv_dtype);
         store_kv((char *)L->v_cache + at, row + (H + G) * D, stride, m->kv_dtype);
     }
-    const int64_t group = H / G;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t rg = 0; rg < M * G; rg++) {
-        const int64_t r = rg / G, g = rg % G, p = positions[r];
-        const int64_t first = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-#ifdef _OPENMP
-        float *room = scores + omp_get_thread_num() * scores_per_thread;
-#else
-        float *room = scores;
-#endif
-        const int64_t base = slots[r] * m->ctx * stride * elem + g * D * elem;
-        attend(qkv + r * width + g * group * D, group, (const char *)L->k_cache + base,
-               (const char *)L->v_cache + base, m->kv_dtype, stride, first, p + 1 - first, D, (float)m->scale, room,
-               attn + r * H * D + g * group * D);
-    }
+    Attention job = {m, L, slots, positions, qkv, attn, scores, scores_per_part};
+    parallel_for(M * G, threads, attention_part, &job);
 }
 
 /* Logits [M, vocab] of M one-token rows: x [M, hidden] holds their embeddings (overwritten), slots and positions
    say where each row's K/V goes; rope holds the RoPE tables' rows ([> max position, D] each): cos, sin, then the
    local layers' cos and sin (the same pointers again for a model without local layers). Returns 0, -1 when memory
    ran out, -2 when the shapes are outside what this code handles. */
-AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const int64_t *positions,
-                     const float *const *rope, float *x, float *logits, int threads) {
+EXPORT KERNEL int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const int64_t *positions,
+                              const float *const *rope, float *x, float *logits, int threads) {
     const int64_t E = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv_heads, D = m->head_dim;
     const int64_t width = (H + 2 * G) * D;
     if (D % 8 || D > MAX_HEAD_DIM || E % 32 || I % 32 || G <= 0 || H % G || H / G * D > MAX_GROUP_WIDTH) return -2;
@@ -223,18 +236,14 @@ AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const 
     }
     int64_t longest = 1;
     for (int64_t r = 0; r < M; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-#ifdef _OPENMP
-    const int64_t rooms = threads > 0 ? threads : 1;
-#else
-    const int64_t rooms = 1;
-#endif
-    const int64_t per_thread = H / G * ((longest + 7) & ~(int64_t)7);
+    const int64_t rooms = threads > 0 ? threads : 1;  /* a part's scores room each (parallel.h: parts <= threads) */
+    const int64_t per_part = H / G * ((longest + 7) & ~(int64_t)7);
     float *h = malloc(sizeof(float) * M * (E > I ? E : I));
     float *qkv = malloc(sizeof(float) * M * width);
     float *attn = malloc(sizeof(float) * M * H * D);
     float *gate_up = malloc(sizeof(float) * M * 2 * I);
     float *delta = malloc(sizeof(float) * M * E);
-    float *scores = malloc(sizeof(float) * rooms * per_thread);
+    float *scores = malloc(sizeof(float) * rooms * per_part);
     int status = -1;
     if (!h || !qkv || !attn || !gate_up || !delta || !scores) goto done;
     const float eps = (float)m->eps;
@@ -245,7 +254,7 @@ AVX2 int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const 
         if (L->bqkv)
             for (int64_t r = 0; r < M; r++) add_rows(qkv + r * width, L->bqkv, width);
         const float *const *table = rope + (L->local ? 2 : 0);
-        attention(m, L, M, slots, positions, table[0], table[1], qkv, attn, scores, per_thread, threads);
+        attention(m, L, M, slots, positions, table[0], table[1], qkv, attn, scores, per_part, threads);
         if (product_of(L->kinds[1])(attn, M, H * D, L->wo, E, delta, threads)) goto done;
         if (L->post_attn_norm)
             for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_attn_norm, E, eps, delta + r * E);
@@ -270,3 +279,34 @@ done:
     free(h); free(qkv); free(attn); free(gate_up); free(delta); free(scores);
     return status;
 }
+
+/* The layout of the structs Python fills in, for engine/model/native_decode.py to compare with its ctypes mirrors
+   before the first step (a field added on one side only, or another compiler's padding, would otherwise be read
+   as garbage): each struct's size (field ""), then each field's offset and size, up to an entry without a type. */
+typedef struct {
+    const char *type, *field;
+    int64_t offset, size;
+} Field;
+
+#define SIZE_OF(T) {#T, "", 0, (int64_t)sizeof(T)}
+#define FIELD(T, f) {#T, #f, (int64_t)offsetof(T, f), (int64_t)sizeof(((T *)0)->f)}
+
+static const Field layout[] = {
+    SIZE_OF(StepModel), FIELD(StepModel, n_layers), FIELD(StepModel, hidden), FIELD(StepModel, inter),
+    FIELD(StepModel, n_heads), FIELD(StepModel, n_kv_heads), FIELD(StepModel, head_dim), FIELD(StepModel, ctx),
+    FIELD(StepModel, vocab), FIELD(StepModel, kv_dtype), FIELD(StepModel, head_kind), FIELD(StepModel, activation),
+    FIELD(StepModel, eps), FIELD(StepModel, scale), FIELD(StepModel, layers), FIELD(StepModel, norm),
+    FIELD(StepModel, head),
+    SIZE_OF(StepLayer), FIELD(StepLayer, attn_norm), FIELD(StepLayer, mlp_norm), FIELD(StepLayer, wqkv),
+    FIELD(StepLayer, bqkv), FIELD(StepLayer, wo), FIELD(StepLayer, w_gate_up), FIELD(StepLayer, w_down),
+    FIELD(StepLayer, qk_norm), FIELD(StepLayer, post_attn_norm), FIELD(StepLayer, post_mlp_norm),
+    FIELD(StepLayer, k_cache), FIELD(StepLayer, v_cache), FIELD(StepLayer, window), FIELD(StepLayer, local),
+    FIELD(StepLayer, kinds), FIELD(StepLayer, experts),
+    SIZE_OF(StepExperts), FIELD(StepExperts, n_experts), FIELD(StepExperts, top_k), FIELD(StepExperts, inter),
+    FIELD(StepExperts, shared_inter), FIELD(StepExperts, routing), FIELD(StepExperts, router),
+    FIELD(StepExperts, gate_up), FIELD(StepExperts, down), FIELD(StepExperts, shared_gate_up),
+    FIELD(StepExperts, shared_down), FIELD(StepExperts, kinds),
+    {0, 0, 0, 0},
+};
+
+EXPORT const Field *step_layout(void) { return layout; }

@@ -1,16 +1,15 @@
-/* Small AVX2 helpers that step.c and experts.c share: a horizontal sum, exp for 8 floats, the gated activations.
+/* Small vector helpers that step.c and experts.c share: a horizontal sum, exp for 8 floats, the gated activations.
    Static and inline, so each file compiles its own copy with the same operations (a row's values do not depend on
-   which file computed them). */
+   which file computed them). Written with AVX2 intrinsics, built for the instruction set simd.h selects. */
 #ifndef STRATA_VECTOR_H
 #define STRATA_VECTOR_H
-#include <immintrin.h>
 #include <stdint.h>
 
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#include "simd.h"
 
 enum { SILU = 0, GELU_TANH = 1 };  /* the gate's activation: SwiGLU (Llama) or GeGLU with tanh's GELU (Gemma) */
 
-AVX2 static inline float hsum8(__m256 v) {
+KERNEL static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -19,7 +18,7 @@ AVX2 static inline float hsum8(__m256 v) {
 
 /* exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial for expf, 2^n
    by the exponent field; about 2 ulp; inputs below -88.37 give 0 (softmax's masked and far scores). */
-AVX2 static inline __m256 exp8(__m256 x) {
+KERNEL static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
     __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -37,7 +36,7 @@ AVX2 static inline __m256 exp8(__m256 x) {
 
 /* out = act(gate) * up for the n values of a row's [gate | up]: SiLU, x / (1 + e^-x), or GELU with tanh,
    x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) with tanh(y) = 2 / (1 + e^-2y) - 1. */
-AVX2 static inline void gated(const float *gate_up, int64_t n, int64_t activation, float *out) {
+KERNEL static inline void gated(const float *gate_up, int64_t n, int64_t activation, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = 0; i < n; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate_up + i);
