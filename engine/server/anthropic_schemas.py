@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.errors import ApiError
-from engine.server.schemas import MAX_INT32, MAX_STOP_STRINGS, StrictBody
+from engine.server.schemas import MAX_INT32, MAX_STOP_STRINGS, Items, StrictBody
 
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 
@@ -32,24 +32,24 @@ class AnthropicTool(StrictBody):
 class MessagesRequest(StrictBody):
     model: str | None = None  # any name: the served model answers (Claude Code asks for a small one too)
     max_tokens: int = Field(ge=1, le=MAX_INT32)
-    messages: list[dict[str, Any]]
-    system: str | list[dict[str, Any]] | None = None
+    messages: Items[dict[str, Any]]
+    system: str | Items[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=MAX_INT32)
     metadata: dict[str, Any] | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: Items[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None  # accepted: reasoning models think as their template tells them
 
 
 class CountTokensRequest(StrictBody):
     model: str | None = None
-    messages: list[dict[str, Any]]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[AnthropicTool] | None = None
+    messages: Items[dict[str, Any]]
+    system: str | Items[dict[str, Any]] | None = None
+    tools: Items[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
 

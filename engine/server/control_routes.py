@@ -51,11 +51,15 @@ class PurgeRequest(StrictBody):
 
 
 class ConversationPatch(StrictBody):
-    """PATCH /cache/conversations/{id}: what to change; any other field is refused."""
+    """PATCH /cache/conversations/{id}: what to change; any other field is refused (`unknown_field`)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Kept, then refused by name: "forbid" would make pydantic keep an error for each of a million extra keys.
+    model_config = ConfigDict(extra="allow", strict=True)
     priority: str | None = None
     pinned: bool | None = None
+
+    def unknown_field(self) -> str | None:
+        return next(iter(self.model_extra or {}), None)
 
 
 @router.get("/health")
@@ -135,6 +139,9 @@ async def patch_conversation(conv_id: str, request: Request) -> dict[str, Any]:
     """Change a parked conversation's priority and/or pin: {"priority": "high"|"normal"|"low", "pinned": bool}."""
     engine = require_engine(request)
     patch = parse_body(ConversationPatch, await request.body())
+    if (unknown := patch.unknown_field()) is not None:
+        raise ApiError(400, f"'{unknown[:100]}': unknown field; expected \"priority\" and/or \"pinned\"",
+                       param=unknown[:100])
     if patch.priority is None and patch.pinned is None:
         raise ApiError(400, "expected a JSON object with \"priority\" (high, normal or low) and/or \"pinned\" "
                        "(true or false)")

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.errors import ApiError
-from engine.server.schemas import MAX_INT32, StrictBody
+from engine.server.schemas import MAX_INT32, Items, Map, StrictBody
 
 log = logging.getLogger("strata.server")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
@@ -26,9 +26,9 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 class ResponsesRequest(StrictBody):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Items[dict[str, Any]]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: Any = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -36,7 +36,7 @@ class ResponsesRequest(StrictBody):
     stream: bool | None = None
     store: bool | None = None
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Map[str] | None = None
     parallel_tool_calls: bool | None = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
