@@ -37,7 +37,7 @@ class StreamUploads:
         assert self.devices, "stream uploads are for K/V with a stage on a CUDA device"
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._staging: dict[torch.device, PinnedStaging] = {}
-        self._busy = threading.Lock()  # one upload uses the staging rings at a time
+        self.busy = threading.Lock()  # one upload uses the staging rings at a time
 
     @staticmethod
     def wanted(kv: KVBuffers) -> bool:
@@ -54,7 +54,7 @@ class StreamUploads:
             after[device] = event
         return SlotUpload(self, slot, after)
 
-    def _parts(self, device: torch.device) -> tuple[torch.cuda.Stream, PinnedStaging]:
+    def parts(self, device: torch.device) -> tuple[torch.cuda.Stream, PinnedStaging]:
         if device not in self._streams:  # made on first use (on the reader): 128 MiB pinned per device
             self._streams[device] = torch.cuda.Stream(device)
             self._staging[device] = PinnedStaging(device)
@@ -80,17 +80,17 @@ class SlotUpload:
         assert start >= 0 and start + n <= kv.ctx, (slot, start, n)
         assert tuple(data.shape) == kv.layout.host_shape(n) and data.dtype == kv.layout.dtype
         if not self._started:
-            self.owner._busy.acquire()  # released by finish(), which the reader always runs
+            self.owner.busy.acquire()  # released by finish(), which the reader always runs
             self._started = True
             for device, event in self._after.items():
-                self.owner._parts(device)[0].wait_event(event)
+                self.owner.parts(device)[0].wait_event(event)
         for stage in kv.stages:
             lo, hi = stage.first_layer, stage.end_layer
             if stage.device.type != "cuda":  # host rows of a slot nothing reads while it restores
                 stage.k[:, slot, start : start + n].copy_(data[lo:hi, 0])
                 stage.v[:, slot, start : start + n].copy_(data[lo:hi, 1])
             else:
-                stream, staging = self.owner._parts(stage.device)
+                stream, staging = self.owner.parts(stage.device)
                 with torch.cuda.device(stage.device), torch.cuda.stream(stream):
                     staging.queue(stage.k, slot, start, data[lo:hi, 0])
                     staging.queue(stage.v, slot, start, data[lo:hi, 1])
@@ -104,7 +104,7 @@ class SlotUpload:
         try:
             if self._started:
                 for device in self.owner.devices:
-                    stream, staging = self.owner._parts(device)
+                    stream, staging = self.owner.parts(device)
                     with torch.cuda.device(device), torch.cuda.stream(stream):
                         staging.flush()
                         event = torch.cuda.Event()
@@ -114,7 +114,7 @@ class SlotUpload:
                     event.synchronize()  # the reader waits, so its wake-up comes once the rows are in place
         finally:
             if self._started:
-                self.owner._busy.release()
+                self.owner.busy.release()
             self.finished = True  # last: `landed` reads the events only once they are all recorded
 
     def landed(self) -> bool:

@@ -291,5 +291,6 @@ def quantize_model(model: torch.nn.Module) -> tuple[int, int]:
 def install(owner: torch.nn.Module, name: str, weight: object) -> None:
     """Put `weight` (an Int4Weight, a quant_embedding.QuantEmbedding) where the module keeps its tensor buffer
     `name` (a module cannot register it as one)."""
-    owner._buffers.pop(name, None)
+    if name in dict(owner.named_buffers(recurse=False)):
+        delattr(owner, name)  # Module.__delattr__ drops the buffer
     object.__setattr__(owner, name, weight)

@@ -33,7 +33,7 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for module in model.modules():
-        values = [*module._buffers.items(), *module._parameters.items(), *vars(module).items()]
+        values = [*module.named_buffers(recurse=False), *module.named_parameters(recurse=False), *vars(module).items()]
         for name, value in values:
             for w in value if isinstance(value, list) else [value]:
                 nbytes = getattr(w, "nbytes", None)
