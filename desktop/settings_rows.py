@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QFileDialog,
     QHBoxLayout,
     QLabel,
     QLineEdit,
@@ -19,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from desktop.settings import is_budget, parse_mib
-from desktop.settings_words import STORAGE_HELP, applies_words
+from desktop.settings_words import STORAGE_HELP, applies_words, label_of
 from engine.config import Setting, SettingError, all_settings, default_cache_dir, setting_of
 
 FOLDER_SETTINGS = tuple(name for name, spec, _ in all_settings() if spec.ui == "folder")
@@ -176,3 +178,15 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
         editor.setEnabled(False)
         reset.setEnabled(False)
     return row
+
+
+def choose_path(parent: QWidget, name: str, current: str, *, file: bool = False) -> str:
+    """The platform's dialog for setting `name`: a GGUF file or a Hugging Face folder for the model, else a folder;
+    "" when cancelled. It opens at `current` (the home folder when empty)."""
+    start = current or os.path.expanduser("~")
+    if name == "model" and file:
+        path, _ = QFileDialog.getOpenFileName(parent, "Choose a GGUF model file", start,
+                                              "GGUF models (*.gguf);;All files (*)")
+        return path
+    title = "Choose a Hugging Face model folder" if name == "model" else f"Choose the {label_of(name).lower()}"
+    return QFileDialog.getExistingDirectory(parent, title, start)

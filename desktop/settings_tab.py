@@ -9,7 +9,6 @@ goes back to what the engine runs. A restart is offered for the rest, never forc
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -20,7 +19,6 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
-    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -45,7 +43,7 @@ from desktop.settings import (
     secret_variables,
 )
 from desktop.settings_captions import RowCaptions
-from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row, tooltip
+from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row, choose_path, tooltip
 from desktop.settings_words import GROUPS, group_note, label_of, plain_error
 from desktop.widgets import CommandView, guard_wheel
 from engine.config import EngineConfig, SettingError, all_settings
@@ -90,7 +88,7 @@ class SettingsTab(QWidget):
         self._apply_again = False
 
         actions = RowActions(edited=self._edited, commit=self._commit, reset=self.reset,
-                             pick_model=lambda file: self._pick_model(file=file), pick_folder=self._pick_folder)
+                             pick_model=lambda file: self._pick("model", file=file), pick_folder=self._pick)
         content = QWidget()
         content_layout = QVBoxLayout(content)
         hidden = [] if self.gpu else [name for name in GPU_ONLY_SETTINGS if store.source(name) is Source.DEFAULT]
@@ -337,19 +335,9 @@ class SettingsTab(QWidget):
 
         self._submit(lambda: autostart.set_enabled(on), done)
 
-    def _pick_model(self, file: bool) -> None:
-        current = self.rows["model"].text() or os.path.expanduser("~")
-        if file:
-            path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", current,
-                                                  "GGUF models (*.gguf);;All files (*)")
-        else:
-            path = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder", current)
-        if path:
-            self.set_text("model", path)
-
-    def _pick_folder(self, name: str) -> None:
-        current = self.rows[name].text() or os.path.expanduser("~")
-        path = QFileDialog.getExistingDirectory(self, f"Choose the {label_of(name).lower()}", current)
+    def _pick(self, name: str, file: bool = False) -> None:
+        """A file or folder chosen in the platform's dialog goes into the setting as if typed whole."""
+        path = choose_path(self, name, self.rows[name].text(), file=file)
         if path:
             self.set_text(name, path)
 
