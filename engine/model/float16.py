@@ -3,7 +3,10 @@
 PyTorch compiles its vectorised 4-bit CPU kernel for AVX2 and AVX-512 only, and not at all under MSVC: PyTorch
 for Windows runs a scalar loop, ~25x slower than a float32 product (engine/model/int4.py, kernel_slowdown).
 There the projections and the output matrix are kept as float16 and multiplied by FBGEMM's fp16 GEMM (a part of
-every x86 PyTorch build, with its own AVX2 / AVX-512 kernels chosen at run time): half the bytes float32 reads a
+PyTorch's x86 Linux builds, with its own AVX2 / AVX-512 kernels chosen at run time; PyTorch 2.13.0+cpu for
+Windows is built without FBGEMM: its quantized engines are ["onednn"], and the fp16 ops refuse with "This
+PyTorch installation was not built with FBGEMM operators", seen under wine by scripts/windows-check.sh, so there
+`available()` is False and `auto` keeps float32; the shipped native kernels make this path rare): half the bytes float32 reads a
 token where `in` is a multiple of 512 (FBGEMM pads it to whole blocks: the bundled model's 576 columns take as
 much memory as float32), float32 activations and accumulation, so logits stay within ~1e-3 of float32's (the weights' own float16
 rounding) where 4-bit groups with bfloat16 activations are ~5e-2 away. Its rows do not depend on how many rows

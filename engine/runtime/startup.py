@@ -143,7 +143,7 @@ class Startup(EngineState):
 def choose_weights_format(choice: str, dtype: torch.dtype, stages: list[tuple[torch.device, int, int]]) -> str:
     """The effective --cpu-weights. auto, for a float32 model on the CPU: int4 where this PyTorch's 4-bit kernel
     is vectorised on this CPU (int4.kernel_slowdown, timed once), else float16 where FBGEMM is there (PyTorch for
-    Windows: engine/model/float16.py), else float; anywhere else float. An explicit int4 on a scalar kernel is
+    Windows has none: engine/model/float16.py), else float; anywhere else float. An explicit int4 on a scalar kernel is
     kept, with a warning."""
     from engine.model import int4
 
