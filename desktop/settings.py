@@ -13,7 +13,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shlex
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -154,22 +156,39 @@ def secret_variable(flag: str) -> str:
     return "STRATA_" + flag[2:].upper().replace("-", "_")
 
 
-def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: str = "strata serve") -> str:
-    """The `strata serve ...` command line equivalent to `config`, shell-quoted.
+# The shell a pasted command line meets: PowerShell on Windows (the default terminal since Windows 11), else a
+# POSIX shell.
+DEFAULT_SHELL = "powershell" if sys.platform == "win32" else "posix"
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:=+,@%-]+")
+
+
+def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: str = "strata serve",
+                 shell: str = DEFAULT_SHELL) -> str:
+    """The `strata serve ...` command line equivalent to `config`, quoted for `shell` ("posix" or "powershell").
 
     With `mask_secrets` a secret's value is replaced by a variable the shell expands (`--api-key
-    "$STRATA_API_KEY"`), so the line still works when pasted into a POSIX shell where that variable is set,
-    and the secret itself never shows on screen or in a clipboard.
+    "$STRATA_API_KEY"`, in PowerShell `$env:STRATA_API_KEY`), so the line still works when pasted into a shell
+    where that variable is set, and the secret itself never shows on screen or in a clipboard.
     """
+    assert shell in ("posix", "powershell"), shell
     args = config.to_args()
     secret_flags = {spec.flag for _, spec, _ in all_settings() if spec.secret} if mask_secrets else set()
     words = [program]
     for i, a in enumerate(args):
         if i > 0 and args[i - 1] in secret_flags:
-            words.append(f'"${secret_variable(args[i - 1])}"')  # unquoted by shlex: the shell must expand it
+            name = secret_variable(args[i - 1])
+            words.append(f"$env:{name}" if shell == "powershell" else f'"${name}"')  # the shell must expand it
+        elif shell == "powershell":
+            # Single quotes take everything literally in PowerShell but a single quote, which is doubled.
+            words.append(a if _PLAIN_WORD.fullmatch(a) else "'" + a.replace("'", "''") + "'")
         else:
             words.append(shlex.quote(a))
     return " ".join(words)
+
+
+def set_variable_hint(name: str, shell: str = DEFAULT_SHELL) -> str:
+    """How to set variable `name` before pasting the line, in `shell`'s words."""
+    return f"$env:{name} = '…'" if shell == "powershell" else f"export {name}=…"
 
 
 def secret_variables(config: EngineConfig) -> list[str]:

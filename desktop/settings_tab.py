@@ -41,6 +41,7 @@ from desktop.settings import (
     command_line,
     is_budget,
     secret_variables,
+    set_variable_hint,
 )
 from desktop.settings_captions import RowCaptions
 from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row, choose_path, tooltip
@@ -402,7 +403,7 @@ class SettingsTab(QWidget):
             self.command.setText(command_line(config))
             names = secret_variables(config)
             self.command_note.setText("Before pasting it into a shell, set " + " and ".join(
-                f"{n} to the key (export {n}=…)" for n in names) + "." if names else "")
+                f"{n} to the key ({set_variable_hint(n)})" for n in names) + "." if names else "")
             self.command_note.setVisible(bool(names))
         except SettingError as e:  # the store refuses such values; shown rather than hidden if it happens
             self.command.setText(str(e))

@@ -123,16 +123,29 @@ def test_command_line_masks_the_api_key_with_a_working_placeholder():
     import subprocess
 
     config = EngineConfig(api_key="s3cret", conversation_cache_storage="disk", conversation_cache_dir="/a b")
-    text = command_line(config)
+    text = command_line(config, shell="posix")
     assert text.startswith("strata serve ")
     assert "s3cret" not in text and '--api-key "$STRATA_API_KEY"' in text
     assert "--conversation-cache-dir '/a b'" in text
     assert "s3cret" in command_line(config, mask_secrets=False)
     # Pasted into a real shell with the variable set, the line gives the engine exactly the configured arguments.
-    line = command_line(config, program="printf '%s\\n'")
+    line = command_line(config, program="printf '%s\\n'", shell="posix")
     out = subprocess.run(["sh", "-c", line], env={"STRATA_API_KEY": "s3cret", "PATH": os.environ["PATH"]},
                          capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == config.to_args()
+
+
+def test_command_line_for_powershell_quotes_its_way_and_reads_the_key_from_the_environment():
+    """On Windows the line is pasted into PowerShell: single quotes (a quote inside doubled), $env:NAME."""
+    from desktop.settings import set_variable_hint
+
+    config = EngineConfig(api_key="s3cret", conversation_cache_dir="C:\\Users\\Ann Lee\\it's here")
+    text = command_line(config, shell="powershell")
+    assert "s3cret" not in text and "--api-key $env:STRATA_API_KEY" in text
+    assert "--conversation-cache-dir 'C:\\Users\\Ann Lee\\it''s here'" in text
+    assert "--port 8080" in text or "--port" not in text, "plain words stay bare"
+    assert set_variable_hint("STRATA_API_KEY", "powershell") == "$env:STRATA_API_KEY = '…'"
+    assert set_variable_hint("STRATA_API_KEY", "posix") == "export STRATA_API_KEY=…"
 
 
 def test_settings_tab_shows_the_command_line_whole_and_copies_it_without_the_key(qtbot, tmp_path):
