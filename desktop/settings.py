@@ -159,7 +159,9 @@ def secret_variable(flag: str) -> str:
 # The shell a pasted command line meets: PowerShell on Windows (the default terminal since Windows 11), else a
 # POSIX shell.
 DEFAULT_SHELL = "powershell" if sys.platform == "win32" else "posix"
-_PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:=+,@%-]+")
+# Words PowerShell passes to a program as written; anything else (a comma makes an array, @ splats, $ expands,
+# spaces split) is single-quoted.
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:\\-]+")
 
 
 def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: str = "strata serve",

@@ -143,7 +143,8 @@ def test_command_line_for_powershell_quotes_its_way_and_reads_the_key_from_the_e
     text = command_line(config, shell="powershell")
     assert "s3cret" not in text and "--api-key $env:STRATA_API_KEY" in text
     assert "--conversation-cache-dir 'C:\\Users\\Ann Lee\\it''s here'" in text
-    assert "--port 8080" in text or "--port" not in text, "plain words stay bare"
+    assert "--devices 'cuda:0,cuda:1'" in command_line(EngineConfig(devices="cuda:0,cuda:1"), shell="powershell"), \
+        "a comma would make a PowerShell array"
     assert set_variable_hint("STRATA_API_KEY", "powershell") == "$env:STRATA_API_KEY = '…'"
     assert set_variable_hint("STRATA_API_KEY", "posix") == "export STRATA_API_KEY=…"
 
