@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 
 import pytest
 
 from tests.engine_process import EngineProcess, engine_process
+from tests.npm_agents import install
 
 pytestmark = pytest.mark.slow
 
 CODEX_VERSION = "0.171.0"  # the version this test was written against; another one installs into its own folder
-CACHE = os.path.join(os.path.expanduser("~"), ".cache", "strata-tests", "agents")
-NPM_TIMEOUT = 600
 TURN_TIMEOUT = 420  # one turn: ~6.4K tokens of prefill (~25 s on 2 cores, minutes when they are busy)
 N_PREDICT = 256  # the server's cap on each answer
 CUT_OFF = "Incomplete response returned, reason: max_output_tokens"  # Codex's words for that cap's end
@@ -39,33 +36,9 @@ MIN_REUSE = 0.9
 
 
 def install_codex(version: str = CODEX_VERSION) -> str:
-    """The codex launcher of `@openai/codex@version`, installed by npm into CACHE (its native binary comes in an
-    optional platform package from the same registry). Installed into a temporary folder first and moved into
-    place once it runs, so an interrupted install is never reused."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("the Codex CLI test needs node and npm (to install @openai/codex)")
-    folder = os.path.join(CACHE, f"codex-{version}")
-    launcher = os.path.join(folder, "node_modules", ".bin", "codex")
-    if not os.path.exists(launcher):
-        os.makedirs(CACHE, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".codex-{version}-", dir=CACHE)
-        try:
-            done = subprocess.run(["npm", "install", "--prefix", staging, "--no-audit", "--no-fund",
-                                   "--no-update-notifier", f"@openai/codex@{version}"],
-                                  capture_output=True, text=True, timeout=NPM_TIMEOUT, stdin=subprocess.DEVNULL)
-            assert done.returncode == 0, f"npm install @openai/codex@{version} failed:\n{done.stdout}\n{done.stderr}"
-            os.chmod(staging, 0o755)
-            try:
-                os.rename(staging, folder)
-            except OSError:  # another run installed it meanwhile
-                if not os.path.exists(launcher):
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    done = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=60,
-                          stdin=subprocess.DEVNULL)
-    assert done.returncode == 0 and version in done.stdout, f"{launcher} --version: {done.stdout}{done.stderr}"
-    return launcher
+    """The codex launcher of `@openai/codex@version` (its native binary comes in an optional platform package from
+    the same registry), installed once by tests/npm_agents.py."""
+    return install("@openai/codex", version, "codex")
 
 
 def codex_config(base_url: str) -> str:

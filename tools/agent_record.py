@@ -23,7 +23,7 @@ from tools.alternating_bench import free_port
 
 AGENTS = Path.home() / ".cache" / "strata-tests" / "agents"
 CLAUDE = AGENTS / "node_modules" / ".bin" / "claude"
-CODEX = AGENTS / "codex-0.171.0" / "node_modules" / ".bin" / "codex"
+CODEX = AGENTS / "openai-codex-0.171.0" / "node_modules" / ".bin" / "codex"  # tests/npm_agents.py's folder
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "content-length", "host", "accept-encoding"}
 SECRET_HEADERS = {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie", "set-cookie"}
