@@ -1,14 +1,22 @@
 """The engine: slots over preallocated K/V, a request queue, continuous batching, and the conversation cache.
 
 One thread (the engine thread) owns the model, the K/V buffers, the slots and the cache. Everything else talks
-to it through `submit` (a generation) and `run` (any other operation, executed between two steps), so no lock
-guards the hot path. Each `step` runs one forward over every active slot: a prefill chunk for slots still
+to it through `submit` (a generation) and `call`/`run` (any other operation, executed between two steps), so no
+lock guards the hot path. Each step runs one forward over every active slot: a prefill chunk for slots still
 reading their prompt, one token for slots decoding.
 
-The Engine is layered over modules of its own: `state` (slots, the shared attributes), `startup` (weights
-format, cache, warm-up), `control` (slot files, cache control calls), `stats` (the published snapshot) and
-`scheduler` (the loop, admission, the forward step, shutdown); this module holds construction and the calls
-any thread makes.
+The Engine is composed of objects that each own their state and are handed what they need:
+
+    SlotSet (slot_set.py)        the slots, their K/V buffers and slot memory (memory.py: what a model keeps per
+                                 slot beside its K/V, whatever its kind)
+    ModelRunner (model_runner.py) one forward on the right threads, the warm-up, the decode mode
+    CacheControl (control.py)    the live settings and the conversation cache (which may be off, or start later)
+    SlotFiles (slot_files.py)    session files of one slot
+    EngineStats (stats.py)       counters, rates, the request log and the published snapshot
+    Scheduler (scheduler.py)     the engine thread's loop: admission, park/restore, steps, shutdown
+
+This module builds them (`Engine.from_config` plans devices and loads the model first) and holds the calls any
+thread makes; the control calls the server runs on the engine thread are the parts' own methods, named here.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,24 +36,28 @@ import torch
 
 from engine.config import EngineConfig, weights_cache_dir
 from engine.errors import BadValue, Unavailable
-from engine.figures import EngineFigures, counter_names
+from engine.figures import CacheFigures, EngineFigures
 from engine.model import moe_placement
 from engine.model.chat_templates import choose_chat_template
-from engine.runtime.explain import RequestLog
+from engine.runtime.control import CacheControl
+from engine.runtime.identity import cache_identity, int4_kernel, session_identity
 from engine.runtime.memory import slot_memory
+from engine.runtime.model_runner import ModelRunner
 from engine.runtime.pending_restores import PendingRestores
 from engine.runtime.requests import GenerationRequest
-from engine.runtime.scheduler import Scheduler
+from engine.runtime.scheduler import Inbox, Scheduler
+from engine.runtime.slot_files import SlotFiles
+from engine.runtime.slot_set import SlotSet
 from engine.runtime.slot_states import checkpoint_interval
 from engine.runtime.startup import (
-    _check_float16,
-    _check_int4,
-    _gpu_weights_format,
-    _pack_float16,
-    _quantize_gpu_weights,
+    check_float16,
+    check_int4,
     choose_weights_format,
+    gpu_weights_format,
+    pack_float16,
+    quantize_gpu_weights,
 )
-from engine.runtime.state import Slot
+from engine.runtime.stats import EngineStats
 from engine.runtime.stream import RequestStream
 from engine.runtime.threads import (
     TORCH_DEFAULT_THREADS,
@@ -56,30 +69,30 @@ from engine.startup_progress import StartupProgress
 
 if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
-    from engine.cache.identity import CacheIdentity
+    from engine.model.build import LoadedModel
+    from engine.runtime.protocols import Model, Tokenizer
 
 log = logging.getLogger("strata.engine")
 T = TypeVar("T")
 
 
-class Engine(Scheduler):
+class Engine:
     """Serves generation requests on a loaded model; see the module docstring for the threading rule."""
 
-    def __init__(self, config: EngineConfig, loaded: Any, stages: list[tuple[torch.device, int, int]],
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, stages: list[tuple[torch.device, int, int]],
                  progress: StartupProgress | None = None) -> None:
         progress = progress or StartupProgress()
         progress.begin("allocating K/V")
-        self.config = config
         self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
+        self.model: Model = loaded.model
+        self.tokenizer: Tokenizer = loaded.tokenizer
         self.model_name = config.alias or loaded.name
-        template, source = choose_chat_template(config.chat_template, self.tokenizer.chat_template, loaded.name)
+        template, source = choose_chat_template(config.chat_template, loaded.tokenizer.chat_template, loaded.name)
         self.tokenizer.use_chat_template(template)
         self.chat_template_source = source
-        self.weights_format = getattr(loaded, "weights_format", "float")
+        self.weights_format = loaded.weights_format
         self.expert_arena_bytes = moe_placement.arena_bytes(self.model.layers)  # 0 for a dense model
-        self._int4_kernel_name = self.int4_kernel()  # asked once: for /metrics and the cache identity
+        self.int4_kernel = int4_kernel(self.model, self.weights_format)  # asked once: /metrics, the cache identity
         mcfg = loaded.config
         self.ctx_size = min(config.ctx_size, mcfg.max_position_embeddings or config.ctx_size)
         self.tokenizer.limit_prompts(self.ctx_size)
@@ -93,39 +106,51 @@ class Engine(Scheduler):
         self.kv, self.memory = slot_memory(self.model, mcfg, self.n_slots, self.ctx_size, kv_dtype, stages, every,
                                            config.conversation_cache_block_tokens)
         self.layout = self.kv.layout
-        self.slots = [Slot(i) for i in range(self.n_slots)]
+        self.slot_set = SlotSet(self.kv, self.memory, self.ctx_size)
+        self.slots = self.slot_set.slots
         compute_threads = config.threads or TORCH_DEFAULT_THREADS
         on_cpu = all(torch.device(d).type == "cpu" for d, _, _ in self.model.stages)
         # --decode-threads 0 on the CPU: start from the rule, then keep timing (engine/runtime/threads.py)
         self.step_threads = StepThreads(compute_threads, config.decode_threads
                                         or default_decode_threads(compute_threads, decode_read_bytes(self.model)),
                                         probe=config.decode_threads == 0 and on_cpu)
-        self.started_at = time.time()
+        self.runner = ModelRunner(self.model, self.kv, self.memory, self.step_threads)
         self.state = "ok"
         self._closing = threading.Lock()  # close() is called from the signal path and at exit: one does the work
         self._closed = threading.Event()
-        self.cache_identity: CacheIdentity | None = None
-        self._configure_decode()  # before the cache: its identity names a decode step with its own arithmetic
-        progress.begin("building cache index")
-        self.cache: CacheAPI | None = self._make_cache(config)
-        progress.begin("warming up")
-        self._warm_up()
-
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._waiting: list[tuple[GenerationRequest, RequestStream]] = []
-        self._stop = threading.Event()
-        self._counters = dict.fromkeys(counter_names(EngineFigures), 0)  # declared in engine.figures
-        self._prefill_rate: float | None = None  # tokens/s, smoothed
-        self._decode_rate: float | None = None
-        self.requests = RequestLog()  # every request explained (GET /cache/requests)
+        # before the cache: its identity names a decode step with its own arithmetic
+        self.runner.configure_decode(self.n_slots, cuda_graphs=not config.no_cuda_graphs,
+                                     deterministic=config.deterministic)
+        self.cache_identity = cache_identity(loaded, self.weights_format, self.int4_kernel, self.layout,
+                                             config.conversation_cache_block_tokens, self.memory)
+        self.slot_files = SlotFiles(self.slot_set, config.slot_save_path or "", session_identity(self.cache_identity))
+        inbox: Inbox = queue.SimpleQueue()
         # reads off this thread; an attention-only model without windows also has its GPU copies issued there
         # (a hybrid's state and a sliding-window model's local rows are written through their own slot writers)
-        self._restores = PendingRestores(wake=lambda: self._inbox.put(("wake", None)),
-                                         kv=self.kv if self.memory.direct_kv else None)
-        self._stats: dict[str, Any] = {}  # replaced whole by the engine thread, never mutated: see stats_snapshot
-        self._publish_stats()
-        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+        restores = PendingRestores(wake=lambda: inbox.put(("wake", None)),
+                                   kv=self.kv if self.memory.direct_kv else None)
+        progress.begin("building cache index")
+        self.control = CacheControl(config, self.cache_identity, settle=restores.wait)
+        progress.begin("warming up")
+        self.runner.warm_up(self.ctx_size)
+
+        self.stats = EngineStats(self._collect_stats)
+        self.requests = self.stats.requests
+        self.scheduler = Scheduler(self.slot_set, self.runner, self.control, restores, self.stats, self.tokenizer,
+                                   inbox)
+        self.stats.publish()
+        self._thread = threading.Thread(target=self.scheduler.loop, name="strata-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings as they are now (the live ones change through `update_cache_config`)."""
+        return self.control.config
+
+    @property
+    def cache(self) -> CacheAPI | None:
+        """The conversation cache, or None while it is off."""
+        return self.control.cache
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: StartupProgress | None = None) -> Engine:
@@ -150,10 +175,10 @@ class Engine(Scheduler):
                              bytes_per_layer=layer_bytes(shape, dtype, config.parallel, ctx, cpu_experts))
         weights_format = choose_weights_format(config.cpu_weights, dtype, stages)
         if weights_format == "int4":
-            _check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
+            check_int4(dtype, stages)  # before the load, which then builds the 4-bit weights as it reads
         elif weights_format == "float16":
-            _check_float16(dtype, stages)
-        gpu_format = _gpu_weights_format(config.gpu_weights, dtype, stages)
+            check_float16(dtype, stages)
+        gpu_format = gpu_weights_format(config.gpu_weights, dtype, stages)
         progress.begin("loading weights")  # int4 packing included: the 4-bit weights are built as they are read
         # The model builder reports each layer built, the disk tier each file indexed (startup_progress.report).
         with progress.reporting():
@@ -161,10 +186,10 @@ class Engine(Scheduler):
                                 cpu_experts=cpu_experts,
                                 weights_cache_dir=weights_cache_dir() if config.weights_cache == "on" else None)
             if gpu_format == "int4":
-                _quantize_gpu_weights(loaded)
+                quantize_gpu_weights(loaded)
                 weights_format = "int4"
             elif weights_format == "float16":
-                _pack_float16(loaded)
+                pack_float16(loaded)
             loaded.weights_format = weights_format
             engine = cls(config, loaded, stages, progress)
         progress.finish()
@@ -199,7 +224,7 @@ class Engine(Scheduler):
         if self.state != "ok":
             raise Unavailable("the engine is shutting down")
         stream = RequestStream(request.request_id)
-        self._inbox.put(("submit", (request, stream)))
+        self.scheduler.inbox.put(("submit", (request, stream)))
         return stream
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -211,7 +236,7 @@ class Engine(Scheduler):
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
             return future
-        self._inbox.put(("call", (fn, future)))
+        self.scheduler.inbox.put(("call", (fn, future)))
         return future
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -236,14 +261,95 @@ class Engine(Scheduler):
             self._closed.set()
 
     def _close(self, deadline_s: float) -> None:
-        done = self.call(lambda: self._shutdown(deadline_s))
+        done = self.call(lambda: self.scheduler.shutdown(deadline_s))
         try:
             done.result(timeout=deadline_s + 5)
         except concurrent.futures.TimeoutError:
             log.warning("shutdown deadline of %.0f s hit; some conversations may not have been saved", deadline_s)
         except Exception:  # a failure while saving must not keep the process from exiting
             log.exception("saving parked conversations at shutdown failed")
-        self._stop.set()
-        self._inbox.put(("wake", None))
+        self.scheduler.stop()
         self._thread.join(timeout=5)
         self.state = "stopped"
+
+    # ------------------------------------------------------------------ stats (any thread: the snapshot)
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The stats the engine thread last published (see EngineStats.snapshot); never waits on a step."""
+        return self.stats.snapshot()
+
+    def _collect_stats(self) -> dict[str, Any]:
+        """Engine thread: what a stats snapshot holds (EngineStats.publish)."""
+        return {
+            "engine": self.engine_stats(), "conversation_cache": self.control.figures(),
+            "conversations": self.control.conversations(), "events": self.control.events(1 << 30),
+            "slots": self.slot_set.info(), "requests": self.requests.snapshot(),
+        }
+
+    def engine_stats(self) -> EngineFigures:
+        """Engine thread: the engine's figures now (GET /metrics "engine")."""
+        stats = self.stats
+        return EngineFigures(
+            model=self.model_name,
+            state=self.state,
+            slots=self.n_slots,
+            slots_busy=self.slot_set.busy(),
+            queued=self.scheduler.queued,
+            **stats.counters,
+            prefill_tokens_per_s=stats.prefill_rate,
+            decode_tokens_per_s=stats.decode_rate,
+            uptime_s=time.time() - stats.started_at,
+            pid=os.getpid(),
+            ctx_size=self.ctx_size,
+            kv_bytes=self.kv.nbytes,
+            kv_dtype=str(self.kv.layout.dtype).removeprefix("torch."),
+            devices=[str(s.device) for s in self.kv.stages],
+            weights_format=self.weights_format,
+            int4_kernel=self.int4_kernel,
+            expert_arena_bytes=self.expert_arena_bytes,  # routed experts resident in host RAM (MoE models)
+            threads=self.step_threads.compute,
+            decode_threads=self.step_threads.decode_choice,
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
+            prefill_reasons=dict(self.requests.reasons),
+        )
+
+    # ------------------------------------------------------------------ control calls (engine thread: `run`)
+
+    def slots_info(self) -> list[dict]:
+        return self.slot_set.info()
+
+    def save_slot(self, slot_id: int, filename: Any) -> dict:
+        return self.slot_files.save(slot_id, filename)
+
+    def restore_slot(self, slot_id: int, filename: Any) -> dict:
+        return self.slot_files.restore(slot_id, filename)
+
+    def erase_slot(self, slot_id: int) -> dict:
+        return self.slot_files.erase(slot_id)
+
+    def cache_figures(self) -> CacheFigures:
+        return self.control.figures()
+
+    def cache_stats(self) -> dict:
+        return self.control.figures().to_dict()
+
+    def cache_conversations(self) -> list[dict]:
+        return self.control.conversations()
+
+    def cache_events(self, limit: int = 200) -> list[dict]:
+        return self.control.events(limit)
+
+    def set_conversation(self, conv_id: str, *, priority: str | None, pinned: bool | None) -> list[dict]:
+        return self.control.set_conversation(conv_id, priority=priority, pinned=pinned)
+
+    def drop_conversation(self, conv_id: str) -> dict:
+        return self.control.drop_conversation(conv_id)
+
+    def purge_cache(self, tier: str) -> dict:
+        return self.control.purge(tier)
+
+    def cache_config(self) -> dict:
+        return self.control.settings()
+
+    def update_cache_config(self, changes: dict) -> dict:
+        return self.control.update(changes)

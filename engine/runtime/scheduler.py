@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,58 +14,78 @@ import torch
 from engine.cache.attrs import DEFAULT_PRIORITY
 from engine.cache.explain import LookupReport
 from engine.contract import RequestRecord
+from engine.runtime.control import CacheControl
 from engine.runtime.explain import Admission, Candidate, explain
-from engine.runtime.pending_restores import Looked
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.pending_restores import Looked, PendingRestores
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.slot_choice import MIN_PARK_TOKENS, cheapest, choose_slot
+from engine.runtime.slot_set import SlotSet
 from engine.runtime.state import Active, Slot
-from engine.runtime.stats import STATS_INTERVAL_S, Stats
+from engine.runtime.stats import EngineStats
 from engine.runtime.stop_strings import StopStringFilter
 from engine.runtime.stream import RequestStream
 
 if TYPE_CHECKING:
     from engine.cache.restores import RestoreRead
     from engine.cache.stats import CacheHit
+    from engine.runtime.protocols import Tokenizer
 
 log = logging.getLogger("strata.engine")
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    ta = torch.tensor(a[:n], dtype=torch.int64)
-    tb = torch.tensor(b[:n], dtype=torch.int64)
-    diff = (ta != tb).nonzero()
-    return int(diff[0].item()) if diff.numel() else n
+# What the engine thread's inbox carries: ("submit", (request, stream)), ("call", (fn, future)), ("wake", None).
+Inbox = queue.SimpleQueue[tuple[str, Any]]
 
 
-class Scheduler(Stats):
-    """Continuous batching over the slots; runs only on the engine thread."""
+class Scheduler:
+    """Continuous batching over the slots; everything but `stop` and `queued` runs only on the engine thread
+    (`loop`), which takes its work from `inbox`."""
 
-    def _loop(self) -> None:
+    def __init__(self, slots: SlotSet, runner: ModelRunner, control: CacheControl, restores: PendingRestores,
+                 stats: EngineStats, tokenizer: Tokenizer, inbox: Inbox) -> None:
+        self.slots = slots
+        self.runner = runner
+        self.control = control
+        self.restores = restores
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.inbox = inbox
+        self._waiting: list[tuple[GenerationRequest, RequestStream]] = []
+        self._stop = threading.Event()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot (any thread: a length read)."""
+        return len(self._waiting)
+
+    def stop(self) -> None:
+        """End the loop after its current step (any thread)."""
+        self._stop.set()
+        self.inbox.put(("wake", None))
+
+    def loop(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
-                idle = not self._waiting and all(s.active is None for s in self.slots)
+                idle = not self._waiting and not self.slots.any_active()
                 self._drain_inbox(block=idle)  # a finished background read wakes it ("wake")
                 if self._stop.is_set():
                     break
                 self._join_restores()
                 self._drop_cancelled()
                 self._admit_waiting()
-                if any(s.active is not None for s in self.slots):
+                if self.slots.any_active():
                     try:
                         self._step()
                     except Exception as exc:  # a bug must not hang clients: fail their requests, keep serving
                         log.exception("engine step failed")
                         self._fail_active(f"internal error: {exc}")
-                if time.monotonic() - self._stats["published"] >= STATS_INTERVAL_S:
-                    self._publish_stats()
+                if self.stats.due():
+                    self.stats.publish()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -77,13 +98,13 @@ class Scheduler(Stats):
                     try:
                         result = fn()
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                        self._publish_stats()
+                        self.stats.publish()
                         future.set_exception(exc)
                     else:
-                        self._publish_stats()  # before the caller hears back, so its next stats read sees the change
+                        self.stats.publish()  # before the caller hears back, so its next stats read sees the change
                         future.set_result(result)
             try:
-                item = self._inbox.get_nowait()
+                item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -95,28 +116,27 @@ class Scheduler(Stats):
             else:
                 kept.append((request, stream))
         self._waiting = kept
-        for slot in self.slots:
+        for slot in self.slots.slots:
             if slot.active is not None and slot.active.stream.cancelled.is_set():
                 log.info("request %s cancelled by the client; slot %d freed", slot.active.request.request_id, slot.id)
                 self._finish(slot, "stop")
 
     def _fail_active(self, message: str) -> None:
-        for slot in self.slots:
+        for slot in self.slots.slots:
             if slot.active is not None:
                 a = slot.active
                 a.stream.put(TokenEvent(finish_reason="error", error=message,
                                         usage=Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)))
                 slot.active = None
                 # What the failed step wrote is unknown: forget the slot's contents.
-                slot.tokens = []
-                self.memory.clear(slot.id)
+                self.slots.forget(slot)
 
     # ------------------------------------------------------------------ admission: slot choice + cache
 
     def _admit_waiting(self) -> None:
         admitted = False
         while self._waiting:
-            free = [s for s in self.slots if s.active is None and not s.restoring]
+            free = self.slots.free()
             if not free:
                 break
             request, stream = self._waiting.pop(0)
@@ -128,31 +148,32 @@ class Scheduler(Stats):
                 stream.put(TokenEvent(finish_reason="error", error=f"internal error: {exc}",
                                       usage=Usage(len(request.prompt_tokens), 0, 0)))
         if admitted:  # the next step may be long: show the busy slots and restores before it
-            self._publish_stats()
+            self.stats.publish()
 
     def _admit(self, request: GenerationRequest, stream: RequestStream, free: list[Slot]) -> None:
         prompt = request.prompt_tokens
         usable = len(prompt) - 1  # the last prompt token is always computed: its logits pick the first output
         # The slot it would continue or displace (slot_choice), and what of the prompt that slot holds.
-        live = {s.id: self._live_reuse(s, prompt, usable) for s in free}  # a hybrid: up to a checkpoint
-        slot = choose_slot(free, live, len(prompt), self.config.side_call_tokens)
+        live = {s.id: self.slots.live_reuse(s, prompt, usable) for s in free}  # a hybrid: up to a checkpoint
+        cache = self.control.cache
+        slot = choose_slot(free, live, len(prompt), self.control.config.side_call_tokens)
         best = max(free, key=lambda s: (live[s.id], -s.last_used))  # the live slot sharing most (for the record)
         hit = None
         report = LookupReport()
         small_gain = False
-        if self.cache is not None:
-            hit, report = self.cache.explain_lookup(prompt, live_prefix=live[slot.id])
+        if cache is not None:
+            hit, report = cache.explain_lookup(prompt, live_prefix=live[slot.id])
             if hit is not None and hit.n_tokens - live[slot.id] < MIN_PARK_TOKENS:
                 hit, small_gain = None, True
             if hit is None and live[slot.id] < usable:
-                self.cache.record_miss()
+                cache.record_miss()
         candidate = Candidate(f"slot {best.id}", live[best.id], best.tokens) if best.tokens else None
         if hit is not None:
             # Restore into the slot whose loss is cheapest, parking what it holds.
             slot = cheapest(free)
             looked = Looked(request, stream, hit, candidate, report, small_gain)
             # A read from files, or a copy onto a GPU: off this thread, the slot starts in _join_restores.
-            if hit.tier == "disk" or self._restores.all_off_thread:
+            if hit.tier == "disk" or self.restores.all_off_thread:
                 self._read_in_background(slot, looked)
             else:  # RAM into host slots: a memcpy, here
                 reused, failed = self._restore_hit(slot, hit, prompt)
@@ -162,8 +183,7 @@ class Scheduler(Stats):
             self._park_if_losing(slot, reused)
             if not (reused and reused == len(slot.tokens)):  # not going on from all of it: another conversation
                 slot.conversation_id, slot.unnamed = None, []
-            slot.tokens = slot.tokens[:reused]
-            self.memory.rewind(slot.id, reused)
+            self.slots.keep(slot, reused)
             if not reused:
                 slot.priority, slot.pinned = DEFAULT_PRIORITY, False
             source = "live" if reused else "none"
@@ -193,7 +213,7 @@ class Scheduler(Stats):
         slot.pinned = slot.pinned if attrs.pinned is None else attrs.pinned
         self._record(request, slot, adm, read)
 
-        max_tokens = request.params.max_tokens or (self.ctx_size - len(prompt))
+        max_tokens = request.params.max_tokens or (self.slots.ctx_size - len(prompt))
         slot.prompt = list(prompt)
         slot.active = Active(
             request=request,
@@ -206,9 +226,9 @@ class Scheduler(Stats):
         )
         slot.last_used = time.time()
         stream.mark_started()
-        self._counters["requests"] += 1
-        self._counters["prompt_tokens"] += len(prompt)
-        self._counters["cached_tokens"] += reused
+        self.stats.counters["requests"] += 1
+        self.stats.counters["prompt_tokens"] += len(prompt)
+        self.stats.counters["cached_tokens"] += reused
 
     def _record(self, request: GenerationRequest, slot: Slot, adm: Admission, read: dict[str, Any] | None) -> None:
         """Explain the admitted request and log it under the slot's conversation (never fails the request);
@@ -224,7 +244,7 @@ class Scheduler(Stats):
         # Name and client travel on the request (metadata / X-Strata-* headers); the priority is the slot's
         # resolved one (a request that leaves it unset keeps the conversation's).
         attrs = request.attrs
-        self.requests.add(RequestRecord(
+        self.stats.requests.add(RequestRecord(
             time=time.time(), request_id=request.request_id, conversation_id=conversation_id,
             name=attrs.name, client=attrs.client, priority=slot.priority,
             prompt_tokens=len(adm.prompt), reused_tokens=adm.reused, source=adm.source, reason=reason,
@@ -233,26 +253,22 @@ class Scheduler(Stats):
         if conversation_id is None:
             slot.unnamed.append(request.request_id)  # named when the slot's conversation is first parked
 
-    def _live_reuse(self, slot: Slot, prompt: list[int], usable: int) -> int:
-        """Tokens of the slot's contents this prompt can keep (a hybrid model: up to a state checkpoint)."""
-        common = min(common_prefix(slot.tokens, prompt), usable)
-        return self.memory.reusable(slot.id, len(slot.tokens), common)
-
     def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
         """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
 
         `protect` names a parked conversation this park must not evict (the hit about to be restored).
         """
-        if self.cache is None or len(slot.tokens) <= keep or len(slot.tokens) < MIN_PARK_TOKENS:
+        if self.control.cache is None or len(slot.tokens) <= keep or len(slot.tokens) < MIN_PARK_TOKENS:
             return
         self._park(slot, protect)
 
     def _park(self, slot: Slot, protect: str | None = None) -> None:
-        assert self.cache is not None
+        cache = self.control.cache
+        assert cache is not None
         tokens = list(slot.tokens)
-        reader, checkpoints = self.memory.park_parts(slot.id, len(tokens), len(slot.prompt))
+        reader, checkpoints = self.slots.memory.park_parts(slot.id, len(tokens), len(slot.prompt))
         try:
-            result = self.cache.park(tokens, reader, keep=protect, attrs=slot.attrs, checkpoints=checkpoints)
+            result = cache.park(tokens, reader, keep=protect, attrs=slot.attrs, checkpoints=checkpoints)
         except Exception:  # the cache must never take a request down
             log.exception("parking slot %d failed", slot.id)
             return
@@ -260,46 +276,47 @@ class Scheduler(Stats):
             log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), result.reason)
             return
         assert result.conversation_id is not None
-        self.requests.assign(slot.unnamed, result.conversation_id)
+        self.stats.requests.assign(slot.unnamed, result.conversation_id)
         slot.conversation_id, slot.unnamed = result.conversation_id, []
 
     def _read_in_background(self, slot: Slot, looked: Looked) -> None:
         """Park the slot's contents and start reading the hit off this thread (engine.runtime.pending_restores);
         a hit that fails its checks starts the request at once, a clean miss."""
-        assert self.cache is not None
+        cache = self.control.cache
+        assert cache is not None
         hit = looked.hit
         self._park_if_losing(slot, 0, protect=hit.conversation_id)
         slot.tokens = []
         try:
-            read = self.cache.begin_restore(hit)
+            read = cache.begin_restore(hit)
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
-            self.kv.clear(slot.id)
-            self.memory.clear(slot.id)
+            self.slots.forget(slot)
             self._start_restored(slot, looked, 0, str(exc) or type(exc).__name__)
             return
         n, sid = hit.n_tokens, slot.id
-        self._restores.start(slot, read, looked, self._counters["generated_tokens"],
-                             prepare=lambda: self.kv.populate(sid, 0, n))
+        self.restores.start(slot, read, looked, self.stats.counters["generated_tokens"],
+                             prepare=lambda: self.slots.kv.populate(sid, 0, n))
         looked.stream.mark_started()  # it has its slot: the queue timeout no longer applies
 
     def _join_restores(self) -> None:
         """Copy each finished background read into its slot and start the slot's request (it joins the batch)."""
-        for p in self._restores.ready():
+        for p in self.restores.ready():
             request, hit = p.context.request, p.context.hit
             reused, failed = self._restore_hit(p.slot, hit, request.prompt_tokens, p.read)
             p.slot.restoring = False
             if reused:
-                self._restores.persist(p.read)
+                self.restores.persist(p.read)
             read = {"ms": round(p.read.read_ms, 3),
-                    "tokens_meanwhile": self._counters["generated_tokens"] - p.tokens_at_start}
+                    "tokens_meanwhile": self.stats.counters["generated_tokens"] - p.tokens_at_start}
             self._start_restored(p.slot, p.context, reused, failed, read)
 
     def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int],
                      read: RestoreRead | None = None) -> tuple[int, str]:
         """Park the slot's contents, then restore `hit` into it: (tokens restored, "") or, on any failure, a clean
         miss: (0, why). With `read` (a finished background read) the slot was parked when the read began."""
-        assert self.cache is not None
+        cache = self.control.cache
+        assert cache is not None
         if read is None:
             self._park_if_losing(slot, 0, protect=hit.conversation_id)
             slot.tokens = []
@@ -308,33 +325,31 @@ class Scheduler(Stats):
         def write_kv(start: int, data: torch.Tensor) -> None:
             self._write_queued(slot, start, data, hit.n_tokens)
 
-        writer = self.memory.restore_writer(slot.id, write_kv)
+        writer = self.slots.memory.restore_writer(slot.id, write_kv)
         try:
-            result = self.cache.restore(hit, writer) if read is None else read.deliver(writer, persist_use=False)
+            result = cache.restore(hit, writer) if read is None else read.deliver(writer, persist_use=False)
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
-            self.kv.clear(slot.id)
-            self.memory.clear(slot.id)
+            self.slots.forget(slot)
             return 0, str(exc) or type(exc).__name__
         n = min(result.n_tokens, len(prompt) - 1)
-        held = self.memory.resumes_at(slot.id, n)
+        held = self.slots.memory.resumes_at(slot.id, n)
         if n <= 0 or held != n:
             # A restore that leaves the prefill to start elsewhere than where it restored reuses nothing: a bug
             # to see (llama.cpp #25913), not a silent full prefill.
             log.warning("restore of conversation %s did not resume at %d tokens (state at %d); prefilling "
                         "from token 0", hit.conversation_id, n, held)
-            self._counters["restores_without_reuse"] += 1
-            self.kv.clear(slot.id)
-            self.memory.clear(slot.id)
+            self.stats.counters["restores_without_reuse"] += 1
+            self.slots.forget(slot)
             return 0, f"the restored state is at {held} tokens, not at the {n} restored"
         slot.tokens = list(prompt[:n])
         return n, ""
 
     def _write_queued(self, slot: Slot, start: int, data: torch.Tensor, end: int) -> None:
         """Queue a restored piece into the slot; wait for all transfers once the last piece is queued."""
-        self.kv.write(slot.id, start, data, wait=False)
+        self.slots.kv.write(slot.id, start, data, wait=False)
         if start + data.shape[2] >= end:
-            self.kv.synchronize()
+            self.slots.kv.synchronize()
 
     # ------------------------------------------------------------------ one forward step
 
@@ -344,29 +359,31 @@ class Scheduler(Stats):
         chunks: list[SeqChunk] = []
         owners: list[tuple[Slot, bool]] = []  # (slot, produces a token this step)
         n_prefill = n_decode = 0
-        for slot in self.slots:
+        for slot in self.slots.slots:
             a = slot.active
             if a is None:
                 continue
             assert not slot.restoring, f"slot {slot.id} is restoring and must not be stepped"
             pos = len(slot.tokens)
             if a.next_token is not None:  # decoding: feed the last sampled token
-                self.memory.before_step(slot.id, pos, pos + 1, len(slot.prompt))
+                self.slots.memory.before_step(slot.id, pos, pos + 1, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor([a.next_token], dtype=torch.int64)))
                 owners.append((slot, True))
                 n_decode += 1
             else:  # prefilling the prompt, one chunk per step
-                end = _prefill_end(pos, len(slot.prompt), self.config.prefill_chunk)
-                self.memory.before_step(slot.id, pos, end, len(slot.prompt))
+                end = _prefill_end(pos, len(slot.prompt), self.control.config.prefill_chunk)
+                self.slots.memory.before_step(slot.id, pos, end, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
                 owners.append((slot, end == len(slot.prompt)))
                 n_prefill += end - pos
         t0 = time.perf_counter()
-        logits = self._forward(chunks)
+        logits = self.runner.forward(chunks)
         dt = time.perf_counter() - t0
         for slot, _ in owners:
-            self.memory.after_step(slot.id, len(slot.prompt))
-        self._note_rates(n_prefill, n_decode, dt)
+            self.slots.memory.after_step(slot.id, len(slot.prompt))
+        self.stats.note_rates(n_prefill, n_decode, dt)
+        if n_prefill and self.control.cache is not None and self.stats.prefill_rate is not None:
+            self.control.cache.prefill_tokens_per_s = self.stats.prefill_rate  # the restore-or-prefill cost model
 
         for i, (slot, produces) in enumerate(owners):
             a = slot.active
@@ -378,25 +395,13 @@ class Scheduler(Stats):
             token = a.sampler.sample(logits[i])
             self._emit(slot, token)
 
-    def _note_rates(self, n_prefill: int, n_decode: int, dt: float) -> None:
-        if dt <= 0:
-            return
-        if n_prefill >= 32 and n_decode == 0:
-            rate = n_prefill / dt
-            self._prefill_rate = rate if self._prefill_rate is None else 0.7 * self._prefill_rate + 0.3 * rate
-            if self.cache is not None:
-                self.cache.prefill_tokens_per_s = self._prefill_rate
-        elif n_prefill == 0 and n_decode > 0:
-            rate = n_decode / dt
-            self._decode_rate = rate if self._decode_rate is None else 0.9 * self._decode_rate + 0.1 * rate
-
     def _emit(self, slot: Slot, token: int) -> None:
         a = slot.active
         assert a is not None
         a.generated.append(token)
-        self._counters["generated_tokens"] += 1
+        self.stats.counters["generated_tokens"] += 1
         if len(a.generated) == 1:
-            self.requests.first_token(a.request.request_id, a.stream.submitted)
+            self.stats.requests.first_token(a.request.request_id, a.stream.submitted)
         is_eos = token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
         if is_eos:
             self._finish(slot, "stop")
@@ -410,7 +415,7 @@ class Scheduler(Stats):
             return
         a.stream.put(TokenEvent(text=text, token_id=token))
         a.next_token = token
-        if len(a.generated) >= a.max_tokens or len(slot.tokens) + 1 >= self.ctx_size:
+        if len(a.generated) >= a.max_tokens or len(slot.tokens) + 1 >= self.slots.ctx_size:
             self._finish(slot, "length")
 
     def _finish(self, slot: Slot, reason: str) -> None:
@@ -420,32 +425,34 @@ class Scheduler(Stats):
         usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
         slot.active = None
         slot.last_used = time.time()
-        self._publish_stats()  # before the client hears the end, so its next stats read counts this request
+        self.stats.publish()  # before the client hears the end, so its next stats read counts this request
         a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage, stop_string=a.stops.matched,
                                 generated=list(a.generated)))
 
     # ------------------------------------------------------------------ shutdown
 
-    def _shutdown(self, deadline_s: float) -> None:
-        for p in self._restores.close(timeout=deadline_s / 2):  # read, never delivered: the slot stays empty
+    def shutdown(self, deadline_s: float) -> None:
+        """End every request, park the live slots worth keeping (tiered/disk) and close the cache (engine thread)."""
+        for p in self.restores.close(timeout=deadline_s / 2):  # read, never delivered: the slot stays empty
             p.slot.restoring = False
             p.context.stream.put(TokenEvent(finish_reason="error", error="the engine is shutting down",
                                             usage=Usage(len(p.context.request.prompt_tokens), 0, 0)))
-        for slot in self.slots:
+        for slot in self.slots.slots:
             if slot.active is not None:
                 self._finish(slot, "stop")
         for request, stream in self._waiting:
             stream.put(TokenEvent(finish_reason="error", error="the engine is shutting down",
                                   usage=Usage(len(request.prompt_tokens), 0, 0)))
         self._waiting = []
-        if self.cache is None:
+        cache = self.control.cache
+        if cache is None:
             return
-        keeps = self.config.conversation_cache_storage in ("tiered", "disk")
+        keeps = self.control.config.conversation_cache_storage in ("tiered", "disk")
         if keeps:
-            for slot in self.slots:
+            for slot in self.slots.slots:
                 if len(slot.tokens) >= MIN_PARK_TOKENS:
                     self._park(slot)
-        self.cache.close(spill=keeps, deadline_s=deadline_s)
+        cache.close(spill=keeps, deadline_s=deadline_s)
 
 
 def _prefill_end(pos: int, n_prompt: int, chunk: int) -> int:

@@ -1,15 +1,16 @@
-"""The engine's stats: what the engine thread publishes, and the snapshot any thread reads without waiting."""
+"""The engine's stats: its counters and rates, and the snapshot the engine thread publishes for any thread to read
+without waiting on a step."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
+from collections.abc import Callable
 from typing import Any
 
-from engine.figures import EngineFigures
-from engine.runtime.control import Control
+from engine.figures import EngineFigures, counter_names
+from engine.runtime.explain import RequestLog
 
 log = logging.getLogger("strata.engine")
 
@@ -17,51 +18,47 @@ log = logging.getLogger("strata.engine")
 STATS_INTERVAL_S = 0.1
 
 
-class Stats(Control):
-    """The stats snapshot (replaced whole by the engine thread, read by any thread)."""
+class EngineStats:
+    """Counters and rates (written by the engine thread) and the published snapshot (replaced whole, read by any
+    thread). `collect` builds a snapshot's contents: "engine", "conversation_cache", "conversations", "events",
+    "slots", "requests"."""
 
-    def stats_snapshot(self) -> dict[str, Any]:
-        """The stats the engine thread last published (any thread, never waits on a step): "engine",
-        "conversation_cache", "conversations", "events", "slots", "requests". Published at each request's end, after each
-        `call`, and every STATS_INTERVAL_S while steps run, so a step of any length never delays a stats reader."""
-        snap = self._stats
+    def __init__(self, collect: Callable[[], dict[str, Any]]) -> None:
+        self.collect = collect
+        self.started_at = time.time()
+        self.counters = dict.fromkeys(counter_names(EngineFigures), 0)  # declared in engine.figures
+        self.prefill_rate: float | None = None  # tokens/s, smoothed
+        self.decode_rate: float | None = None
+        self.requests = RequestLog()  # every request explained (GET /cache/requests)
+        self._snapshot: dict[str, Any] = {"published": float("-inf")}
+
+    def snapshot(self) -> dict[str, Any]:
+        """The stats the engine thread last published (any thread, never waits on a step). Published at each
+        request's end, after each `Engine.call`, and every STATS_INTERVAL_S while steps run, so a step of any
+        length never delays a stats reader."""
+        snap = self._snapshot
         engine = dataclasses.replace(snap["engine"], uptime_s=time.time() - self.started_at,
                                      stats_age_s=time.monotonic() - snap["published"])
         return {**snap, "engine": engine}
 
-    def _publish_stats(self) -> None:
+    def publish(self) -> None:
         """Engine thread: a fresh copy of what the stats routes serve (a failure here never stops the loop)."""
         try:
-            self._stats = {
-                "engine": self.engine_stats(), "conversation_cache": self.cache_figures(),
-                "conversations": self.cache_conversations(), "events": self.cache_events(1 << 30),
-                "slots": self.slots_info(), "requests": self.requests.snapshot(), "published": time.monotonic(),
-            }
+            self._snapshot = {**self.collect(), "published": time.monotonic()}
         except Exception:
             log.exception("publishing the stats snapshot failed; serving the previous one")
 
-    def engine_stats(self) -> EngineFigures:
-        busy = sum(1 for s in self.slots if s.active or s.restoring)
-        return EngineFigures(
-            model=self.model_name,
-            state=self.state,
-            slots=self.n_slots,
-            slots_busy=busy,
-            queued=len(self._waiting),
-            **self._counters,
-            prefill_tokens_per_s=self._prefill_rate,
-            decode_tokens_per_s=self._decode_rate,
-            uptime_s=time.time() - self.started_at,
-            pid=os.getpid(),
-            ctx_size=self.ctx_size,
-            kv_bytes=self.kv.nbytes,
-            kv_dtype=str(self.kv.layout.dtype).removeprefix("torch."),
-            devices=[str(s.device) for s in self.kv.stages],
-            weights_format=self.weights_format,
-            int4_kernel=self._int4_kernel_name,
-            expert_arena_bytes=self.expert_arena_bytes,  # routed experts resident in host RAM (MoE models)
-            threads=self.step_threads.compute,
-            decode_threads=self.step_threads.decode_choice,
-            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
-            prefill_reasons=dict(self.requests.reasons),
-        )
+    def due(self) -> bool:
+        """Whether the snapshot is older than STATS_INTERVAL_S."""
+        return time.monotonic() - self._snapshot["published"] >= STATS_INTERVAL_S
+
+    def note_rates(self, n_prefill: int, n_decode: int, dt: float) -> None:
+        """Smooth this step's prefill or decode rate into the running ones (a mixed step counts for neither)."""
+        if dt <= 0:
+            return
+        if n_prefill >= 32 and n_decode == 0:
+            rate = n_prefill / dt
+            self.prefill_rate = rate if self.prefill_rate is None else 0.7 * self.prefill_rate + 0.3 * rate
+        elif n_prefill == 0 and n_decode > 0:
+            rate = n_decode / dt
+            self.decode_rate = rate if self.decode_rate is None else 0.9 * self.decode_rate + 0.1 * rate

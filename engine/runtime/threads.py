@@ -23,11 +23,13 @@ import statistics
 
 import torch
 
+from engine.runtime.protocols import Model
+
 SMALL_STEP_BYTES = 256 << 20
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before anything set it: PyTorch's choice (the physical cores)
 
 
-def decode_read_bytes(model: torch.nn.Module) -> int:
+def decode_read_bytes(model: Model) -> int:
     """About the weight bytes a decode step reads: every tensor and packed weight the model holds but its token
     embedding (a step looks up one row of it); all experts of a mixture-of-experts model count."""
     seen: set[int] = set()
