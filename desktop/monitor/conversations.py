@@ -121,7 +121,7 @@ def checkpoints_label(row: ParkedConversation) -> str:
     return f"{format_count(row.checkpoints)} · {format_bytes(row.checkpoint_bytes)}"
 
 
-class ConversationsModel(RowsModel):
+class ConversationsModel(RowsModel[ParkedConversation]):
     COLUMNS = ("Conversation", "Tokens", "Size", "Tier", "Age", "Last used", "Hits", "Client", "Priority", "Pinned",
                "Checkpoints")
     TEXT_COLUMNS = (0, 3, 7, 8, 9)
@@ -132,7 +132,6 @@ class ConversationsModel(RowsModel):
         super().__init__(parent)
         self.now = time.time()
         self.links: dict[str, str] = {}  # old id -> the id it goes on under (desktop.monitor.lineage)
-        self.rows: list[ParkedConversation] = []
 
     def set_rows(self, rows: list[ConversationRow]) -> None:
         """Replace the rows; the same conversations in the same order update in place (selection survives)."""

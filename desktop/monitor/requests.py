@@ -104,10 +104,8 @@ def history_summary(records: list[RequestRecord]) -> str:
     return f"{n} request{'s' if n != 1 else ''} · reused {_pct(reused, prompt)} of their prompt tokens · {ttft}"
 
 
-class RequestsModel(RowsModel):
+class RequestsModel(RowsModel[RequestRecord]):
     COLUMNS = ("Time", "Conversation", "Prompt", "Reused", "Source", "Reason", "TTFT")
-
-    rows: list[RequestRecord]
 
     def set_rows(self, rows: list[RequestRecord]) -> None:
         """The engine's records (oldest first), shown newest first."""
