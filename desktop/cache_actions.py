@@ -71,6 +71,11 @@ def listed(monitor: MonitorTab, conversation_id: str) -> ParkedConversation | No
     return next((r for r in monitor.model.rows if r.id == conversation_id), None)
 
 
+def older_ids(row: ParkedConversation | None) -> tuple[str, ...]:
+    """The other ids a listed conversation has: a restored conversation parked again beside its disk copy."""
+    return () if row is None else row.ids[1:]
+
+
 def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_id: str, changes: dict[str, Any],
                         poll: Callable[[], None]) -> None:
     """PATCH a parked conversation's priority or pin; the controls show what the engine now has, or why not."""
@@ -96,7 +101,7 @@ def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_
         poll()
 
     client.change_conversation(conversation_id, changes, done)
-    for other in () if row is None else row.ids[1:]:  # its older copy under another id keeps the same priority and pin
+    for other in older_ids(row):  # its older copy under another id keeps the same priority and pin
         client.change_conversation(other, changes)
 
 
@@ -127,7 +132,7 @@ def drop_conversation(parent: QWidget, client: EngineClient, monitor: MonitorTab
 
     def answered(button: int) -> None:
         if button == QMessageBox.StandardButton.Yes:
-            for other in () if row is None else row.ids[1:]:  # its older copy too, or it comes back as a row of its own
+            for other in older_ids(row):  # its older copy too, or it comes back as a row of its own
                 client.drop_conversation(other)
             client.drop_conversation(conversation_id, done)
 
