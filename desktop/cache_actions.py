@@ -10,17 +10,16 @@ from PySide6.QtWidgets import QMessageBox, QWidget
 
 from desktop.client import Reply, change_failure
 from desktop.monitor.conversation_controls import conversation_title
-from desktop.monitor.conversations import tiers_of
-from desktop.monitor.report import number
+from desktop.monitor.conversations import ParkedConversation
 from desktop.settings import format_bytes
-from engine.contract import ContractError, ConversationsBody, PurgeBody, parse
+from engine.contract import ContractError, ConversationsBody, MetricsBody, PurgeBody, parse
 
 if TYPE_CHECKING:
     from desktop.client import EngineClient
     from desktop.monitor import MonitorTab
 
 # What the engine last reported: (conversations merged one row each, metrics); purge and eviction read it.
-Snapshot = Callable[[], "tuple[list[dict[str, Any]], dict[str, Any] | None]"]
+Snapshot = Callable[[], "tuple[list[ParkedConversation], MetricsBody | None]"]
 
 
 def ask(parent: QWidget, title: str, text: str, yes_text: str, answered: Callable[[int], None]) -> QMessageBox:
@@ -34,60 +33,54 @@ def ask(parent: QWidget, title: str, text: str, yes_text: str, answered: Callabl
     return box
 
 
-def purge_summary(rows: list[dict[str, Any]], metrics: dict[str, Any] | None, tier: str) -> tuple[int, float | None]:
-    """(conversations, bytes) that purging `tier` drops: the listed rows (one per conversation) and the counters."""
-    cache = (metrics or {}).get("conversation_cache") or {}
-    if tier == "all":
-        parts = [number(cache, "bytes_ram"), number(cache, "bytes_disk")]
-        size = None if all(p is None for p in parts) else sum(p or 0 for p in parts)
-        return len(rows), size
-    return sum(1 for r in rows if tier in tiers_of(r)), number(cache, f"bytes_{tier}")
+def purge_summary(rows: list[ParkedConversation], metrics: MetricsBody | None, tier: str) -> tuple[int, int | None]:
+    """(conversations, bytes) that purging `tier` drops: the listed rows (one per conversation) and the counters
+    (no bytes before the first /metrics answer)."""
+    count = len(rows) if tier == "all" else sum(1 for r in rows if tier in r.tiers)
+    if metrics is None:
+        return count, None
+    cache = metrics.conversation_cache
+    return count, {"ram": cache.bytes_ram, "disk": cache.bytes_disk, "all": cache.bytes_ram + cache.bytes_disk}[tier]
 
 
-def live_slots_note(metrics: dict[str, Any] | None) -> str:
+def live_slots_note(metrics: MetricsBody | None) -> str:
     """What a purge leaves: the conversations in the engine's slots are not parked, so no purge reaches them.
 
     Said for "Purge everything", whose name promises more than it can do."""
-    slots = int(number(metrics, "engine", "slots") or 1)
+    slots = (metrics.engine.slots if metrics is not None else 0) or 1
     if slots == 1:
         return "The conversation in the engine's slot now is not parked and stays until it is switched out."
     return (f"The conversations in the engine's {slots} slots now are not parked and stay until they are "
             "switched out.")
 
 
-def purge_question(count: int, size: float | None, tier: str, metrics: dict[str, Any] | None = None) -> str:
+def purge_question(count: int, size: float | None, tier: str, metrics: MetricsBody | None = None) -> str:
     where = {"ram": "from RAM", "disk": "from disk", "all": "from RAM and disk"}[tier]
     text = (f"Drop {count} parked conversation{'s' if count != 1 else ''} ({format_bytes(size)}) {where}?\n\n"
             "They will be prefilled again when they come back.")
     return text + (f"\n\n{live_slots_note(metrics)}" if tier == "all" else "")
 
 
-def purge_outcome(data: dict[str, Any]) -> tuple[int, float | None, list[str]]:
+def purge_outcome(body: PurgeBody) -> tuple[int, int, list[str]]:
     """(conversations dropped, bytes dropped, "id: reason" of each skipped) from a /cache/purge answer."""
-    dropped = data.get("dropped")
-    if isinstance(dropped, dict):
-        count, size = dropped.get("conversations", 0), dropped.get("bytes")
-    else:
-        count, size = dropped or 0, data.get("bytes")
-    skipped = []
-    for item in data.get("skipped") or []:
-        if isinstance(item, dict):
-            skipped.append(f"{item.get('id')}: {item.get('reason')}")
-        elif isinstance(item, list | tuple) and len(item) == 2:
-            skipped.append(f"{item[0]}: {item[1]}")
-    return int(count), size, skipped
+    return body.dropped.conversations, body.dropped.bytes, [f"{s.id}: {s.reason}" for s in body.skipped]
 
 
-def older_ids(row: dict[str, Any]) -> list[str]:
-    """The other ids a merged row holds: a restored conversation parked again beside its disk copy."""
-    return [str(i) for i in row.get("ids") or [] if i != row.get("id")]
+def listed(monitor: MonitorTab, conversation_id: str) -> ParkedConversation | None:
+    """The Monitor's row of a conversation, by its (newest) id."""
+    return next((r for r in monitor.model.rows if r.id == conversation_id), None)
+
+
+def older_ids(row: ParkedConversation | None) -> tuple[str, ...]:
+    """The other ids a listed conversation has: a restored conversation parked again beside its disk copy."""
+    return () if row is None else row.ids[1:]
 
 
 def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_id: str, changes: dict[str, Any],
                         poll: Callable[[], None]) -> None:
     """PATCH a parked conversation's priority or pin; the controls show what the engine now has, or why not."""
-    row = next((r for r in monitor.model.rows if r.get("id") == conversation_id), {"id": conversation_id})
-    name = conversation_title(row)
+    row = listed(monitor, conversation_id)
+    name = conversation_id if row is None else conversation_title(row)
 
     def done(reply: Reply) -> None:
         controls = monitor.controls
@@ -115,9 +108,9 @@ def change_conversation(client: EngineClient, monitor: MonitorTab, conversation_
 def drop_conversation(parent: QWidget, client: EngineClient, monitor: MonitorTab, conversation_id: str,
                       poll: Callable[[], None]) -> QMessageBox:
     """Ask, then DELETE one parked conversation; the controls show what the engine dropped, or why not."""
-    row = next((r for r in monitor.model.rows if r.get("id") == conversation_id), {"id": conversation_id})
-    name = conversation_title(row)
-    size = f" ({format_bytes(row['bytes'])})" if isinstance(row.get("bytes"), int) else ""
+    row = listed(monitor, conversation_id)
+    name = conversation_id if row is None else conversation_title(row)
+    size = "" if row is None else f" ({format_bytes(row.bytes)})"
 
     def done(reply: Reply) -> None:
         controls = monitor.controls

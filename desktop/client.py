@@ -27,7 +27,6 @@ from engine.contract import (
     MetricsBody,
     RequestsBody,
     parse,
-    to_json,
 )
 
 T = TypeVar("T")  # a contract body type (engine.contract)
@@ -250,11 +249,12 @@ class Poller(QObject):
     """Fetches what the Monitor shows on a timer. The event log only when asked for (`detail`); the parked
     conversations always, as the tray's count and a crash report (what was lost, what was kept) need them."""
 
-    metrics = Signal(object)  # dict from /metrics
-    conversations = Signal(object)  # list of dicts from /cache/conversations
+    # Each body as the contract parsed it (engine/contract.py), typed all the way to the widgets.
+    metrics = Signal(object)  # MetricsBody from /metrics
+    conversations = Signal(object)  # list[ConversationRow] from /cache/conversations (a row per tier)
     conversations_failed = Signal(str)  # the engine answered /cache/conversations with an error
-    events = Signal(object)  # list of dicts from /cache/events
-    requests = Signal(object)  # list of dicts from /cache/requests (each request explained)
+    events = Signal(object)  # list[Event] from /cache/events
+    requests = Signal(object)  # list[RequestRecord] from /cache/requests (each request explained)
     requests_failed = Signal(str)  # the engine could not give the request log
     memory = Signal(object)  # MemorySample
     unreachable = Signal(str)  # the engine did not answer /metrics
@@ -338,7 +338,7 @@ class Poller(QObject):
             self.unreachable.emit(reply.error or f"HTTP {reply.status}")
             return
         try:
-            self.metrics.emit(to_json(parse(MetricsBody, reply.data, "GET /metrics")))
+            self.metrics.emit(parse(MetricsBody, reply.data, "GET /metrics"))
         except ContractError as exc:
             self.unreachable.emit(f"the engine's answer is not understood: {exc}")
 
@@ -359,16 +359,16 @@ class Poller(QObject):
     def _on_conversations(self, reply: Reply) -> None:
         body = self._parsed(reply, ConversationsBody, "GET /cache/conversations", self.conversations_failed)
         if body is not None:
-            self.conversations.emit([to_json(row) for row in body.conversations])
+            self.conversations.emit(body.conversations)
 
     def _on_events(self, reply: Reply) -> None:
         if not reply.ok:  # the event log is a view of the past: a failed poll says nothing new
             return
         body = self._parsed(reply, EventsBody, "GET /cache/events", self.conversations_failed)
         if body is not None:
-            self.events.emit([to_json(event) for event in body.events])
+            self.events.emit(body.events)
 
     def _on_requests(self, reply: Reply) -> None:
         body = self._parsed(reply, RequestsBody, "GET /cache/requests", self.requests_failed)
         if body is not None:
-            self.requests.emit([to_json(record) for record in body.requests])
+            self.requests.emit(body.requests)

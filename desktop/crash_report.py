@@ -10,11 +10,11 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from desktop.client import MemorySample
 from desktop.engine_process import ProcessOutcome
 from desktop.settings import SUMMED_BYTES, format_bytes
+from engine.contract import ConversationRow
 
 LOW_MEMORY_FRACTION = 0.05  # free RAM below this share of the total (or LOW_MEMORY_BYTES) counts as nearly none
 LOW_MEMORY_BYTES = 256 << 20
@@ -46,17 +46,15 @@ def _conversations(n: int) -> str:
     return f"{n} parked conversation{'s' if n != 1 else ''}"
 
 
-def cache_loss(rows: Iterable[dict[str, Any]], age_s: float) -> CacheLoss:
+def cache_loss(rows: Iterable[ConversationRow], age_s: float) -> CacheLoss:
     """Lost and kept conversations (with their bytes) from the engine's conversation rows, one per tier."""
     tiers: dict[str, dict[str, int]] = {}  # id -> bytes held in RAM / published on disk / pending
     for row in rows:
-        conv = tiers.setdefault(str(row.get("id")), {"ram": 0, "disk": 0, "pending": 0})
-        size = row.get("bytes")
-        size = size if isinstance(size, int) and not isinstance(size, bool) else 0
-        if row.get("tier") == "disk":
-            conv["disk" if row.get("on_disk") else "pending"] += size
+        conv = tiers.setdefault(row.id, {"ram": 0, "disk": 0, "pending": 0})
+        if row.tier == "disk":
+            conv["disk" if row.on_disk else "pending"] += row.bytes
         else:
-            conv["ram"] += size
+            conv["ram"] += row.bytes
     kept = {cid: t["disk"] for cid, t in tiers.items() if t["disk"]}
     lost = {cid: t["ram"] + t["pending"] for cid, t in tiers.items() if cid not in kept}
     return CacheLoss(lost=len(lost), lost_bytes=sum(lost.values()), kept=len(kept), kept_bytes=sum(kept.values()),

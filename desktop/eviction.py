@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from desktop.monitor.conversations import tiers_of
-from desktop.monitor.report import number, timestamp
+from desktop.monitor.conversations import ParkedConversation
 from desktop.settings import SUMMED_BYTES, format_bytes, format_mib
 
 MIB = 1 << 20
@@ -31,18 +30,11 @@ class Eviction:
     spilled: bool = False  # tiered RAM evictions are written to disk, not lost
 
 
-def _bytes_in(row: dict[str, Any], tier: str) -> float:
-    by_tier = row.get("bytes_by_tier")
-    if isinstance(by_tier, dict) and tier in by_tier:
-        return float(by_tier[tier] or 0)
-    return number(row, "bytes") or 0.0
+def _by_recency(rows: list[ParkedConversation]) -> list[ParkedConversation]:
+    return sorted(rows, key=lambda r: r.last_used, reverse=True)
 
 
-def _by_recency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(rows, key=lambda r: timestamp(r.get("last_used")) or 0.0, reverse=True)
-
-
-def estimate(rows: list[dict[str, Any]], storage: str, running: dict[str, Any],
+def estimate(rows: list[ParkedConversation], storage: str, running: dict[str, Any],
              changes: dict[str, Any]) -> list[Eviction]:
     """What applying `changes` (field -> new value) to an engine running `running` would evict from `rows`."""
     out: list[Eviction] = []
@@ -53,10 +45,10 @@ def estimate(rows: list[dict[str, Any]], storage: str, running: dict[str, Any],
         if key not in changes or changes[key] >= running.get(key, 0):
             continue
         budget = changes[key] * MIB
-        held = _by_recency([r for r in rows if tier in tiers_of(r)])
+        held = _by_recency([r for r in rows if tier in r.tiers])
         kept, gone, gone_bytes = 0.0, 0, 0.0
         for row in held:
-            size = _bytes_in(row, tier)
+            size = row.bytes_by_tier[tier]
             if kept + size <= budget:
                 kept += size  # most recent first: these stay
             else:
@@ -67,9 +59,8 @@ def estimate(rows: list[dict[str, Any]], storage: str, running: dict[str, Any],
                                 spilled=tier == "ram" and storage == "tiered"))
     if SLOTS in changes and changes[SLOTS] < running.get(SLOTS, 0) and len(rows) > changes[SLOTS]:
         extra = _by_recency(rows)[changes[SLOTS]:]
-        size = sum(number(r, "bytes") or 0.0 for r in extra)
-        out.append(Eviction("slots", len(extra), size, len(rows),
-                                f"{changes[SLOTS]} conversation{'s' if changes[SLOTS] != 1 else ''}"))
+        out.append(Eviction("slots", len(extra), float(sum(r.bytes for r in extra)), len(rows),
+                            f"{changes[SLOTS]} conversation{'s' if changes[SLOTS] != 1 else ''}"))
     return out
 
 

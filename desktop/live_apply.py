@@ -38,8 +38,8 @@ class LiveApply(QObject):
         """Send live-changeable settings to the running engine; first ask if a smaller budget would evict."""
         running = self.engine.config
         conversations, metrics = self.snapshot()
-        cache = (metrics or {}).get("conversation_cache") or {}
-        storage = str(cache.get("storage") or (running.conversation_cache_storage if running else "ram"))
+        reported = "" if metrics is None else metrics.conversation_cache.storage
+        storage = reported or (running.conversation_cache_storage if running else "ram")
         current = {k: getattr(running, k) for k in changes if running is not None and hasattr(running, k)}
         evictions = eviction.estimate(conversations, storage, current, changes)
         if not evictions:

@@ -31,13 +31,14 @@ from desktop.live_apply import LiveApply
 from desktop.log_files import APP_PREFIX, LogFiles
 from desktop.logs_tab import LogsTab
 from desktop.monitor import MonitorTab
-from desktop.monitor.conversations import merge_tiers
+from desktop.monitor.conversations import ParkedConversation, merge_tiers
 from desktop.pid_file import reap_orphan
 from desktop.purge_flow import PurgeFlow
 from desktop.settings import AutoSaver, Paths, SettingsStore
 from desktop.settings_tab import SettingsTab
 from desktop.startup_view import describe
 from desktop.tray import Tray, tray_available
+from engine.contract import ConversationRow, MetricsBody
 
 DETAIL_INTERVAL_MS = 1000  # Monitor visible: the 1 s refresh
 BACKGROUND_INTERVAL_MS = 5000  # Monitor hidden: enough for the tray's tooltip
@@ -76,8 +77,8 @@ class MainWindow(QMainWindow):
         self.engine = EngineProcess(self.client, self.paths.pid_file, self)
         self.engine.auto_restart = self.store.prefs.auto_restart
         self.poller = Poller(self.client, BACKGROUND_INTERVAL_MS, self)
-        self.metrics: dict[str, Any] | None = None
-        self.conversation_rows: list[dict[str, Any]] | None = None  # as the engine lists them, one per tier
+        self.metrics: MetricsBody | None = None
+        self.conversation_rows: list[ConversationRow] | None = None  # as the engine lists them, one per tier
         self.conversations_at = 0.0  # time.monotonic() of that snapshot
         self.memory: MemorySample | None = None  # the last sample (a crash report says if memory ran out)
         self._quitting = False
@@ -288,13 +289,13 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ polling results
 
     @property
-    def conversations(self) -> list[dict[str, Any]] | None:
+    def conversations(self) -> list[ParkedConversation] | None:
         """The last listing merged one row per conversation, whichever tiers and ids hold it (the Monitor learns
         from the event log which ids are one conversation, maybe after the listing came)."""
         rows = self.conversation_rows
         return None if rows is None else merge_tiers(rows, self.monitor.model.links)
 
-    def cache_snapshot(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    def cache_snapshot(self) -> tuple[list[ParkedConversation], MetricsBody | None]:
         """The engine's last reported conversations (one row each) and metrics: what purge and eviction see."""
         return self.conversations or [], self.metrics
 
@@ -302,14 +303,14 @@ class MainWindow(QMainWindow):
         self.memory = sample
         self.monitor.set_memory(sample)
 
-    def _on_metrics(self, metrics: dict[str, Any]) -> None:
+    def _on_metrics(self, metrics: MetricsBody) -> None:
         self.metrics = metrics
         self.monitor.clear_unreachable()
         self.monitor.set_metrics(metrics)
-        self.settings_tab.set_expert_arena(int((metrics.get("engine") or {}).get("expert_arena_bytes") or 0))
+        self.settings_tab.set_expert_arena(metrics.engine.expert_arena_bytes)
         self._update_tray()
 
-    def _on_conversations(self, rows: list[dict[str, Any]]) -> None:
+    def _on_conversations(self, rows: list[ConversationRow]) -> None:
         self.conversation_rows, self.conversations_at = rows, time.monotonic()
         self.monitor.set_conversations(rows)
         self._update_tray()

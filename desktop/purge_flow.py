@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QMessageBox, QWidget
@@ -12,7 +11,7 @@ from PySide6.QtWidgets import QMessageBox, QWidget
 from desktop.cache_actions import Snapshot, ask, live_slots_note, purge_outcome, purge_question, purge_summary
 from desktop.client import EngineClient, Reply
 from desktop.settings import format_bytes
-from engine.contract import ContractError, PurgeBody, parse, to_json
+from engine.contract import ContractError, PurgeBody, parse
 
 
 class PurgeFlow(QObject):
@@ -23,9 +22,9 @@ class PurgeFlow(QObject):
         super().__init__(window)
         self.window, self.client, self.snapshot, self.polled, self.status = window, client, snapshot, polled, status
         self.box: QMessageBox | None = None
-        self.last: dict[str, Any] | None = None
+        self.last: PurgeBody | None = None
 
-    def summary(self, tier: str) -> tuple[int, float | None]:
+    def summary(self, tier: str) -> tuple[int, int | None]:
         """(conversations, bytes) that purging `tier` drops, as last reported by the engine."""
         conversations, metrics = self.snapshot()
         return purge_summary(conversations, metrics, tier)
@@ -48,12 +47,12 @@ class PurgeFlow(QObject):
                 self.status(f"Purge failed: {reply.error}", 15000)
                 return
             try:
-                data = to_json(parse(PurgeBody, reply.data, "POST /cache/purge"))
+                body = parse(PurgeBody, reply.data, "POST /cache/purge")
             except ContractError as exc:
                 self.status(f"Purge: the engine's answer is not understood: {exc}", 15000)
                 return
-            self.last = data
-            count, size, skipped = purge_outcome(data)
+            self.last = body
+            count, size, skipped = purge_outcome(body)
             text = f"Purged {tier}: dropped {count} conversation(s), {format_bytes(size)}"
             if skipped:
                 text += f"; skipped {len(skipped)} (" + "; ".join(skipped[:3]) + ")"

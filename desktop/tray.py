@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from PySide6.QtCore import QObject, QRectF, Qt, Signal
 from PySide6.QtGui import QAction, QBrush, QColor, QIcon, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
 from desktop.engine_process import EngineState
-from desktop.monitor.report import dig, number
 from desktop.settings import format_bytes
+from engine.contract import MetricsBody
 
 STATE_COLORS = {
     EngineState.STOPPED: "#757575", EngineState.STARTING: "#1565c0", EngineState.LOADING: "#1565c0",
@@ -44,22 +42,19 @@ def tray_available() -> bool:
     return QSystemTrayIcon.isSystemTrayAvailable()
 
 
-def tooltip_text(state: EngineState, metrics: dict[str, Any] | None, parked: int | None, loading: str = "",
+def tooltip_text(state: EngineState, metrics: MetricsBody | None, parked: int | None, loading: str = "",
                  words: str = "") -> str:
     """Strata — Ready · 3 parked · RAM 12.0 MiB · disk 0 B (or, loading: the start-up phase in words; `words`:
     the state said otherwise than its label, e.g. "Not started: port 8080 is in use")."""
     parts = [f"Strata — {(words or state.label).rstrip('…')}"]
     if state is EngineState.LOADING and loading:
         parts.append(loading)
-    if state is EngineState.READY and metrics:
-        cache = dig(metrics, "conversation_cache", default={})
-        if parked is None:
-            entries = number(cache, "entries")
-            parked = None if entries is None else int(entries)
-        if parked is not None:
+    if state is EngineState.READY and metrics is not None:
+        cache = metrics.conversation_cache
+        if parked is not None:  # the count of /cache/conversations, once it came (a tiered conversation is one)
             parts.append(f"{parked} parked")
-        parts.append(f"RAM {format_bytes(number(cache, 'bytes_ram'))}")
-        parts.append(f"disk {format_bytes(number(cache, 'bytes_disk'))}")
+        parts.append(f"RAM {format_bytes(cache.bytes_ram)}")
+        parts.append(f"disk {format_bytes(cache.bytes_disk)}")
     return " · ".join(parts)
 
 
@@ -100,7 +95,7 @@ class Tray(QObject):
     def hide(self) -> None:
         self.icon.hide()
 
-    def update_status(self, state: EngineState, metrics: dict[str, Any] | None, parked: int | None,
+    def update_status(self, state: EngineState, metrics: MetricsBody | None, parked: int | None,
                       loading: str = "", words: str = "") -> None:
         if state is not self.state:  # the tooltip changes every poll; the icon only with the state
             self.icon.setIcon(self.icons[state])

@@ -20,6 +20,7 @@ from desktop.chat_tab import ChatTab, Conversation, render
 from desktop.engine_process import EngineState
 from desktop.main_window import MainWindow
 from desktop.settings import Paths
+from engine.figures import CacheFigures
 
 pytestmark = pytest.mark.timeout(240)
 LOAD_TIMEOUT_S = 120
@@ -137,12 +138,12 @@ def test_a_returning_conversation_is_restored_and_shown_in_the_monitor(qtbot, ap
     assert back.cached_tokens >= (previous.prompt_tokens or 0) * 0.8, (back, previous)
     assert back.cached_tokens > back.prompt_tokens // 2
 
-    def cache() -> dict:
-        return (w.metrics or {}).get("conversation_cache") or {}
+    def cache() -> CacheFigures:
+        return w.metrics.conversation_cache if w.metrics is not None else CacheFigures(enabled=False, storage="")
 
     w.tabs.setCurrentWidget(w.monitor)
     w.poller.poll()
-    assert pump_until(lambda: cache().get("parks", 0) >= 1 and cache().get("restores", 0) >= 1, 20)
+    assert pump_until(lambda: cache().parks >= 1 and cache().restores >= 1, 20)
     assert pump_until(lambda: w.monitor.model.rowCount() >= 1, 20), "the parked conversation is listed"
     w.tabs.setCurrentWidget(tab)
 

@@ -15,6 +15,7 @@ from desktop.crash_report import cache_loss
 from desktop.engine_process import EngineState
 from desktop.main_window import MainWindow
 from desktop.settings import Paths
+from tests.test_desktop_support import conversation_row
 
 openai = pytest.importorskip("openai")
 
@@ -29,11 +30,11 @@ def conversation(topic: str) -> list[dict]:
 
 def test_loss_counts_a_conversation_once_and_a_written_copy_as_kept():
     rows = [
-        {"id": "a", "tier": "ram", "bytes": 1 << 20},
-        {"id": "b", "tier": "ram", "bytes": 2 << 20},
-        {"id": "b", "tier": "disk", "bytes": 2 << 20, "on_disk": True},  # tiered: in RAM and written
-        {"id": "c", "tier": "disk", "bytes": 4 << 20, "pending": True},  # not written yet: gone with the process
-        {"id": "d", "tier": "disk", "bytes": 3 << 20, "on_disk": True},
+        conversation_row("a", "ram", bytes=1 << 20),
+        conversation_row("b", "ram", bytes=2 << 20),
+        conversation_row("b", "disk", bytes=2 << 20, on_disk=True),  # tiered: in RAM and written
+        conversation_row("c", "disk", bytes=4 << 20, pending=True),  # not written yet: gone with the process
+        conversation_row("d", "disk", bytes=3 << 20, on_disk=True),
     ]
     loss = cache_loss(rows, age_s=0.4)
     assert (loss.lost, loss.lost_bytes, loss.kept, loss.kept_bytes) == (2, 5 << 20, 2, 5 << 20)
@@ -75,7 +76,7 @@ def test_a_killed_engine_reports_what_was_lost_and_kept(qtbot, tmp_path, storage
 
         # The app's own snapshot (the poller) shows them parked, and written where they go to disk.
         qtbot.waitUntil(lambda: snapshot() == (lost, kept), timeout=30000)
-        on_disk = {r["id"] for r in w.conversation_rows if r.get("on_disk")}
+        on_disk = {r.id for r in w.conversation_rows if r.on_disk}
         w.engine.auto_restart = False
         os.kill(w.engine.pid, signal.SIGKILL)
         qtbot.waitUntil(lambda: not w.crash_panel.isHidden(), timeout=10000)
@@ -87,7 +88,7 @@ def test_a_killed_engine_reports_what_was_lost_and_kept(qtbot, tmp_path, storage
         if storage == "disk":
             w.crash_restart.click()
             qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=LOAD_TIMEOUT_MS)
-            qtbot.waitUntil(lambda: on_disk <= {r["id"] for r in w.conversation_rows or []}, timeout=30000)
+            qtbot.waitUntil(lambda: on_disk <= {r.id for r in w.conversation_rows or []}, timeout=30000)
             assert w.crash_panel.isHidden()
     finally:
         w.shutdown_now()

@@ -27,6 +27,7 @@ from desktop.main_window import MainWindow
 from desktop.pid_file import read_pid_file
 from desktop.settings import Paths
 from engine.config import EngineConfig
+from engine.figures import CacheFigures
 from engine.startup_progress import PHASES, READY_PHASE
 
 openai = pytest.importorskip("openai")
@@ -84,8 +85,9 @@ def chat(w: MainWindow, messages: list[dict]) -> object:
     return client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0)
 
 
-def cache(w: MainWindow) -> dict:
-    return (w.metrics or {}).get("conversation_cache") or {}
+def cache(w: MainWindow) -> CacheFigures:
+    """The cache's figures of the last /metrics answer (before the first: an empty cache's)."""
+    return w.metrics.conversation_cache if w.metrics is not None else CacheFigures(enabled=False, storage="")
 
 
 def test_the_header_showed_the_engines_start_up_phases_in_order(qtbot, app_window):
@@ -105,18 +107,18 @@ def test_abA_through_the_openai_sdk_shows_park_and_restore(qtbot, app_window):
     w.tabs.setCurrentWidget(w.monitor)
     chat(w, CONV_A)
     chat(w, CONV_B)  # A is switched out of the only slot: parked
-    qtbot.waitUntil(lambda: cache(w).get("parks", 0) >= 1, timeout=10000)
+    qtbot.waitUntil(lambda: cache(w).parks >= 1, timeout=10000)
     again = chat(w, CONV_A)  # A comes back: restored instead of prefilled
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    qtbot.waitUntil(lambda: cache(w).get("restores", 0) >= 1, timeout=10000)
+    qtbot.waitUntil(lambda: cache(w).restores >= 1, timeout=10000)
     labels = w.monitor.counters.labels
     qtbot.waitUntil(lambda: labels["parks"].text().split(" / ")[1] not in ("0", "–"), timeout=5000)
     assert labels["tokens_saved"].text() not in ("0", "–")
-    engine = w.metrics["engine"]  # how the engine computes, as /metrics reports it
-    kernel = {"blocks": " (native kernel)", "aten": " (PyTorch's kernel)", "": ""}[engine["int4_kernel"]]
-    assert (engine["weights_format"] == "int4") == (kernel != "")  # the bundled model on the CPU
-    assert labels["compute"].text() == (f"{engine['weights_format']} weights{kernel} · K/V {engine['kv_dtype']} · "
-                                        f"{engine['threads']} threads, {engine['decode_threads']} for decoding")
+    engine = w.metrics.engine  # how the engine computes, as /metrics reports it
+    kernel = {"blocks": " (native kernel)", "aten": " (PyTorch's kernel)", "": ""}[engine.int4_kernel]
+    assert (engine.weights_format == "int4") == (kernel != "")  # the bundled model on the CPU
+    assert labels["compute"].text() == (f"{engine.weights_format} weights{kernel} · K/V {engine.kv_dtype} · "
+                                        f"{engine.threads} threads, {engine.decode_threads} for decoding")
     # The rate comes from /cache/events, polled apart from /metrics: wait for that poll too.
     qtbot.waitUntil(lambda: labels["restore_ms"].text().startswith("last ") and "MiB/s" in labels["restore_ms"].text(),
                     timeout=10000)
@@ -139,7 +141,7 @@ def test_purge_empties_the_table_and_counters(qtbot, app_window):
     qtbot.waitUntil(lambda: w.purger.last is not None, timeout=10000)
     assert "Purged all: dropped" in w.statusBar().currentMessage()
     qtbot.waitUntil(lambda: w.monitor.model.rowCount() == 0, timeout=10000)
-    qtbot.waitUntil(lambda: cache(w).get("bytes_ram") == 0, timeout=10000)
+    qtbot.waitUntil(lambda: cache(w).bytes_ram == 0, timeout=10000)
     assert w.monitor.counters.ram_bar.value() == 0
 
 
@@ -168,7 +170,7 @@ def test_storage_mode_change_in_settings_reaches_the_engine(qtbot, app_window):
     qtbot.waitUntil(lambda: "Applied to the running engine: Storage mode = tiered" in tab.result.text(),
                     timeout=30000)
     w.tabs.setCurrentWidget(w.monitor)
-    qtbot.waitUntil(lambda: cache(w).get("storage") == "tiered", timeout=10000)
+    qtbot.waitUntil(lambda: cache(w).storage == "tiered", timeout=10000)
     assert w.monitor.counters.labels["storage"].text().startswith("tiered")
     assert w.engine.pid == pid, "applied live, no restart"
     qtbot.waitUntil(lambda: w.paths.settings_file.exists(), timeout=5000)  # autosaved, debounced
@@ -259,10 +261,10 @@ def test_monitor_soak_60_seconds_live(qtbot, app_window):
     assert len(memory.host_available) - samples_before >= SOAK_POLLS // 2, "memory sampled alongside the polls"
     qtbot.waitUntil(lambda: len(memory.host_curve.xData) == len(memory.host_available), timeout=10000)
     assert memory.host_curve.xData[-1] == memory.host_available.data()[0][-1], "the newest sample is drawn"
-    from desktop.monitor.report import format_count, number
+    from desktop.monitor.report import format_count
 
-    assert w.monitor.counters.labels["requests"].text() == format_count(number(w.metrics, "engine", "requests"))
-    assert number(w.metrics, "engine", "requests") >= SOAK_CHATS, "the counters show the latest answer"
+    assert w.monitor.counters.labels["requests"].text() == format_count(w.metrics.engine.requests)
+    assert w.metrics.engine.requests >= SOAK_CHATS, "the counters show the latest answer"
 
 
 def test_stop_and_the_app_state_follows(qtbot, app_window):
@@ -293,7 +295,7 @@ def test_crash_is_shown_within_two_seconds_and_restart_brings_it_back(qtbot, app
     default = EngineConfig().conversation_cache_storage
     file = w.paths.settings_file
     saved = json.loads(file.read_text())["engine"].get("conversation_cache_storage", default) if file.exists() else default
-    qtbot.waitUntil(lambda: cache(w).get("storage") == saved, timeout=10000)
+    qtbot.waitUntil(lambda: cache(w).storage == saved, timeout=10000)
 
 
 def test_quit_leaves_no_engine_process(qtbot, app_window):

@@ -4,6 +4,7 @@ one row per conversation across tiers, the eviction warning, log files.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ["QT_QPA_PLATFORM"] = "offscreen"
@@ -13,7 +14,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from desktop.engine_process import EngineState
-from tests.test_desktop_support import stand_in_window, wait_ready
+from engine.figures import Timing
+from tests.test_desktop_support import conversation_row, event, metrics_body, stand_in_window, wait_ready
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -156,7 +158,7 @@ def test_timing_plot_empty_restart_and_legend(qtbot):
     assert not scale_shown(tab.memory.engine_plot) and scale_shown(tab.memory.host_plot)
 
     old = time.time() - 3600  # the previous engine's events, an hour ago
-    tab.set_events([{"kind": "park", "time": old, "ms": 40.0}, {"kind": "restore", "time": old + 5, "ms": 9.0}])
+    tab.set_events([event("park", time=old, ms=40.0), event("restore", time=old + 5, ms=9.0)])
     assert not plot.empty and item.getAxis("left").style["showValues"] is True
     lo, hi = item.viewRange()[0]
     assert lo <= old <= hi
@@ -167,10 +169,10 @@ def test_timing_plot_empty_restart_and_legend(qtbot):
     assert plot.empty and len(plot.park.data) == 0 and hi > time.time() - 5 and lo > old + 5
     assert item.getAxis("left").style["showValues"] is False
 
-    timing = {"last": 0.0, "p50": 0.0, "p95": 0.0, "count": 0}
-    tab.set_metrics({"conversation_cache": {"parks": 0, "restores": 0, "park_ms": timing, "restore_ms": timing}})
+    timing = Timing(last=0.0, p50=0.0, p95=0.0, count=0)
+    tab.set_metrics(metrics_body(cache={"parks": 0, "restores": 0, "park_ms": timing, "restore_ms": timing}))
     assert tab.counters.labels["park_ms"].text() == "–" and tab.counters.labels["restore_ms"].text() == "–"
-    tab.set_metrics({"conversation_cache": {"parks": 0, "restores": 0, "park_ms": {"last": 0.0}}})
+    tab.set_metrics(metrics_body(cache={"parks": 0, "restores": 0, "park_ms": Timing(last=0.0)}))
     assert tab.counters.labels["park_ms"].text() == "–"
 
 
@@ -180,12 +182,12 @@ def test_tiered_conversation_shows_once_with_its_history(qtbot):
     from desktop.monitor.conversations import merge_tiers
 
     listed = [
-        {"id": "conv-a", "tokens": 1200, "bytes": 3_000_000, "tier": "ram", "created": 100.0, "last_used": 200.0,
-         "hits": 4, "pending": False},
-        {"id": "conv-b", "tokens": 800, "bytes": 2_000_000, "tier": "disk", "created": 120.0, "last_used": 150.0,
-         "hits": 1, "pending": False},
-        {"id": "conv-a", "tokens": 1200, "bytes": 1_000_000, "tier": "disk", "created": 90.0, "last_used": 180.0,
-         "hits": 0, "pending": True},
+        conversation_row("conv-a", "ram", tokens=1200, bytes=3_000_000, created=100.0, last_used=200.0, hits=4,
+                         pending=False),
+        conversation_row("conv-b", "disk", tokens=800, bytes=2_000_000, created=120.0, last_used=150.0, hits=1,
+                         pending=False),
+        conversation_row("conv-a", "disk", tokens=1200, bytes=1_000_000, created=90.0, last_used=180.0, hits=0,
+                         pending=True),
     ]
     tab = MonitorTab()
     qtbot.addWidget(tab)
@@ -196,12 +198,14 @@ def test_tiered_conversation_shows_once_with_its_history(qtbot):
     assert ids == ["conv-a", "conv-b"]
     a = model.rows[0]
     assert model.index(0, 3).data() == "RAM + disk" and model.index(1, 3).data() == "disk"
-    assert a["hits"] == 4 and a["created"] == 90.0 and a["last_used"] == 200.0 and a["pending"] is True
+    assert a.hits == 4 and a.created == 90.0 and a.last_used == 200.0 and a.pending is True
     assert model.index(0, 6).data() == "4", "the hits it had in RAM are kept, not a new row with 0"
     assert model.index(0, 2).data() == "3.8 MiB"
     assert "RAM 2.9 MiB" in model.index(0, 2).data(Qt.ItemDataRole.ToolTipRole)
-    assert merge_tiers(listed[:2]) == listed[:2], "conversations in one tier pass through unchanged"
-    assert merge_tiers([{"tier": "ram"}, "junk"]) == [{"tier": "ram"}], "rows without an id kept, junk dropped"
+    alone = merge_tiers(listed[:2])
+    assert [(p.row, p.ids, p.tiers, p.tokens, p.bytes, p.created, p.last_used, p.hits, p.pending) for p in alone] \
+        == [(r, (r.id,), (r.tier,), r.tokens, r.bytes, r.created, r.last_used, r.hits, r.pending)
+            for r in listed[:2]], "conversations in one tier pass through unchanged"
 
 
 def test_a_restored_conversation_parked_again_is_one_row_and_a_branch_stays_its_own(qtbot):
@@ -209,12 +213,12 @@ def test_a_restored_conversation_parked_again_is_one_row_and_a_branch_stays_its_
     (another conversation sharing its start). Rows from /cache/conversations as a tiered engine lists them."""
     from desktop.monitor import MonitorTab
 
-    disk = {"id": "old", "tokens": 213, "bytes": 9_000_000, "tier": "disk", "created": 100.0, "last_used": 300.0,
-            "hits": 5, "name": "apples", "system": ""}
-    ram = {"id": "new", "tokens": 230, "bytes": 10_000_000, "tier": "ram", "created": 301.0, "last_used": 301.0,
-           "hits": 0, "name": "apples", "system": "", "priority": "high"}
-    restored = {"time": 300.0, "kind": "restore", "conversation_id": "old", "tokens": 213, "tier": "disk"}
-    parked = {"time": 301.0, "kind": "park", "conversation_id": "new", "tokens": 230, "tier": "ram"}
+    disk = conversation_row("old", "disk", tokens=213, bytes=9_000_000, created=100.0, last_used=300.0, hits=5,
+                            name="apples", system="")
+    ram = conversation_row("new", "ram", tokens=230, bytes=10_000_000, created=301.0, last_used=301.0, hits=0,
+                           name="apples", system="", priority="high")
+    restored = event("restore", time=300.0, conversation_id="old", tokens=213, tier="disk")
+    parked = event("park", time=301.0, conversation_id="new", tokens=230, tier="ram")
     tab = MonitorTab()
     qtbot.addWidget(tab)
     tab.set_conversations([disk, ram])
@@ -222,23 +226,23 @@ def test_a_restored_conversation_parked_again_is_one_row_and_a_branch_stays_its_
     tab.set_events([restored, parked])
     assert tab.model.rowCount() == 1
     row = tab.model.rows[0]
-    assert row["id"] == "new" and row["ids"] == ["new", "old"] and row["priority"] == "high", "the live id speaks"
-    assert row["tier"] == ["ram", "disk"] and row["hits"] == 5 and row["tokens"] == 230 and row["created"] == 100.0
+    assert row.id == "new" and row.ids == ("new", "old") and row.priority == "high", "the live id speaks"
+    assert row.tiers == ("ram", "disk") and row.hits == 5 and row.tokens == 230 and row.created == 100.0
     assert tab.model.index(0, 3).data() == "RAM + disk" and tab.model.index(0, 6).data() == "5"
     tab.set_conversations([disk, ram])  # the next poll keeps it one row
     assert tab.model.rowCount() == 1
     tab.set_conversations([ram])  # the disk copy superseded: the link goes with it
-    assert tab.model.links == {} and tab.model.rows == [ram]
+    assert tab.model.links == {} and [r.row for r in tab.model.rows] == [ram]
 
     branch = MonitorTab()
     qtbot.addWidget(branch)
-    branch.set_events([{**restored, "tokens": 64}, parked])  # only its start was restored
+    branch.set_events([dataclasses.replace(restored, tokens=64), parked])  # only its start was restored
     branch.set_conversations([disk, ram])
     assert branch.model.rowCount() == 2
 
 
 def test_purge_counts_a_tiered_conversation_once(qtbot, window):
-    window._on_conversations([{"id": "x", "tier": "ram", "bytes": 10}, {"id": "x", "tier": "disk", "bytes": 5}])
+    window._on_conversations([conversation_row("x", "ram", bytes=10), conversation_row("x", "disk", bytes=5)])
     assert window.purger.summary("all")[0] == 1
     assert window.purger.summary("ram")[0] == 1 and window.purger.summary("disk")[0] == 1
 
@@ -273,12 +277,13 @@ def test_a_smaller_budget_says_what_it_evicts_and_asks_first(qtbot, window):
 
 def test_eviction_estimate_replays_lru():
     from desktop import eviction
+    from desktop.monitor.conversations import merge_tiers
 
     mib = 1 << 20
-    rows = [{"id": "new", "tier": "ram", "bytes": 10 * mib, "last_used": 300},
-            {"id": "mid", "tier": ["ram", "disk"], "bytes": 30 * mib, "bytes_by_tier": {"ram": 20 * mib, "disk": 10 * mib},
-             "last_used": 200},
-            {"id": "old", "tier": "disk", "bytes": 40 * mib, "last_used": 100}]
+    rows = merge_tiers([conversation_row("new", "ram", bytes=10 * mib, last_used=300),
+                        conversation_row("mid", "ram", bytes=20 * mib, last_used=200),
+                        conversation_row("mid", "disk", bytes=10 * mib, last_used=200),
+                        conversation_row("old", "disk", bytes=40 * mib, last_used=100)])
     running = {"conversation_cache_mib": 2048, "conversation_cache_disk_mib": 2048, "conversation_cache_slots": 64}
     ram = eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 25})
     assert ram == [eviction.Eviction("ram", 1, 20 * mib, 2, "25 MiB", spilled=True)]
@@ -361,7 +366,7 @@ def test_memory_panel_draws_the_expert_arena_as_its_own_band(qtbot):
     mib = 1 << 20
     tab = MonitorTab()
     qtbot.addWidget(tab)
-    tab.set_metrics({"engine": {"expert_arena_bytes": 300 * mib}, "conversation_cache": {}})
+    tab.set_metrics(metrics_body({"expert_arena_bytes": 300 * mib}))
     now = time.time()
     tab.set_memory(MemorySample(now - 2, 500 * mib, 8000 * mib, 16000 * mib))  # before the plots are built
     tab.ensure_plots()
@@ -378,7 +383,7 @@ def test_memory_panel_draws_the_expert_arena_as_its_own_band(qtbot):
     items = memory.engine_plot.getPlotItem().listDataItems()
     assert items.index(memory.arena_curve) < items.index(memory.engine_curve), "the RSS line is drawn on top"
 
-    tab.set_metrics({"engine": {"expert_arena_bytes": 0}, "conversation_cache": {}})  # a dense model now
+    tab.set_metrics(metrics_body({"expert_arena_bytes": 0}))  # a dense model now
     tab.set_memory(MemorySample(now, 400 * mib, 8100 * mib, 16000 * mib))
     memory.redraw()
     assert "expert arena" not in memory.engine_plot.getPlotItem().titleLabel.text
@@ -401,13 +406,14 @@ def test_a_hybrid_conversation_shows_its_checkpoints_and_their_bytes(qtbot):
     assert park(cache, slots, tokens, [BLOCK, 2 * BLOCK + 3, len(tokens)]).parked
     rows = [c.to_dict() for c in cache.conversations()]
     cache.close(spill=False)
-    body = to_json(ConversationsBody([parse(ConversationRow, r) for r in rows]))["conversations"]
-    assert body[0]["checkpoints"] == 3 and body[0]["checkpoint_bytes"] == 3 * ident.state_bytes
-    plain = {**body[0], "id": "plain", "checkpoints": 0, "checkpoint_bytes": 0}
+    body = parse(ConversationsBody, to_json(ConversationsBody([parse(ConversationRow, r) for r in rows])))
+    listed = body.conversations
+    assert listed[0].checkpoints == 3 and listed[0].checkpoint_bytes == 3 * ident.state_bytes
+    plain = dataclasses.replace(listed[0], id="plain", checkpoints=0, checkpoint_bytes=0)
 
     tab = MonitorTab()
     qtbot.addWidget(tab)
-    tab.set_conversations([*body, plain])
+    tab.set_conversations([*listed, plain])
     model = tab.model
     col = model.COLUMNS.index("Checkpoints")
     assert model.headerData(col, Qt.Orientation.Horizontal) == "Checkpoints"

@@ -14,6 +14,7 @@ import pytest
 
 from desktop.engine_process import EngineState
 from desktop.main_window import MainWindow
+from desktop.monitor.conversations import ParkedConversation
 from desktop.settings import Paths
 from tests.test_desktop_chat import LOAD_TIMEOUT_S, pump_until
 
@@ -32,8 +33,8 @@ def turn(w: MainWindow, messages: list[dict[str, str]], text: str) -> dict:
     return body["usage"]
 
 
-def named(w: MainWindow, words: str) -> list[dict]:
-    return [r for r in w.monitor.model.rows if str(r.get("name", "")).startswith(words)]
+def named(w: MainWindow, words: str) -> list[ParkedConversation]:
+    return [r for r in w.monitor.model.rows if r.name.startswith(words)]
 
 
 def test_a_conversation_restored_from_disk_and_parked_again_is_one_row(qtbot, qapp, tmp_path):
@@ -56,25 +57,25 @@ def test_a_conversation_restored_from_disk_and_parked_again_is_one_row(qtbot, qa
         assert pump_until(lambda: w.engine.state is EngineState.READY and w.engine.pid != pid, LOAD_TIMEOUT_S)
         assert pump_until(lambda: len(named(w, "Tell me about apples")) == 1, 20)
         on_disk = named(w, "Tell me about apples")[0]
-        assert on_disk["tier"] == "disk" and on_disk["hits"] >= 2, on_disk
+        assert on_disk.tiers == ("disk",) and on_disk.hits >= 2, on_disk
 
         usage = turn(w, apples, "And pears?")  # restored from its disk copy...
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= on_disk["tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= on_disk.tokens
         turn(w, rivers, "And canals?")  # ...and parked again in RAM, under a new id
 
         def one_row() -> bool:
             rows = named(w, "Tell me about apples")
-            return len(rows) == 1 and rows[0].get("tier") == ["ram", "disk"]
+            return len(rows) == 1 and rows[0].tiers == ("ram", "disk")
 
         ok = pump_until(one_row, 20)
         rows = named(w, "Tell me about apples")
         assert ok, rows
         row = rows[0]
-        assert on_disk["id"] in row["ids"] and row["id"] != on_disk["id"], "the live id, and the disk copy's"
-        assert row["hits"] >= on_disk["hits"] and row["tokens"] > on_disk["tokens"], row
+        assert on_disk.id in row.ids and row.id != on_disk.id, "the live id, and the disk copy's"
+        assert row.hits >= on_disk.hits and row.tokens > on_disk.tokens, row
         shown = [w.monitor.model.index(r, 0).data() for r in range(w.monitor.model.rowCount())]
         assert sum(s.startswith("Tell me about apples") for s in shown) == 1, shown
-        assert len([r for r in w.conversations if str(r.get("name", "")).startswith("Tell me about apples")]) == 1, \
+        assert len([r for r in w.conversations if r.name.startswith("Tell me about apples")]) == 1, \
             "purge and the tray count it once too"
     finally:
         w.shutdown_now()

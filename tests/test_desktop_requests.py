@@ -14,7 +14,13 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 import pytest
 from PySide6.QtCore import Qt
 
-from tests.test_desktop_support import fake_engine_command, stand_in_window, wait_ready
+from tests.test_desktop_support import (
+    conversation_row,
+    fake_engine_command,
+    request_record,
+    stand_in_window,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.timeout(90)
 NNBSP = "\u202f"  # the thousands separator of format_count
@@ -40,10 +46,15 @@ def _cells(model, row: int) -> list[str]:
 def _select(qtbot, monitor, conversation_id: str) -> None:
     for r in range(monitor.proxy.rowCount()):
         source = monitor.proxy.mapToSource(monitor.proxy.index(r, 0))
-        if monitor.model.rows[source.row()]["id"] == conversation_id:
+        if monitor.model.rows[source.row()].id == conversation_id:
             monitor.table.selectRow(r)
             break
-    qtbot.waitUntil(lambda: (monitor.selected_conversation() or {}).get("id") == conversation_id, timeout=2000)
+    qtbot.waitUntil(lambda: _selected_id(monitor) == conversation_id, timeout=2000)
+
+
+def _selected_id(monitor) -> str | None:
+    selected = monitor.selected_conversation()
+    return None if selected is None else selected.id
 
 
 def test_the_request_log_shows_each_request_explained_newest_first(qtbot, window):
@@ -80,7 +91,7 @@ def test_a_selected_conversation_shows_its_history_and_its_priority_changes_on_t
     qtbot.waitUntil(lambda: "pinned" in controls.result.text() and "not" not in controls.result.text(), timeout=5000)
     pinned_col = monitor.model.COLUMNS.index("Pinned")
     qtbot.waitUntil(lambda: monitor.model.index(0, pinned_col).data() == "pinned", timeout=5000)
-    assert (monitor.selected_conversation() or {}).get("id") == "conv-a", "the selection survives the refresh"
+    assert _selected_id(monitor) == "conv-a", "the selection survives the refresh"
 
     monitor._conversation_menu(monitor.table.visualRect(monitor.table.currentIndex()).center())
     menu = monitor.conversation_menu
@@ -104,8 +115,8 @@ def test_a_conversation_is_dropped_from_its_row_after_the_question(qtbot, window
     assert "Drop" in box.text() and box.defaultButton() is box.button(QMessageBox.StandardButton.Cancel)
     box.button(QMessageBox.StandardButton.Yes).click()
     qtbot.waitUntil(lambda: "Dropped" in monitor.controls.result.text(), timeout=5000)
-    qtbot.waitUntil(lambda: all(r.get("id") != "conv-b" for r in monitor.model.rows), timeout=5000)
-    assert any(r.get("id") == "conv-a" for r in monitor.model.rows), "only the chosen one goes"
+    qtbot.waitUntil(lambda: all(r.id != "conv-b" for r in monitor.model.rows), timeout=5000)
+    assert any(r.id == "conv-a" for r in monitor.model.rows), "only the chosen one goes"
 
 
 def test_an_engine_without_the_route_is_said_in_its_own_words(qtbot, window):
@@ -169,10 +180,10 @@ def test_the_conversations_table_shows_name_client_priority_and_pin(qtbot):
     tab = MonitorTab()
     qtbot.addWidget(tab)
     tab.set_conversations([
-        {"id": "c1", "tokens": 10, "bytes": 100, "tier": "ram", "created": 1.0, "last_used": 2.0, "hits": 0,
-         "name": "Fix the parser", "client": "OpenAI/Python", "priority": "high", "pinned": True,
-         "system": "You are a careful coder"},
-        {"id": "c2", "tokens": 10, "bytes": 100, "tier": "ram", "created": 1.0, "last_used": 1.0, "hits": 0},
+        conversation_row("c1", "ram", tokens=10, bytes=100, created=1.0, last_used=2.0, hits=0,
+                         name="Fix the parser", client="OpenAI/Python", priority="high", pinned=True,
+                         system="You are a careful coder"),
+        conversation_row("c2", "ram", tokens=10, bytes=100, created=1.0, last_used=1.0, hits=0),
     ])
     m = tab.model
     assert _cells(m, 0)[0] == "Fix the parser" and _cells(m, 0)[7:10] == ["OpenAI/Python", "high", "pinned"]
@@ -185,10 +196,10 @@ def test_every_reason_reads_as_words():
     from desktop.monitor.requests import reason_text, reason_tooltip
 
     def text(reason, **detail):
-        return reason_text({"reason": reason, "prompt_tokens": 200, "detail": detail}, now=100.0)
+        return reason_text(request_record(reason, prompt_tokens=200, detail=detail), now=100.0)
 
-    diverged = {"reason": "diverged", "detail": {"diverged_at": 57, "candidate": "slot 0", "candidate_tokens": 90,
-                                                 "before": "the ", "prompt_after": "cat", "candidate_after": "dog"}}
+    diverged = request_record("diverged", detail={"diverged_at": 57, "candidate": "slot 0", "candidate_tokens": 90,
+                                                  "before": "the ", "prompt_after": "cat", "candidate_after": "dog"})
     assert reason_text(diverged) == "diverged at token 57"
     tip = reason_tooltip(diverged)
     assert "…the ⟦cat⟧" in tip and "…the ⟦dog⟧" in tip and "slot 0 (90 tokens)" in tip
@@ -235,11 +246,11 @@ def test_the_request_log_of_a_real_engine_and_a_parked_conversations_history(qtb
                         timeout=15000)
         newest = _cells(monitor.requests.model, 0)
         assert newest[4] == "RAM" and newest[5].startswith("new tokens only"), newest
-        assert monitor.requests.model.rows[0]["request_id"] == back
-        line = monitor.requests.model.rows[0]["conversation_id"]
+        assert monitor.requests.model.rows[0].request_id == back
+        line = monitor.requests.model.rows[0].conversation_id
         _select(qtbot, monitor, line)
         history = monitor.requests.model.rows
-        assert [r["request_id"] for r in history] == [back, first], "its requests, newest first"
+        assert [r.request_id for r in history] == [back, first], "its requests, newest first"
         assert monitor.requests.summary.text().startswith("2 requests · reused ")
     finally:
         w.shutdown_now()

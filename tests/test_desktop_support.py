@@ -70,6 +70,35 @@ def wait_ready(qtbot, w) -> None:
     qtbot.waitUntil(lambda: w.engine.state is EngineState.READY, timeout=15000)
 
 
+# ------------------------------------------------------------------------------- bodies handed to widgets directly
+
+
+def conversation_row(id: str, tier: str = "ram", **fields) -> ConversationRow:  # noqa: A002 - the contract's name
+    """A /cache/conversations row as the client hands it on; what a test leaves out is zero (or the default)."""
+    return ConversationRow(**{"id": id, "tier": tier, "tokens": 0, "bytes": 0, "created": 0.0, "last_used": 0.0,
+                              "hits": 0, **fields})
+
+
+def metrics_body(engine: dict | None = None, cache: dict | None = None) -> MetricsBody:
+    """A /metrics body as the client hands it on: the fields a test gives, the rest as an engine that does not
+    measure them reports."""
+    return MetricsBody(EngineFigures(**{"model": "", "state": "", **(engine or {})}),
+                       CacheFigures(**{"enabled": True, "storage": "ram", **(cache or {})}))
+
+
+def event(kind: str, **fields) -> Event:
+    """A /cache/events entry as the client hands it on."""
+    return Event(**{"time": 0.0, "kind": kind, "conversation_id": None, "tokens": 0, "bytes": 0, "ms": 0.0,
+                    "tier": "ram", **fields})
+
+
+def request_record(reason: str, **fields) -> RequestRecord:
+    """A /cache/requests record as the client hands it on."""
+    return RequestRecord(**{"time": 0.0, "request_id": "r", "conversation_id": None, "name": "", "client": "",
+                            "priority": "normal", "prompt_tokens": 0, "reused_tokens": 0, "source": "none",
+                            "reason": reason, **fields})
+
+
 # ---------------------------------------------------------------------------------------------- the stand-in
 
 

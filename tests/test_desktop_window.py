@@ -71,7 +71,7 @@ def test_purge_confirms_with_counts_and_shows_the_result(qtbot, window):
     assert "Drop 2 parked conversations (4.8 MiB) from RAM and disk?" in window.purger.box.text()
     window.purger.box.button(QMessageBox.StandardButton.Yes).click()
     qtbot.waitUntil(lambda: window.purger.last is not None, timeout=5000)
-    assert window.purger.last["dropped"]["conversations"] == 2
+    assert window.purger.last.dropped.conversations == 2
     assert "dropped 2 conversation(s), 4.8 MiB" in window.statusBar().currentMessage()
     qtbot.waitUntil(lambda: window.monitor.model.rowCount() == 0, timeout=5000)
 
@@ -201,19 +201,22 @@ def test_settings_load_message_is_shown(qtbot, tmp_path):
         w.shutdown_now()
 
 
-def test_monitor_tolerates_missing_and_odd_keys(qtbot):
+def test_monitor_renders_bodies_with_only_the_required_fields(qtbot):
+    """An older engine's answers: what it does not report is the contract's default (a shape the contract does
+    not declare never reaches the Monitor: desktop/client.py refuses it)."""
     from desktop.client import sample_memory
     from desktop.monitor import MonitorTab
+    from tests.test_desktop_support import conversation_row, event, metrics_body
 
     tab = MonitorTab()
     qtbot.addWidget(tab)
     tab.set_memory(sample_memory(None))  # before the plots exist: kept and replayed
     tab.ensure_plots()
-    for metrics in ({}, {"engine": None}, {"conversation_cache": {"budgets": None, "park_ms": 3}},
-                    {"engine": {"model": "m"}, "conversation_cache": {"enabled": False}}):
+    for metrics in (metrics_body(), metrics_body({"model": "m"}, {"enabled": False})):
         tab.set_metrics(metrics)
-    tab.set_conversations([{"id": "x"}, {"tier": ["ram", "disk"], "created": "2024-01-01T00:00:00Z"}, "junk"])
-    tab.set_events([{"kind": "park"}, {"kind": "restore", "time": 1.0, "ms": "?"}, {}])
+    tab.set_conversations([conversation_row("x"), conversation_row("y", "ram", created=1704067200.0),
+                           conversation_row("y", "disk")])
+    tab.set_events([event("park"), event("restore", time=1.0), event("evict")])
     tab.show()
     assert tab.model.rowCount() == 2 and tab.model.index(1, 3).data() == "RAM + disk"
 

@@ -13,11 +13,13 @@ from typing import Any
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QMenu, QPushButton, QWidget
 
+from desktop.monitor.conversations import ParkedConversation
+
 PRIORITY_LABELS = (("high", "High priority"), ("normal", "Normal priority"), ("low", "Low priority"))
 
 
-def conversation_title(row: dict[str, Any]) -> str:
-    return str(row.get("name") or row.get("id") or "?")
+def conversation_title(row: ParkedConversation) -> str:
+    return row.name or row.id or "?"
 
 
 class ConversationControls(QWidget):
@@ -26,7 +28,7 @@ class ConversationControls(QWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.row: dict[str, Any] | None = None
+        self.row: ParkedConversation | None = None
         self.selected = QLabel("Select a conversation to change its priority or pin it.")
         self.priority = QComboBox()
         for value, text in PRIORITY_LABELS:
@@ -52,9 +54,9 @@ class ConversationControls(QWidget):
         layout.addWidget(self.result, 2)
         self.set_conversation(None)
 
-    def set_conversation(self, row: dict[str, Any] | None) -> None:
+    def set_conversation(self, row: ParkedConversation | None) -> None:
         """Show the selected conversation's priority and pin (as the engine last listed them); None = none."""
-        changed = (row or {}).get("id") != (self.row or {}).get("id")
+        changed = (None if row is None else row.id) != (None if self.row is None else self.row.id)
         self.row = row
         self.priority.setEnabled(row is not None)
         self.pinned.setEnabled(row is not None)
@@ -65,22 +67,21 @@ class ConversationControls(QWidget):
             self.selected.setText("Select a conversation to change its priority or pin it.")
             return
         self.selected.setText(f"<b>{conversation_title(row).replace('<', '&lt;')}</b>")
-        i = self.priority.findData(str(row.get("priority") or "normal"))
-        self.priority.setCurrentIndex(max(i, 0))
-        self.pinned.setChecked(bool(row.get("pinned")))
+        self.priority.setCurrentIndex(max(self.priority.findData(row.priority), 0))
+        self.pinned.setChecked(row.pinned)
 
     def add_actions(self, menu: QMenu) -> None:
         """The same choices as a context menu for the selected conversation."""
         if self.row is None:
             return
-        current = str(self.row.get("priority") or "normal")
+        current = self.row.priority
         for value, text in PRIORITY_LABELS:
             action = menu.addAction(text)
             action.setCheckable(True)
             action.setChecked(value == current)
             action.triggered.connect(lambda _=False, v=value: self._request({"priority": v}))
         menu.addSeparator()
-        pinned = bool(self.row.get("pinned"))
+        pinned = self.row.pinned
         pin = menu.addAction("Unpin" if pinned else "Pin")
         pin.triggered.connect(lambda _=False: self._request({"pinned": not pinned}))
         menu.addSeparator()
@@ -92,15 +93,15 @@ class ConversationControls(QWidget):
 
     def _priority_chosen(self, index: int) -> None:
         value = self.priority.itemData(index)
-        if self.row is not None and value != (self.row.get("priority") or "normal"):
+        if self.row is not None and value != self.row.priority:
             self._request({"priority": value})
 
     def _drop(self) -> None:
-        if self.row is not None and self.row.get("id"):
-            self.drop_requested.emit(str(self.row["id"]))
+        if self.row is not None:
+            self.drop_requested.emit(self.row.id)
 
     def _request(self, changes: dict[str, Any]) -> None:
-        if self.row is not None and self.row.get("id"):
+        if self.row is not None:
             self.result.setStyleSheet("")
             self.result.setText("Asking the engine…")
-            self.change_requested.emit(str(self.row["id"]), changes)
+            self.change_requested.emit(self.row.id, changes)

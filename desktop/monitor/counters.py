@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from PySide6.QtWidgets import QFormLayout, QGridLayout, QGroupBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
-from desktop.monitor.report import budget, dig, format_age, format_count, format_ms, number, total
+from desktop.monitor.report import format_age, format_count, format_ms
 from desktop.settings import UNIQUE_BYTES, format_bytes
+from engine.contract import Event, MetricsBody
+from engine.figures import CacheFigures, EngineFigures, Timing
 
 MIB = 1 << 20
 
@@ -49,7 +49,7 @@ class CountersPanel(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.labels: dict[str, QLabel] = {}
-        self._cache: dict[str, Any] = {}
+        self._cache: CacheFigures | None = None  # the last report (the timings are shown with each event poll)
         self._rates: dict[str, float] = {}
         self._parked: int | None = None
         self._slots_budget: float | None = None
@@ -83,78 +83,59 @@ class CountersPanel(QWidget):
         layout.addWidget(budget_box)
         layout.addStretch(1)
 
-    def set_events(self, events: list[dict[str, Any]]) -> None:
+    def set_events(self, events: list[Event]) -> None:
         """Recent park/restore events: the newest of each kind gives the transfer rate shown beside the times."""
         self._rates = {}
         for ev in events:
-            kind, ms, size = ev.get("kind"), number(ev, "ms"), number(ev, "bytes")
-            if kind in ("park", "restore") and ms and size:  # an incremental re-park may move no bytes
-                self._rates[kind] = size / MIB / (ms / 1e3)  # MiB/s of the newest event (the list is oldest first)
+            if ev.kind in ("park", "restore") and ev.ms and ev.bytes:  # an incremental re-park may move no bytes
+                self._rates[ev.kind] = ev.bytes / MIB / (ev.ms / 1e3)  # MiB/s of the newest (the list is oldest first)
         self._show_timings()
 
     def _show_timings(self) -> None:
-        self.labels["park_ms"].setText(_timing(self._cache, "park_ms", self._rates.get("park")))
-        self.labels["restore_ms"].setText(_timing(self._cache, "restore_ms", self._rates.get("restore")))
+        c = self._cache
+        self.labels["park_ms"].setText(_timing(None if c is None else c.park_ms, self._rates.get("park")))
+        self.labels["restore_ms"].setText(_timing(None if c is None else c.restore_ms, self._rates.get("restore")))
 
-    def set_metrics(self, m: dict[str, Any]) -> None:
-        e = dig(m, "engine", default={})
-        c = dig(m, "conversation_cache", default={})
+    def set_metrics(self, m: MetricsBody) -> None:
+        e, c = m.engine, m.conversation_cache
         lb = self.labels
-        lb["model"].setText(str(dig(e, "model", default="–")))
-        lb["model"].setToolTip(str(dig(e, "model", default="")))
+        lb["model"].setText(e.model)
+        lb["model"].setToolTip(e.model)
         lb["compute"].setText(runs_as(e))
-        lb["state"].setText(str(dig(e, "state", default="–")))
-        busy, slots = number(e, "slots_busy"), number(e, "slots")
-        lb["slots"].setText(f"{format_count(busy)} of {format_count(slots)}")
-        lb["queued"].setText(format_count(number(e, "queued")))
-        lb["requests"].setText(format_count(number(e, "requests")))
-        pf, dc = number(e, "prefill_tokens_per_s"), number(e, "decode_tokens_per_s")
-        lb["speed"].setText(f"{_rate(pf)} / {_rate(dc)} tokens/s")
-        lb["uptime"].setText(format_age(number(e, "uptime_s")))
+        lb["state"].setText(e.state)
+        lb["slots"].setText(f"{format_count(e.slots_busy)} of {format_count(e.slots)}")
+        lb["queued"].setText(format_count(e.queued))
+        lb["requests"].setText(format_count(e.requests))
+        lb["speed"].setText(f"{_rate(e.prefill_tokens_per_s)} / {_rate(e.decode_tokens_per_s)} tokens/s")
+        lb["uptime"].setText(format_age(e.uptime_s))
 
-        if not c or dig(c, "enabled", default=True) is False:
-            lb["storage"].setText("off" if c else "–")
+        if not c.enabled:
+            lb["storage"].setText("off")
         else:
-            where = dig(c, "dir", default="")
-            mode = str(dig(c, "storage", default="–"))
-            lb["storage"].setText(mode)
-            lb["storage"].setToolTip(f"Folder: {where}" if where else "")
-        hits, misses = number(c, "hits"), number(c, "misses")
-        rate = number(c, "hit_rate")
-        if rate is None and hits is not None and misses is not None and hits + misses > 0:
-            rate = hits / (hits + misses)
-        lb["hit_rate"].setText(("–" if rate is None else f"{100 * rate:.0f}%")
-                               + f"  ({format_count(hits)} hits, {format_count(misses)} misses)")
-        saved = number(c, "tokens_reused")
-        if saved is None:
-            saved = number(e, "cached_tokens")
-        lb["tokens_saved"].setText(format_count(saved))
-        lb["parks"].setText(f"{format_count(number(c, 'parks'))} / {format_count(number(c, 'restores'))}")
-        refusals = dig(c, "refusals")
-        lb["evictions"].setText(f"{format_count(number(c, 'evictions'))} / {format_count(total(refusals))}")
-        lb["evictions"].setToolTip(
-            "\n".join(f"{k}: {v}" for k, v in refusals.items()) if isinstance(refusals, dict) and refusals else "")
+            lb["storage"].setText(c.storage)
+            lb["storage"].setToolTip(f"Folder: {c.dir}" if c.dir else "")
+        looked_up = c.hits + c.misses
+        rate = "–" if not looked_up else f"{100 * c.hits / looked_up:.0f}%"
+        lb["hit_rate"].setText(f"{rate}  ({format_count(c.hits)} hits, {format_count(c.misses)} misses)")
+        lb["tokens_saved"].setText(format_count(c.tokens_reused))
+        lb["parks"].setText(f"{format_count(c.parks)} / {format_count(c.restores)}")
+        lb["evictions"].setText(f"{format_count(c.evictions)} / {format_count(sum(c.refusals.values()))}")
+        lb["evictions"].setToolTip("\n".join(f"{k}: {v}" for k, v in c.refusals.items()))
         self._cache = c
         self._show_timings()
 
-        uses_disk = dig(c, "storage") in ("disk", "tiered")
-        self.ram_bar.set_usage(number(c, "bytes_ram"), budget(c, "ram_bytes"))
-        self.disk_bar.set_usage(number(c, "bytes_disk") if uses_disk or number(c, "bytes_disk") else None,
-                                budget(c, "disk_bytes"))
-        if not uses_disk and not number(c, "bytes_disk") and c:
-            self.disk_bar.setFormat(f"not used in {dig(c, 'storage', default='this')} mode")
-        error = str(dig(c, "disk_error", default=""))
-        if error:
-            self.disk_bar.setFormat("error: " + error)
-        self.disk_bar.setToolTip(error or UNIQUE_BYTES)
-        self._slots_budget = budget(c, "slots")
-        if self._parked is None:
-            entries = number(c, "entries")
-            if entries is None and (number(c, "entries_ram") is not None or number(c, "entries_disk") is not None):
-                entries = (number(c, "entries_ram") or 0) + (number(c, "entries_disk") or 0)
-            self.slots_bar.set_usage(entries, self._slots_budget, unit="count")
-        else:
-            self.slots_bar.set_usage(self._parked, self._slots_budget, unit="count")
+        uses_disk = c.storage in ("disk", "tiered")
+        self.ram_bar.set_usage(c.bytes_ram, c.ram_bytes)
+        self.disk_bar.set_usage(c.bytes_disk if uses_disk or c.bytes_disk else None, c.disk_bytes)
+        if not uses_disk and not c.bytes_disk:
+            self.disk_bar.setFormat(f"not used in {c.storage} mode")
+        if c.disk_error:
+            self.disk_bar.setFormat("error: " + c.disk_error)
+        self.disk_bar.setToolTip(c.disk_error or UNIQUE_BYTES)
+        self._slots_budget = c.slots
+        # /cache/conversations' count once it came (a tiered conversation in both tiers is one), else the entries.
+        parked = c.entries_ram + c.entries_disk if self._parked is None else self._parked
+        self.slots_bar.set_usage(parked, self._slots_budget, unit="count")
 
     def set_parked(self, count: int | None) -> None:
         """How many conversations /cache/conversations lists, against the slots budget (None: use the counts)."""
@@ -167,29 +148,22 @@ def _rate(x: float | None) -> str:
     return format_count(x)  # one thousands separator everywhere
 
 
-def _timing(c: dict[str, Any], key: str, mib_per_s: float | None) -> str:
+def _timing(t: Timing | None, mib_per_s: float | None) -> str:
     """"last 4.0 ms · median 4.0 ms · p95 4.0 ms · 715 MiB/s"; "–" while there was no such event (not "0.0 ms")."""
-    count = number(c, key, "count")
-    if count is None:  # an engine that does not count per timing: its event counter says the same
-        count = number(c, {"park_ms": "parks", "restore_ms": "restores"}[key])
-    if count == 0 or (count is None and number(c, key, "last") is None):
+    if t is None or t.count == 0:
         return "–"
-    last, p50, p95 = number(c, key, "last"), number(c, key, "p50"), number(c, key, "p95")
-    text = f"last {format_ms(last)} · median {format_ms(p50)} · p95 {format_ms(p95)}"
+    text = f"last {format_ms(t.last)} · median {format_ms(t.p50)} · p95 {format_ms(t.p95)}"
     if mib_per_s is not None:
         text += f" · {format_count(mib_per_s)} MiB/s"
     return text
 
 
-def runs_as(engine: dict[str, Any]) -> str:
+def runs_as(engine: EngineFigures) -> str:
     """How the engine computes, from /metrics' engine block: e.g. "int4 weights (native kernel) · K/V float32 ·
     2 threads, 1 for decoding" (the weights format --cpu-weights auto chose and the 4-bit kernel it runs on, the
     K/V dtype, --threads and --decode-threads)."""
-    weights, kv = dig(engine, "weights_format", default="–"), dig(engine, "kv_dtype", default="–")
-    kernel_name = dig(engine, "int4_kernel", default="")
-    kernel = {"blocks": "native", "aten": "PyTorch's"}.get(kernel_name, "") if isinstance(kernel_name, str) else ""
-    text = f"{weights} weights{f' ({kernel} kernel)' if kernel else ''} · K/V {kv}"
-    threads, decoding = number(engine, "threads"), number(engine, "decode_threads")
-    if threads:
-        text += f" · {format_count(threads)} threads, {format_count(decoding)} for decoding"
+    kernel = {"blocks": "native", "aten": "PyTorch's"}.get(engine.int4_kernel, "")
+    text = f"{engine.weights_format} weights{f' ({kernel} kernel)' if kernel else ''} · K/V {engine.kv_dtype}"
+    if engine.threads:
+        text += f" · {format_count(engine.threads)} threads, {format_count(engine.decode_threads)} for decoding"
     return text

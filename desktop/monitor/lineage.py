@@ -11,45 +11,41 @@ row of its own; so does anything the event log does not show (it is fetched whil
 
 from __future__ import annotations
 
-from typing import Any
-
-from desktop.monitor.report import number, timestamp
+from engine.contract import ConversationRow, Event
 
 
-def learn_links(events: list[Any], rows: list[Any], links: dict[str, str]) -> bool:
+def learn_links(events: list[Event], rows: list[ConversationRow], links: dict[str, str]) -> bool:
     """Add to `links` (old id -> the id it continues as) what `events` show; forget ids no longer listed.
 
     Returns whether `links` changed. Links are remembered, not re-derived, as the event log is bounded.
     """
-    by_id = {str(r["id"]): r for r in rows if isinstance(r, dict) and r.get("id") is not None}
+    by_id = {r.id: r for r in rows}
     changed = False
-    for old in [old for old, new in links.items() if old not in by_id or new not in by_id]:
-        del links[old]
+    for gone in [old for old, new in links.items() if old not in by_id or new not in by_id]:
+        del links[gone]
         changed = True
-    ordered = sorted((e for e in events if isinstance(e, dict)), key=lambda e: timestamp(e.get("time")) or 0.0)
+    ordered = sorted(events, key=lambda e: e.time)
     for i, event in enumerate(ordered):
-        old = by_id.get(str(event.get("conversation_id")))
-        if event.get("kind") != "restore" or event.get("tier") != "disk" or old is None or old["id"] in links:
+        old = by_id.get(event.conversation_id or "")
+        if event.kind != "restore" or event.tier != "disk" or old is None or old.id in links:
             continue
-        restored, held = number(event, "tokens"), number(old, "tokens")
-        if restored is None or held is None or restored < held:
+        if event.tokens < old.tokens:
             continue  # part of it: whatever is parked next is a branch, not this conversation going on
         for later in ordered[i + 1:]:
-            new = by_id.get(str(later.get("conversation_id")))
-            if later.get("kind") != "park" or new is None or new is old:
+            new = by_id.get(later.conversation_id or "")
+            if later.kind != "park" or new is None or new is old:
                 continue
-            if (new.get("name"), new.get("system")) == (old.get("name"), old.get("system")) and \
-                    (number(new, "tokens") or 0) >= held:
-                links[str(old["id"])] = str(new["id"])
+            if (new.name, new.system) == (old.name, old.system) and new.tokens >= old.tokens:
+                links[old.id] = new.id
                 changed = True
                 break
     return changed
 
 
-def final_id(conv_id: Any, links: dict[str, str]) -> Any:
+def final_id(conv_id: str, links: dict[str, str]) -> str:
     """The id a conversation goes on under now (following links, which never loop: each points to a later park)."""
     seen = {conv_id}
-    while str(conv_id) in links and links[str(conv_id)] not in seen:
-        conv_id = links[str(conv_id)]
+    while conv_id in links and links[conv_id] not in seen:
+        conv_id = links[conv_id]
         seen.add(conv_id)
     return conv_id

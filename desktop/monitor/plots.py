@@ -14,8 +14,8 @@ from PySide6.QtGui import QFont, QFontMetrics, QTextDocument, QTextDocumentFragm
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from desktop.client import MemorySample
-from desktop.monitor.report import number, timestamp
 from desktop.monitor.ring import RingBuffer
+from engine.contract import Event
 
 MIB = 1024 * 1024
 HISTORY = 1800  # samples kept per series: 30 min at the 1 s refresh
@@ -207,12 +207,12 @@ class TimingPlot(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.plot)
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Event] = []
         self._dirty = True
         self._shown_key: tuple | None = None
         self.empty = True
 
-    def set_events(self, events: list[dict[str, Any]]) -> None:
+    def set_events(self, events: list[Event]) -> None:
         self._events = events
         self._dirty = True
 
@@ -228,11 +228,9 @@ class TimingPlot(QWidget):
         self._dirty = False
         points: dict[str, tuple[list[float], list[float]]] = {"park": ([], []), "restore": ([], [])}
         for ev in self._events:
-            kind = ev.get("kind")
-            t, ms = timestamp(ev.get("time")), number(ev, "ms")
-            if kind in points and t is not None and ms is not None:
-                points[kind][0].append(t)
-                points[kind][1].append(ms)
+            if ev.kind in points:
+                points[ev.kind][0].append(ev.time)
+                points[ev.kind][1].append(ev.ms)
         key = tuple(len(v[0]) for v in points.values()) + tuple(v[0][-1] if v[0] else 0 for v in points.values())
         if key == self._shown_key:
             return

@@ -1,40 +1,20 @@
-"""Reading the engine's reports tolerantly: a missing key shows as a dash, never as an exception."""
+"""How the Monitor writes the engine's figures: counts, sizes, durations and ages in words, "–" for none.
+
+The figures themselves arrive typed (engine/contract.py, engine/figures.py, parsed strictly in desktop/client.py);
+only a request's `detail` is an open object whose keys depend on its reason, read with `number`.
+"""
 
 from __future__ import annotations
 
-import time
-from datetime import datetime
 from typing import Any
 
 
-def dig(data: Any, *keys: str, default: Any = None) -> Any:
-    """data[k1][k2]... or `default` when any level is missing or of the wrong type."""
-    for key in keys:
-        if not isinstance(data, dict) or key not in data:
-            return default
-        data = data[key]
-    return default if data is None else data
-
-
-def number(data: Any, *keys: str) -> float | None:
-    value = dig(data, *keys)
+def number(data: dict[str, Any], key: str) -> float | None:
+    """An open object's (a request's `detail`) number under `key`, or None where it has none."""
+    value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
-
-
-def timestamp(value: Any) -> float | None:
-    """Epoch seconds from a number (s or ms) or an ISO-8601 string."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return float(value) / 1000 if value > 1e11 else float(value)
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-    return None
 
 
 def format_age(seconds: float | None) -> str:
@@ -51,11 +31,6 @@ def format_age(seconds: float | None) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
-def since(value: Any, now: float | None = None) -> float | None:
-    t = timestamp(value)
-    return None if t is None else (now or time.time()) - t
-
-
 def format_count(n: float | None) -> str:
     if n is None:
         return "–"
@@ -66,18 +41,3 @@ def format_ms(ms: float | None) -> str:
     if ms is None:
         return "–"
     return f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
-
-
-def budget(cache: Any, key: str) -> float | None:
-    """A budget from the cache report (ram_bytes, disk_bytes, slots, min_free_bytes), as engine/cache/stats.py has it."""
-    return number(cache, key)
-
-
-def total(value: Any) -> float | None:
-    """A counter reported as a number or as {reason: count}."""
-    if isinstance(value, dict):
-        counts = [v for v in value.values() if isinstance(v, int | float) and not isinstance(v, bool)]
-        return float(sum(counts))
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from desktop.monitor.report import format_age, format_count, format_ms, number
 from desktop.monitor.rows_model import Index, RowsModel
+from engine.contract import RequestRecord
 
 SOURCES = {"live": "live slot", "ram": "RAM", "disk": "disk", "checkpoint": "checkpoint", "none": "–"}
 
@@ -33,9 +34,10 @@ def _pct(part: float | None, whole: float | None) -> str:
     return f"{100 * part / whole:.0f}%" if part is not None and whole else "–"
 
 
-def reason_text(record: dict[str, Any], now: float | None = None) -> str:
-    """The reason in a few words: what made the engine compute the tokens it did not reuse."""
-    reason, d = str(record.get("reason", "")), record.get("detail") or {}
+def reason_text(record: RequestRecord, now: float | None = None) -> str:
+    """The reason in a few words: what made the engine compute the tokens it did not reuse. Its `detail` is the
+    one open object of the contract (its keys depend on the reason): read by name, a missing key shows as "–"."""
+    reason, d = record.reason, record.detail
     if reason == "new_tokens":
         return f"new tokens only ({format_count(number(d, 'computed'))})"
     if reason == "diverged":
@@ -57,7 +59,7 @@ def reason_text(record: dict[str, Any], now: float | None = None) -> str:
     if reason == "n_min":
         return f"hit of {format_count(number(d, 'offered'))} tokens < n-min {format_count(number(d, 'n_min'))}"
     if reason == "similarity":
-        share = _pct(number(d, "offered"), number(record, "prompt_tokens"))
+        share = _pct(number(d, "offered"), record.prompt_tokens)
         return f"hit covers {share} < similarity {number(d, 'similarity') or 0:.0%}"
     if reason == "cost":
         restore, prefill = number(d, "predicted_restore_s"), number(d, "predicted_prefill_s")
@@ -70,15 +72,15 @@ def reason_text(record: dict[str, Any], now: float | None = None) -> str:
             "cold": "nothing shared (new conversation)"}.get(reason, reason or "–")
 
 
-def reason_tooltip(record: dict[str, Any]) -> str:
+def reason_tooltip(record: RequestRecord) -> str:
     """The reason's whole detail: the text either side of a divergence, what evicted it, the two predictions."""
-    d = record.get("detail") or {}
+    d = record.detail
     lines = [reason_text(record)]
-    if record.get("reason") in ("diverged", "template"):
+    if record.reason in ("diverged", "template"):
         lines += [f"compared with {d.get('candidate', '?')} ({format_count(number(d, 'candidate_tokens'))} tokens)",
                   f"prompt:    …{d.get('before', '')}⟦{d.get('prompt_after', '')}⟧",
                   f"candidate: …{d.get('before', '')}⟦{d.get('candidate_after', '')}⟧"]
-    elif record.get("reason") == "evicted" and d.get("by_conversation"):
+    elif record.reason == "evicted" and d.get("by_conversation"):
         lines.append(f"to make room for conversation {d['by_conversation']}")
     for key, value in d.items():
         if key not in ("before", "prompt_after", "candidate_after"):
@@ -86,26 +88,26 @@ def reason_tooltip(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def conversation_label(record: dict[str, Any]) -> str:
-    return str(record.get("name") or record.get("conversation_id") or "–")
+def conversation_label(record: RequestRecord) -> str:
+    return record.name or record.conversation_id or "–"
 
 
-def history_summary(records: list[dict[str, Any]]) -> str:
+def history_summary(records: list[RequestRecord]) -> str:
     """One conversation's requests in a line: how many, the share of prompt tokens reused, the TTFTs."""
     if not records:
         return "No request of this conversation in the log yet."
-    prompt = sum(number(r, "prompt_tokens") or 0 for r in records)
-    reused = sum(number(r, "reused_tokens") or 0 for r in records)
-    ttfts = [t for r in records if (t := number(r, "ttft_ms")) is not None]
+    prompt = sum(r.prompt_tokens for r in records)
+    reused = sum(r.reused_tokens for r in records)
+    ttfts = [r.ttft_ms for r in records if r.ttft_ms is not None]
     ttft = f"TTFT median {format_ms(statistics.median(ttfts))}, last {format_ms(ttfts[-1])}" if ttfts else "TTFT –"
     n = len(records)
     return f"{n} request{'s' if n != 1 else ''} · reused {_pct(reused, prompt)} of their prompt tokens · {ttft}"
 
 
-class RequestsModel(RowsModel):
+class RequestsModel(RowsModel[RequestRecord]):
     COLUMNS = ("Time", "Conversation", "Prompt", "Reused", "Source", "Reason", "TTFT")
 
-    def set_rows(self, rows: list[dict[str, Any]]) -> None:
+    def set_rows(self, rows: list[RequestRecord]) -> None:
         """The engine's records (oldest first), shown newest first."""
         self.beginResetModel()
         self.rows = list(reversed(rows))
@@ -120,27 +122,25 @@ class RequestsModel(RowsModel):
         if role == Qt.ItemDataRole.ToolTipRole and col == 5:
             return reason_tooltip(row)
         if role == Qt.ItemDataRole.ToolTipRole and col == 1:
-            return f"{row.get('conversation_id') or 'not parked yet'} · {row.get('client') or 'unknown client'}"
+            return f"{row.conversation_id or 'not parked yet'} · {row.client or 'unknown client'}"
         if role == Qt.ItemDataRole.TextAlignmentRole and col in (2, 3, 6):
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         return None
 
-    def _display(self, row: dict[str, Any], col: int) -> str:
+    def _display(self, row: RequestRecord, col: int) -> str:
         if col == 0:
-            t = number(row, "time")
-            return "–" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+            return time.strftime("%H:%M:%S", time.localtime(row.time))
         if col == 1:
             return conversation_label(row)
         if col == 2:
-            return format_count(number(row, "prompt_tokens"))
+            return format_count(row.prompt_tokens)
         if col == 3:
-            reused = number(row, "reused_tokens")
-            return f"{format_count(reused)} ({_pct(reused, number(row, 'prompt_tokens'))})"
+            return f"{format_count(row.reused_tokens)} ({_pct(row.reused_tokens, row.prompt_tokens)})"
         if col == 4:
-            return SOURCES.get(str(row.get("source")), str(row.get("source", "–")))
+            return SOURCES.get(row.source, row.source)
         if col == 5:
             return reason_text(row)
-        return format_ms(number(row, "ttft_ms"))
+        return format_ms(row.ttft_ms)
 
 
 class RequestLogPanel(QWidget):
@@ -150,7 +150,7 @@ class RequestLogPanel(QWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.records: list[dict[str, Any]] = []
+        self.records: list[RequestRecord] = []
         self.conversation: str | None = None  # the conversation whose history is shown; None = every request
         self.conversation_name = ""
         self.title = QLabel("<b>Requests</b>")
@@ -182,7 +182,7 @@ class RequestLogPanel(QWidget):
         layout.addWidget(self.summary)
         layout.addWidget(self.table)
 
-    def set_records(self, records: list[dict[str, Any]]) -> None:
+    def set_records(self, records: list[RequestRecord]) -> None:
         self.records = records
         self._refresh()
 
@@ -200,7 +200,7 @@ class RequestLogPanel(QWidget):
             shown = self.records
             self.title.setText(f"<b>Requests</b> ({len(shown)}, newest first)")
         else:
-            shown = [r for r in self.records if r.get("conversation_id") == self.conversation]
+            shown = [r for r in self.records if r.conversation_id == self.conversation]
             label = self.conversation_name or self.conversation
             self.title.setText(f"<b>Requests of {label.replace('<', '&lt;')}</b> ({len(shown)})")
             self.summary.setText(history_summary(shown))

@@ -27,11 +27,11 @@ from PySide6.QtWidgets import (
 from desktop.client import MemorySample
 from desktop.engine_process import EngineState
 from desktop.monitor.conversation_controls import ConversationControls
-from desktop.monitor.conversations import SORT_ROLE, ConversationsModel
+from desktop.monitor.conversations import SORT_ROLE, ConversationsModel, ParkedConversation
 from desktop.monitor.counters import CountersPanel
 from desktop.monitor.lineage import learn_links
-from desktop.monitor.report import budget
 from desktop.monitor.requests import RequestLogPanel
+from engine.contract import ConversationRow, Event, MetricsBody, RequestRecord
 
 UNREACHABLE_AFTER = 3  # missed polls in a row before the "did not answer" banner shows
 CONTENT_MINIMUM_WIDTH = 720  # plots and counters readable side by side; a narrower window scrolls
@@ -72,7 +72,7 @@ class MonitorTab(QWidget):
         self.memory: Any = None  # MemoryPlots
         self.timings: Any = None  # TimingPlot
         self._pending_samples: list[MemorySample] = []
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Event] = []
         self._floor: float | None = None
         self._arena = 0  # expert arena bytes (engine.expert_arena_bytes)
         self.counters = CountersPanel()
@@ -160,8 +160,8 @@ class MonitorTab(QWidget):
         layout.addWidget(self.scroll, 1)
 
         self.conversation_menu: QMenu | None = None
-        self.metrics: dict[str, Any] = {}
-        self.conversation_rows: list[dict[str, Any]] = []
+        self.metrics: MetricsBody | None = None
+        self.conversation_rows: list[ConversationRow] = []
         self.last_update: float | None = None
         self.missed_polls = 0  # /metrics polls in a row without an answer
         self.state = EngineState.STOPPED
@@ -199,21 +199,23 @@ class MonitorTab(QWidget):
         if self.isVisible():
             self.memory.redraw()
 
-    def set_metrics(self, metrics: dict[str, Any]) -> None:
+    def set_metrics(self, metrics: MetricsBody) -> None:
         self.metrics = metrics
         self.last_update = time.time()
-        self._floor = budget(metrics.get("conversation_cache"), "min_free_bytes")
-        self._arena = int((metrics.get("engine") or {}).get("expert_arena_bytes") or 0)
+        self._floor = float(metrics.conversation_cache.min_free_bytes)
+        self._arena = metrics.engine.expert_arena_bytes
         if self.memory is not None:
             self.memory.set_floor(self._floor)
             self.memory.set_arena(self._arena)
         self.counters.set_metrics(metrics)
         self._update_counts()
 
-    def set_conversations(self, rows: list[dict[str, Any]]) -> None:
+    def set_conversations(self, rows: list[ConversationRow]) -> None:
+        """The engine's rows (one per tier and id), shown one per conversation."""
         self.conversation_rows = rows
         learn_links(self._events, rows, self.model.links)
-        before = (self.selected_conversation() or {}).get("id")
+        selected = self.selected_conversation()
+        before = None if selected is None else selected.id
         self.model.set_rows(rows)
         self.counters.set_parked(len(self.model.rows))
         if before is not None and self.selected_conversation() is None:
@@ -222,17 +224,17 @@ class MonitorTab(QWidget):
         if selected is not None or self.controls.row is not None:
             self.controls.set_conversation(selected)  # its priority and pin as the engine lists them now
 
-    def _select(self, conversation_id: Any) -> None:
+    def _select(self, conversation_id: str) -> None:
         for i, row in enumerate(self.model.rows):
-            if conversation_id in (row.get("ids") or [row.get("id")]):  # a merged row answers to each of its ids
+            if conversation_id in row.ids:  # a merged row answers to each of its ids
                 self.table.selectRow(self.proxy.mapFromSource(self.model.index(i, 0)).row())
                 return
         self._update_counts()
 
-    def set_requests(self, records: list[dict[str, Any]]) -> None:
+    def set_requests(self, records: list[RequestRecord]) -> None:
         self.requests.set_records(records)
 
-    def selected_conversation(self) -> dict[str, Any] | None:
+    def selected_conversation(self) -> ParkedConversation | None:
         rows = self.table.selectionModel().selectedRows()
         if not rows:
             return None
@@ -246,7 +248,7 @@ class MonitorTab(QWidget):
         if row is None:
             self.requests.set_conversation(None)
         else:
-            self.requests.set_conversation(str(row.get("id")), str(row.get("name") or ""))
+            self.requests.set_conversation(row.id, row.name)
 
     def _conversation_menu(self, pos: Any) -> None:
         if self.selected_conversation() is None:
@@ -256,7 +258,7 @@ class MonitorTab(QWidget):
         menu.popup(self.table.viewport().mapToGlobal(pos))
         self.conversation_menu = menu  # kept for tests and so it outlives this call
 
-    def set_events(self, events: list[dict[str, Any]]) -> None:
+    def set_events(self, events: list[Event]) -> None:
         self._events = events
         self.counters.set_events(events)
         if learn_links(events, self.conversation_rows, self.model.links):

@@ -11,6 +11,7 @@ from typing import Any
 import jinja2
 
 from engine.errors import ApiError
+from engine.server.content_parts import CHAT_PARTS, parts_text
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
 from engine.server.tool_prompt import inline_tools, template_renders_tools
@@ -20,25 +21,9 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
 def content_text(content: Any, param: str) -> str | None:
-    """A message's content as one string: a string as is, a list of text parts joined by newlines."""
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"'{param}': expected a string or a list of content parts, got {content!r}"[:200],
-                       param=param)
-    texts = []
-    for i, part in enumerate(content):
-        where = f"{param}[{i}]"
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise ApiError(400, f"'{where}': expected a content part like {{\"type\": \"text\", \"text\": \"...\"}}",
-                           param=where)
-        if part["type"] != "text":
-            raise ApiError(400, f"'{where}': content parts of type {part['type']!r} are not supported; "
-                           "this server takes text only", param=where)
-        if not isinstance(part.get("text"), str):
-            raise ApiError(400, f"'{where}.text': expected a string", param=f"{where}.text")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    """A chat message's content as one string: a string as is, a list of text parts joined by newlines (None: an
+    assistant message with tool calls only)."""
+    return None if content is None else parts_text(content, param, CHAT_PARTS)
 
 
 def arguments_object(arguments: Any) -> Any:

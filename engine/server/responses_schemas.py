@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.errors import ApiError
+from engine.server.content_parts import RESPONSES_PARTS, parts_text
 from engine.server.schemas import MAX_INT32, Items, Map, StrictBody
 
 log = logging.getLogger("strata.server")
@@ -48,30 +49,6 @@ def _text(value: Any, param: str) -> str:
     return value
 
 
-def _content_text(content: Any, param: str) -> str:
-    """A message item's content as one string: a string as is, text parts joined by newlines."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"'{param}': expected a string or a list of content parts, got {content!r}"[:200],
-                       param=param)
-    texts = []
-    for i, part in enumerate(content):
-        where = f"{param}[{i}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            texts.append(_text(part.get("text"), f"{where}.text"))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise ApiError(400, f"'{where}': {kind} parts are not supported: the model served here reads text only",
-                           param=where)
-        elif kind == "refusal":
-            texts.append(_text(part.get("refusal"), f"{where}.refusal"))
-        else:
-            raise ApiError(400, f"'{where}': expected a content part like {{\"type\": \"input_text\", \"text\": "
-                           f"\"...\"}}, got type {kind!r}"[:200], param=where)
-    return "\n".join(texts)
-
-
 def _last_assistant(out: list[dict[str, Any]]) -> dict[str, Any]:
     """The assistant turn that a function_call or reasoning item belongs to (a new one if the last turn isn't)."""
     if out and out[-1]["role"] == "assistant":
@@ -96,7 +73,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ApiError(400, f"'{param}.role': expected user, system, developer or assistant, got {role!r}"
                                [:200], param=f"{param}.role")
-            text = _content_text(item.get("content"), f"{param}.content")
+            text = parts_text(item.get("content"), f"{param}.content", RESPONSES_PARTS)
             if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
                 out[-1]["content"] = text  # the answer after its own reasoning item
             else:
@@ -109,12 +86,12 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, f"{param}.output")
+            text = output if isinstance(output, str) else parts_text(output, f"{param}.output", RESPONSES_PARTS)
             out.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{param}.call_id"),
                         "content": text})
         elif kind == "reasoning":
             parts = [*(item.get("content") or []), *(item.get("summary") or [])]
-            text = _content_text(parts, f"{param}.summary") if parts else ""
+            text = parts_text(parts, f"{param}.summary", RESPONSES_PARTS) if parts else ""
             if text:
                 _last_assistant(out)["reasoning_content"] = text
         elif kind == "additional_tools":

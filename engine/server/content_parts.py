@@ -1,0 +1,54 @@
+"""A message's content as one string, for the OpenAI APIs: a string as is, or a list of content parts whose text
+parts are joined by newlines. Chat Completions and Responses read parts the same way and differ only in the part
+types they name (`CHAT_PARTS`, `RESPONSES_PARTS`); every refusal is a 400 naming the part at fault."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ApiError
+
+
+@dataclass(frozen=True, slots=True)
+class PartKinds:
+    """The content parts one API declares: those that carry text (by type, with the field the text is in) and
+    those that carry media, refused as such (the model served here reads text only)."""
+
+    text: dict[str, str]
+    media: tuple[str, ...]
+    example: str  # the text part named when a part is not one of these
+
+
+CHAT_PARTS = PartKinds(text={"text": "text"}, media=("image_url", "input_audio", "file"), example="text")
+RESPONSES_PARTS = PartKinds(
+    text={"input_text": "text", "output_text": "text", "text": "text", "summary_text": "text",
+          "reasoning_text": "text", "refusal": "refusal"},
+    media=("input_image", "input_file", "input_audio"), example="input_text")
+
+
+def parts_text(content: Any, param: str, kinds: PartKinds) -> str:
+    """`content` (a string, or a list of `kinds` parts) as one string: the parts' texts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"'{param}': expected a string or a list of content parts, got {content!r}"[:200],
+                       param=param)
+    texts = []
+    for i, part in enumerate(content):
+        where = f"{param}[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in kinds.text:
+            field = kinds.text[kind]
+            value = part.get(field)
+            if not isinstance(value, str):
+                raise ApiError(400, f"'{where}.{field}': expected a string, got {value!r}"[:200],
+                               param=f"{where}.{field}")
+            texts.append(value)
+        elif isinstance(kind, str) and kind in kinds.media:
+            raise ApiError(400, f"'{where}': {kind} parts are not supported: the model served here reads text only",
+                           param=where)
+        else:
+            raise ApiError(400, f"'{where}': expected a content part like {{\"type\": \"{kinds.example}\", "
+                           f"\"text\": \"...\"}}, got type {kind!r}"[:200], param=where)
+    return "\n".join(texts)
