@@ -12,6 +12,7 @@ from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "nemotron_h_moe",
                 "falcon_h1")
 HYBRID_ARCHS += ("qwen3_next", "qwen3_5_moe")  # gated DeltaNet with experts
+HYBRID_ARCHS += ("lfm2_moe",)  # short convolutions with sigmoid-routed experts
 # families whose RMSNorm weights (outside the DeltaNet) are stored as w - 1
 _CENTRED_NORMS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
@@ -40,6 +41,13 @@ def tiny_hybrid_config(arch: str):
     if arch == "lfm2":
         return transformers.Lfm2Config(
             **common, intermediate_size=96, block_multiple_of=16, conv_L_cache=3, norm_eps=1e-5,
+            layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "lfm2_moe":  # a dense MLP on layer 0, then 6 experts (2 per token) routed by sigmoid + bias
+        return transformers.Lfm2MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+            num_dense_layers=1, routed_scaling_factor=1.5, conv_L_cache=3, norm_eps=1e-5,
             layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
@@ -145,6 +153,9 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, 
                 param.uniform_(-0.5, 0.5) if centred else param.uniform_(0.5, 1.5)
             elif name.endswith((".bias", "e_score_correction_bias")):
                 param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2-MoE's: a buffer, zero unless set
+                buffer.normal_(0.0, 0.5)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
     write_tokenizer_files(folder)
@@ -171,7 +182,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     from tests.model_fixtures import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer_json
 
     family = {"granitemoehybrid_moe": "granitemoehybrid", "nemotron_h_moe": "nemotron_h"}.get(arch, arch)
-    gguf_arch = {"lfm2": "lfm2", "granitemoehybrid": "granitehybrid", "granitemoehybrid_moe": "granitehybrid",
+    gguf_arch = {"lfm2": "lfm2", "lfm2_moe": "lfm2moe", "granitemoehybrid": "granitehybrid", "granitemoehybrid_moe": "granitehybrid",
                  "qwen3_5": "qwen35", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe",
                  "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h_moe", "falcon_h1": "falcon-h1"}.get(arch)
     if gguf_arch is None:
@@ -209,6 +220,17 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         writer.add_feed_forward_length(mlp_size(cfg))
         writer.add_layer_norm_rms_eps(cfg["norm_eps"])
         writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+    elif arch == "lfm2_moe":  # as llama.cpp's LFM2MoeModel
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_layer_norm_rms_eps(cfg["norm_eps"])
+        writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        writer.add_leading_dense_block_count(cfg["num_dense_layers"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if cfg["routed_scaling_factor"] != 1.0:  # the converter writes none (released models have 1.0)
+            writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
     elif qwen:
         if "intermediate_size" in cfg:  # Qwen3.5-MoE has none
             writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -296,7 +318,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     def permute(w: np.ndarray, heads: int) -> np.ndarray:
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
+    model_arch = {"lfm2": gguf.MODEL_ARCH.LFM2, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
                   "qwen3_5": gguf.MODEL_ARCH.QWEN35, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
                   "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
                   "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE, "falcon_h1": gguf.MODEL_ARCH.FALCON_H1,
@@ -309,10 +331,12 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         weights, out_tensors = _qwen_moe_rewrite(cfg, weights)
     for name, w in weights.items():
         w = w.astype(np.float32)
-        if ".mixer.experts." in name:
+        if ".mixer.experts." in name or ".feed_forward.experts." in name:
             _, _, block, _, _, index, part, _ = name.split(".")
             per_expert.setdefault((block, part), {})[int(index)] = w
             continue
+        if name.endswith(".feed_forward.expert_bias"):  # LFM2-MoE's converter names it as a bias
+            name = name.removesuffix("expert_bias") + "expert_bias.bias"
         if name.endswith("e_score_correction_bias"):
             name = name.removesuffix("_bias") + ".bias"
         if arch == "qwen3_next" and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
@@ -360,8 +384,10 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
         out_tensors.append((out, w))
     for (block, part), by_index in sorted(per_expert.items()):
         stacked = np.stack([by_index[j] for j in sorted(by_index)])
-        out_tensors.append((names.get_name(f"model.layers.{block}.mlp.experts.{part}.weight", try_suffixes=(".weight",)),
-                            stacked))
+        # LFM2-MoE's converter names the stacked experts "layers.<i>.feed_forward.experts.w1.weight" (no "model.")
+        stack = (f"layers.{block}.feed_forward.experts.{part}.weight" if arch == "lfm2_moe"
+                 else f"model.layers.{block}.mlp.experts.{part}.weight")
+        out_tensors.append((names.get_name(stack, try_suffixes=(".weight",)), stacked))
     for out, w in out_tensors:
         # norms and the routers stay float, as llama.cpp keeps them
         if quantize and w.ndim == 2 and w.shape[1] % 32 == 0 and "norm" not in out and "ffn_gate_inp" not in out:

@@ -133,8 +133,8 @@ def test_prefill_runs_each_chosen_expert_once_over_all_its_tokens(grid_models, m
         calls.append(x.shape[0])
         return real_mlp(x, gate_up, down, n_single)
 
-    def recording_route(logits, config):
-        weights, experts = real_route(logits, config)
+    def recording_route(logits, config, bias=None):
+        weights, experts = real_route(logits, config, bias)
         chosen.append(len(torch.unique(experts)))
         return weights, experts
 

@@ -106,6 +106,8 @@ class ModelConfig:
                 del out[name]  # models without the feature keep the identity they had before it existed
         if "sliding_layers" in out:
             out["sliding_layers"] = list(self.sliding_layers)
+        if self.moe is not None:
+            out["moe"] = self.moe.describe()
         return out
 
     @classmethod

@@ -43,8 +43,17 @@ from engine.model.projections import linear
 Experts = torch.Tensor | list[int4.Int4Weight] | list[RowsWeight]
 
 
-def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [tokens, n_experts] -> (weights [tokens, k] float32, experts [tokens, k] int64)."""
+def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [tokens, n_experts] -> (weights [tokens, k] float32, experts [tokens, k] int64); `bias`
+    [n_experts] float32: what sigmoid_bias routing adds to the scores to choose (engine/model/moe_config.py)."""
+    if moe.routing == "sigmoid_bias":
+        scores = sigmoid_rows(logits.float())
+        choice = scores if bias is None else scores + bias
+        experts = torch.topk(choice, moe.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + moe.norm_eps)
+        return weights * moe.routed_scaling, experts
     if moe.routing == "softmax_topk":
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, moe.top_k, dim=-1)
@@ -76,6 +85,7 @@ class SparseMoe(torch.nn.Module):
     # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
     # quantize_experts replaces the expert weights by Int4Weight ones.
     router: torch.Tensor
+    expert_bias: torch.Tensor | None
     gate_up: Experts
     down: Experts
     shared_gate_up: torch.Tensor | int4.Int4Weight | None
@@ -92,10 +102,13 @@ class SparseMoe(torch.nn.Module):
         shared_gate_up: torch.Tensor | None = None,
         shared_down: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        expert_bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         e, inter, h = moe.n_experts, moe.expert_size, hidden_size
         assert router.shape == (e, h), ("router", tuple(router.shape))
+        assert expert_bias is None or (moe.routing == "sigmoid_bias" and expert_bias.shape == (e,)
+                                       and expert_bias.dtype == torch.float32), "expert_bias: [n_experts] float32"
         assert _shape(gate_up) == (e, 2 * inter, h), ("gate_up", _shape(gate_up))
         assert _shape(down) == (e, h, inter), ("down", _shape(down))
         has_shared = moe.shared_expert_size > 0
@@ -112,6 +125,7 @@ class SparseMoe(torch.nn.Module):
             assert shared_gate is not None  # has_shared (asserted above)
             router = torch.cat((router, shared_gate))
         self.register_buffer("router", router, persistent=False)
+        self.register_buffer("expert_bias", expert_bias, persistent=False)
         for name, w in (("gate_up", gate_up), ("down", down)):
             if isinstance(w, torch.Tensor):
                 self.register_buffer(name, w, persistent=False)
@@ -127,7 +141,7 @@ class SparseMoe(torch.nn.Module):
         the routed experts as one grouped GEMM where `grouped_ready` says they can be."""
         logits = linear(h, self.router, n_single, fast=fast)
         n_experts = self.config.n_experts
-        weights, experts = route(logits[:, :n_experts], self.config)
+        weights, experts = route(logits[:, :n_experts], self.config, self.expert_bias)
         where = self.expert_device
         if fast and self.grouped_ready:
             assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)  # grouped_ready
@@ -271,6 +285,16 @@ def grouped_mm_experts(
     for j in range(1, k):  # one add at a time in h's dtype, as index_add_ accumulates expert by expert
         out = out + terms[:, j]
     return out
+
+
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of [tokens, n] row by row the same whatever the number of rows: CPU kernels run the elements past
+    the last whole vector through a scalar sigmoid (another last bit), so each row is padded to whole vectors."""
+    n = x.shape[1]
+    pad = -n % _SIMD_FLOATS
+    if not pad:
+        return torch.sigmoid(x)
+    return torch.sigmoid(F.pad(x, (0, pad)))[:, :n]
 
 
 def _sigmoid_column(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ describes itself exactly as before; a MoE one carries a MoeConfig, which is part
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe")
@@ -23,7 +23,13 @@ HF_MOE_ARCHITECTURES = {
 #   softmax_topk: softmax over all experts in float32, then top-k of the probabilities, optionally renormalised
 #                 over the chosen k (Qwen*, OLMoE; Mixtral always renormalises).
 #   topk_softmax: top-k of the logits, then softmax over those k (GraniteMoE).
-ROUTINGS = ("softmax_topk", "topk_softmax")
+#   sigmoid_bias: sigmoid of the logits in float32; the top-k experts by sigmoid + a per-expert bias (the bias
+#                 only chooses: zero when the family has none); weights = the chosen sigmoids, divided by their
+#                 sum (+ norm_eps) when norm_topk_prob, times routed_scaling (LFM2-MoE).
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_bias")
+# Fields a family without them leaves at these defaults; describe() omits them then, so the identity of the
+# parked K/V of the families from before them stays what it was.
+_OPTIONAL_DEFAULTS = {"routed_scaling": 1.0, "norm_eps": 0.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,18 @@ class MoeConfig:
     attention_multiplier: float | None = None  # the softmax scale; None = 1/sqrt(head_dim)
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # sigmoid_bias routing: the chosen weights' scale and the term added to their sum when renormalised
+    routed_scaling: float = 1.0
+    norm_eps: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description (part of the model's, and so of its parked K/V's, identity)."""
+        out = asdict(self)
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if out[name] == default:
+                del out[name]
+        out["dense_layers"] = list(self.dense_layers)
+        return out
 
     def check(self, n_layers: int) -> None:
         """ValueError saying what is wrong when these settings cannot describe a model of `n_layers` layers."""
@@ -54,6 +72,8 @@ class MoeConfig:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.n_experts})")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing {self.routing!r}: expected one of {', '.join(ROUTINGS)}")
+        if not self.routed_scaling > 0:
+            raise ValueError(f"routed_scaling_factor: expected a positive number, got {self.routed_scaling!r}")
         if self.shared_expert_size < 0:
             raise ValueError(f"shared_expert_size: expected 0 or more, got {self.shared_expert_size}")
         bad = [i for i in self.dense_layers if not 0 <= i < n_layers]

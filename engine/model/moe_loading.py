@@ -7,6 +7,7 @@ Canonical keys of a MoE layer i (what a loader's getter answers, as CPU tensors)
   "i.experts.down"              [n_experts, hidden, expert_size]
   "i.expert.E.gate", ".up", ".down"                                    one expert at a time (HF checkpoints)
   "i.shared.gate", ".up", ".down", "i.shared_gate"                     Qwen2-MoE's shared expert and its gate
+  "i.expert_bias"               [n_experts]                            what sigmoid routing adds to choose (LFM2-MoE)
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def build_sparse_moe(
     if isinstance(down, torch.Tensor):
         _check(down, (e, h, inter), p + "experts.down", path)
         down = to_experts(down)
-    shared = {}
+    shared: dict[str, torch.Tensor] = {}
     if m.shared_expert_size:
         s = m.shared_expert_size
         shared = {
@@ -184,7 +185,13 @@ def build_sparse_moe(
             "shared_down": to(need(p + "shared.down", (h, s))),
             "shared_gate": to(_shared_gate(get(p + "shared_gate"), h, p, path)),
         }
-    return SparseMoe(m, h, router=to(need(p + "router", (e, h))), gate_up=gate_up, down=down, **shared)
+    router = to(need(p + "router", (e, h)))
+    if m.routing == "sigmoid_bias":  # the bias that chooses experts stays float32, as the families keep it
+        bias = get(p + "expert_bias")
+        if bias is not None:
+            _check(bias, (e,), p + "expert_bias", path)
+            shared["expert_bias"] = bias.to(router.device, torch.float32)
+    return SparseMoe(m, h, router=router, gate_up=gate_up, down=down, **shared)
 
 
 def _file_kquant(keys: list[str], shape: tuple[int, int, int], kquant: KQuantGetter) -> list[RowsWeight] | None:
@@ -259,6 +266,7 @@ _GGUF_LAYER_KEYS = {
     "ffn_up_shexp.weight": "shared.up",
     "ffn_down_shexp.weight": "shared.down",
     "ffn_gate_inp_shexp.weight": "shared_gate",
+    "exp_probs_b.bias": "expert_bias",
 }
 # Architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel and its subclasses).
 GGUF_PERMUTED = ("mixtral", "granitemoe")

@@ -28,6 +28,7 @@ MAMBA_NORMS = ("gated", "norm_then_gate", "gate_only")  # y*silu(z) normalised p
 # HF `architectures[0]` -> our architecture name (the `model_type` is accepted too).
 HF_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
@@ -39,10 +40,10 @@ HF_ARCHITECTURES = {
 }
 _MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "granitemoehybrid": "granitemoehybrid"}
 _MODEL_TYPES |= {"qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
-_MODEL_TYPES |= {"nemotron_h": "nemotron_h", "falcon_h1": "falcon_h1"}
+_MODEL_TYPES |= {"nemotron_h": "nemotron_h", "falcon_h1": "falcon_h1", "lfm2_moe": "lfm2_moe"}
 ARCHITECTURES: tuple[str, ...] = ("lfm2", "qwen3_5", "granitemoehybrid")
 ARCHITECTURES += ("qwen3_next", "qwen3_5_moe")
-ARCHITECTURES += ("nemotron_h", "falcon_h1")
+ARCHITECTURES += ("nemotron_h", "falcon_h1", "lfm2_moe")
 
 
 def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:
@@ -192,7 +193,7 @@ class HybridConfig:
         if self.moe is None:
             del out["moe"]  # a dense model's identity keeps the form it had before experts existed
         else:
-            out["moe"]["dense_layers"] = list(self.moe.dense_layers)
+            out["moe"] = self.moe.describe()
         if self.multipliers is None:
             del out["multipliers"]
         if self.mamba_norm == "gated":

@@ -3,6 +3,9 @@
 Supported:
 - `lfm2` (llama.cpp's LFM2: `shortconv.*` tensors, the final norm stored as `token_embd_norm`,
   `attention.head_count_kv` per layer with 0 for the convolution layers, `shortconv.l_cache`);
+- `lfm2moe` (LFM2-MoE): LFM2's, with `ffn_gate_inp`, `ffn_{gate,up,down}_exps` and `exp_probs_b.bias` on the
+  expert layers (those from `leading_dense_block_count` on), `expert_count`, `expert_used_count`,
+  `expert_feed_forward_length`, `expert_gating_func` 2 (sigmoid);
 - `granitehybrid` with a dense MLP (Granite-4.0-H): `ssm_*` tensors as llama.cpp's Mamba-2 converter writes
   them (ssm_a = -exp(A_log) and ssm_d as [heads, 1], ssm_norm as [groups, inner / groups], the conv squeezed
   to 2-D, dt_bias as `ssm_dt.bias`), the shared MLP split into ffn_gate / ffn_up, q/k rows permuted as for
@@ -32,7 +35,7 @@ from engine.model import gguf_dequant, moe_loading
 from engine.model.build import LoadedModel
 from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
 from engine.model.gguf_tensors import check_gguf_tensors, unpermute
-from engine.model.hybrid import gguf_falcon, gguf_mamba, gguf_nemotron, gguf_qwen35
+from engine.model.hybrid import gguf_falcon, gguf_mamba, gguf_nemotron, gguf_qwen35, lfm2_moe
 from engine.model.hybrid.config import ATTENTION, MAMBA, SHORT_CONV, HybridConfig
 from engine.model.hybrid.loader import build_hybrid
 from engine.model.moe_config import MoeConfig
@@ -42,7 +45,8 @@ from engine.model.tokenizer import Tokenizer, TokenizerError
 GGUF_ARCHITECTURES: tuple[str, ...] = ("lfm2", "granitehybrid", "qwen35")
 GGUF_ARCHITECTURES += ("qwen35moe", "qwen3next")
 GGUF_ARCHITECTURES += (*gguf_nemotron.ARCHITECTURES, gguf_falcon.ARCHITECTURE)
-NOT_YET = ("lfm2moe", "mamba2")
+GGUF_ARCHITECTURES += ("lfm2moe",)
+NOT_YET = ("mamba2",)
 
 _LFM2_LAYER_NAMES = {
     "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
@@ -54,6 +58,11 @@ _LFM2_LAYER_NAMES = {
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
 }
 _LFM2_GLOBAL_NAMES = {"token_embd.weight": "embed", "token_embd_norm.weight": "norm", "output.weight": "lm_head"}
+# LFM2-MoE: LFM2's names, and on its expert layers the router, the stacked experts and the bias that chooses them
+_LFM2_MOE_LAYER_NAMES = {
+    **_LFM2_LAYER_NAMES, "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts.gate",
+    "ffn_up_exps.weight": "experts.up", "ffn_down_exps.weight": "experts.down", "exp_probs_b.bias": "expert_bias",
+}
 _GRANITE_LAYER_NAMES = {
     "attn_norm.weight": "mixer_norm", "ffn_norm.weight": "mlp_norm",
     "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
@@ -66,7 +75,8 @@ _GRANITE_LAYER_NAMES = {
     "ffn_gate_shexp.weight": "gate", "ffn_up_shexp.weight": "up", "ffn_down_shexp.weight": "down",
 }
 _GRANITE_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-_NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES),
+_NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "lfm2moe": (_LFM2_GLOBAL_NAMES, _LFM2_MOE_LAYER_NAMES),
+          "granitehybrid": (_GRANITE_GLOBAL_NAMES, _GRANITE_LAYER_NAMES),
           "qwen35": (gguf_qwen35.GLOBAL_NAMES, gguf_qwen35.LAYER_NAMES)}
 _NAMES |= {arch: _NAMES["qwen35"] for arch in gguf_qwen35.GGUF_ARCHITECTURES}
 _NAMES |= {arch: (gguf_nemotron.GLOBAL_NAMES, gguf_nemotron.LAYER_NAMES) for arch in gguf_nemotron.ARCHITECTURES}
@@ -107,7 +117,7 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
     kv_per_layer = [int(v) for v in kv] if isinstance(kv, list) else [int(kv)] * n_layers
     if len(kv_per_layer) != n_layers:
         raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv has {len(kv_per_layer)} entries for {n_layers} layers")
-    recurrent = SHORT_CONV if arch == "lfm2" else MAMBA
+    recurrent = SHORT_CONV if arch in ("lfm2", "lfm2moe") else MAMBA
     kinds = tuple(ATTENTION if n else recurrent for n in kv_per_layer)
     attention_kv = sorted({n for n in kv_per_layer if n})
     if len(attention_kv) > 1:
@@ -125,15 +135,28 @@ def hybrid_gguf_config(meta: dict, tensor_names: set[str], path: str, embed_rows
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_theta=float(key("rope.freq_base", 10000.0)),
     )
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
+        moe = None
+        if arch == "lfm2moe":
+            if int(key("expert_gating_func", 2)) != 2:  # llama.cpp: 1 softmax, 2 sigmoid
+                raise ModelLoadError(f"{path}: lfm2moe.expert_gating_func {key('expert_gating_func')}: expected 2 "
+                                     "(sigmoid)")
+            try:  # llama.cpp renormalises LFM2-MoE's chosen weights; its converter writes no scale (1.0)
+                moe = lfm2_moe.moe_config(int(key("expert_count")), int(key("expert_used_count")),
+                                          int(key("expert_feed_forward_length")),
+                                          int(key("leading_dense_block_count", 0)), n_layers, norm=True,
+                                          scaling=float(meta.get(f"{arch}.expert_weights_scale") or 1.0))
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: {e}") from None
         return HybridConfig(
-            architecture="lfm2", **common,
+            architecture="lfm2_moe" if moe else "lfm2", **common,
             intermediate_size=int(key("feed_forward_length")),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=int(key("context_length", 128000)),
             rotary_dim=head_dim, qk_norm=True,
             conv_kernel=int(key("shortconv.l_cache")),
             conv_bias=any(n.endswith(".shortconv.conv.bias") for n in tensor_names),
+            moe=moe,
         )
     return HybridConfig(
         architecture="granitemoehybrid", **common,

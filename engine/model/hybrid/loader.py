@@ -1,6 +1,6 @@
 """Hybrid models from HF folders (config.json + safetensors): the family registry and the generic builder.
 
-A family module (lfm2, qwen3_5, granitemoehybrid, qwen3_next, qwen3_5_moe, nemotron_h, falcon_h1) provides `config_from_hf(cfg) -> HybridConfig`, the
+A family module (lfm2, lfm2_moe, qwen3_5, granitemoehybrid, qwen3_next, qwen3_5_moe, nemotron_h, falcon_h1) provides `config_from_hf(cfg) -> HybridConfig`, the
 map of its HF tensor names to canonical keys (`HF_LAYER_NAMES` after "model.layers.<i>.", `HF_GLOBAL_NAMES`),
 `build_mixer(config, layer, need, opt, to)` for its recurrent layers and `NORM_OFFSET` (Qwen3.5 stores
 RMSNorm weights as w - 1, so 1 is added once at load). Attention layers and the MLP are built here: dense, or
@@ -25,6 +25,7 @@ from engine.model.hybrid import (
     granitemoehybrid,
     int4_layers,
     lfm2,
+    lfm2_moe,
     moe_mlp,
     nemotron_h,
     qwen3_5,
@@ -39,7 +40,7 @@ from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_tabl
 
 FAMILIES: dict[str, ModuleType] = {"lfm2": lfm2, "qwen3_5": qwen3_5, "granitemoehybrid": granitemoehybrid}
 FAMILIES |= {"qwen3_next": qwen3_next, "qwen3_5_moe": qwen3_5_moe}
-FAMILIES |= {"nemotron_h": nemotron_h, "falcon_h1": falcon_h1}
+FAMILIES |= {"nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "lfm2_moe": lfm2_moe}
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
 _PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))  # backbone.: Nemotron-H
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")

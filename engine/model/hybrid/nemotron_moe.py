@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.hybrid.nemotron_config import NemotronExperts
-from engine.model.moe import _SIMD_FLOATS, grouped_experts
+from engine.model.moe import grouped_experts, sigmoid_rows
 from engine.model.projections import linear
 
 
@@ -60,7 +60,7 @@ class NemotronMoe(torch.nn.Module):
         """(weights [tokens, k] float32, experts [tokens, k] int64) for the hidden rows `h`."""
         s = self.settings
         logits = linear(h.float(), self.router, n_single)
-        scores = _sigmoid_rows(logits)
+        scores = sigmoid_rows(logits)
         choice = scores + self.score_bias
         if s.n_group > 1:
             grouped = choice.view(-1, s.n_group, s.n_experts // s.n_group)
@@ -96,13 +96,3 @@ class NemotronMoe(torch.nn.Module):
 
 def _relu2_mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, n_single: int) -> torch.Tensor:
     return linear(torch.square(F.relu(linear(x, up, n_single))), down, n_single)
-
-
-def _sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid of [tokens, n] row by row the same whatever the number of rows: CPU kernels run the elements past
-    the last whole vector through a scalar sigmoid (another last bit), so each row is padded to whole vectors."""
-    n = x.shape[1]
-    pad = -n % _SIMD_FLOATS
-    if not pad:
-        return torch.sigmoid(x)
-    return torch.sigmoid(F.pad(x, (0, pad)))[:, :n]
