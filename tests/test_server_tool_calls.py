@@ -155,3 +155,34 @@ def test_stream_holds_an_answer_that_starts_as_a_json_call_and_releases_one_that
     assert filt.feed(" and [TOOL") == " and "
     assert filt.feed('_CALLS]get_weather[ARGS]{"city": "Quito"}') == ""
     assert filt.finish().tool_calls[0]["function"]["name"] == "get_weather"
+
+
+def test_lfm2_python_calls_with_and_without_their_markers():
+    marked = parse_tool_calls('Checking.<|tool_call_start|>[get_weather(city="Paris", days=3, metric=true), '
+                              'get_weather(city=\'Oslo\', options={"units": null})]<|tool_call_end|>', WEATHER_TOOLS)
+    assert marked.content == "Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in marked.tool_calls] == [
+        {"city": "Paris", "days": 3, "metric": True}, {"city": "Oslo", "options": {"units": None}}]
+    # The markers are control tokens the decoder leaves out: a whole answer of calls to offered tools counts.
+    bare = parse_tool_calls('[get_weather(city="Lima")]', WEATHER_TOOLS)
+    assert bare.content is None and bare.tool_calls[0]["function"]["name"] == "get_weather"
+    for text in ('[print(open("x").read())]', "[get_weather(*cities)]", '[get_weather("Paris")]',
+                 "[get_weather(city=__import__('os'))]", "[x for x in y]", "[get_weather(city=1+2)]"):
+        parsed = parse_tool_calls(text, WEATHER_TOOLS)
+        assert parsed.tool_calls == [] and parsed.content == text, text
+    garbled = 'Hm.<|tool_call_start|>[get_weather(city="Pa'
+    assert parse_tool_calls(garbled, WEATHER_TOOLS).content == garbled
+
+
+def test_stream_holds_lfm2_calls_and_lets_a_bracketed_answer_through():
+    filt = ToolCallStream(WEATHER_TOOLS)
+    assert filt.feed("[get_wea") == ""
+    assert filt.feed('ther(city="Bern")]') == ""
+    assert filt.finish().tool_calls[0]["function"]["name"] == "get_weather"
+    filt = ToolCallStream(WEATHER_TOOLS)
+    assert filt.feed("[Note") == ""
+    assert filt.feed(": see below]") == "[Note: see below]"
+    filt = ToolCallStream(WEATHER_TOOLS)
+    assert filt.feed("Sure. <|tool_call_start|>[get_weather(") == "Sure. "
+    assert filt.feed('city="Rome")]<|tool_call_end|>') == ""
+    assert json.loads(filt.finish().tool_calls[0]["function"]["arguments"]) == {"city": "Rome"}

@@ -7,7 +7,10 @@ teach them:
 - Mistral, `[TOOL_CALLS][{"name": ..., "arguments": ...}]` or `[TOOL_CALLS]NAME[ARGS]{...}` (the markers may be
   control tokens the decoder leaves out: a whole answer that is such a JSON list counts too);
 - Llama 3.x JSON, a whole answer `{"name": ..., "parameters": ...}` (after `<|python_tag|>` if any), taken only
-  when it names an offered tool.
+  when it names an offered tool;
+- LFM2's Python calls, `<|tool_call_start|>[NAME(KEY=VALUE, ...)]<|tool_call_end|>` (engine/server/pythonic_calls.py;
+  without its markers, which are control tokens, a whole answer of such calls counts when every one names an
+  offered tool).
 
 A call the model garbles stays in the content as text, never an error.
 """
@@ -19,6 +22,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.server import pythonic_calls as pythonic
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -133,7 +138,28 @@ def _whole_answer_calls(text: str, schemas: Schemas) -> list[dict[str, Any]] | N
         call = _json_call(_loads(stripped))
         if call is not None and call["function"]["name"] in schemas:
             return [call]
+        return None
+    found = pythonic.pythonic_calls(stripped) if _PYTHONIC_START.match(stripped) else None
+    if found and all(name in schemas for name, _ in found):  # LFM2's calls, their control-token markers left out
+        return [_call(name, arguments) for name, arguments in found]
     return None
+
+
+def _lfm2_calls(text: str) -> ParsedOutput:
+    """LFM2's marked blocks of Python calls; a block that is not such calls stays in the content."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    pos = 0
+    while (start := text.find(pythonic.OPEN, pos)) >= 0:
+        end = text.find(pythonic.CLOSE, start)
+        stop = len(text) if end < 0 else end + len(pythonic.CLOSE)
+        found = pythonic.pythonic_calls(text[start + len(pythonic.OPEN):end if end >= 0 else len(text)])
+        kept.append(text[pos:stop] if found is None else text[pos:start])
+        calls += [_call(name, arguments) for name, arguments in found or ()]
+        pos = stop
+    kept.append(text[pos:])
+    content = "".join(kept)
+    return ParsedOutput(content.strip() or None, calls) if calls else ParsedOutput(text)
 
 
 def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> ParsedOutput:
@@ -162,6 +188,8 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> Pa
         if end < 0:
             break
     content = "".join(kept)
+    if not calls and pythonic.OPEN in text:
+        return _lfm2_calls(text)
     if not calls:
         mistral = text.find(MISTRAL)
         whole = _whole_answer_calls(text[mistral:] if mistral > 0 else text, schemas)
@@ -172,8 +200,11 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> Pa
     return ParsedOutput(content.strip() or None, calls)
 
 
-MARKERS = (OPEN, MISTRAL, PYTHON_TAG)
+MARKERS = (OPEN, MISTRAL, PYTHON_TAG, pythonic.OPEN)
 _CALL_START = re.compile(r'^(?:\{\s*"|\[\s*\{)')
+# LFM2's calls without their markers: `[name(` (or, still arriving, `[name`)
+_PYTHONIC_START = re.compile(r"^\[\s*[A-Za-z_][\w.]*\s*\(")
+_PYTHONIC_PREFIX = re.compile(r"^\[\s*[A-Za-z_][\w.]{0,63}\s*$")
 
 
 def _marker_prefix_len(text: str) -> int:
@@ -211,9 +242,12 @@ class ToolCallStream:
             if len(head) < 2 and head in ("", "{", "["):
                 self._held = text  # too early to tell a JSON call from an answer
                 return ""
-            if _CALL_START.match(head):
-                self._in_call = True  # Llama 3's or Mistral's call without tags may be coming
+            if _CALL_START.match(head) or (self._tools and _PYTHONIC_START.match(head)):
+                self._in_call = True  # Llama 3's, Mistral's or LFM2's call without tags may be coming
                 self._held = text
+                return ""
+            if self._tools and _PYTHONIC_PREFIX.match(head):
+                self._held = text  # `[get_wea`: a call's name, or an answer's bracket
                 return ""
             self._started = True
         found = [i for i in (text.find(m) for m in MARKERS) if i >= 0]
