@@ -43,7 +43,9 @@ from engine.cache.parts import (
     check_state,
 )
 from engine.cache.policy import common_prefix, decline_reason
-from engine.cache.ram_tier import RamTier
+from engine.cache.ram_tier import RamTier, capture
+from engine.cache.remote.backends import open_remote
+from engine.cache.remote.tier import RemoteFigures, RemoteTier
 from engine.cache.restores import resume_point
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
@@ -73,6 +75,10 @@ class ConversationCache:
             self.disk = self.open_disk(settings)
             self.disk.start_writer()
             self._fit_found_folder()
+        self.remote: RemoteTier | None = None
+        if settings.remote_url:
+            self.remote = open_remote(settings.remote_url, identity, self.lock, self.journal, days=settings.days,
+                                      queue_bytes=settings.spill_queue_bytes, engine_version=engine_version)
         log.info(
             "conversation cache: storage %s, RAM %d MiB, disk %d MiB, %d slots, blocks of %d tokens (%.2f MiB)",
             settings.storage,
@@ -94,6 +100,10 @@ class ConversationCache:
             tiers.append(("disk", self.disk.index))
         return tiers
 
+    def sources(self) -> list[tuple[str, TierIndex]]:
+        """The tiers, and the remote tier's offers (what a restore may read from)."""
+        return self.tiers() + ([("remote", self.remote.index)] if self.remote is not None else [])
+
     def reap(self) -> None:
         if self.disk is not None:
             self.disk.reap()
@@ -112,18 +122,11 @@ class ConversationCache:
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
         with self.lock:
             self.reap()  # a failed write gives its conversation's written version back before matching
-            best: tuple[int, str, Conv] | None = None
-            shared = 0  # a sliding-window model: the most a candidate shares, resumable or not
-            for tier, index in self.tiers():
-                for conv in index.candidates(keys):
-                    if conv.failed:
-                        continue
-                    n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
-                    shared = max(shared, n)
-                    if self.identity.state_parts:  # a recurrent state (or a window) resumes only where one was kept
-                        n = resume_point(self.identity, index, conv, n)
-                    if best is None or n > best[0]:
-                        best = (n, tier, conv)
+            best, shared = self._local_best(toks, keys)
+        offer = self._remote_offer(toks, keys, best[0] if best else 0)  # the network, without the lock
+        if offer is not None:
+            best = offer
+        with self.lock:
             report = lookup_report(self.journal.losses, toks, best, live_prefix)
             if self.identity.local_layers and best is not None and shared > best[0]:
                 report = dataclasses.replace(report, window_shared=shared)
@@ -143,6 +146,32 @@ class ConversationCache:
             hit = CacheHit(conv.id, n, tier, nbytes, self.identity.key, conv.priority,
                            conv.pinned, tokens_key(self.identity.key, toks[:n]))
             return hit, report
+
+    def _local_best(self, toks, keys: list[str]) -> tuple[tuple[int, str, Conv] | None, int]:
+        """(the RAM or disk candidate offering most, the most any shares): caller holds the lock."""
+        best: tuple[int, str, Conv] | None = None
+        shared = 0  # a sliding-window model: the most a candidate shares, resumable or not
+        for tier, index in self.tiers():
+            for conv in index.candidates(keys):
+                if conv.failed:
+                    continue
+                n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
+                shared = max(shared, n)
+                if self.identity.state_parts:  # a recurrent state (or a window) resumes only where one was kept
+                    n = resume_point(self.identity, index, conv, n)
+                if best is None or n > best[0]:
+                    best = (n, tier, conv)
+        return best, shared
+
+    def _remote_offer(self, toks, keys: list[str], have: int) -> tuple[int, str, Conv] | None:
+        """The remote store's candidate when it may offer more than the local `have` tokens (whole blocks beyond)."""
+        if self.remote is None or len(keys) * self.identity.block_tokens <= have:
+            return None
+        conv = self.remote.lookup(toks, keys)
+        if conv is None:
+            return None
+        n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
+        return (n, "remote", conv) if n > have else None
 
     def record_miss(self) -> None:
         with self.lock:
@@ -218,7 +247,22 @@ class ConversationCache:
             new_bytes / MIB,
             ms,
         )
+        if self.remote is not None:
+            self._write_through(conv, toks, keys, read_parts)
         return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
+
+    def _write_through(self, conv: Conv, toks, keys: list[str], read_parts: ReadParts) -> None:
+        """Queue a park for the remote store: blocks a local tier holds in RAM by reference, others copied."""
+        assert self.remote is not None
+        with self.lock:
+            held = {k: blk.data for _, index in self.tiers() for k in keys
+                    if (blk := index.blocks.get(k)) is not None and blk.data is not None}
+            tail = conv.tail
+        try:
+            self.remote.publish(conv.id, toks, keys, held.get,
+                                lambda start, end: capture(self.identity, read_parts, start, end), tail)
+        except ParkRefused as exc:  # the slot's state could not be read again: the local park stands
+            log.warning("conversation cache: %s not written to the remote store: %s", conv.id, exc)
 
     def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs,
               states: Checkpoints) -> tuple[Conv, int, int, str]:
@@ -383,6 +427,7 @@ class ConversationCache:
     def stats(self) -> CacheStats:
         with self.lock:
             s, disk, j = self.settings, self.disk, self.journal
+            remote = self.remote.figures() if self.remote is not None else RemoteFigures()
             return CacheStats(
                 enabled=s.enabled,
                 storage=s.storage,
@@ -406,6 +451,11 @@ class ConversationCache:
                 restore_bandwidth=dict(j.bandwidth),
                 prefill_tokens_per_s=self.prefill_tokens_per_s,
                 disk_error=(disk.files.error or disk.files.write_error) if disk else "",
+                remote=remote.remote,
+                remote_state=remote.remote_state,
+                remote_error=remote.remote_error,
+                remote_bytes=remote.remote_bytes,
+                remote_max_bytes=remote.remote_max_bytes,
                 **j.counts,
             )
 
@@ -463,10 +513,12 @@ class ConversationCache:
         True when nothing is left pending and no write failed meanwhile (failures are counted in
         `spill_failed` and logged; the entry is dropped and any version of it already on disk is kept).
         """
-        disk = self.disk
+        disk, deadline = self.disk, time.monotonic() + max(timeout, 0.0)
         with self.lock:
             failed = self.journal.counts["spill_failed"]
-        done = disk.drain(time.monotonic() + max(timeout, 0.0)) if disk is not None else True
+        done = disk.drain(deadline) if disk is not None else True
+        if self.remote is not None:
+            done = self.remote.drain(deadline) and done
         with self.lock:
             self.reap()
             left = self.disk is not None and self.disk.staging.any_pending()
@@ -482,6 +534,8 @@ class ConversationCache:
                 for cid in reversed(list(self.ram.index.convs)):  # most recently used first
                     conv = self.ram.index.convs[cid]
                     disk.queue_spill(conv, self.ram.data_of(conv), bounded=False)
+        if self.remote is not None:
+            self.remote.close(deadline)
         if disk is None:
             return
         if not disk.stop_writer(deadline):

@@ -1,0 +1,35 @@
+"""Which backend serves a store URL, and the tier over it: the one place a new backend (Mooncake, S3) is named."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from engine.cache.identity import CacheIdentity
+from engine.cache.journal import Journal
+from engine.cache.remote.redis_store import RedisStore
+from engine.cache.remote.store import RemoteStore
+from engine.cache.remote.tier import RemoteTier
+from engine.store_url import parse_store_url
+
+log = logging.getLogger("strata.cache")
+
+
+def open_store(url: str, identity_key: str) -> tuple[RemoteStore, str]:
+    """The backend for `url` (validated by the engine's settings already) and the URL as it may be shown."""
+    parsed = parse_store_url(url)
+    return RedisStore(parsed, identity_key), parsed.redacted()
+
+
+def open_remote(url: str, identity: CacheIdentity, lock: threading.RLock, journal: Journal, *, days: float,
+                queue_bytes: int, engine_version: str) -> RemoteTier | None:
+    """The started remote tier for `url`, or None (logged) for a model whose state it cannot keep yet."""
+    if identity.state_parts:
+        log.warning("conversation cache: the remote store keeps attention K/V only; this model's recurrent state "
+                    "or sliding window is not written to it, so --conversation-cache-remote is ignored")
+        return None
+    store, shown = open_store(url, identity.key)
+    tier = RemoteTier(store, shown, identity, lock, journal, days=days, queue_bytes=queue_bytes,
+                      engine_version=engine_version)
+    tier.start()
+    return tier

@@ -1,0 +1,346 @@
+"""The remote tier: write-through of parks to a shared store, lookups of a request's longest stored prefix,
+and the store's health, so that a failing store never changes how the engine serves.
+
+- Parks: the engine thread hands over the blocks the store may lack (references to what the RAM tier holds,
+  else a copy from the slot) and the conversation's last partial block; the writer thread checks which blocks
+  the store holds (refreshing their time to live), sends the others, then the manifest. The RAM held by writes
+  not sent yet is bounded (`queue_bytes`): when full, the oldest write is dropped and counted.
+- Lookups (engine thread, outside the cache lock): one pipelined EXISTS over the request's block keys gives the
+  longest stored prefix (keys chain, so presence is monotone), then one GET fetches the manifest stored under
+  the last of them (its tokens and partial block). What is offered sits in a small index of offers, holding
+  no K/V: restores read the blocks from the store (`pieces`, on the restore reader thread).
+- Failures: a store that cannot be reached is marked down, skipped by lookups and writes, and probed again by
+  the writer every PROBE_S seconds; full, read-only or denied stores keep serving reads. Each change of state
+  is logged once and shown in /metrics (`remote_state`, `remote_error`), every failed call is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.cache.errors import CacheRestoreError
+from engine.cache.fileformat import FileFormatError
+from engine.cache.identity import CacheIdentity
+from engine.cache.index import Block, Conv, TierIndex
+from engine.cache.journal import Journal
+from engine.cache.parts import Parts, only, parts_nbytes
+from engine.cache.remote.store import RemoteStore, StoreError
+from engine.cache.remote.values import decode_block, decode_manifest, encode_block, encode_manifest
+
+log = logging.getLogger("strata.cache")
+MIB = 1 << 20
+PROBE_S = 10.0  # how often the writer asks the store how full it is, and retries a store that was down
+MAX_OFFERS = 8  # lookups' offers kept for the restores that may follow them
+MAX_KNOWN = 1 << 16  # block keys known to be in the store: a park captures no copy of those
+MIN_TTL_S = 3600  # --conversation-cache-days 0 cannot empty a shared store: entries then live an hour
+
+
+@dataclass(slots=True)
+class Upload:
+    """One park to send: the blocks the store may lack (by key), all its keys, its tokens and partial block."""
+
+    conv_id: str
+    tokens: np.ndarray
+    keys: list[str]
+    blocks: dict[str, Parts]
+    tail: Parts | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(parts_nbytes(p) for p in self.blocks.values()) + parts_nbytes(self.tail)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFigures:
+    """What /metrics shows of the tier besides its counters (engine.figures.CacheFigures' remote_* gauges)."""
+
+    remote: str = ""
+    remote_state: str = ""
+    remote_error: str = ""
+    remote_bytes: int = 0
+    remote_max_bytes: int = 0
+
+
+class RemoteTier:
+    """The store as one more tier of one model identity's cache; shares the cache's lock and journal."""
+
+    def __init__(self, store: RemoteStore, shown: str, identity: CacheIdentity, lock: threading.RLock,
+                 journal: Journal, *, days: float, queue_bytes: int, engine_version: str) -> None:
+        assert not identity.state_parts, "the remote tier keeps attention K/V only"
+        self.store, self.shown, self.identity = store, shown, identity
+        self.lock, self.journal = lock, journal
+        self.ttl_s = max(int(days * 86400), MIN_TTL_S)
+        self.queue_bytes = queue_bytes
+        self.engine_version = engine_version
+        self.index = TierIndex("remote")  # the offers of recent lookups: keys and tokens, no K/V
+        self.known: OrderedDict[str, None] = OrderedDict()
+        self.state = "connecting"  # "up", or a StoreError state
+        self.error = ""
+        self.retry_at = 0.0
+        self.used_bytes = self.max_bytes = 0
+        self._queue: deque[Upload] = deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition(lock)
+        self._stopping = False
+        self._sending = False  # the writer holds a park it took off the queue
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ health
+
+    def start(self) -> None:
+        """Probe the store once (a start-up that cannot reach it logs why and goes on), then start the writer."""
+        self._probe()
+        self._thread = threading.Thread(target=self._run, name="strata-remote-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def reachable(self) -> bool:
+        """Worth a network call now: not known to be down, or due for another try."""
+        return self.state != "down" or time.monotonic() >= self.retry_at
+
+    def _probe(self) -> None:
+        try:
+            usage = self.store.usage()
+        except StoreError as exc:
+            self._failed(exc, "probing")
+            return
+        with self.lock:
+            self.used_bytes, self.max_bytes = usage.used_bytes, usage.max_bytes
+        first = self.state == "connecting"
+        self._succeeded()
+        if first:
+            log.info("conversation cache: remote store %s: %.0f MiB used of %s, eviction %s, entries expire "
+                     "after %.1f h", self.shown, usage.used_bytes / MIB,
+                     f"{usage.max_bytes // MIB} MiB" if usage.max_bytes else "no maxmemory", usage.policy,
+                     self.ttl_s / 3600)
+            if not usage.max_bytes or usage.policy == "noeviction":
+                log.warning("conversation cache: remote store %s has %s: once full, its writes fail (counted, "
+                            "serving goes on); set maxmemory and maxmemory-policy allkeys-lru (or volatile-lru) "
+                            "there", self.shown, "no maxmemory" if not usage.max_bytes else "policy noeviction")
+
+    def _failed(self, exc: StoreError, what: str) -> None:
+        """Count a failed call; log once per change of state; a store that is down is left alone until a probe."""
+        with self.lock:
+            self.journal.count("remote_errors")
+            changed = exc.state != self.state
+            self.state, self.error = exc.state, f"{exc.state}: {exc}"
+            if exc.state == "down":
+                self.retry_at = time.monotonic() + PROBE_S
+        if changed:
+            log.warning("conversation cache: remote store %s failed while %s: %s; serving goes on from RAM and disk "
+                        "(tried again every %.0f s)", self.shown, what, exc, PROBE_S)
+
+    def _succeeded(self) -> None:
+        with self.lock:
+            was, self.state, self.error = self.state, "up", ""
+        if was not in ("up", "connecting"):
+            log.warning("conversation cache: remote store %s is usable again", self.shown)
+
+    def figures(self) -> RemoteFigures:
+        """The tier's gauges (caller holds the lock; its counters live in the journal)."""
+        return RemoteFigures(self.shown, self.state, self.error, self.used_bytes, self.max_bytes)
+
+    # ------------------------------------------------------------------ lookup and restore
+
+    def lookup(self, toks: np.ndarray, keys: list[str]) -> Conv | None:
+        """The stored conversation offering the longest prefix of `keys` (engine thread, no lock held), or None."""
+        if not keys or not self.reachable:
+            return None
+        try:
+            held = self.store.exists("block", keys)
+            m = next((i for i, h in enumerate(held) if not h), len(keys))
+            value = self.store.get("manifest", [keys[m - 1]])[0] if m else None
+        except StoreError as exc:
+            self._failed(exc, "looking up")
+            return None
+        self._succeeded()
+        if m == 0:
+            with self.lock:
+                self.journal.count("remote_misses")
+            return None
+        b = self.identity.block_tokens
+        conv_id, tokens, tail = f"remote-{keys[m - 1][:16]}", toks[: m * b], None
+        if value is not None:
+            try:
+                manifest = decode_manifest(self.identity, keys[m - 1], value)
+                conv_id, tokens, tail = manifest.conversation_id or conv_id, manifest.tokens, manifest.tail
+            except FileFormatError as exc:
+                self._refused("manifest", keys[m - 1], exc)
+        conv = Conv(conv_id, tokens, keys[:m], parts_nbytes(tail), tail=tail, created=time.time(),
+                    last_used=time.time())
+        with self.lock:
+            self._remember(keys[:m])
+            self._offer(conv)
+        return conv
+
+    def _offer(self, conv: Conv) -> None:
+        """Keep `conv` as an offer (caller holds the lock), replacing one of its id; the oldest unused go."""
+        idx = self.index
+        if conv.id in idx.convs:
+            if idx.is_pinned(idx.convs[conv.id]):
+                conv.id = f"{conv.id}-{len(idx.convs)}"
+            else:
+                idx.remove(conv.id)
+        for cid in list(idx.convs):
+            if len(idx.convs) < MAX_OFFERS:
+                break
+            if not idx.is_pinned(idx.convs[cid]):
+                idx.remove(cid)
+        new = [Block(k, self.identity.block_bytes) for k in conv.keys if k not in idx.blocks]
+        idx.add(conv, new)
+
+    def pieces(self, conv: Conv, blocks: list[Block], use_tail: bool) -> tuple[list[tuple[int, Parts]], int]:
+        """The restore's (start, parts) pieces read from the store and the bytes moved (restore reader thread);
+        CacheRestoreError for a block gone from the store, refused, or a store that failed."""
+        keys = [blk.key for blk in blocks]
+        try:
+            values = self.store.get("block", keys)
+        except StoreError as exc:
+            self._failed(exc, "restoring")
+            raise CacheRestoreError(f"the remote store failed ({exc}); prefill instead") from None
+        b, pieces, moved = self.identity.block_tokens, [], 0
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if value is None:
+                raise CacheRestoreError(f"block {key[:12]} left the remote store (evicted or expired); prefill instead")
+            try:
+                pieces.append((i * b, decode_block(self.identity, key, value)))
+            except FileFormatError as exc:
+                self._refused("block", key, exc)
+                raise CacheRestoreError(f"the remote store's block {key[:12]} was refused ({exc}); "
+                                        "prefill instead") from None
+            moved += len(value)
+        if use_tail:
+            if conv.tail is None:
+                raise CacheRestoreError(f"conversation {conv.id} has no partial block in the store")
+            pieces.append((len(conv.keys) * b, conv.tail))
+        with self.lock:
+            self.journal.count("remote_hits")
+            self.journal.count("remote_bytes_got", moved)
+        return pieces, moved + parts_nbytes(conv.tail if use_tail else None)
+
+    def _refused(self, kind: str, key: str, exc: FileFormatError) -> None:
+        """A damaged, truncated or foreign value: counted, logged, removed (an engine that holds it writes it again)."""
+        with self.lock:
+            self.journal.count("remote_refused")
+            self.known.pop(key, None)
+        log.warning("conversation cache: refused the remote store's %s %s (%s): %s", kind, key[:12], exc.reason, exc)
+        try:
+            self.store.delete(kind, [key])  # type: ignore[arg-type]  # kind is "block" or "manifest"
+        except StoreError as err:
+            self._failed(err, "removing a refused value")
+
+    def _remember(self, keys: list[str]) -> None:
+        for k in keys:
+            self.known[k] = None
+            self.known.move_to_end(k)
+        while len(self.known) > MAX_KNOWN:
+            self.known.popitem(last=False)
+
+    # ------------------------------------------------------------------ write-through
+
+    def publish(self, conv_id: str, toks: np.ndarray, keys: list[str], held: Callable[[str], Parts | None],
+                capture: Callable[[int, int], Parts], tail: Parts | None) -> None:
+        """Queue a park for the store (engine thread). `held(key)`: the block's parts where a local tier keeps
+        them in RAM, else None and `capture(start, end)` copies them from the slot."""
+        if self._thread is None or not self.reachable:
+            if self._thread is not None:
+                with self.lock:
+                    self.journal.count("remote_dropped")
+            return
+        b = self.identity.block_tokens
+        with self.lock:
+            unknown = [(i, k) for i, k in enumerate(keys) if k not in self.known]
+        blocks = {}
+        for i, k in unknown:
+            data = held(k)
+            blocks[k] = only(self.identity.parts, data if data is not None else capture(i * b, (i + 1) * b))
+        if len(toks) > len(keys) * b and tail is None:
+            tail = capture(len(keys) * b, len(toks))
+        job = Upload(conv_id, toks, list(keys), blocks, tail)
+        with self._cond:
+            while self._queue and self._queued_bytes + job.nbytes > self.queue_bytes:
+                old = self._queue.popleft()  # the oldest park: its conversation is likely parked again since
+                self._queued_bytes -= old.nbytes
+                self.journal.count("remote_dropped")
+            self._queue.append(job)
+            self._queued_bytes += job.nbytes
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue and not self._stopping:
+                    self._cond.wait(PROBE_S)
+                if not self._queue:
+                    if self._stopping:
+                        return
+                    job = None
+                else:
+                    job = self._queue.popleft()
+                    self._queued_bytes -= job.nbytes
+                    self._sending = True
+            if job is None:
+                self._probe()
+                continue
+            try:
+                if self.reachable:
+                    self._send(job)
+                else:
+                    with self.lock:
+                        self.journal.count("remote_dropped")
+            finally:
+                with self._cond:
+                    self._sending = False
+                    self._cond.notify_all()
+
+    def _send(self, job: Upload) -> None:
+        """Refresh what the store holds of the park, send the rest, then its manifest (writer thread)."""
+        s, ident = self.store, self.identity
+        try:
+            held = s.touch("block", job.keys, self.ttl_s) if job.keys else []
+            missing = [k for k, h in zip(job.keys, held, strict=True) if not h]
+            items = [(k, encode_block(ident, k, job.blocks[k], engine_version=self.engine_version))
+                     for k in missing if k in job.blocks]
+            s.put("block", items, self.ttl_s)
+            complete = len(items) == len(missing)  # a block known to the store was evicted since: not whole
+            if complete and job.keys:
+                manifest = encode_manifest(ident, job.conv_id, job.tokens, job.tail, n_blocks=len(job.keys),
+                                           engine_version=self.engine_version)
+                s.put("manifest", [(job.keys[-1], manifest)], self.ttl_s)
+                items.append((job.keys[-1], manifest))
+        except StoreError as exc:
+            self._failed(exc, "writing")
+            return
+        self._succeeded()
+        with self.lock:
+            self.journal.count("remote_blocks_put", len(items) - (1 if complete and job.keys else 0))
+            self.journal.count("remote_bytes_put", sum(len(v) for _, v in items))
+            if complete:
+                self._remember(job.keys)
+            else:
+                for k in missing:
+                    self.known.pop(k, None)  # the next park of it captures them again
+
+    def drain(self, deadline: float) -> bool:
+        """Wait until every queued park is sent (or the deadline passes); True when nothing is left."""
+        with self._cond:
+            while (self._queue or self._sending) and time.monotonic() < deadline:
+                self._cond.wait(max(deadline - time.monotonic(), 0.0))
+            return not (self._queue or self._sending)
+
+    def close(self, deadline: float) -> None:
+        """Send what is queued until `deadline`, then stop the writer and let the connection go."""
+        self.drain(deadline)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(max(deadline - time.monotonic(), 0.1))
+        self.store.close()

@@ -1,0 +1,130 @@
+"""The remote tier on a real redis-server: two caches (two engines' worth: other folders, one model identity) share
+parked conversations through it; damaged, foreign and missing values are refused; a store that goes away or
+fills up changes nothing about serving but shows in the figures."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.cache import CacheRestoreError, ConversationCache
+from engine.cache.remote.values import encode_block
+from tests.redis_server import redis_server
+from tests.test_cache_support import BLOCK, FakeSlots, conversation, identity, make_cache, park_tokens
+
+
+@pytest.fixture
+def store(tmp_path):
+    with redis_server(tmp_path) as server:
+        yield server
+
+
+def pair(store, tmp_path, **kw) -> tuple[ConversationCache, ConversationCache]:
+    """Engine A's cache and engine B's: other folders, the same model identity, one store."""
+    return tuple(make_cache(remote_url=store.url, storage="tiered", dir=str(tmp_path / name), **kw)  # type: ignore[return-value]
+                 for name in ("a", "b"))
+
+
+def restores_from_remote(cache: ConversationCache, slots: FakeSlots, tokens: list[int], n: int) -> None:
+    """A request that goes on from `tokens` restores its first `n` from the store, byte for byte."""
+    hit = cache.lookup(tokens + [7, 8])
+    assert hit is not None and hit.tier == "remote" and hit.n_tokens == n, hit
+    slots.kv.clear(1)
+    assert cache.restore(hit, slots.writer(1)).tier == "remote"
+    slots.fill(0, tokens)
+    assert torch.equal(slots.kv.read(1, 0, n), slots.snapshot(0, n))
+
+
+def test_second_cache_resumes_what_the_first_parked_through_the_store(store, tmp_path):
+    a, b = pair(store, tmp_path)
+    slots = FakeSlots()
+    system = conversation(1, 4 * BLOCK)
+    first, second = conversation(2, 6 * BLOCK + 5, system), conversation(3, 5 * BLOCK + 9, system)
+    assert park_tokens(a, slots, first).parked and park_tokens(a, slots, second).parked
+    assert a.flush(10)
+    put = a.stats()
+    assert put.remote_blocks_put == 6 + 1  # the shared system prompt is stored once
+    assert put.remote_state == "up" and put.remote_bytes_put > 0
+    restores_from_remote(b, slots, first, len(first))  # every token, the partial last block from the manifest
+    restores_from_remote(b, slots, second, len(second))
+    st = b.stats()
+    assert st.remote_hits == 2 and st.remote_refused == 0 and st.entries_ram == 0  # nothing resident in B
+    # B parks what it goes on with: the blocks it read are known to be in the store, only new ones are sent
+    longer = first + conversation(4, 2 * BLOCK)
+    assert park_tokens(b, slots, longer).parked and b.flush(10)
+    assert b.stats().remote_blocks_put == 2
+    for cache in (a, b):
+        cache.close(spill=True)
+
+
+def _flip(value: bytes, key: str) -> bytes:
+    damaged = bytearray(value)
+    damaged[-100] ^= 0x01  # one bit of K/V: the tensor checksum sees it
+    return bytes(damaged)
+
+
+def _foreign(value: bytes, key: str) -> bytes:
+    """A block another model wrote, stored under this model's key (a store is no trust boundary)."""
+    other = identity(model={"name": "another model"})
+    return encode_block(other, key, {"kv": torch.zeros(other.parts[0].shape(BLOCK))}, engine_version="test")
+
+
+@pytest.mark.parametrize(("damage", "reason"), [(_flip, "checksum mismatch"), (lambda v, k: v[:-7], "truncated"),
+                                                (_foreign, "foreign")], ids=["flipped", "truncated", "foreign"])
+def test_damaged_truncated_and_foreign_values_are_refused_and_counted(store, tmp_path, caplog, damage, reason):
+    a, b = pair(store, tmp_path)
+    slots = FakeSlots()
+    tokens = conversation(5, 3 * BLOCK)
+    park_tokens(a, slots, tokens)
+    assert a.flush(10)
+    client = store.client()
+    name = sorted(client.keys(f"strata:kv:{a.identity.key}:b:*"))[1]
+    client.set(name, damage(client.get(name), name.decode().rsplit(":", 1)[1]))
+    with caplog.at_level(logging.WARNING, "strata.cache"):
+        hit = b.lookup(tokens + [7])
+        assert hit is not None and hit.tier == "remote"
+        slots.kv.clear(1)
+        with pytest.raises(CacheRestoreError, match="refused"):
+            b.restore(hit, slots.writer(1))
+    assert not slots.kv.read(1, 0, len(tokens)).any()  # nothing reached the slot
+    assert b.stats().remote_refused == 1 and reason in caplog.text
+    assert not client.exists(name)  # a refused value is removed; an engine that holds it writes it again
+    for cache in (a, b):
+        cache.close(spill=False)
+
+
+def test_a_store_that_goes_away_leaves_ram_and_disk_serving_and_shows_it(store, tmp_path, caplog):
+    a, b = pair(store, tmp_path)
+    slots = FakeSlots()
+    tokens = conversation(6, 4 * BLOCK + 3)
+    park_tokens(a, slots, tokens)
+    assert a.flush(10)
+    store.stop()
+    with caplog.at_level(logging.WARNING, "strata.cache"):
+        for _ in range(3):
+            assert b.lookup(tokens + [7]) is None  # the store is down: a cold prefill, no error
+        local = conversation(7, 3 * BLOCK)
+        assert park_tokens(b, slots, local).parked  # the local tiers go on
+        hit = b.lookup(local + [7])
+        assert hit is not None and hit.tier == "ram"
+    st = b.stats()
+    assert st.remote_state == "down" and "cannot reach" in st.remote_error and st.remote_errors == 1
+    assert caplog.text.count("remote store") == 1  # one warning, not one per request
+    for cache in (a, b):
+        cache.close(spill=False)
+
+
+def test_a_full_store_refuses_writes_and_serving_goes_on(tmp_path, caplog):
+    with redis_server(tmp_path, "--maxmemory", "1mb", "--maxmemory-policy", "noeviction") as server:
+        cache = make_cache(remote_url=server.url)
+        slots = FakeSlots()
+        with caplog.at_level(logging.WARNING, "strata.cache"):
+            for seed in range(4):  # 4 x 40 KiB of blocks per park, past the store's 1 MiB
+                assert park_tokens(cache, slots, conversation(10 + seed, 40 * BLOCK)).parked
+                cache.flush(10)
+        st = cache.stats()
+        assert st.remote_state == "full" and st.remote_errors >= 1 and st.entries_ram == 4
+        assert "noeviction" in caplog.text and "full" in caplog.text
+        cache.close(spill=False)
