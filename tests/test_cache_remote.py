@@ -11,7 +11,7 @@ import torch
 
 from engine.cache import CacheRestoreError, ConversationCache
 from engine.cache.remote.values import encode_block
-from tests.redis_server import redis_server
+from tests.redis_server import free_port, redis_server
 from tests.test_cache_support import BLOCK, FakeSlots, conversation, identity, make_cache, park_tokens
 
 
@@ -127,4 +127,43 @@ def test_a_full_store_refuses_writes_and_serving_goes_on(tmp_path, caplog):
         st = cache.stats()
         assert st.remote_state == "full" and st.remote_errors >= 1 and st.entries_ram == 4
         assert "noeviction" in caplog.text and "full" in caplog.text
+        cache.close(spill=False)
+
+
+def test_a_store_that_comes_back_is_used_again_and_gets_what_is_parked_next(store, tmp_path, caplog):
+    a, b = pair(store, tmp_path)
+    slots = FakeSlots()
+    tokens = conversation(8, 3 * BLOCK + 2)
+    park_tokens(a, slots, tokens)
+    assert a.flush(10)
+    store.stop()
+    park_tokens(a, slots, tokens + conversation(9, BLOCK))  # its write fails: the store is down
+    a.flush(10)
+    assert a.stats().remote_state == "down"
+    with caplog.at_level(logging.WARNING, "strata.cache"), redis_server(tmp_path, port=store.port):  # empty
+        for cache in (a, b):
+            assert cache.remote is not None
+            cache.remote.retry_at = 0.0  # due for another try now rather than after PROBE_S
+        longer = tokens + conversation(10, 2 * BLOCK)
+        assert park_tokens(a, slots, longer).parked and a.flush(10)
+        assert a.stats().remote_state == "up" and "usable again" in caplog.text
+        restores_from_remote(b, slots, longer, len(longer))  # every block sent again, not only the new ones
+    for cache in (a, b):
+        cache.close(spill=False)
+
+
+def test_a_read_only_store_serves_reads_and_refuses_writes_without_stopping_parks(tmp_path):
+    # a replica of a primary that is not there: it answers reads and refuses every write with READONLY
+    with redis_server(tmp_path, "--replicaof", "127.0.0.1", str(free_port())) as server:
+        cache = make_cache(remote_url=server.url)
+        slots = FakeSlots()
+        tokens = conversation(11, 3 * BLOCK)
+        assert park_tokens(cache, slots, tokens).parked
+        cache.flush(10)
+        st = cache.stats()
+        assert st.remote_state == "read_only" and "refuses writes" in st.remote_error and st.remote_errors == 1
+        hit = cache.lookup(tokens + [7])
+        assert hit is not None and hit.tier == "ram"
+        assert cache.lookup(tokens + conversation(12, 2 * BLOCK)).tier == "ram"  # the store read: nothing there
+        assert cache.stats().remote_state == "read_only"  # a read going through does not clear it
         cache.close(spill=False)

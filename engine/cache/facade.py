@@ -13,6 +13,8 @@ background `DiskWriter`). Three modes:
   was already on disk: a re-park's previous written version stays the file on disk until replaced.
 - tiered: parks go to RAM; what RAM evicts is queued for the same background writer (served from its RAM copy
   until written, under the same bound); `close(spill=True)` writes everything parked.
+With `remote_url`, parks are also written through to a shared store (`RemoteTier`, engine/cache/remote/), and a
+lookup that the local tiers cannot serve in full asks it for the longest stored prefix.
 Threads: the engine thread is the only caller of mutating methods; `stats`, `conversations` and `events` may
 be called from any thread; the writer thread only writes files and reports under the same lock. What it
 reports is applied by the engine thread (`DiskStore.reap`).
@@ -43,7 +45,7 @@ from engine.cache.parts import (
     check_state,
 )
 from engine.cache.policy import common_prefix, decline_reason
-from engine.cache.ram_tier import RamTier, capture
+from engine.cache.ram_tier import RamTier
 from engine.cache.remote.backends import open_remote
 from engine.cache.remote.tier import RemoteFigures, RemoteTier
 from engine.cache.restores import resume_point
@@ -123,9 +125,9 @@ class ConversationCache:
         with self.lock:
             self.reap()  # a failed write gives its conversation's written version back before matching
             best, shared = self._local_best(toks, keys)
-        offer = self._remote_offer(toks, keys, best[0] if best else 0)  # the network, without the lock
-        if offer is not None:
-            best = offer
+        if self.remote is not None:  # the network, without the lock: only for whole blocks beyond the local hit
+            offer = self.remote.offer(toks, keys, have=best[0] if best else 0)
+            best = (offer[0], "remote", offer[1]) if offer is not None else best
         with self.lock:
             report = lookup_report(self.journal.losses, toks, best, live_prefix)
             if self.identity.local_layers and best is not None and shared > best[0]:
@@ -162,16 +164,6 @@ class ConversationCache:
                 if best is None or n > best[0]:
                     best = (n, tier, conv)
         return best, shared
-
-    def _remote_offer(self, toks, keys: list[str], have: int) -> tuple[int, str, Conv] | None:
-        """The remote store's candidate when it may offer more than the local `have` tokens (whole blocks beyond)."""
-        if self.remote is None or len(keys) * self.identity.block_tokens <= have:
-            return None
-        conv = self.remote.lookup(toks, keys)
-        if conv is None:
-            return None
-        n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
-        return (n, "remote", conv) if n > have else None
 
     def record_miss(self) -> None:
         with self.lock:
@@ -247,22 +239,12 @@ class ConversationCache:
             new_bytes / MIB,
             ms,
         )
-        if self.remote is not None:
-            self._write_through(conv, toks, keys, read_parts)
+        if self.remote is not None:  # the blocks a tier holds in RAM go by reference, the others are copied
+            with self.lock:
+                held = {k: blk.data for _, index in self.tiers() for k in keys
+                        if (blk := index.blocks.get(k)) is not None and blk.data is not None}
+            self.remote.publish(conv.id, toks, keys, held, read_parts, conv.tail)
         return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
-
-    def _write_through(self, conv: Conv, toks, keys: list[str], read_parts: ReadParts) -> None:
-        """Queue a park for the remote store: blocks a local tier holds in RAM by reference, others copied."""
-        assert self.remote is not None
-        with self.lock:
-            held = {k: blk.data for _, index in self.tiers() for k in keys
-                    if (blk := index.blocks.get(k)) is not None and blk.data is not None}
-            tail = conv.tail
-        try:
-            self.remote.publish(conv.id, toks, keys, held.get,
-                                lambda start, end: capture(self.identity, read_parts, start, end), tail)
-        except ParkRefused as exc:  # the slot's state could not be read again: the local park stands
-            log.warning("conversation cache: %s not written to the remote store: %s", conv.id, exc)
 
     def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs,
               states: Checkpoints) -> tuple[Conv, int, int, str]:

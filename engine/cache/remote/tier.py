@@ -20,17 +20,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cache.errors import CacheRestoreError
+from engine.cache.errors import CacheRestoreError, ParkRefused
 from engine.cache.fileformat import FileFormatError
 from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv, TierIndex
 from engine.cache.journal import Journal
-from engine.cache.parts import Parts, only, parts_nbytes
+from engine.cache.parts import Parts, ReadParts, only, parts_nbytes
+from engine.cache.policy import common_prefix
+from engine.cache.ram_tier import capture
 from engine.cache.remote.store import RemoteStore, StoreError
 from engine.cache.remote.values import decode_block, decode_manifest, encode_block, encode_manifest
 
@@ -137,9 +138,14 @@ class RemoteTier:
             log.warning("conversation cache: remote store %s failed while %s: %s; serving goes on from RAM and disk "
                         "(tried again every %.0f s)", self.shown, what, exc, PROBE_S)
 
-    def _succeeded(self) -> None:
+    def _succeeded(self, *, wrote: bool = False) -> None:
+        """A call went through; a full or read-only store stays so until a write goes through."""
         with self.lock:
+            if not wrote and self.state in ("full", "read_only"):
+                return
             was, self.state, self.error = self.state, "up", ""
+            if was == "down":
+                self.known.clear()  # it may have restarted empty
         if was not in ("up", "connecting"):
             log.warning("conversation cache: remote store %s is usable again", self.shown)
 
@@ -148,6 +154,17 @@ class RemoteTier:
         return RemoteFigures(self.shown, self.state, self.error, self.used_bytes, self.max_bytes)
 
     # ------------------------------------------------------------------ lookup and restore
+
+    def offer(self, toks: np.ndarray, keys: list[str], *, have: int) -> tuple[int, Conv] | None:
+        """(tokens it offers, the stored conversation) when the store may offer more of `toks` than the local
+        tiers' `have` tokens, else None (engine thread, no lock held)."""
+        if len(keys) * self.identity.block_tokens <= have:
+            return None
+        conv = self.lookup(toks, keys)
+        if conv is None:
+            return None
+        n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
+        return (n, conv) if n > have else None
 
     def lookup(self, toks: np.ndarray, keys: list[str]) -> Conv | None:
         """The stored conversation offering the longest prefix of `keys` (engine thread, no lock held), or None."""
@@ -245,24 +262,29 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ write-through
 
-    def publish(self, conv_id: str, toks: np.ndarray, keys: list[str], held: Callable[[str], Parts | None],
-                capture: Callable[[int, int], Parts], tail: Parts | None) -> None:
-        """Queue a park for the store (engine thread). `held(key)`: the block's parts where a local tier keeps
-        them in RAM, else None and `capture(start, end)` copies them from the slot."""
+    def publish(self, conv_id: str, toks: np.ndarray, keys: list[str], held: dict[str, Parts],
+                read_parts: ReadParts, tail: Parts | None) -> None:
+        """Queue a park for the store (engine thread, inside the park: `read_parts` reads the slot). `held`: the
+        parts of blocks a local tier keeps in RAM (sent by reference); the others the store may lack are copied."""
         if self._thread is None or not self.reachable:
             if self._thread is not None:
                 with self.lock:
                     self.journal.count("remote_dropped")
             return
         b = self.identity.block_tokens
-        with self.lock:
-            unknown = [(i, k) for i, k in enumerate(keys) if k not in self.known]
-        blocks = {}
-        for i, k in unknown:
-            data = held(k)
-            blocks[k] = only(self.identity.parts, data if data is not None else capture(i * b, (i + 1) * b))
-        if len(toks) > len(keys) * b and tail is None:
-            tail = capture(len(keys) * b, len(toks))
+        with self.lock:  # a store coming back may have restarted empty: then everything is sent again
+            known = self.known if self.state == "up" else {}
+            unknown = [(i, k) for i, k in enumerate(keys) if k not in known]
+        try:
+            blocks = {k: only(self.identity.parts, held[k] if k in held else
+                              capture(self.identity, read_parts, i * b, (i + 1) * b)) for i, k in unknown}
+            if len(toks) > len(keys) * b and tail is None:
+                tail = capture(self.identity, read_parts, len(keys) * b, len(toks))
+        except ParkRefused as exc:  # the slot's state could not be read again: the local park stands
+            log.warning("conversation cache: %s not written to the remote store: %s", conv_id, exc)
+            with self.lock:
+                self.journal.count("remote_dropped")
+            return
         job = Upload(conv_id, toks, list(keys), blocks, tail)
         with self._cond:
             while self._queue and self._queued_bytes + job.nbytes > self.queue_bytes:
@@ -318,7 +340,7 @@ class RemoteTier:
         except StoreError as exc:
             self._failed(exc, "writing")
             return
-        self._succeeded()
+        self._succeeded(wrote=True)
         with self.lock:
             self.journal.count("remote_blocks_put", len(items) - (1 if complete and job.keys else 0))
             self.journal.count("remote_bytes_put", sum(len(v) for _, v in items))
