@@ -65,15 +65,16 @@ class CountersPanel(QWidget):
         cache_form = QFormLayout(cache_box)
         for key, text in (("storage", "Storage"), ("hit_rate", "Hit rate"), ("tokens_saved", "Tokens saved"),
                           ("parks", "Parks / restores"), ("evictions", "Evictions / refusals"),
-                          ("park_ms", "Park time"), ("restore_ms", "Restore time")):
+                          ("park_ms", "Park time"), ("restore_ms", "Restore time"), ("remote", "Remote store")):
             self.labels[key] = _value_label()
             cache_form.addRow(text, self.labels[key])
 
         budget_box = QGroupBox("Stored against budgets")
         grid = QGridLayout(budget_box)
         self.ram_bar, self.disk_bar, self.slots_bar = BudgetBar(), BudgetBar(), BudgetBar()
+        self.remote_bar = BudgetBar()  # the shared store: what it holds (every engine's) against its maxmemory
         for row, (text, bar) in enumerate((("RAM", self.ram_bar), ("Disk", self.disk_bar),
-                                           ("Conversations", self.slots_bar))):
+                                           ("Conversations", self.slots_bar), ("Remote store", self.remote_bar))):
             grid.addWidget(QLabel(text), row, 0)
             grid.addWidget(bar, row, 1)
         layout = QVBoxLayout(self)
@@ -147,6 +148,13 @@ class CountersPanel(QWidget):
         if error:
             self.disk_bar.setFormat("error: " + error)
         self.disk_bar.setToolTip(error or UNIQUE_BYTES)
+        url = str(dig(c, "remote", default=""))
+        lb["remote"].setText(remote_summary(c))
+        lb["remote"].setToolTip(url)
+        self.remote_bar.set_usage(number(c, "remote_bytes") if url else None, budget(c, "remote_max_bytes"))
+        if not url and c:
+            self.remote_bar.setFormat("not used")
+        self.remote_bar.setToolTip(f"{url}: every engine's entries, and anything else the store holds" if url else "")
         self._slots_budget = budget(c, "slots")
         if self._parked is None:
             entries = number(c, "entries")
@@ -179,6 +187,18 @@ def _timing(c: dict[str, Any], key: str, mib_per_s: float | None) -> str:
     if mib_per_s is not None:
         text += f" · {format_count(mib_per_s)} MiB/s"
     return text
+
+
+def remote_summary(cache: dict[str, Any]) -> str:
+    """The shared store as /metrics reports it: "up · 3 restores · 0 errors · 0 refused", then what failed last;
+    "not used" without --conversation-cache-remote."""
+    if not dig(cache, "remote", default=""):
+        return "not used"
+    text = (f"{dig(cache, 'remote_state', default='–')} · {format_count(number(cache, 'remote_hits'))} restores · "
+            f"{format_count(number(cache, 'remote_errors'))} errors · "
+            f"{format_count(number(cache, 'remote_refused'))} refused")
+    error = str(dig(cache, "remote_error", default=""))
+    return f"{text}\n{error}" if error else text
 
 
 def runs_as(engine: dict[str, Any]) -> str:
