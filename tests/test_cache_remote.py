@@ -23,7 +23,8 @@ def store(tmp_path):
 
 def pair(store, tmp_path, **kw) -> tuple[ConversationCache, ConversationCache]:
     """Engine A's cache and engine B's: other folders, the same model identity, one store."""
-    return tuple(make_cache(remote_url=store.url, storage="tiered", dir=str(tmp_path / name), **kw)  # type: ignore[return-value]
+    kw = {"storage": "tiered", **kw}
+    return tuple(make_cache(remote_url=store.url, dir=str(tmp_path / name), **kw)  # type: ignore[return-value]
                  for name in ("a", "b"))
 
 
@@ -166,4 +167,21 @@ def test_a_read_only_store_serves_reads_and_refuses_writes_without_stopping_park
         assert hit is not None and hit.tier == "ram"
         assert cache.lookup(tokens + conversation(12, 2 * BLOCK)).tier == "ram"  # the store read: nothing there
         assert cache.stats().remote_state == "read_only"  # a read going through does not clear it
+        cache.close(spill=False)
+
+
+def test_blocks_the_store_evicted_are_sent_again_from_the_disk_files_at_the_next_park(store, tmp_path):
+    a, b = pair(store, tmp_path, storage="disk")
+    slots = FakeSlots()
+    tokens = conversation(13, 4 * BLOCK + 1)
+    park_tokens(a, slots, tokens)
+    assert a.flush(10)  # written on disk: A keeps no K/V of it in RAM now
+    client = store.client()
+    evicted = sorted(client.keys(f"strata:kv:{a.identity.key}:b:*"))[:2]
+    client.delete(*evicted)  # as the store's LRU would
+    longer = tokens + conversation(14, BLOCK + 3)
+    assert park_tokens(a, slots, longer).parked and a.flush(10)
+    assert all(client.exists(k) for k in evicted)
+    restores_from_remote(b, slots, longer, len(longer))
+    for cache in (a, b):
         cache.close(spill=False)

@@ -239,12 +239,21 @@ class ConversationCache:
             new_bytes / MIB,
             ms,
         )
-        if self.remote is not None:  # the blocks a tier holds in RAM go by reference, the others are copied
-            with self.lock:
-                held = {k: blk.data for _, index in self.tiers() for k in keys
-                        if (blk := index.blocks.get(k)) is not None and blk.data is not None}
-            self.remote.publish(conv.id, toks, keys, held, read_parts, conv.tail)
+        if self.remote is not None:
+            self._write_through(conv, toks, keys, read_parts)
         return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
+
+    def _write_through(self, conv: Conv, toks, keys: list[str], read_parts: ReadParts) -> None:
+        """Queue a park for the remote store: a block a tier holds in RAM by reference, a written one as its file."""
+        assert self.remote is not None
+        disk = self.disk
+        with self.lock:
+            held = {k: blk.data for _, index in self.tiers() for k in keys
+                    if (blk := index.blocks.get(k)) is not None and blk.data is not None}
+            filed = {k for k in keys if disk is not None and (blk := disk.index.blocks.get(k)) is not None
+                     and blk.on_disk}
+        load = disk.files.block_file_bytes if disk is not None else None
+        self.remote.publish(conv.id, toks, keys, held, read_parts, conv.tail, filed=filed, load=load)
 
     def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs,
               states: Checkpoints) -> tuple[Conv, int, int, str]:

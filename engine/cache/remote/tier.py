@@ -20,6 +20,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +54,7 @@ class Upload:
     keys: list[str]
     blocks: dict[str, Parts]
     tail: Parts | None
+    load: Callable[[str], bytes] | None = None  # a written disk block's file, for a block not in `blocks`
 
     @property
     def nbytes(self) -> int:
@@ -263,9 +266,12 @@ class RemoteTier:
     # ------------------------------------------------------------------ write-through
 
     def publish(self, conv_id: str, toks: np.ndarray, keys: list[str], held: dict[str, Parts],
-                read_parts: ReadParts, tail: Parts | None) -> None:
-        """Queue a park for the store (engine thread, inside the park: `read_parts` reads the slot). `held`: the
-        parts of blocks a local tier keeps in RAM (sent by reference); the others the store may lack are copied."""
+                read_parts: ReadParts, tail: Parts | None, *, filed: AbstractSet[str] = frozenset(),
+                load: Callable[[str], bytes] | None = None) -> None:
+        """Queue a park for the store (engine thread, inside the park: `read_parts` reads the slot). Of the blocks
+        the store may lack, `held` are the parts a local tier keeps in RAM (sent by reference), `filed` those
+        written on disk (`load(key)` reads the file, on the writer thread, only if the store lacks it); any other
+        is copied from the slot."""
         if self._thread is None or not self.reachable:
             if self._thread is not None:
                 with self.lock:
@@ -277,7 +283,8 @@ class RemoteTier:
             unknown = [(i, k) for i, k in enumerate(keys) if k not in known]
         try:
             blocks = {k: only(self.identity.parts, held[k] if k in held else
-                              capture(self.identity, read_parts, i * b, (i + 1) * b)) for i, k in unknown}
+                              capture(self.identity, read_parts, i * b, (i + 1) * b))
+                      for i, k in unknown if k in held or not (k in filed and load is not None)}
             if len(toks) > len(keys) * b and tail is None:
                 tail = capture(self.identity, read_parts, len(keys) * b, len(toks))
         except ParkRefused as exc:  # the slot's state could not be read again: the local park stands
@@ -285,7 +292,7 @@ class RemoteTier:
             with self.lock:
                 self.journal.count("remote_dropped")
             return
-        job = Upload(conv_id, toks, list(keys), blocks, tail)
+        job = Upload(conv_id, toks, list(keys), blocks, tail, load)
         with self._cond:
             while self._queue and self._queued_bytes + job.nbytes > self.queue_bytes:
                 old = self._queue.popleft()  # the oldest park: its conversation is likely parked again since
@@ -328,8 +335,7 @@ class RemoteTier:
         try:
             held = s.touch("block", job.keys, self.ttl_s) if job.keys else []
             missing = [k for k, h in zip(job.keys, held, strict=True) if not h]
-            items = [(k, encode_block(ident, k, job.blocks[k], engine_version=self.engine_version))
-                     for k in missing if k in job.blocks]
+            items = [(k, value) for k in missing if (value := self._value(job, k)) is not None]
             s.put("block", items, self.ttl_s)
             complete = len(items) == len(missing)  # a block known to the store was evicted since: not whole
             if complete and job.keys:
@@ -349,6 +355,18 @@ class RemoteTier:
             else:
                 for k in missing:
                     self.known.pop(k, None)  # the next park of it captures them again
+
+    def _value(self, job: Upload, key: str) -> bytes | None:
+        """A missing block's value: encoded from its parts, or its disk file as it is; None when neither is at
+        hand (known to the store when the park was queued, or its file gone since)."""
+        if key in job.blocks:
+            return encode_block(self.identity, key, job.blocks[key], engine_version=self.engine_version)
+        if job.load is None:
+            return None
+        try:
+            return job.load(key)
+        except OSError:
+            return None
 
     def drain(self, deadline: float) -> bool:
         """Wait until every queued park is sent (or the deadline passes); True when nothing is left."""
