@@ -28,13 +28,14 @@ class RedisServer:
     proc: subprocess.Popen
     port: int
     log_path: str
+    password: str = ""
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -53,17 +54,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def redis_server(folder: os.PathLike | str, *args: str, port: int = 0) -> Iterator[RedisServer]:
-    """Start redis-server (256 MiB, LRU eviction unless `args` say otherwise) and wait until it answers."""
+def redis_server(folder: os.PathLike | str, *args: str, port: int = 0, password: str = "") -> Iterator[RedisServer]:
+    """Start redis-server (256 MiB, LRU eviction unless `args` say otherwise; `password` required if given) and
+    wait until it answers."""
     if BINARY is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; scripts/setup.sh does it)")
     port = port or free_port()
     log_path = os.path.join(folder, f"redis-{port}.log")
     cmd = [BINARY, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", str(folder), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *args]
+           "--dir", str(folder), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru",
+           *(["--requirepass", password] if password else []), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    server = RedisServer(proc, port, log_path)
+    server = RedisServer(proc, port, log_path, password)
     try:
         deadline = time.monotonic() + 10
         while True:

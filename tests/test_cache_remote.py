@@ -185,3 +185,21 @@ def test_blocks_the_store_evicted_are_sent_again_from_the_disk_files_at_the_next
     restores_from_remote(b, slots, longer, len(longer))
     for cache in (a, b):
         cache.close(spill=False)
+
+
+def test_a_store_with_a_password_takes_it_from_the_url_or_the_environment_and_never_shows_it(
+        tmp_path, monkeypatch, caplog):
+    with redis_server(tmp_path, password="hunter2") as server, \
+            caplog.at_level(logging.INFO, "strata.cache"):
+        slots = FakeSlots()
+        tokens = conversation(15, 2 * BLOCK)
+        wrong = make_cache(remote_url=f"redis://:wrong@127.0.0.1:{server.port}/0")
+        st = wrong.stats()
+        assert st.remote_state == "denied" and st.remote == f"redis://:***@127.0.0.1:{server.port}/0"
+        wrong.close(spill=False)
+        monkeypatch.setenv("STRATA_CONVERSATION_CACHE_REMOTE_PASSWORD", "hunter2")
+        cache = make_cache(remote_url=server.url)
+        assert park_tokens(cache, slots, tokens).parked and cache.flush(10)
+        assert cache.stats().remote_state == "up" and cache.stats().remote_blocks_put == 2
+        cache.close(spill=False)
+    assert "hunter2" not in caplog.text and "wrong" not in caplog.text

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 
 from engine.cache.identity import CacheIdentity
@@ -15,9 +17,15 @@ from engine.store_url import parse_store_url
 log = logging.getLogger("strata.cache")
 
 
+PASSWORD_VARIABLE = "STRATA_CONVERSATION_CACHE_REMOTE_PASSWORD"
+
+
 def open_store(url: str, identity_key: str) -> tuple[RemoteStore, str]:
-    """The backend for `url` (validated by the engine's settings already) and the URL as it may be shown."""
+    """The backend for `url` (validated by the engine's settings already) and the URL as it may be shown. A URL
+    without a password takes PASSWORD_VARIABLE's, which keeps it out of the process list (/proc/PID/cmdline)."""
     parsed = parse_store_url(url)
+    if not parsed.password and os.environ.get(PASSWORD_VARIABLE):
+        parsed = dataclasses.replace(parsed, password=os.environ[PASSWORD_VARIABLE])
     return RedisStore(parsed, identity_key), parsed.redacted()
 
 
