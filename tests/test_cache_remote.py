@@ -50,8 +50,11 @@ def test_second_cache_resumes_what_the_first_parked_through_the_store(store, tmp
     assert put.remote_state == "up" and put.remote_bytes_put > 0
     restores_from_remote(b, slots, first, len(first))  # every token, the partial last block from the manifest
     restores_from_remote(b, slots, second, len(second))
+    long = conversation(16, 40 * BLOCK + 3)  # three batches of blocks, fetched while the previous is verified
+    assert park_tokens(a, slots, long).parked and a.flush(10)
+    restores_from_remote(b, slots, long, len(long))
     st = b.stats()
-    assert st.remote_hits == 2 and st.remote_refused == 0 and st.entries_ram == 0  # nothing resident in B
+    assert st.remote_hits == 3 and st.remote_refused == 0 and st.entries_ram == 0  # nothing resident in B
     # B parks what it goes on with: the blocks it read are known to be in the store, only new ones are sent
     longer = first + conversation(4, 2 * BLOCK)
     assert park_tokens(b, slots, longer).parked and b.flush(10)

@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ MIB = 1 << 20
 PROBE_S = 10.0  # how often the writer asks the store how full it is, and retries a store that was down
 MAX_OFFERS = 8  # lookups' offers kept for the restores that may follow them
 MAX_KNOWN = 1 << 16  # block keys known to be in the store: a park captures no copy of those
+FETCH_BLOCKS = 16  # blocks per MGET of a restore: tens of MiB, the next batch in flight while one is verified
 MIN_TTL_S = 3600  # --conversation-cache-days 0 cannot empty a shared store: entries then live an hour
 
 
@@ -218,24 +220,26 @@ class RemoteTier:
 
     def pieces(self, conv: Conv, blocks: list[Block], use_tail: bool) -> tuple[list[tuple[int, Parts]], int]:
         """The restore's (start, parts) pieces read from the store and the bytes moved (restore reader thread);
-        CacheRestoreError for a block gone from the store, refused, or a store that failed."""
+        CacheRestoreError for a block gone from the store, refused, or a store that failed. Blocks come in
+        batches of FETCH_BLOCKS, the next one on its way while this one is verified, so the engine holds one
+        batch of raw values at a time beside the verified parts, and checksums overlap the transfer."""
         keys = [blk.key for blk in blocks]
-        try:
-            values = self.store.get("block", keys)
-        except StoreError as exc:
-            self._failed(exc, "restoring")
-            raise CacheRestoreError(f"the remote store failed ({exc}); prefill instead") from None
-        b, pieces, moved = self.identity.block_tokens, [], 0
-        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if value is None:
-                raise CacheRestoreError(f"block {key[:12]} left the remote store (evicted or expired); prefill instead")
-            try:
-                pieces.append((i * b, decode_block(self.identity, key, value)))
-            except FileFormatError as exc:
-                self._refused("block", key, exc)
-                raise CacheRestoreError(f"the remote store's block {key[:12]} was refused ({exc}); "
-                                        "prefill instead") from None
-            moved += len(value)
+        batches = [keys[i:i + FETCH_BLOCKS] for i in range(0, len(keys), FETCH_BLOCKS)]
+        b, moved = self.identity.block_tokens, 0
+        pieces: list[tuple[int, Parts]] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="strata-remote-fetch") as fetcher:
+            ahead = fetcher.submit(self.store.get, "block", batches[0]) if batches else None
+            for n, batch in enumerate(batches):
+                assert ahead is not None
+                try:
+                    values = ahead.result()
+                except StoreError as exc:
+                    self._failed(exc, "restoring")
+                    raise CacheRestoreError(f"the remote store failed ({exc}); prefill instead") from None
+                ahead = fetcher.submit(self.store.get, "block", batches[n + 1]) if n + 1 < len(batches) else None
+                for key, value in zip(batch, values, strict=True):
+                    pieces.append((len(pieces) * b, self._verified(key, value)))
+                    moved += len(value or b"")
         if use_tail:
             if conv.tail is None:
                 raise CacheRestoreError(f"conversation {conv.id} has no partial block in the store")
@@ -244,6 +248,15 @@ class RemoteTier:
             self.journal.count("remote_hits")
             self.journal.count("remote_bytes_got", moved)
         return pieces, moved + parts_nbytes(conv.tail if use_tail else None)
+
+    def _verified(self, key: str, value: bytes | None) -> Parts:
+        if value is None:
+            raise CacheRestoreError(f"block {key[:12]} left the remote store (evicted or expired); prefill instead")
+        try:
+            return decode_block(self.identity, key, value)
+        except FileFormatError as exc:
+            self._refused("block", key, exc)
+            raise CacheRestoreError(f"the remote store's block {key[:12]} was refused ({exc}); prefill instead") from None
 
     def _refused(self, kind: str, key: str, exc: FileFormatError) -> None:
         """A damaged, truncated or foreign value: counted, logged, removed (an engine that holds it writes it again)."""
