@@ -105,8 +105,14 @@ def test_a_store_that_goes_away_leaves_ram_and_disk_serving_and_shows_it(store, 
     tokens = conversation(6, 4 * BLOCK + 3)
     park_tokens(a, slots, tokens)
     assert a.flush(10)
-    store.stop()
+    hit = b.lookup(tokens + [7])
+    assert hit is not None and hit.tier == "remote"
+    store.stop()  # between the lookup and the restore's read
     with caplog.at_level(logging.WARNING, "strata.cache"):
+        slots.kv.clear(1)
+        with pytest.raises(CacheRestoreError, match="remote store failed"):
+            b.restore(hit, slots.writer(1))
+        assert not slots.kv.read(1, 0, len(tokens)).any()
         for _ in range(3):
             assert b.lookup(tokens + [7]) is None  # the store is down: a cold prefill, no error
         local = conversation(7, 3 * BLOCK)
@@ -115,6 +121,7 @@ def test_a_store_that_goes_away_leaves_ram_and_disk_serving_and_shows_it(store, 
         assert hit is not None and hit.tier == "ram"
     st = b.stats()
     assert st.remote_state == "down" and "cannot reach" in st.remote_error and st.remote_errors == 1
+    assert st.restore_failures == 1 and st.remote_hits == 0
     assert caplog.text.count("remote store") == 1  # one warning, not one per request
     for cache in (a, b):
         cache.close(spill=False)
