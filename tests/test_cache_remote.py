@@ -43,11 +43,13 @@ def test_second_cache_resumes_what_the_first_parked_through_the_store(store, tmp
     slots = FakeSlots()
     system = conversation(1, 4 * BLOCK)
     first, second = conversation(2, 6 * BLOCK + 5, system), conversation(3, 5 * BLOCK + 9, system)
-    assert park_tokens(a, slots, first).parked and park_tokens(a, slots, second).parked
+    parked = park_tokens(a, slots, first)
+    assert parked.parked and park_tokens(a, slots, second).parked
     assert a.flush(10)
     put = a.stats()
     assert put.remote_blocks_put == 6 + 1  # the shared system prompt is stored once
     assert put.remote_state == "up" and put.remote_bytes_put > 0
+    assert b.lookup(first + [7]).conversation_id == parked.conversation_id  # A's id: one conversation, two engines
     restores_from_remote(b, slots, first, len(first))  # every token, the partial last block from the manifest
     restores_from_remote(b, slots, second, len(second))
     long = conversation(16, 40 * BLOCK + 3)  # three batches of blocks, fetched while the previous is verified

@@ -76,7 +76,9 @@ class ConversationCache:
         if settings.uses_disk:
             self.disk = self.open_disk(settings)
             self.disk.start_writer()
-            self._fit_found_folder()
+            with self.lock:  # the folder as found, against the budgets it starts with
+                self.disk.fit_found_folder()
+                self.ram.enforce_budget()
         self.remote: RemoteTier | None = None
         if settings.remote_url:
             self.remote = open_remote(settings.remote_url, identity, self.lock, self.journal, days=settings.days,
@@ -456,31 +458,6 @@ class ConversationCache:
             return list(self.journal.events)[-limit:] if limit > 0 else []
 
     # ------------------------------------------------------------------ budgets, reconfigure, flush, close
-
-    def _fit_found_folder(self) -> None:
-        """The folder as found at start against the budgets it starts with (which may have shrunk while the engine
-        was stopped): what does not fit goes in eviction order, pinned conversations never (they stay, over
-        budget, until unpinned, deleted or purged), and the log says what went, what stayed and why."""
-        disk = self.disk
-        assert disk is not None
-        with self.lock:
-            found, found_bytes = len(disk.index.convs), disk.index.bytes
-            dropped = disk.enforce_budget(keep_pinned=True)
-            self.ram.enforce_budget()
-            if dropped:
-                log.warning(
-                    "conversation cache: the folder held %d conversations (%.1f MiB), over the disk budget of %d MiB "
-                    "or %d conversations: dropped %d in eviction order (%.1f MiB: %s), kept %d",
-                    found, found_bytes / MIB, self.settings.disk_bytes // MIB, self.settings.slots, len(dropped),
-                    sum(b for _, _, b in dropped) / MIB,
-                    ", ".join(f"{cid} ({n} tokens)" for cid, n, _ in dropped[:8])
-                    + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else ""), len(disk.index.convs))
-            if disk.index.bytes > self.settings.disk_bytes:
-                pinned = [c for c in disk.index.convs.values() if c.pinned]
-                log.warning(
-                    "conversation cache: %d pinned conversations (%.1f MiB) are kept over the disk budget of %d MiB: "
-                    "a budget never drops a pinned conversation at start-up; unpin, delete or purge them, or raise "
-                    "the budget", len(pinned), sum(c.nbytes for c in pinned) / MIB, self.settings.disk_bytes // MIB)
 
     def enforce_budgets(self) -> None:
         """Evict LRU conversations until every tier is within its budget and slot count."""

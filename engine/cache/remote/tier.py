@@ -17,6 +17,7 @@ and the store's health, so that a failing store never changes how the engine ser
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -44,7 +45,8 @@ PROBE_S = 10.0  # how often the writer asks the store how full it is, and retrie
 MAX_OFFERS = 8  # lookups' offers kept for the restores that may follow them
 MAX_KNOWN = 1 << 16  # block keys known to be in the store: a park captures no copy of those
 FETCH_BLOCKS = 16  # blocks per MGET of a restore: tens of MiB, the next batch in flight while one is verified
-MIN_TTL_S = 3600  # --conversation-cache-days 0 cannot empty a shared store: entries then live an hour
+MIN_TTL_S = 3600
+CONV_ID = re.compile(r"[0-9a-f]{16}")  # the ids engines give conversations (secrets.token_hex(8))  # --conversation-cache-days 0 cannot empty a shared store: entries then live an hour
 
 
 @dataclass(slots=True)
@@ -192,7 +194,9 @@ class RemoteTier:
         if value is not None:
             try:
                 manifest = decode_manifest(self.identity, keys[m - 1], value)
-                conv_id, tokens, tail = manifest.conversation_id or conv_id, manifest.tokens, manifest.tail
+                tokens, tail = manifest.tokens, manifest.tail
+                if CONV_ID.fullmatch(manifest.conversation_id):  # another engine's id, shown in events and APIs
+                    conv_id = manifest.conversation_id
             except FileFormatError as exc:
                 self._refused("manifest", keys[m - 1], exc)
         conv = Conv(conv_id, tokens, keys[:m], parts_nbytes(tail), tail=tail, created=time.time(),
