@@ -5,6 +5,8 @@ fills up changes nothing about serving but shows in the figures."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 import pytest
 import torch
@@ -215,3 +217,22 @@ def test_a_store_with_a_password_takes_it_from_the_url_or_the_environment_and_ne
         assert cache.stats().remote_state == "up" and cache.stats().remote_blocks_put == 2
         cache.close(spill=False)
     assert "hunter2" not in caplog.text and "wrong" not in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="no SIGSTOP to make a store hang on this platform")
+def test_a_store_that_stops_answering_fails_one_lookup_then_is_skipped(store, tmp_path):
+    a, b = pair(store, tmp_path)
+    slots = FakeSlots()
+    tokens = conversation(17, 3 * BLOCK)
+    park_tokens(a, slots, tokens)
+    assert a.flush(10)
+    os.kill(store.proc.pid, signal.SIGSTOP)  # connections still accepted by the kernel, nothing answered
+    try:
+        assert b.lookup(tokens + [7]) is None  # after the lookup's short timeout: a cold prefill
+        st = b.stats()
+        assert st.remote_state == "down" and st.remote_errors == 1
+        assert b.lookup(tokens + [7]) is None and b.stats().remote_errors == 1  # not asked again until due
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+    for cache in (a, b):
+        cache.close(spill=False)

@@ -19,7 +19,11 @@ from engine.cache.remote.store import Kind, StoreError, StoreUsage
 from engine.store_url import StoreURL
 
 CONNECT_TIMEOUT_S = 1.0
-CALL_TIMEOUT_S = 5.0  # one pipeline of blocks: megabytes, over a link that may be slow
+# A lookup (EXISTS, a manifest: small) runs while a request waits on the engine thread, so a store that accepts
+# connections but does not answer (stopped, overloaded) costs it at most this; blocks (megabytes, over a link
+# that may be slow) go through their own connections with the longer timeout, off the engine thread.
+QUICK_TIMEOUT_S = 1.0
+BULK_TIMEOUT_S = 5.0
 PUT_BATCH_BYTES = 64 << 20  # bytes sent in one pipeline: bounds the client's buffers, not the store's
 
 
@@ -29,19 +33,21 @@ class RedisStore:
     def __init__(self, url: StoreURL, identity_key: str) -> None:
         self.url = url
         self.prefix = f"strata:kv:{identity_key}:"
-        self.client = redis.Redis(
+        self.bulk, self.quick = (redis.Redis(
             host=url.host, port=url.port, db=url.db, username=url.username or None, password=url.password or None,
-            ssl=url.tls, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=CALL_TIMEOUT_S,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0,
-            client_name="strata",
-        )
+            ssl=url.tls, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=timeout,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, client_name="strata",
+        ) for timeout in (BULK_TIMEOUT_S, QUICK_TIMEOUT_S))
 
     def key(self, kind: Kind, key: str) -> str:
         return f"{self.prefix}{'b' if kind == 'block' else 'm'}:{key}"
 
+    def client(self, kind: Kind) -> redis.Redis:
+        return self.bulk if kind == "block" else self.quick
+
     def exists(self, kind: Kind, keys: Sequence[str]) -> list[bool]:
         with _errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.quick.pipeline(transaction=False)  # keys only: quick whatever their kind
             for k in keys:
                 pipe.exists(self.key(kind, k))
             return [bool(n) for n in pipe.execute()]
@@ -50,19 +56,19 @@ class RedisStore:
         if not keys:
             return []
         with _errors():
-            return list(self.client.mget([self.key(kind, k) for k in keys]))  # type: ignore[arg-type]
+            return list(self.client(kind).mget([self.key(kind, k) for k in keys]))  # type: ignore[arg-type]
 
     def put(self, kind: Kind, items: Sequence[tuple[str, bytes]], ttl_s: int) -> None:
         with _errors():
             for batch in _batches(items, PUT_BATCH_BYTES):
-                pipe = self.client.pipeline(transaction=False)
+                pipe = self.client(kind).pipeline(transaction=False)
                 for k, value in batch:
                     pipe.set(self.key(kind, k), value, ex=ttl_s)
                 pipe.execute()
 
     def touch(self, kind: Kind, keys: Sequence[str], ttl_s: int) -> list[bool]:
         with _errors():
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.bulk.pipeline(transaction=False)  # the writer's, beside its puts
             for k in keys:
                 pipe.expire(self.key(kind, k), ttl_s)
             return [bool(n) for n in pipe.execute()]
@@ -70,17 +76,18 @@ class RedisStore:
     def delete(self, kind: Kind, keys: Sequence[str]) -> None:
         if keys:
             with _errors():
-                self.client.delete(*(self.key(kind, k) for k in keys))
+                self.quick.delete(*(self.key(kind, k) for k in keys))
 
     def usage(self) -> StoreUsage:
         with _errors():
-            info = self.client.info("memory")
+            info = self.quick.info("memory")
         assert isinstance(info, dict), type(info)
         return StoreUsage(int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)),
                           str(info.get("maxmemory_policy", "")))
 
     def close(self) -> None:
-        self.client.close()
+        for client in (self.bulk, self.quick):
+            client.close()
 
 
 def _batches(items: Sequence[tuple[str, bytes]], limit: int) -> Iterator[Sequence[tuple[str, bytes]]]:
