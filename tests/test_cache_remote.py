@@ -236,3 +236,13 @@ def test_a_store_that_stops_answering_fails_one_lookup_then_is_skipped(store, tm
         os.kill(store.proc.pid, signal.SIGCONT)
     for cache in (a, b):
         cache.close(spill=False)
+
+
+def test_a_model_with_recurrent_state_parks_locally_and_says_the_store_is_not_used(store, caplog):
+    from tests.test_cache_checkpoints import hybrid
+
+    with caplog.at_level(logging.WARNING, "strata.cache"):
+        cache = make_cache(hybrid(), remote_url=store.url)
+    assert cache.remote is None and cache.stats().remote == ""
+    assert "--conversation-cache-remote is ignored" in caplog.text
+    cache.close(spill=False)
