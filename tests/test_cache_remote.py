@@ -11,10 +11,19 @@ import signal
 import pytest
 import torch
 
-from engine.cache import CacheRestoreError, ConversationCache
+from engine.cache import CacheIdentity, CacheRestoreError, ConversationCache
 from engine.cache.remote.values import encode_block
 from tests.redis_server import free_port, redis_server
-from tests.test_cache_support import BLOCK, FakeSlots, conversation, identity, make_cache, park_tokens
+from tests.test_cache_support import (
+    BLOCK,
+    LAYOUT,
+    MODEL,
+    FakeSlots,
+    conversation,
+    identity,
+    make_cache,
+    park_tokens,
+)
 
 
 @pytest.fixture
@@ -238,11 +247,36 @@ def test_a_store_that_stops_answering_fails_one_lookup_then_is_skipped(store, tm
         cache.close(spill=False)
 
 
-def test_a_model_with_recurrent_state_parks_locally_and_says_the_store_is_not_used(store, caplog):
-    from tests.test_cache_checkpoints import hybrid
+def test_a_hybrid_conversation_resumes_on_the_other_cache_from_its_checkpoints(store, tmp_path):
+    from tests.test_cache_checkpoints import Slots, hybrid, park, state_at
 
+    ident = hybrid()
+    a, b = (make_cache(ident, remote_url=store.url, storage=storage, dir=str(tmp_path / name))
+            for name, storage in (("a", "disk"), ("b", "ram")))
+    slots = Slots()
+    system = conversation(18, 4 * BLOCK)
+    tokens = conversation(19, 6 * BLOCK + 3, system)
+    # a checkpoint at the system prompt's end (a block end: stored in that block), one at a prompt end, the end
+    assert park(a, slots, tokens, [4 * BLOCK, 4 * BLOCK + 5, len(tokens)]).parked and a.flush(10)
+    for request, want in ((tokens + [7, 8], len(tokens)),  # a follow-up: from the end
+                          (tokens[: 4 * BLOCK + 9] + [1, 2, 3], 4 * BLOCK + 5),  # an edit: the prompt end before it
+                          (tokens[: 4 * BLOCK + 2] + [5, 5, 5], 4 * BLOCK)):  # from the block's checkpoint
+        hit = b.lookup(request)
+        assert hit is not None and hit.tier == "remote" and hit.n_tokens == want, (hit, want)
+        got: dict = {}
+        b.restore(hit, slots.writer(1, got))
+        assert list(got) == [want] and all(torch.equal(got[want][k], v) for k, v in state_at(request, want).items())
+        slots.fill(0, tokens)
+        assert torch.equal(slots.kv.read(1, 0, want), slots.kv.read(0, 0, want))
+    assert b.lookup(tokens[: 3 * BLOCK] + [9] * 20) is None  # no checkpoint before the edit: nothing to resume
+    for cache in (a, b):
+        cache.close(spill=False)
+
+
+def test_a_sliding_window_model_parks_locally_and_says_the_store_is_not_used(store, caplog):
+    ident = CacheIdentity(dict(MODEL), LAYOUT, BLOCK, window=32, local_layers=(0, 2))
     with caplog.at_level(logging.WARNING, "strata.cache"):
-        cache = make_cache(hybrid(), remote_url=store.url)
+        cache = make_cache(ident, remote_url=store.url)
     assert cache.remote is None and cache.stats().remote == ""
     assert "--conversation-cache-remote is ignored" in caplog.text
     cache.close(spill=False)

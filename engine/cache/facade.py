@@ -254,8 +254,12 @@ class ConversationCache:
                     if (blk := index.blocks.get(k)) is not None and blk.data is not None}
             filed = {k for k in keys if disk is not None and (blk := disk.index.blocks.get(k)) is not None
                      and blk.on_disk}
+            stated = {k for _, index in self.tiers() for k in keys if (blk := index.blocks.get(k)) is not None
+                      and blk.state}
+            own = {p: parts for p, parts in conv.checkpoints.items() if parts is not None}  # not only on disk
         load = disk.files.block_file_bytes if disk is not None else None
-        self.remote.publish(conv.id, toks, keys, held, read_parts, conv.tail, filed=filed, load=load)
+        self.remote.publish(conv.id, toks, keys, held, read_parts, conv.tail, filed=filed, load=load,
+                            checkpoints=own, stated=stated)
 
     def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs,
               states: Checkpoints) -> tuple[Conv, int, int, str]:

@@ -110,9 +110,9 @@ class RestoreRead:
         cache, conv, t0 = self.cache, self.conv, time.perf_counter()
         try:
             if self.tier == "remote":
-                assert cache.remote is not None and self.own_state is None, "the remote tier keeps attention K/V only"
+                assert cache.remote is not None
                 pieces, self.read_bytes = cache.remote.pieces(conv, self.blocks, self.use_tail)
-                state = None
+                state = conv.checkpoints.get(self.own_state) if self.own_state is not None else None
             elif self.disk is None:
                 pieces, self.read_bytes, state = cache.ram.pieces(conv, self.blocks, self.use_tail, self.own_state)
             else:

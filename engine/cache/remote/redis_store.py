@@ -1,7 +1,7 @@
 """The Redis/Valkey backend of the remote tier (redis-py, which speaks to both).
 
 Key layout: `strata:kv:<identity key>:b:<block key>` for a block, `strata:kv:<identity key>:m:<block key>` for a
-manifest, so one store serves several models side by side and an operator can count or drop one model's keys
+manifest, `strata:kv:<identity key>:h:<block key>` for a holder pointer, so one store serves several models side by side and an operator can count or drop one model's keys
 with a pattern. Every batch is one pipeline (one round trip), without a transaction: each key stands alone.
 Calls fail fast (short timeouts, no retries here): the tier decides when to try the store again.
 """
@@ -40,7 +40,7 @@ class RedisStore:
         ) for timeout in (BULK_TIMEOUT_S, QUICK_TIMEOUT_S))
 
     def key(self, kind: Kind, key: str) -> str:
-        return f"{self.prefix}{'b' if kind == 'block' else 'm'}:{key}"
+        return f"{self.prefix}{kind[0]}:{key}"  # b:, m:, h:
 
     def client(self, kind: Kind) -> redis.Redis:
         return self.bulk if kind == "block" else self.quick

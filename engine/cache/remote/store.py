@@ -1,7 +1,8 @@
 """What a remote store backend is: keyed bytes with a time to live, in batches. Nothing here knows Redis.
 
-Two kinds of value: "block" (one block's state parts, named by its chained block key) and "manifest" (a
-conversation's token ids and the state of its last partial block, named by the key of its last full block).
+Three kinds of value: "block" (one block's state parts, named by its chained block key), "manifest" (a
+conversation's token ids and the state of its last partial block, named by the key of its last full block) and
+"holder" (named by a block key: the key of the latest manifest that goes through that block).
 Every call takes and returns lists, so a backend batches them (a Redis pipeline, a Mooncake batch_get, parallel
 S3 requests). A backend raises `StoreError` for every failure of the store, with a `state` the tier shows.
 """
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-Kind = Literal["block", "manifest"]
+Kind = Literal["block", "manifest", "holder"]
 
 # Why the store failed: "down" (unreachable, refused, timed out), "full" (out of memory under a no-eviction
 # policy), "read_only" (a replica, or a store told to refuse writes), "denied" (authentication or ACL), "error"

@@ -24,20 +24,21 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.cache.errors import CacheRestoreError, ParkRefused
 from engine.cache.fileformat import FileFormatError
-from engine.cache.identity import CacheIdentity
+from engine.cache.identity import CacheIdentity, block_keys
 from engine.cache.index import Block, Conv, TierIndex
 from engine.cache.journal import Journal
-from engine.cache.parts import Parts, ReadParts, only, parts_nbytes
+from engine.cache.parts import Parts, ReadParts, parts_nbytes
 from engine.cache.policy import common_prefix
 from engine.cache.ram_tier import capture
 from engine.cache.remote.store import RemoteStore, StoreError
-from engine.cache.remote.values import decode_block, decode_manifest, encode_block, encode_manifest
+from engine.cache.remote.values import Manifest, decode_block, decode_manifest, encode_block, encode_manifest
+from engine.cache.restores import resume_point
 
 log = logging.getLogger("strata.cache")
 MIB = 1 << 20
@@ -46,7 +47,8 @@ MAX_OFFERS = 8  # lookups' offers kept for the restores that may follow them
 MAX_KNOWN = 1 << 16  # block keys known to be in the store: a park captures no copy of those
 FETCH_BLOCKS = 16  # blocks per MGET of a restore: tens of MiB, the next batch in flight while one is verified
 MIN_TTL_S = 3600
-CONV_ID = re.compile(r"[0-9a-f]{16}")  # the ids engines give conversations (secrets.token_hex(8))  # --conversation-cache-days 0 cannot empty a shared store: entries then live an hour
+CONV_ID = re.compile(r"[0-9a-f]{16}")
+BLOCK_KEY = re.compile(r"[0-9a-f]{32}")  # the ids engines give conversations (secrets.token_hex(8))  # --conversation-cache-days 0 cannot empty a shared store: entries then live an hour
 
 
 @dataclass(slots=True)
@@ -59,10 +61,13 @@ class Upload:
     blocks: dict[str, Parts]
     tail: Parts | None
     load: Callable[[str], bytes] | None = None  # a written disk block's file, for a block not in `blocks`
+    checkpoints: dict[int, Parts] = field(default_factory=dict)  # a hybrid model's own, by position
+    block_states: list[int] = field(default_factory=list)  # blocks (by index) stored with their end's state
 
     @property
     def nbytes(self) -> int:
-        return sum(parts_nbytes(p) for p in self.blocks.values()) + parts_nbytes(self.tail)
+        return (sum(parts_nbytes(p) for p in self.blocks.values()) + parts_nbytes(self.tail)
+                + sum(parts_nbytes(p) for p in self.checkpoints.values()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +86,7 @@ class RemoteTier:
 
     def __init__(self, store: RemoteStore, shown: str, identity: CacheIdentity, lock: threading.RLock,
                  journal: Journal, *, days: float, queue_bytes: int, engine_version: str) -> None:
-        assert not identity.state_parts, "the remote tier keeps attention K/V only"
+        assert not identity.local_layers, "a sliding-window model's local window is not kept in the store"
         self.store, self.shown, self.identity = store, shown, identity
         self.lock, self.journal = lock, journal
         self.ttl_s = max(int(days * 86400), MIN_TTL_S)
@@ -167,20 +172,31 @@ class RemoteTier:
         tiers' `have` tokens, else None (engine thread, no lock held)."""
         if len(keys) * self.identity.block_tokens <= have:
             return None
-        conv = self.lookup(toks, keys)
-        if conv is None:
+        found = self.lookup(toks, keys)
+        if found is None:
             return None
-        n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
+        conv, stored = found
+        # no further than what the store was seen to hold: its whole blocks, and its partial one when it ends there
+        reach = conv.n_tokens if stored == len(conv.keys) else stored * self.identity.block_tokens
+        n = min(common_prefix(toks, conv.tokens), len(toks) - 1, reach)
+        if self.identity.state_parts:  # a recurrent state resumes only where one was kept
+            with self.lock:
+                n = resume_point(self.identity, self.index, conv, n)
         return (n, conv) if n > have else None
 
-    def lookup(self, toks: np.ndarray, keys: list[str]) -> Conv | None:
-        """The stored conversation offering the longest prefix of `keys` (engine thread, no lock held), or None."""
+    def lookup(self, toks: np.ndarray, keys: list[str]) -> tuple[Conv, int] | None:
+        """The stored conversation offering the longest prefix of `keys` and how many of its blocks the store was
+        seen to hold (engine thread, no lock held), or None: the manifest that ends at the deepest stored block,
+        else the latest one that goes through it (its holder pointer), else that block's prefix alone."""
         if not keys or not self.reachable:
             return None
         try:
             held = self.store.exists("block", keys)
             m = next((i for i, h in enumerate(held) if not h), len(keys))
-            value = self.store.get("manifest", [keys[m - 1]])[0] if m else None
+            found = self._manifest_through(keys, m) if m else None
+            stored = m
+            if found is not None and len(found[1]) > m:  # the request leaves it inside its block m: is that held?
+                stored += self.store.exists("block", [found[1][m]])[0]
         except StoreError as exc:
             self._failed(exc, "looking up")
             return None
@@ -190,24 +206,49 @@ class RemoteTier:
                 self.journal.count("remote_misses")
             return None
         b = self.identity.block_tokens
-        conv_id, tokens, tail = f"remote-{keys[m - 1][:16]}", toks[: m * b], None
-        if value is not None:
-            try:
-                manifest = decode_manifest(self.identity, keys[m - 1], value)
-                tokens, tail = manifest.tokens, manifest.tail
-                if CONV_ID.fullmatch(manifest.conversation_id):  # another engine's id, shown in events and APIs
-                    conv_id = manifest.conversation_id
-            except FileFormatError as exc:
-                self._refused("manifest", keys[m - 1], exc)
-        conv = Conv(conv_id, tokens, keys[:m], parts_nbytes(tail), tail=tail, created=time.time(),
+        conv_id, tokens, conv_keys, tail = f"remote-{keys[m - 1][:16]}", toks[: m * b], keys[:m], None
+        checkpoints: dict[int, Parts | None] = {}
+        states: tuple[int, ...] = ()
+        if found is not None:
+            manifest, conv_keys = found
+            tokens, tail, states = manifest.tokens, manifest.tail, manifest.block_states
+            checkpoints = dict(manifest.checkpoints)
+            if CONV_ID.fullmatch(manifest.conversation_id):  # another engine's id, shown in events and APIs
+                conv_id = manifest.conversation_id
+        own = parts_nbytes(tail) + sum(parts_nbytes(p) for p in checkpoints.values())
+        conv = Conv(conv_id, tokens, conv_keys, own, tail=tail, checkpoints=checkpoints, created=time.time(),
                     last_used=time.time())
         with self.lock:
             self._remember(keys[:m])
-            self._offer(conv)
-        return conv
+            self._offer(conv, {conv_keys[i] for i in states})
+        return conv, stored
 
-    def _offer(self, conv: Conv) -> None:
-        """Keep `conv` as an offer (caller holds the lock), replacing one of its id; the oldest unused go."""
+    def _manifest_through(self, keys: list[str], m: int) -> tuple[Manifest, list[str]] | None:
+        """The manifest ending at block m - 1 of `keys`, else the one its holder pointer names if that goes
+        through it; with its block keys. A refused value is counted and removed (StoreError propagates)."""
+        last = keys[m - 1]
+        value = self.store.get("manifest", [last])[0]
+        if value is None:
+            pointer = self.store.get("holder", [last])[0]
+            if pointer is None or not BLOCK_KEY.fullmatch(pointer.decode(errors="replace")):
+                return None
+            last = pointer.decode()
+            value = self.store.get("manifest", [last])[0]
+            if value is None:
+                return None
+        try:
+            manifest = decode_manifest(self.identity, last, value)
+        except FileFormatError as exc:
+            self._refused("manifest", last, exc)
+            return None
+        conv_keys = block_keys(self.identity.key, manifest.tokens, self.identity.block_tokens)
+        if conv_keys[m - 1] != keys[m - 1]:  # a pointer the conversation it names does not go through: stale
+            return None
+        return manifest, conv_keys
+
+    def _offer(self, conv: Conv, stated: AbstractSet[str]) -> None:
+        """Keep `conv` as an offer (caller holds the lock), replacing one of its id; the oldest unused go.
+        `stated`: its blocks the store keeps with the recurrent state at their end (a hybrid model)."""
         idx = self.index
         if conv.id in idx.convs:
             if idx.is_pinned(idx.convs[conv.id]):
@@ -219,8 +260,10 @@ class RemoteTier:
                 break
             if not idx.is_pinned(idx.convs[cid]):
                 idx.remove(cid)
-        new = [Block(k, self.identity.block_bytes) for k in conv.keys if k not in idx.blocks]
+        new = [Block(k, self.identity.block_bytes, state=k in stated) for k in conv.keys if k not in idx.blocks]
         idx.add(conv, new)
+        for k in stated:
+            idx.blocks[k].state = True
 
     def pieces(self, conv: Conv, blocks: list[Block], use_tail: bool) -> tuple[list[tuple[int, Parts]], int]:
         """The restore's (start, parts) pieces read from the store and the bytes moved (restore reader thread);
@@ -284,11 +327,13 @@ class RemoteTier:
 
     def publish(self, conv_id: str, toks: np.ndarray, keys: list[str], held: dict[str, Parts],
                 read_parts: ReadParts, tail: Parts | None, *, filed: AbstractSet[str] = frozenset(),
-                load: Callable[[str], bytes] | None = None) -> None:
+                load: Callable[[str], bytes] | None = None, checkpoints: dict[int, Parts] | None = None,
+                stated: AbstractSet[str] = frozenset()) -> None:
         """Queue a park for the store (engine thread, inside the park: `read_parts` reads the slot). Of the blocks
         the store may lack, `held` are the parts a local tier keeps in RAM (sent by reference), `filed` those
         written on disk (`load(key)` reads the file, on the writer thread, only if the store lacks it); any other
-        is copied from the slot."""
+        is copied from the slot. A hybrid model's: `checkpoints` its own, `stated` the blocks a local tier keeps
+        with the state at their end."""
         if self._thread is None or not self.reachable:
             if self._thread is not None:
                 with self.lock:
@@ -299,8 +344,7 @@ class RemoteTier:
             known = self.known if self.state == "up" else {}
             unknown = [(i, k) for i, k in enumerate(keys) if k not in known]
         try:
-            blocks = {k: only(self.identity.parts, held[k] if k in held else
-                              capture(self.identity, read_parts, i * b, (i + 1) * b))
+            blocks = {k: held[k] if k in held else capture(self.identity, read_parts, i * b, (i + 1) * b)
                       for i, k in unknown if k in held or not (k in filed and load is not None)}
             if len(toks) > len(keys) * b and tail is None:
                 tail = capture(self.identity, read_parts, len(keys) * b, len(toks))
@@ -309,7 +353,10 @@ class RemoteTier:
             with self.lock:
                 self.journal.count("remote_dropped")
             return
-        job = Upload(conv_id, toks, list(keys), blocks, tail, load)
+        state_name = self.identity.state_parts[0].name if self.identity.state_parts else ""
+        block_states = [i for i, k in enumerate(keys)  # a block copied from the slot has no state with it
+                        if k in stated and (k not in blocks or state_name in blocks[k])]
+        job = Upload(conv_id, toks, list(keys), blocks, tail, load, dict(checkpoints or {}), block_states)
         with self._cond:
             while self._queue and self._queued_bytes + job.nbytes > self.queue_bytes:
                 old = self._queue.popleft()  # the oldest park: its conversation is likely parked again since
@@ -357,8 +404,12 @@ class RemoteTier:
             complete = len(items) == len(missing)  # a block known to the store was evicted since: not whole
             if complete and job.keys:
                 manifest = encode_manifest(ident, job.conv_id, job.tokens, job.tail, n_blocks=len(job.keys),
-                                           engine_version=self.engine_version)
+                                           engine_version=self.engine_version, checkpoints=job.checkpoints,
+                                           block_states=job.block_states)
                 s.put("manifest", [(job.keys[-1], manifest)], self.ttl_s)
+                # every earlier block points at it: a request that leaves this conversation inside a later block
+                # (an edit, a branch) still finds its tokens and checkpoints there
+                s.put("holder", [(k, job.keys[-1].encode()) for k in job.keys[:-1]], self.ttl_s)
                 items.append((job.keys[-1], manifest))
         except StoreError as exc:
             self._failed(exc, "writing")

@@ -10,14 +10,22 @@ and each tensor's checksum and shape. Anything else raises FileFormatError, whos
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.cache.fileformat import FileFormatError, file_chunks, read_header, read_tensor
-from engine.cache.identity import CacheIdentity, block_keys
+from engine.cache.identity import CacheIdentity, block_keys, canonical_json
 from engine.cache.parts import Parts
-from engine.cache.session_file import block_file, check_conversation, check_identity, conversation_file
+from engine.cache.session_file import (
+    block_file,
+    check_conversation,
+    check_identity,
+    checkpoint_positions,
+    checkpoint_tensor,
+    conversation_file,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +36,9 @@ class Manifest:
     tokens: np.ndarray  # int32
     n_blocks: int
     tail: Parts | None
+    # a hybrid model: its own checkpoints by position, and the blocks (by index) stored with the one at their end
+    checkpoints: dict[int, Parts] = field(default_factory=dict)
+    block_states: tuple[int, ...] = ()
 
 
 def encode_block(identity: CacheIdentity, key: str, parts: Parts, *, engine_version: str) -> bytes:
@@ -50,13 +61,21 @@ def decode_block(identity: CacheIdentity, key: str, value: bytes) -> Parts:
         if entry is None or entry.shape != spec.shape(identity.block_tokens) or entry.dtype != spec.dtype:
             raise FileFormatError("corrupt", f"state part {spec.name} is missing or does not match the layout")
         parts[spec.name] = read_tensor(f, header, spec.name)
+    if identity.state_parts and identity.state_parts[0].name in header.tensors:  # the checkpoint at its end
+        for spec in identity.state_parts:
+            entry = header.tensors.get(spec.name)
+            if entry is None or entry.shape != spec.dims or entry.dtype != spec.dtype:
+                raise FileFormatError("corrupt", f"state part {spec.name} is missing or does not match the layout")
+            parts[spec.name] = read_tensor(f, header, spec.name)
     return parts
 
 
 def encode_manifest(identity: CacheIdentity, conversation_id: str, tokens: np.ndarray, tail: Parts | None,
-                    *, n_blocks: int, engine_version: str) -> bytes:
+                    *, n_blocks: int, engine_version: str, checkpoints: Mapping[int, Parts] | None = None,
+                    block_states: Sequence[int] = ()) -> bytes:
+    attrs = {"block_states": canonical_json(sorted(block_states))} if identity.state_parts else None
     header, tensors = conversation_file(identity, tokens, tail, n_blocks=n_blocks, engine_version=engine_version,
-                                        conversation_id=conversation_id)
+                                        conversation_id=conversation_id, checkpoints=checkpoints, attrs=attrs)
     return b"".join(file_chunks(header, tensors))
 
 
@@ -73,4 +92,15 @@ def decode_manifest(identity: CacheIdentity, last_key: str, value: bytes) -> Man
     tail = None
     if n > n_blocks * identity.block_tokens:
         tail = {spec.name: read_tensor(f, header, spec.name) for spec in identity.parts}
-    return Manifest(header.meta.get("conversation_id", ""), tokens, n_blocks, tail)
+    checkpoints = {p: {s.name: read_tensor(f, header, checkpoint_tensor(p, s.name)) for s in identity.state_parts}
+                   for p in checkpoint_positions(header, identity)}
+    states: tuple[int, ...] = ()
+    if identity.state_parts:
+        try:
+            listed = header.json_meta("block_states")
+        except (KeyError, ValueError):
+            listed = None
+        if not isinstance(listed, list) or not all(isinstance(i, int) and 0 <= i < n_blocks for i in listed):
+            raise FileFormatError("corrupt", "a hybrid manifest without a valid list of blocks holding a state")
+        states = tuple(listed)
+    return Manifest(header.meta.get("conversation_id", ""), tokens, n_blocks, tail, checkpoints, states)
