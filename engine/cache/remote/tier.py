@@ -1,13 +1,14 @@
 """The remote tier: write-through of parks to a shared store, lookups of a request's longest stored prefix,
 and the store's health, so that a failing store never changes how the engine serves.
 
-- Parks: the engine thread hands over the blocks the store may lack (references to what the RAM tier holds,
-  else a copy from the slot) and the conversation's last partial block; the writer thread checks which blocks
-  the store holds (refreshing their time to live), sends the others, then the manifest. The RAM held by writes
-  not sent yet is bounded (`queue_bytes`): when full, the oldest write is dropped and counted.
+- Parks: the engine thread hands over the blocks the store may lack (references to what a local tier holds in
+  RAM, written disk blocks by name, else a copy from the slot), the conversation's last partial block and a
+  hybrid model's own checkpoints; the writer thread checks which blocks the store holds (refreshing their time
+  to live), sends the others (a disk block as its file), then the manifest and the holder pointers. The RAM
+  held by writes not sent yet is bounded (`queue_bytes`): when full, the oldest write is dropped and counted.
 - Lookups (engine thread, outside the cache lock): one pipelined EXISTS over the request's block keys gives the
-  longest stored prefix (keys chain, so presence is monotone), then one GET fetches the manifest stored under
-  the last of them (its tokens and partial block). What is offered sits in a small index of offers, holding
+  longest stored prefix (keys chain, so presence is monotone), then a GET fetches the manifest stored under the
+  last of them, or the one its holder pointer names. What is offered sits in a small index of offers, holding
   no K/V: restores read the blocks from the store (`pieces`, on the restore reader thread).
 - Failures: a store that cannot be reached is marked down, skipped by lookups and writes, and probed again by
   the writer every PROBE_S seconds; full, read-only or denied stores keep serving reads. Each change of state
