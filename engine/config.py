@@ -477,6 +477,12 @@ class EngineConfig:
             url = parse_store_url(self.conversation_cache_remote)
         except ValueError as exc:
             raise SettingError(f"{flag}: {exc}") from None
+        if self.conversation_cache_storage == "ram" and self.conversation_cache_mib == 0:
+            raise SettingError(
+                f"{flag}: expected a conversation cache to put it behind, but it is off "
+                f"({setting_of('conversation_cache_mib').flag} 0 with RAM storage); give it a RAM budget, or "
+                f"{setting_of('conversation_cache_storage').flag} disk"
+            )
         if not (url.loopback or self.conversation_cache_remote_allow_network):
             raise SettingError(
                 f'{flag}: host "{url.host}" is not this machine, and parked conversations would cross the network; '

@@ -40,3 +40,11 @@ def test_a_host_on_the_network_needs_the_allow_flag_and_the_password_never_shows
     assert config.public_dict()["conversation_cache_remote"] == "redis://ops:***@10.1.2.3:6379/0"
     assert "hunter2" not in repr(EngineConfig().replace(conversation_cache_remote="redis://:hunter2@127.0.0.1")
                                  .public_dict())
+
+
+def test_a_store_needs_a_local_cache_in_front_of_it():
+    with pytest.raises(SettingError, match="--conversation-cache-remote: expected a conversation cache"):
+        parse_config(["--conversation-cache-remote", "redis://127.0.0.1", "--conversation-cache-mib", "0"])
+    config = parse_config(["--conversation-cache-remote", "redis://127.0.0.1", "--conversation-cache-mib", "0",
+                           "--conversation-cache-storage", "disk"])
+    assert config.conversation_cache_remote == "redis://127.0.0.1"
