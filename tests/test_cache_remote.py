@@ -57,6 +57,9 @@ def test_second_cache_resumes_what_the_first_parked_through_the_store(store, tmp
     parked = park_tokens(a, slots, first)
     assert parked.parked and park_tokens(a, slots, second).parked
     assert a.flush(10)
+    client = store.client()
+    ttl = client.ttl(sorted(client.keys(f"strata:kv:{a.identity.key}:b:*"))[0])
+    assert 29 * 86400 < ttl <= 30 * 86400  # --conversation-cache-days
     put = a.stats()
     assert put.remote_blocks_put == 6 + 1  # the shared system prompt is stored once
     assert put.remote_state == "up" and put.remote_bytes_put > 0

@@ -474,6 +474,8 @@ class ConversationCache:
         self.settings = self.ram.settings = settings
         if self.disk is not None:
             self.disk.settings = settings
+        if self.remote is not None:  # --conversation-cache-days is live: the next writes take the new time to live
+            self.remote.set_days(settings.days)
 
     def reconfigure(self, settings: CacheSettings) -> list[str]:
         """Apply new settings live; returns the names that changed (engine/cache/reconfigure.py)."""

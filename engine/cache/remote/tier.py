@@ -90,7 +90,8 @@ class RemoteTier:
         assert not identity.local_layers, "a sliding-window model's local window is not kept in the store"
         self.store, self.shown, self.identity = store, shown, identity
         self.lock, self.journal = lock, journal
-        self.ttl_s = max(int(days * 86400), MIN_TTL_S)
+        self.ttl_s = MIN_TTL_S
+        self.set_days(days)
         self.queue_bytes = queue_bytes
         self.engine_version = engine_version
         self.index = TierIndex("remote")  # the offers of recent lookups: keys and tokens, no K/V
@@ -105,6 +106,10 @@ class RemoteTier:
         self._stopping = False
         self._sending = False  # the writer holds a park it took off the queue
         self._thread: threading.Thread | None = None
+
+    def set_days(self, days: float) -> None:
+        """Entries written or refreshed from now on expire after `days` (at least MIN_TTL_S)."""
+        self.ttl_s = max(int(days * 86400), MIN_TTL_S)
 
     # ------------------------------------------------------------------ health
 
