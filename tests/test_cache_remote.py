@@ -11,19 +11,10 @@ import signal
 import pytest
 import torch
 
-from engine.cache import CacheIdentity, CacheRestoreError, ConversationCache
+from engine.cache import CacheRestoreError, ConversationCache
 from engine.cache.remote.values import encode_block
 from tests.redis_server import free_port, redis_server
-from tests.test_cache_support import (
-    BLOCK,
-    LAYOUT,
-    MODEL,
-    FakeSlots,
-    conversation,
-    identity,
-    make_cache,
-    park_tokens,
-)
+from tests.test_cache_support import BLOCK, FakeSlots, conversation, identity, make_cache, park_tokens
 
 
 @pytest.fixture
@@ -274,12 +265,3 @@ def test_a_hybrid_conversation_resumes_on_the_other_cache_from_its_checkpoints(s
     assert b.lookup(tokens[: 3 * BLOCK] + [9] * 20) is None  # no checkpoint before the edit: nothing to resume
     for cache in (a, b):
         cache.close(spill=False)
-
-
-def test_a_sliding_window_model_parks_locally_and_says_the_store_is_not_used(store, caplog):
-    ident = CacheIdentity(dict(MODEL), LAYOUT, BLOCK, window=32, local_layers=(0, 2))
-    with caplog.at_level(logging.WARNING, "strata.cache"):
-        cache = make_cache(ident, remote_url=store.url)
-    assert cache.remote is None and cache.stats().remote == ""
-    assert "--conversation-cache-remote is ignored" in caplog.text
-    cache.close(spill=False)

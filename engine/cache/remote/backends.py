@@ -31,11 +31,7 @@ def open_store(url: str, identity_key: str) -> tuple[RemoteStore, str]:
 
 def open_remote(url: str, identity: CacheIdentity, lock: threading.RLock, journal: Journal, *, days: float,
                 queue_bytes: int, engine_version: str) -> RemoteTier | None:
-    """The started remote tier for `url`, or None (logged) for a model whose state it cannot keep yet."""
-    if identity.local_layers:
-        log.warning("conversation cache: the remote store does not keep a sliding-window model's local window yet, "
-                    "so --conversation-cache-remote is ignored for this model")
-        return None
+    """The started remote tier for `url` (its first probe made: an unreachable store is logged, not fatal)."""
     store, shown = open_store(url, identity.key)
     tier = RemoteTier(store, shown, identity, lock, journal, days=days, queue_bytes=queue_bytes,
                       engine_version=engine_version)

@@ -87,7 +87,6 @@ class RemoteTier:
 
     def __init__(self, store: RemoteStore, shown: str, identity: CacheIdentity, lock: threading.RLock,
                  journal: Journal, *, days: float, queue_bytes: int, engine_version: str) -> None:
-        assert not identity.local_layers, "a sliding-window model's local window is not kept in the store"
         self.store, self.shown, self.identity = store, shown, identity
         self.lock, self.journal = lock, journal
         self.ttl_s = MIN_TTL_S
