@@ -80,3 +80,49 @@ def redis_server(folder: os.PathLike | str, *args: str, port: int = 0, password:
         yield server
     finally:
         server.stop()
+
+
+@dataclass
+class SharedResume:
+    """What `resume_through_store` saw: the never-parked engine's second turn and engine B's, B's cached tokens,
+    the first turn's prompt length and B's cache figures."""
+
+    reference: list[int]
+    resumed: list[int]
+    cached: int
+    first_prompt: int
+    stats: dict
+
+
+def resume_through_store(config, messages: list[dict], folder: os.PathLike | str, max_tokens: int = 12
+                         ) -> SharedResume:
+    """Engine A (in this process, tiered, its own folder) answers `messages` and closes, which parks it through to
+    a real redis-server; engine B (its own folder) answers the next turn from the store. The reference is a
+    third engine, without the store, answering both turns in a row. `config`: an EngineConfig."""
+    from engine.runtime.engine import Engine
+    from tools.conversation_cache_parity import _generate
+
+    config = config.replace(conversation_cache_storage="tiered")
+    ref = Engine.from_config(config.replace(conversation_cache_dir=os.path.join(folder, "ref")))
+    try:
+        a1, _, _ = _generate(ref, messages, 4)
+        turn2 = messages + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Go on."}]
+        _, reference, _ = _generate(ref, turn2, max_tokens)
+    finally:
+        ref.close()
+    with redis_server(folder) as store:
+        a = Engine.from_config(config.replace(conversation_cache_dir=os.path.join(folder, "a"),
+                                              conversation_cache_remote=store.url))
+        try:
+            _generate(a, messages, 4)
+            first_prompt = len(a.tokenizer.encode(a.tokenizer.render_chat(messages), add_special_tokens=False))
+        finally:
+            a.close()  # parks A's slot, written through to the store before it returns
+        b = Engine.from_config(config.replace(conversation_cache_dir=os.path.join(folder, "b"),
+                                              conversation_cache_remote=store.url))
+        try:
+            _, resumed, cached = _generate(b, turn2, max_tokens)
+            stats = b.call(b.cache_stats).result()
+        finally:
+            b.close()
+    return SharedResume(reference, resumed, cached, first_prompt, stats)

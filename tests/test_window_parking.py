@@ -192,31 +192,9 @@ def test_files_parked_with_every_layer_are_refused_as_another_models(tmp_path):
 def test_a_parked_window_resumes_on_another_engine_through_a_shared_store(models, arch, tmp_path):
     """Engine A parks a conversation (global layers' blocks, the local layers' window) through to a real
     redis-server; engine B, with its own folder, resumes it there token for token as the never-parked engine."""
-    from tests.redis_server import redis_server
+    from tests.redis_server import resume_through_store
 
-    config = EngineConfig(**_base(models[arch], "tiered", conversation_cache_dir=str(tmp_path / "ref")))
     conv_a = _conversation("You are a careful assistant. " + _text(60, 1), "Summarise this for me.", 3)
-    ref = Engine.from_config(config)
-    try:
-        a1, _, _ = _generate(ref, conv_a, 4)
-        turn2 = conv_a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Go on."}]
-        _, ref_tokens, _ = _generate(ref, turn2, 12)
-    finally:
-        ref.close()
-    with redis_server(tmp_path) as store:
-        a = Engine.from_config(config.replace(conversation_cache_dir=str(tmp_path / "a"),
-                                              conversation_cache_remote=store.url))
-        try:
-            _generate(a, conv_a, 4)
-            n_prompt = len(a.tokenizer.encode(a.tokenizer.render_chat(conv_a), add_special_tokens=False))
-        finally:
-            a.close()  # parks A's slot, written through to the store before it returns
-        b = Engine.from_config(config.replace(conversation_cache_dir=str(tmp_path / "b"),
-                                              conversation_cache_remote=store.url))
-        try:
-            _, tokens, cached = _generate(b, turn2, 12)
-            stats = b.call(b.cache_stats).result()
-        finally:
-            b.close()
-    assert tokens == ref_tokens and cached >= n_prompt  # the first turn's prompt at least, from the store
-    assert stats["remote_hits"] == 1 and stats["remote_refused"] == 0
+    seen = resume_through_store(EngineConfig(**_base(models[arch], "tiered")), conv_a, tmp_path)
+    assert seen.resumed == seen.reference and seen.cached >= seen.first_prompt  # the first prompt at least
+    assert seen.stats["remote_hits"] == 1 and seen.stats["remote_refused"] == 0
