@@ -37,7 +37,7 @@ from engine.cache.journal import Journal
 from engine.cache.parts import Parts, ReadParts, parts_nbytes
 from engine.cache.policy import common_prefix
 from engine.cache.ram_tier import capture
-from engine.cache.remote.store import RemoteStore, StoreError
+from engine.cache.remote.store import Kind, RemoteStore, StoreError
 from engine.cache.remote.values import Manifest, decode_block, decode_manifest, encode_block, encode_manifest
 from engine.cache.restores import resume_point
 
@@ -310,14 +310,14 @@ class RemoteTier:
             self._refused("block", key, exc)
             raise CacheRestoreError(f"the remote store's block {key[:12]} was refused ({exc}); prefill instead") from None
 
-    def _refused(self, kind: str, key: str, exc: FileFormatError) -> None:
+    def _refused(self, kind: Kind, key: str, exc: FileFormatError) -> None:
         """A damaged, truncated or foreign value: counted, logged, removed (an engine that holds it writes it again)."""
         with self.lock:
             self.journal.count("remote_refused")
             self.known.pop(key, None)
         log.warning("conversation cache: refused the remote store's %s %s (%s): %s", kind, key[:12], exc.reason, exc)
         try:
-            self.store.delete(kind, [key])  # type: ignore[arg-type]  # kind is "block" or "manifest"
+            self.store.delete(kind, [key])
         except StoreError as err:
             self._failed(err, "removing a refused value")
 
