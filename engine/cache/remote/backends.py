@@ -9,7 +9,6 @@ import threading
 
 from engine.cache.identity import CacheIdentity
 from engine.cache.journal import Journal
-from engine.cache.remote.redis_store import RedisStore
 from engine.cache.remote.store import RemoteStore
 from engine.cache.remote.tier import RemoteTier
 from engine.store_url import parse_store_url
@@ -23,6 +22,8 @@ PASSWORD_VARIABLE = "STRATA_CONVERSATION_CACHE_REMOTE_PASSWORD"
 def open_store(url: str, identity_key: str) -> tuple[RemoteStore, str]:
     """The backend for `url` (validated by the engine's settings already) and the URL as it may be shown. A URL
     without a password takes PASSWORD_VARIABLE's, which keeps it out of the process list (/proc/PID/cmdline)."""
+    from engine.cache.remote.redis_store import RedisStore  # redis-py takes ~0.15 s to import: only when used
+
     parsed = parse_store_url(url)
     if not parsed.password and os.environ.get(PASSWORD_VARIABLE):
         parsed = dataclasses.replace(parsed, password=os.environ[PASSWORD_VARIABLE])
