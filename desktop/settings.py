@@ -28,6 +28,7 @@ import platformdirs
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from engine.config import APP_NAME, EngineConfig, Setting, SettingError, all_settings, setting_of
+from engine.store_url import redact_url
 
 SCHEMA_VERSION = 1
 SETTINGS_FILE = "desktop-settings.json"
@@ -174,7 +175,7 @@ def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: st
     """
     assert shell in ("posix", "powershell"), shell
     args = config.to_args()
-    secret_flags = {spec.flag for _, spec, _ in all_settings() if spec.secret} if mask_secrets else set()
+    secret_flags = masked_flags(config) if mask_secrets else set()
     words = [program]
     for i, a in enumerate(args):
         if i > 0 and args[i - 1] in secret_flags:
@@ -188,6 +189,12 @@ def command_line(config: EngineConfig, *, mask_secrets: bool = True, program: st
     return " ".join(words)
 
 
+def masked_flags(config: EngineConfig) -> set[str]:
+    """The flags a shown command line reads from a variable: secrets, and a store URL that carries a password."""
+    return {spec.flag for name, spec, _ in all_settings()
+            if spec.secret or (spec.url and redact_url(str(getattr(config, name))) != getattr(config, name))}
+
+
 def set_variable_hint(name: str, shell: str = DEFAULT_SHELL) -> str:
     """How to set variable `name` before pasting the line, in `shell`'s words."""
     return f"$env:{name} = '…'" if shell == "powershell" else f"export {name}=…"
@@ -196,7 +203,7 @@ def set_variable_hint(name: str, shell: str = DEFAULT_SHELL) -> str:
 def secret_variables(config: EngineConfig) -> list[str]:
     """The variables a masked command line of `config` reads (empty when it carries no secret)."""
     args = config.to_args()
-    secret_flags = {spec.flag for _, spec, _ in all_settings() if spec.secret}
+    secret_flags = masked_flags(config)
     return [secret_variable(args[i - 1]) for i in range(1, len(args)) if args[i - 1] in secret_flags]
 
 

@@ -36,15 +36,17 @@ class RowActions:
     reset: Callable[[str], None]
     pick_model: Callable[[bool], None]
     pick_folder: Callable[[str], None]
+    test_store: Callable[[str], None]  # a store URL's "Test connection"
 
 
 class SettingRow:
     """The editor, caption and extras for one setting."""
 
     def __init__(self, name: str, spec: Setting, editor: QWidget, container: QWidget, caption: QLabel,
-                 info: QLabel | None = None) -> None:
+                 info: QLabel | None = None, check: QLabel | None = None) -> None:
         self.name, self.spec, self.editor, self.container, self.caption, self.info = (
             name, spec, editor, container, caption, info)
+        self.check = check  # a store URL: what its "Test connection" found
         self.error = ""  # why the typed value is refused, in words ("" when accepted)
         self.flag_error = ""  # the same in the engine's words, naming the flag
 
@@ -144,6 +146,12 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
             browse = QToolButton(text="Browse…")
             browse.clicked.connect(lambda _=False, n=name: actions.pick_folder(n))
             line.addWidget(browse)
+        elif spec.url:
+            editor.setPlaceholderText("none: parked conversations stay on this machine")
+            test = QToolButton(text="Test connection")
+            test.setObjectName(f"{name}_test")
+            test.clicked.connect(lambda _=False, n=name: actions.test_store(n))
+            line.addWidget(test)
         elif spec.ui == "secret":
             show = QToolButton(text="Show")
             show.setCheckable(True)
@@ -173,7 +181,13 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
     caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
     outer.addLayout(line)
     outer.addWidget(caption)
-    row = SettingRow(name, spec, editor, container, caption, info)
+    check = None
+    if spec.url:
+        check = QLabel()
+        check.setWordWrap(True)
+        check.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        outer.addWidget(check)
+    row = SettingRow(name, spec, editor, container, caption, info, check)
     if locked:
         editor.setEnabled(False)
         reset.setEnabled(False)

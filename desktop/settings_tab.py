@@ -46,6 +46,7 @@ from desktop.settings import (
 from desktop.settings_captions import RowCaptions
 from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row, choose_path, tooltip
 from desktop.settings_words import GROUPS, group_note, label_of, plain_error
+from desktop.store_check import check_store
 from desktop.widgets import CommandView, guard_wheel
 from engine.config import EngineConfig, SettingError, all_settings
 
@@ -89,7 +90,8 @@ class SettingsTab(QWidget):
         self._apply_again = False
 
         actions = RowActions(edited=self._edited, commit=self._commit, reset=self.reset,
-                             pick_model=lambda file: self._pick("model", file=file), pick_folder=self._pick)
+                             pick_model=lambda file: self._pick("model", file=file), pick_folder=self._pick,
+                             test_store=self._test_store)
         content = QWidget()
         content_layout = QVBoxLayout(content)
         hidden = [] if self.gpu else [name for name in GPU_ONLY_SETTINGS if store.source(name) is Source.DEFAULT]
@@ -341,6 +343,25 @@ class SettingsTab(QWidget):
         path = choose_path(self, name, self.rows[name].text(), file=file)
         if path:
             self.set_text(name, path)
+
+    def _test_store(self, name: str) -> None:
+        """Ask the store the URL names whether it answers, off the UI thread; the row says what it found."""
+        row = self.rows[name]
+        assert row.check is not None
+        url = row.text().strip()
+        if not url:
+            row.check.setText("Give the store's URL first (redis://host:6379/0).")
+            return
+        row.check.setText("Testing…")
+        row.check.setStyleSheet("color: #555;")
+
+        def done(result: Any) -> None:
+            ok, text = (False, f"Test failed: {result}") if isinstance(result, BaseException) else result
+            assert row.check is not None
+            row.check.setText(text)
+            row.check.setStyleSheet("color: #2e7d32;" if ok else "color: #c62828;")
+
+        self._submit(lambda: check_store(url), done)
 
     # ------------------------------------------------------------------ engine side
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import platformdirs
 
+from engine.store_url import parse_store_url, redact_url
+
 APP_NAME = "strata"
 STORAGE_MODES = ("ram", "disk", "tiered")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -63,6 +65,7 @@ class Setting:
     choices: tuple[str, ...] = ()
     live: bool = False  # can change on a running engine through PUT /cache/config
     secret: bool = False  # never echoed back (API key)
+    url: bool = False  # a store URL that may carry a password: shown with the password replaced by ***
     metavar: str = ""
 
     def __post_init__(self) -> None:
@@ -440,6 +443,19 @@ class EngineConfig:
         kind="float", group="cache", minimum=0.0, maximum=0.999,
         live=True, help="least fraction of the request a hit must cover to be restored, in [0, 1)",
     )
+    conversation_cache_remote: str = setting(
+        "", flag="--conversation-cache-remote", label="Remote store", url=True,
+        kind="str", group="cache", metavar="URL",
+        help="a Redis or Valkey store shared by engines of the same model: parks are written through to it and a "
+        "local miss restores from it (redis://[user:password@]host[:port][/db], rediss:// for TLS; empty = none). "
+        "Its own maxmemory and eviction policy bound it; entries expire after --conversation-cache-days",
+    )
+    conversation_cache_remote_allow_network: bool = setting(
+        False, flag="--conversation-cache-remote-allow-network", label="Remote store may be on the network",
+        kind="bool", group="cache",
+        help="allow a --conversation-cache-remote host that is not this machine (parked K/V is the conversation "
+        "in another form: prefer rediss:// with a password there)",
+    )
 
     # ------------------------------------------------------------------ construction and validation
 
@@ -452,6 +468,27 @@ class EngineConfig:
             self.conversation_cache_storage = "tiered"
             self.conversation_cache_dir = self.conversation_cache_spill_dir
             self.conversation_cache_spill_dir = ""
+        if self.conversation_cache_remote:
+            self._check_remote()
+
+    def _check_remote(self) -> None:
+        flag = setting_of("conversation_cache_remote").flag
+        try:
+            url = parse_store_url(self.conversation_cache_remote)
+        except ValueError as exc:
+            raise SettingError(f"{flag}: {exc}") from None
+        if self.conversation_cache_storage == "ram" and self.conversation_cache_mib == 0:
+            raise SettingError(
+                f"{flag}: expected a conversation cache to put it behind, but it is off "
+                f"({setting_of('conversation_cache_mib').flag} 0 with RAM storage); give it a RAM budget, or "
+                f"{setting_of('conversation_cache_storage').flag} disk"
+            )
+        if not (url.loopback or self.conversation_cache_remote_allow_network):
+            raise SettingError(
+                f'{flag}: host "{url.host}" is not this machine, and parked conversations would cross the network; '
+                f"expected a loopback host (127.0.0.1, ::1, localhost), or give "
+                f"{setting_of('conversation_cache_remote_allow_network').flag} to allow it"
+            )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> EngineConfig:
@@ -489,6 +526,8 @@ class EngineConfig:
             value = getattr(self, f.name)
             if f.metadata["setting"].secret and value:
                 value = "***"
+            elif f.metadata["setting"].url and value:
+                value = redact_url(value)
             out[f.name] = value
         return out
 

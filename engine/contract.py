@@ -227,7 +227,7 @@ class RequestRecord:
     """One completion request explained (GET /cache/requests): how much of its prompt was reused and from where,
     and why the rest was computed.
 
-    `source`: "live" (the slot still held it), "ram", "disk", "checkpoint" or "none". `reason`: "new_tokens" (only
+    `source`: "live" (the slot still held it), "ram", "disk", "remote", "checkpoint" or "none". `reason`: "new_tokens" (only
     tokens nothing held), "diverged" (the prompt left the best candidate at `detail.diverged_at`), "template" (as
     "diverged", where the chat template wrote the history otherwise than at the earlier turn, from token
     `detail.rewritten_at`: past reasoning left out, an answer or an earlier turn rewritten), "evicted" (the

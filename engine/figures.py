@@ -129,6 +129,20 @@ class CacheFigures:
     # why the disk tier is unusable, else the last write that failed ("ENOSPC (No space left on device): writing
     # conversation ID failed at 2025-05-01T12:00:00Z") until a later write succeeds; empty when fine
     disk_error: str = condition(label="reason", metric="disk_error")
+    # the remote tier (--conversation-cache-remote): the store's URL without its password, "" when there is none
+    remote: str = ""
+    remote_state: str = ""  # "up", "connecting", "down", "full", "read_only", "denied", "error"
+    remote_error: str = condition(label="reason", metric="remote_error")  # its last failure, until one succeeds
+    remote_bytes: int = 0  # what the store holds, every engine's entries and anything else in it (its used_memory)
+    remote_max_bytes: int = 0  # the store's own byte budget (its maxmemory; 0 = none)
+    remote_hits: int = counter()  # restores read from the store
+    remote_misses: int = counter()  # lookups the store held no block of
+    remote_errors: int = counter()  # calls to the store that failed
+    remote_refused: int = counter()  # values refused (damaged, truncated, another model's), never restored
+    remote_dropped: int = counter()  # parks not written through (the store down, or the write buffer full)
+    remote_blocks_put: int = counter()
+    remote_bytes_put: int = counter()
+    remote_bytes_got: int = counter()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

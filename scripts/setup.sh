@@ -16,6 +16,8 @@ APT_PACKAGES=(
   gcc libc6-dev gcc-mingw-w64-x86-64-win32
   # tests and packaging: virtual screen, tray host, desktop-entry validation, PyInstaller's needs
   xvfb xauth trayer xdotool desktop-file-utils binutils
+  # the remote conversation-cache tier's tests start a real store (tests/redis_store.py)
+  redis-server
 )
 
 if command -v apt-get >/dev/null && command -v dpkg-query >/dev/null; then

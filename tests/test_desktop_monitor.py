@@ -444,3 +444,19 @@ def test_a_pause_in_typing_a_budget_neither_applies_nor_asks(qtbot, window):
     QTest.keyClick(editor, Qt.Key.Key_Return)
     assert window.live.box is None, "2048 MiB evicts nothing: applied without a question"
     qtbot.waitUntil(lambda: window.engine.config.conversation_cache_mib == 2048, timeout=5000)
+
+
+def test_the_remote_store_shows_its_state_figures_and_bytes_against_its_maxmemory(qtbot):
+    from desktop.monitor.counters import CountersPanel
+
+    panel = CountersPanel()
+    qtbot.addWidget(panel)
+    panel.set_metrics(metrics_body())
+    assert panel.labels["remote"].text() == "not used" and panel.remote_bar.format() == "not used"
+    cache = {"storage": "ram", "remote": "redis://team:***@10.0.0.5:6379/0", "remote_state": "down",
+             "remote_error": "down: cannot reach the store", "remote_hits": 3, "remote_errors": 2,
+             "remote_refused": 1, "remote_bytes": 64 << 20, "remote_max_bytes": 256 << 20}
+    panel.set_metrics(metrics_body(cache=cache))
+    text = panel.labels["remote"].text()
+    assert text.startswith("down · 3 restores · 2 errors · 1 refused") and "cannot reach" in text
+    assert "(25%)" in panel.remote_bar.format() and "***" in panel.labels["remote"].toolTip()

@@ -20,6 +20,7 @@ from desktop.settings import (
     command_line,
     format_mib,
     parse_mib,
+    secret_variables,
 )
 from engine.config import EngineConfig, SettingError, setting_of
 
@@ -644,3 +645,12 @@ def test_captions_speak_only_when_they_say_something_and_zero_is_said_in_words(q
     takes_zero = {n for n, spec, _ in all_settings() if spec.kind in ("int", "float") and spec.minimum == 0}
     assert takes_zero - {"port"} == set(ZERO_WORDS), takes_zero ^ set(ZERO_WORDS)
     dispatcher.close()
+
+
+def test_command_line_reads_a_store_url_with_a_password_from_a_variable():
+    with_password = EngineConfig(conversation_cache_remote="redis://team:hunter2@127.0.0.1:6379/0")
+    text = command_line(with_password, shell="posix")
+    assert "hunter2" not in text and '--conversation-cache-remote "$STRATA_CONVERSATION_CACHE_REMOTE"' in text
+    assert secret_variables(with_password) == ["STRATA_CONVERSATION_CACHE_REMOTE"]
+    without = EngineConfig(conversation_cache_remote="redis://127.0.0.1:6379/0")
+    assert "--conversation-cache-remote redis://127.0.0.1:6379/0" in command_line(without, shell="posix")

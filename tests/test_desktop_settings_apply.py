@@ -92,3 +92,22 @@ def test_summed_and_unique_bytes_are_told_apart_where_both_are_shown(qtbot):
     size = ConversationsModel.COLUMNS.index("Size")
     tip = model.headerData(size, Qt.Orientation.Horizontal, Qt.ItemDataRole.ToolTipRole)
     assert "count a shared block once" in tip
+
+
+def test_test_connection_says_whether_the_store_answers_and_never_shows_its_password(qtbot, tmp_path):
+    from PySide6.QtWidgets import QToolButton
+
+    from tests.redis_server import free_port, redis_server
+
+    tab, _, _ = _running_tab(qtbot, tmp_path)
+    row = tab.rows["conversation_cache_remote"]
+    button = row.container.findChild(QToolButton, "conversation_cache_remote_test")
+    with redis_server(tmp_path, password="hunter2") as server:
+        tab.set_text("conversation_cache_remote", f"redis://:hunter2@127.0.0.1:{server.port}/0")
+        button.click()
+        qtbot.waitUntil(lambda: "answers" in row.check.text(), timeout=10000)
+        assert "Redis 7" in row.check.text() and "256 MiB" in row.check.text() and "allkeys-lru" in row.check.text()
+        assert "hunter2" not in row.check.text() and ":***@" in row.check.text()
+    tab.set_text("conversation_cache_remote", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    button.click()
+    qtbot.waitUntil(lambda: "does not answer" in row.check.text(), timeout=10000)

@@ -125,3 +125,17 @@ def test_decode_takes_a_checkpoint_at_each_block_end_it_crosses(folders):
     finally:
         eng.close()
     assert block_end in positions and prompt - 1 in positions, positions
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_a_hybrid_conversation_resumes_on_another_engine_through_a_shared_store(folders, arch, tmp_path):
+    """Engine A parks (K/V blocks, recurrent-state checkpoints) through to a real redis-server; engine B, with its
+    own folder, resumes from the deepest checkpoint there, token for token as the never-parked engine."""
+    from engine.config import EngineConfig
+    from tests.redis_server import resume_through_store
+    from tools.conversation_cache_parity import _conversation, _text
+
+    conv_a = _conversation("You are a careful assistant. " + _text(40, 1), "Summarise this for me.", 3)
+    seen = resume_through_store(EngineConfig(**_base(folders[arch], "tiered")), conv_a, tmp_path)
+    assert seen.resumed == seen.reference and seen.cached >= 64  # from a checkpoint, every 64 tokens
+    assert seen.stats["remote_hits"] == 1 and seen.stats["remote_refused"] == 0

@@ -78,7 +78,8 @@ def test_text_fields_are_labels_of_an_info_gauge():
     assert samples["strata_engine_info"][1:] == (1.0, {"int4_kernel": "", "kv_dtype": "",
                                                       "model": "SmolLM2-135M-Instruct", "omp_wait_policy": "",
                                                       "state": "running", "weights_format": ""})
-    assert samples["strata_conversation_cache_info"][2] == {"dir": "", "storage": "tiered"}
+    assert samples["strata_conversation_cache_info"][2] == {"dir": "", "storage": "tiered", "remote": "",
+                                                            "remote_state": ""}
 
 
 def test_a_condition_is_a_zero_or_one_gauge_with_its_text_as_a_label():

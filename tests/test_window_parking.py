@@ -186,3 +186,15 @@ def test_files_parked_with_every_layer_are_refused_as_another_models(tmp_path):
         assert not [n for n in os.listdir(new_folder) if n.endswith(".safetensors")]
     finally:
         again.close(spill=False)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_a_parked_window_resumes_on_another_engine_through_a_shared_store(models, arch, tmp_path):
+    """Engine A parks a conversation (global layers' blocks, the local layers' window) through to a real
+    redis-server; engine B, with its own folder, resumes it there token for token as the never-parked engine."""
+    from tests.redis_server import resume_through_store
+
+    conv_a = _conversation("You are a careful assistant. " + _text(60, 1), "Summarise this for me.", 3)
+    seen = resume_through_store(EngineConfig(**_base(models[arch], "tiered")), conv_a, tmp_path)
+    assert seen.resumed == seen.reference and seen.cached >= seen.first_prompt  # the first prompt at least
+    assert seen.stats["remote_hits"] == 1 and seen.stats["remote_refused"] == 0

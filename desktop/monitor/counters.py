@@ -65,15 +65,16 @@ class CountersPanel(QWidget):
         cache_form = QFormLayout(cache_box)
         for key, text in (("storage", "Storage"), ("hit_rate", "Hit rate"), ("tokens_saved", "Tokens saved"),
                           ("parks", "Parks / restores"), ("evictions", "Evictions / refusals"),
-                          ("park_ms", "Park time"), ("restore_ms", "Restore time")):
+                          ("park_ms", "Park time"), ("restore_ms", "Restore time"), ("remote", "Remote store")):
             self.labels[key] = _value_label()
             cache_form.addRow(text, self.labels[key])
 
         budget_box = QGroupBox("Stored against budgets")
         grid = QGridLayout(budget_box)
         self.ram_bar, self.disk_bar, self.slots_bar = BudgetBar(), BudgetBar(), BudgetBar()
+        self.remote_bar = BudgetBar()  # the shared store: what it holds (every engine's) against its maxmemory
         for row, (text, bar) in enumerate((("RAM", self.ram_bar), ("Disk", self.disk_bar),
-                                           ("Conversations", self.slots_bar))):
+                                           ("Conversations", self.slots_bar), ("Remote store", self.remote_bar))):
             grid.addWidget(QLabel(text), row, 0)
             grid.addWidget(bar, row, 1)
         layout = QVBoxLayout(self)
@@ -132,6 +133,13 @@ class CountersPanel(QWidget):
         if c.disk_error:
             self.disk_bar.setFormat("error: " + c.disk_error)
         self.disk_bar.setToolTip(c.disk_error or UNIQUE_BYTES)
+        lb["remote"].setText(remote_summary(c))
+        lb["remote"].setToolTip(c.remote)
+        self.remote_bar.set_usage(c.remote_bytes if c.remote else None, c.remote_max_bytes or None)
+        if not c.remote:
+            self.remote_bar.setFormat("not used")
+        self.remote_bar.setToolTip(f"{c.remote}: every engine's entries, and anything else the store holds"
+                                   if c.remote else "")
         self._slots_budget = c.slots
         # /cache/conversations' count once it came (a tiered conversation in both tiers is one), else the entries.
         parked = c.entries_ram + c.entries_disk if self._parked is None else self._parked
@@ -156,6 +164,16 @@ def _timing(t: Timing | None, mib_per_s: float | None) -> str:
     if mib_per_s is not None:
         text += f" · {format_count(mib_per_s)} MiB/s"
     return text
+
+
+def remote_summary(cache: CacheFigures) -> str:
+    """The shared store as /metrics reports it: "up · 3 restores · 0 errors · 0 refused", then what failed last;
+    "not used" without --conversation-cache-remote."""
+    if not cache.remote:
+        return "not used"
+    text = (f"{cache.remote_state or '–'} · {format_count(cache.remote_hits)} restores · "
+            f"{format_count(cache.remote_errors)} errors · {format_count(cache.remote_refused)} refused")
+    return f"{text}\n{cache.remote_error}" if cache.remote_error else text
 
 
 def runs_as(engine: EngineFigures) -> str:

@@ -27,7 +27,8 @@ from desktop.monitor.report import format_age, format_count, format_ms, number
 from desktop.monitor.rows_model import Index, RowsModel
 from engine.contract import RequestRecord
 
-SOURCES = {"live": "live slot", "ram": "RAM", "disk": "disk", "checkpoint": "checkpoint", "none": "–"}
+SOURCES = {"live": "live slot", "ram": "RAM", "disk": "disk", "remote": "remote store", "checkpoint": "checkpoint",
+           "none": "–"}
 
 
 def _pct(part: float | None, whole: float | None) -> str:

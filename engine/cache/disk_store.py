@@ -145,6 +145,29 @@ class DiskStore:
         self.index.release(res.reused, RESERVED)
         self.files.delete_blocks([k for k in written if k not in self.index.blocks])
 
+    def fit_found_folder(self) -> None:
+        """The folder as found at start against the budgets it starts with (which may have shrunk while the engine
+        was stopped): what does not fit goes in eviction order, pinned conversations never (they stay, over
+        budget, until unpinned, deleted or purged), and the log says what went, what stayed and why. Caller holds
+        the lock."""
+        found, found_bytes = len(self.index.convs), self.index.bytes
+        dropped = self.enforce_budget(keep_pinned=True)
+        budget_mib = self.settings.disk_bytes // MIB
+        if dropped:
+            log.warning(
+                "conversation cache: the folder held %d conversations (%.1f MiB), over the disk budget of %d MiB "
+                "or %d conversations: dropped %d in eviction order (%.1f MiB: %s), kept %d",
+                found, found_bytes / MIB, budget_mib, self.settings.slots, len(dropped),
+                sum(b for _, _, b in dropped) / MIB,
+                ", ".join(f"{cid} ({n} tokens)" for cid, n, _ in dropped[:8])
+                + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else ""), len(self.index.convs))
+        if self.index.bytes > self.settings.disk_bytes:
+            pinned = [c for c in self.index.convs.values() if c.pinned]
+            log.warning(
+                "conversation cache: %d pinned conversations (%.1f MiB) are kept over the disk budget of %d MiB: "
+                "a budget never drops a pinned conversation at start-up; unpin, delete or purge them, or raise "
+                "the budget", len(pinned), sum(c.nbytes for c in pinned) / MIB, budget_mib)
+
     def enforce_budget(self, *, keep_pinned: bool = False) -> list[tuple[str, int, int]]:
         """Evict entries in eviction order (never one in flight) until the tier is within its budget and slots;
         `keep_pinned` passes over pinned ones (the folder found at start-up). Returns (id, tokens, bytes) of each

@@ -147,6 +147,11 @@ class DiskTier:
     def block_path(self, key: str) -> str:
         return os.path.join(self.folder, f"blk-{key}.safetensors")
 
+    def block_file_bytes(self, key: str) -> bytes:
+        """A written block's file as it is (what the remote tier stores: the same format); OSError when gone."""
+        with open(self.block_path(key), "rb") as f:
+            return f.read()
+
     def conv_path(self, conv_id: str) -> str:
         return os.path.join(self.folder, f"conv-{conv_id}.safetensors")
 

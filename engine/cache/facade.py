@@ -13,6 +13,8 @@ background `DiskWriter`). Three modes:
   was already on disk: a re-park's previous written version stays the file on disk until replaced.
 - tiered: parks go to RAM; what RAM evicts is queued for the same background writer (served from its RAM copy
   until written, under the same bound); `close(spill=True)` writes everything parked.
+With `remote_url`, parks are also written through to a shared store (`RemoteTier`, engine/cache/remote/), and a
+lookup that the local tiers cannot serve in full asks it for the longest stored prefix.
 Threads: the engine thread is the only caller of mutating methods; `stats`, `conversations` and `events` may
 be called from any thread; the writer thread only writes files and reports under the same lock. What it
 reports is applied by the engine thread (`DiskStore.reap`).
@@ -44,6 +46,8 @@ from engine.cache.parts import (
 )
 from engine.cache.policy import common_prefix, decline_reason
 from engine.cache.ram_tier import RamTier
+from engine.cache.remote.backends import open_remote
+from engine.cache.remote.tier import RemoteFigures, RemoteTier
 from engine.cache.restores import resume_point
 from engine.cache.settings import CacheSettings
 from engine.cache.stats import CacheHit, CacheStats, ConversationInfo, ParkResult, PurgeResult, RestoreResult
@@ -72,7 +76,13 @@ class ConversationCache:
         if settings.uses_disk:
             self.disk = self.open_disk(settings)
             self.disk.start_writer()
-            self._fit_found_folder()
+            with self.lock:  # the folder as found, against the budgets it starts with
+                self.disk.fit_found_folder()
+                self.ram.enforce_budget()
+        self.remote: RemoteTier | None = None
+        if settings.remote_url:
+            self.remote = open_remote(settings.remote_url, identity, self.lock, self.journal, days=settings.days,
+                                      queue_bytes=settings.spill_queue_bytes, engine_version=engine_version)
         log.info(
             "conversation cache: storage %s, RAM %d MiB, disk %d MiB, %d slots, blocks of %d tokens (%.2f MiB)",
             settings.storage,
@@ -94,6 +104,10 @@ class ConversationCache:
             tiers.append(("disk", self.disk.index))
         return tiers
 
+    def sources(self) -> list[tuple[str, TierIndex]]:
+        """The tiers, and the remote tier's offers (what a restore may read from)."""
+        return self.tiers() + ([("remote", self.remote.index)] if self.remote is not None else [])
+
     def reap(self) -> None:
         if self.disk is not None:
             self.disk.reap()
@@ -112,18 +126,11 @@ class ConversationCache:
         keys = block_keys(self.identity.key, toks, self.identity.block_tokens)
         with self.lock:
             self.reap()  # a failed write gives its conversation's written version back before matching
-            best: tuple[int, str, Conv] | None = None
-            shared = 0  # a sliding-window model: the most a candidate shares, resumable or not
-            for tier, index in self.tiers():
-                for conv in index.candidates(keys):
-                    if conv.failed:
-                        continue
-                    n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
-                    shared = max(shared, n)
-                    if self.identity.state_parts:  # a recurrent state (or a window) resumes only where one was kept
-                        n = resume_point(self.identity, index, conv, n)
-                    if best is None or n > best[0]:
-                        best = (n, tier, conv)
+            best, shared = self._local_best(toks, keys)
+        if self.remote is not None:  # the network, without the lock: only for whole blocks beyond the local hit
+            offer = self.remote.offer(toks, keys, have=best[0] if best else 0)
+            best = (offer[0], "remote", offer[1]) if offer is not None else best
+        with self.lock:
             report = lookup_report(self.journal.losses, toks, best, live_prefix)
             if self.identity.local_layers and best is not None and shared > best[0]:
                 report = dataclasses.replace(report, window_shared=shared)
@@ -143,6 +150,22 @@ class ConversationCache:
             hit = CacheHit(conv.id, n, tier, nbytes, self.identity.key, conv.priority,
                            conv.pinned, tokens_key(self.identity.key, toks[:n]))
             return hit, report
+
+    def _local_best(self, toks, keys: list[str]) -> tuple[tuple[int, str, Conv] | None, int]:
+        """(the RAM or disk candidate offering most, the most any shares): caller holds the lock."""
+        best: tuple[int, str, Conv] | None = None
+        shared = 0  # a sliding-window model: the most a candidate shares, resumable or not
+        for tier, index in self.tiers():
+            for conv in index.candidates(keys):
+                if conv.failed:
+                    continue
+                n = min(common_prefix(toks, conv.tokens), len(toks) - 1)
+                shared = max(shared, n)
+                if self.identity.state_parts:  # a recurrent state (or a window) resumes only where one was kept
+                    n = resume_point(self.identity, index, conv, n)
+                if best is None or n > best[0]:
+                    best = (n, tier, conv)
+        return best, shared
 
     def record_miss(self) -> None:
         with self.lock:
@@ -218,7 +241,25 @@ class ConversationCache:
             new_bytes / MIB,
             ms,
         )
+        if self.remote is not None:
+            self._write_through(conv, toks, keys, read_parts)
         return ParkResult(True, conv.id, "", tier, len(toks), new_bytes, ms, evicted)
+
+    def _write_through(self, conv: Conv, toks, keys: list[str], read_parts: ReadParts) -> None:
+        """Queue a park for the remote store: a block a tier holds in RAM by reference, a written one as its file."""
+        assert self.remote is not None
+        disk = self.disk
+        with self.lock:
+            held = {k: blk.data for _, index in self.tiers() for k in keys
+                    if (blk := index.blocks.get(k)) is not None and blk.data is not None}
+            filed = {k for k in keys if disk is not None and (blk := disk.index.blocks.get(k)) is not None
+                     and blk.on_disk}
+            stated = {k for _, index in self.tiers() for k in keys if (blk := index.blocks.get(k)) is not None
+                      and blk.state}
+            own = {p: parts for p, parts in conv.checkpoints.items() if parts is not None}  # not only on disk
+        load = disk.files.block_file_bytes if disk is not None else None
+        self.remote.publish(conv.id, toks, keys, held, read_parts, conv.tail, filed=filed, load=load,
+                            checkpoints=own, stated=stated)
 
     def _park(self, toks, keys, read_parts: ReadParts, keep: str | None, attrs: ConvAttrs,
               states: Checkpoints) -> tuple[Conv, int, int, str]:
@@ -383,6 +424,7 @@ class ConversationCache:
     def stats(self) -> CacheStats:
         with self.lock:
             s, disk, j = self.settings, self.disk, self.journal
+            remote = self.remote.figures() if self.remote is not None else RemoteFigures()
             return CacheStats(
                 enabled=s.enabled,
                 storage=s.storage,
@@ -406,6 +448,11 @@ class ConversationCache:
                 restore_bandwidth=dict(j.bandwidth),
                 prefill_tokens_per_s=self.prefill_tokens_per_s,
                 disk_error=(disk.files.error or disk.files.write_error) if disk else "",
+                remote=remote.remote,
+                remote_state=remote.remote_state,
+                remote_error=remote.remote_error,
+                remote_bytes=remote.remote_bytes,
+                remote_max_bytes=remote.remote_max_bytes,
                 **j.counts,
             )
 
@@ -415,31 +462,6 @@ class ConversationCache:
             return list(self.journal.events)[-limit:] if limit > 0 else []
 
     # ------------------------------------------------------------------ budgets, reconfigure, flush, close
-
-    def _fit_found_folder(self) -> None:
-        """The folder as found at start against the budgets it starts with (which may have shrunk while the engine
-        was stopped): what does not fit goes in eviction order, pinned conversations never (they stay, over
-        budget, until unpinned, deleted or purged), and the log says what went, what stayed and why."""
-        disk = self.disk
-        assert disk is not None
-        with self.lock:
-            found, found_bytes = len(disk.index.convs), disk.index.bytes
-            dropped = disk.enforce_budget(keep_pinned=True)
-            self.ram.enforce_budget()
-            if dropped:
-                log.warning(
-                    "conversation cache: the folder held %d conversations (%.1f MiB), over the disk budget of %d MiB "
-                    "or %d conversations: dropped %d in eviction order (%.1f MiB: %s), kept %d",
-                    found, found_bytes / MIB, self.settings.disk_bytes // MIB, self.settings.slots, len(dropped),
-                    sum(b for _, _, b in dropped) / MIB,
-                    ", ".join(f"{cid} ({n} tokens)" for cid, n, _ in dropped[:8])
-                    + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else ""), len(disk.index.convs))
-            if disk.index.bytes > self.settings.disk_bytes:
-                pinned = [c for c in disk.index.convs.values() if c.pinned]
-                log.warning(
-                    "conversation cache: %d pinned conversations (%.1f MiB) are kept over the disk budget of %d MiB: "
-                    "a budget never drops a pinned conversation at start-up; unpin, delete or purge them, or raise "
-                    "the budget", len(pinned), sum(c.nbytes for c in pinned) / MIB, self.settings.disk_bytes // MIB)
 
     def enforce_budgets(self) -> None:
         """Evict LRU conversations until every tier is within its budget and slot count."""
@@ -452,6 +474,8 @@ class ConversationCache:
         self.settings = self.ram.settings = settings
         if self.disk is not None:
             self.disk.settings = settings
+        if self.remote is not None:  # --conversation-cache-days is live: the next writes take the new time to live
+            self.remote.set_days(settings.days)
 
     def reconfigure(self, settings: CacheSettings) -> list[str]:
         """Apply new settings live; returns the names that changed (engine/cache/reconfigure.py)."""
@@ -463,10 +487,12 @@ class ConversationCache:
         True when nothing is left pending and no write failed meanwhile (failures are counted in
         `spill_failed` and logged; the entry is dropped and any version of it already on disk is kept).
         """
-        disk = self.disk
+        disk, deadline = self.disk, time.monotonic() + max(timeout, 0.0)
         with self.lock:
             failed = self.journal.counts["spill_failed"]
-        done = disk.drain(time.monotonic() + max(timeout, 0.0)) if disk is not None else True
+        done = disk.drain(deadline) if disk is not None else True
+        if self.remote is not None:
+            done = self.remote.drain(deadline) and done
         with self.lock:
             self.reap()
             left = self.disk is not None and self.disk.staging.any_pending()
@@ -482,6 +508,8 @@ class ConversationCache:
                 for cid in reversed(list(self.ram.index.convs)):  # most recently used first
                     conv = self.ram.index.convs[cid]
                     disk.queue_spill(conv, self.ram.data_of(conv), bounded=False)
+        if self.remote is not None:
+            self.remote.close(deadline)
         if disk is None:
             return
         if not disk.stop_writer(deadline):

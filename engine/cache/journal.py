@@ -25,7 +25,8 @@ class Journal:
         self.events: deque[dict] = deque(maxlen=1000)
         self.park_ms = TimingWindow()
         self.restore_ms = TimingWindow()
-        self.bandwidth = {"ram": 4e9, "disk": 1e9}  # bytes/s; replaced by measurements after restores
+        # bytes/s; replaced by measurements after restores (remote: a 1 GbE link until measured)
+        self.bandwidth = {"ram": 4e9, "disk": 1e9, "remote": 1.1e8}
         self.redirects: OrderedDict[str, str] = OrderedDict()
         self.losses = Losses()  # what left the cache, so a later lookup can say why it is missing
 

@@ -75,7 +75,7 @@ class RestoreRead:
             n_full = min(len(conv.keys), math.ceil(n / b))
             self.use_tail = n > len(conv.keys) * b
             self.disk = cache.disk if self.tier == "disk" else None
-            self.index = cache.ram.index if self.disk is None else self.disk.index
+            self.index = dict(cache.sources())[self.tier]
             self.own_state = None  # a hybrid model: the state at n is the conversation's own, else block n_full - 1's
             if cache.identity.local_layers:  # a sliding-window model: the window checkpoint that serves n
                 self.own_state = window.checkpoint_for(conv.checkpoints, n)
@@ -109,7 +109,11 @@ class RestoreRead:
         assert not self.done, "a restore is read once"
         cache, conv, t0 = self.cache, self.conv, time.perf_counter()
         try:
-            if self.disk is None:
+            if self.tier == "remote":
+                assert cache.remote is not None
+                pieces, self.read_bytes = cache.remote.pieces(conv, self.blocks, self.use_tail)
+                state = conv.checkpoints.get(self.own_state) if self.own_state is not None else None
+            elif self.disk is None:
                 pieces, self.read_bytes, state = cache.ram.pieces(conv, self.blocks, self.use_tail, self.own_state)
             else:
                 pieces, self.read_bytes, state = disk_pieces(self.disk, conv, self.blocks, self.use_tail,
@@ -223,7 +227,7 @@ def find_entry(cache: ConversationCache, hit: CacheHit) -> tuple[str, Conv] | No
     conv_id = hit.conversation_id
     redirects = cache.journal.redirects
     for _ in range(16):
-        tiers = sorted(cache.tiers(), key=lambda t: t[0] != hit.tier)
+        tiers = sorted(cache.sources(), key=lambda t: t[0] != hit.tier)
         for tier, index in tiers:
             conv = index.convs.get(conv_id)
             if conv is not None and not conv.failed and conv.n_tokens >= hit.n_tokens:

@@ -27,6 +27,9 @@ FROM_CONFIG: dict[str, tuple[str, int]] = {
     # When full, the oldest pending write is dropped (counted in spill_dropped); a disk-mode park bigger than the
     # whole bound is written to its files before the park returns instead.
     "spill_queue_bytes": ("conversation_cache_write_buffer_mib", MIB),
+    # the shared store parks are written through to (engine/cache/remote); "" = none. Its writes not sent yet
+    # are bounded by spill_queue_bytes too, counted apart from the disk's
+    "remote_url": ("conversation_cache_remote", 1),
 }
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -55,6 +58,7 @@ class CacheSettings:
     n_min: int = _default("n_min")
     similarity: float = _default("similarity")
     spill_queue_bytes: int = _default("spill_queue_bytes")
+    remote_url: str = dataclasses.field(default=_default("remote_url"), repr=False)  # may carry a password
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_MODES:

@@ -172,8 +172,8 @@ class Scheduler:
             # Restore into the slot whose loss is cheapest, parking what it holds.
             slot = cheapest(free)
             looked = Looked(request, stream, hit, candidate, report, small_gain)
-            # A read from files, or a copy onto a GPU: off this thread, the slot starts in _join_restores.
-            if hit.tier == "disk" or self.restores.all_off_thread:
+            # A read from files or the remote store, or a copy onto a GPU: off this thread (_join_restores).
+            if hit.tier != "ram" or self.restores.all_off_thread:
                 self._read_in_background(slot, looked)
             else:  # RAM into host slots: a memcpy, here
                 reused, failed = self._restore_hit(slot, hit, prompt)
