@@ -1,8 +1,9 @@
 """What Gemma 3 adds to the Llama family's description: its GGUF settings and its chat format.
 
-The layer itself runs in llama.py (`ModelConfig.gemma`): norms scale by (1 + w) (the loaders store 1 + w, as
-llama.cpp's converter does), the attention and MLP outputs have their own norms, the MLP is GeGLU with the
-tanh GeLU, the embeddings are multiplied by sqrt(hidden), and the attention scale is query_pre_attn_scalar^-1/2.
+The layer runs as its description says (engine/model/layers.py, from `ModelConfig.gemma`): norms scale by
+(1 + w) (the loaders store 1 + w, as llama.cpp's converter does), the attention and MLP outputs have their own
+norms, the MLP is GeGLU with the tanh GeLU, the embeddings are multiplied by sqrt(hidden), and the attention
+scale is query_pre_attn_scalar^-1/2.
 """
 
 from __future__ import annotations
