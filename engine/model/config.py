@@ -5,21 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.model.moe_config import HF_MOE_ARCHITECTURES, MOE_ARCHITECTURES, MoeConfig, moe_from_hf
+from engine.model import families
+from engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_from_hf
 from engine.model.sliding import check_windows, hf_sliding_layers
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", *MOE_ARCHITECTURES)
+ARCHITECTURES = families.names("dense", "moe")
 
-# HF `architectures[0]` / `model_type` -> our architecture name.
-_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    **HF_MOE_ARCHITECTURES,
-}
-_HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # a config.json without `architectures`
+# HF `architectures[0]` / `model_type` (a config.json without `architectures`) -> our architecture name.
+_HF_ARCHITECTURES = families.hf_architectures("dense", "moe")
+_HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 # Fields a dense Llama-family model leaves at these defaults; describe() omits them then, so the identity of
 # such a model's parked K/V stays what it was before they existed.
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
@@ -115,9 +109,7 @@ class ModelConfig:
         arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            if model_type in ARCHITECTURES and not archs:
-                arch = model_type
-            elif model_type in _HF_MODEL_TYPES and not archs:
+            if model_type in _HF_MODEL_TYPES and not archs:
                 arch = _HF_MODEL_TYPES[model_type]
             else:
                 shown = ", ".join(archs) or f"model_type {model_type!r}"
