@@ -1,6 +1,8 @@
 """The layer description (engine/model/layers.py) and the executors' table (engine/model/executors.py): what each
 family's config says per layer, and which executor declines which feature with which reason."""
 
+from pathlib import Path
+
 import pytest
 
 from engine.model import executors
@@ -9,6 +11,8 @@ from engine.model.executors import CPU_STEP, EAGER, GRAPH_STEP, NATIVE_STEP, lay
 from engine.model.hybrid.attention import attention_spec
 from engine.model.hybrid.loader import hybrid_config_from_hf
 from engine.model.layers import FEATURES, describe_layers
+
+DETAILS = Path(__file__).resolve().parent.parent / "docs" / "DETAILS.md"
 
 
 def _hf(arch: str, **cfg) -> ModelConfig:
@@ -81,6 +85,10 @@ def test_gemma3_is_declined_by_the_cpu_and_graph_steps_and_run_by_the_native_and
     assert layer_declines(CPU_STEP, gemma) == "Gemma layers"
     assert layer_declines(GRAPH_STEP, gemma) == "sliding-window layers"
     assert executors.runs(EAGER) == frozenset(FEATURES) - {"partial or no rope", "output gate"}
+
+
+def test_the_feature_table_in_the_docs_is_the_one_the_executors_read():
+    assert executors.feature_table() in DETAILS.read_text(encoding="utf-8"), "regenerate it: executors.feature_table()"
 
 
 def test_hybrid_attention_layers_are_described_with_their_rope_gate_and_scale():
