@@ -190,6 +190,10 @@ class CausalLM(torch.nn.Module):
         # Gemma scales the embeddings by sqrt(hidden) in the weights' dtype (not folded: the output matrix is tied).
         scale = description.embedding_scale
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=embed.dtype)
+        # The sliding layers' window: forward_chunks plans one window's masks per step.
+        windows = description.windows
+        assert len(windows) <= 1, f"one sliding window per model, got {windows}"
+        self.window = windows[0] if windows else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -247,9 +251,7 @@ class CausalLM(torch.nn.Module):
             positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
         x = embed_rows(ids, self.embed, self.embed_scale)
 
-        windows = self.description.windows
-        assert len(windows) <= 1, f"one sliding window per model, got {windows}"
-        plans = _attention_plans(ordered, lengths, offsets, windows[0] if windows else None)
+        plans = _attention_plans(ordered, lengths, offsets, self.window)
         layers = cast(list[DecoderLayer], list(self.layers))
         for device, first, end in self.stages:
             x = x.to(device)
