@@ -2,8 +2,8 @@
 it, and the module that reads its settings and tensor names.
 
 One table instead of a mapping per reader: config.py (dense and mixture-of-experts families from config.json),
-gguf_loading.py and moe_loading.py (from GGUF metadata) and hybrid/config.py (hybrid families from config.json)
-all look names up here. Adding a family is a row here plus its reader (docs/DETAILS.md, "Adding a model family").
+gguf_loading.py and moe_loading.py (from GGUF metadata), hybrid/config.py and hybrid/gguf_loader.py (hybrid
+families from config.json and GGUF) all look names up here. Adding a family is a row here plus its reader (docs/DETAILS.md, "Adding a model family").
 
 A leaf module (it imports nothing of the engine), so every reader can import it without a circle.
 """
