@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model import families
+from engine.model.gemma import HF_HEAD_DIM, HF_ROPE_THETA, hf_gemma_fields, hf_gemma_problem
 from engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_from_hf
 from engine.model.sliding import check_windows, hf_sliding_layers
 
@@ -120,18 +121,18 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             n_heads = int(cfg["num_attention_heads"])
             n_layers = int(cfg["num_hidden_layers"])
-            params = dict(cfg.get("rope_parameters") or {})
-            gemma = arch == "gemma3"
-            if gemma:
-                _check_gemma(cfg)
-            local_theta = None
+            rope_parameters = dict(cfg.get("rope_parameters") or {})
+            params = rope_parameters
             if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)
-                local = params.get("sliding_attention") or {}
-                local_theta = float(local.get("rope_theta", 10000.0)) if gemma else None
                 params = dict(params["full_attention"] or {})
-            elif gemma:
-                local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
-            theta, scaling = _rope(params, cfg, 1_000_000.0 if gemma else 10000.0)
+            gemma = arch == "gemma3"
+            gemma_fields: dict[str, Any] = {}
+            if gemma:  # its own reader: engine/model/gemma.py
+                problem = hf_gemma_problem(cfg)
+                if problem:
+                    raise ConfigError(problem)
+                gemma_fields = hf_gemma_fields(cfg, rope_parameters)
+            theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
             return cls(
@@ -142,7 +143,7 @@ class ModelConfig:
                 n_layers=n_layers,
                 n_heads=n_heads,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or (256 if gemma else hidden // n_heads)),
+                head_dim=int(cfg.get("head_dim") or (HF_HEAD_DIM if gemma else hidden // n_heads)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
@@ -154,8 +155,8 @@ class ModelConfig:
                 moe=moe,
                 sliding_window=window,
                 sliding_layers=sliding,
-                rope_local_theta=local_theta,
-                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+                rope_local_theta=gemma_fields.get("rope_local_theta"),
+                query_pre_attn_scalar=gemma_fields.get("query_pre_attn_scalar"),
                 final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             )
         except KeyError as e:
@@ -175,17 +176,6 @@ def _rope(params: dict[str, Any], cfg: dict[str, Any], default_theta: float) -> 
     kind = rope.pop("type", None) or rope.get("rope_type") or "default"
     rope["rope_type"] = kind
     return theta, None if kind == "default" else rope
-
-
-def _check_gemma(cfg: dict[str, Any]) -> None:
-    """Refuse the Gemma 3 variants this engine does not run, naming the setting."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"gemma3: hidden_activation {act!r} is not supported (expected gelu_pytorch_tanh)")
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ConfigError("gemma3: attn_logit_softcapping is not supported (expected null)")
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError("gemma3: use_bidirectional_attention is not supported (a causal model is expected)")
 
 
 def _windows(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[int | None, tuple[int, ...]]:
