@@ -16,6 +16,7 @@ from engine.model.config import ModelConfig
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
+from engine.model.layers import describe_layers
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.q8_output import Q8Output
 from engine.model.q8_weight import Q8Weight
@@ -182,21 +183,23 @@ def build_model(
     float_output = head_key == "embed" and not int4_weights and last_device == first_device  # lm_head = embed
     table = kept_table(blocks, first_device, dtype, (c.vocab_size, hidden), path, float_output=float_output)
     embed = table if table is not None else need("embed", (c.vocab_size, hidden), first_device)
+    description = describe_layers(c)  # what every executor reads about the layers (engine/model/layers.py)
     layers: list[DecoderLayer] = []
     n_layers = sum(b - a for _, a, b in stages)
     for device, a, b in stages:
         device = torch.device(device)
         for i in range(a, b):
             p = f"{i}."
+            spec = description.layers[i]
             # The order of the reads is the order of the weights in the fingerprint: keep it.
             w = {"wqkv": projection(p + "wqkv", [(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
                                      (p + "v", (kv_rows, hidden))], device)}
             bqkv = None
-            if c.attention_bias:
+            if spec.attention.bias:
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
                                   need(p + "v_bias", (kv_rows,), device)))
             moe = None
-            if c.is_moe_layer(i):  # a sparse expert block instead of the dense MLP
+            if spec.mlp.experts is not None:  # a sparse expert block instead of the dense MLP
                 def to_layer(t: torch.Tensor, d: torch.device = device) -> torch.Tensor:
                     return t.to(device=d, dtype=dtype).contiguous()
 
@@ -213,7 +216,7 @@ def build_model(
             else:
                 w["w_gate_up"] = projection(p + "w_gate_up", [(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
             q_norm = k_norm = None
-            if c.qk_norm:
+            if spec.attention.qk_norm != "none":
                 q_shape, k_shape = moe_loading.q_norm_shapes(c)
                 q_norm = need(p + "q_norm", q_shape, device)
                 k_norm = need(p + "k_norm", k_shape, device)
@@ -223,10 +226,10 @@ def build_model(
             if moe is None:
                 w["w_down"] = projection(p + "w_down", [(p + "down", (hidden, inter))], device)
             post = {}
-            if c.gemma:  # the norms on the attention and MLP outputs
+            if spec.norm.post:  # the norms on the attention and MLP outputs
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
-            layer = DecoderLayer(c, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
+            layer = DecoderLayer(c, spec, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
                                  moe=moe, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
                                                  | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
@@ -254,7 +257,7 @@ def build_model(
     else:
         lm_head = projection("lm_head", [(head_key, (c.vocab_size, hidden))], last_device)
     freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
-    model = CausalLM(c, stages, embed=placeholder(embed), layers=layers, norm=norm, lm_head=placeholder(lm_head),
+    model = CausalLM(c, stages, description=description, embed=placeholder(embed), layers=layers, norm=norm, lm_head=placeholder(lm_head),
                      rope_freq_factors=freq_factors)
     if isinstance(embed, QuantEmbedding):
         int4.install(model, "embed", embed)

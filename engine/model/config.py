@@ -5,21 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.model.moe_config import HF_MOE_ARCHITECTURES, MOE_ARCHITECTURES, MoeConfig, moe_from_hf
+from engine.model import families
+from engine.model.gemma import HF_HEAD_DIM, HF_ROPE_THETA, hf_gemma_fields, hf_gemma_problem
+from engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_from_hf
 from engine.model.sliding import check_windows, hf_sliding_layers
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", *MOE_ARCHITECTURES)
+ARCHITECTURES = families.names("dense", "moe")
 
-# HF `architectures[0]` / `model_type` -> our architecture name.
-_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    **HF_MOE_ARCHITECTURES,
-}
-_HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # a config.json without `architectures`
+# HF `architectures[0]` / `model_type` (a config.json without `architectures`) -> our architecture name.
+_HF_ARCHITECTURES = families.hf_architectures("dense", "moe")
+_HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 # Fields a dense Llama-family model leaves at these defaults; describe() omits them then, so the identity of
 # such a model's parked K/V stays what it was before they existed.
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
@@ -117,9 +112,7 @@ class ModelConfig:
         arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            if model_type in ARCHITECTURES and not archs:
-                arch = model_type
-            elif model_type in _HF_MODEL_TYPES and not archs:
+            if model_type in _HF_MODEL_TYPES and not archs:
                 arch = _HF_MODEL_TYPES[model_type]
             else:
                 shown = ", ".join(archs) or f"model_type {model_type!r}"
@@ -130,18 +123,18 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             n_heads = int(cfg["num_attention_heads"])
             n_layers = int(cfg["num_hidden_layers"])
-            params = dict(cfg.get("rope_parameters") or {})
-            gemma = arch == "gemma3"
-            if gemma:
-                _check_gemma(cfg)
-            local_theta = None
+            rope_parameters = dict(cfg.get("rope_parameters") or {})
+            params = rope_parameters
             if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)
-                local = params.get("sliding_attention") or {}
-                local_theta = float(local.get("rope_theta", 10000.0)) if gemma else None
                 params = dict(params["full_attention"] or {})
-            elif gemma:
-                local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
-            theta, scaling = _rope(params, cfg, 1_000_000.0 if gemma else 10000.0)
+            gemma = arch == "gemma3"
+            gemma_fields: dict[str, Any] = {}
+            if gemma:  # its own reader: engine/model/gemma.py
+                problem = hf_gemma_problem(cfg)
+                if problem:
+                    raise ConfigError(problem)
+                gemma_fields = hf_gemma_fields(cfg, rope_parameters)
+            theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
             return cls(
@@ -152,7 +145,7 @@ class ModelConfig:
                 n_layers=n_layers,
                 n_heads=n_heads,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or (256 if gemma else hidden // n_heads)),
+                head_dim=int(cfg.get("head_dim") or (HF_HEAD_DIM if gemma else hidden // n_heads)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
@@ -164,8 +157,8 @@ class ModelConfig:
                 moe=moe,
                 sliding_window=window,
                 sliding_layers=sliding,
-                rope_local_theta=local_theta,
-                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+                rope_local_theta=gemma_fields.get("rope_local_theta"),
+                query_pre_attn_scalar=gemma_fields.get("query_pre_attn_scalar"),
                 final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             )
         except KeyError as e:
@@ -185,17 +178,6 @@ def _rope(params: dict[str, Any], cfg: dict[str, Any], default_theta: float) -> 
     kind = rope.pop("type", None) or rope.get("rope_type") or "default"
     rope["rope_type"] = kind
     return theta, None if kind == "default" else rope
-
-
-def _check_gemma(cfg: dict[str, Any]) -> None:
-    """Refuse the Gemma 3 variants this engine does not run, naming the setting."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"gemma3: hidden_activation {act!r} is not supported (expected gelu_pytorch_tanh)")
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ConfigError("gemma3: attn_logit_softcapping is not supported (expected null)")
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError("gemma3: use_bidirectional_attention is not supported (a causal model is expected)")
 
 
 def _windows(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[int | None, tuple[int, ...]]:

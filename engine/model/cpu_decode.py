@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv import KVBuffers
+from engine.model import executors
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
 from engine.model.llama import (
@@ -33,22 +34,9 @@ from engine.model.projections import linear, logit_rows
 from engine.model.quant_embedding import embed_rows
 from engine.model.sliding import first_key
 
-
-def unsupported(model: CausalLM) -> str | None:
-    """Why this model's decode steps stay on forward_chunks (None: this runner takes them)."""
-    c = model.config
-    if len({d for d, _, _ in model.stages}) != 1 or model.stages[0][0].type != "cpu":
-        return "not on one CPU device"
-    if model.dtype != torch.float32:
-        return "compute dtype is not float32"
-    if c.gemma or model.rotary_local is not None:
-        return "Gemma layers"
-    layers = cast(list[DecoderLayer], list(model.layers))
-    if any(layer.moe is not None or layer.q_norm_full is not None for layer in layers):
-        return "experts or full-width q/k norms"
-    if c.final_logit_softcapping is not None or model.embed_scale is not None:
-        return "soft-capped logits or scaled embeddings"
-    return None
+# Why this model's decode steps stay on forward_chunks (None: this runner takes them); with the other
+# executors' gates in executors.py.
+unsupported = executors.cpu_step_declines
 
 
 class _Layer(NamedTuple):
@@ -61,6 +49,8 @@ class _Layer(NamedTuple):
     w_down: torch.Tensor | Int4Weight | RowsWeight
     qk_norm: torch.Tensor | None  # per-head q and k norms (Qwen3)
     window: int | None  # a sliding layer's window (engine/model/sliding.py)
+    scale: float | None  # the softmax scale (None: 1/sqrt(head_dim))
+    eps: float
     k_cache: torch.Tensor  # [n_slots, ctx, KVH, D]
     v_cache: torch.Tensor
 
@@ -95,9 +85,10 @@ class CpuDecode:
         for li, layer in enumerate(layers):
             assert layer.w_gate_up is not None and layer.w_down is not None  # dense (unsupported() checked)
             k_cache, v_cache = kv.layer(li)
+            attention = layer.spec.attention
             self._layers.append(_Layer(layer.attn_norm, layer.wqkv, layer.bqkv, layer.wo, layer.mlp_norm,
-                                       layer.w_gate_up, layer.w_down, layer.qk_norm, m.config.layer_window(li),
-                                       k_cache, v_cache))
+                                       layer.w_gate_up, layer.w_down, layer.qk_norm, attention.window,
+                                       attention.scale, layer.spec.norm.eps, k_cache, v_cache))
         self._kv = kv
         self._ctx = kv.ctx
 
@@ -117,11 +108,10 @@ class CpuDecode:
 
     def _step(self, chunks: list[SeqChunk]) -> torch.Tensor:
         m, c = self.model, self.model.config
-        H, KVH, D, inter, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
+        H, KVH, D, inter = c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size
         qk_w = (H + KVH) * D
         n = len(chunks)
         starts = [ch.start for ch in chunks]
-        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         x = embed_rows(torch.cat([ch.tokens for ch in chunks]), m.embed)
         # forward_chunks' RoPE rows: cos[pos], and sin with its first half negated (the rolled-sign form).
         cos_t, sin_t = m.rotary.get(max(starts) + 1, x.device, m.dtype)
@@ -129,6 +119,7 @@ class CpuDecode:
         cos, sin = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
         sin = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
         for layer in self._layers:
+            eps = layer.eps
             h = rms_norm(x, layer.attn_norm, eps)
             qkv = _project(h, layer.wqkv, n, layer.bqkv)
             qk = qkv[:, :qk_w].view(n, H + KVH, D)
@@ -146,11 +137,11 @@ class CpuDecode:
                 keys, values = k_cache[s, seen : p + 1].transpose(0, 1), v_cache[s, seen : p + 1].transpose(0, 1)
                 if keys.dtype != qk.dtype:  # --kv-dtype narrower than float32 (as forward_chunks does)
                     keys, values = keys.to(qk.dtype), values.to(qk.dtype)
-                outs.append(_decode_attention(qk[i, :H], keys, values, scale))
+                outs.append(_decode_attention(qk[i, :H], keys, values, layer.scale))
             attn = outs[0] if n == 1 else torch.stack(outs)
             x = x + _project(attn.reshape(n, H * D), layer.wo, n, None)
             h = rms_norm(x, layer.mlp_norm, eps)
             gate_up = _project(h, layer.w_gate_up, n, None)
             act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
             x = x + _project(act, layer.w_down, n, None)
-        return logit_rows(rms_norm(x, m.norm, eps), m.lm_head).float()
+        return logit_rows(rms_norm(x, m.norm, m.description.final_norm_eps), m.lm_head).float()

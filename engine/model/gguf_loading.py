@@ -11,7 +11,7 @@ import xxhash
 from gguf import GGMLQuantizationType
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_dequant, kquant_weight, moe_loading
+from engine.model import families, gguf_dequant, kquant_weight, moe_loading
 from engine.model.build import Groups, LoadedModel, build_model
 from engine.model.config import ModelConfig
 from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
@@ -49,9 +49,9 @@ def _gguf_canonical(name: str) -> str | None:
 def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     moe_arch = moe_loading.gguf_architecture(arch, meta)  # mixture-of-experts families
-    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma3") and moe_arch is None:
-        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected llama, mistral, qwen2, qwen3, gemma3, "
-                             f"{', '.join(moe_loading.GGUF_ARCHITECTURE_NAMES)}")
+    if arch not in families.gguf_architectures("dense") and moe_arch is None:
+        raise ModelLoadError(f"{path}: unknown architecture {arch!r}; expected "
+                             f"{', '.join(families.gguf_architectures('dense', 'moe'))}")
     assert isinstance(arch, str)  # a dense name above, or a name gguf_architecture knows
 
     def key(name: str, default=None):
@@ -131,8 +131,8 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
         kept_tokenizer.save(tokenizer.backend, tokenizer.fingerprint)
     if config.gemma and not tokenizer.chat_template:  # llama.cpp's converter leaves Gemma's template out
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
-    # llama.cpp permutes q/k only for the llama architecture (Mistral files use it too).
-    permuted = config.architecture in ("llama", "mistral", *moe_loading.GGUF_PERMUTED)
+    # llama.cpp permutes q/k only for the llama architecture and its subclasses (families.py).
+    permuted = families.BY_NAME[config.architecture].gguf_permuted_qk
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading, each tensor once
     hashed: set[str] = set()
 

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv import KVBuffers
-from engine.model.gpu_weights import CudaInt4Weight
-from engine.model.int4 import Int4Weight
+from engine.model import executors
 from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, rms_norm
 from engine.model.projections import logit_rows
 
@@ -63,30 +62,8 @@ def bucket(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def unsupported(model: CausalLM) -> str | None:
-    """Why this model's decode cannot be captured (None: it can)."""
-    devices = {d for d, _, _ in model.stages}
-    if len(devices) != 1:
-        return "layers on several devices"
-    if next(iter(devices)).type != "cuda":
-        return "not on a CUDA device"
-    layers = cast(list[DecoderLayer], list(model.layers))
-    experts = [layer.moe for layer in layers if layer.moe is not None]
-    if any(not moe.grouped_ready for moe in experts):
-        # The per-expert loop reads each expert's row count back to the host (engine/model/moe.py).
-        return "mixture-of-experts layers without grouped GEMMs (experts in host RAM, not bfloat16, or no sm90 kernel)"
-    if experts and model.batch_invariant:
-        return "mixture-of-experts layers with batch-invariant kernels (the per-expert loop)"
-    weights = [model.lm_head] + [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-    if any(isinstance(w, Int4Weight) and not isinstance(w, CudaInt4Weight) for w in weights):
-        return "CPU 4-bit weights"
-    # The captured step attends every row up to its length bucket and has no post-norms, GeGLU, embedding
-    # scale or soft cap: those models decode eagerly (still one GEMM per projection).
-    if model.config.sliding_layers:
-        return "sliding-window layers"
-    if model.config.gemma:
-        return "Gemma layers"
-    return None
+# Why this model's decode cannot be captured (None: it can); with the other executors' gates in executors.py.
+unsupported = executors.graph_step_declines
 
 
 class _Tables:
@@ -125,7 +102,7 @@ def decode_step(
         keys = k_cache[:, :length].index_select(0, slots).transpose(1, 2)  # [rows, KVH, length, D]
         values = v_cache[:, :length].index_select(0, slots).transpose(1, 2)
         x = model.attention_out_and_mlp(layer, x, _masked_attention(q, keys, values, mask).reshape(n, H * D), n)
-    h = rms_norm(x, model.norm, c.rms_norm_eps)
+    h = rms_norm(x, model.norm, model.description.final_norm_eps)
     return logit_rows(h, model.lm_head, fast=not model.batch_invariant).float()
 
 
@@ -152,7 +129,7 @@ class GraphDecode:
     owns_one_token_rows = False  # it runs forward_chunks' own arithmetic
 
     def __init__(self, model: CausalLM, max_batch: int, *, capture: bool = True) -> None:
-        reason = unsupported(model) if capture else None
+        reason = executors.graph_step_declines(model) if capture else None
         assert reason is None, f"decode graphs: {reason}"
         self.model = model
         self.max_batch = max_batch
@@ -250,17 +227,17 @@ def configure(model: object, max_batch: int, *, cuda_graphs: bool, deterministic
     if not on_cuda:
         from engine.model import cpu_decode, native_decode  # the same kernels with less Python per step
 
-        native_reason = native_decode.unsupported(model)
+        native_reason = executors.native_step_declines(model)
         if native_reason is None:
             model.graphs = native_decode.NativeDecode(model)
             return "decode: CPU kernels (batch-invariant), one-token rows through the native step"
-        reason = cpu_decode.unsupported(model)
+        reason = executors.cpu_step_declines(model)
         if reason is not None:
             return f"decode: CPU kernels (batch-invariant), through forward_chunks ({reason})"
         model.graphs = cpu_decode.CpuDecode(model)
         return f"decode: CPU kernels (batch-invariant), one-token steps through the lean CPU step ({native_reason})"
     mode = "batch-invariant per-row kernels" if deterministic else "one GEMM per projection over all rows"
-    reason = "--deterministic" if deterministic else unsupported(model)
+    reason = "--deterministic" if deterministic else executors.graph_step_declines(model)
     if reason is not None:
         return f"decode: {mode}, without CUDA graphs ({reason})"
     # --no-cuda-graphs runs the very function a graph captures, launch by launch: the same results, slower.

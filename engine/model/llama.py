@@ -20,6 +20,7 @@ from engine.kv import KVBuffers
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.kquant_weight import KQuantWeight
+from engine.model.layers import LayerSpec, ModelLayers
 from engine.model.projections import linear, logit_rows
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
@@ -62,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class DecoderLayer(torch.nn.Module):
-    """One transformer block with fused q/k/v and gate/up projections."""
+    """One transformer block with fused q/k/v and gate/up projections, as `spec` describes it (layers.py)."""
 
     # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
     # int4 replaces the projection weights by Int4Weight ones (build, int4.quantize_model), or by Q8Weight ones
@@ -83,6 +84,7 @@ class DecoderLayer(torch.nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        spec: LayerSpec,
         *,
         attn_norm: torch.Tensor,
         wqkv: torch.Tensor,
@@ -102,6 +104,7 @@ class DecoderLayer(torch.nn.Module):
         q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
         assert wo.shape == (c.hidden_size, q_rows), ("wo", tuple(wo.shape))
+        assert (moe is not None) == (spec.mlp.experts is not None), f"layer {spec.index}: {spec.mlp.kind} expected"
         if moe is None:
             assert w_gate_up is not None and w_down is not None, "a dense layer needs w_gate_up and w_down"
             assert w_gate_up.shape == (2 * c.intermediate_size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
@@ -110,6 +113,7 @@ class DecoderLayer(torch.nn.Module):
             assert w_gate_up is None and w_down is None, "a layer has either a dense MLP or experts"
         self.moe = moe
         self.config = config
+        self.spec = spec
         self.register_buffer("attn_norm", attn_norm, persistent=False)
         self.register_buffer("wqkv", wqkv, persistent=False)
         self.register_buffer("bqkv", bqkv, persistent=False)
@@ -118,18 +122,21 @@ class DecoderLayer(torch.nn.Module):
         self.register_buffer("w_gate_up", w_gate_up, persistent=False)
         self.register_buffer("w_down", w_down, persistent=False)
         qk_norm = None
+        kind = spec.attention.qk_norm
+        assert (q_norm is not None) == (k_norm is not None) == (kind != "none"), f"q/k norms: {kind} expected"
         # OLMoE normalises q and k over their full widths (one weight per row of q, of k) before the head split.
-        full = q_norm is not None and c.n_heads > 1 and q_norm.shape == (q_rows,)
+        full = kind == "full"
         self.register_buffer("q_norm_full", q_norm if full else None, persistent=False)
         self.register_buffer("k_norm_full", k_norm if full else None, persistent=False)
         if full:
+            assert q_norm is not None and q_norm.shape == (q_rows,), "full-width q norm: one weight per row of q"
             assert k_norm is not None and k_norm.shape == (kv_rows,), "full-width q norm needs a full-width k norm"
         elif q_norm is not None and k_norm is not None:
             # One weight row per q head then per k head, so both norms run as one op on the q|k view.
             qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(c.n_kv_heads, -1)))
         self.register_buffer("qk_norm", qk_norm, persistent=False)
         # Gemma: the attention output and the MLP output are normalised before they join the residual.
-        assert (post_attn_norm is not None) == (post_mlp_norm is not None) == c.gemma, "post-norms are Gemma's"
+        assert (post_attn_norm is not None) == (post_mlp_norm is not None) == spec.norm.post, "post-norms: as described"
         self.register_buffer("post_attn_norm", post_attn_norm, persistent=False)
         self.register_buffer("post_mlp_norm", post_mlp_norm, persistent=False)
 
@@ -148,6 +155,7 @@ class CausalLM(torch.nn.Module):
         config: ModelConfig,
         stages: list[tuple[torch.device, int, int]],
         *,
+        description: ModelLayers,
         embed: torch.Tensor,
         layers: list[DecoderLayer],
         norm: torch.Tensor,
@@ -155,9 +163,12 @@ class CausalLM(torch.nn.Module):
         rope_freq_factors: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        assert len(layers) == config.n_layers, (len(layers), config.n_layers)
+        assert len(layers) == config.n_layers == len(description.layers), (len(layers), config.n_layers)
+        assert all(layer.spec is spec for layer, spec in zip(layers, description.layers, strict=True))
         assert stages and stages[0][1] == 0 and stages[-1][2] == config.n_layers, stages
         self.config = config
+        # What every executor reads about the layers (engine/model/layers.py; executors.py says which runs what).
+        self.description = description
         self.stages = [(torch.device(d), a, b) for d, a, b in stages]
         self.register_buffer("embed", embed, persistent=False)
         self.layers = torch.nn.ModuleList(layers)
@@ -172,10 +183,17 @@ class CausalLM(torch.nn.Module):
         self.graphs: DecodeRunner | None = None
         # Gemma 3's sliding layers rotate with their own, unscaled base.
         self.rotary_local = None
-        if config.rope_local_theta is not None:
-            self.rotary_local = RotaryTable(replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+        local = {spec.attention.rope.theta for spec in description.layers if spec.attention.rope.local}
+        assert len(local) <= 1, f"one local RoPE base, got {sorted(local)}"
+        if local:
+            self.rotary_local = RotaryTable(replace(config, rope_theta=local.pop(), rope_scaling=None))
         # Gemma scales the embeddings by sqrt(hidden) in the weights' dtype (not folded: the output matrix is tied).
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=embed.dtype) if config.gemma else None
+        scale = description.embedding_scale
+        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=embed.dtype)
+        # The sliding layers' window: forward_chunks plans one window's masks per step.
+        windows = description.windows
+        assert len(windows) <= 1, f"one sliding window per model, got {windows}"
+        self.window = windows[0] if windows else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -233,7 +251,8 @@ class CausalLM(torch.nn.Module):
             positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
         x = embed_rows(ids, self.embed, self.embed_scale)
 
-        plans = _attention_plans(ordered, lengths, offsets, c.sliding_window)
+        plans = _attention_plans(ordered, lengths, offsets, self.window)
+        layers = cast(list[DecoderLayer], list(self.layers))
         for device, first, end in self.stages:
             x = x.to(device)
             pos = positions.to(device)
@@ -242,14 +261,14 @@ class CausalLM(torch.nn.Module):
             masks = {i: m.to(device) for i, m in plans.masks.items()}
             window_masks = {i: m.to(device) for i, m in plans.window_masks.items()}
             for li in range(first, end):
-                local = c.layer_window(li) is not None
-                cos, sin = local_rope if local else rope
-                x = self._layer(cast(DecoderLayer, self.layers[li]), li, x, kv, ordered, plans,
-                                window_masks if local else masks, cos, sin, n_single, total)
+                attention = layers[li].spec.attention
+                cos, sin = local_rope if attention.rope.local else rope
+                x = self._layer(layers[li], li, x, kv, ordered, plans,
+                                masks if attention.window is None else window_masks, cos, sin, n_single, total)
 
         fast = not self.batch_invariant
         if all_logits:
-            h = rms_norm(x, self.norm, c.rms_norm_eps)
+            h = rms_norm(x, self.norm, self.description.final_norm_eps)
             # One-token chunks get the same per-row logits as without all_logits.
             parts = [logit_rows(h[:n_single], self.lm_head, fast=fast)] if n_single else []
             if total > n_single:
@@ -262,7 +281,7 @@ class CausalLM(torch.nn.Module):
             return result
         if total != len(ordered):
             x = x.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=x.device))
-        logits = self._soft_cap(logit_rows(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head, fast=fast).float())
+        logits = self._soft_cap(logit_rows(rms_norm(x, self.norm, self.description.final_norm_eps), self.lm_head, fast=fast).float())
         if order == sorted(order):
             return logits
         inverse = torch.empty(len(order), dtype=torch.int64)
@@ -288,7 +307,7 @@ class CausalLM(torch.nn.Module):
         return rows if all_logits else torch.cat(rows)
 
     def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
-        cap = self.config.final_logit_softcapping
+        cap = self.description.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _layer(
@@ -312,9 +331,8 @@ class CausalLM(torch.nn.Module):
         small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
         one = len(chunks) == 1
         attn = None if one else torch.empty(total, H, D, dtype=x.dtype, device=x.device)
-        window = c.layer_window(li)
+        window, scale = layer.spec.attention.window, layer.spec.attention.scale
         causal = plans.causal if window is None else plans.window_causal
-        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
         for i, ch in enumerate(chunks):
             lo, hi = plans.offsets[i], plans.offsets[i + 1]
             end = ch.start + (hi - lo)
@@ -346,17 +364,18 @@ class CausalLM(torch.nn.Module):
         per row, sin in the rolled-sign form of forward_chunks)."""
         c = self.config
         H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
-        h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+        eps = layer.spec.norm.eps
+        h = rms_norm(x, layer.attn_norm, eps)
         qkv = linear(h, layer.wqkv, n_single, layer.bqkv, fast=not self.batch_invariant)
         if layer.q_norm_full is not None:  # OLMoE (DecoderLayer)
             assert layer.k_norm_full is not None  # set with q_norm_full (DecoderLayer)
             qw, kw = H * D, KVH * D
-            qkv = torch.cat((rms_norm(qkv[:, :qw], layer.q_norm_full, c.rms_norm_eps),
-                             rms_norm(qkv[:, qw : qw + kw], layer.k_norm_full, c.rms_norm_eps), qkv[:, qw + kw :]), 1)
+            qkv = torch.cat((rms_norm(qkv[:, :qw], layer.q_norm_full, eps),
+                             rms_norm(qkv[:, qw : qw + kw], layer.k_norm_full, eps), qkv[:, qw + kw :]), 1)
         qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
         v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
         if layer.qk_norm is not None:
-            qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, c.rms_norm_eps)
+            qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
         # Rotate-half RoPE as one roll: roll(qk) * sin_rolled == cat(-qk2, qk1) * sin, bit for bit (the sign
         # of the first half lives in sin_rolled, see forward_chunks). Promotes a bfloat16 qkv to x's dtype.
         qk = qk * cos + qk.roll(D // 2, -1) * sin
@@ -364,25 +383,26 @@ class CausalLM(torch.nn.Module):
 
     def attention_out_and_mlp(self, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, n_single: int) -> torch.Tensor:
         """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual."""
-        c = self.config
+        spec = layer.spec
+        eps = spec.norm.eps
         fast = not self.batch_invariant
         attn_out = linear(attn, layer.wo, n_single, fast=fast)
         if layer.post_attn_norm is not None:  # Gemma 3
-            attn_out = rms_norm(attn_out.to(x.dtype), layer.post_attn_norm, c.rms_norm_eps)
+            attn_out = rms_norm(attn_out.to(x.dtype), layer.post_attn_norm, eps)
         x = x + attn_out
-        h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+        h = rms_norm(x, layer.mlp_norm, eps)
         if layer.moe is not None:
             return x + layer.moe(h, n_single, fast=fast)
         assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
         gate_up = linear(h, layer.w_gate_up, n_single, fast=fast)
-        inter = c.intermediate_size
-        if c.gemma:  # GeGLU with the tanh approximation of GeLU
+        inter = spec.mlp.size
+        if spec.mlp.activation == "gelu_tanh":  # GeGLU with the tanh approximation of GeLU
             act = F.gelu(gate_up[:, :inter].to(x.dtype), approximate="tanh") * gate_up[:, inter:]
         else:
             act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
         mlp_out = linear(act, layer.w_down, n_single, fast=fast)
         if layer.post_mlp_norm is not None:
-            mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, c.rms_norm_eps)
+            mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, eps)
         return x + mlp_out
 
 

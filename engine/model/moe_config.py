@@ -9,15 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "granitemoe")
+from engine.model import families
 
-HF_MOE_ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "OlmoeForCausalLM": "olmoe",
-    "MixtralForCausalLM": "mixtral",
-    "GraniteMoeForCausalLM": "granitemoe",
-}
+MOE_ARCHITECTURES = families.names("moe")
 
 # How router logits become (experts, weights):
 #   softmax_topk: softmax over all experts in float32, then top-k of the probabilities, optionally renormalised

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.errors import ModelLoadError
-from engine.model import int4, kquant_weight
+from engine.model import families, int4, kquant_weight
 from engine.model.config import ModelConfig
 from engine.model.kernels import RowsWeight
 from engine.model.moe import Experts, SparseMoe
@@ -254,9 +254,8 @@ def routed_expert_weights(config: ModelConfig) -> int:
 
 # ---------------------------------------------------------------- GGUF (llama.cpp's names and metadata keys)
 
-# llama.cpp architecture -> ours; Mixtral files say "llama" and carry llama.expert_count.
-_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
-GGUF_ARCHITECTURE_NAMES = tuple(_GGUF_ARCHITECTURES)
+# llama.cpp architecture -> ours (families.py); Mixtral files say "llama" and carry llama.expert_count.
+_GGUF_ARCHITECTURES = families.gguf_architectures("moe")
 _GGUF_LAYER_KEYS = {
     "ffn_gate_inp.weight": "router",
     "ffn_gate_exps.weight": "experts.gate",
@@ -268,10 +267,6 @@ _GGUF_LAYER_KEYS = {
     "ffn_gate_inp_shexp.weight": "shared_gate",
     "exp_probs_b.bias": "expert_bias",
 }
-# Architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel and its subclasses).
-GGUF_PERMUTED = ("mixtral", "granitemoe")
-
-
 def gguf_layer_key(rest: str) -> str | None:
     """The canonical key (without the layer prefix) of a GGUF layer tensor such as "ffn_up_exps.weight"."""
     return _GGUF_LAYER_KEYS.get(rest)

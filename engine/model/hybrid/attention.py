@@ -13,7 +13,20 @@ import torch.nn.functional as F
 
 from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import HybridConfig
+from engine.model.layers import AttentionSpec, RopeSpec
 from engine.model.projections import linear
+
+
+def attention_spec(config: HybridConfig) -> AttentionSpec:
+    """The layer description (engine/model/layers.py) of a hybrid model's attention layers: full attention,
+    per-head q/k norms or none, RoPE on the leading `rotary_dim` channels (0: none), an explicit scale, and
+    Qwen3.5's output gate."""
+    c = config
+    return AttentionSpec(
+        window=None, rope=RopeSpec(theta=c.rope_theta, scaling=c.rope_scaling, local=False),
+        qk_norm="head" if c.qk_norm else "none", scale=c.softmax_scale, bias=False,
+        rotary_dim=None if c.rotary_dim == c.head_dim else c.rotary_dim, output_gate=c.attention_gate,
+    )
 
 
 class AttentionMixer(torch.nn.Module):
@@ -35,11 +48,12 @@ class AttentionMixer(torch.nn.Module):
     ) -> None:
         super().__init__()
         c = config
-        q_rows = c.n_heads * c.head_dim * (2 if c.attention_gate else 1)
+        self.spec = spec = attention_spec(config)  # what forward reads about this layer's variant
+        q_rows = c.n_heads * c.head_dim * (2 if spec.output_gate else 1)
         kv_rows = c.n_kv_heads * c.head_dim
         assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
         assert wo.shape == (c.hidden_size, c.n_heads * c.head_dim), ("wo", tuple(wo.shape))
-        assert (q_norm is None) == (k_norm is None) == (not c.qk_norm), "q/k norms must match config.qk_norm"
+        assert (q_norm is None) == (k_norm is None) == (spec.qk_norm == "none"), "q/k norms must match the spec"
         self.config = config
         self.kv_index = kv_index
         self.q_rows = q_rows
@@ -49,12 +63,12 @@ class AttentionMixer(torch.nn.Module):
         self.register_buffer("k_norm", k_norm, persistent=False)
 
     def forward(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
-        c = self.config
+        c, spec = self.config, self.spec
         H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
         total, n_single = batch.total, batch.n_single
         qkv = linear(h, self.wqkv, n_single)
         gate = None
-        if c.attention_gate:
+        if spec.output_gate:
             qg = qkv[:, : self.q_rows].view(total, H, 2 * D)
             q, gate = qg[..., :D], qg[..., D:].reshape(total, H * D)
         else:
@@ -70,7 +84,8 @@ class AttentionMixer(torch.nn.Module):
             q, k = _rope(q, batch.cos, batch.sin), _rope(k, batch.cos, batch.sin)
 
         k_cache, v_cache = batch.kv.layer(self.kv_index)
-        scale = c.softmax_scale
+        scale = spec.scale
+        assert scale is not None  # attention_spec states it
         attn = torch.empty(total, H, D, dtype=h.dtype, device=h.device)
         for i, ch in enumerate(batch.chunks):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engine.model import families
 from engine.model.config import ROPE_TYPES, ConfigError
 from engine.model.hybrid.nemotron_config import NemotronExperts
 from engine.model.moe_config import MoeConfig
@@ -25,26 +26,10 @@ KV_KINDS = (ATTENTION, PARALLEL)
 MAMBA_KINDS = (MAMBA, PARALLEL)
 MAMBA_NORMS = ("gated", "norm_then_gate", "gate_only")  # y*silu(z) normalised per group / normalised then gated / neither
 
-# HF `architectures[0]` -> our architecture name (the `model_type` is accepted too).
-HF_ARCHITECTURES = {
-    "Lfm2ForCausalLM": "lfm2",
-    "Lfm2MoeForCausalLM": "lfm2_moe",
-    "Qwen3_5ForCausalLM": "qwen3_5",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "NemotronHForCausalLM": "nemotron_h",
-    "FalconH1ForCausalLM": "falcon_h1",
-}
-_MODEL_TYPES = {"lfm2": "lfm2", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "granitemoehybrid": "granitemoehybrid"}
-_MODEL_TYPES |= {"qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
-_MODEL_TYPES |= {"nemotron_h": "nemotron_h", "falcon_h1": "falcon_h1", "lfm2_moe": "lfm2_moe"}
-ARCHITECTURES: tuple[str, ...] = ("lfm2", "qwen3_5", "granitemoehybrid")
-ARCHITECTURES += ("qwen3_next", "qwen3_5_moe")
-ARCHITECTURES += ("nemotron_h", "falcon_h1", "lfm2_moe")
-
+# HF `architectures[0]` -> our architecture name (the `model_type` is accepted too); the registry is families.py.
+HF_ARCHITECTURES = families.hf_architectures("hybrid")
+_MODEL_TYPES = families.hf_model_types("hybrid")
+ARCHITECTURES = families.names("hybrid")
 
 def hf_hybrid_architecture(cfg: dict[str, Any]) -> str | None:
     """Our architecture name when a parsed config.json describes a hybrid model this package runs, else None."""

@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_dequant, moe_loading
+from engine.model import families, gguf_dequant, moe_loading
 from engine.model.build import LoadedModel
 from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
 from engine.model.gguf_tensors import check_gguf_tensors, unpermute
@@ -42,10 +42,7 @@ from engine.model.moe_config import MoeConfig
 from engine.model.quant_embedding import QuantEmbedding
 from engine.model.tokenizer import Tokenizer, TokenizerError
 
-GGUF_ARCHITECTURES: tuple[str, ...] = ("lfm2", "granitehybrid", "qwen35")
-GGUF_ARCHITECTURES += ("qwen35moe", "qwen3next")
-GGUF_ARCHITECTURES += (*gguf_nemotron.ARCHITECTURES, gguf_falcon.ARCHITECTURE)
-GGUF_ARCHITECTURES += ("lfm2moe",)
+GGUF_ARCHITECTURES = tuple(families.gguf_architectures("hybrid"))  # the registry's, engine/model/families.py
 NOT_YET = ("mamba2",)
 
 _LFM2_LAYER_NAMES = {
@@ -81,6 +78,7 @@ _NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES), "lfm2moe": (_LFM2_GLO
 _NAMES |= {arch: _NAMES["qwen35"] for arch in gguf_qwen35.GGUF_ARCHITECTURES}
 _NAMES |= {arch: (gguf_nemotron.GLOBAL_NAMES, gguf_nemotron.LAYER_NAMES) for arch in gguf_nemotron.ARCHITECTURES}
 _NAMES[gguf_falcon.ARCHITECTURE] = (gguf_falcon.GLOBAL_NAMES, gguf_falcon.LAYER_NAMES)
+assert set(_NAMES) == set(GGUF_ARCHITECTURES), "a tensor-name table for each registered GGUF hybrid architecture"
 
 
 def is_hybrid_gguf(meta: dict) -> bool:
