@@ -68,6 +68,7 @@ class CpuDecode:
     time, the layers' K/V views taken again when a step comes with another."""
 
     owns_one_token_rows = False  # it runs forward_chunks' own arithmetic
+    batches: tuple[int, ...] = ()  # it captures nothing
 
     def __init__(self, model: CausalLM) -> None:
         reason = unsupported(model)

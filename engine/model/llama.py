@@ -9,7 +9,7 @@ their rules are engine/model/projections.py's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -48,6 +48,10 @@ class DecodeRunner(Protocol):
     # True: the runner's arithmetic is its own (engine/model/native_decode.py), so it computes every one-token
     # row, those of mixed steps and all_logits calls included, and a row's results stay what they are alone.
     owns_one_token_rows: bool
+
+    @property
+    def batches(self) -> Sequence[int]:
+        """Batch sizes it captures ahead (the engine's warm-up runs each once); empty for one capturing nothing."""
 
     def run(self, chunks: list[SeqChunk], kv: KVBuffers) -> torch.Tensor | None:
         """Logits [len(chunks), vocab] (float32) of the step, or None to have forward_chunks compute it."""
@@ -198,6 +202,20 @@ class CausalLM(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def own_decode_arithmetic(self) -> bool:
+        """Whether decoded tokens' K/V come from the native step's arithmetic rather than PyTorch's (a part of the
+        cache identity: engine/runtime/identity.py)."""
+        return self.graphs is not None and self.graphs.owns_one_token_rows
+
+    def warm_up_batches(self) -> list[int]:
+        """The batch sizes whose decode step the engine runs once before serving (captured CUDA graphs)."""
+        return [] if self.graphs is None else list(self.graphs.batches)
+
+    def rope_tables(self) -> list[RotaryTable]:
+        """Every RoPE table the forward reads (the engine builds them for the whole context at start)."""
+        return [t for t in (self.rotary, self.rotary_local) if t is not None]
 
     @property
     def expert_bytes(self) -> int:

@@ -46,6 +46,7 @@ class NativeDecode:
     """Runs steps of one-token rows in step.c (module docstring); bound to one KVBuffers at a time."""
 
     owns_one_token_rows = True  # forward_chunks hands over the one-token rows of mixed steps too
+    batches: tuple[int, ...] = ()  # it captures nothing
 
     def __init__(self, model: CausalLM) -> None:
         reason = executors.native_step_declines(model)

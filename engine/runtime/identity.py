@@ -35,7 +35,6 @@ def cache_identity(loaded: LoadedModel, weights_format: str, kernel: str, layout
                    memory: SlotMemory) -> CacheIdentity:
     """The identity of `loaded` as the engine runs it (`kernel`: int4_kernel's answer)."""
     from engine.model.kquant_weight import KQuantWeight
-    from engine.model.native_decode import NativeDecode
     from engine.model.q8_output import Q8Output
     from engine.model.q8_weight import Q8Weight
 
@@ -59,7 +58,7 @@ def cache_identity(loaded: LoadedModel, weights_format: str, kernel: str, layout
             # projections multiplied in the file's own K-quant rows rather than converted (kquant_weight.py)
             **({"kquant_weights": n} if (n := count(KQuantWeight)) else {}),
             # decoded tokens' K/V from step.c's arithmetic rather than PyTorch's
-            **({"decode_step": "native"} if isinstance(getattr(model, "graphs", None), NativeDecode) else {}),
+            **({"decode_step": "native"} if model.own_decode_arithmetic else {}),
             "tokenizer": loaded.tokenizer.fingerprint,
             **moe_placement.describe(model.layers),  # experts' device and format (MoE models)
         },

@@ -56,7 +56,7 @@ class ModelRunner:
             self.forward([SeqChunk(0, len(prompt), prompt[:1])])
             # Captured decode (GraphDecode): the graph of every batch size for short conversations now, not in
             # a request. The CPU decode steps (CpuDecode, NativeDecode) capture nothing.
-            batches = getattr(getattr(self.model, "graphs", None), "batches", [])
+            batches = self.model.warm_up_batches()
             for rows in batches:
                 self.forward([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)])
         torch.set_num_threads(self.step_threads.compute)  # this thread's count as the engine found it
@@ -71,8 +71,6 @@ class ModelRunner:
         restart (at its length, then at double for its first decoded token), each time in fresh memory: about
         2,600 page faults in an LFM2-shaped model's first request at 2,051 tokens."""
         devices = list(dict.fromkeys(device for device, _, _ in self.model.stages))
-        for name in ("rotary", "rotary_local"):
-            table = getattr(self.model, name, None)
-            if table is not None:
-                for device in devices:
-                    table.get(ctx_size, device, self.model.dtype)
+        for table in self.model.rope_tables():
+            for device in devices:
+                table.get(ctx_size, device, self.model.dtype)

@@ -5,7 +5,7 @@ runtime never asks which one it holds (what differs lives in its slot memory, en
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -24,6 +24,19 @@ class Model(Protocol):
     def forward_chunks(self) -> Callable[..., Any]:
         """forward_chunks(chunks: list[SeqChunk], kv: KVBuffers, *memory) -> float32 logits, one row per chunk;
         `memory` is what the slot memory hands beside the K/V (SlotMemory.forward_args: a hybrid's state)."""
+        ...
+
+    @property
+    def own_decode_arithmetic(self) -> bool:
+        """Decoded tokens' K/V come from the native step's arithmetic (part of the cache identity)."""
+        ...
+
+    def warm_up_batches(self) -> list[int]:
+        """The batch sizes whose decode step runs once before serving (captured CUDA graphs)."""
+        ...
+
+    def rope_tables(self) -> list[Any]:
+        """Every RoPE table the forward reads (engine/model/rope.py RotaryTable), built for the whole context."""
         ...
 
     def modules(self) -> Iterator[torch.nn.Module]: ...
@@ -48,3 +61,12 @@ class Tokenizer(Protocol):
     def use_chat_template(self, template: str) -> None: ...
 
     def limit_prompts(self, context_tokens: int) -> None: ...
+
+
+if TYPE_CHECKING:  # both kinds of model are a Model, as the type checker sees them
+    from engine.model.hybrid.model import HybridCausalLM
+    from engine.model.llama import CausalLM
+    from engine.model.tokenizer import Tokenizer as ModelTokenizer
+
+    def _conforms(dense: CausalLM, hybrid: HybridCausalLM, tokenizer: ModelTokenizer) -> tuple[Model, Model, Tokenizer]:
+        return dense, hybrid, tokenizer

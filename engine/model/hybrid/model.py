@@ -121,6 +121,15 @@ class HybridCausalLM(torch.nn.Module):
 
     # ------------------------------------------------------------ forward
 
+    # What the engine asks of every model (engine/runtime/protocols.py): no captured or native decode step here.
+    own_decode_arithmetic = False
+
+    def warm_up_batches(self) -> list[int]:
+        return []
+
+    def rope_tables(self) -> list[RotaryTable]:
+        return [] if self.rotary is None else [self.rotary]
+
     @torch.inference_mode()
     def forward_chunks(
         self, chunks: list[SeqChunk], kv: KVBuffers, state: RecurrentStateBuffers, all_logits: bool = False
