@@ -370,7 +370,9 @@ class Scheduler:
             pos = len(slot.tokens)
             if a.next_token is not None:  # decoding: feed the last sampled token, and a draft's tokens after it
                 owners.append((slot, len(chunks), True))
-                fed = [a.next_token, *self._draft(slot, a, pos)]
+                # a draft never reaches past the context, nor past what max_tokens leaves after the target's token
+                room = min(self.slots.ctx_size - 2 - pos, a.max_tokens - len(a.generated) - 1)
+                fed = [a.next_token, *(a.drafter.draft(a.generated, room) if a.drafter and room > 0 else [])]
                 self.slots.memory.before_step(slot.id, pos, pos + len(fed), len(slot.prompt))
                 # one-token rows: each computes what decoding its token alone computes (llama.check_rows)
                 chunks += [SeqChunk(slot.id, pos + j, torch.tensor([t], dtype=torch.int64)) for j, t in enumerate(fed)]
@@ -386,10 +388,11 @@ class Scheduler:
         dt = time.perf_counter() - t0
         for slot, _, _ in owners:
             self.slots.memory.after_step(slot.id, len(slot.prompt))
-        self.stats.note_rates(n_prefill, n_decode, dt)
-        if n_prefill and self.control.cache is not None and self.stats.prefill_rate is not None:
-            self.control.cache.prefill_tokens_per_s = self.stats.prefill_rate  # the restore-or-prefill cost model
-
+        if n_prefill:  # a prefill or a mixed step (the latter counts for neither rate)
+            self.stats.note_rates(n_prefill, n_decode, dt)
+            if self.control.cache is not None and self.stats.prefill_rate is not None:
+                self.control.cache.prefill_tokens_per_s = self.stats.prefill_rate  # the restore-or-prefill cost model
+        generated = self.stats.counters["generated_tokens"]
         for k, (slot, first, produces) in enumerate(owners):
             end = owners[k + 1][1] if k + 1 < len(owners) else len(chunks)
             if end - first > 1:  # a decode row and its draft's
@@ -400,14 +403,8 @@ class Scheduler:
             slot.tokens.extend(chunks[first].tokens.tolist())
             if produces:
                 self._emit(slot, a.sampler.sample(logits[first]))
-
-    def _draft(self, slot: Slot, a: Active, pos: int) -> list[int]:
-        """The draft tokens to verify after `a.next_token` at `pos` ([] without a drafter): never past the
-        context, nor more than the request may still generate after the target's own token."""
-        if a.drafter is None:
-            return []
-        room = min(self.slots.ctx_size - 2 - pos, a.max_tokens - len(a.generated) - 1)
-        return a.drafter.draft(a.generated, room) if room > 0 else []
+        if not n_prefill:  # the decode rate in tokens emitted: a draft's accepted tokens count, its rejected rows not
+            self.stats.note_rates(0, self.stats.counters["generated_tokens"] - generated, dt)
 
     def _verify(self, slot: Slot, fed: list[int], logits: torch.Tensor) -> None:
         """Emit the target's tokens for the rows `fed` (the decoded token, then the draft) one at a time, as
