@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup (`--spec prompt-lookup`): the drafts, their length, and greedy output
-token-identical with and without speculation (bundled model, a tiny random model, two slots at once, a parked
-conversation restored)."""
+token-identical with and without speculation (bundled model, tiny random models: dense, sliding-window and
+mixture-of-experts; two slots at once, a parked conversation restored)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from engine.runtime.requests import GenerationRequest, SamplingParams
 from engine.runtime.speculation import BACKOFF_FIRST, Drafter, Length, lookup
 from tests.hybrid_fixtures import write_tiny_hybrid
 from tests.model_fixtures import write_tiny_model
+from tests.moe_fixtures import write_tiny_moe_model
 
 CODE = """def parse_header(line):
     name, _, value = line.partition(":")
@@ -183,13 +184,14 @@ def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     return {"llama": write_tiny_model(root, "llama", initializer_range=0.01),
             "sliding": write_tiny_model(root / "sliding", "qwen2", initializer_range=0.01, use_sliding_window=True,
-                                        sliding_window=8, max_window_layers=1)}
+                                        sliding_window=8, max_window_layers=1),
+            "moe": write_tiny_moe_model(root / "moe", "mixtral", initializer_range=0.01)}
 
 
 LOOPING = ["one two three " * 20, "alpha beta " * 30]
 
 
-@pytest.mark.parametrize("model", ["llama", "sliding"])
+@pytest.mark.parametrize("model", ["llama", "sliding", "moe"])
 def test_tiny_random_model_answers_token_identical(tiny_models, model):
     _same_with_and_without(EngineConfig(model=tiny_models[model], ctx_size=512, cpu_weights="float"), LOOPING, 48)
 
