@@ -143,6 +143,32 @@ def test_bundled_model_answers_token_identical_with_prompt_lookup(bundled):
     assert _accepted(bundled["on"]) > 0
 
 
+def _records(engine: Engine):
+    return engine.call(engine.stats.requests.snapshot).result()
+
+
+def test_stop_strings_end_the_answer_where_they_do_without_speculation(bundled):
+    texts = {}
+    for key, engine in bundled.items():
+        prompt = _chat(engine, ASK)
+        params = SamplingParams(temperature=0.0, max_tokens=120, stop=["def read_headers"])
+        events = list(engine.submit(GenerationRequest(f"spec-stop-{key}", prompt, params)))
+        assert events[-1].stop_string == "def read_headers", events[-1]
+        texts[key] = ("".join(e.text for e in events), [e.token_id for e in events if e.token_id is not None])
+    assert texts["on"] == texts["off"]
+    record = _records(bundled["on"])[-1]
+    assert record.spec_accepted > 0 and record.spec_drafted >= record.spec_accepted  # per request in the log
+
+
+def test_sampled_requests_are_not_speculated(bundled):
+    engine = bundled["on"]
+    before = engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result()
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=30)
+    events = list(engine.submit(GenerationRequest("spec-sampled", _chat(engine, ASK), params)))
+    assert events[-1].usage.completion_tokens == 30
+    assert engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result() == before
+
+
 def test_two_slots_speculate_in_one_step(bundled):
     asks = [ASK.replace("`fields`", "`entries`"), ASK.replace("renamed to `fields`", "unchanged")]
     answers = {}
