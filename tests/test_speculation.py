@@ -185,8 +185,9 @@ def _switch_back(engine: Engine) -> tuple[list[int], int]:
     """A's turn, then B's and C's (parking A from its slot), then A's next turn restored: that answer and the
     prompt tokens it reused."""
     first, _ = _answer(engine, _chat(engine, ASK), 30)
-    for other in ("Write three lines about the sea.", "Name five rivers of Europe."):
-        _answer(engine, _chat(engine, other), 8)
+    for topic in ("rivers", "towns"):  # longer than A: each displaces the slot whose loss is cheapest, A's last
+        _answer(engine, _chat(engine, f"Summarise this list of {topic}: " + ", ".join(f"{topic} {i}"
+                                                                                      for i in range(70))), 8)
     tok = engine.tokenizer
     turn = [{"role": "user", "content": ASK}, {"role": "assistant", "content": tok.decode(first)},
             {"role": "user", "content": "Now repeat the file once more, unchanged."}]
