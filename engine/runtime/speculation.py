@@ -24,7 +24,7 @@ NGRAM_MAX = 4  # the longest suffix looked up: longer adds little where agents c
 NGRAM_MIN = 2  # a lone token repeats too often to predict what follows it
 SCAN_LIMIT = 256  # occurrences of the last token looked at, newest first: a bounded cost per step
 FIRST_LENGTH = 4  # draft length of a request's first draft
-MIN_RATE = 0.3  # below this smoothed acceptance rate a draft's extra rows cost more than they save
+MIN_RATE = 0.3  # below this smoothed acceptance rate drafting pauses (a fixed rule: docs/DETAILS.md says why)
 BACKOFF_FIRST, BACKOFF_MAX = 4, 64  # decode steps without drafting after a poor run, doubled while it stays poor
 
 
