@@ -291,6 +291,19 @@ class EngineConfig:
         help="on CUDA, make a slot's results independent of what shares its step (per-row kernels, no graphs; "
         "slower with several slots); default: one GEMM over all rows and captured decode steps",
     )
+    spec: str = setting(
+        "off", flag="--spec", label="Speculative decoding", kind="choice", group="runtime",
+        choices=("off", "prompt-lookup"),
+        help="prompt-lookup: draft the next tokens from the conversation's own earlier tokens (an agent repeating "
+        "code it read) and verify them in one decode step; greedy requests only, output token-identical to off; "
+        "declined with a logged reason on hybrid models and CUDA stages",
+    )
+    spec_draft_max: int = setting(
+        8, flag="--spec-draft-max", label="Most draft tokens", kind="int", group="runtime", unit="tokens",
+        minimum=1, maximum=64, metavar="N",
+        help="with --spec prompt-lookup: the most tokens one draft proposes (the length adapts below it to how "
+        "many are accepted)",
+    )
     prefill_chunk: int = setting(
         512, flag="--prefill-chunk", label="Prefill chunk",
         kind="int", group="runtime", unit="tokens", minimum=16, maximum=65536,

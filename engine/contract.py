@@ -239,7 +239,8 @@ class RequestRecord:
     keep, so nothing could resume there), "cold" (nothing shared any of it).
     `conversation_id` is the parked conversation it continues, once known (a request served before its
     conversation was first parked gets the id when it is). `ttft_ms`: from the engine taking the request to its
-    first token (None until then, or when it produced none).
+    first token (None until then, or when it produced none). `spec_drafted` / `spec_accepted`: draft tokens
+    `--spec prompt-lookup` had verified for it, and those accepted (0 without speculation).
     """
 
     time: float
@@ -254,6 +255,8 @@ class RequestRecord:
     reason: str
     detail: dict[str, Any] = field(default_factory=dict)
     ttft_ms: float | None = None
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

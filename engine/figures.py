@@ -68,6 +68,8 @@ class EngineFigures:
     cached_tokens: int = counter()
     generated_tokens: int = counter()
     restores_without_reuse: int = counter()  # a hybrid restore that reused nothing (no usable checkpoint)
+    spec_drafted_tokens: int = counter()  # --spec: draft tokens verified by the target model
+    spec_accepted_tokens: int = counter()  # of those, the ones the target chose too (emitted without a step of their own)
     prefill_tokens_per_s: float | None = None  # None: nothing measured yet
     decode_tokens_per_s: float | None = None
     uptime_s: float = 0.0

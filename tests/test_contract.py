@@ -91,4 +91,4 @@ def test_the_totals_the_caches_journal_counts_are_the_declared_counters():
 
     assert counter_names(CacheFigures) == COUNTERS and "restore_failures" in COUNTERS
     assert counter_names(EngineFigures) == ("requests", "prompt_tokens", "cached_tokens", "generated_tokens",
-                                            "restores_without_reuse")
+                                            "restores_without_reuse", "spec_drafted_tokens", "spec_accepted_tokens")

@@ -84,7 +84,7 @@ def test_engine_decodes_through_it_on_cpu_and_declines_the_rest(tiny_models):
     lm.model.forward_chunks([SeqChunk(0, 4, torch.tensor([4]))], kv)
     assert runner.steps == 1
     with pytest.raises(AssertionError, match="one chunk per slot"):
-        runner.run([SeqChunk(0, 5, torch.tensor([4])), SeqChunk(0, 6, torch.tensor([4]))], kv)
+        runner.run([SeqChunk(0, 5, torch.tensor([4])), SeqChunk(0, 7, torch.tensor([4]))], kv)
 
     gemma = _load(tiny_models["gemma3"])
     assert unsupported(gemma.model) == "Gemma layers"

@@ -28,6 +28,7 @@ from engine.model.llama import (
     SeqChunk,
     _decode_attention,
     _head_rms_norm,
+    check_rows,
     rms_norm,
 )
 from engine.model.projections import linear, logit_rows
@@ -100,8 +101,7 @@ class CpuDecode:
         if kv is not self._kv:
             self._bind(kv)
         kv.flush()  # restored rows still in staging (CUDA only; a no-op here) before the views are read
-        slots = [ch.slot for ch in chunks]
-        assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
+        check_rows(chunks)
         for ch in chunks:
             assert 0 <= ch.start < self._ctx and 0 <= ch.slot < kv.n_slots, (ch.slot, ch.start, self._ctx)
         self.steps += 1

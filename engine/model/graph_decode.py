@@ -153,6 +153,8 @@ class GraphDecode:
         """(batch bucket, attention length) for this step, or None when it is not a capturable step."""
         if len(chunks) > self.max_batch or any(ch.tokens.numel() != 1 for ch in chunks):
             return None
+        if len({ch.slot for ch in chunks}) != len(chunks):  # a slot's several rows: forward_chunks runs them
+            return None
         last = max(ch.start for ch in chunks)
         if last >= kv.ctx - 1:  # the pad rows' position
             return None

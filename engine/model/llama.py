@@ -42,6 +42,19 @@ class SeqChunk:
     tokens: torch.Tensor  # 1-D int64
 
 
+def check_rows(chunks: list[SeqChunk]) -> None:
+    """A step holds one chunk per slot, or a slot's one-token rows at consecutive positions (a speculative verify,
+    engine/runtime/speculation.py). Every CPU path writes a row's K/V before a later row of the step attends
+    (forward_chunks and CpuDecode chunk by chunk, step.c all rows of a layer first), and a row attends only up to
+    its own position, so each row computes what the decode step of its token alone computes."""
+    last: dict[int, SeqChunk] = {}
+    for ch in chunks:
+        prev = last.get(ch.slot)
+        assert prev is None or (prev.tokens.numel() == 1 and ch.tokens.numel() == 1 and ch.start == prev.start + 1), (
+            f"slot {ch.slot}: one chunk per slot per call, or one-token rows at consecutive positions")
+        last[ch.slot] = ch
+
+
 class DecodeRunner(Protocol):
     """What forward_chunks hands a step to first (engine.model.graph_decode.GraphDecode)."""
 
@@ -242,8 +255,7 @@ class CausalLM(torch.nn.Module):
         c = self.config
         assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.n_kv_heads, "K/V layout mismatch"
         assert kv.layout.head_dim == c.head_dim and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
-        slots = [ch.slot for ch in chunks]
-        assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
+        check_rows(chunks)
         for ch in chunks:
             n = ch.tokens.numel()
             assert ch.tokens.dim() == 1 and n > 0, "a chunk needs a 1-D, non-empty token tensor"

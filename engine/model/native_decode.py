@@ -27,7 +27,7 @@ import torch
 from engine.kv import KVBuffers
 from engine.model import executors, kernels, native_layout
 from engine.model.int4 import Int4Weight
-from engine.model.llama import CausalLM, DecoderLayer, SeqChunk
+from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, check_rows
 from engine.model.moe import SparseMoe
 
 # The structs and their layout check live in native_layout.py (layout_mismatch kept here where callers look).
@@ -114,8 +114,7 @@ class NativeDecode:
             return None
         if kv is not self._kv:
             self._bind(kv)
-        slots = [ch.slot for ch in chunks]
-        assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
+        check_rows(chunks)
         for ch in chunks:
             assert 0 <= ch.start < kv.ctx and 0 <= ch.slot < kv.n_slots, (ch.slot, ch.start, kv.ctx)
         m = self.model

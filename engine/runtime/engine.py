@@ -49,6 +49,7 @@ from engine.runtime.scheduler import Inbox, Scheduler
 from engine.runtime.slot_files import SlotFiles
 from engine.runtime.slot_set import SlotSet
 from engine.runtime.slot_states import checkpoint_interval
+from engine.runtime.speculation import Speculation
 from engine.runtime.startup import (
     check_float16,
     check_int4,
@@ -136,8 +137,9 @@ class Engine:
 
         self.stats = EngineStats(self._collect_stats)
         self.requests = self.stats.requests
+        speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, on_cpu)
         self.scheduler = Scheduler(self.slot_set, self.runner, self.control, restores, self.stats, self.tokenizer,
-                                   inbox)
+                                   inbox, speculation)
         self.stats.publish()
         self._thread = threading.Thread(target=self.scheduler.loop, name="strata-engine", daemon=True)
         self._thread.start()

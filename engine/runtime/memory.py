@@ -44,6 +44,10 @@ class SlotMemory(Protocol):
     def rewind(self, slot: int, to: int) -> None:
         """The slot keeps its first `to` tokens (`to` as `reusable` gave it, or 0)."""
 
+    def rewind_inexact(self) -> str:
+        """Why a slot cannot be rewound to any token it holds (a speculative draft's rejected rows dropped), or ""
+        when it can: engine/runtime/speculation.py declines to speculate then."""
+
     def park_parts(self, slot: int, n_tokens: int, prompt_tokens: int) -> tuple[ReadParts, dict[int, Parts] | None]:
         """What the cache parks of the slot's `n_tokens`: the reader of its blocks, and its checkpoints."""
 
@@ -87,7 +91,10 @@ class AttentionMemory:
         return common
 
     def rewind(self, slot: int, to: int) -> None:
-        pass
+        pass  # the rows past `to` are overwritten by the next ones computed
+
+    def rewind_inexact(self) -> str:
+        return ""
 
     def park_parts(self, slot: int, n_tokens: int, prompt_tokens: int) -> tuple[ReadParts, dict[int, Parts] | None]:
         return kv_reader(lambda a, b: self.kv.read(slot, a, b)), None
@@ -175,6 +182,11 @@ class RecurrentMemory(AttentionMemory):
 
     def rewind(self, slot: int, to: int) -> None:
         self.states.rewind(slot, to)
+
+    def rewind_inexact(self) -> str:
+        # The state after the last accepted token would need a checkpoint per drafted position (or a recompute).
+        return ("a hybrid model's recurrent state cannot be rolled back to the last accepted draft token "
+                "(it keeps checkpoints only at block ends)")
 
     def park_parts(self, slot: int, n_tokens: int, prompt_tokens: int) -> tuple[ReadParts, dict[int, Parts] | None]:
         return kv_reader(lambda a, b: self.kv.read(slot, a, b)), self.states.park_checkpoints(slot, n_tokens)

@@ -22,6 +22,7 @@ from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
 from engine.runtime.slot_choice import MIN_PARK_TOKENS, cheapest, choose_slot
 from engine.runtime.slot_set import SlotSet
+from engine.runtime.speculation import Speculation
 from engine.runtime.state import Active, Slot
 from engine.runtime.stats import EngineStats
 from engine.runtime.stop_strings import StopStringFilter
@@ -43,8 +44,9 @@ class Scheduler:
     (`loop`), which takes its work from `inbox`."""
 
     def __init__(self, slots: SlotSet, runner: ModelRunner, control: CacheControl, restores: PendingRestores,
-                 stats: EngineStats, tokenizer: Tokenizer, inbox: Inbox) -> None:
+                 stats: EngineStats, tokenizer: Tokenizer, inbox: Inbox, speculation: Speculation) -> None:
         self.slots = slots
+        self.speculation = speculation
         self.runner = runner
         self.control = control
         self.restores = restores
@@ -223,6 +225,7 @@ class Scheduler:
             decoder=self.tokenizer.stream_decoder(),
             cached_tokens=reused,
             max_tokens=max_tokens,
+            drafter=self.speculation.drafter(prompt, request.params.greedy),
         )
         slot.last_used = time.time()
         stream.mark_started()
@@ -357,7 +360,7 @@ class Scheduler:
         from engine.model.llama import SeqChunk
 
         chunks: list[SeqChunk] = []
-        owners: list[tuple[Slot, bool]] = []  # (slot, produces a token this step)
+        owners: list[tuple[Slot, int, bool]] = []  # (slot, its first chunk, produces a token this step)
         n_prefill = n_decode = 0
         for slot in self.slots.slots:
             a = slot.active
@@ -365,35 +368,62 @@ class Scheduler:
                 continue
             assert not slot.restoring, f"slot {slot.id} is restoring and must not be stepped"
             pos = len(slot.tokens)
-            if a.next_token is not None:  # decoding: feed the last sampled token
-                self.slots.memory.before_step(slot.id, pos, pos + 1, len(slot.prompt))
-                chunks.append(SeqChunk(slot.id, pos, torch.tensor([a.next_token], dtype=torch.int64)))
-                owners.append((slot, True))
-                n_decode += 1
+            if a.next_token is not None:  # decoding: feed the last sampled token, and a draft's tokens after it
+                owners.append((slot, len(chunks), True))
+                # a draft never reaches past the context, nor past what max_tokens leaves after the target's token
+                room = min(self.slots.ctx_size - 2 - pos, a.max_tokens - len(a.generated) - 1)
+                fed = [a.next_token, *(a.drafter.draft(a.generated, room) if a.drafter and room > 0 else [])]
+                self.slots.memory.before_step(slot.id, pos, pos + len(fed), len(slot.prompt))
+                # one-token rows: each computes what decoding its token alone computes (llama.check_rows)
+                chunks += [SeqChunk(slot.id, pos + j, torch.tensor([t], dtype=torch.int64)) for j, t in enumerate(fed)]
+                n_decode += len(fed)
             else:  # prefilling the prompt, one chunk per step
                 end = _prefill_end(pos, len(slot.prompt), self.control.config.prefill_chunk)
+                owners.append((slot, len(chunks), end == len(slot.prompt)))
                 self.slots.memory.before_step(slot.id, pos, end, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
-                owners.append((slot, end == len(slot.prompt)))
                 n_prefill += end - pos
         t0 = time.perf_counter()
         logits = self.runner.forward(chunks)
         dt = time.perf_counter() - t0
-        for slot, _ in owners:
+        for slot, _, _ in owners:
             self.slots.memory.after_step(slot.id, len(slot.prompt))
-        self.stats.note_rates(n_prefill, n_decode, dt)
-        if n_prefill and self.control.cache is not None and self.stats.prefill_rate is not None:
-            self.control.cache.prefill_tokens_per_s = self.stats.prefill_rate  # the restore-or-prefill cost model
-
-        for i, (slot, produces) in enumerate(owners):
+        if n_prefill:  # a prefill or a mixed step (the latter counts for neither rate)
+            self.stats.note_rates(n_prefill, n_decode, dt)
+            if self.control.cache is not None and self.stats.prefill_rate is not None:
+                self.control.cache.prefill_tokens_per_s = self.stats.prefill_rate  # the restore-or-prefill cost model
+        generated = self.stats.counters["generated_tokens"]
+        for k, (slot, first, produces) in enumerate(owners):
+            end = owners[k + 1][1] if k + 1 < len(owners) else len(chunks)
+            if end - first > 1:  # a decode row and its draft's
+                self._verify(slot, [int(ch.tokens[0]) for ch in chunks[first:end]], logits[first:end])
+                continue
             a = slot.active
             assert a is not None
-            chunk = chunks[i]
-            slot.tokens.extend(chunk.tokens.tolist())
-            if not produces:
-                continue
-            token = a.sampler.sample(logits[i])
-            self._emit(slot, token)
+            slot.tokens.extend(chunks[first].tokens.tolist())
+            if produces:
+                self._emit(slot, a.sampler.sample(logits[first]))
+        if not n_prefill:  # the decode rate in tokens emitted: a draft's accepted tokens count, its rejected rows not
+            self.stats.note_rates(0, self.stats.counters["generated_tokens"] - generated, dt)
+
+    def _verify(self, slot: Slot, fed: list[int], logits: torch.Tensor) -> None:
+        """Emit the target's tokens for the rows `fed` (the decoded token, then the draft) one at a time, as
+        decoding them one per step would, while each is the draft's next token; the slot then holds the tokens
+        whose rows were kept (the memory rewound past the rejected ones)."""
+        a = slot.active
+        assert a is not None and a.drafter is not None
+        accepted = 0
+        for j, token in enumerate(fed):
+            slot.tokens.append(token)
+            chosen = a.sampler.sample(logits[j])
+            self._emit(slot, chosen)
+            if slot.active is None or j + 1 == len(fed) or chosen != fed[j + 1]:
+                break
+            accepted += 1
+        a.drafter.record(len(fed) - 1, accepted)
+        self.stats.counters["spec_drafted_tokens"] += len(fed) - 1
+        self.stats.counters["spec_accepted_tokens"] += accepted
+        self.slots.keep(slot, len(slot.tokens))  # the rejected rows' K/V is overwritten by the next step
 
     def _emit(self, slot: Slot, token: int) -> None:
         a = slot.active
@@ -423,6 +453,8 @@ class Scheduler:
         assert a is not None
         tail = "" if a.stops.stopped else a.stops.push(a.decoder.flush()) + a.stops.flush()
         usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
+        if a.drafter is not None and a.drafter.drafted:
+            self.stats.requests.speculated(a.request.request_id, a.drafter.drafted, a.drafter.accepted)
         slot.active = None
         slot.last_used = time.time()
         self.stats.publish()  # before the client hears the end, so its next stats read counts this request

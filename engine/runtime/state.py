@@ -13,6 +13,7 @@ from engine.runtime.stream import RequestStream
 
 if TYPE_CHECKING:
     from engine.runtime.protocols import StreamDecoder
+    from engine.runtime.speculation import Drafter
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class Active:
     max_tokens: int
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, not yet fed through the model
+    drafter: Drafter | None = None  # --spec prompt-lookup: its draft tokens (engine/runtime/speculation.py)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,152 @@
+"""Speculative decoding by prompt lookup (`--spec prompt-lookup`): draft tokens found in the conversation's own
+tokens, verified by the target model in the decode step (engine/runtime/scheduler.py).
+
+Agents re-emit code and text they have just read. The drafter finds the longest suffix of the request's tokens
+(prompt + generated, n from NGRAM_MAX down to NGRAM_MIN) that occurred before, the most recent occurrence first,
+and proposes the tokens that followed it (llama.cpp's ngram drafts, "prompt lookup decoding"). The scheduler feeds
+the last sampled token and the draft as one-token rows of the slot in one step; each row computes exactly what
+the decode step of that token alone computes (the decode paths' batch invariance, engine/model/llama.py
+`check_rows`), so the accepted tokens are the ones decoding without a draft gives, token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.runtime.memory import SlotMemory
+
+log = logging.getLogger("strata.engine")
+
+NGRAM_MAX = 4  # the longest suffix looked up: longer adds little where agents copy whole lines
+NGRAM_MIN = 2  # a lone token repeats too often to predict what follows it
+SCAN_LIMIT = 256  # occurrences of the last token looked at, newest first: a bounded cost per step
+FIRST_LENGTH = 4  # draft length of a request's first draft
+MIN_RATE = 0.3  # below this smoothed acceptance rate drafting pauses (a fixed rule: docs/DETAILS.md says why)
+BACKOFF_FIRST, BACKOFF_MAX = 4, 64  # decode steps without drafting after a poor run, doubled while it stays poor
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """The engine's speculation setting (`--spec`, `--spec-draft-max`) as it runs: on, or declined with why."""
+
+    method: str
+    draft_max: int
+    declined: str = ""
+
+    @classmethod
+    def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, on_cpu: bool) -> Speculation:
+        """The one place that decides whether this engine can speculate losslessly; a decline is logged once."""
+        assert method in ("off", "prompt-lookup"), method
+        why = ""
+        if method != "off":
+            why = memory.rewind_inexact()
+            if not why and not on_cpu:
+                # CUDA's decode products are one GEMM over all rows (not batch-invariant without --deterministic)
+                # and its captured graphs take one row per slot: a draft row would not compute what decoding its
+                # token alone computes.
+                why = "a CUDA decode step does not compute a slot's rows as it computes them one by one"
+            if why:
+                log.warning("--spec %s declined, decoding without drafts: %s", method, why)
+        return cls(method, draft_max, why)
+
+    def drafter(self, prompt: list[int], greedy: bool) -> Drafter | None:
+        """A request's drafter, or None: speculation off or declined, or a sampled request (only greedy choices
+        are verified exactly; rejection sampling for sampled ones is not built yet)."""
+        if self.method == "off" or self.declined or not greedy:
+            return None
+        return Drafter(prompt, self.draft_max)
+
+
+class Drafter:
+    """One request's prompt-lookup drafts and their adaptive length (engine thread only)."""
+
+    def __init__(self, prompt: list[int], draft_max: int) -> None:
+        assert draft_max >= 1, draft_max
+        self.tokens: list[int] = []
+        self._at: dict[int, list[int]] = {}  # token -> its positions in `tokens`, ascending
+        self._generated = 0  # generated tokens already in `tokens`
+        self.length = Length(draft_max)
+        self.drafted = self.accepted = 0
+        self._add(prompt)
+
+    def _add(self, tokens: list[int]) -> None:
+        base = len(self.tokens)
+        self.tokens.extend(tokens)
+        for i, t in enumerate(tokens):
+            self._at.setdefault(t, []).append(base + i)
+
+    def draft(self, generated: list[int], room: int) -> list[int]:
+        """Up to `room` (and the current length) tokens to follow prompt + `generated`; [] when nothing matches
+        or drafting does not pay now."""
+        self._add(generated[self._generated:])
+        self._generated = len(generated)
+        k = min(room, self.length.want())
+        return lookup(self.tokens, self._at, k) if k > 0 else []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify's outcome: `accepted` of `drafted` tokens were the target's own."""
+        assert 0 <= accepted <= drafted and drafted > 0, (accepted, drafted)
+        self.drafted += drafted
+        self.accepted += accepted
+        self.length.record(drafted, accepted)
+
+
+def lookup(tokens: list[int], at: dict[int, list[int]], k: int) -> list[int]:
+    """The `k` tokens after the most recent earlier occurrence of the longest suffix of `tokens` (NGRAM_MAX down
+    to NGRAM_MIN tokens long); `at` indexes `tokens` by token. [] when no suffix of NGRAM_MIN occurred before."""
+    end = len(tokens) - 1
+    if end < NGRAM_MIN or k <= 0:
+        return []
+    best, best_n = -1, NGRAM_MIN - 1
+    places = at.get(tokens[end], [])
+    for i in range(len(places) - 1, max(-1, len(places) - 1 - SCAN_LIMIT), -1):
+        p = places[i]
+        if p >= end:  # the suffix itself
+            continue
+        n = 1
+        while n < NGRAM_MAX and p - n >= 0 and tokens[p - n] == tokens[end - n]:
+            n += 1
+        if n > best_n:  # newest first: a tie keeps the more recent
+            best, best_n = p, n
+            if n == NGRAM_MAX:
+                break
+    if best < 0:
+        return []
+    return tokens[best + 1 : best + 1 + k]
+
+
+@dataclass(slots=True)
+class Length:
+    """The draft length: doubled after a draft accepted whole, cut to what was accepted plus one after a rejection;
+    no drafts for a while when the smoothed acceptance rate falls below MIN_RATE (the extra rows would cost more
+    decode time than the accepted tokens save), then one probe."""
+
+    draft_max: int
+    current: int = 0
+    rate: float = 1.0  # smoothed accepted / drafted
+    skip: int = 0  # decode steps left without drafting
+    backoff: int = BACKOFF_FIRST
+
+    def __post_init__(self) -> None:
+        self.current = min(FIRST_LENGTH, self.draft_max)
+
+    def want(self) -> int:
+        if self.skip > 0:
+            self.skip -= 1
+            return 0
+        return self.current
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rate = 0.6 * self.rate + 0.4 * (accepted / drafted)
+        if accepted == drafted:
+            self.current = min(self.draft_max, self.current * 2)
+        else:
+            self.current = max(1, accepted + 1)
+        if self.rate < MIN_RATE:
+            self.skip, self.backoff = self.backoff, min(BACKOFF_MAX, self.backoff * 2)
+            self.rate = MIN_RATE  # the probe after the pause decides alone whether drafting pays again
+        elif accepted:
+            self.backoff = BACKOFF_FIRST

@@ -1,0 +1,239 @@
+"""Speculative decoding by prompt lookup (`--spec prompt-lookup`): the drafts, their length, and greedy output
+token-identical with and without speculation (bundled model, tiny random models: dense, sliding-window and
+mixture-of-experts; two slots at once, a parked conversation restored)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig, SettingError
+from engine.runtime.engine import Engine
+from engine.runtime.requests import GenerationRequest, SamplingParams
+from engine.runtime.speculation import BACKOFF_FIRST, Drafter, Length, lookup
+from tests.hybrid_fixtures import write_tiny_hybrid
+from tests.model_fixtures import write_tiny_model
+from tests.moe_fixtures import write_tiny_moe_model
+
+CODE = """def parse_header(line):
+    name, _, value = line.partition(":")
+    if not name or not value:
+        raise ValueError(f"bad header line: {line!r}")
+    return name.strip().lower(), value.strip()
+
+
+def read_headers(lines):
+    headers = {}
+    for line in lines:
+        if not line.strip():
+            break
+        name, value = parse_header(line)
+        headers[name] = value
+    return headers
+"""
+ASK = "Here is a file:\n\n" + CODE + "\nRepeat the file exactly, with `headers` renamed to `fields`."
+
+
+def _index(tokens: list[int]) -> dict[int, list[int]]:
+    at: dict[int, list[int]] = {}
+    for i, t in enumerate(tokens):
+        at.setdefault(t, []).append(i)
+    return at
+
+
+def test_lookup_takes_the_longest_suffix_then_the_most_recent_occurrence():
+    tokens = [1, 2, 3, 10, 11, 9, 2, 3, 20, 21, 1, 2, 3]
+    # "1 2 3" occurred at 0..2 (followed by 10 11); "2 3" more recently at 6..7 (followed by 20): longest wins
+    assert lookup(tokens, _index(tokens), 2) == [10, 11]
+    tokens = [5, 2, 3, 10, 11, 7, 2, 3, 20, 21, 8, 2, 3]
+    assert lookup(tokens, _index(tokens), 3) == [20, 21, 8]  # a tie on "2 3": the more recent
+    tokens = [1, 2, 3, 4, 5, 6]
+    assert lookup(tokens, _index(tokens), 4) == []  # no suffix of two tokens occurred before
+    tokens = [4, 4, 4, 4]
+    assert lookup(tokens, _index(tokens), 4) == [4]  # the continuation stops at the end of what is known
+
+
+def test_drafter_reads_prompt_and_generated_tokens():
+    drafter = Drafter([7, 8, 9, 1, 2, 3], draft_max=8)
+    assert drafter.draft([7, 8], room=8) == [9, 1, 2, 3][:4]  # first draft: FIRST_LENGTH tokens
+    assert drafter.draft([7, 8, 9, 1, 2], room=1) == [3]  # never past the room left
+
+
+def test_draft_length_grows_on_full_acceptance_and_pauses_when_it_does_not_pay():
+    length = Length(draft_max=8)
+    assert length.want() == 4
+    length.record(4, 4)
+    assert length.want() == 8
+    length.record(8, 8)
+    assert length.want() == 8  # capped at --spec-draft-max
+    length.record(8, 2)
+    assert length.want() == 3  # what was accepted, plus one
+    for _ in range(3):
+        length.record(3, 0)
+        if length.skip:
+            break
+    assert length.skip == BACKOFF_FIRST
+    assert [length.want() for _ in range(BACKOFF_FIRST)] == [0] * BACKOFF_FIRST
+    assert length.want() == 1  # then one probe
+
+
+def test_bad_draft_max_is_refused_with_the_expectation():
+    with pytest.raises(SettingError, match="--spec-draft-max"):
+        EngineConfig(spec_draft_max=0)
+    with pytest.raises(SettingError, match="--spec"):
+        EngineConfig(spec="ngram")
+
+
+def _chat(engine: Engine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def _answer(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+    """A greedy answer's tokens and the prompt tokens it reused."""
+    tokens, cached = [], 0
+    for event in _submit(engine, prompt, max_tokens):
+        assert event.error is None, event.error
+        if event.token_id is not None:
+            tokens.append(event.token_id)
+        if event.usage is not None:
+            cached = event.usage.cached_tokens
+    return tokens, cached
+
+
+def _submit(engine: Engine, prompt: list[int], max_tokens: int):
+    return engine.submit(GenerationRequest(f"spec-{len(prompt)}-{max_tokens}", prompt,
+                                           SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+
+
+def _accepted(engine: Engine) -> int:
+    return engine.call(lambda: engine.stats.counters["spec_accepted_tokens"]).result()
+
+
+def _run(config: EngineConfig, asks: list[str], max_tokens: int) -> tuple[list, dict]:
+    """Each ask's greedy answer, one after another, and the engine's counters."""
+    engine = Engine.from_config(config)
+    try:
+        answers = [_answer(engine, _chat(engine, ask), max_tokens)[0] for ask in asks]
+        return answers, dict(engine.stats.counters)
+    finally:
+        engine.close()
+
+
+def _same_with_and_without(config: EngineConfig, asks: list[str], max_tokens: int) -> None:
+    off, _ = _run(config, asks, max_tokens)
+    on, counters = _run(config.replace(spec="prompt-lookup"), asks, max_tokens)
+    assert on == off
+    assert counters["spec_accepted_tokens"] > 0, counters
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled model without and with speculation: two slots, parked conversations kept in RAM."""
+    base = EngineConfig(ctx_size=1024, parallel=2, conversation_cache_storage="ram",
+                        conversation_cache_min_free_mib=0)
+    engines = {"off": Engine.from_config(base), "on": Engine.from_config(base.replace(spec="prompt-lookup"))}
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+def test_bundled_model_answers_token_identical_with_prompt_lookup(bundled):
+    answers = {k: _answer(e, _chat(e, ASK), 80)[0] for k, e in bundled.items()}
+    assert answers["on"] == answers["off"]
+    assert _accepted(bundled["on"]) > 0
+
+
+def _records(engine: Engine):
+    return engine.call(engine.stats.requests.snapshot).result()
+
+
+def test_stop_strings_end_the_answer_where_they_do_without_speculation(bundled):
+    texts = {}
+    for key, engine in bundled.items():
+        prompt = _chat(engine, ASK)
+        params = SamplingParams(temperature=0.0, max_tokens=120, stop=["def read_headers"])
+        events = list(engine.submit(GenerationRequest(f"spec-stop-{key}", prompt, params)))
+        assert events[-1].stop_string == "def read_headers", events[-1]
+        texts[key] = ("".join(e.text for e in events), [e.token_id for e in events if e.token_id is not None])
+    assert texts["on"] == texts["off"]
+    record = _records(bundled["on"])[-1]
+    assert record.spec_accepted > 0 and record.spec_drafted >= record.spec_accepted  # per request in the log
+
+
+def test_sampled_requests_are_not_speculated(bundled):
+    engine = bundled["on"]
+    before = engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result()
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=30)
+    events = list(engine.submit(GenerationRequest("spec-sampled", _chat(engine, ASK), params)))
+    assert events[-1].usage.completion_tokens == 30
+    assert engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result() == before
+
+
+def test_two_slots_speculate_in_one_step(bundled):
+    asks = [ASK.replace("`fields`", "`entries`"), ASK.replace("renamed to `fields`", "unchanged")]
+    answers = {}
+    for key, engine in bundled.items():
+        before = _accepted(engine)
+        streams = [_submit(engine, _chat(engine, ask), 40) for ask in asks]  # both decode in the same steps
+        answers[key] = [[e.token_id for e in s if e.token_id is not None] for s in streams]
+        if key == "on":
+            assert _accepted(engine) > before
+    assert answers["on"] == answers["off"]
+
+
+def _switch_back(engine: Engine) -> tuple[list[int], int]:
+    """A's turn, then B's and C's (parking A from its slot), then A's next turn restored: that answer and the
+    prompt tokens it reused."""
+    first, _ = _answer(engine, _chat(engine, ASK), 30)
+    for topic in ("rivers", "towns"):  # longer than A: each displaces the slot whose loss is cheapest, A's last
+        _answer(engine, _chat(engine, f"Summarise this list of {topic}: " + ", ".join(f"{topic} {i}"
+                                                                                      for i in range(70))), 8)
+    tok = engine.tokenizer
+    turn = [{"role": "user", "content": ASK}, {"role": "assistant", "content": tok.decode(first)},
+            {"role": "user", "content": "Now repeat the file once more, unchanged."}]
+    return _answer(engine, tok.encode(tok.render_chat(turn), add_special_tokens=False), 50)
+
+
+def test_restored_conversation_continues_identically_with_prompt_lookup(bundled):
+    off, cached_off = _switch_back(bundled["off"])
+    before = _accepted(bundled["on"])
+    on, cached_on = _switch_back(bundled["on"])
+    assert cached_on == cached_off > 0
+    for engine in bundled.values():  # restored from the cache, not continued in a live slot
+        assert engine.call(lambda e=engine: e.stats.requests.snapshot()[-1].source).result() == "ram"
+    assert on == off
+    assert _accepted(bundled["on"]) > before
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    # Small initial weights: a random model that falls into loops, which its own tokens then predict.
+    root = tmp_path_factory.mktemp("spec")
+    return {"llama": write_tiny_model(root, "llama", initializer_range=0.01),
+            "sliding": write_tiny_model(root / "sliding", "qwen2", initializer_range=0.01, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=1),
+            "moe": write_tiny_moe_model(root / "moe", "mixtral", initializer_range=0.01)}
+
+
+LOOPING = ["one two three " * 20, "alpha beta " * 30]
+
+
+@pytest.mark.parametrize("model", ["llama", "sliding", "moe"])
+def test_tiny_random_model_answers_token_identical(tiny_models, model):
+    _same_with_and_without(EngineConfig(model=tiny_models[model], ctx_size=512, cpu_weights="float"), LOOPING, 48)
+
+
+def test_tiny_random_model_with_4_bit_weights_answers_token_identical(tiny_models, kernel):
+    _same_with_and_without(EngineConfig(model=tiny_models["llama"], ctx_size=512, cpu_weights="int4"), LOOPING, 48)
+
+
+def test_hybrid_model_declines_and_answers_as_without(tmp_path):
+    config = EngineConfig(model=write_tiny_hybrid(tmp_path, "lfm2"), ctx_size=256, spec="prompt-lookup")
+    engine = Engine.from_config(config)
+    try:
+        assert "recurrent state" in engine.scheduler.speculation.declined
+        prompt = _chat(engine, "one two three " * 10)
+        answer, _ = _answer(engine, prompt, 16)
+        assert len(answer) == 16 and engine.stats.counters["spec_drafted_tokens"] == 0
+    finally:
+        engine.close()
