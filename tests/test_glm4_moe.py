@@ -260,3 +260,27 @@ def test_a_gguf_with_softmax_gating_is_refused(gguf_path, tmp_path):
     del reader
     with pytest.raises(ModelLoadError, match=r"expert_gating_func 1: expected 2 \(sigmoid\) for glm4moe"):
         read_model_config(path)
+
+
+# ---------------------------------------------------------------- experts in host RAM, a parked conversation
+
+def test_experts_in_host_ram_and_a_parked_conversation_resumes_exactly(folder):
+    """`--moe-experts cpu`: every expert layer's routed experts in host RAM as 4-bit groups (the shared expert
+    stays as it is, where the layer runs); a conversation parked on disk and restored continues as one that
+    never left."""
+    from engine.model import int4, moe_placement
+    from engine.model.loader import read_model_config
+    from tools.conversation_cache_parity import run_scenario
+
+    if not int4.available():
+        pytest.skip("this torch has no CPU int4 kernels")
+    layers = moe_placement.cpu_expert_layers(read_model_config(folder), "cpu", 0)
+    assert layers == {1, 2, 3}  # layer 0 is dense (first_k_dense_replace)
+    lm = _load(folder, cpu_experts=layers)
+    moe = lm.model.layers[1].moe
+    assert all(isinstance(w, int4.Int4Weight) for w in moe.gate_up) and isinstance(moe.shared_gate_up, torch.Tensor)
+    assert moe.expert_device.type == "cpu"
+    base = {"model": folder, "devices": "cpu", "ctx_size": 512, "cpu_weights": "float", "moe_experts": "cpu",
+            "conversation_cache_storage": "disk", "conversation_cache_min_free_mib": 0, "prefill_chunk": 32}
+    outcome = run_scenario("basic", base, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
