@@ -34,8 +34,8 @@ EXECUTORS = (EAGER, CPU_STEP, NATIVE_STEP, GRAPH_STEP)
 
 # The hybrids' attention (hybrid/attention.py, its own executor) runs these; no Llama-family config has them.
 HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
-# GLM-4.x MoE's layer: the eager forward runs it; the decode steps' own RoPE rotates whole heads and their expert
-# kernels route by softmax and gate the shared expert (kernels/experts.c, graph_decode's tables).
+# GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
+# and native steps rotate whole heads with their own code.
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
@@ -59,7 +59,6 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     # GeGLU, embedding scale or soft cap: those models decode eagerly (still one GEMM per projection).
     GRAPH_STEP: (
         *HYBRID_ONLY,
-        PARTIAL_ROPE,
         (frozenset({"sliding window"}), "sliding-window layers"),
         (frozenset({"post-norms", "GeGLU", "local rope", "embedding scale", "attention scale"}), "Gemma layers"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),
