@@ -284,3 +284,16 @@ def test_experts_in_host_ram_and_a_parked_conversation_resumes_exactly(folder):
             "conversation_cache_storage": "disk", "conversation_cache_min_free_mib": 0, "prefill_chunk": 32}
     outcome = run_scenario("basic", base, n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail
+
+
+def test_a_glm_gguf_tokenizer_splits_text_as_llama_cpp_does():
+    """llama.cpp's `glm4` pre-tokenizer (CHATGLM4) splits digits in threes and contractions case-blind, as
+    Llama 3's does; without it the GPT-2 split would keep "12345" whole."""
+    from engine.model.tokenizer import Tokenizer
+
+    tokens = [chr(c) for c in range(33, 127)] + ["Ġ"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "glm4", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [1] * len(tokens)}
+    backend = Tokenizer.from_gguf_metadata(meta).backend
+    pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("n 12345 IT'S")]
+    assert pieces == ["n", "Ġ", "123", "45", "ĠIT", "'S"]
