@@ -267,10 +267,10 @@ def test_a_gguf_with_softmax_gating_is_refused(gguf_path, tmp_path):
 def test_experts_in_host_ram_and_a_parked_conversation_resumes_exactly(folder):
     """`--moe-experts cpu`: every expert layer's routed experts in host RAM as 4-bit groups (the shared expert
     stays as it is, where the layer runs); a conversation parked on disk and restored continues as one that
-    never left."""
+    never left, and one parked in tiered storage does across an engine restart."""
     from engine.model import int4, moe_placement
     from engine.model.loader import read_model_config
-    from tools.conversation_cache_parity import run_scenario
+    from tools.conversation_cache_parity import run_restart, run_scenario
 
     if not int4.available():
         pytest.skip("this torch has no CPU int4 kernels")
@@ -283,6 +283,9 @@ def test_experts_in_host_ram_and_a_parked_conversation_resumes_exactly(folder):
     base = {"model": folder, "devices": "cpu", "ctx_size": 512, "cpu_weights": "float", "moe_experts": "cpu",
             "conversation_cache_storage": "disk", "conversation_cache_min_free_mib": 0, "prefill_chunk": 32}
     outcome = run_scenario("basic", base, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
+    # tiered, across a restart: the conversation parked by one engine resumes exactly in the next
+    outcome = run_restart({**base, "conversation_cache_storage": "tiered"}, {}, n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail
 
 
