@@ -320,3 +320,29 @@ def test_int4_weights_track_float(tmp_path):
     ref, got = (x.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(x), all_logits=True)[0] for x in (ref_lm, lm))
     same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert same >= 0.8, f"int4 weights keep the greedy token at only {same:.0%} of positions"
+
+
+def test_glm_4_5_air_config_json_is_read_as_released():
+    """GLM-4.5-Air's own config.json (transformers 4.x style: partial_rotary_factor and rope_theta at the top
+    level); a dense family's description gains none of GLM's fields."""
+    from engine.model.config import ModelConfig
+
+    air = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "first_k_dense_replace": 1,
+           "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944,
+           "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
+           "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1, "norm_topk_prob": True,
+           "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46, "num_key_value_heads": 8,
+           "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
+           "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 1.0, "tie_word_embeddings": False,
+           "topk_group": 1, "use_qk_norm": False, "vocab_size": 151552}
+    c = ModelConfig.from_hf(air)
+    assert (c.rotary_dim, c.head_dim, c.rope_theta, c.rope_scaling, c.mtp_layers, c.qk_norm) == (
+        64, 128, 1e6, None, 1, False)
+    assert (c.moe.n_experts, c.moe.top_k, c.moe.shared_expert_size, c.moe.n_group, c.moe.dense_layers) == (
+        128, 8, 1408, 1, (0,))
+    described = c.describe()
+    assert described["rotary_dim"] == 64 and "n_group" not in described["moe"]  # 1: left out, as for others
+    llama = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+                                 "partial_rotary_factor": 0.5})
+    assert llama.rotary_dim is None and not {"rotary_dim", "mtp_layers"} & llama.describe().keys()
