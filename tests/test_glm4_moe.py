@@ -346,3 +346,16 @@ def test_glm_4_5_air_config_json_is_read_as_released():
                                  "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
                                  "partial_rotary_factor": 0.5})
     assert llama.rotary_dim is None and not {"rotary_dim", "mtp_layers"} & llama.describe().keys()
+
+
+def test_a_gguf_of_the_next_token_layer_alone_is_refused(gguf_path):
+    from engine.errors import ModelLoadError
+    from engine.model.gguf_header import read_gguf_header
+    from engine.model.gguf_loading import gguf_config
+
+    header = read_gguf_header(gguf_path)
+    names = {t.name for t in header.tensors}
+    assert gguf_config(header.metadata, names, gguf_path).n_layers == 4
+    mtp_only = {n for n in names if not n.startswith(("blk.0.", "blk.1.", "blk.2.", "blk.3."))}
+    with pytest.raises(ModelLoadError, match=r"holds only the next-token \(MTP\) layer"):
+        gguf_config(header.metadata, mtp_only, gguf_path)

@@ -80,6 +80,9 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     # GLM's block_count includes its next-token (MTP) layers after the decoder layers (llama.cpp's converter).
     mtp_layers = int(meta.get(f"{arch}.nextn_predict_layers") or 0) if arch == "glm4moe" else 0
     n_layers = int(key("block_count")) - mtp_layers
+    if mtp_layers and "blk.0.attn_norm.weight" not in tensor_names:  # llama.cpp's convert_hf_to_gguf --mtp-only
+        raise ModelLoadError(f"{path}: holds only the next-token (MTP) layer, not the model (a file written with "
+                             "--mtp-only); load the model's own GGUF")
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
     rotary_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim) if arch == "glm4moe" else head_dim
     moe = moe_arch and moe_loading.gguf_moe_config(moe_arch, arch, meta, tensor_names, n_layers, path)
