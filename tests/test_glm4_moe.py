@@ -52,6 +52,9 @@ def test_grouped_sigmoid_routing_chooses_and_weighs_as_transformers():
     assert all(abs(ours[k] - ref[k]) <= 1e-6 for k in ref)
     # one group of two kept: every token's experts come from a single group of 4
     assert all(len({e // 4 for e in row}) == 1 for row in experts.tolist())
+    # a file without the correction bias routes by the scores alone, by groups all the same
+    _, unbiased = route(logits, _moe_config(cfg))
+    assert all(len({e // 4 for e in row}) == 1 for row in unbiased.tolist())
 
 
 def test_the_block_with_its_ungated_shared_expert_equals_transformers():

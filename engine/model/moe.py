@@ -73,7 +73,7 @@ def keep_top_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torc
     consecutive experts) set to -inf; a group ranks by the sum of its two best values (DeepSeek-V3's grouped
     routing, as transformers computes it for GLM-4.x MoE and Nemotron-H)."""
     tokens, n_experts = choice.shape
-    grouped = choice.view(tokens, n_group, n_experts // n_group)
+    grouped = choice.reshape(tokens, n_group, n_experts // n_group)  # a slice of padded sigmoids: not a view
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
     keep = torch.zeros_like(group_scores)
     keep.scatter_(1, torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1], 1)

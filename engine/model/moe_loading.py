@@ -289,8 +289,10 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
                     path: str) -> MoeConfig:
     """Expert settings from `<gguf_arch>.expert_count`, `.expert_used_count`, `.expert_feed_forward_length`,
     `.expert_shared_feed_forward_length`, `.expert_weights_norm` and Granite's `.embedding_scale`,
-    `.attention.scale`, `.residual_scale`, `.logit_scale`. Where a key is absent, llama.cpp's own choice for the
-    family holds (it renormalises Qwen3-MoE's and Mixtral's top-k weights, not Qwen2-MoE's or OLMoE's)."""
+    `.attention.scale`, `.residual_scale`, `.logit_scale`, and GLM's `.expert_gating_func` (2, sigmoid),
+    `.expert_shared_count`, `.expert_weights_scale`, `.expert_group_count`, `.expert_group_used_count`. Where a key
+    is absent, llama.cpp's own choice for the family holds (it renormalises Qwen3-MoE's and Mixtral's top-k weights,
+    not Qwen2-MoE's or OLMoE's)."""
 
     def key(name: str, default=None):
         value = meta.get(f"{gguf_arch}.{name}", default)
