@@ -231,10 +231,15 @@ def gguf_path(tmp_path_factory) -> str:
     return write_tiny_moe_gguf(tmp_path_factory.mktemp("glm4-moe-gguf"), "glm4_moe")
 
 
-def test_its_gguf_loads_to_the_same_logits_and_keeps_the_next_token_layer_as_stored(gguf_path):
+def test_its_gguf_loads_to_the_same_logits_and_keeps_the_next_token_layer_as_stored(gguf_path, caplog):
+    import logging
+
     from engine.model import SeqChunk
 
-    folder_lm, file_lm = _load(gguf_path.removesuffix(".gguf")), _load(gguf_path)
+    folder_lm = _load(gguf_path.removesuffix(".gguf"))
+    with caplog.at_level(logging.INFO, logger="strata.engine"):
+        file_lm = _load(gguf_path)
+    assert "kept 1 next-token (MTP) layer(s)" in caplog.text
     assert file_lm.config.rotary_dim == 8 and file_lm.config.mtp_layers == 1 and file_lm.config.n_layers == 4
     assert file_lm.config.moe == folder_lm.config.moe
     ids = torch.tensor(folder_lm.tokenizer.encode(TEXT))

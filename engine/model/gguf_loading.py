@@ -237,6 +237,7 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     with open(path, "rb") as f:
         model.mtp = tuple({key.split(".", 1)[1]: _kept(tensors[key], f, path) for key in keys}
                           for keys in mtp.layer_keys(config.n_layers, config.mtp_layers, list(tensors)))
+    mtp.report_kept(model.mtp, path)
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), fingerprint, dtype)
 

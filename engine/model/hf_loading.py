@@ -121,6 +121,7 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     # GLM's next-token layers: kept as the checkpoint holds them, not part of the running model (mtp.py).
     kept = mtp.layer_keys(config.n_layers, config.mtp_layers, list(where))
     model.mtp = tuple({key.split(".", 1)[1]: _kept(*where[key], handles) for key in keys} for keys in kept)
+    mtp.report_kept(model.mtp, folder)
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)
 

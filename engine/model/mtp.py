@@ -13,9 +13,12 @@ both on the CPU. A later step builds a runnable layer from them (gguf_dequant.de
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("strata.engine")
 
 # HF names (after `model.layers.<i>.`) and GGUF names (after `blk.<i>.`) of the MTP-only tensors -> canonical
 # keys (the GGUF names without the suffix).
@@ -54,3 +57,11 @@ def layer_keys(n_layers: int, mtp_layers: int, keys: list[str]) -> list[list[str
             return []
         out.append(found)
     return out
+
+
+def report_kept(layers: tuple[MtpLayer, ...], path: str) -> None:
+    """Log what was kept (host RAM that holds weights the engine does not run yet)."""
+    if layers:
+        size = sum(t.data.nbytes for layer in layers for t in layer.values())
+        log.info("%s: kept %d next-token (MTP) layer(s), %d tensors, %.1f MiB in host RAM (not run)", path,
+                 len(layers), sum(len(layer) for layer in layers), size / 2**20)
