@@ -32,6 +32,13 @@ _FAMILY = {
     "granitemoe": dict(num_local_experts=N_EXPERTS, intermediate_size=EXPERT_SIZE, embedding_multiplier=3.0,
                        attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.5,
                        tie_word_embeddings=True),
+    # GLM-4.x MoE (tests/test_glm4_moe.py, not in MOE_ARCHS): one dense layer then three expert layers, two
+    # expert groups of which one is kept, an ungated shared expert, half the head rotated, q/k/v biases, q/k
+    # norms, and one next-token (MTP) layer after the last.
+    "glm4_moe": dict(n_routed_experts=N_EXPERTS, moe_intermediate_size=EXPERT_SIZE, n_group=2, topk_group=1,
+                     n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=1,
+                     num_hidden_layers=4, tie_word_embeddings=False),
 }
 
 
@@ -45,9 +52,10 @@ def tiny_moe_config(arch: str, **overrides):
         "olmoe": transformers.OlmoeConfig,
         "mixtral": transformers.MixtralConfig,
         "granitemoe": transformers.GraniteMoeConfig,
+        "glm4_moe": transformers.Glm4MoeConfig,
     }
     if arch not in classes:
-        raise ValueError(f"arch: expected one of {', '.join(MOE_ARCHS)}, got {arch!r}")
+        raise ValueError(f"arch: expected one of {', '.join(classes)}, got {arch!r}")
     kwargs = dict(TINY_SIZES)
     kwargs.update(
         vocab_size=tiny_vocab_size(),
@@ -90,10 +98,37 @@ def write_tiny_moe_model(root: str | os.PathLike, arch: str, *, name: str | None
                 param.copy_(param[:1].expand_as(param))
             elif int4_grid and param.dim() >= 2 and param.shape[-1] % 32 == 0:
                 param.copy_(_on_int4_grid(param))
+        for bname, buf in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # GLM: a bias that changes which experts are chosen
+                buf.normal_(0.0, 0.3)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
+    if arch == "glm4_moe":
+        _add_mtp_layers(folder, config)
     write_tokenizer_files(folder)
     return str(folder)
+
+
+def _add_mtp_layers(folder: Path, config) -> None:
+    """Append GLM's next-token (MTP) layers to the checkpoint as GLM's releases hold them (transformers neither
+    builds nor saves them): `model.layers.<n_layers + j>.` with a MoE decoder layer's tensors (those of the last
+    layer, perturbed) and eh_proj, enorm, hnorm and shared_head.norm."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    n, hidden = config.num_hidden_layers, config.hidden_size
+    last = f"model.layers.{n - 1}."
+    for j in range(config.num_nextn_predict_layers):
+        p = f"model.layers.{n + j}."
+        for name, t in list(tensors.items()):
+            if name.startswith(last):
+                tensors[p + name[len(last):]] = t + 0.01 * torch.randn_like(t)
+        tensors[p + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden)
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[p + norm + ".weight"] = 1.0 + 0.1 * torch.randn(hidden)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _on_int4_grid(w):
@@ -105,7 +140,7 @@ def _on_int4_grid(w):
 
 
 _GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
-              "granitemoe": "granitemoe"}
+              "granitemoe": "granitemoe", "glm4_moe": "glm4moe"}
 _GGUF_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -121,7 +156,15 @@ _GGUF_NAMES = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",  # GLM-4.x MoE
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
 }
+# llama.cpp's GLM4_MOE tensor list has ATTN_POST_NORM, not FFN_NORM: its post_attention_layernorm is named so.
+_GLM4_MOE_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight"}
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
 _EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -148,7 +191,9 @@ def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0, qu
     n_heads, n_kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     path = Path(root) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
+    glm = arch == "glm4_moe"
+    # GLM's block_count includes its next-token (MTP) layers (Glm4MoeModel in llama.cpp's conversion/glm.py).
+    writer.add_block_count(cfg["num_hidden_layers"] + (cfg["num_nextn_predict_layers"] if glm else 0))
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -160,12 +205,22 @@ def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0, qu
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    writer.add_expert_count(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"])
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if "moe_intermediate_size" in cfg:
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if glm:
+        writer.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
+        writer.add_expert_shared_count(cfg["n_shared_experts"])
+        writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+        writer.add_expert_group_count(cfg["n_group"])
+        writer.add_expert_group_used_count(cfg["topk_group"])
+        writer.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
     if arch == "granitemoe":
         writer.add_embedding_scale(cfg["embedding_multiplier"])
         writer.add_residual_scale(cfg["residual_multiplier"])
@@ -199,7 +254,7 @@ def write_tiny_moe_gguf(root: str | os.PathLike, arch: str, *, seed: int = 0, qu
             gate, up = np.split(w, 2, axis=1)
             out[f"blk.{index}.ffn_gate_exps.weight"], out[f"blk.{index}.ffn_up_exps.weight"] = gate, up
             continue
-        key = f"blk.{index}.{_GGUF_NAMES[rest]}"
+        key = f"blk.{index}.{(_GLM4_MOE_GGUF_NAMES if glm else _GGUF_NAMES)[rest]}"
         if permuted and key.endswith(("attn_q.weight", "attn_q.bias")):
             w = permute(w, n_heads)
         elif permuted and key.endswith(("attn_k.weight", "attn_k.bias")):

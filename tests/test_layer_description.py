@@ -84,7 +84,7 @@ def test_gemma3_is_declined_by_the_cpu_and_graph_steps_and_run_by_the_native_and
     assert layer_declines(EAGER, gemma) is None and layer_declines(NATIVE_STEP, gemma) is None
     assert layer_declines(CPU_STEP, gemma) == "Gemma layers"
     assert layer_declines(GRAPH_STEP, gemma) == "sliding-window layers"
-    assert executors.runs(EAGER) == frozenset(FEATURES) - {"partial or no rope", "output gate"}
+    assert executors.runs(EAGER) == frozenset(FEATURES) - {"output gate"}
 
 
 def test_the_feature_table_in_the_docs_is_the_one_the_executors_read():

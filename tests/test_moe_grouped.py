@@ -83,7 +83,7 @@ def test_the_engine_keeps_the_loop_on_the_cpu():
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no torch._grouped_mm")
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 def test_the_grouped_path_through_the_model_and_the_captured_step_function(tmp_path, arch, monkeypatch):
     """The grouped path forced on the CPU, as a GPU model takes it by default: the model's logits within float32
     rounding of the per-expert loop's, and the function a CUDA graph captures (`decode_step`, run here without
@@ -136,7 +136,7 @@ needs_grouped_gpu = pytest.mark.skipif(not GROUPED_GPU, reason="needs an sm90 / 
 
 @pytest.mark.gpu
 @needs_grouped_gpu
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 def test_gpu_grouped_experts_match_the_loop_without_a_host_sync(tmp_path, arch):
     lm = _gpu_model(tmp_path, arch)
     layers = [layer for layer in lm.model.layers if layer.moe is not None]
@@ -164,8 +164,9 @@ def test_gpu_grouped_experts_match_the_loop_without_a_host_sync(tmp_path, arch):
 
 @pytest.mark.gpu
 @needs_grouped_gpu
-def test_gpu_moe_decode_is_captured_and_replays_the_eager_step_bit_for_bit(tmp_path):
-    lm = _gpu_model(tmp_path, "qwen2_moe")
+@pytest.mark.parametrize("arch", ["qwen2_moe", "glm4_moe"])  # GLM: partial RoPE, grouped sigmoid routing
+def test_gpu_moe_decode_is_captured_and_replays_the_eager_step_bit_for_bit(tmp_path, arch):
+    lm = _gpu_model(tmp_path, arch)
     assert "CUDA graphs" in configure(lm.model, 3, cuda_graphs=True, deterministic=False)
     assert isinstance(lm.model.graphs, GraphDecode)
     lm.model.graphs = None

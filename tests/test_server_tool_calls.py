@@ -186,3 +186,26 @@ def test_stream_holds_lfm2_calls_and_lets_a_bracketed_answer_through():
     assert filt.feed("Sure. <|tool_call_start|>[get_weather(") == "Sure. "
     assert filt.feed('city="Rome")]<|tool_call_end|>') == ""
     assert json.loads(filt.finish().tool_calls[0]["function"]["arguments"]) == {"city": "Rome"}
+
+
+def test_glm_key_value_calls_read_values_by_the_schema():
+    """GLM-4.x's template writes `<tool_call>NAME` then `<arg_key>`/`<arg_value>` pairs (a value JSON unless it
+    is a string); a bare name is a call only when it names an offered tool."""
+    text = ("<think>The user wants weather.</think>Let me check.\n<tool_call>get_weather\n"
+            "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+            "<arg_key>zip</arg_key>\n<arg_value>75001</arg_value>\n<arg_key>options</arg_key>\n"
+            '<arg_value>{"metric": true}</arg_value>\n</tool_call><tool_call>get_weather</tool_call>')
+    parsed = parse_tool_calls(text, WEATHER_TOOLS)
+    assert parsed.content == "<think>The user wants weather.</think>Let me check."
+    first, second = parsed.tool_calls
+    assert first["function"]["name"] == "get_weather"
+    assert json.loads(first["function"]["arguments"]) == {"city": "Paris", "days": 3, "zip": "75001",
+                                                           "options": {"metric": True}}
+    assert json.loads(second["function"]["arguments"]) == {}
+    for text in ("<tool_call>lookup</tool_call>", "<tool_call>get weather\n<arg_key>a</arg_key></tool_call>"):
+        assert parse_tool_calls(text, WEATHER_TOOLS).tool_calls == [], text  # not offered / not a name
+    stream = ToolCallStream(WEATHER_TOOLS)
+    shown = "".join(stream.feed(piece) for piece in ("Sure.", "<tool", "_call>get_weather\n<arg_key>city",
+                                                     "</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"))
+    end = stream.finish()
+    assert shown + end.content == "Sure." and json.loads(end.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}

@@ -18,7 +18,8 @@ _HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 # Fields a dense Llama-family model leaves at these defaults; describe() omits them then, so the identity of
 # such a model's parked K/V stays what it was before they existed.
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
-                      "query_pre_attn_scalar": None, "final_logit_softcapping": None}
+                      "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
+                      "mtp_layers": 0}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -53,6 +54,12 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None = rope_theta
     query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -1/2 power; None = head_dim
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) when set
+    # Partial RoPE (GLM-4.x MoE's partial_rotary_factor): only a head's leading `rotary_dim` channels rotate
+    # (rotate-half within them); None = all head_dim channels.
+    rotary_dim: int | None = None
+    # GLM-4.x MoE: next-token (MTP) layers after the last decoder layer; their weights are loaded and kept
+    # (CausalLM.mtp), not run. Not a setting of the decoder, but what the loaders read and keep.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -65,6 +72,12 @@ class ModelConfig:
             raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim is not None and (not isinstance(self.rotary_dim, int) or self.rotary_dim % 2
+                                            or not 0 < self.rotary_dim < self.head_dim):
+            raise ConfigError(f"rotary dimensions: expected an even number from 2 to below head_dim "
+                              f"({self.head_dim}), got {self.rotary_dim!r} (partial_rotary_factor)")
+        if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
+            raise ConfigError(f"num_nextn_predict_layers: expected a whole number >= 0, got {self.mtp_layers!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
@@ -137,6 +150,10 @@ class ModelConfig:
             theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
+            head_dim = int(cfg.get("head_dim") or (HF_HEAD_DIM if gemma else hidden // n_heads))
+            glm = arch == "glm4_moe"
+            if glm and scaling is not None:
+                scaling.pop("partial_rotary_factor", None)  # rotary_dim says it
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -145,7 +162,7 @@ class ModelConfig:
                 n_layers=n_layers,
                 n_heads=n_heads,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or (HF_HEAD_DIM if gemma else hidden // n_heads)),
+                head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
@@ -153,13 +170,15 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
                                     else cfg.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3") or (glm and bool(cfg.get("use_qk_norm"))),
                 moe=moe,
                 sliding_window=window,
                 sliding_layers=sliding,
                 rope_local_theta=gemma_fields.get("rope_local_theta"),
                 query_pre_attn_scalar=gemma_fields.get("query_pre_attn_scalar"),
                 final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
+                rotary_dim=_rotary_dim(params, cfg, head_dim) if glm else None,
+                mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0) if glm else 0,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
@@ -178,6 +197,16 @@ def _rope(params: dict[str, Any], cfg: dict[str, Any], default_theta: float) -> 
     kind = rope.pop("type", None) or rope.get("rope_type") or "default"
     rope["rope_type"] = kind
     return theta, None if kind == "default" else rope
+
+
+def _rotary_dim(params: dict[str, Any], cfg: dict[str, Any], head_dim: int) -> int | None:
+    """The rotated channels of a head from `partial_rotary_factor` (rope_parameters, or the top level as GLM's
+    own config.json has it; 0.5 when absent, Glm4MoeConfig's default); None when it is the whole head."""
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ConfigError(f"partial_rotary_factor: expected a number in (0, 1], got {factor!r}")
+    rotated = int(head_dim * factor)
+    return None if rotated == head_dim else rotated
 
 
 def _windows(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[int | None, tuple[int, ...]]:

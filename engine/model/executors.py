@@ -33,17 +33,25 @@ EAGER, CPU_STEP, NATIVE_STEP, GRAPH_STEP = "eager forward", "lean CPU step", "na
 EXECUTORS = (EAGER, CPU_STEP, NATIVE_STEP, GRAPH_STEP)
 
 # The hybrids' attention (hybrid/attention.py, its own executor) runs these; no Llama-family config has them.
-HYBRID_ONLY = ((frozenset({"partial or no rope", "output gate"}), "hybrid attention features"),)
+HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
+# GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
+# and native steps rotate whole heads with their own code.
+PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
     CPU_STEP: (
         *HYBRID_ONLY,
+        PARTIAL_ROPE,
         (frozenset({"post-norms", "GeGLU", "local rope"}), "Gemma layers"),
-        (frozenset({"experts", "shared expert", "full-width q/k norms"}), "experts or full-width q/k norms"),
+        (frozenset({"experts", "shared expert", "ungated shared expert", "sigmoid routing", "full-width q/k norms"}),
+         "experts or full-width q/k norms"),
         (frozenset({"soft-capped logits", "embedding scale"}), "soft-capped logits or scaled embeddings"),
     ),
     NATIVE_STEP: (
         *HYBRID_ONLY,
+        PARTIAL_ROPE,
+        (frozenset({"sigmoid routing", "ungated shared expert"}),
+         "sigmoid routing or an ungated shared expert (experts.c routes by softmax and gates its shared expert)"),
         (frozenset({"full-width q/k norms"}), "full-width q/k norms"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),
     ),
@@ -62,6 +70,8 @@ CONDITIONS = {
     (NATIVE_STEP, "shared expert"): "in native 4- or 8-bit blocks",
     (GRAPH_STEP, "experts"): "grouped GEMMs: bfloat16 on sm90/sm100, not --deterministic",
     (GRAPH_STEP, "shared expert"): "grouped GEMMs",
+    (GRAPH_STEP, "ungated shared expert"): "grouped GEMMs",
+    (GRAPH_STEP, "sigmoid routing"): "grouped GEMMs",
 }
 
 
@@ -138,6 +148,8 @@ def _native_experts_decline(moe: SparseMoe) -> str | None:
     if any(isinstance(w, torch.Tensor) or not all(is_native(x) and type(x) is type(w[0]) for x in w) for w in stacks):
         return "experts not in the native 4-bit blocks"
     shared = (moe.shared_gate_up, moe.shared_down)
+    if c.shared_expert_size and not c.shared_gated:  # the table declines it; the router's gate row is assumed
+        return "ungated shared expert (experts.c gates its shared expert)"
     if c.shared_expert_size and not all(is_native(w) for w in shared):
         return "shared expert not in native 4- or 8-bit blocks"
     if c.top_k > 64 or c.expert_size % 32 or c.shared_expert_size % 32:

@@ -11,7 +11,7 @@ import xxhash
 from gguf import GGMLQuantizationType
 
 from engine.errors import ModelLoadError
-from engine.model import families, gguf_dequant, kquant_weight, moe_loading
+from engine.model import families, gguf_dequant, kquant_weight, moe_loading, mtp
 from engine.model.build import Groups, LoadedModel, build_model
 from engine.model.config import ModelConfig
 from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
@@ -35,12 +35,18 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def _gguf_canonical(name: str) -> str | None:
+# GLM-4.x MoE's post_attention_norm is its MLP's input norm (llama.cpp names its post_attention_layernorm so),
+# not Gemma's norm of the attention output.
+_GLM4_MOE_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm.weight": "mlp_norm"}
+
+
+def _gguf_canonical(name: str, arch: str | None = None) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        key = _GGUF_LAYER_NAMES.get(rest) or moe_loading.gguf_layer_key(rest)
+        layer_names = _GLM4_MOE_LAYER_NAMES if arch == "glm4moe" else _GGUF_LAYER_NAMES
+        key = layer_names.get(rest) or moe_loading.gguf_layer_key(rest) or mtp.GGUF_NAMES.get(rest)
         if key is not None:
             return f"{index}.{key}"
     return None
@@ -71,7 +77,14 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         if original:
             scaling["original_max_position_embeddings"] = int(original)
     n_kv = key("attention.head_count_kv", n_heads)
-    n_layers = int(key("block_count"))
+    # GLM's block_count includes its next-token (MTP) layers after the decoder layers (llama.cpp's converter).
+    mtp_layers = int(meta.get(f"{arch}.nextn_predict_layers") or 0) if arch == "glm4moe" else 0
+    n_layers = int(key("block_count")) - mtp_layers
+    if mtp_layers and "blk.0.attn_norm.weight" not in tensor_names:  # llama.cpp's convert_hf_to_gguf --mtp-only
+        raise ModelLoadError(f"{path}: holds only the next-token (MTP) layer, not the model (a file written with "
+                             "--mtp-only); load the model's own GGUF")
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
+    rotary_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim) if arch == "glm4moe" else head_dim
     moe = moe_arch and moe_loading.gguf_moe_config(moe_arch, arch, meta, tensor_names, n_layers, path)
     try:
         window, sliding = gguf_sliding_layers(arch, meta, n_layers)
@@ -86,7 +99,7 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -97,6 +110,8 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         moe=moe or None,
         sliding_window=window,
         sliding_layers=sliding,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        mtp_layers=mtp_layers,
         **gemma,
     )
 
@@ -114,8 +129,9 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     del header
     forget_headers()
     tensors = {}
+    arch = meta.get("general.architecture")
     for t in directory:
-        key = _gguf_canonical(t.name)
+        key = _gguf_canonical(t.name, arch)
         if key is not None:
             tensors[key] = t
     config = gguf_config(meta, {t.name for t in directory}, path)
@@ -217,6 +233,20 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
         fingerprint = h.hexdigest()
         if derived is not None:
             derived.save(fingerprint)
+    # GLM's next-token layers: kept as the file holds them (its bytes, its type), not run (mtp.py).
+    with open(path, "rb") as f:
+        model.mtp = tuple({key.split(".", 1)[1]: _kept(tensors[key], f, path) for key in keys}
+                          for keys in mtp.layer_keys(config.n_layers, config.mtp_layers, list(tensors)))
+    mtp.report_kept(model.mtp, path)
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), fingerprint, dtype)
+
+
+def _kept(t, f, path: str) -> mtp.KeptTensor:
+    """A GGUF tensor's own bytes, read from the open file `f`."""
+    data = torch.empty(t.n_bytes, dtype=torch.uint8)
+    f.seek(t.offset)
+    if f.readinto(memoryview(data.numpy())) != data.numel():  # type: ignore[arg-type]  # see raw() above
+        raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+    return mtp.KeptTensor(t.name, GGMLQuantizationType(t.qtype).name, tuple(t.shape), data)
 

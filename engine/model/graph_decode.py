@@ -72,7 +72,7 @@ class _Tables:
 
     def __init__(self, model: CausalLM, ctx: int, device: torch.device) -> None:
         cos, sin = model.rotary.get(ctx, device, model.dtype)
-        half = model.config.head_dim // 2
+        half = cos.shape[-1] // 2  # of the rotated channels (all of a head's, or partial RoPE's leading ones)
         self.cos = cos[:ctx]
         self.sin = torch.cat((-sin[:ctx, :half], sin[:ctx, half:]), dim=-1)
         self.arange = torch.arange(ctx, device=device)

@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import moe_loading
+from engine.model import moe_loading, mtp
 from engine.model.build import LoadedModel, build_model
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.hf_files import folder_tokenizer, header_fingerprint, open_tensors, safetensors_files
@@ -37,7 +37,7 @@ def _hf_canonical(name: str, layer_names: dict[str, str] = _HF_LAYER_NAMES) -> s
         return _HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = layer_names.get(rest) or moe_loading.hf_layer_key(rest)
+        key = layer_names.get(rest) or moe_loading.hf_layer_key(rest) or mtp.HF_NAMES.get(rest)
         if key is not None:
             return f"{index}.{key}"
     return None
@@ -49,6 +49,14 @@ def _gemma_canonical(name: str) -> str | None:
 
 def _is_norm(key: str) -> bool:
     return key == "norm" or key.endswith("_norm")
+
+
+def _kept(file: str, name: str, handles) -> mtp.KeptTensor:
+    try:
+        tensor = handles[file].get_tensor(name)
+    except Exception as e:
+        raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
+    return mtp.KeptTensor(name, str(tensor.dtype), tuple(tensor.shape), tensor)
 
 
 def hybrid_loader(raw_config: dict):
@@ -110,6 +118,10 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
     model = build_model(config, stages, dtype, get, folder, int4_weights=int4_weights, cpu_experts=cpu_experts)
     h.update(content.digest())
+    # GLM's next-token layers: kept as the checkpoint holds them, not part of the running model (mtp.py).
+    kept = mtp.layer_keys(config.n_layers, config.mtp_layers, list(where))
+    model.mtp = tuple({key.split(".", 1)[1]: _kept(*where[key], handles) for key in keys} for keys in kept)
+    mtp.report_kept(model.mtp, folder)
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)
 

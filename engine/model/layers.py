@@ -30,12 +30,14 @@ FEATURES = (
     "full-width q/k norms",  # RMSNorm of q and of k over their full widths, before the head split (OLMoE)
     "attention bias",  # biases on q, k and v (Qwen2)
     "attention scale",  # a softmax scale other than 1/sqrt(head_dim) (Gemma 3's query_pre_attn_scalar)
-    "partial or no rope",  # RoPE on the leading channels of a head only, or none (hybrids: Qwen3.5, Granite-4.0-H)
+    "partial or no rope",  # RoPE on the leading channels of a head only, or none (GLM-4.x MoE; hybrids: Qwen3.5)
     "output gate",  # a sigmoid gate on the attention output, its rows interleaved with q's (hybrids: Qwen3.5)
     "post-norms",  # RMSNorm of the attention and of the MLP outputs before the residual (Gemma 3)
     "GeGLU",  # the MLP's gate through the tanh GeLU instead of SiLU (Gemma 3)
     "experts",  # a sparse expert block instead of the dense MLP (moe.py)
     "shared expert",  # an always-on expert behind a sigmoid gate beside the routed ones (Qwen2-MoE)
+    "ungated shared expert",  # an always-on expert added without a gate (GLM-4.x MoE)
+    "sigmoid routing",  # sigmoid scores, experts chosen by score + bias, optionally by groups (GLM-4.x MoE)
     "embedding scale",  # embeddings times sqrt(hidden) in the weights' dtype (Gemma 3)
     "soft-capped logits",  # logits -> cap * tanh(logits / cap)
 )
@@ -88,6 +90,7 @@ class ExpertsSpec:
     routing: str  # moe_config.ROUTINGS
     norm_topk_prob: bool
     shared_size: int  # the shared expert's intermediate size; 0 = none
+    shared_gated: bool = True  # the shared expert's output times a sigmoid gate (Qwen2-MoE); False: added as it is
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +131,9 @@ class LayerSpec:
             "post-norms": self.norm.post,
             "GeGLU": m.activation == "gelu_tanh",
             "experts": m.experts is not None,
-            "shared expert": m.experts is not None and m.experts.shared_size > 0,
+            "shared expert": m.experts is not None and m.experts.shared_size > 0 and m.experts.shared_gated,
+            "ungated shared expert": m.experts is not None and m.experts.shared_size > 0 and not m.experts.shared_gated,
+            "sigmoid routing": m.experts is not None and m.experts.routing == "sigmoid_bias",
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -176,10 +181,12 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
         if c.moe is not None and c.is_moe_layer(i):
             m = c.moe
             experts = ExpertsSpec(n_experts=m.n_experts, top_k=m.top_k, size=m.expert_size, routing=m.routing,
-                                  norm_topk_prob=m.norm_topk_prob, shared_size=m.shared_expert_size)
+                                  norm_topk_prob=m.norm_topk_prob, shared_size=m.shared_expert_size,
+                                  shared_gated=m.shared_gated)
         layers.append(LayerSpec(
             index=i, norm=norm,
-            attention=AttentionSpec(window=window, rope=rope, qk_norm=qk, scale=scale, bias=c.attention_bias),
+            attention=AttentionSpec(window=window, rope=rope, qk_norm=qk, scale=scale, bias=c.attention_bias,
+                                    rotary_dim=c.rotary_dim),
             mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.intermediate_size, experts=experts),
         ))
     return ModelLayers(

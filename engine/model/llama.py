@@ -29,6 +29,7 @@ from engine.model.sliding import first_key, window_mask
 
 if TYPE_CHECKING:  # moe imports this module's kernels
     from engine.model.moe import SparseMoe
+    from engine.model.mtp import MtpLayer
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -191,7 +192,15 @@ class CausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
-        self.rotary = RotaryTable(config, rope_freq_factors)
+        # Partial RoPE: the tables span the rotated channels only (their frequencies are those of that width).
+        rotary = {spec.attention.rotary_dim for spec in description.layers}
+        assert len(rotary) == 1 and 0 not in rotary, f"one rotary width per model, got {rotary}"
+        rotary_dim = rotary.pop()
+        # GLM's next-token (MTP) layers as the file holds them, kept for speculative decoding, not run (mtp.py);
+        # the loaders set them after building.
+        self.mtp: tuple[MtpLayer, ...] = ()
+        self.rotary = RotaryTable(config if rotary_dim is None else replace(config, head_dim=rotary_dim, rotary_dim=None),
+                                  rope_freq_factors)
         # False: projections of a batch run as one GEMM (`linear`'s fast path); the engine clears it on CUDA
         # unless --deterministic. CPU float32 and int4 kernels are batch-invariant either way.
         self.batch_invariant = True
@@ -408,7 +417,13 @@ class CausalLM(torch.nn.Module):
             qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
         # Rotate-half RoPE as one roll: roll(qk) * sin_rolled == cat(-qk2, qk1) * sin, bit for bit (the sign
         # of the first half lives in sin_rolled, see forward_chunks). Promotes a bfloat16 qkv to x's dtype.
-        qk = qk * cos + qk.roll(D // 2, -1) * sin
+        rotated = cos.shape[-1]
+        if rotated == D:
+            qk = qk * cos + qk.roll(D // 2, -1) * sin
+        else:  # partial RoPE: the leading `rotated` channels turn (rotate-half within them), the rest pass
+            head = qk[..., :rotated]
+            head = head * cos + head.roll(rotated // 2, -1) * sin
+            qk = torch.cat((head, qk[..., rotated:].to(head.dtype)), -1)
         return qk[:, :H], qk[:, H:], v
 
     def attention_out_and_mlp(self, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, n_single: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 A router scores every expert for every token; each token runs its top-k experts and sums their outputs weighted
 by the routing weights. Tokens are grouped by expert: each expert that any token chose runs once, as one
 matmul over all the rows routed to it (a prefill of 1000 tokens makes at most n_experts expert calls, not
-1000 * top_k). Qwen2-MoE adds a shared expert that every token runs, behind a sigmoid gate.
+1000 * top_k). Qwen2-MoE adds a shared expert that every token runs, behind a sigmoid gate; GLM-4.x MoE one
+without a gate, added as it is.
 
 Numerics follow transformers exactly: the same routing ops on the same values in the same order (so ties
 between equal router scores go the same way: torch.topk on the float32 probabilities over experts in index
@@ -49,6 +50,8 @@ def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None
     if moe.routing == "sigmoid_bias":
         scores = sigmoid_rows(logits.float())
         choice = scores if bias is None else scores + bias
+        if moe.n_group > 1:
+            choice = keep_top_groups(choice, moe.n_group, moe.topk_group)
         experts = torch.topk(choice, moe.top_k, dim=-1)[1]
         weights = scores.gather(1, experts)
         if moe.norm_topk_prob:
@@ -65,6 +68,19 @@ def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None
     return torch.softmax(top, dim=-1), experts
 
 
+def keep_top_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """`choice` [tokens, n_experts] with every expert outside the best `topk_group` of `n_group` groups (of
+    consecutive experts) set to -inf; a group ranks by the sum of its two best values (DeepSeek-V3's grouped
+    routing, as transformers computes it for GLM-4.x MoE and Nemotron-H)."""
+    tokens, n_experts = choice.shape
+    grouped = choice.reshape(tokens, n_group, n_experts // n_group)  # a slice of padded sigmoids: not a view
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    keep = torch.zeros_like(group_scores)
+    keep.scatter_(1, torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1], 1)
+    mask = keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, n_experts)
+    return choice.masked_fill(~mask.bool(), float("-inf"))
+
+
 def _mlp(x: torch.Tensor, gate_up, down, n_single: int, fast: bool = False) -> torch.Tensor:
     """SwiGLU over fused [gate; up] rows: down(silu(gate x) * up x)."""
     gu = linear(x, gate_up, n_single, fast=fast)
@@ -73,13 +89,13 @@ def _mlp(x: torch.Tensor, gate_up, down, n_single: int, fast: bool = False) -> t
 
 
 class SparseMoe(torch.nn.Module):
-    """Router + experts (+ an optional gated shared expert) of one layer.
+    """Router + experts (+ an optional shared expert, gated or not) of one layer.
 
     `gate_up` is [n_experts, 2 * expert_size, hidden] (each expert's gate rows, then its up rows), `down`
     [n_experts, hidden, expert_size]. After `quantize_experts` they are lists of int4.Int4Weight, one per expert;
     a loader that has the experts as 4-bit groups already (a Q4 GGUF's codes) passes such lists itself, or lists
     of kernels.RowsWeight (a GGUF's own Q4_K, Q6_K or Q8_0 blocks, engine/model/kquant_weight.py).
-    With a shared expert, `router` holds its gate as a last row.
+    With a gated shared expert (`MoeConfig.shared_gated`), `router` holds its gate as a last row.
     """
 
     # The buffers registered in __init__, typed (nn.Module's attribute lookup is typed Tensor | Module);
@@ -112,14 +128,16 @@ class SparseMoe(torch.nn.Module):
         assert _shape(gate_up) == (e, 2 * inter, h), ("gate_up", _shape(gate_up))
         assert _shape(down) == (e, h, inter), ("down", _shape(down))
         has_shared = moe.shared_expert_size > 0
-        assert has_shared == (shared_gate_up is not None) == (shared_down is not None) == (shared_gate is not None)
+        gated = has_shared and moe.shared_gated
+        assert has_shared == (shared_gate_up is not None) == (shared_down is not None), "shared expert weights"
+        assert gated == (shared_gate is not None), f"shared expert gate: {'expected' if gated else 'unexpected'}"
         if has_shared:
             s = moe.shared_expert_size
-            assert shared_gate_up is not None and shared_down is not None and shared_gate is not None  # see above
+            assert shared_gate_up is not None and shared_down is not None  # see above
             assert shared_gate_up.shape == (2 * s, h) and shared_down.shape == (h, s), "shared expert shape"
-            assert shared_gate.shape == (1, h), ("shared_gate", tuple(shared_gate.shape))
+            assert shared_gate is None or shared_gate.shape == (1, h), ("shared_gate", tuple(shared_gate.shape))
         self.config = moe
-        if has_shared:
+        if gated:
             # The shared expert's gate is one more router row: one product for both, and a product with a
             # single output column sums differently by row count under BLAS (batch invariance).
             assert shared_gate is not None  # has_shared (asserted above)
@@ -154,9 +172,10 @@ class SparseMoe(torch.nn.Module):
             out = self._routed(h.to(where, dtype), experts.to(where), weights.to(where, dtype), n_single)
             out = out.to(h.device, h.dtype)
         if self.shared_gate_up is not None:
-            gate = _sigmoid_column(logits[:, n_experts:])
-            shared = _mlp(h, self.shared_gate_up, self.shared_down, n_single, fast)
-            out = out + gate * shared.to(h.dtype)  # a 4-bit shared expert gives float32
+            shared = _mlp(h, self.shared_gate_up, self.shared_down, n_single, fast).to(h.dtype)  # 4-bit: float32
+            if self.config.shared_gated:
+                shared = _sigmoid_column(logits[:, n_experts:]) * shared
+            out = out + shared
         return out
 
     def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The expert settings of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GraniteMoE).
+"""The expert settings of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GraniteMoE,
+GLM-4.x MoE).
 
 Kept apart from config.py so the dense families' shape stays as it was: a dense ModelConfig has `moe=None` and
 describes itself exactly as before; a MoE one carries a MoeConfig, which is part of the identity of its K/V.
@@ -19,11 +20,13 @@ MOE_ARCHITECTURES = families.names("moe")
 #   topk_softmax: top-k of the logits, then softmax over those k (GraniteMoE).
 #   sigmoid_bias: sigmoid of the logits in float32; the top-k experts by sigmoid + a per-expert bias (the bias
 #                 only chooses: zero when the family has none); weights = the chosen sigmoids, divided by their
-#                 sum (+ norm_eps) when norm_topk_prob, times routed_scaling (LFM2-MoE).
+#                 sum (+ norm_eps) when norm_topk_prob, times routed_scaling (LFM2-MoE). With n_group > 1 the
+#                 experts are chosen only among the topk_group groups (of n_experts / n_group consecutive
+#                 experts) whose two best sigmoid + bias values sum highest (GLM-4.x MoE, Nemotron-H).
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_bias")
 # Fields a family without them leaves at these defaults; describe() omits them then, so the identity of the
 # parked K/V of the families from before them stays what it was.
-_OPTIONAL_DEFAULTS = {"routed_scaling": 1.0, "norm_eps": 0.0}
+_OPTIONAL_DEFAULTS = {"routed_scaling": 1.0, "norm_eps": 0.0, "n_group": 1, "topk_group": 1, "shared_gated": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +38,9 @@ class MoeConfig:
     expert_size: int  # intermediate size of one expert
     routing: str
     norm_topk_prob: bool
-    shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert of this size behind a sigmoid gate; 0 = none
+    shared_expert_size: int = 0  # an always-on expert of this size beside the routed ones; 0 = none
+    shared_gated: bool = True  # the shared expert's output times a sigmoid gate (Qwen2-MoE); False: added as
+    # it is (GLM-4.x MoE)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of ModelConfig.intermediate_size (Qwen's
     # mlp_only_layers / decoder_sparse_step)
     # GraniteMoE's scalars (1.0 elsewhere); the loader folds them into the weights, the forward never sees them.
@@ -46,6 +51,9 @@ class MoeConfig:
     # sigmoid_bias routing: the chosen weights' scale and the term added to their sum when renormalised
     routed_scaling: float = 1.0
     norm_eps: float = 0.0
+    # sigmoid_bias routing by groups: experts come from the best `topk_group` of `n_group` groups (1, 1: all)
+    n_group: int = 1
+    topk_group: int = 1
 
     def describe(self) -> dict[str, Any]:
         """JSON-able description (part of the model's, and so of its parked K/V's, identity)."""
@@ -70,6 +78,20 @@ class MoeConfig:
             raise ValueError(f"routed_scaling_factor: expected a positive number, got {self.routed_scaling!r}")
         if self.shared_expert_size < 0:
             raise ValueError(f"shared_expert_size: expected 0 or more, got {self.shared_expert_size}")
+        if self.n_group != 1 or self.topk_group != 1:
+            if self.routing != "sigmoid_bias":
+                raise ValueError(f"n_group {self.n_group}: expert groups need sigmoid routing, not {self.routing}")
+            if not isinstance(self.n_group, int) or self.n_group <= 0 or self.n_experts % self.n_group:
+                raise ValueError(f"n_group: expected a positive divisor of the {self.n_experts} experts, "
+                                 f"got {self.n_group!r}")
+            if self.n_experts // self.n_group < 2:
+                raise ValueError(f"n_group {self.n_group}: each group needs at least 2 experts (a group is ranked "
+                                 f"by its two best), got {self.n_experts} experts")
+            if not isinstance(self.topk_group, int) or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"topk_group: expected 1 to n_group ({self.n_group}), got {self.topk_group!r}")
+            if self.top_k > self.topk_group * (self.n_experts // self.n_group):
+                raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of the topk_group "
+                                 f"({self.topk_group}) groups kept ({self.topk_group * (self.n_experts // self.n_group)})")
         bad = [i for i in self.dense_layers if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"dense layers {bad} are outside the model's {n_layers} layers")
@@ -83,9 +105,9 @@ def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r}: only silu experts are supported")
-    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     if not n_experts:
-        raise ValueError("the number of experts (num_experts or num_local_experts) is missing")
+        raise ValueError("the number of experts (num_experts, num_local_experts or n_routed_experts) is missing")
     top_k = cfg.get("num_experts_per_tok")
     if not top_k:
         raise ValueError("num_experts_per_tok is missing")
@@ -103,6 +125,8 @@ def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
         return MoeConfig(**common, expert_size=int(cfg["moe_intermediate_size"]), routing="softmax_topk",
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_size=shared,
                          dense_layers=dense)
+    if arch == "glm4_moe":
+        return _glm4_moe(cfg, common, n_layers)
     expert_size = int(cfg["intermediate_size"])
     if arch == "olmoe":
         if cfg.get("clip_qkv") is not None:
@@ -120,3 +144,22 @@ def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         )
     raise ValueError(f"{arch}: not a mixture-of-experts architecture ({', '.join(MOE_ARCHITECTURES)})")
+
+
+def _glm4_moe(cfg: dict[str, Any], common: dict[str, Any], n_layers: int) -> MoeConfig:
+    """GLM-4.x MoE (transformers' Glm4MoeConfig; defaults are its own): the first `first_k_dense_replace` layers
+    dense, sigmoid routing with the score-correction bias among the best `topk_group` of `n_group` groups,
+    weights renormalised (+1e-20, as transformers adds) and times `routed_scaling_factor`, and `n_shared_experts`
+    experts of `moe_intermediate_size` as one shared expert added without a gate."""
+    first_dense = cfg.get("first_k_dense_replace", 1)
+    if not isinstance(first_dense, int) or not 0 <= first_dense <= n_layers:
+        raise ValueError(f"first_k_dense_replace: expected 0 to {n_layers} (the layers), got {first_dense!r}")
+    n_shared = cfg.get("n_shared_experts", 1)
+    if not isinstance(n_shared, int) or n_shared < 0:
+        raise ValueError(f"n_shared_experts: expected a whole number >= 0, got {n_shared!r}")
+    expert_size = int(cfg.get("moe_intermediate_size", 1408))
+    return MoeConfig(**common, expert_size=expert_size, routing="sigmoid_bias",
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), shared_expert_size=n_shared * expert_size,
+                     shared_gated=False, dense_layers=tuple(range(first_dense)),
+                     routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)), norm_eps=1e-20,
+                     n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1))

@@ -7,7 +7,8 @@ Canonical keys of a MoE layer i (what a loader's getter answers, as CPU tensors)
   "i.experts.down"              [n_experts, hidden, expert_size]
   "i.expert.E.gate", ".up", ".down"                                    one expert at a time (HF checkpoints)
   "i.shared.gate", ".up", ".down", "i.shared_gate"                     Qwen2-MoE's shared expert and its gate
-  "i.expert_bias"               [n_experts]                            what sigmoid routing adds to choose (LFM2-MoE)
+  "i.expert_bias"               [n_experts]                            what sigmoid routing adds to choose (LFM2-MoE,
+                                                                       GLM-4.x MoE's e_score_correction_bias)
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ _HF_FIXED = {
     "mlp.shared_expert.up_proj.weight": "shared.up",
     "mlp.shared_expert.down_proj.weight": "shared.down",
     "mlp.shared_expert_gate.weight": "shared_gate",
+    "mlp.shared_experts.gate_proj.weight": "shared.gate",  # GLM-4.x MoE: n_shared_experts as one, ungated
+    "mlp.shared_experts.up_proj.weight": "shared.up",
+    "mlp.shared_experts.down_proj.weight": "shared.down",
+    "mlp.gate.e_score_correction_bias": "expert_bias",
 }
 _HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
 _HF_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -183,8 +188,9 @@ def build_sparse_moe(
         shared = {
             "shared_gate_up": to(torch.cat((need(p + "shared.gate", (s, h)), need(p + "shared.up", (s, h))))),
             "shared_down": to(need(p + "shared.down", (h, s))),
-            "shared_gate": to(_shared_gate(get(p + "shared_gate"), h, p, path)),
         }
+        if m.shared_gated:  # Qwen2-MoE's sigmoid gate (GLM-4.x MoE adds its shared expert ungated)
+            shared["shared_gate"] = to(_shared_gate(get(p + "shared_gate"), h, p, path))
     router = to(need(p + "router", (e, h)))
     if m.routing == "sigmoid_bias":  # the bias that chooses experts stays float32, as the families keep it
         bias = get(p + "expert_bias")
@@ -242,7 +248,7 @@ def mlp_weights(config: ModelConfig, index: int) -> int:
     if not c.is_moe_layer(index):
         return 3 * c.hidden_size * c.intermediate_size
     assert m is not None  # is_moe_layer is false without a MoE config
-    shared = 3 * c.hidden_size * m.shared_expert_size + c.hidden_size if m.shared_expert_size else 0
+    shared = 3 * c.hidden_size * m.shared_expert_size + c.hidden_size * m.shared_gated if m.shared_expert_size else 0
     return routed_expert_weights(c) + m.n_experts * c.hidden_size + shared
 
 
@@ -283,8 +289,10 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
                     path: str) -> MoeConfig:
     """Expert settings from `<gguf_arch>.expert_count`, `.expert_used_count`, `.expert_feed_forward_length`,
     `.expert_shared_feed_forward_length`, `.expert_weights_norm` and Granite's `.embedding_scale`,
-    `.attention.scale`, `.residual_scale`, `.logit_scale`. Where a key is absent, llama.cpp's own choice for the
-    family holds (it renormalises Qwen3-MoE's and Mixtral's top-k weights, not Qwen2-MoE's or OLMoE's)."""
+    `.attention.scale`, `.residual_scale`, `.logit_scale`, and GLM's `.expert_gating_func` (2, sigmoid),
+    `.expert_shared_count`, `.expert_weights_scale`, `.expert_group_count`, `.expert_group_used_count`. Where a key
+    is absent, llama.cpp's own choice for the family holds (it renormalises Qwen3-MoE's and Mixtral's top-k weights,
+    not Qwen2-MoE's or OLMoE's)."""
 
     def key(name: str, default=None):
         value = meta.get(f"{gguf_arch}.{name}", default)
@@ -293,10 +301,13 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
         return value
 
     gating = meta.get(f"{gguf_arch}.expert_gating_func")
-    if gating not in (None, 1):  # llama.cpp: 1 softmax, 2 sigmoid
+    if arch == "glm4_moe":
+        if gating != 2:  # llama.cpp: 1 softmax, 2 sigmoid
+            raise ModelLoadError(f"{path}: expert_gating_func {gating}: expected 2 (sigmoid) for {gguf_arch}")
+    elif gating not in (None, 1):
         raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (expected 1, softmax)")
-    if meta.get(f"{gguf_arch}.expert_shared_count", 0) and arch != "qwen2_moe":
-        raise ModelLoadError(f"{path}: shared experts in {arch} are not supported (only Qwen2-MoE's)")
+    if meta.get(f"{gguf_arch}.expert_shared_count", 0) and arch not in ("qwen2_moe", "glm4_moe"):
+        raise ModelLoadError(f"{path}: shared experts in {arch} are not supported (only Qwen2-MoE's and GLM's)")
     # Layers without a router tensor have a dense MLP (ffn_gate/ffn_up/ffn_down).
     dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
     common: dict[str, Any] = {
@@ -307,7 +318,15 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
     }
     norm = bool(meta.get(f"{gguf_arch}.expert_weights_norm", arch in ("qwen3_moe", "mixtral")))
     try:
-        if arch == "granitemoe":
+        if arch == "glm4_moe":  # what llama.cpp's converter writes of Glm4MoeConfig (moe_config._glm4_moe)
+            n_shared = int(meta.get(f"{gguf_arch}.expert_shared_count", 0))
+            moe = MoeConfig(**common, routing="sigmoid_bias",
+                            norm_topk_prob=bool(meta.get(f"{gguf_arch}.expert_weights_norm", True)),
+                            shared_expert_size=n_shared * common["expert_size"], shared_gated=False,
+                            routed_scaling=float(meta.get(f"{gguf_arch}.expert_weights_scale", 1.0)), norm_eps=1e-20,
+                            n_group=int(meta.get(f"{gguf_arch}.expert_group_count") or 1),
+                            topk_group=int(meta.get(f"{gguf_arch}.expert_group_used_count") or 1))
+        elif arch == "granitemoe":
             moe = MoeConfig(**common, routing="topk_softmax", norm_topk_prob=False,
                             embedding_multiplier=float(key("embedding_scale", 1.0)),
                             attention_multiplier=float(key("attention.scale", 1.0)),

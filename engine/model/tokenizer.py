@@ -34,6 +34,8 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 _SPLIT_BY_PRE = {
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
     "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
+    # GLM-4.x (llama.cpp's CHATGLM4 pre-tokenizer: the same expression)
+    "glm4": _LLAMA3_SPLIT, "glm5": _LLAMA3_SPLIT, "chatglm-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
 }
 # llama.cpp splits every digit on its own before the GPT-2 pattern for these.

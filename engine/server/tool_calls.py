@@ -8,6 +8,8 @@ teach them:
   control tokens the decoder leaves out: a whole answer that is such a JSON list counts too);
 - Llama 3.x JSON, a whole answer `{"name": ..., "parameters": ...}` (after `<|python_tag|>` if any), taken only
   when it names an offered tool;
+- GLM-4.x's keys and values inside the same tags, `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE
+  </arg_value>...</tool_call>` (values read as the XML form's; a bare NAME only when it names an offered tool);
 - LFM2's Python calls, `<|tool_call_start|>[NAME(KEY=VALUE, ...)]<|tool_call_end|>` (engine/server/pythonic_calls.py;
   without its markers, which are control tokens, a whole answer of such calls counts when every one names an
   offered tool).
@@ -45,6 +47,9 @@ MISTRAL = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.S)
+_GLM_KEY = "<arg_key>"
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+_GLM_NAME = re.compile(r"[A-Za-z_][\w.\-]{0,127}")
 
 Schemas = dict[str, dict[str, Any]]  # tool name -> its JSON schema's properties
 
@@ -96,12 +101,29 @@ def _xml_calls(body: str, schemas: Schemas) -> list[dict[str, Any]]:
     return calls
 
 
+def _glm_calls(body: str, schemas: Schemas) -> list[dict[str, Any]]:
+    """GLM-4.x's `NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...` (values read as the XML
+    form's are); a bare name counts only when it names an offered tool. [] when it is not such a call."""
+    name, sep, rest = body.partition(_GLM_KEY)
+    name = name.strip()
+    if not _GLM_NAME.fullmatch(name) or (not sep and name not in schemas):
+        return []
+    props = schemas.get(name, {})
+    pairs = _GLM_ARG.findall(sep + rest)
+    if sep and not pairs:
+        return []
+    return [_call(name, {key.strip(): _xml_value(value, props.get(key.strip())) for key, value in pairs})]
+
+
 def _calls_from_block(body: str, schemas: Schemas) -> list[dict[str, Any]]:
-    """The calls of one `<tool_call>` block: Hermes JSON or Qwen3-Coder XML; [] when it is neither."""
+    """The calls of one `<tool_call>` block: Hermes JSON, Qwen3-Coder XML or GLM's keys and values; [] when it is
+    none of them."""
     if body.startswith("<function="):
         return _xml_calls(body, schemas)
     call = _json_call(_loads(body))
-    return [call] if call is not None else []
+    if call is not None:
+        return [call]
+    return _glm_calls(body, schemas) if not body.startswith(("{", "[")) else []
 
 
 def _mistral_calls(text: str) -> list[dict[str, Any]] | None:

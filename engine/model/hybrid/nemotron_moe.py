@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.hybrid.nemotron_config import NemotronExperts
-from engine.model.moe import grouped_experts, sigmoid_rows
+from engine.model.moe import grouped_experts, keep_top_groups, sigmoid_rows
 from engine.model.projections import linear
 
 
@@ -63,12 +63,7 @@ class NemotronMoe(torch.nn.Module):
         scores = sigmoid_rows(logits)
         choice = scores + self.score_bias
         if s.n_group > 1:
-            grouped = choice.view(-1, s.n_group, s.n_experts // s.n_group)
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-            keep = torch.zeros_like(group_scores)
-            keep.scatter_(1, torch.topk(group_scores, k=s.topk_group, dim=-1, sorted=False)[1], 1)
-            mask = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, s.n_experts)
-            choice = choice.masked_fill(~mask.bool(), float("-inf"))
+            choice = keep_top_groups(choice, s.n_group, s.topk_group)
         experts = torch.topk(choice, k=s.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)
         if s.norm_topk_prob:

@@ -1,0 +1,67 @@
+"""GLM-4.x MoE's next-token (MTP) layers: loaded and kept as the file holds them, not run.
+
+A GLM-4.5/4.6/4.7 checkpoint carries `num_nextn_predict_layers` (one) extra layers after the last decoder layer
+(`model.layers.<n_layers>.*` in HF folders, `blk.<n_layers>.*` in a GGUF whose `block_count` includes them):
+a MoE decoder layer plus `eh_proj` (the [embedding; hidden] -> hidden projection), `enorm`, `hnorm`,
+`shared_head.norm` and optionally `shared_head.head` / `embed_tokens`. They predict the token after the next
+one, for speculative decoding. The engine does not run them yet; the loaders keep each MTP layer's tensors
+(every canonical key of that layer, the decoder part under the same keys as a decoder layer's and the MTP part
+as `nextn.*`) in `CausalLM.mtp`, as the file stores them: a GGUF tensor's own bytes in its own type (no
+dequantised copy: the MTP layer of GLM-4.5-Air is a full MoE layer), a safetensors tensor in its own dtype,
+both on the CPU. A later step builds a runnable layer from them (gguf_dequant.dequantize for the GGUF kind).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("strata.engine")
+
+# HF names (after `model.layers.<i>.`) and GGUF names (after `blk.<i>.`) of the MTP-only tensors -> canonical
+# keys (the GGUF names without the suffix).
+HF_NAMES = {
+    "eh_proj.weight": "nextn.eh_proj", "enorm.weight": "nextn.enorm", "hnorm.weight": "nextn.hnorm",
+    "shared_head.norm.weight": "nextn.shared_head_norm", "shared_head.head.weight": "nextn.shared_head_head",
+    "embed_tokens.weight": "nextn.embed_tokens",
+}
+GGUF_NAMES = {f"{key}.weight": key for key in HF_NAMES.values()}
+# What an MTP layer cannot do without (llama.cpp's glm4-moe requires them too).
+REQUIRED = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm")
+
+
+@dataclass(frozen=True, slots=True)
+class KeptTensor:
+    """One tensor of an MTP layer as the file holds it."""
+
+    name: str  # the file's tensor name
+    kind: str  # a torch dtype ("torch.bfloat16") for safetensors, a GGML type name ("Q4_K") for GGUF
+    shape: tuple[int, ...]  # the tensor's shape (for GGUF, in the engine's row-major order)
+    data: torch.Tensor  # safetensors: the values; GGUF: the file's bytes (uint8), on the CPU
+
+
+MtpLayer = dict[str, KeptTensor]  # canonical key within the layer ("q", "experts.gate", "nextn.eh_proj") -> tensor
+
+
+def layer_keys(n_layers: int, mtp_layers: int, keys: list[str]) -> list[list[str]]:
+    """For each MTP layer (after the `n_layers` decoder layers), the canonical keys a file holds of it ("4.q",
+    "4.nextn.eh_proj"), or [] for every layer when the file lacks one's required tensors (a file converted
+    without them: nothing is kept, the model runs as it does)."""
+    out = []
+    for j in range(mtp_layers):
+        prefix = f"{n_layers + j}."
+        found = sorted(k for k in keys if k.startswith(prefix))
+        if any(prefix + r not in found for r in REQUIRED):
+            return []
+        out.append(found)
+    return out
+
+
+def report_kept(layers: tuple[MtpLayer, ...], path: str) -> None:
+    """Log what was kept (host RAM that holds weights the engine does not run yet)."""
+    if layers:
+        size = sum(t.data.nbytes for layer in layers for t in layer.values())
+        log.info("%s: kept %d next-token (MTP) layer(s), %d tensors, %.1f MiB in host RAM (not run)", path,
+                 len(layers), sum(len(layer) for layer in layers), size / 2**20)
