@@ -17,6 +17,7 @@ from engine.contract import RequestRecord
 from engine.runtime.control import CacheControl
 from engine.runtime.explain import Admission, Candidate, explain
 from engine.runtime.model_runner import ModelRunner
+from engine.runtime.parking import Parking
 from engine.runtime.pending_restores import Looked, PendingRestores
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.runtime.sampling import Sampler
@@ -29,8 +30,6 @@ from engine.runtime.stop_strings import StopStringFilter
 from engine.runtime.stream import RequestStream
 
 if TYPE_CHECKING:
-    from engine.cache.restores import RestoreRead
-    from engine.cache.stats import CacheHit
     from engine.runtime.protocols import Tokenizer
 
 log = logging.getLogger("strata.engine")
@@ -50,6 +49,7 @@ class Scheduler:
         self.runner = runner
         self.control = control
         self.restores = restores
+        self.parking = Parking(slots, control, restores, stats)
         self.stats = stats
         self.tokenizer = tokenizer
         self.inbox = inbox
@@ -73,7 +73,8 @@ class Scheduler:
                 self._drain_inbox(block=idle)  # a finished background read wakes it ("wake")
                 if self._stop.is_set():
                     break
-                self._join_restores()
+                for slot, looked, reused, failed, read in self.parking.delivered():
+                    self._start_restored(slot, looked, reused, failed, read)  # it joins the batch
                 self._drop_cancelled()
                 self._admit_waiting()
                 if self.slots.any_active():
@@ -174,15 +175,17 @@ class Scheduler:
             # Restore into the slot whose loss is cheapest, parking what it holds.
             slot = cheapest(free)
             looked = Looked(request, stream, hit, candidate, report, small_gain)
-            # A read from files or the remote store, or a copy onto a GPU: off this thread (_join_restores).
+            # A read from files or the remote store, or a copy onto a GPU: off this thread (Parking.delivered).
             if hit.tier != "ram" or self.restores.all_off_thread:
-                self._read_in_background(slot, looked)
+                failed = self.parking.read_in_background(slot, looked)
+                if failed is not None:  # the hit failed its checks: a clean miss, started at once
+                    self._start_restored(slot, looked, 0, failed)
             else:  # RAM into host slots: a memcpy, here
-                reused, failed = self._restore_hit(slot, hit, prompt)
+                reused, failed = self.parking.restore(slot, hit, prompt)
                 self._start_restored(slot, looked, reused, failed)
         else:
             reused = live[slot.id]
-            self._park_if_losing(slot, reused)
+            self.parking.park_if_losing(slot, reused)
             if not (reused and reused == len(slot.tokens)):  # not going on from all of it: another conversation
                 slot.conversation_id, slot.unnamed = None, []
             self.slots.keep(slot, reused)
@@ -255,104 +258,6 @@ class Scheduler:
         ))
         if conversation_id is None:
             slot.unnamed.append(request.request_id)  # named when the slot's conversation is first parked
-
-    def _park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
-        """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
-
-        `protect` names a parked conversation this park must not evict (the hit about to be restored).
-        """
-        if self.control.cache is None or len(slot.tokens) <= keep or len(slot.tokens) < MIN_PARK_TOKENS:
-            return
-        self._park(slot, protect)
-
-    def _park(self, slot: Slot, protect: str | None = None) -> None:
-        cache = self.control.cache
-        assert cache is not None
-        tokens = list(slot.tokens)
-        reader, checkpoints = self.slots.memory.park_parts(slot.id, len(tokens), len(slot.prompt))
-        try:
-            result = cache.park(tokens, reader, keep=protect, attrs=slot.attrs, checkpoints=checkpoints)
-        except Exception:  # the cache must never take a request down
-            log.exception("parking slot %d failed", slot.id)
-            return
-        if not result.parked:
-            log.info("slot %d: %d tokens not parked: %s", slot.id, len(tokens), result.reason)
-            return
-        assert result.conversation_id is not None
-        self.stats.requests.assign(slot.unnamed, result.conversation_id)
-        slot.conversation_id, slot.unnamed = result.conversation_id, []
-
-    def _read_in_background(self, slot: Slot, looked: Looked) -> None:
-        """Park the slot's contents and start reading the hit off this thread (engine.runtime.pending_restores);
-        a hit that fails its checks starts the request at once, a clean miss."""
-        cache = self.control.cache
-        assert cache is not None
-        hit = looked.hit
-        self._park_if_losing(slot, 0, protect=hit.conversation_id)
-        slot.tokens = []
-        try:
-            read = cache.begin_restore(hit)
-        except Exception as exc:
-            log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
-            self.slots.forget(slot)
-            self._start_restored(slot, looked, 0, str(exc) or type(exc).__name__)
-            return
-        n, sid = hit.n_tokens, slot.id
-        self.restores.start(slot, read, looked, self.stats.counters["generated_tokens"],
-                             prepare=lambda: self.slots.kv.populate(sid, 0, n))
-        looked.stream.mark_started()  # it has its slot: the queue timeout no longer applies
-
-    def _join_restores(self) -> None:
-        """Copy each finished background read into its slot and start the slot's request (it joins the batch)."""
-        for p in self.restores.ready():
-            request, hit = p.context.request, p.context.hit
-            reused, failed = self._restore_hit(p.slot, hit, request.prompt_tokens, p.read)
-            p.slot.restoring = False
-            if reused:
-                self.restores.persist(p.read)
-            read = {"ms": round(p.read.read_ms, 3),
-                    "tokens_meanwhile": self.stats.counters["generated_tokens"] - p.tokens_at_start}
-            self._start_restored(p.slot, p.context, reused, failed, read)
-
-    def _restore_hit(self, slot: Slot, hit: CacheHit, prompt: list[int],
-                     read: RestoreRead | None = None) -> tuple[int, str]:
-        """Park the slot's contents, then restore `hit` into it: (tokens restored, "") or, on any failure, a clean
-        miss: (0, why). With `read` (a finished background read) the slot was parked when the read began."""
-        cache = self.control.cache
-        assert cache is not None
-        if read is None:
-            self._park_if_losing(slot, 0, protect=hit.conversation_id)
-            slot.tokens = []
-        assert not slot.tokens and slot.active is None, "restoring into a slot that holds or serves something"
-
-        def write_kv(start: int, data: torch.Tensor) -> None:
-            self._write_queued(slot, start, data, hit.n_tokens)
-
-        writer = self.slots.memory.restore_writer(slot.id, write_kv)
-        try:
-            result = cache.restore(hit, writer) if read is None else read.deliver(writer, persist_use=False)
-        except Exception as exc:
-            log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
-            self.slots.forget(slot)
-            return 0, str(exc) or type(exc).__name__
-        n = min(result.n_tokens, len(prompt) - 1)
-        held = self.slots.memory.resumes_at(slot.id, n)
-        if n <= 0 or held != n:
-            # A restore that leaves the prefill to start elsewhere than where it restored reuses nothing: a bug
-            # to see (llama.cpp #25913), not a silent full prefill.
-            log.warning("restore of conversation %s did not resume at %d tokens (state at %d); prefilling "
-                        "from token 0", hit.conversation_id, n, held)
-            self.stats.counters["restores_without_reuse"] += 1
-            self.slots.forget(slot)
-            return 0, f"the restored state is at {held} tokens, not at the {n} restored"
-        slot.tokens = list(prompt[:n])
-        return n, ""
-
-    def _write_queued(self, slot: Slot, start: int, data: torch.Tensor, end: int) -> None:
-        """Queue a restored piece into the slot; wait for all transfers once the last piece is queued."""
-        self.slots.kv.write(slot.id, start, data, wait=False)
-        if start + data.shape[2] >= end:
-            self.slots.kv.synchronize()
 
     # ------------------------------------------------------------------ one forward step
 
@@ -483,7 +388,7 @@ class Scheduler:
         if keeps:
             for slot in self.slots.slots:
                 if len(slot.tokens) >= MIN_PARK_TOKENS:
-                    self._park(slot)
+                    self.parking.park(slot)
         cache.close(spill=keeps, deadline_s=deadline_s)
 
 
