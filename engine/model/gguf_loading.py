@@ -18,6 +18,7 @@ from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
 from engine.model.gguf_header import forget_headers, read_gguf_header
 from engine.model.gguf_tensors import check_gguf_tensors, unpermute
 from engine.model.quant_embedding import QuantEmbedding
+from engine.model.read_staging import OrderedHash, ReadStaging
 from engine.model.sliding import gguf_sliding_layers
 from engine.model.tokenizer import Tokenizer, TokenizerError
 from engine.model.weights_cache import DerivedWeights, KeptTokenizer
@@ -149,22 +150,33 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     # llama.cpp permutes q/k only for the llama architecture and its subclasses (families.py).
     permuted = families.BY_NAME[config.architecture].gguf_permuted_qk
-    content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading, each tensor once
+    content = OrderedHash()  # the weights' bytes, hashed as they are read for loading, each tensor once
     hashed: set[str] = set()
+
+    staging: dict[torch.device, ReadStaging] = {}
 
     def raw(key: str, device: torch.device) -> torch.Tensor:
         """The tensor's bytes, read from the file (not through the reader's mapping, whose pages would stay
-        resident next to the converted weights) onto `device`."""
+        resident next to the converted weights) onto `device`: onto a CUDA device through pinned pieces."""
         t = tensors[key]
+        first = key not in hashed
+        if first:
+            hashed.add(key)
+            content.add(key.encode())
+        if device.type == "cuda":
+            reader = staging.get(device) or staging.setdefault(device, ReadStaging(device))
+            on_device = reader.read(f, t.offset, t.n_bytes,
+                                    lambda piece: content.add(piece.numpy()) if first else None)
+            if on_device is None:
+                raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+            return on_device
         data = torch.empty(t.n_bytes, dtype=torch.uint8)
         f.seek(t.offset)
         # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on; it has it on 3.11 too.
         if f.readinto(memoryview(data.numpy())) != data.numel():  # type: ignore[arg-type]
             raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
-        if key not in hashed:
-            hashed.add(key)
-            content.update(key.encode())
-            content.update(data.numpy())  # type: ignore[arg-type]  # a buffer (see above)
+        if first:
+            content.add(data.numpy())
         return data.to(device)
 
     def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
@@ -219,9 +231,14 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     if weights_cache_dir and int4_weights and config.moe is None and all(torch.device(d).type == "cpu" for d, _, _ in stages):
         options = {"dtype": str(dtype), "stages": [[str(d), a, b] for d, a, b in stages]}
         derived = DerivedWeights(weights_cache_dir, path, header_size, options)
-    with open(path, "rb") as f:
-        model = build_model(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, kquant=kquant, wide=wide,
-                       cpu_experts=cpu_experts, blocks=blocks, derived=derived)
+    try:
+        with open(path, "rb") as f:
+            model = build_model(config, stages, dtype, get, path, int4_weights=int4_weights, groups=q4, kquant=kquant,
+                                wide=wide, cpu_experts=cpu_experts, blocks=blocks, derived=derived)
+    finally:
+        for reader in staging.values():
+            reader.close()
+        weights_hash = content.digest()  # waits for the hashing thread, which ends with it
     if derived is not None and derived.fingerprint is not None:
         fingerprint = derived.fingerprint  # the weights it replaced were not read: the first load's fingerprint
     else:
@@ -229,7 +246,7 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
         h.update(struct.pack("<Q", file_size))
         with open(path, "rb") as f:
             h.update(f.read(header_size))  # header, metadata and tensor directory
-        h.update(content.digest())
+        h.update(weights_hash)
         fingerprint = h.hexdigest()
         if derived is not None:
             derived.save(fingerprint)
