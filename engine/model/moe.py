@@ -24,7 +24,8 @@ on what else the step holds, as with the dense layers' one-GEMM path. Elsewhere 
 
 Placement (`--moe-experts cpu`, `--moe-cpu-layers N`, engine/model/moe_placement.py): a layer's routed experts
 may live on another device than the rest of the layer, in host RAM as 4-bit groups. The router and the shared
-expert run where the layer runs; the routed rows go to the experts' device, run there, and come back summed.
+expert run where the layer runs; the routed rows go to the experts' device, run there, and come back summed. A
+batch of many rows on a GPU (a prefill chunk) brings the experts to the rows instead (engine/model/moe_offload.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.model import int4
+from engine.model import int4, moe_offload
 from engine.model.kernels import RowsWeight
 from engine.model.moe_config import MoeConfig
 from engine.model.projections import linear
@@ -164,6 +165,8 @@ class SparseMoe(torch.nn.Module):
         if fast and self.grouped_ready:
             assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)  # grouped_ready
             out = grouped_mm_experts(h, experts, weights.to(h.dtype), self.gate_up, self.down)
+        elif fast and self.offload_rows(h):
+            out = self._routed_here(h, experts, weights.to(h.dtype), n_single)
         else:
             # Experts run where their weights are (host RAM beside a GPU) and in the dtype their products give
             # (float32 for the 4- and 8-bit kinds, whatever the layer's dtype): the hidden states and the routing
@@ -181,6 +184,23 @@ class SparseMoe(torch.nn.Module):
     def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:
         return grouped_experts(h, experts, weights, n_single, self.config.n_experts,
                                lambda x, e, n_one: _mlp(x, self.gate_up[e], self.down[e], n_one))
+
+    def offload_rows(self, h: torch.Tensor) -> bool:
+        """Whether the step's `h` is a batch big enough to bring experts kept in host RAM to h's GPU for it
+        (engine/model/moe_offload.py)."""
+        return (h.device.type == "cuda" and h.shape[0] >= moe_offload.OFFLOAD_MIN_ROWS
+                and self.expert_device.type == "cpu" and moe_offload.offloadable(self.gate_up, self.down))
+
+    def _routed_here(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     n_single: int) -> torch.Tensor:
+        assert isinstance(self.gate_up, list) and isinstance(self.down, list)  # offload_rows: the file's blocks
+        here = moe_offload.DeviceExperts(self.gate_up, self.down, h.device, h.dtype)
+
+        def run(x: torch.Tensor, e: int, n_one: int) -> torch.Tensor:
+            gate_up, down = here.weights(e)
+            return _mlp(x, gate_up, down, n_one, fast=True)
+
+        return grouped_experts(h, experts, weights, n_single, self.config.n_experts, run)
 
     @property
     def grouped_ready(self) -> bool:
