@@ -9,7 +9,7 @@ import pytest
 
 from engine.errors import ApiError
 from engine.model.tokenizer import Tokenizer
-from engine.server.effort import openai_effort, responses_effort, thinking_effort
+from engine.server.effort import messages_effort, openai_effort, responses_effort, thinking_effort
 from engine.server.harmony import HarmonyStream, parse_harmony
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds
@@ -121,12 +121,14 @@ def test_reasoning_effort_values():
     assert openai_effort("minimal", "reasoning_effort") == "low"
     assert responses_effort({"effort": "high", "summary": "auto"}) == "high"
     assert responses_effort(None) is None and thinking_effort(None) is None
-    assert thinking_effort({"type": "disabled"}) == "low"
+    assert thinking_effort({"type": "disabled"}) == "low" and thinking_effort({"type": "adaptive"}) is None
+    assert messages_effort({"type": "disabled"}, {"effort": "max"}) == "high"
     assert [thinking_effort({"type": "enabled", "budget_tokens": n}) for n in (1024, 4096, 32000)] == \
         ["low", "medium", "high"]
     for bad in (lambda: openai_effort("extreme", "reasoning_effort"),
                 lambda: thinking_effort({"type": "enabled"}),
-                lambda: thinking_effort({"type": "sometimes"})):
+                lambda: thinking_effort({"type": "sometimes"}),
+                lambda: messages_effort(None, {"effort": "huge"})):
         with pytest.raises(ApiError) as err:
             bad()
         assert err.value.status == 400

@@ -4,8 +4,9 @@ ignores it, but a bad value is refused whichever model runs, so a client learns 
 
 - chat completions: `reasoning_effort` ("minimal" is read as "low": harmony has nothing lower);
 - Responses: `reasoning.effort` (the same values);
-- Messages: `thinking` — {"type": "disabled"} is low, {"type": "enabled", "budget_tokens": N} is low below 2,048
-  tokens, medium below 8,192 and high from there (Anthropic's budgets start at 1,024).
+- Messages: `output_config.effort` (low, medium, high; xhigh and max are high); without it `thinking`:
+  {"type": "disabled"} is low, {"type": "enabled", "budget_tokens": N} is low below 2,048 tokens, medium below
+  8,192 and high from there (Anthropic's budgets start at 1,024); "adaptive" and "between_tools" leave it to the model.
 """
 
 from __future__ import annotations
@@ -33,16 +34,33 @@ def responses_effort(reasoning: dict[str, Any] | None) -> str | None:
     return openai_effort((reasoning or {}).get("effort"), "reasoning.effort")
 
 
+_ANTHROPIC_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+_THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+
+
+def messages_effort(thinking: dict[str, Any] | None, output_config: dict[str, Any] | None) -> str | None:
+    """Anthropic's `output_config.effort`, else its `thinking` object, as an effort."""
+    value = (output_config or {}).get("effort")
+    if value is not None:
+        if value not in _ANTHROPIC_EFFORTS:
+            raise ApiError(400, f"'output_config.effort': expected one of {', '.join(_ANTHROPIC_EFFORTS)}, got "
+                           f"{value!r}"[:300], param="output_config.effort")
+        return _ANTHROPIC_EFFORTS[value]
+    return thinking_effort(thinking)
+
+
 def thinking_effort(thinking: dict[str, Any] | None) -> str | None:
     """Anthropic's `thinking` object as an effort."""
     if thinking is None:
         return None
     kind = thinking.get("type")
+    if kind not in _THINKING_TYPES:
+        raise ApiError(400, f"'thinking.type': expected one of {', '.join(_THINKING_TYPES)}, got {kind!r}"[:300],
+                       param="thinking.type")
     if kind == "disabled":
         return "low"
     if kind != "enabled":
-        raise ApiError(400, f"'thinking.type': expected \"enabled\" or \"disabled\", got {kind!r}"[:300],
-                       param="thinking.type")
+        return None
     budget = thinking.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ApiError(400, f"'thinking.budget_tokens': expected a whole number of tokens >= 1 with "
