@@ -243,7 +243,8 @@ class RequestRecord:
     `--spec prompt-lookup` had verified for it, and those accepted (0 without speculation).
     `past_reasoning`: where the chat format decides which earlier reasoning the prompt carries (harmony), what it did
     with the reasoning the client sent back: `{"rule": "harmony", "dropped": turns, "dropped_tokens": n, "kept":
-    turns, "kept_tokens": n}` (dropped reasoning ends the cached prefix there: `reason` "template"); None otherwise.
+    turns, "kept_tokens": n}` (dropped reasoning ends the cached prefix there: `reason` "template"); None (left out of
+    the JSON) otherwise.
     """
 
     time: float

@@ -102,10 +102,13 @@ def test_responses_return_a_reasoning_item_and_the_call(oai):
 
 
 def test_cache_requests_say_whether_past_reasoning_was_kept_or_dropped(oai, engine):
+    """Within a tool loop the reasoning is kept, so the follow-up continues what the slot holds; once a final answer
+    came, it is dropped and the cached prefix ends where it was."""
     def call(reasoning: str) -> dict:
         return {"role": "assistant", "content": None, "reasoning_content": reasoning, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}]}
 
+    first = oai.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=16)
     loop = [*ASK, call(REASONING), {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     oai.chat.completions.create(model="m", messages=loop, tools=TOOLS, max_tokens=2)
     after = [*loop, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Say it."},
@@ -113,6 +116,14 @@ def test_cache_requests_say_whether_past_reasoning_was_kept_or_dropped(oai, engi
     oai.chat.completions.create(model="m", messages=after, tools=TOOLS, max_tokens=2)
     status, body = engine.get_json("/cache/requests")
     assert status == 200
-    kept, dropped = (r["past_reasoning"] for r in body["requests"][-2:])
-    assert kept["rule"] == "harmony" and (kept["kept"], kept["dropped"]) == (1, 0) and kept["kept_tokens"] > 0
-    assert (dropped["kept"], dropped["dropped"]) == (0, 2) and dropped["dropped_tokens"] > 0
+    asked, kept, dropped = body["requests"][-3:]
+    assert "past_reasoning" not in asked, "no reasoning was sent back"
+    assert kept["past_reasoning"]["rule"] == "harmony"
+    assert (kept["past_reasoning"]["kept"], kept["past_reasoning"]["dropped"]) == (1, 0)
+    assert kept["past_reasoning"]["kept_tokens"] > 0
+    assert kept["reason"] == "new_tokens", kept
+    assert kept["reused_tokens"] >= first.usage.prompt_tokens + first.usage.completion_tokens - 1, \
+        "the loop's prompt goes on from the answer as generated: reasoning and call"
+    assert (dropped["past_reasoning"]["kept"], dropped["past_reasoning"]["dropped"]) == (0, 2)
+    assert dropped["past_reasoning"]["dropped_tokens"] > 0
+    assert dropped["reason"] == "template" and "rewritten_at" in dropped["detail"], dropped

@@ -10,7 +10,7 @@ import pytest
 from engine.errors import ApiError
 from engine.model.tokenizer import Tokenizer
 from engine.server.effort import messages_effort, openai_effort, responses_effort, thinking_effort
-from engine.server.harmony import HarmonyStream, parse_harmony
+from engine.server.harmony import HarmonyStream, message_bodies, parse_harmony
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds
 from engine.server.prompts import render_prompt
@@ -59,6 +59,13 @@ def test_decoded_output_keeps_the_markers_and_parses_token_by_token(tokenizer):
     assert all("<|" not in t for _, t in pieces), "no marker, nor a part of one, reaches the client"
     [call] = stream.tool_calls
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_message_bodies_are_found_in_the_generated_ids(tokenizer):
+    """Each body's generated ids are kept for the turn that sends it back (reasoning or answer text)."""
+    ids = tokenizer.encode(OUTPUT)
+    bodies = [tokenizer.decode(b) for b in message_bodies(tokenizer, ids)]
+    assert bodies == ["Need the weather tool.", "Checking Paris now.", '{"city": "Paris"}']
 
 
 @pytest.mark.parametrize("size", [1, 3, 1000])

@@ -120,6 +120,26 @@ class HarmonyStream:
         self._in_body = False
 
 
+def message_bodies(tokenizer: Any, ids: list[int]) -> list[list[int]]:
+    """The token ids of each message body in generated harmony output: what follows a `<|message|>` up to the token
+    that ends it (those a client sends back as reasoning or answer text, to be prompted with the same ids)."""
+    marker = {t: tokenizer.backend.token_to_id(t) for t in (MESSAGE, *_BODY_ENDS)}
+    ends = {marker[t] for t in _BODY_ENDS}
+    out: list[list[int]] = []
+    body: list[int] | None = None
+    for token in ids:
+        if token == marker[MESSAGE]:
+            body = []
+        elif body is not None and token in ends:
+            out.append(body)
+            body = None
+        elif body is not None:
+            body.append(token)
+    if body:
+        out.append(body)
+    return [b for b in out if b]
+
+
 def parse_harmony(text: str) -> ParsedOutput:
     """A whole harmony answer: its reasoning, its answer text (None when it only calls tools) and its calls."""
     stream = HarmonyStream()
