@@ -10,7 +10,7 @@ import pytest
 from engine.errors import ApiError
 from engine.model.tokenizer import Tokenizer
 from engine.server.effort import messages_effort, openai_effort, responses_effort, thinking_effort
-from engine.server.harmony import HarmonyStream, message_bodies, parse_harmony
+from engine.server.harmony import HarmonyStream, message_bodies, parse_harmony, reasoning_tokens
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds
 from engine.server.prompts import render_prompt
@@ -66,6 +66,7 @@ def test_message_bodies_are_found_in_the_generated_ids(tokenizer):
     ids = tokenizer.encode(OUTPUT)
     bodies = [tokenizer.decode(b) for b in message_bodies(tokenizer, ids)]
     assert bodies == ["Need the weather tool.", "Checking Paris now.", '{"city": "Paris"}']
+    assert reasoning_tokens(tokenizer, ids) == len(tokenizer.encode("Need the weather tool.")) > 0
 
 
 @pytest.mark.parametrize("size", [1, 3, 1000])

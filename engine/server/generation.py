@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from engine.errors import ApiError
 from engine.runtime.requests import TokenEvent
 from engine.server.errors import error_response
-from engine.server.harmony import message_bodies
+from engine.server.harmony import message_bodies, reasoning_tokens
 from engine.server.model_output import is_harmony
 from engine.server.state import server_state
 from engine.server.streaming import SSE_HEADERS, engine_events, wait_disconnect
@@ -81,6 +81,11 @@ def remember_answer(request: Request, tokenizer: Any, final: TokenEvent) -> None
                 answers.remember(tokenizer, body)
             return
         answers.remember(tokenizer, final.generated)
+
+
+def reasoning_token_count(tokenizer: Any, final: TokenEvent) -> int:
+    """The answer's reasoning tokens, where its format marks them (harmony's `analysis`); 0 otherwise."""
+    return reasoning_tokens(tokenizer, final.generated or []) if is_harmony(tokenizer) else 0
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:

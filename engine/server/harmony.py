@@ -140,6 +140,28 @@ def message_bodies(tokenizer: Any, ids: list[int]) -> list[list[int]]:
     return [b for b in out if b]
 
 
+def reasoning_tokens(tokenizer: Any, ids: list[int]) -> int:
+    """How many of the generated `ids` are `analysis` bodies (the usage's reasoning tokens)."""
+    marker = {t: tokenizer.backend.token_to_id(t) for t in (CHANNEL, MESSAGE, *_BODY_ENDS)}
+    ends = {marker[t] for t in _BODY_ENDS}
+    count = 0
+    header: list[int] = []
+    analysis: bool | None = None  # None: in a header
+    for token in ids:
+        if analysis is None:
+            if token == marker[CHANNEL]:
+                header = []
+            elif token == marker[MESSAGE]:
+                analysis = tokenizer.decode(header).split()[:1] == ["analysis"]
+            else:
+                header.append(token)
+        elif token in ends:
+            analysis, header = None, []
+        elif analysis:
+            count += 1
+    return count
+
+
 def parse_harmony(text: str) -> ParsedOutput:
     """A whole harmony answer: its reasoning, its answer text (None when it only calls tools) and its calls."""
     stream = HarmonyStream()

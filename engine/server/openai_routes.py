@@ -17,7 +17,14 @@ from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.server.conversation_attrs import chat_attrs, completion_attrs
 from engine.server.errors import error_body
-from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
+from engine.server.generation import (
+    collect,
+    failure,
+    reasoning_token_count,
+    remember_answer,
+    sse_response,
+    wait_for_slot,
+)
 from engine.server.model_output import output_stream, parse_output
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
@@ -43,16 +50,20 @@ log = logging.getLogger("strata.server")
 router = APIRouter()
 
 
-def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
-    """OpenAI's usage object; cached_tokens counts prompt tokens the engine did not recompute."""
+def usage_dict(usage: Usage | None, reasoning: int = 0) -> dict[str, Any] | None:
+    """OpenAI's usage object; cached_tokens counts prompt tokens the engine did not recompute, reasoning_tokens (only
+    where the model marks its reasoning) the completion tokens spent on it."""
     if usage is None:
         return None
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 def _error_event(err: ApiError) -> str:
@@ -104,7 +115,7 @@ async def chat_completions(request: Request) -> Response:
         "created": created,
         "model": engine.model_name,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_dict(final.usage),
+        "usage": usage_dict(final.usage, reasoning_token_count(engine.tokenizer, final)),
     })
 
 
@@ -154,7 +165,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
         finish_reason = "tool_calls"
     yield chunk({}, finish_reason)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage_dict(final.usage)})
+        yield sse({**base, "choices": [], "usage": usage_dict(final.usage, reasoning_token_count(tokenizer, final))})
     yield SSE_DONE
 
 

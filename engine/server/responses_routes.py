@@ -25,7 +25,14 @@ from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
 from engine.server.conversation_attrs import template_attrs
 from engine.server.effort import responses_effort
-from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
+from engine.server.generation import (
+    collect,
+    failure,
+    reasoning_token_count,
+    remember_answer,
+    sse_response,
+    wait_for_slot,
+)
 from engine.server.harmony import Piece
 from engine.server.model_output import output_stream, parse_output
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt
@@ -47,11 +54,11 @@ log = logging.getLogger("strata.server")
 router = APIRouter()
 
 
-def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
+def usage_dict(usage: Usage | None, reasoning: int = 0) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
@@ -66,11 +73,11 @@ class Turn:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
-             incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+             incomplete: str | None = None, error: dict[str, Any] | None = None, reasoning: int = 0) -> dict[str, Any]:
         r = self.req
         return {
             "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "usage": usage_dict(usage), "error": error,
+            "model": self.model, "output": output, "usage": usage_dict(usage, reasoning), "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "previous_response_id": r.previous_response_id, "temperature": r.temperature, "top_p": r.top_p,
@@ -117,13 +124,13 @@ def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]]
     return prompt, history, tools
 
 
-def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str) -> dict[str, Any]:
+def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str, reasoning: int) -> dict[str, Any]:
     """The finished response object: completed, or incomplete when max_output_tokens (or the context) ended it."""
     output = [reasoning_item("rs_" + message_id.removeprefix("msg_"), parsed.reasoning)] if parsed.reasoning else []
     output += [message_item(message_id, parsed.content)] if parsed.content else []
     output += [call_item(call) for call in parsed.tool_calls]
     incomplete = "max_output_tokens" if final.finish_reason == "length" and not parsed.tool_calls else None
-    return turn.body("incomplete" if incomplete else "completed", output, final.usage, incomplete)
+    return turn.body("incomplete" if incomplete else "completed", output, final.usage, incomplete, reasoning=reasoning)
 
 
 def _store(request: Request, turn: Turn, parsed: ParsedOutput, body: dict[str, Any]) -> None:
@@ -169,7 +176,7 @@ async def responses(request: Request) -> Response:
         return Response(status_code=499)
     remember_answer(request, engine.tokenizer, final)
     parsed = parse_output(engine.tokenizer, text, tools)
-    body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex)
+    body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex, reasoning_token_count(engine.tokenizer, final))
     _store(request, turn, parsed, body)
     return JSONResponse(body)
 
@@ -292,7 +299,7 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
         yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
                                                            "arguments": item["arguments"]})
         yield ev("response.output_item.done", {"output_index": i, "item": item})
-    body = _finish(turn, parsed, final, items.message_id)
+    body = _finish(turn, parsed, final, items.message_id, reasoning_token_count(tokenizer, final))
     _store(request, turn, parsed, body)
     yield ev("response.incomplete" if body["status"] == "incomplete" else "response.completed", {"response": body})
 
