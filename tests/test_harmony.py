@@ -126,14 +126,15 @@ def test_past_reasoning_is_dropped_after_a_final_answer_and_kept_in_a_tool_loop(
 
 
 def test_reasoning_effort_values():
-    assert openai_effort("minimal", "reasoning_effort") == "low"
+    assert [openai_effort(v, "reasoning_effort") for v in ("none", "minimal", "medium", "xhigh")] == \
+        ["low", "low", "medium", "high"]
     assert responses_effort({"effort": "high", "summary": "auto"}) == "high"
     assert responses_effort(None) is None and thinking_effort(None) is None
     assert thinking_effort({"type": "disabled"}) == "low" and thinking_effort({"type": "adaptive"}) is None
     assert messages_effort({"type": "disabled"}, {"effort": "max"}) == "high"
     assert [thinking_effort({"type": "enabled", "budget_tokens": n}) for n in (1024, 4096, 32000)] == \
         ["low", "medium", "high"]
-    for bad in (lambda: openai_effort("extreme", "reasoning_effort"),
+    for bad in (lambda: openai_effort("extreme", "reasoning_effort"), lambda: openai_effort(["high"], "x"),
                 lambda: thinking_effort({"type": "enabled"}),
                 lambda: thinking_effort({"type": "sometimes"}),
                 lambda: messages_effort(None, {"effort": "huge"})):

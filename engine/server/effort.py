@@ -2,7 +2,8 @@
 request did not say; the model's default applies). A model whose format has no effort (every one but harmony's)
 ignores it, but a bad value is refused whichever model runs, so a client learns of its mistake at once.
 
-- chat completions: `reasoning_effort` ("minimal" is read as "low": harmony has nothing lower);
+- chat completions: `reasoning_effort`, OpenAI's values: "none" and "minimal" are read as "low" (harmony has
+  nothing lower), "xhigh" and "max" as "high";
 - Responses: `reasoning.effort` (the same values);
 - Messages: `output_config.effort` (low, medium, high; xhigh and max are high); without it `thinking`:
   {"type": "disabled"} is low, {"type": "enabled", "budget_tokens": N} is low below 2,048 tokens, medium below
@@ -16,7 +17,8 @@ from typing import Any
 from engine.errors import ApiError
 
 EFFORTS = ("low", "medium", "high")
-_OPENAI_VALUES = ("minimal", *EFFORTS)
+_OPENAI_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                   "xhigh": "high", "max": "high"}
 BUDGET_MEDIUM, BUDGET_HIGH = 2048, 8192
 
 
@@ -24,10 +26,10 @@ def openai_effort(value: Any, param: str) -> str | None:
     """`reasoning_effort` (chat) or `reasoning.effort` (Responses)."""
     if value is None:
         return None
-    if value not in _OPENAI_VALUES:
-        raise ApiError(400, f"'{param}': expected one of {', '.join(_OPENAI_VALUES)}, got {value!r}"[:300],
+    if not isinstance(value, str) or value not in _OPENAI_EFFORTS:
+        raise ApiError(400, f"'{param}': expected one of {', '.join(_OPENAI_EFFORTS)}, got {value!r}"[:300],
                        param=param)
-    return "low" if value == "minimal" else str(value)
+    return _OPENAI_EFFORTS[value]
 
 
 def responses_effort(reasoning: dict[str, Any] | None) -> str | None:
@@ -35,6 +37,7 @@ def responses_effort(reasoning: dict[str, Any] | None) -> str | None:
 
 
 _ANTHROPIC_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+assert set(_OPENAI_EFFORTS.values()) == set(_ANTHROPIC_EFFORTS.values()) == set(EFFORTS)
 _THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 
 
@@ -42,7 +45,7 @@ def messages_effort(thinking: dict[str, Any] | None, output_config: dict[str, An
     """Anthropic's `output_config.effort`, else its `thinking` object, as an effort."""
     value = (output_config or {}).get("effort")
     if value is not None:
-        if value not in _ANTHROPIC_EFFORTS:
+        if not isinstance(value, str) or value not in _ANTHROPIC_EFFORTS:
             raise ApiError(400, f"'output_config.effort': expected one of {', '.join(_ANTHROPIC_EFFORTS)}, got "
                            f"{value!r}"[:300], param="output_config.effort")
         return _ANTHROPIC_EFFORTS[value]
