@@ -86,6 +86,9 @@ def test_recipient_in_the_role_header_and_text_outside_messages():
     parsed = parse_harmony(' to=functions.lookup<|channel|>commentary json<|message|>{"q": 1}')
     assert parsed.content is None and parsed.tool_calls[0]["function"]["name"] == "lookup"
     assert parse_harmony("plain words").content == "plain words", "a model ignoring the format still answers"
+    cut = parse_harmony("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>fin")
+    assert (cut.reasoning, cut.content) == ("Hmm.", ""), "a header cut short by max_tokens says nothing"
+    assert parse_harmony("<|channel|>analy").content == ""
 
 
 def test_prompt_has_effort_instructions_tools_and_the_generation_prompt():

@@ -8,8 +8,8 @@
   its whole name).
 
 The decoder keeps harmony's markers as text (engine.model.tokenizer), while `<|return|>` and `<|call|>` end
-generation and never reach the text; the stream's end closes the last message. Text outside any message (a model
-that ignores the format) is the answer, markers removed.
+generation and never reach the text; the stream's end closes the last message. Output with no message at all and
+no marker (a model that ignores the format) is the answer; a header cut short by max_tokens is dropped.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class HarmonyStream:
         self._kind: Kind | None = None  # where the open body goes; None: it is a call's arguments
         self._recipient = ""
         self._args: list[str] = []
+        self._opened = False  # a message has begun: the output is harmony's
         self.tool_calls: list[dict[str, Any]] = []
 
     def feed(self, text: str) -> list[Piece]:
@@ -91,8 +92,9 @@ class HarmonyStream:
         if self._in_body:
             self._body(out, rest)
             self._close()
-        else:
-            _append(out, "content", _MARKERS.sub("", rest).strip())
+        elif not self._opened and not _MARKERS.search(rest):
+            _append(out, "content", rest.strip())  # a model ignoring the format: its text is the answer
+        # else: a header that max_tokens cut short, nothing of its message was said
         return out
 
     def _open(self, header: str) -> None:
@@ -102,7 +104,7 @@ class HarmonyStream:
         name = channel.group(1) if channel else "final"
         self._kind = None if self._recipient and self._recipient != "assistant" else \
             "reasoning" if name == "analysis" else "content"
-        self._in_body = True
+        self._in_body = self._opened = True
 
     def _body(self, out: list[Piece], text: str) -> None:
         if self._kind is None:
