@@ -241,6 +241,10 @@ class RequestRecord:
     conversation was first parked gets the id when it is). `ttft_ms`: from the engine taking the request to its
     first token (None until then, or when it produced none). `spec_drafted` / `spec_accepted`: draft tokens
     `--spec prompt-lookup` had verified for it, and those accepted (0 without speculation).
+    `past_reasoning`: where the chat format decides which earlier reasoning the prompt carries (harmony), what it did
+    with the reasoning the client sent back: `{"rule": "harmony", "dropped": turns, "dropped_tokens": n, "kept":
+    turns, "kept_tokens": n}` (dropped reasoning ends the cached prefix there: `reason` "template"); None (left out of
+    the JSON) otherwise.
     """
 
     time: float
@@ -257,6 +261,7 @@ class RequestRecord:
     ttft_ms: float | None = None
     spec_drafted: int = 0
     spec_accepted: int = 0
+    past_reasoning: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,8 @@ from tokenizers import Tokenizer as FastTokenizer
 END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
 )
+# gpt-oss's harmony format: a chat whose tokenizer has all of these is written and read as harmony (engine.server.harmony)
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
 _LLAMA3_SPLIT = (
@@ -69,6 +71,12 @@ class Tokenizer:
         self.fingerprint = fingerprint
         self.add_bos = add_bos
         self.special_tokens = dict(special_tokens or {})
+        harmony = {t: i for t in HARMONY_TOKENS if (i := backend.token_to_id(t)) is not None}
+        self.harmony = len(harmony) == len(HARMONY_TOKENS)
+        if self.harmony:
+            # <|end|> ends one message and the model goes on (its answer follows its analysis): the answer ends with
+            # <|return|>, a tool call with <|call|> (llama.cpp reads gpt-oss's end-of-generation tokens so too)
+            self.eos_token_ids = (self.eos_token_ids - {harmony["<|end|>"]}) | {harmony["<|return|>"], harmony["<|call|>"]}
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
         self._text_backend: FastTokenizer | None = None  # encode_text's copy, built on first use
@@ -232,7 +240,8 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
-        return StreamDecoder(self, skip_special_tokens)
+        # Harmony's markers are its answer's structure, read back by the server: they stay in the text.
+        return StreamDecoder(self, skip_special_tokens and not self.harmony)
 
     # -- chat
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.cache.attrs import NO_ATTRS, ConvAttrs
 
@@ -40,6 +41,8 @@ class GenerationRequest:
     # The first token the chat template wrote otherwise than at the conversation's earlier turns (None: it only
     # appended); a prompt leaving its cached candidate there is explained as the template's doing.
     rewritten_at: int | None = None
+    # Earlier turns' reasoning the chat format left out or kept, and its tokens (RequestRecord.past_reasoning)
+    past_reasoning: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

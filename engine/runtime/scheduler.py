@@ -254,7 +254,7 @@ class Scheduler:
             time=time.time(), request_id=request.request_id, conversation_id=conversation_id,
             name=attrs.name, client=attrs.client, priority=slot.priority,
             prompt_tokens=len(adm.prompt), reused_tokens=adm.reused, source=adm.source, reason=reason,
-            detail=detail,
+            detail=detail, past_reasoning=request.past_reasoning,
         ))
         if conversation_id is None:
             slot.unnamed.append(request.request_id)  # named when the slot's conversation is first parked

@@ -28,14 +28,16 @@ from engine.server.anthropic_schemas import (
     tool_input,
 )
 from engine.server.conversation_attrs import template_attrs
+from engine.server.effort import messages_effort
 from engine.server.errors import anthropic_error_body
 from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
+from engine.server.harmony import Piece
+from engine.server.model_output import output_stream, parse_output
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt
 from engine.server.prompts import render_prompt
 from engine.server.schemas import parse_body
 from engine.server.state import require_engine, server_state
 from engine.server.streaming import ClientDisconnected, engine_events, with_heartbeat
-from engine.server.tool_calls import ParsedOutput, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
 router = APIRouter()
@@ -62,6 +64,11 @@ def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
             "input": tool_input(call["function"]["arguments"])}
 
 
+def thinking_block(text: str) -> dict[str, Any]:
+    # The signature Anthropic's API seals thinking with: none here, and none is checked when it comes back.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _sampling(req: MessagesRequest) -> SamplingParams:
     params = SamplingParams(max_tokens=req.max_tokens, stop=[s for s in req.stop_sequences or [] if s])
     if req.temperature is not None:
@@ -77,7 +84,7 @@ def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, ids: Prom
             ) -> tuple[RenderedPrompt, list[dict[str, Any]], list[dict[str, Any]] | None]:
     messages = template_messages(req)
     tools = function_tools(req)
-    return render_prompt(tokenizer, messages, tools, ids), messages, tools
+    return render_prompt(tokenizer, messages, tools, ids, messages_effort(req.thinking, req.output_config)), messages, tools
 
 
 @router.post("/v1/messages")
@@ -88,7 +95,8 @@ async def messages(request: Request) -> Response:
     prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, server_state(request).prompt_ids)
     attrs = template_attrs(turns, req.metadata, request.headers, "Messages")
     message_id = "msg_" + uuid.uuid4().hex
-    stream = engine.submit(GenerationRequest(message_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at))
+    stream = engine.submit(GenerationRequest(message_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at,
+                                             prompt.past_reasoning))
     refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused
@@ -101,8 +109,9 @@ async def messages(request: Request) -> Response:
         log.info("%s: client disconnected, request cancelled", message_id)
         return Response(status_code=499)
     remember_answer(request, engine.tokenizer, final)
-    parsed = parse_tool_calls(text, tools) if tools is not None else ParsedOutput(text)
-    content: list[dict[str, Any]] = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    parsed = parse_output(engine.tokenizer, text, tools)
+    content: list[dict[str, Any]] = [thinking_block(parsed.reasoning)] if parsed.reasoning else []
+    content += [{"type": "text", "text": parsed.content}] if parsed.content else []
     content += [tool_use_block(call) for call in parsed.tool_calls]
     reason, sequence = stop_reason(final, bool(parsed.tool_calls))
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
@@ -115,15 +124,48 @@ def _event(kind: str, body: dict[str, Any]) -> str:
                                                  separators=(",", ":")) + "\n\n"
 
 
+class _Blocks:
+    """The streamed thinking and text blocks: a block opens on its first delta and closes when the other kind starts
+    (or the answer ends)."""
+
+    _START = {"reasoning": {"type": "thinking", "thinking": ""}, "content": {"type": "text", "text": ""}}
+
+    def __init__(self) -> None:
+        self.index = 0  # the next block's index
+        self._open: str | None = None
+
+    def write(self, piece: Piece) -> list[str]:
+        kind, text = piece
+        out = self.close() if self._open not in (None, kind) else []
+        if self._open is None:
+            self._open = kind
+            out.append(_event("content_block_start", {"index": self.index, "content_block": self._START[kind]}))
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "reasoning" else \
+            {"type": "text_delta", "text": text}
+        out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        return out
+
+    def close(self) -> list[str]:
+        if self._open is None:
+            return []
+        out = []
+        if self._open == "reasoning":
+            out.append(_event("content_block_delta", {"index": self.index,
+                                                      "delta": {"type": "signature_delta", "signature": ""}}))
+        out.append(_event("content_block_stop", {"index": self.index}))
+        self._open = None
+        self.index += 1
+        return out
+
+
 async def _events(stream: Any, request: Request, message_id: str, model: str, n_prompt: int,
                   tools: list[dict[str, Any]] | None, tokenizer: Any) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start and a ping at once, pings while the prompt is computed, a text
     block's start/deltas/stop, a block per tool call, message_delta (stop_reason, the final usage: what the cache
     reused is known only once the prompt is in), message_stop. An engine failure ends with an error event."""
-    calls = ToolCallStream(tools) if tools is not None else None
+    reader = output_stream(tokenizer, tools)
+    blocks = _Blocks()
     final: TokenEvent | None = None
-    text_open = False
-    index = 0
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": usage_dict(Usage(n_prompt, 0, 0))}})
@@ -134,14 +176,9 @@ async def _events(stream: Any, request: Request, message_id: str, model: str, n_
                 if event is None:
                     yield _event("ping", {})
                     continue
-                text = calls.feed(event.text) if calls is not None else event.text
-                if text:
-                    if not text_open:
-                        text_open = True
-                        yield _event("content_block_start", {"index": index,
-                                                             "content_block": {"type": "text", "text": ""}})
-                    yield _event("content_block_delta", {"index": index,
-                                                         "delta": {"type": "text_delta", "text": text}})
+                for piece in reader.feed(event.text):
+                    for out in blocks.write(piece):
+                        yield out
                 if event.finish_reason is not None:
                     final = event
     except ClientDisconnected:
@@ -154,23 +191,21 @@ async def _events(stream: Any, request: Request, message_id: str, model: str, n_
         yield _event("error", {"error": anthropic_error_body(failure(final))["error"]})
         return
     remember_answer(request, tokenizer, final)
-    rest = calls.finish() if calls is not None else ParsedOutput(None)
-    if rest.content:
-        if not text_open:
-            text_open = True
-            yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-        yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": rest.content}})
-    if text_open:
-        yield _event("content_block_stop", {"index": index})
-        index += 1
-    for call in rest.tool_calls:
+    rest, tool_calls = reader.finish()
+    for piece in rest:
+        for out in blocks.write(piece):
+            yield out
+    for out in blocks.close():
+        yield out
+    index = blocks.index
+    for call in tool_calls:
         block = tool_use_block(call)
         yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
         yield _event("content_block_delta", {"index": index, "delta": {
             "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
         yield _event("content_block_stop", {"index": index})
         index += 1
-    reason, sequence = stop_reason(final, bool(rest.tool_calls))
+    reason, sequence = stop_reason(final, bool(tool_calls))
     yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                    "usage": usage_dict(final.usage)})
     yield _event("message_stop", {})

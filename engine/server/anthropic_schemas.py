@@ -42,7 +42,8 @@ class MessagesRequest(StrictBody):
     metadata: dict[str, Any] | None = None
     tools: Items[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # accepted: reasoning models think as their template tells them
+    thinking: dict[str, Any] | None = None  # a reasoning effort (engine.server.effort), where the format has one
+    output_config: dict[str, Any] | None = None  # its `effort` read by engine.server.effort
 
 
 class CountTokensRequest(StrictBody):
@@ -52,6 +53,7 @@ class CountTokensRequest(StrictBody):
     tools: Items[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `effort` read by engine.server.effort
 
 
 def _blocks(content: Any, param: str) -> list[dict[str, Any]]:

@@ -15,6 +15,8 @@ from fastapi.responses import Response, StreamingResponse
 from engine.errors import ApiError
 from engine.runtime.requests import TokenEvent
 from engine.server.errors import error_response
+from engine.server.harmony import message_bodies, reasoning_tokens
+from engine.server.model_output import is_harmony
 from engine.server.state import server_state
 from engine.server.streaming import SSE_HEADERS, engine_events, wait_disconnect
 
@@ -73,7 +75,17 @@ def remember_answer(request: Request, tokenizer: Any, final: TokenEvent) -> None
     """Keep the ids generated for a finished answer, for the turn that sends it back (engine.server.answer_ids).
     An answer a stop string cut is not the text of its ids, and is not kept."""
     if final.finish_reason in ("stop", "length") and final.stop_string is None and final.generated:
-        server_state(request).prompt_ids.answers.remember(tokenizer, final.generated)
+        answers = server_state(request).prompt_ids.answers
+        if is_harmony(tokenizer):  # the client gets (and sends back) each message's body, not the whole output
+            for body in message_bodies(tokenizer, final.generated):
+                answers.remember(tokenizer, body)
+            return
+        answers.remember(tokenizer, final.generated)
+
+
+def reasoning_token_count(tokenizer: Any, final: TokenEvent) -> int:
+    """The answer's reasoning tokens, where its format marks them (harmony's `analysis`); 0 otherwise."""
+    return reasoning_tokens(tokenizer, final.generated or []) if is_harmony(tokenizer) else 0
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:

@@ -17,7 +17,15 @@ from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, TokenEvent, Usage
 from engine.server.conversation_attrs import chat_attrs, completion_attrs
 from engine.server.errors import error_body
-from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
+from engine.server.generation import (
+    collect,
+    failure,
+    reasoning_token_count,
+    remember_answer,
+    sse_response,
+    wait_for_slot,
+)
+from engine.server.model_output import output_stream, parse_output
 from engine.server.prompts import chat_prompt, completion_prompt
 from engine.server.schemas import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -37,22 +45,25 @@ from engine.server.streaming import (
     sse,
     with_heartbeat,
 )
-from engine.server.tool_calls import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("strata.server")
 router = APIRouter()
 
 
-def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
-    """OpenAI's usage object; cached_tokens counts prompt tokens the engine did not recompute."""
+def usage_dict(usage: Usage | None, reasoning: int = 0) -> dict[str, Any] | None:
+    """OpenAI's usage object; cached_tokens counts prompt tokens the engine did not recompute, reasoning_tokens (only
+    where the model marks its reasoning) the completion tokens spent on it."""
     if usage is None:
         return None
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 def _error_event(err: ApiError) -> str:
@@ -75,7 +86,8 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, engine.ctx_size)
     request_id = "chatcmpl-" + uuid.uuid4().hex
-    stream = engine.submit(GenerationRequest(request_id, prompt.ids, params, attrs, prompt.rewritten_at))
+    stream = engine.submit(GenerationRequest(request_id, prompt.ids, params, attrs, prompt.rewritten_at,
+                                             prompt.past_reasoning))
     refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused
@@ -89,21 +101,25 @@ async def chat_completions(request: Request) -> Response:
         log.info("%s: client disconnected, request cancelled", request_id)
         return Response(status_code=499)
     remember_answer(request, engine.tokenizer, final)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    parsed = parse_output(engine.tokenizer, text, tools)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning  # llama.cpp's, vLLM's and DeepSeek's field
     finish_reason = final.finish_reason
-    if tools is not None:
-        parsed = parse_tool_calls(text, tools)
-        if parsed.tool_calls:
-            message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
-            finish_reason = "tool_calls"
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+        finish_reason = "tool_calls"
     return JSONResponse({
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": engine.model_name,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_dict(final.usage),
+        "usage": usage_dict(final.usage, reasoning_token_count(engine.tokenizer, final)),
     })
+
+
+_DELTA_FIELD = {"content": "content", "reasoning": "reasoning_content"}
 
 
 async def _chat_chunks(stream: Any, request: Request, request_id: str, created: int, model: str,
@@ -117,7 +133,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
             body["usage"] = None
         return sse(body)
 
-    calls = ToolCallStream(tools) if tools is not None else None
+    reader = output_stream(tokenizer, tools)
     final: TokenEvent | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})
@@ -126,9 +142,8 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
                 if event is None:  # the prompt is still being computed
                     yield SSE_KEEPALIVE
                     continue
-                text = calls.feed(event.text) if calls is not None else event.text
-                if text:
-                    yield chunk({"content": text})
+                for kind, text in reader.feed(event.text):
+                    yield chunk({_DELTA_FIELD[kind]: text})
                 if event.finish_reason is not None:
                     final = event
     except ClientDisconnected:
@@ -142,16 +157,15 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
         return
     remember_answer(request, tokenizer, final)
     finish_reason = final.finish_reason
-    if calls is not None:
-        rest = calls.finish()
-        if rest.content:
-            yield chunk({"content": rest.content})
-        if rest.tool_calls:
-            yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(rest.tool_calls)]})
-            finish_reason = "tool_calls"
+    rest, tool_calls = reader.finish()
+    for kind, text in rest:
+        yield chunk({_DELTA_FIELD[kind]: text})
+    if tool_calls:
+        yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]})
+        finish_reason = "tool_calls"
     yield chunk({}, finish_reason)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage_dict(final.usage)})
+        yield sse({**base, "choices": [], "usage": usage_dict(final.usage, reasoning_token_count(tokenizer, final))})
     yield SSE_DONE
 
 

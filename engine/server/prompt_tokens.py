@@ -37,6 +37,8 @@ class RenderedPrompt:
 
     ids: list[int]
     rewritten_at: int | None = None
+    # Earlier turns' reasoning the format left out or kept (harmony's rule), for /cache/requests; None: none was sent
+    past_reasoning: dict[str, Any] | None = None
 
 
 def _texts(msg: dict[str, Any]) -> list[tuple[str, bool]]:

@@ -12,6 +12,8 @@ import jinja2
 
 from engine.errors import ApiError
 from engine.server.content_parts import CHAT_PARTS, parts_text
+from engine.server.effort import openai_effort
+from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
 from engine.server.tool_prompt import inline_tools, template_renders_tools
@@ -92,15 +94,19 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
         raise ApiError(400, "'messages' must contain at least one message", param="messages")
     messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
-    return render_prompt(tokenizer, messages, tools, ids), tools
+    effort = openai_effort(req.reasoning_effort, "reasoning_effort")
+    return render_prompt(tokenizer, messages, tools, ids, effort), tools
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  ids: PromptIds | None = None) -> RenderedPrompt:
+                  ids: PromptIds | None = None, effort: str | None = None) -> RenderedPrompt:
     """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
-    answers keep the ids the engine generated for them (engine.server.prompt_tokens)."""
+    answers keep the ids the engine generated for them (engine.server.prompt_tokens). `effort`: the reasoning
+    effort asked for (engine.server.effort), which only the harmony format has a place for."""
     check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
+    if getattr(tokenizer, "harmony", False):
+        return _encode_harmony(tokenizer, messages, tools, ids, effort)
     if template_renders_tools(tokenizer.chat_template):
         return _encode(tokenizer, messages, tools, ids)
     if not tools:  # past calls and results still become text the template can show
@@ -134,6 +140,23 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
         return RenderedPrompt(prompt)
     # The token the rewrite falls in (the text before it tokenized alone: near enough for a report).
     return RenderedPrompt(prompt, len(tokenizer.encode(text[:min(rewritten)], add_special_tokens=False)))
+
+
+def _encode_harmony(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    ids: PromptIds | None, effort: str | None) -> RenderedPrompt:
+    """A harmony model's prompt (engine.server.harmony_prompt), with what became of the reasoning sent back."""
+    rendered = render_harmony(messages, tools, effort)
+    check_length(tokenizer, len(rendered.text), "messages")
+    prompt, dropped = encode_prompt(tokenizer, rendered.text, messages, ids)
+    if ids is None:  # counting tokens: nothing is served, nothing to explain
+        return RenderedPrompt(prompt)
+    past = None
+    if rendered.dropped or rendered.kept:
+        past = {"rule": "harmony", "dropped": len(rendered.dropped),
+                "dropped_tokens": sum(len(tokenizer.encode(t)) for t in rendered.dropped),
+                "kept": len(rendered.kept), "kept_tokens": sum(len(tokenizer.encode(t)) for t in rendered.kept)}
+    at = None if dropped is None else len(tokenizer.encode(rendered.text[:dropped], add_special_tokens=False))
+    return RenderedPrompt(prompt, at, past)
 
 
 def _history_rewritten(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -24,7 +24,17 @@ from starlette.concurrency import run_in_threadpool
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
 from engine.server.conversation_attrs import template_attrs
-from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
+from engine.server.effort import responses_effort
+from engine.server.generation import (
+    collect,
+    failure,
+    reasoning_token_count,
+    remember_answer,
+    sse_response,
+    wait_for_slot,
+)
+from engine.server.harmony import Piece
+from engine.server.model_output import output_stream, parse_output
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt
 from engine.server.prompts import render_prompt
 from engine.server.response_store import StoredResponse
@@ -38,17 +48,17 @@ from engine.server.streaming import (
     engine_events,
     with_heartbeat,
 )
-from engine.server.tool_calls import ParsedOutput, ToolCallStream, parse_tool_calls
+from engine.server.tool_calls import ParsedOutput
 
 log = logging.getLogger("strata.server")
 router = APIRouter()
 
 
-def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
+def usage_dict(usage: Usage | None, reasoning: int = 0) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
@@ -63,11 +73,11 @@ class Turn:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
-             incomplete: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+             incomplete: str | None = None, error: dict[str, Any] | None = None, reasoning: int = 0) -> dict[str, Any]:
         r = self.req
         return {
             "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "usage": usage_dict(usage), "error": error,
+            "model": self.model, "output": output, "usage": usage_dict(usage, reasoning), "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "previous_response_id": r.previous_response_id, "temperature": r.temperature, "top_p": r.top_p,
@@ -81,6 +91,11 @@ class Turn:
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
 
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -105,15 +120,17 @@ def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]]
         raise ApiError(400, "'input' must contain at least one item", param="input")
     tools = function_tools(req)
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return render_prompt(tokenizer, instructions + history, tools, ids), history, tools
+    prompt = render_prompt(tokenizer, instructions + history, tools, ids, responses_effort(req.reasoning))
+    return prompt, history, tools
 
 
-def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str) -> dict[str, Any]:
+def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str, reasoning: int) -> dict[str, Any]:
     """The finished response object: completed, or incomplete when max_output_tokens (or the context) ended it."""
-    output = [message_item(message_id, parsed.content)] if parsed.content else []
+    output = [reasoning_item("rs_" + message_id.removeprefix("msg_"), parsed.reasoning)] if parsed.reasoning else []
+    output += [message_item(message_id, parsed.content)] if parsed.content else []
     output += [call_item(call) for call in parsed.tool_calls]
     incomplete = "max_output_tokens" if final.finish_reason == "length" and not parsed.tool_calls else None
-    return turn.body("incomplete" if incomplete else "completed", output, final.usage, incomplete)
+    return turn.body("incomplete" if incomplete else "completed", output, final.usage, incomplete, reasoning=reasoning)
 
 
 def _store(request: Request, turn: Turn, parsed: ParsedOutput, body: dict[str, Any]) -> None:
@@ -121,6 +138,8 @@ def _store(request: Request, turn: Turn, parsed: ParsedOutput, body: dict[str, A
     if turn.req.store is False:
         return
     answer: dict[str, Any] = {"role": "assistant", "content": parsed.content or ""}
+    if parsed.reasoning:
+        answer["reasoning_content"] = parsed.reasoning  # harmony keeps it within a tool loop
     if parsed.tool_calls:
         answer["tool_calls"] = parsed.tool_calls
     server_state(request).responses.put(turn.response_id, StoredResponse([*turn.history, answer], body))
@@ -143,7 +162,8 @@ async def responses(request: Request) -> Response:
                                                      server_state(request).prompt_ids)
     attrs = template_attrs(history, req.metadata, request.headers, "Responses")
     turn = Turn("resp_" + uuid.uuid4().hex, req, req.model or engine.model_name, history)
-    stream = engine.submit(GenerationRequest(turn.response_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at))
+    stream = engine.submit(GenerationRequest(turn.response_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at,
+                                             prompt.past_reasoning))
     refused = await wait_for_slot(stream, request, engine.n_slots)
     if refused is not None:
         return refused
@@ -155,8 +175,8 @@ async def responses(request: Request) -> Response:
         log.info("%s: client disconnected, request cancelled", turn.response_id)
         return Response(status_code=499)
     remember_answer(request, engine.tokenizer, final)
-    parsed = parse_tool_calls(text, tools) if tools is not None else ParsedOutput(text)
-    body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex)
+    parsed = parse_output(engine.tokenizer, text, tools)
+    body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex, reasoning_token_count(engine.tokenizer, final))
     _store(request, turn, parsed, body)
     return JSONResponse(body)
 
@@ -173,35 +193,82 @@ class _Events:
         return f"event: {kind}\ndata: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
+class _Items:
+    """The streamed reasoning and message items: an item opens on its first delta and is done when the other kind
+    starts (or the answer ends); each keeps its own output_index."""
+
+    def __init__(self, ev: _Events, message_id: str) -> None:
+        self.ev = ev
+        self.index = 0  # the next item's output_index
+        self.message_id = message_id
+        self.reasoning_id = "rs_" + message_id.removeprefix("msg_")
+        self.text: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self._open: str | None = None
+
+    def _where(self) -> dict[str, Any]:
+        item_id = self.reasoning_id if self._open == "reasoning" else self.message_id
+        return {"item_id": item_id, "output_index": self.index, "content_index": 0}
+
+    def write(self, piece: Piece) -> list[str]:
+        kind, text = piece
+        ev = self.ev
+        out = self.close() if self._open not in (None, kind) else []
+        if self._open is None:
+            self._open = kind
+            if kind == "reasoning":
+                out.append(ev("response.output_item.added", {"output_index": self.index, "item": reasoning_item(
+                    self.reasoning_id, "", "in_progress")}))
+            else:
+                out.append(ev("response.output_item.added", {"output_index": self.index, "item": message_item(
+                    self.message_id, "", "in_progress")}))
+                out.append(ev("response.content_part.added", {**self._where(), "part": {
+                    "type": "output_text", "text": "", "annotations": []}}))
+        self.text[kind].append(text)
+        kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        out.append(ev(kind_event, {**self._where(), "delta": text, "logprobs": []} if kind == "content" else
+                      {**self._where(), "delta": text}))
+        return out
+
+    def close(self) -> list[str]:
+        if self._open is None:
+            return []
+        ev, where = self.ev, self._where()
+        text = "".join(self.text[self._open])
+        if self._open == "reasoning":
+            out = [ev("response.reasoning_text.done", {**where, "text": text}),
+                   ev("response.output_item.done", {"output_index": self.index,
+                                                    "item": reasoning_item(self.reasoning_id, text)})]
+        else:
+            part = {"type": "output_text", "text": text, "annotations": []}
+            out = [ev("response.output_text.done", {**where, "text": text, "logprobs": []}),
+                   ev("response.content_part.done", {**where, "part": part}),
+                   ev("response.output_item.done", {"output_index": self.index,
+                                                    "item": message_item(self.message_id, text)})]
+        self._open = None
+        self.index += 1
+        return out
+
+
 async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[str, Any]] | None, tokenizer: Any
                   ) -> AsyncIterator[str]:
-    """response.created / in_progress; a message item whose output_text streams as deltas; a function_call item per
-    call (its arguments as one delta); then response.completed (or .incomplete, or .failed)."""
+    """response.created / in_progress; a reasoning item whose text streams as deltas (a model that marks its
+    reasoning), a message item whose output_text streams as deltas; a function_call item per call (its arguments as
+    one delta); then response.completed (or .incomplete, or .failed)."""
     ev = _Events()
-    message_id = "msg_" + uuid.uuid4().hex
-    calls = ToolCallStream(tools) if tools is not None else None
+    items = _Items(ev, "msg_" + uuid.uuid4().hex)
+    reader = output_stream(tokenizer, tools)
     final: TokenEvent | None = None
-    text_parts: list[str] = []
-    opened = False
     yield ev("response.created", {"response": turn.body("in_progress", [])})
     yield ev("response.in_progress", {"response": turn.body("in_progress", [])})
-    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
     try:
         async with contextlib.aclosing(engine_events(stream, request)) as events:
             async for event in with_heartbeat(events, KEEPALIVE_S):
                 if event is None:  # the prompt is still being computed
                     yield SSE_KEEPALIVE
                     continue
-                text = calls.feed(event.text) if calls is not None else event.text
-                if text:
-                    if not opened:
-                        opened = True
-                        yield ev("response.output_item.added", {"output_index": 0,
-                                                                "item": message_item(message_id, "", "in_progress")})
-                        yield ev("response.content_part.added", {**where, "part": {
-                            "type": "output_text", "text": "", "annotations": []}})
-                    text_parts.append(text)
-                    yield ev("response.output_text.delta", {**where, "delta": text, "logprobs": []})
+                for piece in reader.feed(event.text):
+                    for out in items.write(piece):
+                        yield out
                 if event.finish_reason is not None:
                     final = event
     except ClientDisconnected:
@@ -216,24 +283,15 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
             "code": "server_error", "message": err.message})})
         return
     remember_answer(request, tokenizer, final)
-    rest = calls.finish() if calls is not None else ParsedOutput(None)
-    if rest.content:
-        if not opened:
-            opened = True
-            yield ev("response.output_item.added", {"output_index": 0,
-                                                    "item": message_item(message_id, "", "in_progress")})
-            yield ev("response.content_part.added", {**where, "part": {"type": "output_text", "text": "",
-                                                                       "annotations": []}})
-        text_parts.append(rest.content)
-        yield ev("response.output_text.delta", {**where, "delta": rest.content, "logprobs": []})
-    text = "".join(text_parts)
-    parsed = ParsedOutput(text if opened else None, rest.tool_calls)
-    if opened:
-        part = {"type": "output_text", "text": text, "annotations": []}
-        yield ev("response.output_text.done", {**where, "text": text, "logprobs": []})
-        yield ev("response.content_part.done", {**where, "part": part})
-        yield ev("response.output_item.done", {"output_index": 0, "item": message_item(message_id, text)})
-    for i, call in enumerate(rest.tool_calls, start=1 if opened else 0):
+    rest, tool_calls = reader.finish()
+    for piece in rest:
+        for out in items.write(piece):
+            yield out
+    for out in items.close():
+        yield out
+    reasoning, content = ("".join(items.text[k]) for k in ("reasoning", "content"))
+    parsed = ParsedOutput(content or None, tool_calls, reasoning or None)
+    for i, call in enumerate(tool_calls, start=items.index):
         item = call_item(call)
         yield ev("response.output_item.added", {"output_index": i, "item": call_item(call, "in_progress")})
         yield ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": i,
@@ -241,7 +299,7 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
         yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
                                                            "arguments": item["arguments"]})
         yield ev("response.output_item.done", {"output_index": i, "item": item})
-    body = _finish(turn, parsed, final, message_id)
+    body = _finish(turn, parsed, final, items.message_id, reasoning_token_count(tokenizer, final))
     _store(request, turn, parsed, body)
     yield ev("response.incomplete" if body["status"] == "incomplete" else "response.completed", {"response": body})
 

@@ -116,6 +116,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     tools: Items[Tool] | None = None
     tool_choice: Any = None
+    reasoning_effort: Any = None  # low / medium / high (engine.server.effort reads and checks it)
 
 
 class CompletionRequest(SamplingFields):

@@ -37,6 +37,7 @@ class ParsedOutput:
 
     content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str | None = None  # what the model thought before answering, where its format marks it (harmony)
 
 
 def new_call_id() -> str:
