@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import queue
@@ -40,6 +41,7 @@ from engine.figures import CacheFigures, EngineFigures
 from engine.model import moe_placement
 from engine.model.chat_templates import choose_chat_template
 from engine.runtime.control import CacheControl
+from engine.runtime.draft_model import DraftModel
 from engine.runtime.identity import cache_identity, int4_kernel, session_identity
 from engine.runtime.memory import slot_memory
 from engine.runtime.model_runner import ModelRunner
@@ -138,6 +140,14 @@ class Engine:
         self.stats = EngineStats(self._collect_stats)
         self.requests = self.stats.requests
         speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, on_cpu)
+        self.draft: DraftModel | None = None
+        if speculation.method == "draft" and not speculation.declined:  # a declined draft is not loaded
+            self.draft = DraftModel.load(config.model_draft, loaded, self.n_slots, self.ctx_size, kv_dtype,
+                                         self.weights_format)
+            speculation = dataclasses.replace(speculation, source=self.draft)
+        elif config.model_draft and config.spec != "draft":
+            log.warning("--model-draft %s is not loaded: it drafts with --spec draft only (--spec is %s)",
+                        config.model_draft, config.spec)
         self.scheduler = Scheduler(self.slot_set, self.runner, self.control, restores, self.stats, self.tokenizer,
                                    inbox, speculation)
         self.stats.publish()

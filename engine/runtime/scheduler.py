@@ -228,7 +228,7 @@ class Scheduler:
             decoder=self.tokenizer.stream_decoder(),
             cached_tokens=reused,
             max_tokens=max_tokens,
-            drafter=self.speculation.drafter(prompt, request.params.greedy),
+            drafter=self.speculation.drafter(prompt, request.params.greedy, slot.id),
         )
         slot.last_used = time.time()
         stream.mark_started()

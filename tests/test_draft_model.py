@@ -1,0 +1,149 @@
+"""Speculative decoding with a draft model (`--spec draft --model-draft PATH`): greedy output token-identical with
+and without it (tiny random models, the draft made from the same config with fewer layers; two slots at once; a
+parked conversation restored), and the refusals at start (no draft given, another vocabulary)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig, SettingError
+from engine.errors import ModelLoadError
+from engine.runtime.engine import Engine
+from engine.runtime.requests import GenerationRequest, SamplingParams
+from tests.model_fixtures import write_tiny_model
+
+LOOPING = ["one two three " * 20, "alpha beta " * 30]
+
+
+def write_truncated(target: str, folder: Path, n_layers: int) -> str:
+    """A draft made from the target: its first `n_layers` layers, its embeddings, final norm and output."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(target) / name, folder / name)
+    config = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
+    config["num_hidden_layers"] = n_layers
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    weights = load_file(str(Path(target) / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if not k.startswith("model.layers.")
+            or int(k.split(".")[2]) < n_layers}
+    save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    # Small initial weights: a random model that falls into loops; its first layers alone mostly follow it.
+    root = tmp_path_factory.mktemp("draft")
+    target = write_tiny_model(root, "llama", name="target", initializer_range=0.01)
+    return {"target": target, "draft": write_truncated(target, root / "draft", 2)}
+
+
+def _chat(engine: Engine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def _answer(engine: Engine, prompt: list[int], max_tokens: int, name: str = "a") -> tuple[list[int], int]:
+    """A greedy answer's tokens and the prompt tokens it reused."""
+    tokens, cached = [], 0
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for event in engine.submit(GenerationRequest(f"draft-{name}-{len(prompt)}", prompt, params)):
+        assert event.error is None, event.error
+        if event.token_id is not None:
+            tokens.append(event.token_id)
+        if event.usage is not None:
+            cached = event.usage.cached_tokens
+    return tokens, cached
+
+
+def _counters(engine: Engine) -> dict:
+    return engine.call(lambda: dict(engine.stats.counters)).result()
+
+
+def _with_and_without(config: EngineConfig, draft: str, play) -> tuple[object, object, dict]:
+    """`play(engine)`'s outcome on an engine without speculation and on one with the draft, and the latter's
+    counters."""
+    outcomes = []
+    for cfg in (config, config.replace(spec="draft", model_draft=draft)):
+        engine = Engine.from_config(cfg)
+        try:
+            outcomes.append(play(engine))
+            counters = _counters(engine)
+        finally:
+            engine.close()
+    return outcomes[0], outcomes[1], counters
+
+
+def test_draft_model_answers_token_identical(models):
+    config = EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float")
+    off, on, counters = _with_and_without(config, models["draft"], lambda e: [
+        _answer(e, _chat(e, ask), 40)[0] for ask in LOOPING])
+    assert on == off
+    assert counters["spec_drafted_tokens"] > 0 and counters["spec_accepted_tokens"] > 0, counters
+
+
+def test_model_as_its_own_draft_has_every_draft_accepted(models):
+    config = EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float")
+    off, on, counters = _with_and_without(config, models["target"], lambda e: _answer(e, _chat(e, LOOPING[0]), 40)[0])
+    assert on == off
+    assert counters["spec_accepted_tokens"] == counters["spec_drafted_tokens"] > 0, counters
+
+
+def test_two_slots_draft_each_on_their_own(models):
+    config = EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float", parallel=2)
+
+    def both(engine: Engine) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=40)
+        streams = [engine.submit(GenerationRequest(f"draft-two-{i}", _chat(engine, ask), params))
+                   for i, ask in enumerate(LOOPING)]  # both decode in the same steps
+        return [[e.token_id for e in s if e.token_id is not None] for s in streams]
+
+    off, on, counters = _with_and_without(config, models["draft"], both)
+    assert on == off
+    assert counters["spec_drafted_tokens"] > 0, counters
+
+
+def test_restored_conversation_continues_identically_with_a_draft(models):
+    config = EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float",
+                          conversation_cache_storage="ram", conversation_cache_min_free_mib=0)
+
+    def switch_back(engine: Engine) -> tuple[list[int], int, str]:
+        ask = "one two three " * 10
+        first, _ = _answer(engine, _chat(engine, ask), 24)
+        _answer(engine, _chat(engine, "a different conversation " * 12), 8, name="b")  # parks the first
+        tok = engine.tokenizer
+        turn = [{"role": "user", "content": ask}, {"role": "assistant", "content": tok.decode(first)},
+                {"role": "user", "content": "alpha beta " * 10}]
+        answer, cached = _answer(engine, tok.encode(tok.render_chat(turn), add_special_tokens=False), 24)
+        return answer, cached, engine.call(lambda: engine.stats.requests.snapshot()[-1].source).result()
+
+    off, on, counters = _with_and_without(config, models["draft"], switch_back)
+    assert on == off
+    assert on[1] > 0 and on[2] == "ram"  # restored from the cache, not continued in a live slot
+    assert counters["spec_drafted_tokens"] > 0, counters
+
+
+def test_spec_draft_without_a_draft_model_is_refused():
+    with pytest.raises(SettingError, match="--model-draft"):
+        EngineConfig(spec="draft")
+
+
+def test_draft_of_another_vocabulary_is_refused_naming_both(models, tmp_path):
+    foreign = write_tiny_model(tmp_path, "llama", name="foreign", initializer_range=0.01, num_hidden_layers=1)
+    path = Path(foreign) / "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: the same size, another vocabulary
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    config = EngineConfig(model=models["target"], ctx_size=256, cpu_weights="float", spec="draft",
+                          model_draft=foreign)
+    with pytest.raises(ModelLoadError, match="vocabulary") as caught:
+        Engine.from_config(config)
+    assert foreign in str(caught.value) and "target" in str(caught.value)
