@@ -9,11 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import EngineConfig, SettingError
 from engine.errors import ModelLoadError
 from engine.runtime.engine import Engine
 from engine.runtime.requests import GenerationRequest, SamplingParams
+from engine.runtime.slot_set import common_prefix
 from tests.model_fixtures import write_tiny_model
 
 LOOPING = ["one two three " * 20, "alpha beta " * 30]
@@ -147,3 +149,117 @@ def test_draft_of_another_vocabulary_is_refused_naming_both(models, tmp_path):
     with pytest.raises(ModelLoadError, match="vocabulary") as caught:
         Engine.from_config(config)
     assert foreign in str(caught.value) and "target" in str(caught.value)
+
+
+# ---------------------------------------------------------------------- the draft's rows parked with the conversation
+
+ASK = "one two three " * 10
+
+
+def _record(engine: Engine):
+    return engine.call(lambda: engine.stats.requests.snapshot()[-1]).result()
+
+
+def _next_turn(engine: Engine, first: list[int]) -> list[int]:
+    tok = engine.tokenizer
+    turn = [{"role": "user", "content": ASK}, {"role": "assistant", "content": tok.decode(first)},
+            {"role": "user", "content": "alpha beta " * 10}]
+    return tok.encode(tok.render_chat(turn), add_special_tokens=False)
+
+
+def _draft_rows(engine: Engine, n: int):
+    assert engine.draft is not None
+    return engine.call(lambda: engine.draft.kv.read(0, 0, n).clone()).result()
+
+
+def test_switch_back_restores_the_draft_rows_and_drafts_without_re_reading(models):
+    config = EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float", spec="draft",
+                          model_draft=models["draft"], conversation_cache_storage="ram",
+                          conversation_cache_min_free_mib=0)
+    engine = Engine.from_config(config)
+    try:
+        first, _ = _answer(engine, _chat(engine, ASK), 24)
+        held = engine.call(lambda: list(engine.draft.held[0])).result()
+        before = _draft_rows(engine, len(held))
+        _answer(engine, _chat(engine, "a different conversation " * 12), 8, name="b")  # parks the first
+        prompt = _next_turn(engine, first)
+        _answer(engine, prompt, 24)
+        record = _record(engine)
+        assert record.source == "ram" and record.reused_tokens > 0
+        # the draft's rows came back with the conversation: its first draft re-read none of the tokens it had
+        # held that the new prompt shares (the other conversation's prefill had overwritten them in its slot)
+        shared = common_prefix(held, prompt)
+        assert record.spec_draft_reused == shared > 0, (record, shared)
+        assert engine.draft_states.restored == 1 and engine.draft_states.refused == 0
+        assert torch.equal(_draft_rows(engine, shared), before.narrow(2, 0, shared))  # bit for bit
+    finally:
+        engine.close()
+
+
+def _disk_config(models, folder: Path, spec: str = "draft") -> EngineConfig:
+    return EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float", spec=spec,
+                        model_draft=models["draft"], conversation_cache_storage="disk",
+                        conversation_cache_dir=str(folder), conversation_cache_min_free_mib=0)
+
+
+def _first_turn_then_restart(config: EngineConfig) -> tuple[list[int], list[int], object]:
+    """The first turn, parked at shutdown; (its answer, the draft's tokens, the draft's rows then)."""
+    engine = Engine.from_config(config)
+    try:
+        first, _ = _answer(engine, _chat(engine, ASK), 24)
+        held = engine.call(lambda: list(engine.draft.held[0])).result()
+        rows = _draft_rows(engine, len(held))
+    finally:
+        engine.close()  # disk storage: the slot is parked, the draft's rows beside it
+    return first, held, rows
+
+
+def test_draft_rows_are_adopted_after_a_restart_byte_identical(models, tmp_path):
+    first, held, rows = _first_turn_then_restart(_disk_config(models, tmp_path))
+    engine = Engine.from_config(_disk_config(models, tmp_path))
+    try:
+        prompt = _next_turn(engine, first)
+        answer, cached = _answer(engine, prompt, 24)
+        record = _record(engine)
+        shared = common_prefix(held, prompt)
+        assert record.source == "disk" and cached > 0
+        assert record.spec_draft_reused == shared > 0, (record, shared)
+        assert engine.draft_states.restored == 1  # the rows parked at shutdown, bit for bit
+        assert torch.equal(_draft_rows(engine, shared), rows.narrow(2, 0, shared))
+    finally:
+        engine.close()
+    off = Engine.from_config(_disk_config(models, tmp_path / "off", spec="off"))
+    try:
+        assert _answer(off, _chat(off, ASK), 24)[0] == first
+        assert _answer(off, prompt, 24)[0] == answer
+    finally:
+        off.close()
+
+
+def test_damaged_draft_part_is_refused_alone_and_the_answer_is_the_same(models, tmp_path):
+    first, held, _ = _first_turn_then_restart(_disk_config(models, tmp_path))
+    engine = Engine.from_config(_disk_config(models, tmp_path / "kept"))
+    draft_folder = tmp_path / engine.control.draft_identity.key
+    engine.close()
+    files = sorted(draft_folder.glob("*.safetensors"))
+    assert files, sorted(p.name for p in tmp_path.iterdir())
+    for path in files:  # one byte flipped in the middle of each: every checksum fails
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    engine = Engine.from_config(_disk_config(models, tmp_path))
+    try:
+        prompt = _next_turn(engine, first)
+        damaged, cached = _answer(engine, prompt, 24)
+        record = _record(engine)
+        assert record.source == "disk" and cached > 0  # the model's part restored
+        assert engine.draft_states.refused == 1 and engine.draft_states.restored == 0
+        assert record.spec_draft_reused < len(held)  # the draft re-read what it lacked
+    finally:
+        engine.close()
+    engine = Engine.from_config(_disk_config(models, tmp_path / "off", spec="off"))
+    try:
+        _answer(engine, _chat(engine, ASK), 24)
+        assert _answer(engine, prompt, 24)[0] == damaged
+    finally:
+        engine.close()

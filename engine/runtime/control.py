@@ -16,30 +16,63 @@ from engine.figures import CacheFigures
 if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
+    from engine.cache.settings import CacheSettings
 
 log = logging.getLogger("strata.engine")
 
 
-def make_cache(config: EngineConfig, identity: CacheIdentity) -> CacheAPI | None:
-    """The conversation cache `config` asks for, or None when it is off."""
+def make_cache(config: EngineConfig, identity: CacheIdentity, share: float = 1.0,
+               draft: bool = False) -> CacheAPI | None:
+    """The conversation cache `config` asks for, or None when it is off; `share`, `draft`: see `cache_settings`."""
     if config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0:
-        log.info("conversation cache off (--conversation-cache-mib 0)")
+        if not draft:
+            log.info("conversation cache off (--conversation-cache-mib 0)")
         return None
-    from engine.cache import CacheSettings, ConversationCache
+    from engine.cache import ConversationCache
 
-    return ConversationCache(CacheSettings.from_engine_config(config), identity, engine_version=__version__)
+    return ConversationCache(cache_settings(config, share, draft), identity, engine_version=__version__)
+
+
+def cache_settings(config: EngineConfig, share: float = 1.0, draft: bool = False) -> CacheSettings:
+    """The cache settings of `config` with `share` of each byte budget: with --spec draft the model's cache and the
+    draft model's (its K/V parked beside the conversation, engine/runtime/draft_states.py) split every budget by
+    their bytes per token, so the two together stay within what was set. The draft's cache restores whatever it
+    holds (no thresholds: it only ever follows a restore of the model's) and stays on this machine."""
+    from engine.cache import CacheSettings
+
+    settings = CacheSettings.from_engine_config(config)
+    if share != 1.0:
+        assert 0.0 < share < 1.0, share
+        settings = settings.replace(**{name: int(getattr(settings, name) * share)
+                                       for name in ("ram_bytes", "disk_bytes", "spill_queue_bytes")})
+    if draft:
+        settings = settings.replace(n_min=0, similarity=0.0, remote_url="")
+    return settings
 
 
 class CacheControl:
     """Owns the engine's settings and its conversation cache (engine thread only)."""
 
-    def __init__(self, config: EngineConfig, identity: CacheIdentity, settle: Callable[[], None]) -> None:
+    def __init__(self, config: EngineConfig, identity: CacheIdentity, settle: Callable[[], None],
+                 draft_identity: CacheIdentity | None = None) -> None:
         """`settle` waits for the restores being read, which finish on the cache they began on (their pins hold
-        its files) before a settings change touches it."""
+        its files) before a settings change touches it. `draft_identity`: --spec draft's model, whose K/V is
+        parked in a cache of its own identity (`draft_cache`), so a foreign or damaged draft part fails alone."""
         self.config = config
         self.identity = identity
         self.settle = settle
-        self.cache: CacheAPI | None = make_cache(config, identity)
+        self.draft_identity = draft_identity
+        self.draft_share = 0.0
+        if draft_identity is not None:
+            ours, theirs = identity.bytes_per_token, draft_identity.bytes_per_token
+            self.draft_share = theirs / (ours + theirs)
+        self.cache: CacheAPI | None = make_cache(config, identity, 1.0 - self.draft_share)
+        self.draft_cache: CacheAPI | None = self._make_draft_cache(config)
+
+    def _make_draft_cache(self, config: EngineConfig) -> CacheAPI | None:
+        if self.draft_identity is None:
+            return None
+        return make_cache(config, self.draft_identity, self.draft_share, draft=True)
 
     def figures(self) -> CacheFigures:
         if self.cache is None:
@@ -88,6 +121,8 @@ class CacheControl:
         if self.cache is None:
             return {"tier": tier, "dropped": {"conversations": 0, "bytes": 0}, "skipped": []}
         result = self.cache.purge(tier).to_dict()
+        if self.draft_cache is not None:  # the draft's parts of what was purged
+            self.draft_cache.purge(tier)
         log.info("cache purge %s: %s", tier, result)
         return result
 
@@ -126,14 +161,17 @@ class CacheControl:
         changed = [n for n in parsed if getattr(self.config, n) != getattr(new_config, n)]
         self.settle()
         if changed:
-            from engine.cache import CacheSettings
             from engine.cache.errors import CacheError
 
             try:
                 if self.cache is None:
-                    self.cache = make_cache(new_config, self.identity)
+                    self.cache = make_cache(new_config, self.identity, 1.0 - self.draft_share)
                 else:
-                    self.cache.reconfigure(CacheSettings.from_engine_config(new_config))
+                    self.cache.reconfigure(cache_settings(new_config, 1.0 - self.draft_share))
+                if self.draft_cache is None:
+                    self.draft_cache = self._make_draft_cache(new_config)
+                else:
+                    self.draft_cache.reconfigure(cache_settings(new_config, self.draft_share, draft=True))
             except (CacheError, ValueError, OSError) as exc:
                 start = "start with" if self.cache is None else "switch to"
                 raise Refused(f"the cache could not {start} the new settings, nothing changed: {exc}") from exc

@@ -132,7 +132,8 @@ class ModelDrafter:
         self.prompt = list(prompt)
         self.length = Length(draft_max)
         self.drafted = self.accepted = 0
-        self.reused: int | None = None  # the draft tokens its first draft found held (a switch-back's reuse)
+        self.reused = 0  # the tokens its first draft found held (a switch-back's reuse)
+        self._first = True
 
     def draft(self, generated: list[int], room: int) -> list[int]:
         """Up to `room` (and the current length) tokens to follow prompt + `generated`."""
@@ -140,8 +141,8 @@ class ModelDrafter:
         if k <= 0:
             return []
         out = self.draft_model.propose(self.slot, self.prompt + generated, k)
-        if self.reused is None:
-            self.reused = self.draft_model.reused[self.slot]
+        if self._first:
+            self.reused, self._first = self.draft_model.reused[self.slot], False
         return out
 
     def record(self, drafted: int, accepted: int) -> None:

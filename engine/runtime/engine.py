@@ -42,6 +42,7 @@ from engine.model import moe_placement
 from engine.model.chat_templates import choose_chat_template
 from engine.runtime.control import CacheControl
 from engine.runtime.draft_model import DraftModel
+from engine.runtime.draft_states import DraftStates, draft_identity
 from engine.runtime.identity import cache_identity, int4_kernel, session_identity
 from engine.runtime.memory import slot_memory
 from engine.runtime.model_runner import ModelRunner
@@ -132,13 +133,6 @@ class Engine:
         # (a hybrid's state and a sliding-window model's local rows are written through their own slot writers)
         restores = PendingRestores(wake=lambda: inbox.put(("wake", None)),
                                    kv=self.kv if self.memory.direct_kv else None)
-        progress.begin("building cache index")
-        self.control = CacheControl(config, self.cache_identity, settle=restores.wait)
-        progress.begin("warming up")
-        self.runner.warm_up(self.ctx_size)
-
-        self.stats = EngineStats(self._collect_stats)
-        self.requests = self.stats.requests
         speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, on_cpu)
         self.draft: DraftModel | None = None
         if speculation.method == "draft" and not speculation.declined:  # a declined draft is not loaded
@@ -148,8 +142,17 @@ class Engine:
         elif config.model_draft and config.spec != "draft":
             log.warning("--model-draft %s is not loaded: it drafts with --spec draft only (--spec is %s)",
                         config.model_draft, config.spec)
+        progress.begin("building cache index")
+        self.control = CacheControl(config, self.cache_identity, settle=restores.wait, draft_identity=(
+            draft_identity(self.draft, config.conversation_cache_block_tokens) if self.draft else None))
+        self.draft_states = DraftStates(self.draft, self.control) if self.draft else None
+        progress.begin("warming up")
+        self.runner.warm_up(self.ctx_size)
+
+        self.stats = EngineStats(self._collect_stats)
+        self.requests = self.stats.requests
         self.scheduler = Scheduler(self.slot_set, self.runner, self.control, restores, self.stats, self.tokenizer,
-                                   inbox, speculation)
+                                   inbox, speculation, self.draft_states)
         self.stats.publish()
         self._thread = threading.Thread(target=self.scheduler.loop, name="strata-engine", daemon=True)
         self._thread.start()

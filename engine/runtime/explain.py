@@ -116,9 +116,10 @@ class RequestLog:
         """The request's first token: its time to first token, from `submitted` (time.monotonic())."""
         self._update(request_id, ttft_ms=round((time.monotonic() - submitted) * 1000, 3))
 
-    def speculated(self, request_id: str, drafted: int, accepted: int) -> None:
-        """The request's speculation at its end: draft tokens verified and accepted."""
-        self._update(request_id, spec_drafted=drafted, spec_accepted=accepted)
+    def speculated(self, request_id: str, drafted: int, accepted: int, draft_reused: int = 0) -> None:
+        """The request's speculation at its end: draft tokens verified and accepted, and the tokens a draft
+        model held already at its first draft."""
+        self._update(request_id, spec_drafted=drafted, spec_accepted=accepted, spec_draft_reused=draft_reused)
 
     def assign(self, request_ids: Sequence[str], conversation_id: str) -> None:
         """Requests served before their conversation had an id get the one its park gave it."""

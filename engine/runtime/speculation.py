@@ -33,6 +33,7 @@ class Drafts(Protocol):
 
     drafted: int
     accepted: int
+    reused: int  # a draft model's: the tokens it held already at its first draft (0 for prompt lookup)
 
     def draft(self, generated: list[int], room: int) -> list[int]: ...
 
@@ -91,6 +92,7 @@ class Drafter:
         self._generated = 0  # generated tokens already in `tokens`
         self.length = Length(draft_max)
         self.drafted = self.accepted = 0
+        self.reused = 0
         self._add(prompt)
 
     def _add(self, tokens: list[int]) -> None:
