@@ -192,8 +192,31 @@ def test_switch_back_restores_the_draft_rows_and_drafts_without_re_reading(model
         assert record.spec_draft_reused == shared > 0, (record, shared)
         assert engine.draft_states.restored == 1 and engine.draft_states.refused == 0
         assert torch.equal(_draft_rows(engine, shared), before.narrow(2, 0, shared))  # bit for bit
+        _answer(engine, _chat(engine, "a different conversation " * 12), 8, name="c")  # parks the second turn
+        _check_figures_per_conversation(engine)
     finally:
         engine.close()
+
+
+def _check_figures_per_conversation(engine: Engine) -> None:
+    """/metrics (JSON and Prometheus) has each conversation's drafted and accepted tokens: its requests' sums."""
+    from engine.contract import MetricsBody
+    from engine.server.prometheus import render_prometheus
+
+    snapshot = engine.call(engine.stats.snapshot).result()
+    figures = snapshot["engine"]
+    sums: dict[str, list[int]] = {}
+    for record in snapshot["requests"]:
+        if record.spec_drafted and record.conversation_id is not None:  # the others: counted once parked
+            totals = sums.setdefault(record.conversation_id, [0, 0])
+            totals[0] += record.spec_drafted
+            totals[1] += record.spec_accepted
+    assert sums and figures.spec_drafted_by_conversation == {c: t[0] for c, t in sums.items()}
+    assert figures.spec_accepted_by_conversation == {c: t[1] for c, t in sums.items()}
+    text = render_prometheus(MetricsBody(engine=figures, conversation_cache=snapshot["conversation_cache"])).decode()
+    for conv, (drafted, accepted) in sums.items():
+        assert f'strata_spec_drafted_tokens_by_conversation_total{{conversation="{conv}"}} {float(drafted)}' in text
+        assert f'strata_spec_accepted_tokens_by_conversation_total{{conversation="{conv}"}} {float(accepted)}' in text
 
 
 def _disk_config(models, folder: Path, spec: str = "draft") -> EngineConfig:

@@ -304,6 +304,7 @@ class Engine:
     def engine_stats(self) -> EngineFigures:
         """Engine thread: the engine's figures now (GET /metrics "engine")."""
         stats = self.stats
+        drafted, accepted = self.requests.spec_figures()
         return EngineFigures(
             model=self.model_name,
             state=self.state,
@@ -326,6 +327,8 @@ class Engine:
             decode_threads=self.step_threads.decode_choice,
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
             prefill_reasons=dict(self.requests.reasons),
+            spec_drafted_by_conversation=drafted,
+            spec_accepted_by_conversation=accepted,
         )
 
     # ------------------------------------------------------------------ control calls (engine thread: `run`)
