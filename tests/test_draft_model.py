@@ -194,8 +194,27 @@ def test_switch_back_restores_the_draft_rows_and_drafts_without_re_reading(model
         assert torch.equal(_draft_rows(engine, shared), before.narrow(2, 0, shared))  # bit for bit
         _answer(engine, _chat(engine, "a different conversation " * 12), 8, name="c")  # parks the second turn
         _check_figures_per_conversation(engine)
+        _check_budgets_and_purge(engine)
     finally:
         engine.close()
+
+
+def _check_budgets_and_purge(engine: Engine) -> None:
+    """The two caches split the RAM budget, follow a live change of it together, and are purged together."""
+    control = engine.control
+
+    def budgets() -> tuple[int, int]:
+        assert control.cache is not None and control.draft_cache is not None
+        return control.cache.settings.ram_bytes, control.draft_cache.settings.ram_bytes
+
+    ours, theirs = engine.call(budgets).result()
+    assert 0 < theirs < ours and ours + theirs <= engine.config.conversation_cache_mib << 20
+    engine.call(lambda: control.update({"conversation_cache_mib": 64})).result()
+    ours, theirs = engine.call(budgets).result()
+    assert 0 < theirs < ours and ours + theirs <= 64 << 20
+    assert engine.call(lambda: len(control.draft_cache.conversations())).result() > 0
+    engine.call(lambda: control.purge("all")).result()
+    assert engine.call(lambda: len(control.draft_cache.conversations())).result() == 0
 
 
 def _check_figures_per_conversation(engine: Engine) -> None:
