@@ -13,9 +13,11 @@ answer is the same either way.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.cache.identity import CacheIdentity
@@ -27,6 +29,7 @@ from engine.runtime.memory import AttentionMemory
 from engine.runtime.slot_set import common_prefix
 
 if TYPE_CHECKING:
+    from engine.cache.restores import RestoreRead
     from engine.cache.stats import CacheHit
 
 log = logging.getLogger("strata.engine")
@@ -41,13 +44,24 @@ def draft_identity(draft: DraftModel, block_tokens: int) -> CacheIdentity:
     return dataclasses.replace(identity, model={**identity.model, "role": "draft"})
 
 
+@dataclass(slots=True)
+class DraftRead:
+    """A draft part being read (on the draft's reader thread when `future` is set, else at delivery)."""
+
+    hit: CacheHit
+    read: RestoreRead
+    future: concurrent.futures.Future[None] | None
+
+
 class DraftStates:
-    """Parks and restores the draft's rows of a slot beside the model's (engine thread only)."""
+    """Parks and restores the draft's rows of a slot beside the model's (engine thread only, but for the reads
+    of draft parts, which run on a thread of their own while the model's part is read on its reader)."""
 
     def __init__(self, draft: DraftModel, control: CacheControl) -> None:
         self.draft = draft
         self.control = control
         self.restored = self.refused = 0  # draft parts restored, and those that failed (the draft re-read them)
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-draft-read")
 
     def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
         """The draft part parked for the longest prefix of `prompt`, or None."""
@@ -76,27 +90,50 @@ class DraftStates:
         if not result.parked:
             log.info("slot %d: the draft's %d tokens not parked: %s", slot, n, result.reason)
 
-    def restore(self, slot: int, hit: CacheHit | None, prompt: Sequence[int]) -> int:
-        """Restore the draft part `hit` (a `lookup` of `prompt`) into `slot`; the tokens it holds then, 0 when
-        there was none or it failed (the draft re-reads what it lacks)."""
+    def begin(self, hit: CacheHit | None, background: bool) -> DraftRead | None:
+        """Start restoring the draft part `hit` (a `lookup`'s): its checks now, its read on the draft's reader
+        thread when `background` (beside the model's read of a disk hit), else at `deliver`. None when there is
+        nothing to restore or its checks failed (the draft then re-reads what it lacks)."""
         cache = self.control.draft_cache
         if cache is None or hit is None:
+            return None
+        try:
+            read = cache.begin_restore(hit)
+        except Exception as exc:
+            self._refused(hit, exc)
+            return None
+        return DraftRead(hit, read, self._reader.submit(read.read) if background else None)
+
+    def deliver(self, slot: int, pending: DraftRead | None, prompt: Sequence[int]) -> int:
+        """Write the draft part `begin` started into `slot` (engine thread); the tokens the draft holds then, 0
+        when there was none or it failed (the draft re-reads what it lacks)."""
+        if pending is None:
             return 0
         kv = self.draft.kv
         self.draft.held[slot] = []  # its rows are about to be overwritten
         try:
-            result = cache.restore(hit, kv_writer(lambda start, data: kv.write(slot, start, data)))
+            if pending.future is None:
+                pending.read.read()
+            else:
+                pending.future.result()  # smaller than the model's part, read beside it: done nearly always
+            result = pending.read.deliver(kv_writer(lambda start, data: kv.write(slot, start, data)),
+                                          persist_use=False)
         except Exception as exc:
-            self.refused += 1
-            log.warning("the draft's part of conversation %s was not restored (the draft re-reads it): %s",
-                        hit.conversation_id, exc)
+            self._refused(pending.hit, exc)
             return 0
+        self._reader.submit(pending.read.persist_use)  # a disk entry's manifest rewrite: a file write, off here
         n = min(result.n_tokens, len(prompt))
         self.draft.held[slot] = list(prompt[:n])
         self.restored += 1
         return n
 
+    def _refused(self, hit: CacheHit, exc: Exception) -> None:
+        self.refused += 1
+        log.warning("the draft's part of conversation %s was not restored (the draft re-reads it): %s",
+                    hit.conversation_id, exc)
+
     def close(self, spill: bool, deadline_s: float) -> None:
         """Close the draft's cache (after the model's slots were parked, the draft's rows with them)."""
+        self._reader.shutdown(wait=True)
         if self.control.draft_cache is not None:
             self.control.draft_cache.close(spill=spill, deadline_s=deadline_s)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.runtime.control import CacheControl
-from engine.runtime.draft_states import DraftStates
+from engine.runtime.draft_states import DraftRead, DraftStates
 from engine.runtime.pending_restores import Looked, PendingRestores
 from engine.runtime.slot_choice import MIN_PARK_TOKENS
 from engine.runtime.slot_set import SlotSet
@@ -38,7 +38,7 @@ class Parking:
         self.restores = restores
         self.stats = stats
         self.draft = draft  # --spec draft: the draft's rows, parked and restored beside the slot's
-        self._draft_hits: dict[int, CacheHit | None] = {}  # slot -> the draft part a background restore awaits
+        self._draft_reads: dict[int, DraftRead | None] = {}  # slot -> the draft part a background restore awaits
 
     def park_if_losing(self, slot: Slot, keep: int, protect: str | None = None,
                        draft_protect: str | None = None) -> None:
@@ -83,15 +83,15 @@ class Parking:
         draft_hit = self._draft_hit(looked.request.prompt_tokens)  # found before the park, which must keep it
         self.park_if_losing(slot, 0, protect=hit.conversation_id,
                             draft_protect=draft_hit.conversation_id if draft_hit else None)
-        self._draft_hits[slot.id] = draft_hit
         slot.tokens = []
         try:
             read = cache.begin_restore(hit)
         except Exception as exc:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.slots.forget(slot)
-            self._draft_hits.pop(slot.id, None)
             return str(exc) or type(exc).__name__
+        if self.draft is not None:  # read beside the model's part
+            self._draft_reads[slot.id] = self.draft.begin(draft_hit, background=True)
         n, sid = hit.n_tokens, slot.id
         self.restores.start(slot, read, looked, self.stats.counters["generated_tokens"],
                             prepare=lambda: self.slots.kv.populate(sid, 0, n))
@@ -120,8 +120,10 @@ class Parking:
             self.park_if_losing(slot, 0, protect=hit.conversation_id,
                                 draft_protect=draft_hit.conversation_id if draft_hit else None)
             slot.tokens = []
+            draft_read = None
         else:
-            draft_hit = self._draft_hits.pop(slot.id, None)
+            # begun beside the model's read; that read unpins it, delivered or not
+            draft_hit, draft_read = None, self._draft_reads.pop(slot.id, None)
         assert not slot.tokens and slot.active is None, "restoring into a slot that holds or serves something"
 
         def write_kv(start: int, data: torch.Tensor) -> None:
@@ -149,5 +151,7 @@ class Parking:
             return 0, f"the restored state is at {held} tokens, not at the {n} restored"
         slot.tokens = list(prompt[:n])
         if self.draft is not None:  # the draft's part fails alone: the model's restore stands
-            self.draft.restore(slot.id, draft_hit, prompt)
+            if read is None:  # begun only now: a begun restore holds its blocks until read
+                draft_read = self.draft.begin(draft_hit, background=False)
+            self.draft.deliver(slot.id, draft_read, prompt)
         return n, ""
