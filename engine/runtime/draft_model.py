@@ -53,10 +53,11 @@ def check_vocabulary(draft: Tokenizer, target: Tokenizer, draft_path: str, targe
 class DraftModel:
     """The draft model, its K/V per slot and the tokens each slot's rows hold (engine thread only)."""
 
-    def __init__(self, loaded: LoadedModel, kv: KVBuffers) -> None:
+    def __init__(self, loaded: LoadedModel, kv: KVBuffers, vocab: int) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.kv = kv
+        self.vocab = vocab  # ids both models have: a draft token is fed to the model, whose embedding may be smaller
         self.held: list[list[int]] = [[] for _ in range(kv.n_slots)]
         self.reused: list[int] = [0] * kv.n_slots  # tokens the slot's last catch-up found held (its first draft's)
 
@@ -89,7 +90,7 @@ class DraftModel:
                        [(device, 0, cfg.n_layers)])
         log.info("draft model %s: %d layers on %s (%s weights); %s", loaded.name, cfg.n_layers, device,
                  weights_format, configure(loaded.model, n_slots, cuda_graphs=False, deterministic=True))
-        return cls(loaded, kv)
+        return cls(loaded, kv, min(cfg.vocab_size, target.config.vocab_size))
 
     def drafter(self, slot: int, prompt: list[int], draft_max: int) -> ModelDrafter:
         """A request's drafter in `slot` (speculation.DraftSource)."""
@@ -114,11 +115,11 @@ class DraftModel:
             held.extend(sequence[start:end])
             start = end
         assert logits is not None
-        out = [int(torch.argmax(logits[0]))]
+        out = [int(torch.argmax(logits[0][:self.vocab]))]
         while len(out) < k:
             logits = self.model.forward_chunks([SeqChunk(slot, len(held), torch.tensor(out[-1:]))], self.kv)
             held.append(out[-1])
-            out.append(int(torch.argmax(logits[0])))
+            out.append(int(torch.argmax(logits[0][:self.vocab])))
         return out
 
 
