@@ -305,3 +305,24 @@ def test_damaged_draft_part_is_refused_alone_and_the_answer_is_the_same(models, 
         assert _answer(engine, prompt, 24)[0] == damaged
     finally:
         engine.close()
+
+
+def test_draft_catches_up_a_chunk_per_step_and_answers_as_without(models):
+    config = EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float")
+
+    def behind(engine: Engine) -> list[int]:
+        if engine.draft is not None:
+            draft = engine.draft
+            seq = _chat(engine, LOOPING[0])[:40]
+
+            def catch_up() -> list[tuple[int, int]]:
+                draft.catch_up = 16
+                return [(len(draft.propose(1, seq, 4)), len(draft.held[1])) for _ in range(3)]
+
+            # 40 tokens to read: two steps of 16 without drafts, then the last 8 and the draft
+            assert engine.call(catch_up).result() == [(0, 16), (0, 32), (4, 43)]
+        return _answer(engine, _chat(engine, LOOPING[0]), 40)[0]  # its prompt read in chunks of 16
+
+    off, on, counters = _with_and_without(config.replace(parallel=2), models["draft"], behind)
+    assert on == off
+    assert counters["spec_accepted_tokens"] > 0, counters

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.engine")
 
-CATCH_UP_CHUNK = 512  # tokens of the sequence the draft reads per forward when it catches up (a bounded step)
+# Tokens of the sequence the draft reads per decode step while it catches up (a new conversation's prompt): the
+# step every slot waits on grows by one draft chunk at most, and the request decodes without drafts meanwhile.
+CATCH_UP_CHUNK = 512
 
 
 def check_vocabulary(draft: Tokenizer, target: Tokenizer, draft_path: str, target_name: str) -> None:
@@ -58,6 +60,7 @@ class DraftModel:
         self.model = loaded.model
         self.kv = kv
         self.vocab = vocab  # ids both models have: a draft token is fed to the model, whose embedding may be smaller
+        self.catch_up = CATCH_UP_CHUNK
         self.held: list[list[int]] = [[] for _ in range(kv.n_slots)]
         self.reused: list[int] = [0] * kv.n_slots  # tokens the slot's last catch-up found held (its first draft's)
 
@@ -97,7 +100,8 @@ class DraftModel:
         return ModelDrafter(self, slot, prompt, draft_max)
 
     def propose(self, slot: int, sequence: list[int], k: int) -> list[int]:
-        """The draft's `k` greedy tokens after `sequence` in `slot`, fewer where the draft's context ends."""
+        """The draft's `k` greedy tokens after `sequence` in `slot`, fewer where the draft's context ends; none
+        while more than `catch_up` tokens of `sequence` are still to read (one chunk of them is read per call)."""
         k = min(k, self.kv.ctx - len(sequence) + 1)  # the last proposed token is never fed: it needs no row
         if k <= 0 or not sequence:
             return []
@@ -107,14 +111,13 @@ class DraftModel:
         start = min(common_prefix(held, sequence), len(sequence) - 1)  # the last token's logits are needed
         self.reused[slot] = start
         self.held[slot] = held = sequence[:start]  # the rows past `start` are about to be overwritten
-        logits = None
-        while start < len(sequence):
-            end = min(len(sequence), start + CATCH_UP_CHUNK)
-            chunk = torch.tensor(sequence[start:end], dtype=torch.int64)
-            logits = self.model.forward_chunks([SeqChunk(slot, start, chunk)], self.kv)
+        if len(sequence) - start > self.catch_up:  # a long way behind: one chunk now, drafts once caught up
+            end = start + self.catch_up
+            self.model.forward_chunks([SeqChunk(slot, start, torch.tensor(sequence[start:end]))], self.kv)
             held.extend(sequence[start:end])
-            start = end
-        assert logits is not None
+            return []
+        logits = self.model.forward_chunks([SeqChunk(slot, start, torch.tensor(sequence[start:]))], self.kv)
+        held.extend(sequence[start:])
         out = [int(torch.argmax(logits[0][:self.vocab]))]
         while len(out) < k:
             logits = self.model.forward_chunks([SeqChunk(slot, len(held), torch.tensor(out[-1:]))], self.kv)
