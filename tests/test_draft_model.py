@@ -326,3 +326,37 @@ def test_draft_catches_up_a_chunk_per_step_and_answers_as_without(models):
     off, on, counters = _with_and_without(config.replace(parallel=2), models["draft"], behind)
     assert on == off
     assert counters["spec_accepted_tokens"] > 0, counters
+
+
+def test_foreign_draft_part_is_never_found_and_the_model_restores_alone(models, tmp_path):
+    first, held, _ = _first_turn_then_restart(_disk_config(models, tmp_path))
+    other = write_truncated(models["target"], tmp_path / "other-draft", 1)  # another draft: another identity
+    engine = Engine.from_config(_disk_config(models, tmp_path).replace(model_draft=other))
+    try:
+        prompt = _next_turn(engine, first)
+        answer, cached = _answer(engine, prompt, 24)
+        record = _record(engine)
+        assert record.source == "disk" and cached > 0  # the model's part restored
+        assert engine.draft_states.restored == engine.draft_states.refused == 0  # the parked draft part: unseen
+        assert record.spec_draft_reused < common_prefix(held, prompt)  # the draft re-read it
+    finally:
+        engine.close()
+    engine = Engine.from_config(_disk_config(models, tmp_path / "off", spec="off"))
+    try:
+        _answer(engine, _chat(engine, ASK), 24)
+        assert _answer(engine, prompt, 24)[0] == answer
+    finally:
+        engine.close()
+
+
+def test_declined_draft_is_not_loaded(models, tmp_path):
+    from tests.hybrid_fixtures import write_tiny_hybrid
+
+    config = EngineConfig(model=write_tiny_hybrid(tmp_path, "lfm2"), ctx_size=256, spec="draft",
+                          model_draft=str(tmp_path / "never-read"))
+    engine = Engine.from_config(config)
+    try:
+        assert "recurrent state" in engine.scheduler.speculation.declined and engine.draft is None
+        assert len(_answer(engine, _chat(engine, "one two three " * 10), 8)[0]) == 8
+    finally:
+        engine.close()
