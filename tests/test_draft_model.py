@@ -131,9 +131,13 @@ def test_restored_conversation_continues_identically_with_a_draft(models):
     assert counters["spec_drafted_tokens"] > 0, counters
 
 
-def test_spec_draft_without_a_draft_model_is_refused():
+def test_spec_draft_without_a_draft_model_is_refused(models, tmp_path):
     with pytest.raises(SettingError, match="--model-draft"):
         EngineConfig(spec="draft")
+    missing = str(tmp_path / "no-such-draft")
+    config = EngineConfig(model=models["target"], ctx_size=256, cpu_weights="float", spec="draft", model_draft=missing)
+    with pytest.raises(ModelLoadError, match=f"--model-draft: {missing}: no such file"):
+        Engine.from_config(config)
 
 
 def test_draft_of_another_vocabulary_is_refused_naming_both(models, tmp_path):

@@ -73,11 +73,15 @@ class DraftModel:
         from engine.model.hybrid import HybridCausalLM
         from engine.model.loader import load_model, read_model_config
 
-        shape = read_model_config(path)
         device = torch.device(target.model.stages[0][0])
         if weights_format in ("int4", "float16") and device.type != "cpu":
             weights_format = "float"
-        loaded = load_model(path, [(device, 0, shape.n_layers)], target.dtype, int4_weights=weights_format == "int4")
+        try:
+            shape = read_model_config(path)
+            loaded = load_model(path, [(device, 0, shape.n_layers)], target.dtype,
+                                int4_weights=weights_format == "int4")
+        except ModelLoadError as exc:  # say which of the two models it was
+            raise ModelLoadError(f"--model-draft: {exc}") from None
         if isinstance(loaded.model, HybridCausalLM):
             raise ModelLoadError(f"--model-draft {path}: a hybrid model's recurrent state cannot be rolled back to "
                                  "its last accepted token; a draft model must be an attention-only transformer")
