@@ -74,6 +74,19 @@ class CacheControl:
             return None
         return make_cache(config, self.draft_identity, self.draft_share, draft=True)
 
+    def _follow_draft(self, config: EngineConfig) -> None:
+        """The draft's cache takes the settings the model's took; where it cannot, it keeps its own (logged): its
+        parts are an optimisation, never a reason to refuse a change the model's cache made."""
+        from engine.cache.errors import CacheError
+
+        try:
+            if self.draft_cache is None:
+                self.draft_cache = self._make_draft_cache(config)
+            else:
+                self.draft_cache.reconfigure(cache_settings(config, self.draft_share, draft=True))
+        except (CacheError, ValueError, OSError) as exc:
+            log.warning("the draft model's cache keeps its previous settings: %s", exc)
+
     def figures(self) -> CacheFigures:
         if self.cache is None:
             return CacheFigures(enabled=False, storage=self.config.conversation_cache_storage)
@@ -168,13 +181,10 @@ class CacheControl:
                     self.cache = make_cache(new_config, self.identity, 1.0 - self.draft_share)
                 else:
                     self.cache.reconfigure(cache_settings(new_config, 1.0 - self.draft_share))
-                if self.draft_cache is None:
-                    self.draft_cache = self._make_draft_cache(new_config)
-                else:
-                    self.draft_cache.reconfigure(cache_settings(new_config, self.draft_share, draft=True))
             except (CacheError, ValueError, OSError) as exc:
                 start = "start with" if self.cache is None else "switch to"
                 raise Refused(f"the cache could not {start} the new settings, nothing changed: {exc}") from exc
             self.config = new_config
+            self._follow_draft(new_config)
         log.info("cache config changed: %s", ", ".join(f"{n}={getattr(new_config, n)}" for n in changed) or "nothing")
         return {**self.settings(), "changed": changed}

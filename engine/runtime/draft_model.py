@@ -32,6 +32,7 @@ log = logging.getLogger("strata.engine")
 # Tokens of the sequence the draft reads per decode step while it catches up (a new conversation's prompt): the
 # step every slot waits on grows by one draft chunk at most, and the request decodes without drafts meanwhile.
 CATCH_UP_CHUNK = 512
+ROWS_MAX = 16  # up to this many tokens to catch up go as one-token rows (as a verify's), more as one chunk
 
 
 def check_vocabulary(draft: Tokenizer, target: Tokenizer, draft_path: str, target_name: str) -> None:
@@ -120,9 +121,14 @@ class DraftModel:
             self.model.forward_chunks([SeqChunk(slot, start, torch.tensor(sequence[start:end]))], self.kv)
             held.extend(sequence[start:end])
             return []
-        logits = self.model.forward_chunks([SeqChunk(slot, start, torch.tensor(sequence[start:]))], self.kv)
-        held.extend(sequence[start:])
-        out = [int(torch.argmax(logits[0][:self.vocab]))]
+        rest = sequence[start:]
+        if len(rest) <= ROWS_MAX:  # the last verify's few tokens: one-token rows take the decode step's fast path
+            chunks = [SeqChunk(slot, start + j, torch.tensor([t])) for j, t in enumerate(rest)]
+        else:
+            chunks = [SeqChunk(slot, start, torch.tensor(rest))]
+        logits = self.model.forward_chunks(chunks, self.kv)
+        held.extend(rest)
+        out = [int(torch.argmax(logits[len(chunks) - 1][:self.vocab]))]
         while len(out) < k:
             logits = self.model.forward_chunks([SeqChunk(slot, len(held), torch.tensor(out[-1:]))], self.kv)
             held.append(out[-1])
