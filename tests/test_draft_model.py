@@ -198,9 +198,24 @@ def test_switch_back_restores_the_draft_rows_and_drafts_without_re_reading(model
         assert torch.equal(_draft_rows(engine, shared), before.narrow(2, 0, shared))  # bit for bit
         _answer(engine, _chat(engine, "a different conversation " * 12), 8, name="c")  # parks the second turn
         _check_figures_per_conversation(engine)
+        _check_drop_takes_the_draft_part(engine)
         _check_budgets_and_purge(engine)
     finally:
         engine.close()
+
+
+def _check_drop_takes_the_draft_part(engine: Engine) -> None:
+    control = engine.control
+
+    def drop_one() -> tuple[int, int]:
+        assert control.draft_cache is not None
+        conv_id, draft_id = next(iter(control.draft_parts.items()))
+        before = {c.id for c in control.draft_cache.conversations()}
+        control.drop_conversation(conv_id)
+        after = {c.id for c in control.draft_cache.conversations()}
+        return draft_id in before, draft_id in after
+
+    assert engine.call(drop_one).result() == (True, False)
 
 
 def _check_budgets_and_purge(engine: Engine) -> None:

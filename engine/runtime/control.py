@@ -4,6 +4,7 @@ start or change while the engine runs, so everything else reads it through `Cach
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,9 @@ class CacheControl:
         self.identity = identity
         self.settle = settle
         self.draft_identity = draft_identity
+        # a parked conversation's id -> its draft part's id in `draft_cache`, as this engine parked them (a drop
+        # takes both; after a restart an orphaned draft part goes by the draft cache's own eviction)
+        self.draft_parts: dict[str, str] = {}
         self.draft_share = 0.0
         if draft_identity is not None:
             ours, theirs = identity.bytes_per_token, draft_identity.bytes_per_token
@@ -126,6 +130,10 @@ class CacheControl:
             raise NotFound(f"conversation {conv_id!r} is not parked; GET /cache/conversations lists those that are",
                            param="id") from None
         log.info("conversation %s dropped: %s", conv_id, result)
+        draft_id = self.draft_parts.pop(conv_id, None)
+        if draft_id is not None and self.draft_cache is not None:
+            with contextlib.suppress(KeyError):  # evicted or superseded meanwhile
+                self.draft_cache.drop(draft_id)
         return result
 
     def purge(self, tier: str) -> dict:
@@ -136,6 +144,8 @@ class CacheControl:
         result = self.cache.purge(tier).to_dict()
         if self.draft_cache is not None:  # the draft's parts of what was purged
             self.draft_cache.purge(tier)
+            if tier == "all":
+                self.draft_parts.clear()
         log.info("cache purge %s: %s", tier, result)
         return result
 

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.engine")
 
+DRAFT_PARTS_KEPT = 4096  # the conversations whose draft part a drop takes with them, the most recently parked
+
 
 def draft_identity(draft: DraftModel, block_tokens: int) -> CacheIdentity:
     """The draft model's own cache identity (as the model's is built), marked as a draft's: the same model as its
@@ -74,9 +76,10 @@ class DraftStates:
             log.exception("looking up the draft's parked rows failed")
             return None
 
-    def park(self, slot: int, tokens: Sequence[int], keep: str | None = None) -> None:
-        """Park the draft's rows of `slot` for the prefix of `tokens` (the model's parked tokens) they hold;
-        `keep`: a draft part this park must not evict (the one about to be restored into the slot)."""
+    def park(self, slot: int, tokens: Sequence[int], conversation_id: str, keep: str | None = None) -> None:
+        """Park the draft's rows of `slot` for the prefix of `tokens` (the model's parked tokens, conversation
+        `conversation_id`) they hold; `keep`: a draft part this park must not evict (the one about to be restored
+        into the slot)."""
         cache = self.control.draft_cache
         n = common_prefix(self.draft.held[slot], list(tokens))
         if cache is None or n < 2:
@@ -89,6 +92,13 @@ class DraftStates:
             return
         if not result.parked:
             log.info("slot %d: the draft's %d tokens not parked: %s", slot, n, result.reason)
+            return
+        assert result.conversation_id is not None
+        parts = self.control.draft_parts
+        parts.pop(conversation_id, None)
+        parts[conversation_id] = result.conversation_id  # the most recent last
+        while len(parts) > DRAFT_PARTS_KEPT:  # long evicted, most likely: the draft cache's eviction takes those
+            del parts[next(iter(parts))]
 
     def begin(self, hit: CacheHit | None, background: bool) -> DraftRead | None:
         """Start restoring the draft part `hit` (a `lookup`'s): its checks now, its read on the draft's reader

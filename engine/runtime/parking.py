@@ -68,7 +68,7 @@ class Parking:
         self.stats.requests.assign(slot.unnamed, result.conversation_id)
         slot.conversation_id, slot.unnamed = result.conversation_id, []
         if self.draft is not None:
-            self.draft.park(slot.id, tokens, keep=draft_protect)
+            self.draft.park(slot.id, tokens, result.conversation_id, keep=draft_protect)
 
     def _draft_hit(self, prompt: list[int]) -> CacheHit | None:
         return self.draft.lookup(prompt) if self.draft is not None else None
