@@ -293,15 +293,21 @@ class EngineConfig:
     )
     spec: str = setting(
         "off", flag="--spec", label="Speculative decoding", kind="choice", group="runtime",
-        choices=("off", "prompt-lookup"),
+        choices=("off", "prompt-lookup", "draft"),
         help="prompt-lookup: draft the next tokens from the conversation's own earlier tokens (an agent repeating "
-        "code it read) and verify them in one decode step; greedy requests only, output token-identical to off; "
+        "code it read) and verify them in one decode step; draft: a smaller model of the same vocabulary "
+        "(--model-draft) drafts them; greedy requests only, output token-identical to off; "
         "declined with a logged reason on hybrid models and CUDA stages",
+    )
+    model_draft: str = setting(
+        "", flag="--model-draft", label="Draft model", kind="str", group="runtime", metavar="PATH",
+        help="with --spec draft: the draft model (GGUF file or Hugging Face folder) whose vocabulary is the "
+        "model's; it runs on the model's first device with K/V of its own per slot",
     )
     spec_draft_max: int = setting(
         8, flag="--spec-draft-max", label="Most draft tokens", kind="int", group="runtime", unit="tokens",
         minimum=1, maximum=64, metavar="N",
-        help="with --spec prompt-lookup: the most tokens one draft proposes (the length adapts below it to how "
+        help="with --spec prompt-lookup or draft: the most tokens one draft proposes (the length adapts below it to how "
         "many are accepted)",
     )
     prefill_chunk: int = setting(
@@ -483,6 +489,10 @@ class EngineConfig:
             self.conversation_cache_spill_dir = ""
         if self.conversation_cache_remote:
             self._check_remote()
+        if self.spec == "draft" and not self.model_draft:
+            raise SettingError(f"{setting_of('spec').flag} draft: expected a draft model, but "
+                               f"{setting_of('model_draft').flag} is empty; give the draft model's path "
+                               "(a GGUF file or Hugging Face folder of the model's vocabulary)")
 
     def _check_remote(self) -> None:
         flag = setting_of("conversation_cache_remote").flag

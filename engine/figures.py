@@ -88,6 +88,12 @@ class EngineFigures:
     omp_wait_policy: str = ""
     # requests by why their prompt was computed (engine.runtime.explain's reasons)
     prefill_reasons: dict[str, int] = counter(label="reason", metric="prefill_reason")
+    # --spec per conversation (the most recent ones, by id once parked): draft tokens verified and accepted; their
+    # ratio is the conversation's acceptance rate
+    spec_drafted_by_conversation: dict[str, int] = counter(label="conversation",
+                                                           metric="spec_drafted_tokens_by_conversation")
+    spec_accepted_by_conversation: dict[str, int] = counter(label="conversation",
+                                                            metric="spec_accepted_tokens_by_conversation")
 
 
 @dataclass(frozen=True, slots=True)

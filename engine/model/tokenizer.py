@@ -88,6 +88,10 @@ class Tokenizer:
         self.max_prompt_chars: int | None = None  # set by limit_prompts
         self.context_tokens: int | None = None  # set by limit_prompts
 
+
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text and id, added tokens included (a draft model's must be the model's own)."""
+        return self.backend.get_vocab(with_added_tokens=True)
     def limit_prompts(self, context_tokens: int) -> None:
         """Text longer than this many characters cannot fit `context_tokens` tokens: no token covers more
         characters than the vocabulary's longest (a byte-level token's string has one character per byte, and a

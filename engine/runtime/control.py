@@ -4,6 +4,7 @@ start or change while the engine runs, so everything else reads it through `Cach
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,30 +17,79 @@ from engine.figures import CacheFigures
 if TYPE_CHECKING:
     from engine.cache.api import CacheAPI
     from engine.cache.identity import CacheIdentity
+    from engine.cache.settings import CacheSettings
 
 log = logging.getLogger("strata.engine")
 
 
-def make_cache(config: EngineConfig, identity: CacheIdentity) -> CacheAPI | None:
-    """The conversation cache `config` asks for, or None when it is off."""
+def make_cache(config: EngineConfig, identity: CacheIdentity, share: float = 1.0,
+               draft: bool = False) -> CacheAPI | None:
+    """The conversation cache `config` asks for, or None when it is off; `share`, `draft`: see `cache_settings`."""
     if config.conversation_cache_storage == "ram" and config.conversation_cache_mib == 0:
-        log.info("conversation cache off (--conversation-cache-mib 0)")
+        if not draft:
+            log.info("conversation cache off (--conversation-cache-mib 0)")
         return None
-    from engine.cache import CacheSettings, ConversationCache
+    from engine.cache import ConversationCache
 
-    return ConversationCache(CacheSettings.from_engine_config(config), identity, engine_version=__version__)
+    return ConversationCache(cache_settings(config, share, draft), identity, engine_version=__version__)
+
+
+def cache_settings(config: EngineConfig, share: float = 1.0, draft: bool = False) -> CacheSettings:
+    """The cache settings of `config` with `share` of each byte budget: with --spec draft the model's cache and the
+    draft model's (its K/V parked beside the conversation, engine/runtime/draft_states.py) split every budget by
+    their bytes per token, so the two together stay within what was set. The draft's cache restores whatever it
+    holds (no thresholds: it only ever follows a restore of the model's) and stays on this machine."""
+    from engine.cache import CacheSettings
+
+    settings = CacheSettings.from_engine_config(config)
+    if share != 1.0:
+        assert 0.0 < share < 1.0, share
+        settings = settings.replace(**{name: int(getattr(settings, name) * share)
+                                       for name in ("ram_bytes", "disk_bytes", "spill_queue_bytes")})
+    if draft:
+        settings = settings.replace(n_min=0, similarity=0.0, remote_url="")
+    return settings
 
 
 class CacheControl:
     """Owns the engine's settings and its conversation cache (engine thread only)."""
 
-    def __init__(self, config: EngineConfig, identity: CacheIdentity, settle: Callable[[], None]) -> None:
+    def __init__(self, config: EngineConfig, identity: CacheIdentity, settle: Callable[[], None],
+                 draft_identity: CacheIdentity | None = None) -> None:
         """`settle` waits for the restores being read, which finish on the cache they began on (their pins hold
-        its files) before a settings change touches it."""
+        its files) before a settings change touches it. `draft_identity`: --spec draft's model, whose K/V is
+        parked in a cache of its own identity (`draft_cache`), so a foreign or damaged draft part fails alone."""
         self.config = config
         self.identity = identity
         self.settle = settle
-        self.cache: CacheAPI | None = make_cache(config, identity)
+        self.draft_identity = draft_identity
+        # a parked conversation's id -> its draft part's id in `draft_cache`, as this engine parked them (a drop
+        # takes both; after a restart an orphaned draft part goes by the draft cache's own eviction)
+        self.draft_parts: dict[str, str] = {}
+        self.draft_share = 0.0
+        if draft_identity is not None:
+            ours, theirs = identity.bytes_per_token, draft_identity.bytes_per_token
+            self.draft_share = theirs / (ours + theirs)
+        self.cache: CacheAPI | None = make_cache(config, identity, 1.0 - self.draft_share)
+        self.draft_cache: CacheAPI | None = self._make_draft_cache(config)
+
+    def _make_draft_cache(self, config: EngineConfig) -> CacheAPI | None:
+        if self.draft_identity is None:
+            return None
+        return make_cache(config, self.draft_identity, self.draft_share, draft=True)
+
+    def _follow_draft(self, config: EngineConfig) -> None:
+        """The draft's cache takes the settings the model's took; where it cannot, it keeps its own (logged): its
+        parts are an optimisation, never a reason to refuse a change the model's cache made."""
+        from engine.cache.errors import CacheError
+
+        try:
+            if self.draft_cache is None:
+                self.draft_cache = self._make_draft_cache(config)
+            else:
+                self.draft_cache.reconfigure(cache_settings(config, self.draft_share, draft=True))
+        except (CacheError, ValueError, OSError) as exc:
+            log.warning("the draft model's cache keeps its previous settings: %s", exc)
 
     def figures(self) -> CacheFigures:
         if self.cache is None:
@@ -80,6 +130,10 @@ class CacheControl:
             raise NotFound(f"conversation {conv_id!r} is not parked; GET /cache/conversations lists those that are",
                            param="id") from None
         log.info("conversation %s dropped: %s", conv_id, result)
+        draft_id = self.draft_parts.pop(conv_id, None)
+        if draft_id is not None and self.draft_cache is not None:
+            with contextlib.suppress(KeyError):  # evicted or superseded meanwhile
+                self.draft_cache.drop(draft_id)
         return result
 
     def purge(self, tier: str) -> dict:
@@ -88,6 +142,10 @@ class CacheControl:
         if self.cache is None:
             return {"tier": tier, "dropped": {"conversations": 0, "bytes": 0}, "skipped": []}
         result = self.cache.purge(tier).to_dict()
+        if self.draft_cache is not None:  # the draft's parts of what was purged
+            self.draft_cache.purge(tier)
+            if tier == "all":
+                self.draft_parts.clear()
         log.info("cache purge %s: %s", tier, result)
         return result
 
@@ -126,17 +184,17 @@ class CacheControl:
         changed = [n for n in parsed if getattr(self.config, n) != getattr(new_config, n)]
         self.settle()
         if changed:
-            from engine.cache import CacheSettings
             from engine.cache.errors import CacheError
 
             try:
                 if self.cache is None:
-                    self.cache = make_cache(new_config, self.identity)
+                    self.cache = make_cache(new_config, self.identity, 1.0 - self.draft_share)
                 else:
-                    self.cache.reconfigure(CacheSettings.from_engine_config(new_config))
+                    self.cache.reconfigure(cache_settings(new_config, 1.0 - self.draft_share))
             except (CacheError, ValueError, OSError) as exc:
                 start = "start with" if self.cache is None else "switch to"
                 raise Refused(f"the cache could not {start} the new settings, nothing changed: {exc}") from exc
             self.config = new_config
+            self._follow_draft(new_config)
         log.info("cache config changed: %s", ", ".join(f"{n}={getattr(new_config, n)}" for n in changed) or "nothing")
         return {**self.settings(), "changed": changed}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import queue
@@ -40,6 +41,8 @@ from engine.figures import CacheFigures, EngineFigures
 from engine.model import moe_placement
 from engine.model.chat_templates import choose_chat_template
 from engine.runtime.control import CacheControl
+from engine.runtime.draft_model import DraftModel
+from engine.runtime.draft_states import DraftStates, draft_identity
 from engine.runtime.identity import cache_identity, int4_kernel, session_identity
 from engine.runtime.memory import slot_memory
 from engine.runtime.model_runner import ModelRunner
@@ -130,16 +133,26 @@ class Engine:
         # (a hybrid's state and a sliding-window model's local rows are written through their own slot writers)
         restores = PendingRestores(wake=lambda: inbox.put(("wake", None)),
                                    kv=self.kv if self.memory.direct_kv else None)
+        speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, on_cpu)
+        self.draft: DraftModel | None = None
+        if speculation.method == "draft" and not speculation.declined:  # a declined draft is not loaded
+            self.draft = DraftModel.load(config.model_draft, loaded, self.n_slots, self.ctx_size, kv_dtype,
+                                         self.weights_format)
+            speculation = dataclasses.replace(speculation, source=self.draft)
+        elif config.model_draft and config.spec != "draft":
+            log.warning("--model-draft %s is not loaded: it drafts with --spec draft only (--spec is %s)",
+                        config.model_draft, config.spec)
         progress.begin("building cache index")
-        self.control = CacheControl(config, self.cache_identity, settle=restores.wait)
+        self.control = CacheControl(config, self.cache_identity, settle=restores.wait, draft_identity=(
+            draft_identity(self.draft, config.conversation_cache_block_tokens) if self.draft else None))
+        self.draft_states = DraftStates(self.draft, self.control) if self.draft else None
         progress.begin("warming up")
         self.runner.warm_up(self.ctx_size)
 
         self.stats = EngineStats(self._collect_stats)
         self.requests = self.stats.requests
-        speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, on_cpu)
         self.scheduler = Scheduler(self.slot_set, self.runner, self.control, restores, self.stats, self.tokenizer,
-                                   inbox, speculation)
+                                   inbox, speculation, self.draft_states)
         self.stats.publish()
         self._thread = threading.Thread(target=self.scheduler.loop, name="strata-engine", daemon=True)
         self._thread.start()
@@ -291,6 +304,7 @@ class Engine:
     def engine_stats(self) -> EngineFigures:
         """Engine thread: the engine's figures now (GET /metrics "engine")."""
         stats = self.stats
+        drafted, accepted = self.requests.spec_figures()
         return EngineFigures(
             model=self.model_name,
             state=self.state,
@@ -313,6 +327,8 @@ class Engine:
             decode_threads=self.step_threads.decode_choice,
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
             prefill_reasons=dict(self.requests.reasons),
+            spec_drafted_by_conversation=drafted,
+            spec_accepted_by_conversation=accepted,
         )
 
     # ------------------------------------------------------------------ control calls (engine thread: `run`)

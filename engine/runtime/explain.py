@@ -17,6 +17,7 @@ from engine.cache.explain import LookupReport
 from engine.contract import RequestRecord
 
 REQUEST_LOG_SIZE = 1000
+SPEC_CONVERSATIONS = 256  # conversations whose speculation figures /metrics keeps (each is a Prometheus label)
 # Every reason a record can give (RequestRecord documents them); each is a Prometheus label, counted from 0.
 REASONS = ("new_tokens", "diverged", "template", "evicted", "floor", "refused", "n_min", "similarity", "cost",
            "small_gain", "restore_failed", "window", "cold")
@@ -106,6 +107,8 @@ class RequestLog:
     def __init__(self, size: int = REQUEST_LOG_SIZE) -> None:
         self._ring: deque[RequestRecord] = deque(maxlen=size)
         self.reasons: dict[str, int] = dict.fromkeys(REASONS, 0)
+        # conversation id -> [drafted, accepted] of its requests, the most recently speculated last
+        self.spec: dict[str, list[int]] = {}
 
     def add(self, record: RequestRecord) -> None:
         assert record.reason in self.reasons, record.reason
@@ -116,21 +119,43 @@ class RequestLog:
         """The request's first token: its time to first token, from `submitted` (time.monotonic())."""
         self._update(request_id, ttft_ms=round((time.monotonic() - submitted) * 1000, 3))
 
-    def speculated(self, request_id: str, drafted: int, accepted: int) -> None:
-        """The request's speculation at its end: draft tokens verified and accepted."""
-        self._update(request_id, spec_drafted=drafted, spec_accepted=accepted)
+    def speculated(self, request_id: str, drafted: int, accepted: int, draft_reused: int = 0) -> None:
+        """The request's speculation at its end: draft tokens verified and accepted, and the tokens a draft
+        model held already at its first draft."""
+        record = self._update(request_id, spec_drafted=drafted, spec_accepted=accepted,
+                              spec_draft_reused=draft_reused)
+        if record is not None and record.conversation_id is not None:  # else counted when its id is known
+            self._count_spec(record)
 
     def assign(self, request_ids: Sequence[str], conversation_id: str) -> None:
         """Requests served before their conversation had an id get the one its park gave it."""
         for rid in request_ids:
-            self._update(rid, conversation_id=conversation_id)
+            record = self._update(rid, conversation_id=conversation_id)
+            if record is not None:
+                self._count_spec(record)
 
-    def _update(self, request_id: str, **changes: Any) -> None:
+    def _count_spec(self, record: RequestRecord) -> None:
+        assert record.conversation_id is not None
+        if not record.spec_drafted:
+            return
+        totals = self.spec.pop(record.conversation_id, [0, 0])
+        totals[0] += record.spec_drafted
+        totals[1] += record.spec_accepted
+        self.spec[record.conversation_id] = totals  # the most recent last
+        while len(self.spec) > SPEC_CONVERSATIONS:  # a bounded number of labels: the oldest goes
+            del self.spec[next(iter(self.spec))]
+
+    def spec_figures(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(drafted, accepted) by conversation id."""
+        return {c: t[0] for c, t in self.spec.items()}, {c: t[1] for c, t in self.spec.items()}
+
+    def _update(self, request_id: str, **changes: Any) -> RequestRecord | None:
         ring = self._ring
         for i in range(len(ring) - 1, -1, -1):  # newest first: the request is nearly always among the last few
             if ring[i].request_id == request_id:
                 ring[i] = replace(ring[i], **changes)
-                return
+                return ring[i]
+        return None
 
     def snapshot(self) -> tuple[RequestRecord, ...]:
         """The records, oldest first (immutable: any thread may read it)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.runtime.control import CacheControl
+from engine.runtime.draft_states import DraftRead, DraftStates
 from engine.runtime.pending_restores import Looked, PendingRestores
 from engine.runtime.slot_choice import MIN_PARK_TOKENS
 from engine.runtime.slot_set import SlotSet
@@ -30,22 +31,27 @@ log = logging.getLogger("strata.engine")
 class Parking:
     """Parks and restores slots through the cache `control` holds (which is never None when asked to)."""
 
-    def __init__(self, slots: SlotSet, control: CacheControl, restores: PendingRestores, stats: EngineStats) -> None:
+    def __init__(self, slots: SlotSet, control: CacheControl, restores: PendingRestores, stats: EngineStats,
+                 draft: DraftStates | None = None) -> None:
         self.slots = slots
         self.control = control
         self.restores = restores
         self.stats = stats
+        self.draft = draft  # --spec draft: the draft's rows, parked and restored beside the slot's
+        self._draft_reads: dict[int, DraftRead | None] = {}  # slot -> the draft part a background restore awaits
 
-    def park_if_losing(self, slot: Slot, keep: int, protect: str | None = None) -> None:
+    def park_if_losing(self, slot: Slot, keep: int, protect: str | None = None,
+                       draft_protect: str | None = None) -> None:
         """Park the slot's conversation if reusing only `keep` of its tokens would throw the rest away.
 
-        `protect` names a parked conversation this park must not evict (the hit about to be restored).
+        `protect` names a parked conversation this park must not evict (the hit about to be restored),
+        `draft_protect` its draft part.
         """
         if self.control.cache is None or len(slot.tokens) <= keep or len(slot.tokens) < MIN_PARK_TOKENS:
             return
-        self.park(slot, protect)
+        self.park(slot, protect, draft_protect)
 
-    def park(self, slot: Slot, protect: str | None = None) -> None:
+    def park(self, slot: Slot, protect: str | None = None, draft_protect: str | None = None) -> None:
         cache = self.control.cache
         assert cache is not None
         tokens = list(slot.tokens)
@@ -61,6 +67,11 @@ class Parking:
         assert result.conversation_id is not None
         self.stats.requests.assign(slot.unnamed, result.conversation_id)
         slot.conversation_id, slot.unnamed = result.conversation_id, []
+        if self.draft is not None:
+            self.draft.park(slot.id, tokens, result.conversation_id, keep=draft_protect)
+
+    def _draft_hit(self, prompt: list[int]) -> CacheHit | None:
+        return self.draft.lookup(prompt) if self.draft is not None else None
 
     def read_in_background(self, slot: Slot, looked: Looked) -> str | None:
         """Park the slot's contents and start reading the hit off this thread; None when the read began (the
@@ -69,7 +80,9 @@ class Parking:
         cache = self.control.cache
         assert cache is not None
         hit = looked.hit
-        self.park_if_losing(slot, 0, protect=hit.conversation_id)
+        draft_hit = self._draft_hit(looked.request.prompt_tokens)  # found before the park, which must keep it
+        self.park_if_losing(slot, 0, protect=hit.conversation_id,
+                            draft_protect=draft_hit.conversation_id if draft_hit else None)
         slot.tokens = []
         try:
             read = cache.begin_restore(hit)
@@ -77,6 +90,8 @@ class Parking:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.slots.forget(slot)
             return str(exc) or type(exc).__name__
+        if self.draft is not None:  # read beside the model's part
+            self._draft_reads[slot.id] = self.draft.begin(draft_hit, background=True)
         n, sid = hit.n_tokens, slot.id
         self.restores.start(slot, read, looked, self.stats.counters["generated_tokens"],
                             prepare=lambda: self.slots.kv.populate(sid, 0, n))
@@ -101,8 +116,14 @@ class Parking:
         cache = self.control.cache
         assert cache is not None
         if read is None:
-            self.park_if_losing(slot, 0, protect=hit.conversation_id)
+            draft_hit = self._draft_hit(prompt)  # found before the park, which must keep it
+            self.park_if_losing(slot, 0, protect=hit.conversation_id,
+                                draft_protect=draft_hit.conversation_id if draft_hit else None)
             slot.tokens = []
+            draft_read = None
+        else:
+            # begun beside the model's read; that read unpins it, delivered or not
+            draft_hit, draft_read = None, self._draft_reads.pop(slot.id, None)
         assert not slot.tokens and slot.active is None, "restoring into a slot that holds or serves something"
 
         def write_kv(start: int, data: torch.Tensor) -> None:
@@ -129,4 +150,8 @@ class Parking:
             self.slots.forget(slot)
             return 0, f"the restored state is at {held} tokens, not at the {n} restored"
         slot.tokens = list(prompt[:n])
+        if self.draft is not None:  # the draft's part fails alone: the model's restore stands
+            if read is None:  # begun only now: a begun restore holds its blocks until read
+                draft_read = self.draft.begin(draft_hit, background=False)
+            self.draft.deliver(slot.id, draft_read, prompt)
         return n, ""

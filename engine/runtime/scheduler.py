@@ -15,6 +15,7 @@ from engine.cache.attrs import DEFAULT_PRIORITY
 from engine.cache.explain import LookupReport
 from engine.contract import RequestRecord
 from engine.runtime.control import CacheControl
+from engine.runtime.draft_states import DraftStates
 from engine.runtime.explain import Admission, Candidate, explain
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.parking import Parking
@@ -43,13 +44,15 @@ class Scheduler:
     (`loop`), which takes its work from `inbox`."""
 
     def __init__(self, slots: SlotSet, runner: ModelRunner, control: CacheControl, restores: PendingRestores,
-                 stats: EngineStats, tokenizer: Tokenizer, inbox: Inbox, speculation: Speculation) -> None:
+                 stats: EngineStats, tokenizer: Tokenizer, inbox: Inbox, speculation: Speculation,
+                 draft_states: DraftStates | None = None) -> None:
         self.slots = slots
         self.speculation = speculation
         self.runner = runner
         self.control = control
         self.restores = restores
-        self.parking = Parking(slots, control, restores, stats)
+        self.draft_states = draft_states
+        self.parking = Parking(slots, control, restores, stats, draft_states)
         self.stats = stats
         self.tokenizer = tokenizer
         self.inbox = inbox
@@ -228,7 +231,7 @@ class Scheduler:
             decoder=self.tokenizer.stream_decoder(),
             cached_tokens=reused,
             max_tokens=max_tokens,
-            drafter=self.speculation.drafter(prompt, request.params.greedy),
+            drafter=self.speculation.drafter(prompt, request.params.greedy, slot.id),
         )
         slot.last_used = time.time()
         stream.mark_started()
@@ -359,7 +362,8 @@ class Scheduler:
         tail = "" if a.stops.stopped else a.stops.push(a.decoder.flush()) + a.stops.flush()
         usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
         if a.drafter is not None and a.drafter.drafted:
-            self.stats.requests.speculated(a.request.request_id, a.drafter.drafted, a.drafter.accepted)
+            self.stats.requests.speculated(a.request.request_id, a.drafter.drafted, a.drafter.accepted,
+                                           a.drafter.reused)
         slot.active = None
         slot.last_used = time.time()
         self.stats.publish()  # before the client hears the end, so its next stats read counts this request
@@ -390,6 +394,8 @@ class Scheduler:
                 if len(slot.tokens) >= MIN_PARK_TOKENS:
                     self.parking.park(slot)
         cache.close(spill=keeps, deadline_s=deadline_s)
+        if self.draft_states is not None:
+            self.draft_states.close(spill=keeps, deadline_s=deadline_s)
 
 
 def _prefill_end(pos: int, n_prompt: int, chunk: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.runtime.memory import SlotMemory
@@ -28,6 +28,24 @@ MIN_RATE = 0.3  # below this smoothed acceptance rate drafting pauses (a fixed r
 BACKOFF_FIRST, BACKOFF_MAX = 4, 64  # decode steps without drafting after a poor run, doubled while it stays poor
 
 
+class Drafts(Protocol):
+    """A request's drafter: prompt lookup's `Drafter`, or a draft model's (engine/runtime/draft_model.py)."""
+
+    drafted: int
+    accepted: int
+    reused: int  # a draft model's: the tokens it held already at its first draft (0 for prompt lookup)
+
+    def draft(self, generated: list[int], room: int) -> list[int]: ...
+
+    def record(self, drafted: int, accepted: int) -> None: ...
+
+
+class DraftSource(Protocol):
+    """Where `--spec draft` takes a request's drafter from (a draft model: engine/runtime/draft_model.py)."""
+
+    def drafter(self, slot: int, prompt: list[int], draft_max: int) -> Drafts: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Speculation:
     """The engine's speculation setting (`--spec`, `--spec-draft-max`) as it runs: on, or declined with why."""
@@ -35,11 +53,12 @@ class Speculation:
     method: str
     draft_max: int
     declined: str = ""
+    source: DraftSource | None = None  # --spec draft: the draft model, given once loaded
 
     @classmethod
     def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, on_cpu: bool) -> Speculation:
         """The one place that decides whether this engine can speculate losslessly; a decline is logged once."""
-        assert method in ("off", "prompt-lookup"), method
+        assert method in ("off", "prompt-lookup", "draft"), method
         why = ""
         if method != "off":
             why = memory.rewind_inexact()
@@ -52,11 +71,14 @@ class Speculation:
                 log.warning("--spec %s declined, decoding without drafts: %s", method, why)
         return cls(method, draft_max, why)
 
-    def drafter(self, prompt: list[int], greedy: bool) -> Drafter | None:
-        """A request's drafter, or None: speculation off or declined, or a sampled request (only greedy choices
-        are verified exactly; rejection sampling for sampled ones is not built yet)."""
+    def drafter(self, prompt: list[int], greedy: bool, slot: int) -> Drafts | None:
+        """A request's drafter in `slot`, or None: speculation off or declined, or a sampled request (only greedy
+        choices are verified exactly; rejection sampling for sampled ones is not built yet)."""
         if self.method == "off" or self.declined or not greedy:
             return None
+        if self.method == "draft":
+            assert self.source is not None, "--spec draft runs with its draft model"
+            return self.source.drafter(slot, prompt, self.draft_max)
         return Drafter(prompt, self.draft_max)
 
 
@@ -70,6 +92,7 @@ class Drafter:
         self._generated = 0  # generated tokens already in `tokens`
         self.length = Length(draft_max)
         self.drafted = self.accepted = 0
+        self.reused = 0
         self._add(prompt)
 
     def _add(self, tokens: list[int]) -> None:

@@ -13,7 +13,7 @@ from engine.runtime.stream import RequestStream
 
 if TYPE_CHECKING:
     from engine.runtime.protocols import StreamDecoder
-    from engine.runtime.speculation import Drafter
+    from engine.runtime.speculation import Drafts
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class Active:
     max_tokens: int
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, not yet fed through the model
-    drafter: Drafter | None = None  # --spec prompt-lookup: its draft tokens (engine/runtime/speculation.py)
+    drafter: Drafts | None = None  # --spec: its draft tokens (engine/runtime/speculation.py)
 
 
 @dataclass(slots=True)

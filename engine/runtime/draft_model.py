@@ -1,0 +1,167 @@
+"""Speculative decoding with a draft model (`--spec draft --model-draft PATH`): a smaller model of the target's
+vocabulary proposes the next tokens greedily, and the target verifies them in its decode step exactly as it verifies
+prompt-lookup drafts (engine/runtime/speculation.py, engine/runtime/scheduler.py `_verify`), so greedy output is the
+target's own, token for token, whatever the draft proposes.
+
+The draft keeps K/V of its own per slot (`DraftModel.kv`, a slot of the draft per slot of the target) and, per slot,
+the tokens whose rows it holds (`held`). A draft first computes what the slot's sequence (prompt + generated) adds
+to the longest prefix it holds, so a slot that goes on from its last turn, or from its last verify, re-reads
+nothing; a slot that now holds another conversation (a restore, a new request) is re-read from where the two part.
+Holding tokens rather than trusting the slot's history makes a stale or foreign draft state cost time, never a
+different answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.kv import KVBuffers, KVLayout
+from engine.runtime.slot_set import common_prefix
+from engine.runtime.speculation import Length
+
+if TYPE_CHECKING:
+    from engine.model.build import LoadedModel
+    from engine.model.tokenizer import Tokenizer
+
+log = logging.getLogger("strata.engine")
+
+# Tokens of the sequence the draft reads per decode step while it catches up (a new conversation's prompt): the
+# step every slot waits on grows by one draft chunk at most, and the request decodes without drafts meanwhile.
+CATCH_UP_CHUNK = 512
+ROWS_MAX = 16  # up to this many tokens to catch up go as one-token rows (as a verify's), more as one chunk
+
+
+def check_vocabulary(draft: Tokenizer, target: Tokenizer, draft_path: str, target_name: str) -> None:
+    """ModelLoadError naming both models when the draft's tokenizer does not map every token text to the target's
+    id (the draft's token ids are verified as the target's own, so they must mean the same text)."""
+    if draft.fingerprint == target.fingerprint:
+        return
+    ours, theirs = draft.vocabulary(), target.vocabulary()
+    if ours == theirs:
+        return
+    differs = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[0]
+    text, token_id = differs
+    in_draft = {v: k for k, v in ours.items()}.get(token_id)
+    in_target = {v: k for k, v in theirs.items()}.get(token_id)
+    raise ModelLoadError(
+        f"--model-draft {draft_path}: its vocabulary ({len(ours)} tokens) is not that of the model {target_name} "
+        f"({len(theirs)} tokens): token {token_id} is {in_draft!r} in the draft and {in_target!r} in the model "
+        f"(first difference, at {text!r}); a draft model must share the model's tokenizer")
+
+
+class DraftModel:
+    """The draft model, its K/V per slot and the tokens each slot's rows hold (engine thread only)."""
+
+    def __init__(self, loaded: LoadedModel, kv: KVBuffers, vocab: int) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.kv = kv
+        self.vocab = vocab  # ids both models have: a draft token is fed to the model, whose embedding may be smaller
+        self.catch_up = CATCH_UP_CHUNK
+        self.held: list[list[int]] = [[] for _ in range(kv.n_slots)]
+        self.reused: list[int] = [0] * kv.n_slots  # tokens the slot's last catch-up found held (its first draft's)
+
+    @classmethod
+    def load(cls, path: str, target: LoadedModel, n_slots: int, ctx: int, kv_dtype: torch.dtype,
+             weights_format: str) -> DraftModel:
+        """Load the draft onto the target's first device in the target's dtype and weights format, with K/V for
+        `n_slots` slots of at most `ctx` tokens; ModelLoadError when it cannot draft for `target`."""
+        from engine.model.graph_decode import configure
+        from engine.model.hybrid import HybridCausalLM
+        from engine.model.loader import load_model, read_model_config
+
+        device = torch.device(target.model.stages[0][0])
+        if weights_format in ("int4", "float16") and device.type != "cpu":
+            weights_format = "float"
+        try:
+            shape = read_model_config(path)
+            loaded = load_model(path, [(device, 0, shape.n_layers)], target.dtype,
+                                int4_weights=weights_format == "int4")
+        except ModelLoadError as exc:  # say which of the two models it was
+            raise ModelLoadError(f"--model-draft: {exc}") from None
+        if isinstance(loaded.model, HybridCausalLM):
+            raise ModelLoadError(f"--model-draft {path}: a hybrid model's recurrent state cannot be rolled back to "
+                                 "its last accepted token; a draft model must be an attention-only transformer")
+        check_vocabulary(loaded.tokenizer, target.tokenizer, path, target.name)
+        if weights_format == "float16":
+            from engine.model import float16
+
+            float16.pack_model(loaded.model)
+        loaded.weights_format = weights_format
+        cfg = loaded.config
+        ctx = min(ctx, cfg.max_position_embeddings or ctx)
+        kv = KVBuffers(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype), n_slots, ctx,
+                       [(device, 0, cfg.n_layers)])
+        log.info("draft model %s: %d layers on %s (%s weights); %s", loaded.name, cfg.n_layers, device,
+                 weights_format, configure(loaded.model, n_slots, cuda_graphs=False, deterministic=True))
+        return cls(loaded, kv, min(cfg.vocab_size, target.config.vocab_size))
+
+    def drafter(self, slot: int, prompt: list[int], draft_max: int) -> ModelDrafter:
+        """A request's drafter in `slot` (speculation.DraftSource)."""
+        return ModelDrafter(self, slot, prompt, draft_max)
+
+    def propose(self, slot: int, sequence: list[int], k: int) -> list[int]:
+        """The draft's `k` greedy tokens after `sequence` in `slot`, fewer where the draft's context ends; none
+        while more than `catch_up` tokens of `sequence` are still to read (one chunk of them is read per call)."""
+        k = min(k, self.kv.ctx - len(sequence) + 1)  # the last proposed token is never fed: it needs no row
+        if k <= 0 or not sequence:
+            return []
+        from engine.model.llama import SeqChunk
+
+        held = self.held[slot]
+        start = min(common_prefix(held, sequence), len(sequence) - 1)  # the last token's logits are needed
+        self.reused[slot] = start
+        self.held[slot] = held = sequence[:start]  # the rows past `start` are about to be overwritten
+        if len(sequence) - start > self.catch_up:  # a long way behind: one chunk now, drafts once caught up
+            end = start + self.catch_up
+            self.model.forward_chunks([SeqChunk(slot, start, torch.tensor(sequence[start:end]))], self.kv)
+            held.extend(sequence[start:end])
+            return []
+        rest = sequence[start:]
+        if len(rest) <= ROWS_MAX:  # the last verify's few tokens: one-token rows take the decode step's fast path
+            chunks = [SeqChunk(slot, start + j, torch.tensor([t])) for j, t in enumerate(rest)]
+        else:
+            chunks = [SeqChunk(slot, start, torch.tensor(rest))]
+        logits = self.model.forward_chunks(chunks, self.kv)
+        held.extend(rest)
+        out = [int(torch.argmax(logits[len(chunks) - 1][:self.vocab]))]
+        while len(out) < k:
+            logits = self.model.forward_chunks([SeqChunk(slot, len(held), torch.tensor(out[-1:]))], self.kv)
+            held.append(out[-1])
+            out.append(int(torch.argmax(logits[0][:self.vocab])))
+        return out
+
+
+class ModelDrafter:
+    """One request's draft-model drafts and their adaptive length (engine thread only; speculation.Drafts)."""
+
+    def __init__(self, draft: DraftModel, slot: int, prompt: list[int], draft_max: int) -> None:
+        assert draft_max >= 1, draft_max
+        self.draft_model = draft
+        self.slot = slot
+        self.prompt = list(prompt)
+        self.length = Length(draft_max)
+        self.drafted = self.accepted = 0
+        self.reused = 0  # the tokens its first draft found held (a switch-back's reuse)
+        self._first = True
+
+    def draft(self, generated: list[int], room: int) -> list[int]:
+        """Up to `room` (and the current length) tokens to follow prompt + `generated`."""
+        k = min(room, self.length.want())
+        if k <= 0:
+            return []
+        out = self.draft_model.propose(self.slot, self.prompt + generated, k)
+        if self._first:
+            self.reused, self._first = self.draft_model.reused[self.slot], False
+        return out
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify's outcome: `accepted` of `drafted` tokens were the target's own."""
+        assert 0 <= accepted <= drafted and drafted > 0, (accepted, drafted)
+        self.drafted += drafted
+        self.accepted += accepted
+        self.length.record(drafted, accepted)
