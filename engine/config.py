@@ -295,8 +295,8 @@ class EngineConfig:
         "off", flag="--spec", label="Speculative decoding", kind="choice", group="runtime",
         choices=("off", "prompt-lookup"),
         help="prompt-lookup: draft the next tokens from the conversation's own earlier tokens (an agent repeating "
-        "code it read) and verify them in one decode step; greedy requests only, output token-identical to off; "
-        "declined with a logged reason on hybrid models and CUDA stages",
+        "code it read) and verify them in one decode step; greedy output token-identical to off, sampled output "
+        "distributed as off (rejection sampling); declined with a logged reason on hybrid models and CUDA stages",
     )
     spec_draft_max: int = setting(
         8, flag="--spec-draft-max", label="Most draft tokens", kind="int", group="runtime", unit="tokens",

@@ -160,13 +160,16 @@ def test_stop_strings_end_the_answer_where_they_do_without_speculation(bundled):
     assert record.spec_accepted > 0 and record.spec_drafted >= record.spec_accepted  # per request in the log
 
 
-def test_sampled_requests_are_not_speculated(bundled):
+def test_sampled_requests_are_speculated(bundled):
+    """A sampled request drafts and keeps some drafts (its distribution: tests/test_spec_sampling.py)."""
     engine = bundled["on"]
     before = engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result()
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=30)
+    params = SamplingParams(temperature=0.3, seed=1, max_tokens=30)
     events = list(engine.submit(GenerationRequest("spec-sampled", _chat(engine, ASK), params)))
     assert events[-1].usage.completion_tokens == 30
-    assert engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result() == before
+    assert engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result() > before
+    record = _records(engine)[-1]
+    assert record.spec_drafted > 0 and 0 <= record.spec_accepted <= record.spec_drafted
 
 
 def test_two_slots_speculate_in_one_step(bundled):
@@ -225,6 +228,26 @@ def test_tiny_random_model_answers_token_identical(tiny_models, model):
 
 def test_tiny_random_model_with_4_bit_weights_answers_token_identical(tiny_models, kernel):
     _same_with_and_without(EngineConfig(model=tiny_models["llama"], ctx_size=512, cpu_weights="int4"), LOOPING, 48)
+
+
+def test_sampled_request_whose_nucleus_is_one_token_answers_token_identical(tiny_models):
+    """top_p 0 leaves one token to draw from: a sampled request (rejection sampling, penalties on the rows in
+    order) that must give the same tokens with and without drafts."""
+    config = EngineConfig(model=tiny_models["llama"], ctx_size=512, cpu_weights="float")
+    params = SamplingParams(temperature=0.9, top_p=0.0, repeat_penalty=1.1, repeat_last_n=4, seed=3,
+                            max_tokens=48)
+    answers = {}
+    for method in ("off", "prompt-lookup"):
+        engine = Engine.from_config(config.replace(spec=method))
+        try:
+            answers[method] = [[e.token_id for e in engine.submit(GenerationRequest(f"nucleus-{i}",
+                                                                                   _chat(engine, ask), params))
+                                if e.token_id is not None] for i, ask in enumerate(LOOPING)]
+            if method != "off":
+                assert _accepted(engine) > 0
+        finally:
+            engine.close()
+    assert answers["prompt-lookup"] == answers["off"]
 
 
 def test_hybrid_model_declines_and_answers_as_without(tmp_path):
