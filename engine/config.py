@@ -296,7 +296,7 @@ class EngineConfig:
         choices=("off", "prompt-lookup"),
         help="prompt-lookup: draft the next tokens from the conversation's own earlier tokens (an agent repeating "
         "code it read) and verify them in one decode step; greedy output token-identical to off, sampled output "
-        "distributed as off (rejection sampling); declined with a logged reason on hybrid models and CUDA stages",
+        "distributed as off (rejection sampling); declined with a logged reason on CUDA stages",
     )
     spec_draft_max: int = setting(
         8, flag="--spec-draft-max", label="Most draft tokens", kind="int", group="runtime", unit="tokens",

@@ -250,13 +250,40 @@ def test_sampled_request_whose_nucleus_is_one_token_answers_token_identical(tiny
     assert answers["prompt-lookup"] == answers["off"]
 
 
-def test_hybrid_model_declines_and_answers_as_without(tmp_path):
-    config = EngineConfig(model=write_tiny_hybrid(tmp_path, "lfm2"), ctx_size=256, spec="prompt-lookup")
-    engine = Engine.from_config(config)
-    try:
-        assert "recurrent state" in engine.scheduler.speculation.declined
-        prompt = _chat(engine, "one two three " * 10)
-        answer, _ = _answer(engine, prompt, 16)
-        assert len(answer) == 16 and engine.stats.counters["spec_drafted_tokens"] == 0
-    finally:
-        engine.close()
+HYBRIDS = {"lfm2": 0.1, "qwen3_5": 0.02, "nemotron_h": 0.1}  # short conv; DeltaNet; Mamba-2 (initial weights)
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-hybrid")
+    return {arch: write_tiny_hybrid(root, arch, overrides={"initializer_range": ir, "max_position_embeddings": 4096})
+            for arch, ir in HYBRIDS.items()}
+
+
+@pytest.mark.parametrize("arch", list(HYBRIDS))
+def test_hybrid_model_answers_token_identical(hybrids, arch):
+    """The recurrent state is rolled back to the last accepted draft token (the state kept after each drafted
+    row): rejected drafts included, the answers are those of decoding without drafts."""
+    config = EngineConfig(model=hybrids[arch], ctx_size=512)
+    off, _ = _run(config, LOOPING, 48)
+    on, counters = _run(config.replace(spec="prompt-lookup"), LOOPING, 48)
+    assert on == off
+    assert 0 < counters["spec_accepted_tokens"] < counters["spec_drafted_tokens"], counters  # some rejected
+
+
+def test_hybrid_restored_conversation_continues_identically(hybrids):
+    """A conversation parked in RAM and restored (its recurrent state from a checkpoint) goes on drafting."""
+    base = EngineConfig(model=hybrids["qwen3_5"], ctx_size=4096, parallel=2, conversation_cache_storage="ram",
+                        conversation_cache_min_free_mib=0)
+    answers = {}
+    for method in ("off", "prompt-lookup"):
+        engine = Engine.from_config(base.replace(spec=method))
+        try:
+            before = _accepted(engine)
+            answers[method] = _switch_back(engine)
+            assert engine.call(lambda e=engine: e.stats.requests.snapshot()[-1].source).result() == "ram"
+            if method != "off":
+                assert _accepted(engine) > before
+        finally:
+            engine.close()
+    assert answers["prompt-lookup"] == answers["off"] and answers["off"][1] > 0
