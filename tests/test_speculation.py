@@ -5,6 +5,7 @@ mixture-of-experts; two slots at once, a parked conversation restored)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import EngineConfig, SettingError
 from engine.runtime.engine import Engine
@@ -272,9 +273,11 @@ def test_hybrid_model_answers_token_identical(hybrids, arch):
 
 
 def test_hybrid_restored_conversation_continues_identically(hybrids):
-    """A conversation parked in RAM and restored (its recurrent state from a checkpoint) goes on drafting."""
+    """A conversation parked in RAM and restored (its recurrent state from a checkpoint) goes on drafting; a
+    checkpoint every 16 tokens falls among drafted rows too (kept when accepted, dropped when rejected)."""
     base = EngineConfig(model=hybrids["qwen3_5"], ctx_size=4096, parallel=2, conversation_cache_storage="ram",
-                        conversation_cache_min_free_mib=0)
+                        conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16,
+                        conversation_cache_checkpoint_tokens=16)
     answers = {}
     for method in ("off", "prompt-lookup"):
         engine = Engine.from_config(base.replace(spec=method))
@@ -287,3 +290,37 @@ def test_hybrid_restored_conversation_continues_identically(hybrids):
         finally:
             engine.close()
     assert answers["prompt-lookup"] == answers["off"] and answers["off"][1] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_a_hybrid_slots_draft_rows_compute_what_decoding_them_one_by_one_does(hybrids, arch):
+    """One forward with a slot's four one-token rows (beside another slot's row) gives each row the logits,
+    and each drafted position the recurrent state, of decoding the tokens one step at a time: bit for bit."""
+    from engine.model.llama import SeqChunk
+
+    engine = Engine.from_config(EngineConfig(model=hybrids[arch], ctx_size=256, parallel=3))
+    try:
+        model, kv, state = engine.model, engine.kv, engine.memory.states.buffers
+        prompt, drafted = torch.arange(3, 40), [7, 11, 13, 17]
+
+        def rows(slot: int, tokens: list[int]) -> list[SeqChunk]:
+            at = state.positions[slot]
+            return [SeqChunk(slot, at + j, torch.tensor([t])) for j, t in enumerate(tokens)]
+
+        for slot in range(3):
+            model.forward_chunks([SeqChunk(slot, 0, prompt)], kv, state)
+        one_by_one, states = [], {}
+        for t in drafted:
+            one_by_one.append(model.forward_chunks(rows(0, [t]), kv, state)[0])
+            states[state.positions[0]] = state.read(0).tensors
+        n = len(prompt)
+        state.request_checkpoints(1, range(n + 1, n + len(drafted)))
+        together = model.forward_chunks(rows(2, [5]) + rows(1, drafted), kv, state)
+        assert all(torch.equal(together[1 + j], one_by_one[j]) for j in range(len(drafted)))
+        taken = state.take_checkpoints(1)
+        assert sorted(taken) == list(range(n + 1, n + len(drafted)))
+        for p, snapshot in taken.items():
+            assert all(torch.equal(a, b) for a, b in zip(snapshot.tensors, states[p], strict=True)), p
+        assert all(torch.equal(a, b) for a, b in zip(state.read(1).tensors, state.read(0).tensors, strict=True))
+    finally:
+        engine.close()
