@@ -103,6 +103,11 @@ def test_verified_tokens_follow_the_samplers_transforms():
         assert stat < limit, (counts.tolist(), stat, limit)
 
 
+def test_a_draft_outside_the_vocabulary_is_rejected_as_plain_sampling():
+    sampler, plain = _sampled(4), _sampled(4)
+    assert [sampler.verify(P.log(), 8) for _ in range(50)] == [plain.sample(P.log()) for _ in range(50)]
+
+
 def test_greedy_verify_is_the_argmax():
     sampler = Sampler(SamplingParams(temperature=0.0), [])
     logits = torch.tensor([0.1, 3.0, 2.0])

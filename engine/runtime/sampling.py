@@ -35,7 +35,9 @@ class Sampler:
         `draft` when the target keeps it, else another. Greedy: the argmax, as `sample`. Sampled: rejection
         sampling (engine/runtime/spec_sampling.py) against `q`, the distribution the draft was drawn from (None:
         chosen without randomness, as prompt lookup's), so the token is distributed as `sample`'s would be."""
-        if self.params.greedy:
+        if self.params.greedy or not 0 <= draft < logits.numel():
+            # a draft outside the logits (a prompt token the output layer does not cover) has p = 0: the rule
+            # rejects it and draws from p itself, which is what `sample` does
             return self.sample(logits)
         p = self.distribution(logits)
         u = float(torch.rand(1, generator=self.generator, dtype=torch.float64))
