@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from desktop.settings import is_budget, parse_mib
-from desktop.settings_words import STORAGE_HELP, applies_words, label_of
+from desktop.settings_words import CHOICE_WORDS, applies_words, label_of
 from engine.config import Setting, SettingError, all_settings, default_cache_dir, setting_of
 
 FOLDER_SETTINGS = tuple(name for name, spec, _ in all_settings() if spec.ui == "folder")
@@ -111,7 +111,7 @@ def build_row(name: str, spec: Setting, actions: RowActions, locked: bool) -> Se
         editor: QWidget = QComboBox()
         assert isinstance(editor, QComboBox)
         for choice in spec.choices:
-            editor.addItem(STORAGE_HELP[choice] if name == "conversation_cache_storage" else choice, choice)
+            editor.addItem(CHOICE_WORDS.get(name, {}).get(choice, choice), choice)
         editor.currentIndexChanged.connect(lambda _i, n=name: actions.commit(n))  # a choice is always whole
         line.addWidget(editor, 1)
     elif spec.kind == "bool":

@@ -19,6 +19,11 @@ STORAGE_HELP = {
     "disk": "disk — in files: nothing kept in memory; survives restarts",
     "tiered": "tiered — memory first; evictions and shutdown spill to disk",
 }
+SPEC_HELP = {
+    "off": "off — one token per decode step",
+    "prompt-lookup": "prompt lookup — drafts from the conversation's own text; the same answers, faster on repeats",
+}
+CHOICE_WORDS = {"conversation_cache_storage": STORAGE_HELP, "spec": SPEC_HELP}  # a choice shown in words
 SIZE_UNITS = (("PiB", 1 << 30), ("TiB", 1 << 20), ("GiB", 1 << 10), ("MiB", 1))
 # What 0 means, said under the field when it holds 0, for every setting that takes 0 (engine/config.py's help
 # texts and the code behind them); the port's 0 is said by its warning (risk_warning).

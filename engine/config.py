@@ -296,8 +296,8 @@ class EngineConfig:
         choices=("off", "prompt-lookup", "draft"),
         help="prompt-lookup: draft the next tokens from the conversation's own earlier tokens (an agent repeating "
         "code it read) and verify them in one decode step; draft: a smaller model of the same vocabulary "
-        "(--model-draft) drafts them; greedy requests only, output token-identical to off; "
-        "declined with a logged reason on hybrid models and CUDA stages",
+        "(--model-draft) drafts them; greedy output token-identical to off, sampled output distributed as off "
+        "(rejection sampling); declined with a logged reason on CUDA stages",
     )
     model_draft: str = setting(
         "", flag="--model-draft", label="Draft model", kind="str", group="runtime", metavar="PATH",

@@ -60,14 +60,14 @@ def _selected_id(monitor) -> str | None:
 def test_the_request_log_shows_each_request_explained_newest_first(qtbot, window):
     monitor = _started(qtbot, window)
     model = monitor.requests.model
-    assert model.COLUMNS == ("Time", "Conversation", "Prompt", "Reused", "Source", "Reason", "TTFT")
+    assert model.COLUMNS == ("Time", "Conversation", "Prompt", "Reused", "Source", "Reason", "TTFT", "Drafts")
     evicted, hit, cold = (_cells(model, r) for r in range(3))
     assert evicted[1:6] == ["conv-b", "800", "0 (0%)", "–", evicted[5]]
     assert evicted[5].startswith("evicted ") and evicted[5].endswith("by park (--conversation-cache-mib)")
     assert evicted[6] == "–", "no first token: no TTFT"
     assert hit[1:] == ["Fix the parser", f"1{NNBSP}200", f"1{NNBSP}000 (83%)", "RAM", "new tokens only (200)",
-                       "120 ms"]
-    assert cold[4:] == ["–", "nothing shared (new conversation)", "900 ms"]
+                       "120 ms", "30 of 40 accepted (75%)"]
+    assert cold[4:] == ["–", "nothing shared (new conversation)", "900 ms", "–"], "nothing drafted"
     assert "conversation-cache-mib" in model.index(0, 5).data(Qt.ItemDataRole.ToolTipRole)
     assert "Requests" in monitor.requests.title.text() and "3" in monitor.requests.title.text()
 
@@ -78,7 +78,8 @@ def test_a_selected_conversation_shows_its_history_and_its_priority_changes_on_t
     assert not controls.priority.isEnabled(), "nothing selected: nothing to change"
     _select(qtbot, monitor, "conv-a")
     assert log.model.rowCount() == 2 and "Requests of conv-a" in log.title.text()
-    assert log.summary.text() == "2 requests · reused 45% of their prompt tokens · TTFT median 510 ms, last 120 ms"
+    assert log.summary.text() == ("2 requests · reused 45% of their prompt tokens · TTFT median 510 ms, last 120 ms"
+                                  " · drafts: 30 of 40 accepted (75%)")
     assert controls.priority.currentData() == "normal" and not controls.pinned.isChecked()
 
     priority_col = monitor.model.COLUMNS.index("Priority")

@@ -654,3 +654,26 @@ def test_command_line_reads_a_store_url_with_a_password_from_a_variable():
     assert secret_variables(with_password) == ["STRATA_CONVERSATION_CACHE_REMOTE"]
     without = EngineConfig(conversation_cache_remote="redis://127.0.0.1:6379/0")
     assert "--conversation-cache-remote redis://127.0.0.1:6379/0" in command_line(without, shell="posix")
+
+
+def test_the_settings_tab_chooses_the_speculation_method_and_its_draft_length(qtbot, tmp_path):
+    from PySide6.QtWidgets import QComboBox
+
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit, delay_ms=50), dispatcher.submit)
+    qtbot.addWidget(tab)
+    method = tab.rows["spec"].editor
+    assert isinstance(method, QComboBox)
+    assert [method.itemData(i) for i in range(method.count())] == ["off", "prompt-lookup"]
+    assert method.currentData() == "off" and method.itemText(1).startswith("prompt lookup — drafts from")
+    tab.set_text("spec", "prompt-lookup")
+    tab.set_text("spec_draft_max", "16")
+    assert store.value("spec") == "prompt-lookup" and store.value("spec_draft_max") == 16
+    assert tab.rows["spec"].caption.text() == "changed from the default (off) · applies after a restart"
+    assert "--spec prompt-lookup" in tab.command.text() and "--spec-draft-max 16" in tab.command.text()
+    tab.set_text("spec_draft_max", "0")
+    assert "Most draft tokens" in tab.rows["spec_draft_max"].error and store.value("spec_draft_max") == 16

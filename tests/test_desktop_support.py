@@ -137,7 +137,8 @@ class _State:
                           source="none", reason="cold", detail={"computed": 1000}, ttft_ms=900.0),
             RequestRecord(time=now - 6, request_id="cmpl-2", conversation_id="conv-a", name="Fix the parser",
                           client="OpenAI/Python", priority="normal", prompt_tokens=1200, reused_tokens=1000,
-                          source="ram", reason="new_tokens", detail={"computed": 200}, ttft_ms=120.0),
+                          source="ram", reason="new_tokens", detail={"computed": 200}, ttft_ms=120.0,
+                          spec_drafted=40, spec_accepted=30),
             RequestRecord(time=now - 3, request_id="cmpl-3", conversation_id="conv-b", name="", client="curl",
                           priority="low", prompt_tokens=800, reused_tokens=0, source="none", reason="evicted",
                           detail={"computed": 800, "kind": "evict", "tier": "ram", "when": now - 4, "by": "park",
@@ -167,7 +168,8 @@ class _State:
             s = self.settings
             return to_json(MetricsBody(
                 engine=EngineFigures(model="stand-in", state="ready", slots=1, slots_busy=0, queued=0,
-                                     requests=3, uptime_s=12.0, pid=os.getpid()),
+                                     requests=3, uptime_s=12.0, pid=os.getpid(), spec_drafted_tokens=40,
+                                     spec_accepted_tokens=30),
                 conversation_cache=CacheFigures(
                     enabled=True, storage=s["conversation_cache_storage"], dir="/tmp/x",
                     ram_bytes=s["conversation_cache_mib"] << 20,

@@ -47,6 +47,7 @@ def test_start_shows_ready_and_the_monitor_renders_what_the_engine_reports(qtbot
     labels = window.monitor.counters.labels
     assert labels["hit_rate"].text().startswith("67%")
     assert labels["tokens_saved"].text() == "2\u202f400"
+    assert labels["drafts"].text() == "30 of 40 accepted (75%)"  # --spec: the engine's draft tokens
     qtbot.waitUntil(lambda: "MiB/s" in labels["park_ms"].text(), timeout=5000)
     assert labels["park_ms"].text() == "last 4.0 ms · median 4.0 ms · p95 4.0 ms · 715 MiB/s"  # 3 MB in 4 ms
     assert labels["restore_ms"].text().endswith(" · 1\u202f431 MiB/s"), "one thousands separator everywhere"

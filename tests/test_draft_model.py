@@ -368,14 +368,21 @@ def test_foreign_draft_part_is_never_found_and_the_model_restores_alone(models, 
         engine.close()
 
 
-def test_declined_draft_is_not_loaded(models, tmp_path):
+def test_a_hybrid_model_drafts_with_a_dense_draft_and_answers_as_without(models, tmp_path):
+    """A hybrid target's recurrent state is rolled back to the last accepted draft token (per-position
+    checkpoints), so a draft model serves it as it serves a dense one; the draft itself must not be hybrid."""
     from tests.hybrid_fixtures import write_tiny_hybrid
 
-    config = EngineConfig(model=write_tiny_hybrid(tmp_path, "lfm2"), ctx_size=256, spec="draft",
-                          model_draft=str(tmp_path / "never-read"))
-    engine = Engine.from_config(config)
-    try:
-        assert "recurrent state" in engine.scheduler.speculation.declined and engine.draft is None
-        assert len(_answer(engine, _chat(engine, "one two three " * 10), 8)[0]) == 8
-    finally:
-        engine.close()
+    target = write_tiny_hybrid(tmp_path, "lfm2")
+    answers = []
+    for spec in ("off", "draft"):
+        engine = Engine.from_config(EngineConfig(model=target, ctx_size=256, spec=spec,
+                                                 model_draft=models["target"] if spec == "draft" else ""))
+        try:
+            assert not engine.scheduler.speculation.declined
+            assert (engine.draft is not None) == (spec == "draft")
+            answers.append(_answer(engine, _chat(engine, "one two three " * 10), 12)[0])
+            assert (engine.stats.counters["spec_drafted_tokens"] > 0) == (spec == "draft")
+        finally:
+            engine.close()
+    assert answers[0] == answers[1] and len(answers[0]) == 12

@@ -5,6 +5,7 @@ mixture-of-experts; two slots at once, a parked conversation restored)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import EngineConfig, SettingError
 from engine.runtime.engine import Engine
@@ -160,13 +161,16 @@ def test_stop_strings_end_the_answer_where_they_do_without_speculation(bundled):
     assert record.spec_accepted > 0 and record.spec_drafted >= record.spec_accepted  # per request in the log
 
 
-def test_sampled_requests_are_not_speculated(bundled):
+def test_sampled_requests_are_speculated(bundled):
+    """A sampled request drafts and keeps some drafts (its distribution: tests/test_spec_sampling.py)."""
     engine = bundled["on"]
     before = engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result()
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=30)
+    params = SamplingParams(temperature=0.3, seed=1, max_tokens=30)
     events = list(engine.submit(GenerationRequest("spec-sampled", _chat(engine, ASK), params)))
     assert events[-1].usage.completion_tokens == 30
-    assert engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result() == before
+    assert engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result() > before
+    record = _records(engine)[-1]
+    assert record.spec_drafted > 0 and 0 <= record.spec_accepted <= record.spec_drafted
 
 
 def test_two_slots_speculate_in_one_step(bundled):
@@ -227,13 +231,96 @@ def test_tiny_random_model_with_4_bit_weights_answers_token_identical(tiny_model
     _same_with_and_without(EngineConfig(model=tiny_models["llama"], ctx_size=512, cpu_weights="int4"), LOOPING, 48)
 
 
-def test_hybrid_model_declines_and_answers_as_without(tmp_path):
-    config = EngineConfig(model=write_tiny_hybrid(tmp_path, "lfm2"), ctx_size=256, spec="prompt-lookup")
-    engine = Engine.from_config(config)
+def test_sampled_request_whose_nucleus_is_one_token_answers_token_identical(tiny_models):
+    """top_p 0 leaves one token to draw from: a sampled request (rejection sampling, penalties on the rows in
+    order) that must give the same tokens with and without drafts."""
+    config = EngineConfig(model=tiny_models["llama"], ctx_size=512, cpu_weights="float")
+    params = SamplingParams(temperature=0.9, top_p=0.0, repeat_penalty=1.1, repeat_last_n=4, seed=3,
+                            max_tokens=48)
+    answers = {}
+    for method in ("off", "prompt-lookup"):
+        engine = Engine.from_config(config.replace(spec=method))
+        try:
+            answers[method] = [[e.token_id for e in engine.submit(GenerationRequest(f"nucleus-{i}",
+                                                                                   _chat(engine, ask), params))
+                                if e.token_id is not None] for i, ask in enumerate(LOOPING)]
+            if method != "off":
+                assert _accepted(engine) > 0
+        finally:
+            engine.close()
+    assert answers["prompt-lookup"] == answers["off"]
+
+
+HYBRIDS = {"lfm2": 0.1, "qwen3_5": 0.02, "nemotron_h": 0.1}  # short conv; DeltaNet; Mamba-2 (initial weights)
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-hybrid")
+    return {arch: write_tiny_hybrid(root, arch, overrides={"initializer_range": ir, "max_position_embeddings": 4096})
+            for arch, ir in HYBRIDS.items()}
+
+
+@pytest.mark.parametrize("arch", list(HYBRIDS))
+def test_hybrid_model_answers_token_identical(hybrids, arch):
+    """The recurrent state is rolled back to the last accepted draft token (the state kept after each drafted
+    row): rejected drafts included, the answers are those of decoding without drafts."""
+    config = EngineConfig(model=hybrids[arch], ctx_size=512)
+    off, _ = _run(config, LOOPING, 48)
+    on, counters = _run(config.replace(spec="prompt-lookup"), LOOPING, 48)
+    assert on == off
+    assert 0 < counters["spec_accepted_tokens"] < counters["spec_drafted_tokens"], counters  # some rejected
+
+
+def test_hybrid_restored_conversation_continues_identically(hybrids):
+    """A conversation parked in RAM and restored (its recurrent state from a checkpoint) goes on drafting; a
+    checkpoint every 16 tokens falls among drafted rows too (kept when accepted, dropped when rejected)."""
+    base = EngineConfig(model=hybrids["qwen3_5"], ctx_size=4096, parallel=2, conversation_cache_storage="ram",
+                        conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16,
+                        conversation_cache_checkpoint_tokens=16)
+    answers = {}
+    for method in ("off", "prompt-lookup"):
+        engine = Engine.from_config(base.replace(spec=method))
+        try:
+            before = _accepted(engine)
+            answers[method] = _switch_back(engine)
+            assert engine.call(lambda e=engine: e.stats.requests.snapshot()[-1].source).result() == "ram"
+            if method != "off":
+                assert _accepted(engine) > before
+        finally:
+            engine.close()
+    assert answers["prompt-lookup"] == answers["off"] and answers["off"][1] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_a_hybrid_slots_draft_rows_compute_what_decoding_them_one_by_one_does(hybrids, arch):
+    """One forward with a slot's four one-token rows (beside another slot's row) gives each row the logits,
+    and each drafted position the recurrent state, of decoding the tokens one step at a time: bit for bit."""
+    from engine.model.llama import SeqChunk
+
+    engine = Engine.from_config(EngineConfig(model=hybrids[arch], ctx_size=256, parallel=3))
     try:
-        assert "recurrent state" in engine.scheduler.speculation.declined
-        prompt = _chat(engine, "one two three " * 10)
-        answer, _ = _answer(engine, prompt, 16)
-        assert len(answer) == 16 and engine.stats.counters["spec_drafted_tokens"] == 0
+        model, kv, state = engine.model, engine.kv, engine.memory.states.buffers
+        prompt, drafted = torch.arange(3, 40), [7, 11, 13, 17]
+
+        def rows(slot: int, tokens: list[int]) -> list[SeqChunk]:
+            at = state.positions[slot]
+            return [SeqChunk(slot, at + j, torch.tensor([t])) for j, t in enumerate(tokens)]
+
+        for slot in range(3):
+            model.forward_chunks([SeqChunk(slot, 0, prompt)], kv, state)
+        one_by_one, states = [], {}
+        for t in drafted:
+            one_by_one.append(model.forward_chunks(rows(0, [t]), kv, state)[0])
+            states[state.positions[0]] = state.read(0).tensors
+        n = len(prompt)
+        state.request_checkpoints(1, range(n + 1, n + len(drafted)))
+        together = model.forward_chunks(rows(2, [5]) + rows(1, drafted), kv, state)
+        assert all(torch.equal(together[1 + j], one_by_one[j]) for j in range(len(drafted)))
+        taken = state.take_checkpoints(1)
+        assert sorted(taken) == list(range(n + 1, n + len(drafted)))
+        for p, snapshot in taken.items():
+            assert all(torch.equal(a, b) for a, b in zip(snapshot.tensors, states[p], strict=True)), p
+        assert all(torch.equal(a, b) for a, b in zip(state.read(1).tensors, state.read(0).tensors, strict=True))
     finally:
         engine.close()

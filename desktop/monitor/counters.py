@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QFormLayout, QGridLayout, QGroupBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
-from desktop.monitor.report import format_age, format_count, format_ms
+from desktop.monitor.report import format_age, format_count, format_drafts, format_ms
 from desktop.settings import UNIQUE_BYTES, format_bytes
 from engine.contract import Event, MetricsBody
 from engine.figures import CacheFigures, EngineFigures, Timing
@@ -57,7 +57,7 @@ class CountersPanel(QWidget):
         engine_form = QFormLayout(engine_box)
         for key, text in (("model", "Model"), ("compute", "Runs as"), ("state", "State"), ("slots", "Slots busy"),
                           ("queued", "Queued"), ("requests", "Requests"), ("speed", "Prefill / decode"),
-                          ("uptime", "Uptime")):
+                          ("drafts", "Draft tokens"), ("uptime", "Uptime")):
             self.labels[key] = _value_label()
             engine_form.addRow(text, self.labels[key])
 
@@ -108,6 +108,7 @@ class CountersPanel(QWidget):
         lb["queued"].setText(format_count(e.queued))
         lb["requests"].setText(format_count(e.requests))
         lb["speed"].setText(f"{_rate(e.prefill_tokens_per_s)} / {_rate(e.decode_tokens_per_s)} tokens/s")
+        lb["drafts"].setText(format_drafts(e.spec_drafted_tokens, e.spec_accepted_tokens))
         lb["uptime"].setText(format_age(e.uptime_s))
 
         if not c.enabled:

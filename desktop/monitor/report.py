@@ -41,3 +41,10 @@ def format_ms(ms: float | None) -> str:
     if ms is None:
         return "–"
     return f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
+def format_drafts(drafted: int, accepted: int) -> str:
+    """Speculative decoding's figures: "120 of 200 accepted (60%)"; "–" while nothing was drafted."""
+    if not drafted:
+        return "–"
+    return f"{format_count(accepted)} of {format_count(drafted)} accepted ({100 * accepted / drafted:.0f}%)"

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from desktop.monitor.report import format_age, format_count, format_ms, number
+from desktop.monitor.report import format_age, format_count, format_drafts, format_ms, number
 from desktop.monitor.rows_model import Index, RowsModel
 from engine.contract import RequestRecord
 
@@ -94,7 +94,8 @@ def conversation_label(record: RequestRecord) -> str:
 
 
 def history_summary(records: list[RequestRecord]) -> str:
-    """One conversation's requests in a line: how many, the share of prompt tokens reused, the TTFTs."""
+    """One conversation's requests in a line: how many, the share of prompt tokens reused, the TTFTs, and the
+    draft tokens accepted where speculative decoding drafted any."""
     if not records:
         return "No request of this conversation in the log yet."
     prompt = sum(r.prompt_tokens for r in records)
@@ -102,11 +103,15 @@ def history_summary(records: list[RequestRecord]) -> str:
     ttfts = [r.ttft_ms for r in records if r.ttft_ms is not None]
     ttft = f"TTFT median {format_ms(statistics.median(ttfts))}, last {format_ms(ttfts[-1])}" if ttfts else "TTFT –"
     n = len(records)
-    return f"{n} request{'s' if n != 1 else ''} · reused {_pct(reused, prompt)} of their prompt tokens · {ttft}"
+    text = f"{n} request{'s' if n != 1 else ''} · reused {_pct(reused, prompt)} of their prompt tokens · {ttft}"
+    drafted = sum(r.spec_drafted for r in records)
+    if drafted:  # --spec: the conversation's draft tokens over its finished requests
+        text += " · drafts: " + format_drafts(drafted, sum(r.spec_accepted for r in records))
+    return text
 
 
 class RequestsModel(RowsModel[RequestRecord]):
-    COLUMNS = ("Time", "Conversation", "Prompt", "Reused", "Source", "Reason", "TTFT")
+    COLUMNS = ("Time", "Conversation", "Prompt", "Reused", "Source", "Reason", "TTFT", "Drafts")
 
     def set_rows(self, rows: list[RequestRecord]) -> None:
         """The engine's records (oldest first), shown newest first."""
@@ -124,6 +129,8 @@ class RequestsModel(RowsModel[RequestRecord]):
             return reason_tooltip(row)
         if role == Qt.ItemDataRole.ToolTipRole and col == 1:
             return f"{row.conversation_id or 'not parked yet'} · {row.client or 'unknown client'}"
+        if role == Qt.ItemDataRole.ToolTipRole and col == 7:
+            return "Draft tokens (--spec) verified for this request and those the model kept"
         if role == Qt.ItemDataRole.TextAlignmentRole and col in (2, 3, 6):
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         return None
@@ -141,7 +148,9 @@ class RequestsModel(RowsModel[RequestRecord]):
             return SOURCES.get(row.source, row.source)
         if col == 5:
             return reason_text(row)
-        return format_ms(row.ttft_ms)
+        if col == 6:
+            return format_ms(row.ttft_ms)
+        return format_drafts(row.spec_drafted, row.spec_accepted)
 
 
 class RequestLogPanel(QWidget):

@@ -181,12 +181,7 @@ class RecurrentMemory(AttentionMemory):
         return self.states.reusable(slot, held, common)
 
     def rewind(self, slot: int, to: int) -> None:
-        self.states.rewind(slot, to)
-
-    def rewind_inexact(self) -> str:
-        # The state after the last accepted token would need a checkpoint per drafted position (or a recompute).
-        return ("a hybrid model's recurrent state cannot be rolled back to the last accepted draft token "
-                "(it keeps checkpoints only at block ends)")
+        self.states.rewind(slot, to)  # a verify's last accepted token: the state kept after its drafted row
 
     def park_parts(self, slot: int, n_tokens: int, prompt_tokens: int) -> tuple[ReadParts, dict[int, Parts] | None]:
         return kv_reader(lambda a, b: self.kv.read(slot, a, b)), self.states.park_checkpoints(slot, n_tokens)

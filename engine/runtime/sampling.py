@@ -7,6 +7,7 @@ from collections import Counter
 import torch
 
 from engine.runtime.requests import SamplingParams
+from engine.runtime.spec_sampling import accept_probability, residual
 
 
 class Sampler:
@@ -24,14 +25,52 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """Pick the next token from a [vocab] float32 tensor (any device) and remember it for penalties."""
+        logits = self._penalised(logits)
+        token = int(torch.argmax(logits).item()) if self.params.greedy else self._draw(logits.to("cpu"))
+        self._remember(token)
+        return token
+
+    def verify(self, logits: torch.Tensor, draft: int, q: torch.Tensor | None = None) -> int:
+        """The token chosen at a drafted position whose logits are `logits`, remembered as `sample` remembers:
+        `draft` when the target keeps it, else another. Greedy: the argmax, as `sample`. Sampled: rejection
+        sampling (engine/runtime/spec_sampling.py) against `q`, the distribution the draft was drawn from (None:
+        chosen without randomness, as prompt lookup's), so the token is distributed as `sample`'s would be."""
+        if self.params.greedy or not 0 <= draft < logits.numel():
+            # a draft outside the logits (a prompt token the output layer does not cover) has p = 0: the rule
+            # rejects it and draws from p itself, which is what `sample` does
+            return self.sample(logits)
+        p = self.distribution(logits)
+        u = float(torch.rand(1, generator=self.generator, dtype=torch.float64))
+        if u < accept_probability(p, draft, q):
+            token = draft
+        else:
+            drawn = _draw_one(residual(p, draft, q), self.generator)
+            assert drawn is not None, "a residual always has mass"
+            token = drawn
+        self._remember(token)
+        return token
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The probabilities `sample` would draw the next token with (penalties, temperature, top-k, min-p,
+        top-p applied; one-hot at its choice when greedy or when no token keeps any mass), as a float32 [vocab]
+        tensor on the CPU summing to 1. Remembers nothing."""
+        logits = self._penalised(logits).to("cpu")
+        if not self.params.greedy:
+            weights, order, scaled = self._weights(logits)
+            total = weights.sum()
+            if torch.isfinite(total) and total > 0:
+                dense = weights if order is None else torch.zeros_like(logits).scatter_(0, order, weights)
+                return dense / total
+            logits = scaled  # _draw's fallback: the argmax of the scaled, top-k-masked logits
+        return torch.zeros_like(logits).scatter_(0, torch.argmax(logits).reshape(1), 1.0)
+
+    def _penalised(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         logits = logits.float()
         if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             logits = logits.to("cpu", copy=True)
             self._apply_penalties(logits)
-        token = int(torch.argmax(logits).item()) if p.greedy else self._draw(logits.to("cpu"))
-        self._remember(token)
-        return token
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor) -> None:
         p = self.params
@@ -45,6 +84,15 @@ class Sampler:
             logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
 
     def _draw(self, logits: torch.Tensor) -> int:
+        weights, order, scaled = self._weights(logits)
+        token = _draw_one(weights, self.generator)
+        if token is None:
+            return int(torch.argmax(scaled).item())
+        return token if order is None else int(order[token])
+
+    def _weights(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(weights the next token is drawn with, in proportion; their token ids, None when they are the whole
+        vocabulary; the scaled and top-k-masked logits, whose argmax is the choice when no weight is positive)."""
         p = self.params
         logits = logits / max(p.temperature, 1e-5)
         if p.top_k > 0 and p.top_k < logits.numel():
@@ -56,10 +104,7 @@ class Sampler:
         order = None
         if p.top_p < 1.0:  # draw among the nucleus' few sorted entries, not over the whole vocabulary
             probs, order = _nucleus_entries(probs, p.top_p)
-        token = _draw_one(probs, self.generator)
-        if token is None:
-            return int(torch.argmax(logits).item())
-        return token if order is None else int(order[token])
+        return probs, order, logits
 
     def _remember(self, token: int) -> None:
         if self.params.repeat_last_n > 0:

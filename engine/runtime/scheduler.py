@@ -231,7 +231,7 @@ class Scheduler:
             decoder=self.tokenizer.stream_decoder(),
             cached_tokens=reused,
             max_tokens=max_tokens,
-            drafter=self.speculation.drafter(prompt, request.params.greedy, slot.id),
+            drafter=self.speculation.drafter(prompt, slot.id),
         )
         slot.last_used = time.time()
         stream.mark_started()
@@ -323,7 +323,9 @@ class Scheduler:
         accepted = 0
         for j, token in enumerate(fed):
             slot.tokens.append(token)
-            chosen = a.sampler.sample(logits[j])
+            # a drafted row's choice keeps the draft or replaces it (rejection sampling when sampled); the last
+            # row's is the target's own next token
+            chosen = a.sampler.verify(logits[j], fed[j + 1]) if j + 1 < len(fed) else a.sampler.sample(logits[j])
             self._emit(slot, chosen)
             if slot.active is None or j + 1 == len(fed) or chosen != fed[j + 1]:
                 break

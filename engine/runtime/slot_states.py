@@ -49,6 +49,10 @@ class SlotStates:
         self.checkpoints: list[dict[int, StateSnapshot]] = [{} for _ in range(buffers.n_slots)]
         self._prompt_ends: list[list[int]] = [[] for _ in range(buffers.n_slots)]
         self._part_names: list[str] | None = None
+        # The last step's drafted positions (a speculative verify) and the state after each: what a rewind to
+        # the last accepted token writes back; dropped by that rewind or the next step.
+        self._drafted: list[list[int]] = [[] for _ in range(buffers.n_slots)]
+        self._drafts: list[dict[int, StateSnapshot]] = [{} for _ in range(buffers.n_slots)]
 
     @property
     def nbytes(self) -> int:
@@ -68,14 +72,16 @@ class SlotStates:
         return max((p for p in self.checkpoints[slot] if p <= common), default=0)
 
     def rewind(self, slot: int, to: int) -> None:
-        """Put the slot's state back to position `to` (a checkpoint, or 0); later checkpoints are dropped."""
+        """Put the slot's state back to position `to` (a checkpoint, a drafted position of the last step, or 0);
+        later checkpoints are dropped, and the last step's drafted positions in any case."""
+        drafts, self._drafts[slot] = self._drafts[slot], {}
         if to == self.buffers.positions[slot]:
             self._forget_after(slot, to)
             return
         if to == 0:
             self.clear(slot)
             return
-        self.buffers.write(slot, self.checkpoints[slot][to])
+        self.buffers.write(slot, drafts[to] if to in drafts else self.checkpoints[slot][to])
         self._forget_after(slot, to)
 
     def _forget_after(self, slot: int, to: int) -> None:
@@ -86,6 +92,7 @@ class SlotStates:
         self.buffers.clear(slot)
         self.checkpoints[slot] = {}
         self._prompt_ends[slot] = []
+        self._drafts[slot], self._drafted[slot] = {}, []
 
     def put(self, slot: int, snapshot: StateSnapshot, checkpoints: dict[int, StateSnapshot]) -> None:
         """A restored state (at `snapshot.position`) and the checkpoints that came with it."""
@@ -97,17 +104,25 @@ class SlotStates:
     # ------------------------------------------------------------ checkpoints taken by the prefill
 
     def before_prefill(self, slot: int, start: int, end: int, prompt_len: int) -> None:
-        """Ask the forward over tokens [start, end) of `slot` for its checkpoints in (start, end]."""
+        """Ask the forward over tokens [start, end) of `slot` for its checkpoints in (start, end]. In decode
+        (`start` past the prompt) every row but the last is a draft token's: the state after each is kept until
+        the verify's outcome is known, so the slot can be rewound to the last accepted one."""
         wanted = []
         if self.every:
             wanted = list(range((start // self.every + 1) * self.every, end + 1, self.every))
         if start < prompt_len - 1 <= end:
             wanted.append(prompt_len - 1)
-        if wanted:
-            self.buffers.request_checkpoints(slot, wanted)
+        self._drafts[slot] = {}
+        self._drafted[slot] = list(range(start + 1, end)) if start >= prompt_len else []
+        if wanted or self._drafted[slot]:
+            self.buffers.request_checkpoints(slot, wanted + self._drafted[slot])
 
     def after_prefill(self, slot: int, prompt_len: int) -> None:
         taken = self.buffers.take_checkpoints(slot)
+        drafted = self._drafted[slot]
+        self._drafts[slot] = {p: taken[p] for p in drafted}
+        # a drafted position on a block end stays a checkpoint too (dropped by the rewind if it was rejected)
+        taken = {p: snap for p, snap in taken.items() if p not in drafted or (self.every and p % self.every == 0)}
         if not taken:
             return
         self.checkpoints[slot].update(taken)

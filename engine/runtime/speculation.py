@@ -6,7 +6,9 @@ Agents re-emit code and text they have just read. The drafter finds the longest 
 and proposes the tokens that followed it (llama.cpp's ngram drafts, "prompt lookup decoding"). The scheduler feeds
 the last sampled token and the draft as one-token rows of the slot in one step; each row computes exactly what
 the decode step of that token alone computes (the decode paths' batch invariance, engine/model/llama.py
-`check_rows`), so the accepted tokens are the ones decoding without a draft gives, token for token.
+`check_rows`), so the accepted tokens are the ones decoding without a draft gives, token for token; a sampled
+request's drafts are kept or replaced by rejection sampling (engine/runtime/spec_sampling.py), which keeps its
+distribution.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ class Speculation:
                 log.warning("--spec %s declined, decoding without drafts: %s", method, why)
         return cls(method, draft_max, why)
 
-    def drafter(self, prompt: list[int], greedy: bool, slot: int) -> Drafts | None:
-        """A request's drafter in `slot`, or None: speculation off or declined, or a sampled request (only greedy
-        choices are verified exactly; rejection sampling for sampled ones is not built yet)."""
-        if self.method == "off" or self.declined or not greedy:
+    def drafter(self, prompt: list[int], slot: int) -> Drafts | None:
+        """A request's drafter in `slot`, or None: speculation off or declined. Greedy and sampled requests alike:
+        a sampled one's drafts are verified by rejection sampling (Sampler.verify), which keeps its distribution
+        (both drafters propose their tokens deterministically, so the draft distribution is one-hot at them)."""
+        if self.method == "off" or self.declined:
             return None
         if self.method == "draft":
             assert self.source is not None, "--spec draft runs with its draft model"

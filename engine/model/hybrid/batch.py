@@ -6,7 +6,8 @@ in the recurrent mixers, one batched state update), then the longer chunks, each
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from engine.kv import KVBuffers
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers
 from engine.model.llama import SeqChunk
+
+StepRows = Callable[[slice | torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -25,17 +28,12 @@ class Batch:
     state: RecurrentStateBuffers
     cos: torch.Tensor | None = None  # [total, 1, rotary_dim] for the current stage, None without RoPE
     sin: torch.Tensor | None = None
+    _groups: list[list[int]] | None = None  # the one-token rows by wave (`_waves`), computed once per call
+    _followed: set[int] = field(default_factory=set)  # one-token rows another row of their slot follows
 
     @property
     def total(self) -> int:
         return self.offsets[-1]
-
-    def single_slots(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor([ch.slot for ch in self.chunks[: self.n_single]], dtype=torch.int64, device=device)
-
-    def single_fresh(self, device: torch.device) -> torch.Tensor:
-        """[n_single] bool: the one-token chunk starts a sequence (its state starts at zero)."""
-        return torch.tensor([ch.start == 0 for ch in self.chunks[: self.n_single]], dtype=torch.bool, device=device)
 
     def long_chunks(self) -> list[tuple[SeqChunk, int, int]]:
         """(chunk, first row, end row) of every chunk longer than one token."""
@@ -47,17 +45,48 @@ class Batch:
             return torch.zeros_like(part[chunk.slot])
         return part[chunk.slot].clone()
 
-    def gather_singles(self, part: torch.Tensor) -> torch.Tensor:
-        """The stored state of every one-token chunk's slot, [n_single, ...], zero for fresh sequences."""
-        slots = self.single_slots(part.device)
-        out = part.index_select(0, slots)
-        fresh = self.single_fresh(part.device)
-        if bool(fresh.any()):
-            out[fresh] = 0
-        return out
+    def step_singles(self, part: torch.Tensor, layer: int, name: str, step: StepRows) -> None:
+        """Advance part (`layer`, `name`) of the state over the one-token rows: `step(rows, state)` gets the rows
+        (a slice or an index tensor) and their slots' states before them ([m, ...], zero for a fresh sequence)
+        and returns the states after them. A slot's several rows (a speculative verify: its last token and the
+        draft's) run in order, one per call, each from the state its previous row left; the state after a row
+        that another of its slot's rows follows is captured when the slot asked for it (a drafted position
+        that may become the last accepted one)."""
+        for rows in self._waves():
+            chunks = [self.chunks[r] for r in rows]
+            index: slice | torch.Tensor = (slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows)
+                                           else torch.tensor(rows, dtype=torch.int64, device=part.device))
+            slots = torch.tensor([ch.slot for ch in chunks], dtype=torch.int64, device=part.device)
+            before = part.index_select(0, slots)
+            fresh = [i for i, ch in enumerate(chunks) if ch.start == 0]
+            if fresh:
+                before[fresh] = 0
+            after = step(index, before)
+            part.index_copy_(0, slots, after.to(part.dtype))
+            for i, (r, ch) in enumerate(zip(rows, chunks, strict=True)):
+                if r in self._followed and self.state.wants(ch.slot, ch.start + 1):
+                    self.state.capture(ch.slot, ch.start + 1, layer, name, after[i])
 
-    def scatter_singles(self, part: torch.Tensor, value: torch.Tensor) -> None:
-        part.index_copy_(0, self.single_slots(part.device), value.to(part.dtype))
+    def _waves(self) -> list[list[int]]:
+        """The one-token rows in groups holding at most one row of each slot, a slot's rows in position order
+        (one group when every slot has one row: a plain decode step)."""
+        if self._groups is None:
+            groups: list[list[int]] = []
+            seen: dict[int, int] = {}  # slot -> rows of it so far
+            last: dict[int, int] = {}  # slot -> its latest row
+            followed: set[int] = set()
+            for r in range(self.n_single):
+                slot = self.chunks[r].slot
+                w = seen.get(slot, 0)
+                seen[slot] = w + 1
+                if w:
+                    followed.add(last[slot])
+                last[slot] = r
+                if w == len(groups):
+                    groups.append([])
+                groups[w].append(r)
+            self._groups, self._followed = groups, followed
+        return self._groups
 
 
 def segment_edges(start: int, end: int, block: int, cuts: list[int]) -> list[int]:
@@ -99,9 +128,12 @@ def apply_conv(
     out = torch.empty_like(u)
     n = batch.n_single
     if n:
-        full = torch.cat((batch.gather_singles(part).to(u.dtype), u[:n].unsqueeze(1)), dim=1)  # [n, K, C]
-        out[:n] = causal_conv(full, weight, bias)[:, 0]
-        batch.scatter_singles(part, full[:, 1:])
+        def step(rows: slice | torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+            full = torch.cat((before.to(u.dtype), u[rows].unsqueeze(1)), dim=1)  # [m, K, C]
+            out[rows] = causal_conv(full, weight, bias)[:, 0]
+            return full[:, 1:]
+
+        batch.step_singles(part, layer, "conv", step)
     for ch, lo, hi in batch.long_chunks():
         full = torch.cat((batch.initial(part, ch).to(u.dtype), u[lo:hi]))
         out[lo:hi] = causal_conv(full, weight, bias)

@@ -113,9 +113,11 @@ class GatedDeltaNetMixer(torch.nn.Module):
         part = batch.state.part(self.layer, "ssm")
         n = batch.n_single
         if n:
-            o, new = delta_rule_step(q[:n], k[:n], v[:n], g[:n], beta[:n], batch.gather_singles(part).float())
-            out[:n] = o
-            batch.scatter_singles(part, new)
+            def step(rows: slice | torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+                out[rows], after = delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], before.float())
+                return after
+
+            batch.step_singles(part, self.layer, "ssm", step)
         fused = fla_kernels.usable(h.device)
         for ch, lo, hi in batch.long_chunks():
             s = batch.initial(part, ch).float()

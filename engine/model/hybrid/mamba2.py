@@ -103,9 +103,11 @@ class Mamba2Mixer(torch.nn.Module):
         part = batch.state.part(self.layer, "ssm")
         n = batch.n_single
         if n:
-            out, new = ssd_step(x[:n], dt[:n], a, b[:n], cc[:n], batch.gather_singles(part).float())
-            y[:n] = out
-            batch.scatter_singles(part, new)
+            def step(rows: slice | torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+                y[rows], after = ssd_step(x[rows], dt[rows], a, b[rows], cc[rows], before.float())
+                return after
+
+            batch.step_singles(part, self.layer, "ssm", step)
         for ch, lo, hi in batch.long_chunks():
             s = batch.initial(part, ch).float()
             cuts = batch.state.wanted(ch.slot, ch.start, ch.start + hi - lo)

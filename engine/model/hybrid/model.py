@@ -7,6 +7,8 @@ recurrent layers read the slot's state from `state` (RecurrentStateBuffers), adv
 write it back. So a prompt prefilled in chunks gives the logits of a one-shot prefill within float rounding
 (the scans cut their blocks at absolute positions, so chunk edges on block boundaries change nothing in the
 recurrent layers), and one-token chunks of many slots (decode) run each recurrent update as one batched step.
+A slot may also bring several one-token rows at consecutive positions (a speculative verify): each recurrent
+layer runs them in order (`Batch.step_singles`), so each row computes what decoding its token alone computes.
 A slot's results do not depend on what it is batched with (bit for bit on CPU float32; see `batch.lanewise`).
 
 A chunk must start where its slot's state is (`state.positions[slot]`), or at 0 (a fresh sequence: the
@@ -28,7 +30,7 @@ from engine.model.hybrid.batch import Batch
 from engine.model.hybrid.config import HybridConfig
 from engine.model.hybrid.recurrent_state import RecurrentStateBuffers, StateLayout
 from engine.model.int4 import Int4Weight
-from engine.model.llama import SeqChunk, rms_norm
+from engine.model.llama import SeqChunk, check_rows, rms_norm
 from engine.model.moe import SparseMoe
 from engine.model.projections import linear, logit_rows
 from engine.model.q8_output import Q8Output
@@ -140,14 +142,16 @@ class HybridCausalLM(torch.nn.Module):
         assert kv.layout == self.kv_layout(kv.layout.dtype), (
             f"K/V layout {kv.layout} does not match the model's {self.kv_layout()}")
         assert state.layout == self.state_layout(), "recurrent state layout does not match the model"
-        slots = [ch.slot for ch in chunks]
-        assert len(set(slots)) == len(slots), f"one chunk per slot per call, got slots {slots}"
+        check_rows(chunks)  # one chunk per slot, or its one-token rows at consecutive positions (a verify)
+        leading: dict[int, SeqChunk] = {}  # each slot's first chunk: where its recurrent state must be
+        for ch in chunks:
+            leading.setdefault(ch.slot, ch)
         for ch in chunks:
             n = ch.tokens.numel()
             assert ch.tokens.dim() == 1 and n > 0, "a chunk needs a 1-D, non-empty token tensor"
             assert 0 <= ch.slot < kv.n_slots and ch.slot < state.n_slots, f"slot {ch.slot} out of range"
             assert ch.start >= 0 and ch.start + n <= kv.ctx, f"slot {ch.slot}: rows {ch.start}+{n} exceed ctx {kv.ctx}"
-            assert ch.start in (0, state.positions[ch.slot]), (
+            assert ch is not leading[ch.slot] or ch.start in (0, state.positions[ch.slot]), (
                 f"slot {ch.slot}: chunk starts at {ch.start} but its recurrent state is at "
                 f"{state.positions[ch.slot]} (restore the state with the K/V, or start at 0)"
             )
@@ -175,8 +179,9 @@ class HybridCausalLM(torch.nn.Module):
                 batch.cos, batch.sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
             for li in range(first, end):
                 x = self._layer(self.layers[li], x, batch)
-        for ch, n in zip(ordered, lengths, strict=True):
-            state.finish_chunk(ch.slot, ch.start + n)
+        ends = {ch.slot: ch.start + n for ch, n in zip(ordered, lengths, strict=True)}  # a slot's last row's end
+        for slot, end in ends.items():
+            state.finish_chunk(slot, end)
 
         h = rms_norm(x, self.norm, c.rms_norm_eps)
         if not all_logits and total != len(ordered):

@@ -151,6 +151,10 @@ class RecurrentStateBuffers:
         the chunk is allowed (then it equals `read` after the call)."""
         self._wanted[slot] = sorted(set(int(p) for p in positions))
 
+    def wants(self, slot: int, position: int) -> bool:
+        """A snapshot after `position` tokens was requested for `slot` (a row of a speculative verify)."""
+        return position in self._wanted.get(slot, ())
+
     def wanted(self, slot: int, start: int, end: int) -> list[int]:
         """Checkpoint positions requested for `slot` strictly inside (start, end) (the end is the final state)."""
         wanted = self._wanted.get(slot, [])
