@@ -37,10 +37,13 @@ HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
 # GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
 # and native steps rotate whole heads with their own code.
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
+# DeepSeek-V3's latent attention: only the eager forward reads the latent rows (engine/model/mla.py).
+LATENT = (frozenset({"latent attention"}), "latent attention")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
     CPU_STEP: (
         *HYBRID_ONLY,
+        LATENT,
         PARTIAL_ROPE,
         (frozenset({"post-norms", "GeGLU", "local rope"}), "Gemma layers"),
         (frozenset({"experts", "shared expert", "ungated shared expert", "sigmoid routing", "full-width q/k norms"}),
@@ -49,6 +52,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     ),
     NATIVE_STEP: (
         *HYBRID_ONLY,
+        LATENT,
         PARTIAL_ROPE,
         (frozenset({"sigmoid routing", "ungated shared expert"}),
          "sigmoid routing or an ungated shared expert (experts.c routes by softmax and gates its shared expert)"),
@@ -59,6 +63,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     # GeGLU, embedding scale or soft cap: those models decode eagerly (still one GEMM per projection).
     GRAPH_STEP: (
         *HYBRID_ONLY,
+        LATENT,
         (frozenset({"sliding window"}), "sliding-window layers"),
         (frozenset({"post-norms", "GeGLU", "local rope", "embedding scale", "attention scale"}), "Gemma layers"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),

@@ -1,0 +1,137 @@
+"""Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash) over the compact latent the K/V store keeps.
+
+Per token and layer the store keeps the latent [c_kv | k_pe] (kv_lora_rank + qk_rope_head_dim values, the
+normalised c_kv and the RoPE'd key part shared by every head), its first `store_width` values in the K row and
+the rest in the V row of one K/V "head" (mla_config.MlaConfig.store_width). Nothing per head is stored.
+
+Attention absorbs kv_b_proj into the query instead of expanding the latent into per-head keys and values:
+a head's score q_nope . (W_uk c_kv) + q_pe . k_pe is (W_uk^T q_nope) . c_kv + q_pe . k_pe, so the query becomes
+[W_uk^T q_nope | q_pe] against the stored latent as its one key head, the values are c_kv, and each head's
+output is W_uv times its attended c_kv. The same scores as transformers' expansion in another summation order,
+and a step reads the latent rows once rather than building keys and values for every earlier token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.llama import DecoderLayer, SeqChunk, rms_norm
+from engine.model.mla_config import LATENT_NORM_EPS, MlaConfig, interleaved_to_halves
+from engine.model.projections import linear
+
+
+class MlaAttention(torch.nn.Module):
+    """What a latent-attention layer holds beside the DecoderLayer's fused first projection (`wqkv`: q or q_a,
+    then kv_a) and output projection (`wo`): the latent norms, q_b, and kv_b split per head into W_uk and W_uv."""
+
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor | None
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor  # [heads, qk_nope_head_dim, kv_lora_rank]
+    w_uv: torch.Tensor  # [heads, v_head_dim, kv_lora_rank]
+
+    def __init__(self, mla: MlaConfig, n_heads: int, *, kv_a_norm: torch.Tensor, kv_b: torch.Tensor,
+                 q_a_norm: torch.Tensor | None = None, q_b: torch.Tensor | None = None) -> None:
+        super().__init__()
+        m, H = mla, n_heads
+        assert (q_b is None) == (q_a_norm is None) == (m.q_lora_rank is None), "q_b and its norm go with q_lora_rank"
+        if q_b is not None:
+            assert q_b.shape == (H * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank), ("q_b", tuple(q_b.shape))
+        assert kv_b.shape == (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), ("kv_b", tuple(kv_b.shape))
+        self.mla = mla
+        self.n_heads = n_heads
+        per_head = kv_b.view(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        self.register_buffer("q_a_norm", q_a_norm, persistent=False)
+        self.register_buffer("q_b", q_b, persistent=False)
+        self.register_buffer("kv_a_norm", kv_a_norm, persistent=False)
+        self.register_buffer("w_uk", per_head[:, : m.qk_nope_head_dim].contiguous(), persistent=False)
+        self.register_buffer("w_uv", per_head[:, m.qk_nope_head_dim :].contiguous(), persistent=False)
+
+    def query_and_latent(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         n_single: int, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed query [tokens, heads, latent_width] and the tokens' latents [tokens, latent_width], RoPE
+        applied (cos and sin per row in forward_chunks' rolled-sign form, over the RoPE'd width)."""
+        m, H = self.mla, self.n_heads
+        T = x.shape[0]
+        h = rms_norm(x, layer.attn_norm, layer.spec.norm.eps)
+        first = linear(h, layer.wqkv, n_single, fast=fast).to(x.dtype)
+        q_rows = m.q_rows(H)
+        q = first[:, :q_rows]
+        if self.q_b is not None:
+            assert self.q_a_norm is not None  # set with q_b (__init__)
+            q = linear(rms_norm(q, self.q_a_norm, LATENT_NORM_EPS), self.q_b, n_single, fast=fast).to(x.dtype)
+        q = q.view(T, H, m.qk_nope_head_dim + m.qk_rope_head_dim)
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
+        c_kv = rms_norm(first[:, q_rows : q_rows + m.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
+        k_pe = first[:, q_rows + m.kv_lora_rank :].unsqueeze(1)
+        half = m.qk_rope_head_dim // 2
+        q_pe = q_pe * cos + q_pe.roll(half, -1) * sin  # rotate-half RoPE as one roll (llama.CausalLM.qkv)
+        k_pe = k_pe * cos + k_pe.roll(half, -1) * sin
+        q_abs = torch.einsum("thn,hnr->thr", q_nope, self.w_uk.to(q_nope.dtype))
+        query = torch.cat((q_abs, q_pe.to(q_abs.dtype)), -1)
+        latent = torch.cat((c_kv, k_pe[:, 0].to(c_kv.dtype)), -1)
+        return query, latent
+
+    def attend(self, layer: DecoderLayer, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+               chunks: list[SeqChunk], offsets: list[int], masks: dict[int, torch.Tensor], causal: list[bool],
+               cos: torch.Tensor, sin: torch.Tensor, n_single: int, fast: bool) -> torch.Tensor:
+        """The attention output [tokens, heads * v_head_dim] of a step's chunks (each against its slot's rows),
+        after writing their latents into the slot rows [start, start + n)."""
+        m, H = self.mla, self.n_heads
+        width, store = m.latent_width, m.store_width
+        query, latent = self.query_and_latent(layer, x, cos, sin, n_single, fast)
+        k_rows, v_rows = kv
+        padded = latent if 2 * store == width else F.pad(latent, (0, 1))
+        out = torch.empty(x.shape[0], H, m.kv_lora_rank, dtype=query.dtype, device=x.device)
+        scale = m.softmax_scale
+        for i, ch in enumerate(chunks):
+            lo, hi = offsets[i], offsets[i + 1]
+            end = ch.start + (hi - lo)
+            k_rows[ch.slot, ch.start : end, 0] = padded[lo:hi, :store]
+            v_rows[ch.slot, ch.start : end, 0] = padded[lo:hi, store:]
+            rows = torch.cat((k_rows[ch.slot, :end, 0], v_rows[ch.slot, :end, 0]), -1)[:, :width].to(query.dtype)
+            keys = rows.unsqueeze(0).unsqueeze(0)  # [1, 1 latent "head", end, width]
+            values = keys[..., : m.kv_lora_rank]
+            q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, width]
+            attended = _sdpa(q, keys.expand(1, H, -1, -1), values.expand(1, H, -1, -1), masks.get(i), causal[i], scale)
+            out[lo:hi] = attended[0].transpose(0, 1)
+        heads = torch.einsum("thr,hvr->thv", out, self.w_uv.to(out.dtype))
+        return heads.reshape(x.shape[0], H * m.v_head_dim)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float) -> torch.Tensor:
+    # The expanded key and value heads are views of the one latent (no copy); the values are narrower than the
+    # keys, which every SDPA backend PyTorch picks here accepts.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+Getter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
+
+
+def rope_rows_in_halves(mla: MlaConfig, n_heads: int, get: Getter) -> tuple[Getter, Callable[[str], bool]]:
+    """A getter giving the rows that make RoPE'd channels (each head's last qk_rope_head_dim rows of q / q_b, the
+    last of kv_a) in rotate-half order where the file holds them in interleaved pairs (rope_interleave: HF
+    DeepSeek-V3 checkpoints and llama.cpp's deepseek2 files alike), and whether a key is one it reorders (the
+    file's own quantised blocks of those cannot be used as they are)."""
+    rope, head = mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    order = torch.tensor(interleaved_to_halves(rope))
+    q_key = "q_b" if mla.q_lora_rank is not None else "q"
+
+    def reordered(key: str) -> bool:
+        return mla.rope_interleave and key.split(".", 1)[-1] in (q_key, "kv_a")
+
+    def halves(key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        t = get(key, device, dtype)
+        if t is None or not reordered(key):
+            return t
+        if key.endswith(".kv_a"):
+            return torch.cat((t[:-rope], t[-rope:][order.to(t.device)]))
+        per_head = t.reshape(n_heads, head, *t.shape[1:])
+        rot = per_head[:, head - rope :][:, order.to(t.device)]
+        return torch.cat((per_head[:, : head - rope], rot), 1).reshape(t.shape)
+
+    return halves, reordered

@@ -1,0 +1,188 @@
+"""Multi-head latent attention (DeepSeek-V3 `deepseek_v3`, GLM-4.7-Flash `glm4_moe_lite`): tiny random models
+against transformers' own, the compact latent in the K/V store, and what is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4  # float32 on both sides; the absorbed attention only sums in another order (engine/model/mla.py)
+TEXT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b  café 🙂 " * 2 + "Paris is"
+
+
+def _load(path: str, **kwargs):
+    from engine.model import load_model, plan_stages
+    from engine.model.loader import read_model_config
+
+    return load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32, **kwargs)
+
+
+def _kv(lm, n_slots: int = 2):
+    from engine.kv import KVBuffers, KVLayout
+
+    c = lm.config
+    return KVBuffers(KVLayout(c.n_layers, c.kv_row[0], c.kv_row[1], lm.dtype), n_slots, 256, lm.model.stages)
+
+
+def _reference(path: str, ids: torch.Tensor) -> torch.Tensor:
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe_lite"])
+def family(request, tmp_path_factory):
+    """(folder, loaded model, ids, transformers' logits) of a tiny model of each family."""
+    from tests.mla_fixtures import write_tiny_mla_model
+
+    folder = write_tiny_mla_model(tmp_path_factory.mktemp(request.param), request.param)
+    lm = _load(folder)
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    return folder, lm, ids, _reference(folder, ids)
+
+
+def test_the_config_is_read_and_only_the_eager_forward_runs_latent_attention(family):
+    from engine.model import executors
+
+    _, lm, _, _ = family
+    c = lm.config
+    m = c.mla
+    assert (m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank) == (24, 8, 16, 12, 32)
+    assert (c.n_kv_heads, c.head_dim, c.kv_row) == (1, 8, (1, 16))
+    assert m.softmax_scale == pytest.approx(24**-0.5)
+    assert c.moe.dense_layers == (0,) and c.moe.routing == "sigmoid_bias" and c.moe.shared_expert_size == 32
+    assert [layer.moe is not None for layer in lm.model.layers] == [False, True, True]
+    assert "latent attention" in lm.model.description.features()
+    assert executors.layer_declines(executors.EAGER, lm.model.description) is None
+    assert executors.cpu_step_declines(lm.model) == "latent attention"
+    assert executors.native_step_declines(lm.model) == "latent attention"
+    assert executors.layer_declines(executors.GRAPH_STEP, lm.model.description) == "latent attention"
+    assert c.describe()["mla"]["stored"] == "latent"  # the cache identity names the latent layout
+
+
+def test_logits_match_transformers_one_shot_chunked_and_decoding(family):
+    from engine.model import SeqChunk
+
+    _, lm, ids, ref = family
+    assert len(ids) >= 90
+    ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
+    assert (ours - ref).abs().max().item() <= ATOL
+    kv, n = _kv(lm), len(ids)
+    cuts = [0, 7, 40, n - 4]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        got = lm.model.forward_chunks([SeqChunk(1, a, ids[a:b])], kv, all_logits=True)[0]
+        assert (got - ref[a:b]).abs().max().item() <= ATOL, f"prefill chunk [{a},{b})"
+    for pos in range(n - 4, n):
+        got = lm.model.forward_chunks([SeqChunk(1, pos, ids[pos : pos + 1])], kv)[0]
+        assert (got - ref[pos]).abs().max().item() <= ATOL, f"decode at {pos}"
+        assert got.argmax().item() == ref[pos].argmax().item()
+
+
+def test_the_store_keeps_the_latent_alone_and_a_batch_computes_each_slot_as_alone(family):
+    """A token costs kv_lora_rank + qk_rope_head_dim values per layer (not 2 x heads x head widths), and the
+    latent rows a prefill wrote are what a slot's decode reads: two slots decoding together get their own
+    logits."""
+    from engine.model import SeqChunk
+
+    _, lm, ids, ref = family
+    c, m = lm.config, lm.config.mla
+    kv = _kv(lm)
+    assert kv.layout.bytes_per_token == c.n_layers * m.latent_width * 4
+    expanded = c.n_layers * c.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 4
+    assert kv.layout.bytes_per_token * 4 < expanded  # 384 against 1,728 bytes a token for the tiny model
+    n = len(ids)
+    lm.model.forward_chunks([SeqChunk(0, 0, ids[: n - 1]), SeqChunk(1, 0, ids[: n - 2])], kv)
+    both = lm.model.forward_chunks([SeqChunk(0, n - 1, ids[n - 1 :]), SeqChunk(1, n - 2, ids[n - 2 : n - 1])], kv)
+    assert (both[0] - ref[n - 1]).abs().max().item() <= ATOL and (both[1] - ref[n - 2]).abs().max().item() <= ATOL
+
+
+def test_direct_q_projection_rope_in_halves_and_an_odd_latent_match_transformers(tmp_path):
+    """q_lora_rank null (q_proj straight from the hidden state), rope_interleave false, and a latent of odd
+    width (23 + 8: its V row is zero-padded)."""
+    from engine.model import SeqChunk
+    from tests.mla_fixtures import write_tiny_mla_model
+
+    path = write_tiny_mla_model(tmp_path, "deepseek_v3", q_lora_rank=None, rope_interleave=False, kv_lora_rank=23,
+                                seed=1)
+    lm = _load(path)
+    assert lm.config.mla.q_lora_rank is None and lm.config.kv_row == (1, 16)
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    ref = _reference(path, ids)
+    kv = _kv(lm)
+    ours = lm.model.forward_chunks([SeqChunk(0, 0, ids[:-1])], kv, all_logits=True)[0]
+    assert (ours - ref[:-1]).abs().max().item() <= ATOL
+    last = lm.model.forward_chunks([SeqChunk(0, len(ids) - 1, ids[-1:])], kv)[0]
+    assert (last - ref[-1]).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"attention_bias": True}, r"attention_bias true: biases on the latent projections are not supported"),
+    ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim: expected an even number \(RoPE turns pairs\), got 7"),
+    ({"kv_lora_rank": 0}, r"kv_lora_rank: expected a positive whole number, got 0"),
+    ({"mlp_layer_types": ["dense", "sparse"]}, r"mlp_layer_types: expected \"dense\" or \"sparse\" for each of the 3"),
+])
+def test_configs_it_cannot_run_are_refused_with_the_reason(family, tmp_path, change, message):
+    from engine.errors import ModelLoadError
+    from engine.model.loader import read_model_config
+
+    folder = family[0]
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ModelLoadError, match=message):
+        read_model_config(str(copy))
+
+
+def test_deepseek_v3_config_json_is_read_as_released():
+    """DeepSeek-V3's own config.json (transformers 4.x keys, YaRN with mscale_all_dim): the softmax scale takes
+    YaRN's mscale squared, as transformers' yarn_apply_mscale."""
+    import math
+
+    from engine.model.config import ModelConfig
+
+    v3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+          "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+          "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+          "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+          "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+          "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 163840,
+          "rms_norm_eps": 1e-06, "rope_theta": 10000, "vocab_size": 129280, "tie_word_embeddings": False,
+          "attention_bias": False, "num_nextn_predict_layers": 1,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096, "type": "yarn"}}
+    c = ModelConfig.from_hf(v3)
+    mscale = 0.1 * math.log(40) + 1.0
+    assert c.mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+    assert (c.head_dim, c.kv_row, c.moe.dense_layers, c.moe.n_group, c.moe.topk_group) == (64, (1, 288), (0, 1, 2), 8, 4)
+    # 61 layers x 576 bfloat16 values: 70,272 bytes a token, against 61 x 128 x (192 + 128) x 2 = 4,997,120 expanded
+    assert c.n_layers * 2 * c.kv_row[1] * 2 == 70272
+
+
+# ---------------------------------------------------------------- the conversation cache parks the latent
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_a_parked_latent_resumes_exactly_in_ram_disk_tiered_and_after_a_restart(arch, tmp_path):
+    """tools/conversation_cache_parity.py on each family: a conversation parked and restored (RAM, disk, tiered,
+    and tiered across an engine restart) continues token for token as one that never left, its restored latent
+    rows byte-identical; with `--moe-experts cpu` (experts in host RAM as 4-bit groups) for DeepSeek-V3."""
+    from engine.model import int4
+    from tests.mla_fixtures import write_tiny_mla_model
+    from tools.conversation_cache_parity import run_restart, run_scenario
+
+    folder = write_tiny_mla_model(tmp_path, arch)
+    experts = "cpu" if arch == "deepseek_v3" and int4.available() else "gpu"
+    base = {"model": folder, "devices": "cpu", "ctx_size": 512, "cpu_weights": "float", "moe_experts": experts,
+            "conversation_cache_min_free_mib": 0, "prefill_chunk": 32}
+    for storage in ("ram", "disk", "tiered"):
+        outcome = run_scenario("basic", {**base, "conversation_cache_storage": storage}, n_words=40, max_tokens=8)
+        assert outcome.passed, f"{storage}: {outcome.detail}"
+    outcome = run_restart({**base, "conversation_cache_storage": "tiered"}, {}, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
