@@ -63,3 +63,102 @@ def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, *
     model.save_pretrained(folder)
     write_tokenizer_files(folder)
     return str(folder)
+
+
+# HF tensor names -> llama.cpp's deepseek2 names (conversion/deepseek.py's DeepseekV2Model through gguf-py's map)
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool = True, seed: int = 0,
+                        **overrides) -> str:
+    """Convert a tiny latent-attention HF model to a GGUF as llama.cpp's converter writes it (arch `deepseek2`,
+    MLA as one K/V head of kv_lora_rank + rope values, experts stacked, RoPE rows left interleaved): kv_b_proj
+    split into attn_k_b (each head's k part transposed) and attn_v_b, or with `split_kv_b` false as one
+    attn_kv_b, as older converters wrote it. The expert gating function is written as sigmoid, as DeepSeek-V3's
+    own config.json (`scoring_func`) makes the converter write it. Returns the .gguf path; the HF folder sits
+    beside it."""
+    import json
+    import re
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from tests.model_fixtures import add_tiny_tokenizer
+
+    folder = write_tiny_mla_model(root, arch, seed=seed, **overrides)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    heads, rank, rope = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, v_dim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    path = Path(root) / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    dense = [i for i, kind in enumerate(cfg.get("mlp_layer_types") or []) if kind == "dense"]
+    writer.add_leading_dense_block_count(cfg.get("first_k_dense_replace", len(dense)))
+    if cfg.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_kv_lora_rank(rank)
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(v_dim)
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_count(cfg["n_routed_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+    writer.add_expert_group_count(cfg["n_group"])
+    writer.add_expert_group_used_count(cfg["topk_group"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_rope_dimension_count(rope)
+    add_tiny_tokenizer(writer)
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+        w = w.astype(np.float32)
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            out[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name]] = w
+            continue
+        _, _, index, rest = name.split(".", 3)
+        m = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", rest)
+        if m:
+            experts.setdefault((index, m.group(2)), {})[int(m.group(1))] = w
+        elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+            per_head = w.reshape(heads, nope + v_dim, rank)
+            out[f"blk.{index}.attn_k_b.weight"] = per_head[:, :nope].transpose(0, 2, 1)
+            out[f"blk.{index}.attn_v_b.weight"] = per_head[:, nope:]
+        elif rest == "self_attn.kv_b_proj.weight":
+            out[f"blk.{index}.attn_kv_b.weight"] = w
+        else:
+            out[f"blk.{index}.{_GGUF_NAMES[rest]}"] = w
+    for (index, part), by_expert in experts.items():
+        out[f"blk.{index}.ffn_{part}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    for key, w in out.items():
+        writer.add_tensor(key, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -165,6 +165,42 @@ def test_deepseek_v3_config_json_is_read_as_released():
     assert c.n_layers * 2 * c.kv_row[1] * 2 == 70272
 
 
+# ---------------------------------------------------------------- the GGUF llama.cpp's converter writes
+
+@pytest.mark.parametrize(("arch", "split_kv_b"), [("deepseek_v3", True), ("glm4_moe_lite", False)])
+def test_its_deepseek2_gguf_loads_to_the_same_logits(tmp_path, arch, split_kv_b):
+    """llama.cpp's `deepseek2` file (both families convert to it): kv_b split into attn_k_b / attn_v_b as recent
+    converters write it, or whole as older ones did; RoPE rows left interleaved. The same latent settings and
+    experts as the HF folder, and the same logits."""
+    from engine.model import SeqChunk
+    from tests.mla_fixtures import write_tiny_mla_gguf
+
+    path = write_tiny_mla_gguf(tmp_path, arch, split_kv_b=split_kv_b)
+    folder_lm, file_lm = _load(path.removesuffix(".gguf")), _load(path)
+    assert file_lm.config.architecture == "deepseek_v3" and file_lm.config.mla == folder_lm.config.mla
+    assert file_lm.config.kv_row == folder_lm.config.kv_row and file_lm.config.moe.dense_layers == (0,)
+    ids = torch.tensor(folder_lm.tokenizer.encode(TEXT))
+    a, b = (x.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(x), all_logits=True)[0] for x in (folder_lm, file_lm))
+    assert (a - b).abs().max().item() <= ATOL
+
+
+def test_a_deepseek2_gguf_with_softmax_routing_is_refused(tmp_path):
+    """DeepSeek-V2's files (softmax routing) are deepseek2 too; this engine runs V3's sigmoid routing only."""
+    import gguf
+
+    from engine.errors import ModelLoadError
+    from engine.model.loader import read_model_config
+    from tests.mla_fixtures import write_tiny_mla_gguf
+
+    path = write_tiny_mla_gguf(tmp_path, "deepseek_v3")
+    reader = gguf.GGUFReader(path, "r+")
+    field = reader.fields["deepseek2.expert_gating_func"]
+    field.parts[field.data[0]][0] = 1  # softmax, written in place
+    del reader
+    with pytest.raises(ModelLoadError, match=r"expert_gating_func 1: expected 2 \(sigmoid\) for deepseek2"):
+        read_model_config(path)
+
+
 # ---------------------------------------------------------------- the conversation cache parks the latent
 
 @pytest.mark.slow

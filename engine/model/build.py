@@ -99,7 +99,7 @@ def build_model(
         get, groups, kquant, blocks = folded, None, None, None  # a file's own blocks would bypass the folding
     cpu = torch.device("cpu")
     if c.mla is not None:  # RoPE'd rows in interleaved pairs reordered to rotate-half (engine/model/mla.py)
-        get, reordered = mla.rope_rows_in_halves(c.mla, c.n_heads, get)
+        get, reordered = mla.rope_rows_in_halves(c.mla, c.n_heads, mla.kv_b_joined(get))
         if groups is not None:
             groups = _skipping(groups, reordered)
         if kquant is not None:

@@ -135,3 +135,20 @@ def rope_rows_in_halves(mla: MlaConfig, n_heads: int, get: Getter) -> tuple[Gett
         return torch.cat((per_head[:, : head - rope], rot), 1).reshape(t.shape)
 
     return halves, reordered
+
+
+def kv_b_joined(get: Getter) -> Getter:
+    """A getter that gives a layer's kv_b ([heads x (qk_nope + v), kv_lora_rank], HF's kv_b_proj) from a GGUF's
+    attn_k_b and attn_v_b where the file holds it split (mla_config.GGUF_NAMES)."""
+
+    def joined(key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        t = get(key, device, dtype)
+        if t is not None or not key.endswith(".kv_b"):
+            return t
+        base = key.removesuffix("kv_b")
+        k_b, v_b = get(base + "k_b", device, dtype), get(base + "v_b", device, dtype)
+        if k_b is None or v_b is None or k_b.dim() != 3 or v_b.dim() != 3:
+            return None  # build_model names the missing kv_b
+        return torch.cat((k_b.transpose(1, 2), v_b), 1).reshape(-1, k_b.shape[1])
+
+    return joined

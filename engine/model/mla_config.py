@@ -21,6 +21,14 @@ HF_NAMES = {
     "self_attn.q_b_proj.weight": "q_b", "self_attn.kv_a_proj_with_mqa.weight": "kv_a",
     "self_attn.kv_a_layernorm.weight": "kv_a_norm", "self_attn.kv_b_proj.weight": "kv_b",
 }
+# llama.cpp's deepseek2 tensor names -> canonical keys. Recent converters split kv_b into attn_k_b (each head's
+# W_uk transposed: [heads, kv_lora_rank, qk_nope]) and attn_v_b ([heads, v_head_dim, kv_lora_rank]); older files
+# hold attn_kv_b as HF does (mla.kv_b_joined reads either).
+GGUF_NAMES = {
+    "attn_q_a.weight": "q_a", "attn_q_a_norm.weight": "q_a_norm", "attn_q_b.weight": "q_b",
+    "attn_kv_a_mqa.weight": "kv_a", "attn_kv_a_norm.weight": "kv_a_norm", "attn_kv_b.weight": "kv_b",
+    "attn_k_b.weight": "k_b", "attn_v_b.weight": "v_b",
+}
 # transformers' DeepseekV3RMSNorm / Glm4MoeLiteRMSNorm of q_a and of c_kv are built with their default eps, not
 # the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -87,6 +95,29 @@ def mla_from_hf(cfg: dict[str, Any], rope_scaling: dict | None) -> MlaConfig:
                     rope_interleave=bool(cfg.get("rope_interleave", True)), softmax_scale=scale)
     mla.check()
     return mla
+
+
+def mla_from_gguf(meta: dict[str, Any], arch: str, rope_scaling: dict | None) -> MlaConfig:
+    """The latent-attention settings of a llama.cpp `deepseek2` file: `attention.kv_lora_rank`,
+    `attention.q_lora_rank` (absent: a direct q projection), `rope.dimension_count`, and a head's key and value
+    widths from `attention.key_length_mla` / `value_length_mla` (older files: `key_length` / `value_length`,
+    which newer ones use for the latent). RoPE rows are in interleaved pairs, as llama.cpp runs the family."""
+
+    def need(name: str) -> int:
+        value = meta.get(f"{arch}.{name}")
+        if value is None:
+            raise ValueError(f"metadata {arch}.{name} is missing")
+        return int(value)
+
+    rank, rope = need("attention.kv_lora_rank"), need("rope.dimension_count")
+    mla_keys = f"{arch}.attention.key_length_mla" in meta
+    key_width = need("attention.key_length_mla" if mla_keys else "attention.key_length")
+    v_width = need("attention.value_length_mla" if mla_keys else "attention.value_length")
+    q_lora = meta.get(f"{arch}.attention.q_lora_rank")
+    cfg: dict[str, Any] = {"kv_lora_rank": rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": key_width - rope,
+                           "v_head_dim": v_width, "q_lora_rank": None if not q_lora else int(q_lora),
+                           "rope_interleave": True}
+    return mla_from_hf(cfg, rope_scaling)
 
 
 def interleaved_to_halves(n: int) -> list[int]:
