@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
+from tests.moe_fixtures import _on_int4_grid
 
 MLA_ARCHS = ("deepseek_v3", "glm4_moe_lite")
 
@@ -42,8 +43,10 @@ def tiny_mla_config(arch: str, **overrides):
     return classes[arch](**kwargs)
 
 
-def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, **overrides) -> str:
-    """Write a random-weight latent-attention model of `arch` under `root`; returns the folder."""
+def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, int4_grid: bool = False,
+                         **overrides) -> str:
+    """Write a random-weight latent-attention model of `arch` under `root`; returns the folder. With `int4_grid`
+    every matrix lies on a 4-bit grid per group of 32 (tests/moe_fixtures.py), so 4-bit weights lose nothing."""
     import torch
     import transformers
 
@@ -56,6 +59,8 @@ def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, *
         for pname, param in model.named_parameters():
             if "norm" in pname:  # non-trivial norm weights, so a missing or misplaced norm shows
                 param.uniform_(0.5, 1.5)
+            elif int4_grid and param.dim() >= 2 and param.shape[-1] % 32 == 0:
+                param.copy_(_on_int4_grid(param))
         for bname, buf in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # a bias that changes which experts are chosen
                 buf.normal_(0.0, 0.3)

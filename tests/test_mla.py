@@ -123,6 +123,8 @@ def test_direct_q_projection_rope_in_halves_and_an_odd_latent_match_transformers
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"attention_bias": True}, r"attention_bias true: biases on the latent projections are not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     r"quantization_config 'fp8': quantised checkpoints are not read"),
     ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim: expected an even number \(RoPE turns pairs\), got 7"),
     ({"kv_lora_rank": 0}, r"kv_lora_rank: expected a positive whole number, got 0"),
     ({"mlp_layer_types": ["dense", "sparse"]}, r"mlp_layer_types: expected \"dense\" or \"sparse\" for each of the 3"),
@@ -163,6 +165,24 @@ def test_deepseek_v3_config_json_is_read_as_released():
     assert (c.head_dim, c.kv_row, c.moe.dense_layers, c.moe.n_group, c.moe.topk_group) == (64, (1, 288), (0, 1, 2), 8, 4)
     # 61 layers x 576 bfloat16 values: 70,272 bytes a token, against 61 x 128 x (192 + 128) x 2 = 4,997,120 expanded
     assert c.n_layers * 2 * c.kv_row[1] * 2 == 70272
+
+
+def test_int4_weights_track_float(tmp_path):
+    """`--cpu-weights int4`: the fused first projection (q_a and kv_a, RoPE rows reordered before packing), the
+    output projection and the experts as 4-bit groups; q_b and kv_b stay float. On weights that lie on a 4-bit
+    grid the greedy token stays (what differs is the kernel's bfloat16 activations)."""
+    from engine.model import SeqChunk, int4
+    from tests.mla_fixtures import write_tiny_mla_model
+
+    if not int4.available():
+        pytest.skip("this torch has no CPU int4 kernels")
+    path = write_tiny_mla_model(tmp_path, "deepseek_v3", int4_grid=True, v_head_dim=16)  # o_proj: 64 columns
+    ref_lm, lm = _load(path), _load(path, int4_weights=True)
+    assert isinstance(lm.model.layers[1].wqkv, int4.Int4Weight) and isinstance(lm.model.layers[1].wo, int4.Int4Weight)
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    ref, got = (x.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(x), all_logits=True)[0] for x in (ref_lm, lm))
+    same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert same >= 0.9, f"int4 weights keep the greedy token at only {same:.0%} of positions"
 
 
 # ---------------------------------------------------------------- the GGUF llama.cpp's converter writes

@@ -80,6 +80,11 @@ class MlaConfig:
 def mla_from_hf(cfg: dict[str, Any], rope_scaling: dict | None) -> MlaConfig:
     """The latent-attention settings in an HF config.json (defaults: DeepseekV3Config's); ValueError naming
     what this engine does not run."""
+    quant = cfg.get("quantization_config")
+    if quant:  # DeepSeek-V3's released weights: FP8 blocks with scales in separate tensors
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config {method!r}: quantised checkpoints are not read (their scales would be "
+                         "ignored); use a bfloat16 conversion or a GGUF")
     if cfg.get("attention_bias"):
         raise ValueError("attention_bias true: biases on the latent projections are not supported (expected false)")
     nope, rope = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("qk_rope_head_dim", 64))
