@@ -93,20 +93,28 @@ class MlaAttention(torch.nn.Module):
             k_rows[ch.slot, ch.start : end, 0] = padded[lo:hi, :store]
             v_rows[ch.slot, ch.start : end, 0] = padded[lo:hi, store:]
             rows = torch.cat((k_rows[ch.slot, :end, 0], v_rows[ch.slot, :end, 0]), -1)[:, :width].to(query.dtype)
-            keys = rows.unsqueeze(0).unsqueeze(0)  # [1, 1 latent "head", end, width]
-            values = keys[..., : m.kv_lora_rank]
-            q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, width]
-            attended = _sdpa(q, keys.expand(1, H, -1, -1), values.expand(1, H, -1, -1), masks.get(i), causal[i], scale)
-            out[lo:hi] = attended[0].transpose(0, 1)
+            out[lo:hi] = _latent_attention(query[lo:hi], rows, m.kv_lora_rank, masks.get(i), causal[i], scale)
         heads = torch.einsum("thr,hvr->thv", out, self.w_uv.to(out.dtype))
         return heads.reshape(x.shape[0], H * m.v_head_dim)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-          scale: float) -> torch.Tensor:
-    # The expanded key and value heads are views of the one latent (no copy); the values are narrower than the
-    # keys, which every SDPA backend PyTorch picks here accepts.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+def _latent_attention(query: torch.Tensor, rows: torch.Tensor, rank: int, mask: torch.Tensor | None, causal: bool,
+                      scale: float) -> torch.Tensor:
+    """One chunk's heads [n, H, width] against its slot's latent rows [keys, width] -> [n, H, rank].
+
+    Every head reads the same one latent, so the n x H (position, head) queries are the rows of one query head
+    (as llama.cpp runs absorbed MLA: MQA with one K/V head): no per-head copy of the keys (an SDPA over H heads
+    of expanded keys can materialise H copies of them), and a row's causal mask is its position's."""
+    n, heads, width = query.shape
+    q = query.reshape(1, 1, n * heads, width)  # row i * H + h: position i, head h
+    keys = rows.view(1, 1, -1, width)
+    values = keys[..., :rank]  # c_kv, the latent's first `rank` values
+    if n > 1 and (mask is not None or causal):
+        if mask is None:  # from position 0: row i sees keys [0, i]
+            mask = torch.arange(rows.shape[0], device=rows.device) <= torch.arange(n, device=rows.device).unsqueeze(1)
+        mask = mask.to(rows.device).repeat_interleave(heads, 0)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.view(n, heads, rank)
 
 
 Getter = Callable[[str, torch.device, torch.dtype], "torch.Tensor | None"]
