@@ -242,3 +242,16 @@ def test_a_parked_latent_resumes_exactly_in_ram_disk_tiered_and_after_a_restart(
         assert outcome.passed, f"{storage}: {outcome.detail}"
     outcome = run_restart({**base, "conversation_cache_storage": "tiered"}, {}, n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail
+
+
+def test_a_deepseek_v3_gguf_tokenizer_splits_text_as_llama_cpp_does():
+    """llama.cpp's `deepseek-v3` pre-tokenizer: digits in threes, then runs of CJK, then words with a leading
+    punctuation mark, each expression splitting the pieces of the one before."""
+    from engine.model.tokenizer import Tokenizer
+
+    tokens = [chr(c) for c in range(33, 127)] + ["Ġ"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-v3", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [1] * len(tokens)}
+    backend = Tokenizer.from_gguf_metadata(meta).backend
+    pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("n 1234567 IT'S .hello 日本abc")]
+    assert pieces == ["n", "Ġ", "123", "456", "7", "ĠIT", "'S", "Ġ.", "hello", "Ġ", "æĹ¥æľ¬", "abc"]
