@@ -47,7 +47,7 @@ def family(request, tmp_path_factory):
     return folder, lm, ids, _reference(folder, ids)
 
 
-def test_the_config_is_read_and_only_the_eager_forward_runs_latent_attention(family):
+def test_the_config_is_read_and_the_cpu_steps_decline_latent_attention(family):
     from engine.model import executors
 
     _, lm, _, _ = family
@@ -62,7 +62,7 @@ def test_the_config_is_read_and_only_the_eager_forward_runs_latent_attention(fam
     assert executors.layer_declines(executors.EAGER, lm.model.description) is None
     assert executors.cpu_step_declines(lm.model) == "latent attention"
     assert executors.native_step_declines(lm.model) == "latent attention"
-    assert executors.layer_declines(executors.GRAPH_STEP, lm.model.description) == "latent attention"
+    assert executors.layer_declines(executors.GRAPH_STEP, lm.model.description) is None
     assert c.describe()["mla"]["stored"] == "latent"  # the cache identity names the latent layout
 
 
@@ -255,3 +255,31 @@ def test_a_deepseek_v3_gguf_tokenizer_splits_text_as_llama_cpp_does():
     backend = Tokenizer.from_gguf_metadata(meta).backend
     pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("n 1234567 IT'S .hello 日本abc")]
     assert pieces == ["n", "Ġ", "123", "456", "7", "ĠIT", "'S", "Ġ.", "hello", "Ġ", "æĹ¥æľ¬", "abc"]
+
+
+def test_the_captured_decode_step_matches_forward_chunks(family):
+    """The function a CUDA graph captures (graph_decode.decode_step, plain PyTorch, run here on the CPU): three
+    slots at different positions padded to a bucket of 4, the same logits and latent rows as the eager pass."""
+    from engine.model import SeqChunk, executors
+    from engine.model.graph_decode import GraphDecode
+
+    _, lm, _, _ = family
+    assert executors.layer_declines(executors.GRAPH_STEP, lm.model.description) is None
+    kv_ref, kv_new = _kv(lm, 4), _kv(lm, 4)
+    gen = torch.Generator().manual_seed(1)
+    prompts = {0: 20, 1: 3, 3: 140}  # slot -> prompt length
+    for slot, n in prompts.items():
+        ids = torch.randint(0, lm.config.vocab_size, (n,), generator=gen)
+        for kv in (kv_ref, kv_new):
+            lm.model.forward_chunks([SeqChunk(slot, 0, ids)], kv)
+    runner = GraphDecode(lm.model, 4, capture=False)
+    for step in range(3):
+        chunks = [SeqChunk(slot, n + step, torch.tensor([7 + slot + step])) for slot, n in prompts.items()]
+        expected = lm.model.forward_chunks(chunks, kv_ref)
+        got = runner.run(chunks, kv_new)
+        assert got is not None
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    for slot, n in prompts.items():
+        torch.testing.assert_close(kv_new.read(slot, 0, n + 3), kv_ref.read(slot, 0, n + 3), rtol=1e-5, atol=1e-5)
+    assert kv_new.read(2, 0, 256).abs().sum() == 0  # the slot no row uses is untouched

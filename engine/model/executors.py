@@ -37,7 +37,8 @@ HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
 # GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
 # and native steps rotate whole heads with their own code.
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
-# DeepSeek-V3's latent attention: only the eager forward reads the latent rows (engine/model/mla.py).
+# DeepSeek-V3's latent attention: the eager forward and the graph step (MlaAttention.decode_rows) read the latent
+# rows; the CPU steps' kernels read per-head K/V rows (engine/model/mla.py).
 LATENT = (frozenset({"latent attention"}), "latent attention")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
@@ -63,7 +64,6 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     # GeGLU, embedding scale or soft cap: those models decode eagerly (still one GEMM per projection).
     GRAPH_STEP: (
         *HYBRID_ONLY,
-        LATENT,
         (frozenset({"sliding window"}), "sliding-window layers"),
         (frozenset({"post-norms", "GeGLU", "local rope", "embedding scale", "attention scale"}), "Gemma layers"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),

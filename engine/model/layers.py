@@ -74,7 +74,8 @@ class AttentionSpec:
     sinks: bool = False  # attention sinks: no family this engine runs has them yet
     rotary_dim: int | None = None  # leading channels of a head RoPE rotates; None: all of them, 0: no RoPE
     output_gate: bool = False  # q_proj also yields a sigmoid gate per output channel (hybrid/attention.py)
-    latent: bool = False  # multi-head latent attention (ModelConfig.mla, engine/model/mla.py)
+    latent: bool = False  # multi-head latent attention (ModelConfig.mla, engine/model/mla.py; its softmax scale
+    # is MlaConfig.softmax_scale, over the latent's widths, never `scale`)
 
     @property
     def kind(self) -> str:
@@ -173,8 +174,6 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
     # OLMoE normalises q and k over their full widths; with one head that is the per-head norm.
     qk: QkNorm = "none" if not c.qk_norm else "full" if c.architecture == "olmoe" and c.n_heads > 1 else "head"
     scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-    if c.mla is not None:
-        scale = c.mla.softmax_scale
     norm = NormSpec(eps=c.rms_norm_eps, post=gemma, stored_offset=gemma)
     layers = []
     for i in range(c.n_layers):

@@ -97,6 +97,29 @@ class MlaAttention(torch.nn.Module):
         heads = torch.einsum("thr,hvr->thv", out, self.w_uv.to(out.dtype))
         return heads.reshape(x.shape[0], H * m.v_head_dim)
 
+    def decode_rows(self, layer: DecoderLayer, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                    length: int, fast: bool) -> torch.Tensor:
+        """The captured decode step's attention (graph_decode.decode_step): one token a row, its latent written at
+        (slot, pos), rows [0, length) of its slot read, masked past its position (mask [rows, 1, 1, length]);
+        no host synchronisation, fixed shapes. Batched products and a float32 softmax as that step's own
+        attention, for the same reproducibility. Returns [rows, heads * v_head_dim]."""
+        m, H = self.mla, self.n_heads
+        width, store, rank = m.latent_width, m.store_width, m.kv_lora_rank
+        n = x.shape[0]
+        query, latent = self.query_and_latent(layer, x, cos, sin, n, fast)
+        padded = latent if 2 * store == width else F.pad(latent, (0, 1))
+        k_rows, v_rows = kv
+        k_rows.index_put_((slots, pos), padded[:, :store].unsqueeze(1))
+        v_rows.index_put_((slots, pos), padded[:, store:].unsqueeze(1))
+        rows = torch.cat((k_rows[:, :length, 0].index_select(0, slots), v_rows[:, :length, 0].index_select(0, slots)),
+                         -1)[..., :width].to(query.dtype)  # [rows, length, width]
+        scores = torch.matmul(query * m.softmax_scale, rows.transpose(1, 2)).float()  # [rows, H, length]
+        scores = scores.masked_fill(~mask.view(n, 1, length), float("-inf"))
+        attended = torch.matmul(torch.softmax(scores, dim=-1).to(rows.dtype), rows[..., :rank])  # [rows, H, rank]
+        heads = torch.einsum("thr,hvr->thv", attended, self.w_uv.to(attended.dtype))
+        return heads.reshape(n, H * m.v_head_dim)
+
 
 def _latent_attention(query: torch.Tensor, rows: torch.Tensor, rank: int, mask: torch.Tensor | None, causal: bool,
                       scale: float) -> torch.Tensor:
