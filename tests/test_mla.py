@@ -283,3 +283,43 @@ def test_the_captured_decode_step_matches_forward_chunks(family):
     for slot, n in prompts.items():
         torch.testing.assert_close(kv_new.read(slot, 0, n + 3), kv_ref.read(slot, 0, n + 3), rtol=1e-5, atol=1e-5)
     assert kv_new.read(2, 0, 256).abs().sum() == 0  # the slot no row uses is untouched
+
+
+def test_the_cache_identity_names_the_latent_layout(family):
+    """Parked latents are another model's K/V for every other layout: the identity (folder, keys, file headers)
+    carries the latent settings and the one-head layout of the latent's halves."""
+    from engine.kv import KVLayout
+    from engine.runtime.identity import cache_identity
+    from engine.runtime.memory import AttentionMemory
+
+    _, lm, _, _ = family
+    kv = _kv(lm)
+    identity = cache_identity(lm, "float", "", kv.layout, 16, AttentionMemory(kv))
+    assert identity.model["mla"]["stored"] == "latent" and identity.model["mla"]["kv_lora_rank"] == 24
+    assert identity.layout == KVLayout(lm.config.n_layers, 1, 16, torch.float32)
+
+
+@pytest.mark.slow
+def test_the_conversation_list_gives_a_parked_latent_conversation_its_bytes(tmp_path):
+    """`/cache/conversations`' bytes of a parked conversation: its tokens x (layers x latent values x the K/V
+    dtype's bytes + 4 for the token id), nothing per head."""
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from tests.mla_fixtures import write_tiny_mla_model
+    from tools.hybrid_switch_bench import ask
+
+    folder = write_tiny_mla_model(tmp_path, "glm4_moe_lite")
+    engine = Engine.from_config(EngineConfig(model=folder, devices="cpu", ctx_size=256, kv_dtype="bfloat16",
+                                             conversation_cache_storage="ram", conversation_cache_min_free_mib=0))
+    try:
+        a = torch.randint(3, 300, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+        ask(engine, a)
+        ask(engine, a[::-1])  # takes the one slot: the first conversation is parked
+        rows = engine.call(engine.cache_conversations).result()
+        parked = [r for r in rows if r["bytes"]]
+        assert parked, rows
+        c = engine.cache.identity.model["mla"]
+        per_token = 3 * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2 + 4
+        assert all(r["bytes"] == r["tokens"] * per_token for r in parked), (parked, per_token)
+    finally:
+        engine.close()
