@@ -86,14 +86,14 @@ _GGUF_NAMES = {
 }
 
 
-def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool = True, seed: int = 0,
-                        **overrides) -> str:
+def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool = True, quantize: bool = False,
+                        seed: int = 0, **overrides) -> str:
     """Convert a tiny latent-attention HF model to a GGUF as llama.cpp's converter writes it (arch `deepseek2`,
     MLA as one K/V head of kv_lora_rank + rope values, experts stacked, RoPE rows left interleaved): kv_b_proj
     split into attn_k_b (each head's k part transposed) and attn_v_b, or with `split_kv_b` false as one
     attn_kv_b, as older converters wrote it. The expert gating function is written as sigmoid, as DeepSeek-V3's
-    own config.json (`scoring_func`) makes the converter write it. Returns the .gguf path; the HF folder sits
-    beside it."""
+    own config.json (`scoring_func`) makes the converter write it. With `quantize` every matrix whose rows are
+    whole blocks is Q8_0. Returns the .gguf path; the HF folder sits beside it."""
     import json
     import re
 
@@ -161,7 +161,12 @@ def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool 
     for (index, part), by_expert in experts.items():
         out[f"blk.{index}.ffn_{part}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     for key, w in out.items():
-        writer.add_tensor(key, np.ascontiguousarray(w))
+        w = np.ascontiguousarray(w)
+        if quantize and w.ndim >= 2 and w.shape[-1] % 32 == 0:
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(key, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(key, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

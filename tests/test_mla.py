@@ -204,6 +204,29 @@ def test_its_deepseek2_gguf_loads_to_the_same_logits(tmp_path, arch, split_kv_b)
     assert (a - b).abs().max().item() <= ATOL
 
 
+def test_a_q8_0_deepseek2_gguf_reads_its_latent_projections_in_place(tmp_path):
+    """A quantised file (Q8_0 matrices, kv_b split): the RoPE'd rows of q_b and kv_a_mqa reordered from the
+    file's values, k_b / v_b joined, every attention matrix the folder's within Q8_0's rounding (a row out of
+    place would differ by ~100%); with `--cpu-weights int4` the fused first projection is 8-bit rows built from
+    those values, not the file's blocks, and the model runs."""
+    from engine.model import SeqChunk, int4, q8_weight
+    from engine.model.q8_weight import Q8Weight
+    from tests.mla_fixtures import write_tiny_mla_gguf
+
+    path = write_tiny_mla_gguf(tmp_path, "deepseek_v3", quantize=True, v_head_dim=16)
+    folder_lm, file_lm = _load(path.removesuffix(".gguf")), _load(path)
+    for i, (a, b) in enumerate(zip(folder_lm.model.layers, file_lm.model.layers, strict=True)):
+        for name, want, got in (("wqkv", a.wqkv, b.wqkv), ("wo", a.wo, b.wo), ("q_b", a.mla.q_b, b.mla.q_b),
+                                ("w_uk", a.mla.w_uk, b.mla.w_uk), ("w_uv", a.mla.w_uv, b.mla.w_uv)):
+            error = ((got - want).norm() / want.norm()).item()
+            assert error < 0.01, f"layer {i} {name}: relative error {error:.3g}"
+    if int4.available() and q8_weight.available():
+        packed = _load(path, int4_weights=True)
+        assert isinstance(packed.model.layers[1].wqkv, Q8Weight)
+        ids = torch.tensor(folder_lm.tokenizer.encode(TEXT))
+        assert torch.isfinite(packed.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(packed))).all()
+
+
 def test_a_deepseek2_gguf_with_softmax_routing_is_refused(tmp_path):
     """DeepSeek-V2's files (softmax routing) are deepseek2 too; this engine runs V3's sigmoid routing only."""
     import gguf
