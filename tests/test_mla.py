@@ -4,6 +4,7 @@ against transformers' own, the compact latent in the K/V store, and what is refu
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -103,15 +104,19 @@ def test_the_store_keeps_the_latent_alone_and_a_batch_computes_each_slot_as_alon
 
 
 def test_direct_q_projection_rope_in_halves_and_an_odd_latent_match_transformers(tmp_path):
-    """q_lora_rank null (q_proj straight from the hidden state), rope_interleave false, and a latent of odd
-    width (23 + 8: its V row is zero-padded)."""
+    """q_lora_rank null (q_proj straight from the hidden state), rope_interleave false, a latent of odd width
+    (23 + 8: its V row is zero-padded), and YaRN with DeepSeek's mscale and mscale_all_dim (the tables' attention
+    factor, the softmax scale times mscale_all_dim's factor squared)."""
     from engine.model import SeqChunk
     from tests.mla_fixtures import write_tiny_mla_model
 
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.8, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
     path = write_tiny_mla_model(tmp_path, "deepseek_v3", q_lora_rank=None, rope_interleave=False, kv_lora_rank=23,
-                                seed=1)
+                                rope_parameters=yarn, seed=1)
     lm = _load(path)
     assert lm.config.mla.q_lora_rank is None and lm.config.kv_row == (1, 16)
+    assert lm.config.mla.softmax_scale == pytest.approx(24**-0.5 * (0.1 * math.log(4.0) + 1.0) ** 2)
     ids = torch.tensor(lm.tokenizer.encode(TEXT))
     ref = _reference(path, ids)
     kv = _kv(lm)
@@ -145,8 +150,6 @@ def test_configs_it_cannot_run_are_refused_with_the_reason(family, tmp_path, cha
 def test_deepseek_v3_config_json_is_read_as_released():
     """DeepSeek-V3's own config.json (transformers 4.x keys, YaRN with mscale_all_dim): the softmax scale takes
     YaRN's mscale squared, as transformers' yarn_apply_mscale."""
-    import math
-
     from engine.model.config import ModelConfig
 
     v3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
