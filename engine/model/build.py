@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, kquant_weight, moe_loading, q8_output, q8_weight
+from engine.model import int4, kquant_weight, mla, moe_loading, q8_output, q8_weight
 from engine.model.config import ModelConfig
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
@@ -58,6 +58,16 @@ WideGetter = Callable[[str], bool]
 FILE_ROWS = ("Q4_K", "Q8_0")
 
 
+def _skipping(groups: GroupsGetter, skip: Callable[[str], bool]) -> GroupsGetter:
+    """`groups` without the keys `skip` names (read as tensors instead)."""
+    return lambda key: None if skip(key) else groups(key)
+
+
+def _skipping_all(kquant: moe_loading.KQuantGetter, skip: Callable[[str], bool]) -> moe_loading.KQuantGetter:
+    """`kquant` declining a set of keys of which `skip` names one (read as tensors instead)."""
+    return lambda keys, kinds: None if any(skip(k) for k in keys) else kquant(keys, kinds)
+
+
 def build_model(
     config: ModelConfig,
     stages: list[tuple[torch.device, int, int]],
@@ -88,6 +98,12 @@ def build_model(
     if folded is not get:
         get, groups, kquant, blocks = folded, None, None, None  # a file's own blocks would bypass the folding
     cpu = torch.device("cpu")
+    if c.mla is not None:  # RoPE'd rows in interleaved pairs reordered to rotate-half (engine/model/mla.py)
+        get, reordered = mla.rope_rows_in_halves(c.mla, c.n_heads, mla.kv_b_joined(get))
+        if groups is not None:
+            groups = _skipping(groups, reordered)
+        if kquant is not None:
+            kquant = _skipping_all(kquant, reordered)
 
     def need(key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         t = get(key, device, dtype)
@@ -192,8 +208,22 @@ def build_model(
             p = f"{i}."
             spec = description.layers[i]
             # The order of the reads is the order of the weights in the fingerprint: keep it.
-            w = {"wqkv": projection(p + "wqkv", [(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
-                                     (p + "v", (kv_rows, hidden))], device)}
+            latent = None
+            if c.mla is not None:  # the query's first projection and kv_a as one (engine/model/mla.py)
+                m = c.mla
+                q_first = (p + ("q" if m.q_lora_rank is None else "q_a"), (m.q_rows(c.n_heads), hidden))
+                w = {"wqkv": projection(p + "wqkv", [q_first, (p + "kv_a", (m.latent_width, hidden))], device)}
+                q_b = q_a_norm = None
+                if m.q_lora_rank is not None:
+                    q_a_norm = need(p + "q_a_norm", (m.q_lora_rank,), device)
+                    q_b = need(p + "q_b", (c.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank), device)
+                latent = mla.MlaAttention(
+                    m, c.n_heads, kv_a_norm=need(p + "kv_a_norm", (m.kv_lora_rank,), device),
+                    kv_b=need(p + "kv_b", (c.n_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), device),
+                    q_a_norm=q_a_norm, q_b=q_b)
+            else:
+                w = {"wqkv": projection(p + "wqkv", [(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
+                                         (p + "v", (kv_rows, hidden))], device)}
             bqkv = None
             if spec.attention.bias:
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
@@ -221,7 +251,8 @@ def build_model(
                 q_norm = need(p + "q_norm", q_shape, device)
                 k_norm = need(p + "k_norm", k_shape, device)
             attn_norm = need(p + "attn_norm", (hidden,), device)
-            w["wo"] = projection(p + "wo", [(p + "o", (hidden, q_rows))], device)
+            o_cols = q_rows if c.mla is None else c.n_heads * c.mla.v_head_dim
+            w["wo"] = projection(p + "wo", [(p + "o", (hidden, o_cols))], device)
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
             if moe is None:
                 w["w_down"] = projection(p + "w_down", [(p + "down", (hidden, inter))], device)
@@ -230,7 +261,7 @@ def build_model(
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, spec, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
-                                 moe=moe, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
+                                 moe=moe, mla=latent, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
                                                  | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
                 if isinstance(t, (Int4Weight, RowsWeight)):

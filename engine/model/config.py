@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.model import families
 from engine.model.gemma import HF_HEAD_DIM, HF_ROPE_THETA, hf_gemma_fields, hf_gemma_problem
+from engine.model.mla_config import MlaConfig, mla_from_hf
 from engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_from_hf
 from engine.model.sliding import check_windows, hf_sliding_layers
 
@@ -19,7 +20,9 @@ _HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 # such a model's parked K/V stays what it was before they existed.
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
                       "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
-                      "mtp_layers": 0}
+                      "mtp_layers": 0, "mla": None}
+# Multi-head latent attention families (engine/model/mla_config.py): heads share one compressed latent.
+MLA_ARCHITECTURES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -60,6 +63,9 @@ class ModelConfig:
     # GLM-4.x MoE: next-token (MTP) layers after the last decoder layer; their weights are loaded and kept
     # (CausalLM.mtp), not run. Not a setting of the decoder, but what the loaders read and keep.
     mtp_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): head_dim is then the RoPE'd width of a head
+    # (transformers' own head_dim for them) and n_kv_heads 1, the one latent every head reads.
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -89,6 +95,12 @@ class ModelConfig:
                 self.moe.check(self.n_layers)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if (self.mla is not None) != (self.architecture in MLA_ARCHITECTURES):
+            raise ConfigError(f"{self.architecture}: latent-attention settings are "
+                              f"{'missing' if self.mla is None else 'unexpected'}")
+        if self.mla is not None and (self.n_kv_heads != 1 or self.head_dim != self.mla.qk_rope_head_dim):
+            raise ConfigError(f"latent attention: expected 1 K/V head of the RoPE width {self.mla.qk_rope_head_dim}, "
+                              f"got {self.n_kv_heads} of {self.head_dim}")
         problem = check_windows(self.sliding_window, self.sliding_layers, self.n_layers)
         if problem:
             raise ConfigError(problem)
@@ -97,6 +109,12 @@ class ModelConfig:
     def gemma(self) -> bool:
         """Gemma's layer: (1 + w) norms (stored as such), post-norms, GeGLU, embeddings scaled by sqrt(hidden)."""
         return self.architecture == "gemma3"
+
+    @property
+    def kv_row(self) -> tuple[int, int]:
+        """(heads, width) of one token's K row (and V row) per layer in the K/V store: the K/V heads, or the
+        latent of a latent-attention model split over the two rows (MlaConfig.store_width)."""
+        return (1, self.mla.store_width) if self.mla is not None else (self.n_kv_heads, self.head_dim)
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index` (None = every earlier position)."""
@@ -116,6 +134,8 @@ class ModelConfig:
             out["sliding_layers"] = list(self.sliding_layers)
         if self.moe is not None:
             out["moe"] = self.moe.describe()
+        if self.mla is not None:
+            out["mla"] = self.mla.describe()
         return out
 
     @classmethod
@@ -151,6 +171,9 @@ class ModelConfig:
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
             head_dim = int(cfg.get("head_dim") or (HF_HEAD_DIM if gemma else hidden // n_heads))
+            mla = _mla(cfg, scaling) if arch in MLA_ARCHITECTURES else None
+            if mla is not None:
+                head_dim = mla.qk_rope_head_dim  # the RoPE tables' width; the heads' shapes are mla's
             glm = arch == "glm4_moe"
             if glm and scaling is not None:
                 scaling.pop("partial_rotary_factor", None)  # rotary_dim says it
@@ -161,7 +184,7 @@ class ModelConfig:
                 intermediate_size=int(cfg["intermediate_size"]),
                 n_layers=n_layers,
                 n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                n_kv_heads=1 if mla is not None else int(cfg.get("num_key_value_heads") or n_heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
@@ -179,6 +202,7 @@ class ModelConfig:
                 final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
                 rotary_dim=_rotary_dim(params, cfg, head_dim) if glm else None,
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0) if glm else 0,
+                mla=mla,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
@@ -213,6 +237,13 @@ def _windows(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[int | None,
     try:
         return hf_sliding_layers(arch, cfg, n_layers)
     except ValueError as e:  # a window declared where this engine does not run one, or malformed layer types
+        raise ConfigError(f"config.json: {e}") from None
+
+
+def _mla(cfg: dict[str, Any], scaling: dict | None) -> MlaConfig:
+    try:
+        return mla_from_hf(cfg, scaling)
+    except ValueError as e:  # a latent-attention setting this engine does not run
         raise ConfigError(f"config.json: {e}") from None
 
 

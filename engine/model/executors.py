@@ -37,10 +37,14 @@ HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
 # GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
 # and native steps rotate whole heads with their own code.
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
+# DeepSeek-V3's latent attention: the eager forward and the graph step (MlaAttention.decode_rows) read the latent
+# rows; the CPU steps' kernels read per-head K/V rows (engine/model/mla.py).
+LATENT = (frozenset({"latent attention"}), "latent attention")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
     CPU_STEP: (
         *HYBRID_ONLY,
+        LATENT,
         PARTIAL_ROPE,
         (frozenset({"post-norms", "GeGLU", "local rope"}), "Gemma layers"),
         (frozenset({"experts", "shared expert", "ungated shared expert", "sigmoid routing", "full-width q/k norms"}),
@@ -49,6 +53,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     ),
     NATIVE_STEP: (
         *HYBRID_ONLY,
+        LATENT,
         PARTIAL_ROPE,
         (frozenset({"sigmoid routing", "ungated shared expert"}),
          "sigmoid routing or an ungated shared expert (experts.c routes by softmax and gates its shared expert)"),

@@ -51,6 +51,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("granitemoe", "moe", _MOE, ("GraniteMoeForCausalLM",), ("granitemoe",), ("granitemoe",),
            gguf_permuted_qk=True),
     Family("glm4_moe", "moe", _MOE, ("Glm4MoeForCausalLM",), ("glm4_moe",), ("glm4moe",)),
+    # Multi-head latent attention (mla_config.py); llama.cpp's converter writes both as `deepseek2`, whose
+    # computation is DeepSeek-V3's (GLM-4.7-Flash's file loads as that family).
+    Family("deepseek_v3", "moe", _MOE, ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ("deepseek2",)),
+    Family("glm4_moe_lite", "moe", _MOE, ("Glm4MoeLiteForCausalLM",), ("glm4_moe_lite",)),
     Family("lfm2", "hybrid", _HYBRID + "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     Family("lfm2_moe", "hybrid", _HYBRID + "lfm2_moe", ("Lfm2MoeForCausalLM",), ("lfm2_moe",), ("lfm2moe",)),
     Family("qwen3_5", "hybrid", _HYBRID + "qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),

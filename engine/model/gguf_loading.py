@@ -11,7 +11,7 @@ import xxhash
 from gguf import GGMLQuantizationType
 
 from engine.errors import ModelLoadError
-from engine.model import families, gguf_dequant, kquant_weight, moe_loading, mtp
+from engine.model import families, gguf_dequant, kquant_weight, mla_config, moe_loading, mtp
 from engine.model.build import Groups, LoadedModel, build_model
 from engine.model.config import ModelConfig
 from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
@@ -47,7 +47,8 @@ def _gguf_canonical(name: str, arch: str | None = None) -> str | None:
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
         layer_names = _GLM4_MOE_LAYER_NAMES if arch == "glm4moe" else _GGUF_LAYER_NAMES
-        key = layer_names.get(rest) or moe_loading.gguf_layer_key(rest) or mtp.GGUF_NAMES.get(rest)
+        key = (layer_names.get(rest) or moe_loading.gguf_layer_key(rest) or mtp.GGUF_NAMES.get(rest)
+               or mla_config.GGUF_NAMES.get(rest))
         if key is not None:
             return f"{index}.{key}"
     return None
@@ -79,7 +80,8 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
             scaling["original_max_position_embeddings"] = int(original)
     n_kv = key("attention.head_count_kv", n_heads)
     # GLM's block_count includes its next-token (MTP) layers after the decoder layers (llama.cpp's converter).
-    mtp_layers = int(meta.get(f"{arch}.nextn_predict_layers") or 0) if arch == "glm4moe" else 0
+    # GLM-4.7-Flash's deepseek2 files too (conversion/glm.py's Glm4MoeLiteModel).
+    mtp_layers = int(meta.get(f"{arch}.nextn_predict_layers") or 0) if arch in ("glm4moe", "deepseek2") else 0
     n_layers = int(key("block_count")) - mtp_layers
     if mtp_layers and "blk.0.attn_norm.weight" not in tensor_names:  # llama.cpp's convert_hf_to_gguf --mtp-only
         raise ModelLoadError(f"{path}: holds only the next-token (MTP) layer, not the model (a file written with "
@@ -87,6 +89,16 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
     rotary_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim) if arch == "glm4moe" else head_dim
     moe = moe_arch and moe_loading.gguf_moe_config(moe_arch, arch, meta, tensor_names, n_layers, path)
+    mla = None
+    if arch == "deepseek2":  # latent attention: one K/V head of the RoPE width holds the latent (mla_config.py)
+        if scaling is not None and meta.get(f"{arch}.rope.scaling.yarn_log_multiplier"):
+            # the converter writes 0.1 x mscale_all_dim; DeepSeek-V3's mscale equals it
+            scaling["mscale"] = scaling["mscale_all_dim"] = float(meta[f"{arch}.rope.scaling.yarn_log_multiplier"]) / 0.1
+        try:
+            mla = mla_config.mla_from_gguf(meta, arch, scaling)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        n_kv, head_dim, rotary_dim = 1, mla.qk_rope_head_dim, mla.qk_rope_head_dim
     try:
         window, sliding = gguf_sliding_layers(arch, meta, n_layers)
         gemma = gguf_gemma_fields(arch, meta, n_layers, hidden, n_heads)
@@ -113,6 +125,7 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         sliding_layers=sliding,
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         mtp_layers=mtp_layers,
+        mla=mla,
         **gemma,
     )
 

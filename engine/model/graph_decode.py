@@ -95,6 +95,11 @@ def decode_step(
     x = F.embedding(ids, model.embed)
     for li in range(c.n_layers):
         layer = cast(DecoderLayer, model.layers[li])
+        if layer.mla is not None:  # the latent rows (engine/model/mla.py)
+            attn = layer.mla.decode_rows(layer, x, kv.layer(li), cos, sin, pos, slots, mask, length,
+                                         not model.batch_invariant)
+            x = model.attention_out_and_mlp(layer, x, attn, n)
+            continue
         q, k, v = model.qkv(layer, x, cos, sin, n, n)
         k_cache, v_cache = kv.layer(li)
         k_cache.index_put_((slots, pos), k)

@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import moe_loading, mtp
+from engine.model import mla_config, moe_loading, mtp
 from engine.model.build import LoadedModel, build_model
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.hf_files import folder_tokenizer, header_fingerprint, open_tensors, safetensors_files
@@ -37,7 +37,8 @@ def _hf_canonical(name: str, layer_names: dict[str, str] = _HF_LAYER_NAMES) -> s
         return _HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        key = layer_names.get(rest) or moe_loading.hf_layer_key(rest) or mtp.HF_NAMES.get(rest)
+        key = (layer_names.get(rest) or moe_loading.hf_layer_key(rest) or mtp.HF_NAMES.get(rest)
+               or mla_config.HF_NAMES.get(rest))
         if key is not None:
             return f"{index}.{key}"
     return None

@@ -31,6 +31,7 @@ FEATURES = (
     "attention bias",  # biases on q, k and v (Qwen2)
     "attention scale",  # a softmax scale other than 1/sqrt(head_dim) (Gemma 3's query_pre_attn_scalar)
     "partial or no rope",  # RoPE on the leading channels of a head only, or none (GLM-4.x MoE; hybrids: Qwen3.5)
+    "latent attention",  # heads share one compressed latent, the K/V store keeps it (DeepSeek-V3, mla.py)
     "output gate",  # a sigmoid gate on the attention output, its rows interleaved with q's (hybrids: Qwen3.5)
     "post-norms",  # RMSNorm of the attention and of the MLP outputs before the residual (Gemma 3)
     "GeGLU",  # the MLP's gate through the tanh GeLU instead of SiLU (Gemma 3)
@@ -73,6 +74,8 @@ class AttentionSpec:
     sinks: bool = False  # attention sinks: no family this engine runs has them yet
     rotary_dim: int | None = None  # leading channels of a head RoPE rotates; None: all of them, 0: no RoPE
     output_gate: bool = False  # q_proj also yields a sigmoid gate per output channel (hybrid/attention.py)
+    latent: bool = False  # multi-head latent attention (ModelConfig.mla, engine/model/mla.py; its softmax scale
+    # is MlaConfig.softmax_scale, over the latent's widths, never `scale`)
 
     @property
     def kind(self) -> str:
@@ -127,6 +130,7 @@ class LayerSpec:
             "attention bias": a.bias,
             "attention scale": a.scale is not None,
             "partial or no rope": a.rotary_dim is not None,
+            "latent attention": a.latent,
             "output gate": a.output_gate,
             "post-norms": self.norm.post,
             "GeGLU": m.activation == "gelu_tanh",
@@ -186,7 +190,7 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
         layers.append(LayerSpec(
             index=i, norm=norm,
             attention=AttentionSpec(window=window, rope=rope, qk_norm=qk, scale=scale, bias=c.attention_bias,
-                                    rotary_dim=c.rotary_dim),
+                                    rotary_dim=c.rotary_dim, latent=c.mla is not None),
             mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.intermediate_size, experts=experts),
         ))
     return ModelLayers(

@@ -27,7 +27,8 @@ from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
 from engine.model.sliding import first_key, window_mask
 
-if TYPE_CHECKING:  # moe imports this module's kernels
+if TYPE_CHECKING:  # moe and mla import this module's kernels
+    from engine.model.mla import MlaAttention
     from engine.model.moe import SparseMoe
     from engine.model.mtp import MtpLayer
 
@@ -116,12 +117,17 @@ class DecoderLayer(torch.nn.Module):
         moe: SparseMoe | None = None,
         post_attn_norm: torch.Tensor | None = None,
         post_mlp_norm: torch.Tensor | None = None,
+        mla: MlaAttention | None = None,
     ) -> None:
         super().__init__()
         c = config
         q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
-        assert wo.shape == (c.hidden_size, q_rows), ("wo", tuple(wo.shape))
+        first_rows, o_cols = q_rows + 2 * kv_rows, q_rows
+        assert (mla is not None) == spec.attention.latent, f"layer {spec.index}: latent attention as described"
+        if c.mla is not None:  # wqkv: the query's first projection, then kv_a (engine/model/mla.py)
+            first_rows, o_cols = c.mla.q_rows(c.n_heads) + c.mla.latent_width, c.n_heads * c.mla.v_head_dim
+        assert wqkv.shape == (first_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
+        assert wo.shape == (c.hidden_size, o_cols), ("wo", tuple(wo.shape))
         assert (moe is not None) == (spec.mlp.experts is not None), f"layer {spec.index}: {spec.mlp.kind} expected"
         if moe is None:
             assert w_gate_up is not None and w_down is not None, "a dense layer needs w_gate_up and w_down"
@@ -130,6 +136,7 @@ class DecoderLayer(torch.nn.Module):
         else:  # a sparse expert block (engine/model/moe.py) instead of the dense MLP
             assert w_gate_up is None and w_down is None, "a layer has either a dense MLP or experts"
         self.moe = moe
+        self.mla = mla
         self.config = config
         self.spec = spec
         self.register_buffer("attn_norm", attn_norm, persistent=False)
@@ -262,8 +269,8 @@ class CausalLM(torch.nn.Module):
         if self.graphs is not None and self.graphs.owns_one_token_rows and any(ch.tokens.numel() == 1 for ch in chunks):
             return self._hand_over_one_token_rows(chunks, kv, all_logits)
         c = self.config
-        assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.n_kv_heads, "K/V layout mismatch"
-        assert kv.layout.head_dim == c.head_dim and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
+        assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.kv_row[0], "K/V layout mismatch"
+        assert kv.layout.head_dim == c.kv_row[1] and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
         check_rows(chunks)
         for ch in chunks:
             n = ch.tokens.numel()
@@ -363,6 +370,10 @@ class CausalLM(torch.nn.Module):
         n_single: int,
         total: int,
     ) -> torch.Tensor:
+        if layer.mla is not None:  # the latent rows, not per-head K/V (engine/model/mla.py)
+            latent = layer.mla.attend(layer, x, kv.layer(li), chunks, plans.offsets, masks, plans.causal, cos, sin,
+                                      n_single, not self.batch_invariant)
+            return self.attention_out_and_mlp(layer, x, latent, n_single)
         c = self.config
         H, D = c.n_heads, c.head_dim
         q, k, v = self.qkv(layer, x, cos, sin, n_single, total)

@@ -125,8 +125,8 @@ def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
         return MoeConfig(**common, expert_size=int(cfg["moe_intermediate_size"]), routing="softmax_topk",
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), shared_expert_size=shared,
                          dense_layers=dense)
-    if arch == "glm4_moe":
-        return _glm4_moe(cfg, common, n_layers)
+    if arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):  # the same expert block; defaults differ
+        return _glm4_moe(cfg, common, n_layers, _SIGMOID_DEFAULTS[arch])
     expert_size = int(cfg["intermediate_size"])
     if arch == "olmoe":
         if cfg.get("clip_qkv") is not None:
@@ -146,20 +146,34 @@ def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
     raise ValueError(f"{arch}: not a mixture-of-experts architecture ({', '.join(MOE_ARCHITECTURES)})")
 
 
-def _glm4_moe(cfg: dict[str, Any], common: dict[str, Any], n_layers: int) -> MoeConfig:
-    """GLM-4.x MoE (transformers' Glm4MoeConfig; defaults are its own): the first `first_k_dense_replace` layers
-    dense, sigmoid routing with the score-correction bias among the best `topk_group` of `n_group` groups,
+# The defaults of transformers' config classes for keys a config.json may leave out: first_k_dense_replace,
+# n_group, topk_group, routed_scaling_factor.
+_SIGMOID_DEFAULTS = {"glm4_moe": (1, 1, 1, 1.0), "deepseek_v3": (3, 8, 4, 2.5), "glm4_moe_lite": (1, 1, 1, 1.8)}
+
+
+def _glm4_moe(cfg: dict[str, Any], common: dict[str, Any], n_layers: int,
+              defaults: tuple[int, int, int, float]) -> MoeConfig:
+    """GLM-4.x MoE, DeepSeek-V3 and GLM-4.7-Flash (transformers' Glm4MoeConfig, DeepseekV3Config,
+    Glm4MoeLiteConfig): the first `first_k_dense_replace` layers (Glm4MoeLiteConfig: those `mlp_layer_types`
+    names "dense") dense, sigmoid routing with the score-correction bias among the best `topk_group` of `n_group` groups,
     weights renormalised (+1e-20, as transformers adds) and times `routed_scaling_factor`, and `n_shared_experts`
     experts of `moe_intermediate_size` as one shared expert added without a gate."""
-    first_dense = cfg.get("first_k_dense_replace", 1)
+    first_dense = cfg.get("first_k_dense_replace", defaults[0])
     if not isinstance(first_dense, int) or not 0 <= first_dense <= n_layers:
         raise ValueError(f"first_k_dense_replace: expected 0 to {n_layers} (the layers), got {first_dense!r}")
+    dense = tuple(range(first_dense))
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != n_layers or not set(kinds) <= {"dense", "sparse"}:
+            raise ValueError(f"mlp_layer_types: expected \"dense\" or \"sparse\" for each of the {n_layers} layers, "
+                             f"got {kinds!r}")
+        dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
     n_shared = cfg.get("n_shared_experts", 1)
     if not isinstance(n_shared, int) or n_shared < 0:
         raise ValueError(f"n_shared_experts: expected a whole number >= 0, got {n_shared!r}")
     expert_size = int(cfg.get("moe_intermediate_size", 1408))
     return MoeConfig(**common, expert_size=expert_size, routing="sigmoid_bias",
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), shared_expert_size=n_shared * expert_size,
-                     shared_gated=False, dense_layers=tuple(range(first_dense)),
-                     routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)), norm_eps=1e-20,
-                     n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1))
+                     shared_gated=False, dense_layers=dense,
+                     routed_scaling=float(cfg.get("routed_scaling_factor", defaults[3])), norm_eps=1e-20,
+                     n_group=int(cfg.get("n_group") or defaults[1]), topk_group=int(cfg.get("topk_group") or defaults[2]))

@@ -301,12 +301,13 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
         return value
 
     gating = meta.get(f"{gguf_arch}.expert_gating_func")
-    if arch == "glm4_moe":
+    sigmoid = arch in ("glm4_moe", "deepseek_v3")  # DeepSeek-V2's softmax deepseek2 files are not run
+    if sigmoid:
         if gating != 2:  # llama.cpp: 1 softmax, 2 sigmoid
             raise ModelLoadError(f"{path}: expert_gating_func {gating}: expected 2 (sigmoid) for {gguf_arch}")
     elif gating not in (None, 1):
         raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (expected 1, softmax)")
-    if meta.get(f"{gguf_arch}.expert_shared_count", 0) and arch not in ("qwen2_moe", "glm4_moe"):
+    if meta.get(f"{gguf_arch}.expert_shared_count", 0) and arch not in ("qwen2_moe", "glm4_moe", "deepseek_v3"):
         raise ModelLoadError(f"{path}: shared experts in {arch} are not supported (only Qwen2-MoE's and GLM's)")
     # Layers without a router tensor have a dense MLP (ffn_gate/ffn_up/ffn_down).
     dense = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
@@ -318,7 +319,7 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
     }
     norm = bool(meta.get(f"{gguf_arch}.expert_weights_norm", arch in ("qwen3_moe", "mixtral")))
     try:
-        if arch == "glm4_moe":  # what llama.cpp's converter writes of Glm4MoeConfig (moe_config._glm4_moe)
+        if sigmoid:  # what llama.cpp's converter writes of Glm4MoeConfig / DeepseekV3Config (moe_config._glm4_moe)
             n_shared = int(meta.get(f"{gguf_arch}.expert_shared_count", 0))
             moe = MoeConfig(**common, routing="sigmoid_bias",
                             norm_topk_prob=bool(meta.get(f"{gguf_arch}.expert_weights_norm", True)),

@@ -71,7 +71,13 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int,
               for i in range(c.n_layers))  # experts make layers differ
     weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + mlp
     weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
-    kv = 2 * n_slots * ctx * kv_rows
+    if c.mla is not None:  # the latent projections instead (engine/model/mla.py)
+        m, heads = c.mla, c.n_heads
+        weights = (m.q_rows(heads) + m.latent_width) * c.hidden_size + c.hidden_size * heads * m.v_head_dim + mlp
+        weights += heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank + 2 * c.hidden_size
+        if m.q_lora_rank is not None:
+            weights += heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * m.q_lora_rank
+    kv = 2 * n_slots * ctx * c.kv_row[0] * c.kv_row[1]
     return (weights + kv) * dtype.itemsize
 
 

@@ -40,6 +40,15 @@ _SPLIT_BY_PRE = {
     "glm4": _LLAMA3_SPLIT, "glm5": _LLAMA3_SPLIT, "chatglm-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
 }
+# Several expressions, each splitting the pieces of the one before (llama.cpp's DEEPSEEK3_LLM: DeepSeek-V3 and R1).
+_SPLITS_BY_PRE = {
+    "deepseek-v3": (
+        r"\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+        r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    ),
+}
 # llama.cpp splits every digit on its own before the GPT-2 pattern for these.
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 
@@ -319,7 +328,12 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> FastToken
     pairs = [cast(tuple[str, str], tuple(m.split(" ", 1))) for m in merges]  # a merge is "left right"
     backend = FastTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     split = _SPLIT_BY_PRE.get(pre)
-    if split is not None:
+    if pre in _SPLITS_BY_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _SPLITS_BY_PRE[pre]]
+            + [pre_tokenizers.ByteLevel(False, use_regex=False)]
+        )
+    elif split is not None:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
         )
