@@ -1,6 +1,6 @@
 """Prefill of a mixture-of-experts GGUF on a GPU with its routed experts in host RAM (`--moe-experts cpu`): the
-experts run on the CPU for every chunk, or come to the GPU for a chunk of 32 rows or more (engine/model/moe_offload.py)
-from pageable memory or from page-locked memory, at two chunk sizes. One run, same process, same prompt.
+experts run on the CPU for every chunk, or come to the GPU for a chunk of 32 rows or more (engine/model/moe_offload.py,
+from the page-locked memory the loader registers), at each chunk size. One run, same process, same prompt.
 
     python tools/moe_offload_bench.py MODEL.gguf [--tokens 8192] [--chunks 512,2048] [--device cuda:0] [--threads 8]
 
@@ -59,12 +59,7 @@ def main() -> int:
     base = len(base_ids) / prefill(lm, base_ids, 512)
     moe_offload.OFFLOAD_MIN_ROWS = default_min
     for chunk in chunks:
-        results[f"offload pageable, chunk {chunk}"] = prefill(lm, ids, chunk)
-    t = time.perf_counter()
-    pinned = moe_offload.pin_host_experts(lm.model.layers)
-    print(f"page-locked {pinned / 2**30:.2f} GiB of experts in {time.perf_counter() - t:.2f} s")
-    for chunk in chunks:
-        results[f"offload pinned, chunk {chunk}"] = prefill(lm, ids, chunk)
+        results[f"offload, chunk {chunk}"] = prefill(lm, ids, chunk)
     print(f"{'cpu experts, chunk 512':32s} {args.tokens / base:8.2f} s  {base:8.0f} tok/s  (first 2048 tokens)")
     for name, secs in results.items():
         rate = args.tokens / secs

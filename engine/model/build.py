@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -11,7 +12,7 @@ from gguf import GGMLQuantizationType
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, kquant_weight, mla, moe_loading, q8_output, q8_weight
+from engine.model import int4, kquant_weight, mla, moe_loading, moe_offload, q8_output, q8_weight
 from engine.model.config import ModelConfig
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
@@ -23,6 +24,8 @@ from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
 from engine.model.tokenizer import Tokenizer
 from engine.model.weights_cache import DerivedWeights
+
+log = logging.getLogger("strata.engine")
 
 
 @dataclass
@@ -295,4 +298,7 @@ def build_model(
     if isinstance(lm_head, (Int4Weight, RowsWeight)):
         int4.install(model, "lm_head", lm_head)
     release_freed_memory()
+    if moe_offload.offloads(layers):  # experts in host RAM that long batches bring to the GPU: lock their pages
+        pinned = moe_offload.pin_host_experts(layers)
+        log.info("experts in host RAM: %.2f GiB page-locked for their copies to the GPU", pinned / 2**30)
     return model

@@ -3,6 +3,7 @@ step over every active slot, emitting tokens, finishing requests, and the shutdo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -13,7 +14,9 @@ import torch
 
 from engine.cache.attrs import DEFAULT_PRIORITY
 from engine.cache.explain import LookupReport
+from engine.config import EngineConfig
 from engine.contract import RequestRecord
+from engine.model import moe_offload
 from engine.runtime.control import CacheControl
 from engine.runtime.draft_states import DraftStates
 from engine.runtime.explain import Admission, Candidate, explain
@@ -58,6 +61,9 @@ class Scheduler:
         self.inbox = inbox
         self._waiting: list[tuple[GenerationRequest, RequestStream]] = []
         self._stop = threading.Event()
+        # At the default --prefill-chunk, a model that brings experts from host RAM to its GPU for long batches
+        # prefills longer chunks (engine/model/moe_offload.py, PREFILL_CHUNK, says why).
+        self._offload_chunk = moe_offload.PREFILL_CHUNK if moe_offload.offloads(runner.model.layers) else 0
 
     @property
     def queued(self) -> int:
@@ -264,6 +270,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one forward step
 
+    def _prefill_chunk(self) -> int:
+        chunk = self.control.config.prefill_chunk
+        return max(chunk, self._offload_chunk) if chunk == _DEFAULT_PREFILL_CHUNK else chunk
+
     def _step(self) -> None:
         from engine.model.llama import SeqChunk
 
@@ -286,7 +296,7 @@ class Scheduler:
                 chunks += [SeqChunk(slot.id, pos + j, torch.tensor([t], dtype=torch.int64)) for j, t in enumerate(fed)]
                 n_decode += len(fed)
             else:  # prefilling the prompt, one chunk per step
-                end = _prefill_end(pos, len(slot.prompt), self.control.config.prefill_chunk)
+                end = _prefill_end(pos, len(slot.prompt), self._prefill_chunk())
                 owners.append((slot, len(chunks), end == len(slot.prompt)))
                 self.slots.memory.before_step(slot.id, pos, end, len(slot.prompt))
                 chunks.append(SeqChunk(slot.id, pos, torch.tensor(slot.prompt[pos:end], dtype=torch.int64)))
@@ -398,6 +408,9 @@ class Scheduler:
         cache.close(spill=keeps, deadline_s=deadline_s)
         if self.draft_states is not None:
             self.draft_states.close(spill=keeps, deadline_s=deadline_s)
+
+
+_DEFAULT_PREFILL_CHUNK = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "prefill_chunk")
 
 
 def _prefill_end(pos: int, n_prompt: int, chunk: int) -> int:
