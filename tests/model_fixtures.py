@@ -122,6 +122,7 @@ def tiny_hf_config(arch: str = "llama", **overrides):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "gemma4": transformers.Gemma4TextConfig,
     }
     if arch not in classes:
         raise ValueError(f"arch: expected one of {', '.join(classes)}, got {arch!r}")
@@ -143,6 +144,11 @@ def tiny_hf_config(arch: str = "llama", **overrides):
         kwargs.update(num_hidden_layers=6, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=None,
                       bos_token_id=None, hidden_activation="gelu_pytorch_tanh")
         del kwargs["rope_theta"]  # rope_parameters per layer type: the defaults (1e6 global, 1e4 local)
+    if arch == "gemma4":  # six layers (five local); per-layer inputs, values = keys on the global layer, soft cap
+        kwargs.update(num_hidden_layers=6, tie_word_embeddings=True, sliding_window=8, global_head_dim=16,
+                      hidden_size_per_layer_input=8, vocab_size_per_layer_input=kwargs["vocab_size"],
+                      attention_k_eq_v=True, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
+        del kwargs["rope_theta"]  # the defaults: proportional RoPE (a quarter) at 1e6 global, 1e4 local
     kwargs.update(overrides)
     return classes[arch](**kwargs)
 
@@ -167,6 +173,9 @@ def write_tiny_model(
                 param.uniform_(-0.5, 0.5) if arch == "gemma3" else param.uniform_(0.5, 1.5)
             elif pname.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+        for bname, buf in model.named_buffers():
+            if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scalar: not 1, so it shows
+                buf.uniform_(0.5, 1.5)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
     write_tokenizer_files(folder)

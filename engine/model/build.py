@@ -13,11 +13,13 @@ from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model import int4, kquant_weight, moe_loading, q8_output, q8_weight
 from engine.model.config import ModelConfig
+from engine.model.gemma4 import proportional_factors
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
 from engine.model.layers import describe_layers
 from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.per_layer_inputs import PerLayerInputs
 from engine.model.q8_output import Q8Output
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
@@ -191,9 +193,11 @@ def build_model(
         for i in range(a, b):
             p = f"{i}."
             spec = description.layers[i]
+            # Gemma 4's global layers with attention_k_eq_v take their values from the key projection.
+            v_key = p + ("k" if c.attention_k_eq_v and spec.attention.window is None else "v")
             # The order of the reads is the order of the weights in the fingerprint: keep it.
             w = {"wqkv": projection(p + "wqkv", [(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
-                                     (p + "v", (kv_rows, hidden))], device)}
+                                     (v_key, (kv_rows, hidden))], device)}
             bqkv = None
             if spec.attention.bias:
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
@@ -225,9 +229,14 @@ def build_model(
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
             if moe is None:
                 w["w_down"] = projection(p + "w_down", [(p + "down", (hidden, inter))], device)
-            post = {}
+            post: dict[str, Any] = {}
             if spec.norm.post:  # the norms on the attention and MLP outputs
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
+            if spec.scaled:  # Gemma 4's scalar on the layer's output
+                post["layer_scalar"] = need(p + "layer_scalar", (1,), device)
+            if (width := spec.per_layer_input) > 0:  # Gemma 4's per-layer input: its gate, projection and norm
+                post["per_layer"] = (need(p + "ple_gate", (width, hidden), device),
+                                     need(p + "ple_proj", (hidden, width), device), need(p + "ple_norm", (hidden,), device))
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, spec, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
                                  moe=moe, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
@@ -257,8 +266,16 @@ def build_model(
     else:
         lm_head = projection("lm_head", [(head_key, (c.vocab_size, hidden))], last_device)
     freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
+    if freq_factors is None and c.rope_pairs is not None:  # Gemma 4's proportional RoPE from config.json
+        freq_factors = proportional_factors(c.head_dim, c.rope_pairs)
+    per_layer = None
+    if (width := c.per_layer_input) > 0:  # Gemma 4's per-layer input embeddings (per_layer_inputs.py)
+        ple_rows = c.n_layers * width
+        per_layer = PerLayerInputs(need("ple_embed", (c.per_layer_vocab, ple_rows), first_device),
+                                   need("ple_model_proj", (ple_rows, hidden), first_device),
+                                   need("ple_proj_norm", (width,), first_device), c.n_layers, c.rms_norm_eps)
     model = CausalLM(c, stages, description=description, embed=placeholder(embed), layers=layers, norm=norm, lm_head=placeholder(lm_head),
-                     rope_freq_factors=freq_factors)
+                     rope_freq_factors=freq_factors, per_layer=per_layer)
     if isinstance(embed, QuantEmbedding):
         int4.install(model, "embed", embed)
     if isinstance(lm_head, (Int4Weight, RowsWeight)):

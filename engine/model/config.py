@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.model import families
 from engine.model.gemma import HF_HEAD_DIM, HF_ROPE_THETA, hf_gemma_fields, hf_gemma_problem
+from engine.model.gemma4 import hf_gemma4_fields, hf_gemma4_problem
 from engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_from_hf
 from engine.model.sliding import check_windows, hf_sliding_layers
 
@@ -19,7 +20,8 @@ _HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 # such a model's parked K/V stays what it was before they existed.
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
                       "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
-                      "mtp_layers": 0}
+                      "mtp_layers": 0, "per_layer_input": 0, "per_layer_vocab": 0, "attention_k_eq_v": False,
+                      "rope_pairs": None}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -60,6 +62,13 @@ class ModelConfig:
     # GLM-4.x MoE: next-token (MTP) layers after the last decoder layer; their weights are loaded and kept
     # (CausalLM.mtp), not run. Not a setting of the decoder, but what the loaders read and keep.
     mtp_layers: int = 0
+    # Gemma 4 (engine/model/gemma4.py): per-layer input embeddings of this width (0: none) over a vocabulary of
+    # `per_layer_vocab`; global layers whose values are their keys' projection; global layers rotating only their
+    # first `rope_pairs` frequencies (proportional RoPE; None: all of them).
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    attention_k_eq_v: bool = False
+    rope_pairs: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -76,6 +85,12 @@ class ModelConfig:
                                             or not 0 < self.rotary_dim < self.head_dim):
             raise ConfigError(f"rotary dimensions: expected an even number from 2 to below head_dim "
                               f"({self.head_dim}), got {self.rotary_dim!r} (partial_rotary_factor)")
+        if self.per_layer_input < 0 or (self.per_layer_input > 0) != (self.per_layer_vocab > 0):
+            raise ConfigError(f"per-layer inputs: expected a width and a vocabulary both > 0 or both 0, got "
+                              f"{self.per_layer_input} and {self.per_layer_vocab}")
+        if self.rope_pairs is not None and not 0 < self.rope_pairs < self.head_dim // 2:
+            raise ConfigError(f"proportional RoPE: expected 1 to {self.head_dim // 2 - 1} rotated frequencies, "
+                              f"got {self.rope_pairs} (partial_rotary_factor)")
         if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise ConfigError(f"num_nextn_predict_layers: expected a whole number >= 0, got {self.mtp_layers!r}")
         if self.rope_scaling is not None:
@@ -95,7 +110,12 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma's layer: (1 + w) norms (stored as such), post-norms, GeGLU, embeddings scaled by sqrt(hidden)."""
+        """Gemma's layer: post-norms, GeGLU, embeddings scaled by sqrt(hidden) (Gemma 3 and 4)."""
+        return self.architecture in ("gemma3", "gemma4")
+
+    @property
+    def norm_offset(self) -> bool:
+        """Gemma 3's norms scale by (1 + w), stored as such by the loaders; Gemma 4's by w."""
         return self.architecture == "gemma3"
 
     def layer_window(self, index: int) -> int | None:
@@ -140,13 +160,15 @@ class ModelConfig:
             params = rope_parameters
             if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)
                 params = dict(params["full_attention"] or {})
-            gemma = arch == "gemma3"
+            gemma = arch in ("gemma3", "gemma4")
             gemma_fields: dict[str, Any] = {}
-            if gemma:  # its own reader: engine/model/gemma.py
-                problem = hf_gemma_problem(cfg)
+            if gemma:  # their own readers: engine/model/gemma.py, gemma4.py
+                problem = hf_gemma_problem(cfg) if arch == "gemma3" else hf_gemma4_problem(cfg)
                 if problem:
                     raise ConfigError(problem)
-                gemma_fields = hf_gemma_fields(cfg, rope_parameters)
+                gemma_fields = hf_gemma_fields(cfg, rope_parameters) if arch == "gemma3" else hf_gemma4_fields(cfg)
+            if arch == "gemma4":  # proportional RoPE is rope_pairs (gemma4.py), not a scaling of the base
+                params = {"rope_theta": params.get("rope_theta", HF_ROPE_THETA)}
             theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
@@ -170,7 +192,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
                                     else cfg.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3") or (glm and bool(cfg.get("use_qk_norm"))),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3", "gemma4") or (glm and bool(cfg.get("use_qk_norm"))),
                 moe=moe,
                 sliding_window=window,
                 sliding_layers=sliding,
@@ -179,6 +201,10 @@ class ModelConfig:
                 final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
                 rotary_dim=_rotary_dim(params, cfg, head_dim) if glm else None,
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0) if glm else 0,
+                per_layer_input=gemma_fields.get("per_layer_input", 0),
+                per_layer_vocab=gemma_fields.get("per_layer_vocab", 0),
+                attention_k_eq_v=gemma_fields.get("attention_k_eq_v", False),
+                rope_pairs=gemma_fields.get("rope_pairs"),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

@@ -21,6 +21,8 @@ from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.kquant_weight import KQuantWeight
 from engine.model.layers import LayerSpec, ModelLayers
+from engine.model.norms import head_rms_norm, rms_norm
+from engine.model.per_layer_inputs import PerLayerInputs, per_layer_residual
 from engine.model.projections import linear, logit_rows
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
@@ -71,15 +73,6 @@ class DecodeRunner(Protocol):
         """Logits [len(chunks), vocab] (float32) of the step, or None to have forward_chunks compute it."""
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers computes it (statistics in float32, weight applied in the input dtype)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class DecoderLayer(torch.nn.Module):
     """One transformer block with fused q/k/v and gate/up projections, as `spec` describes it (layers.py)."""
 
@@ -98,6 +91,10 @@ class DecoderLayer(torch.nn.Module):
     qk_norm: torch.Tensor | None
     post_attn_norm: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None
+    layer_scalar: torch.Tensor | None
+    ple_gate: torch.Tensor | None
+    ple_proj: torch.Tensor | None
+    ple_norm: torch.Tensor | None
 
     def __init__(
         self,
@@ -116,6 +113,8 @@ class DecoderLayer(torch.nn.Module):
         moe: SparseMoe | None = None,
         post_attn_norm: torch.Tensor | None = None,
         post_mlp_norm: torch.Tensor | None = None,
+        layer_scalar: torch.Tensor | None = None,
+        per_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -157,6 +156,15 @@ class DecoderLayer(torch.nn.Module):
         assert (post_attn_norm is not None) == (post_mlp_norm is not None) == spec.norm.post, "post-norms: as described"
         self.register_buffer("post_attn_norm", post_attn_norm, persistent=False)
         self.register_buffer("post_mlp_norm", post_mlp_norm, persistent=False)
+        # Gemma 4: the layer's output scalar, and the gate, projection and norm of its per-layer input.
+        assert (layer_scalar is not None) == spec.scaled and (per_layer is not None) == (spec.per_layer_input > 0)
+        self.register_buffer("layer_scalar", layer_scalar, persistent=False)
+        ple_gate, ple_proj, ple_norm = per_layer or (None, None, None)
+        if ple_gate is not None:
+            assert ple_gate.shape == (spec.per_layer_input, c.hidden_size), ("ple_gate", tuple(ple_gate.shape))
+        self.register_buffer("ple_gate", ple_gate, persistent=False)
+        self.register_buffer("ple_proj", ple_proj, persistent=False)
+        self.register_buffer("ple_norm", ple_norm, persistent=False)
 
 
 class CausalLM(torch.nn.Module):
@@ -179,6 +187,7 @@ class CausalLM(torch.nn.Module):
         norm: torch.Tensor,
         lm_head: torch.Tensor,
         rope_freq_factors: torch.Tensor | None = None,
+        per_layer: PerLayerInputs | None = None,
     ) -> None:
         super().__init__()
         assert len(layers) == config.n_layers == len(description.layers), (len(layers), config.n_layers)
@@ -192,6 +201,9 @@ class CausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
+        # Gemma 4's per-layer input embeddings (per_layer_inputs.py), on the first stage's device.
+        assert (per_layer is not None) == any(spec.per_layer_input for spec in description.layers)
+        self.per_layer = per_layer
         # Partial RoPE: the tables span the rotated channels only (their frequencies are those of that width).
         rotary = {spec.attention.rotary_dim for spec in description.layers}
         assert len(rotary) == 1 and 0 not in rotary, f"one rotary width per model, got {rotary}"
@@ -289,6 +301,7 @@ class CausalLM(torch.nn.Module):
         else:
             positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
         x = embed_rows(ids, self.embed, self.embed_scale)
+        ple = None if self.per_layer is None else self.per_layer(ids, x, n_single, not self.batch_invariant)
 
         plans = _attention_plans(ordered, lengths, offsets, self.window)
         layers = cast(list[DecoderLayer], list(self.layers))
@@ -299,11 +312,13 @@ class CausalLM(torch.nn.Module):
             local_rope = rope if self.rotary_local is None else _rope_rows(self.rotary_local, max_pos, pos, device, self.dtype)
             masks = {i: m.to(device) for i, m in plans.masks.items()}
             window_masks = {i: m.to(device) for i, m in plans.window_masks.items()}
+            stage_ple = None if ple is None else ple.to(device)
             for li in range(first, end):
                 attention = layers[li].spec.attention
                 cos, sin = local_rope if attention.rope.local else rope
                 x = self._layer(layers[li], li, x, kv, ordered, plans,
-                                masks if attention.window is None else window_masks, cos, sin, n_single, total)
+                                masks if attention.window is None else window_masks, cos, sin, n_single, total,
+                                None if stage_ple is None else stage_ple[:, li])
 
         fast = not self.batch_invariant
         if all_logits:
@@ -362,6 +377,7 @@ class CausalLM(torch.nn.Module):
         sin: torch.Tensor,
         n_single: int,
         total: int,
+        per_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
         H, D = c.n_heads, c.head_dim
@@ -394,7 +410,7 @@ class CausalLM(torch.nn.Module):
                 assert attn is not None  # allocated above for several chunks
                 attn[lo:hi] = out
         assert attn is not None
-        return self.attention_out_and_mlp(layer, x, attn.reshape(total, H * D), n_single)
+        return self.attention_out_and_mlp(layer, x, attn.reshape(total, H * D), n_single, per_layer)
 
     def qkv(
         self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_single: int, total: int
@@ -414,7 +430,9 @@ class CausalLM(torch.nn.Module):
         qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
         v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
         if layer.qk_norm is not None:
-            qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
+            qk = head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
+        if layer.spec.attention.value_norm:  # Gemma 4: each value head normalised, no weight
+            v = head_rms_norm(v.to(x.dtype), None, eps)
         # Rotate-half RoPE as one roll: roll(qk) * sin_rolled == cat(-qk2, qk1) * sin, bit for bit (the sign
         # of the first half lives in sin_rolled, see forward_chunks). Promotes a bfloat16 qkv to x's dtype.
         rotated = cos.shape[-1]
@@ -426,8 +444,10 @@ class CausalLM(torch.nn.Module):
             qk = torch.cat((head, qk[..., rotated:].to(head.dtype)), -1)
         return qk[:, :H], qk[:, H:], v
 
-    def attention_out_and_mlp(self, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, n_single: int) -> torch.Tensor:
-        """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual."""
+    def attention_out_and_mlp(self, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, n_single: int,
+                              per_layer: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual, then
+        Gemma 4's per-layer input and scalar (`per_layer`: this layer's [tokens, width] inputs)."""
         spec = layer.spec
         eps = spec.norm.eps
         fast = not self.batch_invariant
@@ -437,7 +457,7 @@ class CausalLM(torch.nn.Module):
         x = x + attn_out
         h = rms_norm(x, layer.mlp_norm, eps)
         if layer.moe is not None:
-            return x + layer.moe(h, n_single, fast=fast)
+            return per_layer_residual(layer, x + layer.moe(h, n_single, fast=fast), per_layer, n_single, fast)
         assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
         gate_up = linear(h, layer.w_gate_up, n_single, fast=fast)
         inter = spec.mlp.size
@@ -448,14 +468,7 @@ class CausalLM(torch.nn.Module):
         mlp_out = linear(act, layer.w_down, n_single, fast=fast)
         if layer.post_mlp_norm is not None:
             mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, eps)
-        return x + mlp_out
-
-
-def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over head_dim with a per-head weight [n_heads, head_dim] (Qwen3's q/k norms)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+        return per_layer_residual(layer, x + mlp_out, per_layer, n_single, fast)
 
 
 def _rope_rows(

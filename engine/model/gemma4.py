@@ -1,0 +1,104 @@
+"""What Gemma 4 (text) adds to Gemma 3's description: its config.json settings, the variants refused, and the
+proportional RoPE of its global layers.
+
+Over Gemma 3 the layer has: norms that scale by w (not 1 + w), an RMSNorm without a weight on each value head,
+an attention scale of 1 (the q/k norms set the scores' range), a per-layer scalar on the layer's output, and
+per-layer input embeddings (PLE: a second, narrow embedding of the token and a projection of the main one,
+fed to every layer through a gated residual; engine/model/per_layer_inputs.py). The global layers may take
+their values from the key projection (`attention_k_eq_v`: the loaders stack k's rows where v's would be) and
+rotate only the leading `partial_rotary_factor` of each half of a head ("proportional" RoPE: the other
+frequencies are 0, written as divisors of infinity, as llama.cpp's converter writes them as 1e30).
+
+Refused at load, each with the setting named: layers that reuse an earlier layer's K/V (`num_kv_shared_layers`),
+global layers whose head width or K/V head count differ from the sliding ones' (`global_head_dim`,
+`num_global_key_value_heads`: one K/V row shape per model in the slots and the cache), the expert block
+(`enable_moe_block`) and bidirectional attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_HF_LOCAL_ROPE_BASE = 10000.0
+_HF_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's global_head_dim when config.json names none
+_HF_PARTIAL_ROTARY = 0.25  # the full layers' default `partial_rotary_factor`
+
+
+def _global_shape(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(head width, K/V heads) of the global layers as Gemma4TextConfig resolves them: `global_head_dim` (512
+    unless given, or a `per_layer_config` entry's), and with `attention_k_eq_v` `num_global_key_value_heads`."""
+    head_dim, kv_heads = int(cfg.get("head_dim") or 256), int(cfg.get("num_key_value_heads") or 1)
+    per_layer = cfg.get("per_layer_config")
+    full = [i for i, t in enumerate(cfg.get("layer_types") or []) if t == "full_attention"]
+    entry: dict[str, Any] = {}
+    if isinstance(per_layer, dict):
+        entry = next((per_layer[k] for k in (str(i) for i in full) if isinstance(per_layer.get(k), dict)), {})
+    if "global_head_dim" in cfg:
+        global_dim = int(cfg["global_head_dim"])
+    elif "head_dim" in entry:
+        global_dim = int(entry["head_dim"])
+    else:  # a saved per_layer_config (even empty) is what transformers resolved: no override means head_dim
+        global_dim = head_dim if isinstance(per_layer, dict) else _HF_GLOBAL_HEAD_DIM
+    global_kv = kv_heads
+    if cfg.get("attention_k_eq_v"):
+        global_kv = int(cfg.get("num_global_key_value_heads") or entry.get("num_key_value_heads") or kv_heads)
+    return global_dim, global_kv
+
+
+def hf_gemma4_problem(cfg: dict[str, Any]) -> str | None:
+    """What in a gemma4_text config.json names a variant this engine does not run (the setting named), or None."""
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return f"gemma4: hidden_activation {act!r} is not supported (expected gelu_pytorch_tanh)"
+    if cfg.get("use_bidirectional_attention"):
+        return "gemma4: use_bidirectional_attention is not supported (a causal model is expected)"
+    if cfg.get("enable_moe_block"):
+        return "gemma4: enable_moe_block (the expert block beside the MLP) is not supported yet"
+    if cfg.get("num_kv_shared_layers"):
+        return (f"gemma4: num_kv_shared_layers {cfg['num_kv_shared_layers']} (layers reusing an earlier layer's "
+                "K/V) is not supported yet (expected 0)")
+    global_dim, global_kv = _global_shape(cfg)
+    head_dim, kv_heads = int(cfg.get("head_dim") or 256), int(cfg.get("num_key_value_heads") or 1)
+    if (global_dim, global_kv) != (head_dim, kv_heads):
+        return (f"gemma4: global layers of {global_kv} K/V heads of {global_dim} (global_head_dim, "
+                f"num_global_key_value_heads) beside sliding ones of {kv_heads} of {head_dim} are not supported yet "
+                "(one K/V row shape per model)")
+    rope = cfg.get("rope_parameters") or {}
+    for kind, allowed in (("full_attention", ("default", "proportional")), ("sliding_attention", ("default",))):
+        rope_type = (rope.get(kind) or {}).get("rope_type", "default")
+        if rope_type not in allowed:
+            return f"gemma4: rope_parameters.{kind}.rope_type {rope_type!r} is not supported (expected {allowed})"
+    return None
+
+
+def hf_gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a gemma4_text config.json beyond the Llama family's."""
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {"rope_type": "proportional"}
+    local = rope.get("sliding_attention") or {}
+    head_dim = int(cfg.get("head_dim") or 256)
+    pairs = None
+    if full.get("rope_type") == "proportional":
+        factor = full.get("partial_rotary_factor", _HF_PARTIAL_ROTARY)
+        if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ValueError(f"partial_rotary_factor: expected a number in (0, 1], got {factor!r}")
+        pairs = int(factor * head_dim // 2)
+        pairs = None if pairs == head_dim // 2 else pairs
+    ple = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return {
+        "rope_local_theta": float(local.get("rope_theta", _HF_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": 1.0,  # Gemma 4 scales scores by 1: the q/k norms bound them
+        "per_layer_input": ple,
+        "per_layer_vocab": int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if ple else 0,
+        "attention_k_eq_v": bool(cfg.get("attention_k_eq_v")),
+        "rope_pairs": pairs,
+    }
+
+
+def proportional_factors(head_dim: int, pairs: int) -> torch.Tensor:
+    """RoPE frequency divisors [head_dim / 2] of proportional RoPE: 1 for the first `pairs` frequencies (those of
+    the whole head width), infinity (a frequency of 0: those channels pass unrotated) for the rest."""
+    assert 0 < pairs < head_dim // 2, (pairs, head_dim)
+    return torch.cat((torch.ones(pairs), torch.full((head_dim // 2 - pairs,), float("inf"))))

@@ -1,0 +1,149 @@
+"""Gemma 4 (text) against transformers (float32, CPU) on a tiny random-weight model: per-layer input
+embeddings, weightless value norms, layer scalars, values from the keys' projection on the global layer,
+proportional RoPE and a window of 8, over prompts several windows long: one shot, chunked prefill, decode,
+batched slots; and the variants refused at load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from engine.errors import ModelLoadError
+from engine.kv import KVBuffers, KVLayout
+from engine.model import SeqChunk, executors, load_model, plan_stages
+from engine.model.config import ConfigError, ModelConfig
+from engine.model.loader import read_model_config
+from tests.model_fixtures import write_tiny_model
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+ATOL = 1e-4
+TEXT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b  café 🙂 " * 2
+
+
+def _load(path: str):
+    return load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32)
+
+
+def _kv(lm, n_slots: int = 3, ctx: int = 256) -> KVBuffers:
+    c = lm.config
+    return KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), n_slots, ctx, lm.model.stages)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return write_tiny_model(tmp_path_factory.mktemp("gemma4"), "gemma4")
+
+
+@pytest.fixture(scope="module")
+def lm(model):
+    return _load(model)
+
+
+@pytest.fixture(scope="module")
+def reference(model, lm) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ids, hf(ids[None]).logits[0]
+
+
+def test_config_and_layer_description(lm):
+    c = lm.config
+    assert (c.architecture, c.sliding_window, c.sliding_layers) == ("gemma4", 8, (0, 1, 2, 3, 4))
+    assert (c.per_layer_input, c.attention_k_eq_v, c.rope_pairs, c.query_pre_attn_scalar) == (8, True, 2, 1.0)
+    used = lm.model.description.features()
+    assert {"value norm", "layer scale", "per-layer inputs", "post-norms", "local rope"} <= used
+    # Only the eager forward runs Gemma 4's layer; the others say why.
+    assert executors.cpu_step_declines(lm.model) == "Gemma 4 layers"
+    assert executors.native_step_declines(lm.model) == "Gemma 4 layers"
+
+
+def test_one_shot_logits_match_transformers(lm, reference):
+    ids, ref = reference
+    assert len(ids) > 8 * lm.config.sliding_window
+    got = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
+    assert _diff(got, ref) <= ATOL, f"max |logit diff| {_diff(got, ref):.3g}"
+
+
+@pytest.mark.parametrize("chunk", [5, 40])
+def test_chunked_prefill_then_decode_match_transformers(lm, reference, chunk):
+    ids, ref = reference
+    kv = _kv(lm)
+    n = len(ids) - 4
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        got = lm.model.forward_chunks([SeqChunk(1, a, ids[a:b])], kv, all_logits=True)[0]
+        assert _diff(got, ref[a:b]) <= ATOL, f"chunk [{a},{b}) differs by {_diff(got, ref[a:b]):.3g}"
+    for pos in range(n, len(ids)):
+        got = lm.model.forward_chunks([SeqChunk(1, pos, ids[pos : pos + 1])], kv)[0]
+        assert _diff(got, ref[pos]) <= ATOL, f"decode at {pos} differs by {_diff(got, ref[pos]):.3g}"
+
+
+def test_batched_slots_each_match_transformers(lm, reference):
+    ids, ref = reference
+    kv = _kv(lm)
+    n = len(ids)
+    lm.model.forward_chunks([SeqChunk(0, 0, ids[:30]), SeqChunk(2, 0, ids[:50])], kv)
+    got = lm.model.forward_chunks(
+        [SeqChunk(0, 30, ids[30 : n - 1]), SeqChunk(2, 50, ids[50:51]), SeqChunk(1, 0, ids[:20])], kv, all_logits=True
+    )
+    assert _diff(got[0], ref[30 : n - 1]) <= ATOL
+    assert _diff(got[1], ref[50:51]) <= ATOL
+    assert _diff(got[2], ref[:20]) <= ATOL
+
+
+def _hf(**overrides) -> dict:
+    cfg = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 300,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16, "sliding_window": 8,
+           "hidden_size_per_layer_input": 8}
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
+        ({"global_head_dim": 32}, "global_head_dim"),
+        ({"attention_k_eq_v": True, "num_global_key_value_heads": 1}, "num_global_key_value_heads"),
+        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block"),
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+        ({"hidden_activation": "relu"}, "hidden_activation"),
+    ],
+)
+def test_variants_out_of_reach_are_refused_with_the_setting_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(_hf(**overrides))
+
+
+def test_global_head_width_defaults_as_transformers_resolves_it():
+    """No global_head_dim and no saved per_layer_config: transformers' 512, refused here; a saved (empty)
+    per_layer_config: the sliding layers' width."""
+    cfg = _hf()
+    del cfg["global_head_dim"]
+    with pytest.raises(ConfigError, match="512"):
+        ModelConfig.from_hf(cfg)
+    assert ModelConfig.from_hf({**cfg, "per_layer_config": {}}).head_dim == 16
+
+
+def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
+    out = tmp_path / "shared"
+    out.mkdir()
+    for name in os.listdir(model):
+        os.symlink(os.path.join(model, name), out / name)
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    os.unlink(out / "config.json")
+    (out / "config.json").write_text(json.dumps({**cfg, "num_kv_shared_layers": 2}), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match="num_kv_shared_layers"):
+        _load(str(out))
