@@ -196,6 +196,39 @@ _GGUF_GEMMA_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 
+# llama.cpp's gemma4 names (conversion/gemma.py): Gemma 3's, with the per-layer inputs and the layer scalar.
+_GGUF_GEMMA4_NAMES = {
+    **_GGUF_GEMMA_NAMES, "per_layer_input_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight", "layer_scalar": "layer_output_scale.weight",
+}
+_GGUF_GEMMA4_GLOBAL = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
+def _gemma4_gguf_keys(writer, cfg: dict) -> None:
+    """The gemma4 metadata llama.cpp's converter writes beyond the common keys (one head shape everywhere)."""
+    import numpy as np
+
+    types = cfg["layer_types"]
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    writer.add_shared_kv_layers(cfg.get("num_kv_shared_layers", 0))
+    writer.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    writer.add_key_length_swa(cfg["head_dim"])
+    writer.add_value_length_swa(cfg["head_dim"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_rope_dimension_count_swa(cfg["head_dim"])
+    writer.add_rope_freq_base_swa(cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
+    if cfg.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    # Proportional RoPE on the global layers as divisors: 1 for the rotated frequencies, 1e30 for the others.
+    pairs = int(cfg["head_dim"] * cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * pairs + [1e30] * (cfg["head_dim"] // 2 - pairs),
+                                                    dtype=np.float32))
+
 
 # Byte offsets of the float16 fields (scales, minimums) inside one block of each block format.
 F16_FIELDS = {
@@ -265,6 +298,7 @@ def write_tiny_gguf(
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     gguf_arch = "llama" if arch == "mistral" else arch
+    gemma4 = arch == "gemma4"
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
@@ -277,12 +311,15 @@ def write_tiny_gguf(
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
     gemma = arch == "gemma3"
-    rope = cfg["rope_parameters"]["full_attention"] if gemma else cfg["rope_parameters"]
+    rope = cfg["rope_parameters"]["full_attention"] if gemma or gemma4 else cfg["rope_parameters"]
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
+    if not gemma4:  # llama.cpp's gemma4 files have none: the token list says it
+        writer.add_vocab_size(cfg["vocab_size"])
     if gemma:  # llama.cpp's gemma3 keys: the window; the period of 6 and the local base are implied
         writer.add_sliding_window(cfg["sliding_window"])
+    if gemma4:
+        _gemma4_gguf_keys(writer, cfg)
 
     add_tiny_tokenizer(writer)
 
@@ -297,9 +334,12 @@ def write_tiny_gguf(
             out = "output_norm.weight"
         elif name == "lm_head.weight":
             out = "output.weight"
+        elif name in _GGUF_GEMMA4_GLOBAL:
+            out = _GGUF_GEMMA4_GLOBAL[name]
         else:
             _, _, index, rest = name.split(".", 3)
-            out = f"blk.{index}.{(_GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES)[rest]}"
+            names = _GGUF_GEMMA4_NAMES if gemma4 else _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
+            out = f"blk.{index}.{names[rest]}"
         w = w.astype(np.float32)
         if gemma and "norm" in out:  # llama.cpp's converter stores Gemma's (1 + w)
             w = w + 1.0

@@ -15,8 +15,9 @@ from engine.errors import ModelLoadError
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, executors, load_model, plan_stages
 from engine.model.config import ConfigError, ModelConfig
+from engine.model.gemma4 import gguf_gemma4_fields
 from engine.model.loader import read_model_config
-from tests.model_fixtures import write_tiny_model
+from tests.model_fixtures import write_tiny_gguf, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -147,3 +148,31 @@ def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
     (out / "config.json").write_text(json.dumps({**cfg, "num_kv_shared_layers": 2}), encoding="utf-8")
     with pytest.raises(ModelLoadError, match="num_kv_shared_layers"):
         _load(str(out))
+
+
+def test_gguf_as_llama_cpp_converts_it_loads_the_model_of_its_folder(tmp_path):
+    """A gemma4 GGUF written as llama.cpp's converter writes it (its names, norms as w, no attn_v on the global
+    layer, rope_freqs with 1e30 for the unrotated frequencies, the per-layer tensors) gives the folder's logits."""
+    path = write_tiny_gguf(tmp_path, "gemma4", quantize=False)
+    from_gguf, from_folder = _load(path), _load(os.path.join(tmp_path, "tiny-gemma4"))
+    assert from_gguf.config.attention_k_eq_v and from_gguf.config.per_layer_input == 8
+    ids = torch.tensor(from_folder.tokenizer.encode(TEXT))
+    assert from_gguf.tokenizer.encode(TEXT) == ids.tolist()
+    a = from_gguf.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(from_gguf), all_logits=True)[0]
+    b = from_folder.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(from_folder), all_logits=True)[0]
+    assert _diff(a, b) <= ATOL
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({"gemma4.attention.shared_kv_layers": 2}, "shared_kv_layers"),
+        ({"gemma4.expert_count": 8}, "expert_count"),
+        ({"gemma4.attention.head_count_kv": [2, 2, 2, 2, 2, 1]}, "head_count_kv"),
+        ({"gemma4.feed_forward_length": [128] * 4 + [256] * 2}, "feed_forward_length"),
+        ({"gemma4.attention.key_length": 32, "gemma4.attention.key_length_swa": 16}, "head widths"),
+    ],
+)
+def test_gguf_variants_out_of_reach_are_refused_with_the_key_named(meta, message):
+    with pytest.raises(ValueError, match=message):
+        gguf_gemma4_fields("gemma4", meta, set(), 6, 300)

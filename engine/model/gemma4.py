@@ -102,3 +102,45 @@ def proportional_factors(head_dim: int, pairs: int) -> torch.Tensor:
     the whole head width), infinity (a frequency of 0: those channels pass unrotated) for the rest."""
     assert 0 < pairs < head_dim // 2, (pairs, head_dim)
     return torch.cat((torch.ones(pairs), torch.full((head_dim // 2 - pairs,), float("inf"))))
+
+
+def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], n_layers: int,
+                       vocab: int) -> dict[str, Any]:
+    """The ModelConfig fields of a gemma4 GGUF (llama.cpp's converter) beyond the Llama family's ({} for other
+    architectures); ValueError for a setting this engine does not run. The global layers' proportional RoPE is
+    the file's `rope_freqs` tensor; attention_k_eq_v is a global layer without `attn_v`."""
+    if arch != "gemma4":
+        return {}
+    shared = int(meta.get(f"{arch}.attention.shared_kv_layers") or 0)
+    if shared:
+        raise ValueError(f"{arch}.attention.shared_kv_layers {shared} (layers reusing an earlier layer's K/V) is not "
+                         "supported yet (expected 0)")
+    if meta.get(f"{arch}.expert_count"):
+        raise ValueError(f"{arch}.expert_count: the expert block beside the MLP is not supported yet")
+    for name in ("attention.head_count_kv", "feed_forward_length"):
+        value = meta.get(f"{arch}.{name}")
+        if isinstance(value, list) and len(set(value)) > 1:
+            raise ValueError(f"{arch}.{name} differs between layers ({sorted(set(value))}): not supported yet (one "
+                             "K/V row shape and one MLP width per model)")
+    widths = {key: meta.get(f"{arch}.{key}") for key in ("attention.key_length", "attention.value_length",
+                                                          "attention.key_length_swa", "attention.value_length_swa")}
+    if len({w for w in widths.values() if w is not None}) > 1:
+        raise ValueError(f"{arch}: global and sliding head widths differ ({widths}): not supported yet (one K/V row "
+                         "shape per model)")
+    head = widths["attention.key_length_swa"] or widths["attention.key_length"]
+    rotated = meta.get(f"{arch}.rope.dimension_count_swa")
+    if rotated is not None and head is not None and int(rotated) != int(head):
+        raise ValueError(f"{arch}.rope.dimension_count_swa {rotated}: partial RoPE on the sliding layers is not "
+                         f"supported (expected the head width, {head})")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    full = [i for i in range(n_layers) if not (isinstance(pattern, list) and i < len(pattern) and pattern[i])]
+    ple = int(meta.get(f"{arch}.embedding_length_per_layer_input") or 0)
+    cap = meta.get(f"{arch}.final_logit_softcapping")
+    return {
+        "rope_local_theta": float(meta.get(f"{arch}.rope.freq_base_swa") or _HF_LOCAL_ROPE_BASE),
+        "query_pre_attn_scalar": 1.0,
+        "final_logit_softcapping": float(cap) if cap else None,
+        "per_layer_input": ple,
+        "per_layer_vocab": vocab if ple else 0,  # llama.cpp reads the per-layer table with n_vocab rows too
+        "attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in tensor_names for i in full),
+    }
