@@ -176,3 +176,21 @@ def test_gguf_as_llama_cpp_converts_it_loads_the_model_of_its_folder(tmp_path):
 def test_gguf_variants_out_of_reach_are_refused_with_the_key_named(meta, message):
     with pytest.raises(ValueError, match=message):
         gguf_gemma4_fields("gemma4", meta, set(), 6, 300)
+
+
+def test_call_markers_special_in_tokenizer_json_decode_as_text(tmp_path):
+    """Gemma 4's tokenizer.json makes its call and string markers special tokens; decoded answers keep them (as
+    llama.cpp's converter keeps them), so the tool-call parser sees the call."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as FastTokenizer
+
+    from engine.model.tokenizer import Tokenizer
+    from tests.model_fixtures import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    fast = FastTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|tool_call>", '<|"|>')])
+    fast.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_folder(str(tmp_path))
+    ids = tok.encode('<|tool_call>call:f{a:<|"|>x<|"|>}')
+    assert tok.decode(ids) == '<|tool_call>call:f{a:<|"|>x<|"|>}'

@@ -22,6 +22,10 @@ END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
     "<turn|>",  # Gemma 4
 )
+# Gemma 4's markers of calls, their strings and its thinking channel: special tokens in its tokenizer.json, decoded
+# as text here (as llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them.
+RENDERED_MARKERS = frozenset({"<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<|tool_response>",
+                              "<tool_response|>"})
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
 _LLAMA3_SPLIT = (
@@ -101,6 +105,9 @@ class Tokenizer:
         try:
             with open(path, encoding="utf-8") as f:
                 spec = json.load(f)
+            for added in spec.get("added_tokens") or ():
+                if added.get("content") in RENDERED_MARKERS:
+                    added["special"] = False
             backend = FastTokenizer.from_str(json.dumps(spec))
         except Exception as e:
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
