@@ -145,9 +145,12 @@ def tiny_hf_config(arch: str = "llama", **overrides):
                       bos_token_id=None, hidden_activation="gelu_pytorch_tanh")
         del kwargs["rope_theta"]  # rope_parameters per layer type: the defaults (1e6 global, 1e4 local)
     if arch == "gemma4":  # six layers (five local); per-layer inputs, values = keys on the global layer, soft cap
-        kwargs.update(num_hidden_layers=6, tie_word_embeddings=True, sliding_window=8, global_head_dim=16,
-                      hidden_size_per_layer_input=8, vocab_size_per_layer_input=kwargs["vocab_size"],
-                      attention_k_eq_v=True, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
+        # The global layer wider than the sliding ones (4 K/V heads of 32 against 2 of 16), as the released models.
+        kwargs.update(num_hidden_layers=6, tie_word_embeddings=True, sliding_window=8, global_head_dim=32,
+                      num_global_key_value_heads=4, hidden_size_per_layer_input=8,
+                      vocab_size_per_layer_input=kwargs["vocab_size"], attention_k_eq_v=True,
+                      final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                      initializer_range=0.2)  # at 0.25 float32's rounding grows to ~1.4e-4 through the six layers
         del kwargs["rope_theta"]  # the defaults: proportional RoPE (a quarter) at 1e6 global, 1e4 local
     kwargs.update(overrides)
     return classes[arch](**kwargs)
@@ -209,25 +212,33 @@ _GGUF_GEMMA4_GLOBAL = {
 
 
 def _gemma4_gguf_keys(writer, cfg: dict) -> None:
-    """The gemma4 metadata llama.cpp's converter writes beyond the common keys (one head shape everywhere)."""
+    """The gemma4 metadata llama.cpp's converter writes beyond the common keys: the global layers' head width as
+    key_length, the sliding ones' as key_length_swa, K/V heads per layer."""
     import numpy as np
 
     types = cfg["layer_types"]
+    full = next(i for i, t in enumerate(types) if t == "full_attention")
+    override = (cfg.get("per_layer_config") or {}).get(str(full), {})
+    full_dim = cfg.get("global_head_dim") or override.get("head_dim") or cfg["head_dim"]
+    full_kv = cfg.get("num_global_key_value_heads") or override.get("num_key_value_heads")
     writer.add_sliding_window(cfg["sliding_window"])
     writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     writer.add_shared_kv_layers(cfg.get("num_kv_shared_layers", 0))
     writer.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    writer.add_key_length(full_dim)
+    writer.add_value_length(full_dim)
     writer.add_key_length_swa(cfg["head_dim"])
     writer.add_value_length_swa(cfg["head_dim"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
+    if full_kv:
+        writer.add_head_count_kv([cfg["num_key_value_heads"] if t == "sliding_attention" else full_kv for t in types])
+    writer.add_rope_dimension_count(full_dim)
     writer.add_rope_dimension_count_swa(cfg["head_dim"])
     writer.add_rope_freq_base_swa(cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     if cfg.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     # Proportional RoPE on the global layers as divisors: 1 for the rotated frequencies, 1e30 for the others.
-    pairs = int(cfg["head_dim"] * cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
-    writer.add_tensor("rope_freqs.weight", np.array([1.0] * pairs + [1e30] * (cfg["head_dim"] // 2 - pairs),
-                                                    dtype=np.float32))
+    pairs = int(full_dim * cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * pairs + [1e30] * (full_dim // 2 - pairs), dtype=np.float32))
 
 
 # Byte offsets of the float16 fields (scales, minimums) inside one block of each block format.

@@ -1,6 +1,6 @@
 """Gemma 4 (text) against transformers (float32, CPU) on a tiny random-weight model: per-layer input
-embeddings, weightless value norms, layer scalars, values from the keys' projection on the global layer,
-proportional RoPE and a window of 8, over prompts several windows long: one shot, chunked prefill, decode,
+embeddings, weightless value norms, layer scalars, a global layer with its own head shape (wider heads, more K/V
+heads) whose values are its keys' projection, proportional RoPE and a window of 8, over prompts several windows long: one shot, chunked prefill, decode,
 batched slots; and the variants refused at load."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _load(path: str):
 
 def _kv(lm, n_slots: int = 3, ctx: int = 256) -> KVBuffers:
     c = lm.config
-    return KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), n_slots, ctx, lm.model.stages)
+    return KVBuffers(KVLayout(c.n_layers, *c.kv_row, lm.dtype), n_slots, ctx, lm.model.stages)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,7 +60,9 @@ def reference(model, lm) -> tuple[torch.Tensor, torch.Tensor]:
 def test_config_and_layer_description(lm):
     c = lm.config
     assert (c.architecture, c.sliding_window, c.sliding_layers) == ("gemma4", 8, (0, 1, 2, 3, 4))
-    assert (c.per_layer_input, c.attention_k_eq_v, c.rope_pairs, c.query_pre_attn_scalar) == (8, True, 2, 1.0)
+    assert (c.per_layer_input, c.attention_k_eq_v, c.rope_pairs, c.query_pre_attn_scalar) == (8, True, 4, 1.0)
+    # Sliding layers: 2 K/V heads of 16; the global one: 4 of 32. A slot's row holds the wider: 4 x 32.
+    assert (c.layer_heads(0), c.layer_heads(5), c.kv_row) == ((2, 16), (4, 32), (4, 32))
     used = lm.model.description.features()
     assert {"value norm", "layer scale", "per-layer inputs", "post-norms", "local rope"} <= used
     # Only the eager forward runs Gemma 4's layer; the others say why.
@@ -115,8 +117,8 @@ def _hf(**overrides) -> dict:
     ("overrides", "message"),
     [
         ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
-        ({"global_head_dim": 32}, "global_head_dim"),
-        ({"attention_k_eq_v": True, "num_global_key_value_heads": 1}, "num_global_key_value_heads"),
+        ({"global_head_dim": 15}, "even width"),
+        ({"attention_k_eq_v": True, "num_global_key_value_heads": 3}, "divisor"),
         ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"hidden_activation": "relu"}, "hidden_activation"),
@@ -127,14 +129,16 @@ def test_variants_out_of_reach_are_refused_with_the_setting_named(overrides, mes
         ModelConfig.from_hf(_hf(**overrides))
 
 
-def test_global_head_width_defaults_as_transformers_resolves_it():
-    """No global_head_dim and no saved per_layer_config: transformers' 512, refused here; a saved (empty)
-    per_layer_config: the sliding layers' width."""
+def test_global_head_shape_is_resolved_as_transformers_resolves_it():
+    """global_head_dim when given; else a saved per_layer_config's entry for a global layer (an empty one: the
+    sliding layers' shape); else Gemma4TextConfig's 512. K/V heads of their own only with attention_k_eq_v."""
     cfg = _hf()
     del cfg["global_head_dim"]
-    with pytest.raises(ConfigError, match="512"):
-        ModelConfig.from_hf(cfg)
-    assert ModelConfig.from_hf({**cfg, "per_layer_config": {}}).head_dim == 16
+    assert ModelConfig.from_hf(cfg).layer_heads(5) == (2, 512)
+    assert ModelConfig.from_hf({**cfg, "per_layer_config": {}}).layer_heads(5) == (2, 16)
+    saved = {"5": {"head_dim": 32, "num_key_value_heads": 1}}
+    assert ModelConfig.from_hf({**cfg, "per_layer_config": saved, "attention_k_eq_v": True}).layer_heads(5) == (1, 32)
+    assert ModelConfig.from_hf({**cfg, "global_head_dim": 64, "num_global_key_value_heads": 1}).layer_heads(5) == (2, 64)
 
 
 def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
@@ -168,9 +172,10 @@ def test_gguf_as_llama_cpp_converts_it_loads_the_model_of_its_folder(tmp_path):
     [
         ({"gemma4.attention.shared_kv_layers": 2}, "shared_kv_layers"),
         ({"gemma4.expert_count": 8}, "expert_count"),
-        ({"gemma4.attention.head_count_kv": [2, 2, 2, 2, 2, 1]}, "head_count_kv"),
+        ({"gemma4.attention.head_count_kv": [2, 1, 2, 2, 2, 1],
+          "gemma4.attention.sliding_window_pattern": [True] * 5 + [False]}, "head_count_kv"),
         ({"gemma4.feed_forward_length": [128] * 4 + [256] * 2}, "feed_forward_length"),
-        ({"gemma4.attention.key_length": 32, "gemma4.attention.key_length_swa": 16}, "head widths"),
+        ({"gemma4.attention.key_length": 32, "gemma4.attention.value_length": 16}, "key and value widths"),
     ],
 )
 def test_gguf_variants_out_of_reach_are_refused_with_the_key_named(meta, message):

@@ -177,7 +177,6 @@ def build_model(
         return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
-    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     hidden, inter = c.hidden_size, c.intermediate_size
     # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point);
     # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.
@@ -193,6 +192,8 @@ def build_model(
         for i in range(a, b):
             p = f"{i}."
             spec = description.layers[i]
+            kv_heads, head_dim = c.layer_heads(i)  # Gemma 4's global layers may have their own
+            q_rows, kv_rows = c.n_heads * head_dim, kv_heads * head_dim
             # Gemma 4's global layers with attention_k_eq_v take their values from the key projection.
             v_key = p + ("k" if c.attention_k_eq_v and spec.attention.window is None else "v")
             # The order of the reads is the order of the weights in the fingerprint: keep it.
@@ -221,7 +222,7 @@ def build_model(
                 w["w_gate_up"] = projection(p + "w_gate_up", [(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
             q_norm = k_norm = None
             if spec.attention.qk_norm != "none":
-                q_shape, k_shape = moe_loading.q_norm_shapes(c)
+                q_shape, k_shape = moe_loading.q_norm_shapes(c, head_dim)
                 q_norm = need(p + "q_norm", q_shape, device)
                 k_norm = need(p + "k_norm", k_shape, device)
             attn_norm = need(p + "attn_norm", (hidden,), device)
@@ -267,7 +268,7 @@ def build_model(
         lm_head = projection("lm_head", [(head_key, (c.vocab_size, hidden))], last_device)
     freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
     if freq_factors is None and c.rope_pairs is not None:  # Gemma 4's proportional RoPE from config.json
-        freq_factors = proportional_factors(c.head_dim, c.rope_pairs)
+        freq_factors = proportional_factors(c.global_head_dim or c.head_dim, c.rope_pairs)
     per_layer = None
     if (width := c.per_layer_input) > 0:  # Gemma 4's per-layer input embeddings (per_layer_inputs.py)
         ple_rows = c.n_layers * width

@@ -21,7 +21,7 @@ _HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
                       "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
                       "mtp_layers": 0, "per_layer_input": 0, "per_layer_vocab": 0, "attention_k_eq_v": False,
-                      "rope_pairs": None}
+                      "rope_pairs": None, "global_head_dim": None, "global_kv_heads": None}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -69,6 +69,10 @@ class ModelConfig:
     per_layer_vocab: int = 0
     attention_k_eq_v: bool = False
     rope_pairs: int | None = None
+    # Gemma 4: the global (non-sliding) layers' head width and K/V head count where they differ from the sliding
+    # layers' (`head_dim`, `n_kv_heads`); None: the same. The slots hold one K/V row shape (`kv_row`).
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -88,8 +92,16 @@ class ModelConfig:
         if self.per_layer_input < 0 or (self.per_layer_input > 0) != (self.per_layer_vocab > 0):
             raise ConfigError(f"per-layer inputs: expected a width and a vocabulary both > 0 or both 0, got "
                               f"{self.per_layer_input} and {self.per_layer_vocab}")
-        if self.rope_pairs is not None and not 0 < self.rope_pairs < self.head_dim // 2:
-            raise ConfigError(f"proportional RoPE: expected 1 to {self.head_dim // 2 - 1} rotated frequencies, "
+        for name in ("global_head_dim", "global_kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{name}: expected a positive whole number, got {value!r}")
+        global_kvh, global_dim = self.global_kv_heads or self.n_kv_heads, self.global_head_dim or self.head_dim
+        if global_dim % 2 or self.n_heads % global_kvh:
+            raise ConfigError(f"global layers: {self.n_heads} heads over {global_kvh} K/V heads of {global_dim} "
+                              "(expected an even width and a divisor of the heads)")
+        if self.rope_pairs is not None and not 0 < self.rope_pairs < global_dim // 2:
+            raise ConfigError(f"proportional RoPE: expected 1 to {global_dim // 2 - 1} rotated frequencies, "
                               f"got {self.rope_pairs} (partial_rotary_factor)")
         if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise ConfigError(f"num_nextn_predict_layers: expected a whole number >= 0, got {self.mtp_layers!r}")
@@ -117,6 +129,23 @@ class ModelConfig:
     def norm_offset(self) -> bool:
         """Gemma 3's norms scale by (1 + w), stored as such by the loaders; Gemma 4's by w."""
         return self.architecture == "gemma3"
+
+    def layer_heads(self, index: int) -> tuple[int, int]:
+        """(K/V heads, head width) of layer `index`: a global layer's own where the model gives them (Gemma 4)."""
+        if index in self.sliding_layers:
+            return self.n_kv_heads, self.head_dim
+        return self.global_kv_heads or self.n_kv_heads, self.global_head_dim or self.head_dim
+
+    @property
+    def kv_row(self) -> tuple[int, int]:
+        """(heads, width) of one token's K/V row of a layer in the slots and the cache: every layer's shape, or
+        with per-layer shapes (Gemma 4) the widest head width and enough heads of it for the widest layer (a
+        narrower layer uses the row's first channels; the rest stays zero)."""
+        shapes = {self.layer_heads(i) for i in range(self.n_layers)}
+        if len(shapes) == 1:
+            return shapes.pop()
+        width = max(d for _, d in shapes)
+        return max(-(-h * d // width) for h, d in shapes), width
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index` (None = every earlier position)."""
@@ -205,6 +234,8 @@ class ModelConfig:
                 per_layer_vocab=gemma_fields.get("per_layer_vocab", 0),
                 attention_k_eq_v=gemma_fields.get("attention_k_eq_v", False),
                 rope_pairs=gemma_fields.get("rope_pairs"),
+                global_head_dim=gemma_fields.get("global_head_dim"),
+                global_kv_heads=gemma_fields.get("global_kv_heads"),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

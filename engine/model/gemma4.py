@@ -9,10 +9,11 @@ their values from the key projection (`attention_k_eq_v`: the loaders stack k's 
 rotate only the leading `partial_rotary_factor` of each half of a head ("proportional" RoPE: the other
 frequencies are 0, written as divisors of infinity, as llama.cpp's converter writes them as 1e30).
 
+The global layers may have their own head width and K/V head count (`global_head_dim`, with `attention_k_eq_v`
+`num_global_key_value_heads`); the slots hold one row shape wide enough for every layer (ModelConfig.kv_row).
+
 Refused at load, each with the setting named: layers that reuse an earlier layer's K/V (`num_kv_shared_layers`),
-global layers whose head width or K/V head count differ from the sliding ones' (`global_head_dim`,
-`num_global_key_value_heads`: one K/V row shape per model in the slots and the cache), the expert block
-(`enable_moe_block`) and bidirectional attention.
+the expert block (`enable_moe_block`) and bidirectional attention.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ def _global_shape(cfg: dict[str, Any]) -> tuple[int, int]:
     unless given, or a `per_layer_config` entry's), and with `attention_k_eq_v` `num_global_key_value_heads`."""
     head_dim, kv_heads = int(cfg.get("head_dim") or 256), int(cfg.get("num_key_value_heads") or 1)
     per_layer = cfg.get("per_layer_config")
-    full = [i for i, t in enumerate(cfg.get("layer_types") or []) if t == "full_attention"]
     entry: dict[str, Any] = {}
-    if isinstance(per_layer, dict):
-        entry = next((per_layer[k] for k in (str(i) for i in full) if isinstance(per_layer.get(k), dict)), {})
+    if isinstance(per_layer, dict):  # transformers saves an override for each global layer (the same for all)
+        types = cfg.get("layer_types")
+        keys = [str(i) for i, t in enumerate(types) if t == "full_attention"] if types else list(per_layer)
+        entry = next((per_layer[k] for k in keys if isinstance(per_layer.get(k), dict)), {})
     if "global_head_dim" in cfg:
         global_dim = int(cfg["global_head_dim"])
     elif "head_dim" in entry:
@@ -59,12 +61,6 @@ def hf_gemma4_problem(cfg: dict[str, Any]) -> str | None:
     if cfg.get("num_kv_shared_layers"):
         return (f"gemma4: num_kv_shared_layers {cfg['num_kv_shared_layers']} (layers reusing an earlier layer's "
                 "K/V) is not supported yet (expected 0)")
-    global_dim, global_kv = _global_shape(cfg)
-    head_dim, kv_heads = int(cfg.get("head_dim") or 256), int(cfg.get("num_key_value_heads") or 1)
-    if (global_dim, global_kv) != (head_dim, kv_heads):
-        return (f"gemma4: global layers of {global_kv} K/V heads of {global_dim} (global_head_dim, "
-                f"num_global_key_value_heads) beside sliding ones of {kv_heads} of {head_dim} are not supported yet "
-                "(one K/V row shape per model)")
     rope = cfg.get("rope_parameters") or {}
     for kind, allowed in (("full_attention", ("default", "proportional")), ("sliding_attention", ("default",))):
         rope_type = (rope.get(kind) or {}).get("rope_type", "default")
@@ -78,14 +74,15 @@ def hf_gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     rope = cfg.get("rope_parameters") or {}
     full = rope.get("full_attention") or {"rope_type": "proportional"}
     local = rope.get("sliding_attention") or {}
-    head_dim = int(cfg.get("head_dim") or 256)
+    head_dim, kv_heads = int(cfg.get("head_dim") or 256), int(cfg.get("num_key_value_heads") or 1)
+    global_dim, global_kv = _global_shape(cfg)
     pairs = None
-    if full.get("rope_type") == "proportional":
+    if full.get("rope_type") == "proportional":  # of the global layers' own width
         factor = full.get("partial_rotary_factor", _HF_PARTIAL_ROTARY)
         if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise ValueError(f"partial_rotary_factor: expected a number in (0, 1], got {factor!r}")
-        pairs = int(factor * head_dim // 2)
-        pairs = None if pairs == head_dim // 2 else pairs
+        pairs = int(factor * global_dim // 2)
+        pairs = None if pairs == global_dim // 2 else pairs
     ple = int(cfg.get("hidden_size_per_layer_input") or 0)
     return {
         "rope_local_theta": float(local.get("rope_theta", _HF_LOCAL_ROPE_BASE)),
@@ -94,6 +91,8 @@ def hf_gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "per_layer_vocab": int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if ple else 0,
         "attention_k_eq_v": bool(cfg.get("attention_k_eq_v")),
         "rope_pairs": pairs,
+        "global_head_dim": global_dim if global_dim != head_dim else None,
+        "global_kv_heads": global_kv if global_kv != kv_heads else None,
     }
 
 
@@ -117,23 +116,27 @@ def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], 
                          "supported yet (expected 0)")
     if meta.get(f"{arch}.expert_count"):
         raise ValueError(f"{arch}.expert_count: the expert block beside the MLP is not supported yet")
-    for name in ("attention.head_count_kv", "feed_forward_length"):
-        value = meta.get(f"{arch}.{name}")
-        if isinstance(value, list) and len(set(value)) > 1:
-            raise ValueError(f"{arch}.{name} differs between layers ({sorted(set(value))}): not supported yet (one "
-                             "K/V row shape and one MLP width per model)")
-    widths = {key: meta.get(f"{arch}.{key}") for key in ("attention.key_length", "attention.value_length",
-                                                          "attention.key_length_swa", "attention.value_length_swa")}
-    if len({w for w in widths.values() if w is not None}) > 1:
-        raise ValueError(f"{arch}: global and sliding head widths differ ({widths}): not supported yet (one K/V row "
-                         "shape per model)")
-    head = widths["attention.key_length_swa"] or widths["attention.key_length"]
+    ff = meta.get(f"{arch}.feed_forward_length")
+    if isinstance(ff, list) and len(set(ff)) > 1:
+        raise ValueError(f"{arch}.feed_forward_length differs between layers ({sorted(set(ff))}): not supported yet "
+                         "(one MLP width per model)")
+    full_k, full_v = meta.get(f"{arch}.attention.key_length"), meta.get(f"{arch}.attention.value_length")
+    swa_k = meta.get(f"{arch}.attention.key_length_swa") or full_k
+    swa_v = meta.get(f"{arch}.attention.value_length_swa") or full_v
+    if full_k != full_v or swa_k != swa_v:
+        raise ValueError(f"{arch}: key and value widths differ ({full_k}, {full_v}; sliding {swa_k}, {swa_v})")
     rotated = meta.get(f"{arch}.rope.dimension_count_swa")
-    if rotated is not None and head is not None and int(rotated) != int(head):
+    if rotated is not None and swa_k is not None and int(rotated) != int(swa_k):
         raise ValueError(f"{arch}.rope.dimension_count_swa {rotated}: partial RoPE on the sliding layers is not "
-                         f"supported (expected the head width, {head})")
+                         f"supported (expected the head width, {swa_k})")
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
     full = [i for i in range(n_layers) if not (isinstance(pattern, list) and i < len(pattern) and pattern[i])]
+    sliding = [i for i in range(n_layers) if i not in full]
+    kv = meta.get(f"{arch}.attention.head_count_kv")
+    kv_of = (lambda i: int(kv[i])) if isinstance(kv, list) else (lambda i: int(kv or 0))
+    for group in (full, sliding):
+        if isinstance(kv, list) and len({kv_of(i) for i in group}) > 1:
+            raise ValueError(f"{arch}.attention.head_count_kv differs within the global or the sliding layers ({kv})")
     ple = int(meta.get(f"{arch}.embedding_length_per_layer_input") or 0)
     cap = meta.get(f"{arch}.final_logit_softcapping")
     return {
@@ -143,4 +146,9 @@ def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], 
         "per_layer_input": ple,
         "per_layer_vocab": vocab if ple else 0,  # llama.cpp reads the per-layer table with n_vocab rows too
         "attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in tensor_names for i in full),
+        # The sliding layers' shape is the model's (gguf_loading reads key_length_swa and head_count_kv there).
+        "head_dim": int(swa_k) if swa_k else None,
+        "n_kv_heads": kv_of(sliding[0]) if sliding and kv else None,
+        "global_head_dim": int(full_k) if full_k and full_k != swa_k else None,
+        "global_kv_heads": kv_of(full[0]) if full and sliding and kv and kv_of(full[0]) != kv_of(sliding[0]) else None,
     }

@@ -102,11 +102,16 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
                  or gguf_gemma4_fields(arch, meta, tensor_names, n_layers, int(vocab)))
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    # Gemma 4 gives the sliding layers' head shape as the model's, the global layers' apart.
+    head_dim = gemma.pop("head_dim", None) or head_dim
+    n_kv = gemma.pop("n_kv_heads", None) or n_kv
+    rotary_dim = rotary_dim if arch == "glm4moe" else head_dim
+    ff = key("feed_forward_length")
     return ModelConfig(
         architecture=moe_arch or arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(ff[0] if isinstance(ff, list) else ff),  # a list: one per layer (all equal: gemma4)
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv if not isinstance(n_kv, list) else n_kv[0]),

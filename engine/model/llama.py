@@ -118,7 +118,8 @@ class DecoderLayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         c = config
-        q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        kv_heads, head_dim = c.layer_heads(spec.index)  # Gemma 4's global layers may have their own
+        q_rows, kv_rows = c.n_heads * head_dim, kv_heads * head_dim
         assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
         assert wo.shape == (c.hidden_size, q_rows), ("wo", tuple(wo.shape))
         assert (moe is not None) == (spec.mlp.experts is not None), f"layer {spec.index}: {spec.mlp.kind} expected"
@@ -150,7 +151,7 @@ class DecoderLayer(torch.nn.Module):
             assert k_norm is not None and k_norm.shape == (kv_rows,), "full-width q norm needs a full-width k norm"
         elif q_norm is not None and k_norm is not None:
             # One weight row per q head then per k head, so both norms run as one op on the q|k view.
-            qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(c.n_kv_heads, -1)))
+            qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(kv_heads, -1)))
         self.register_buffer("qk_norm", qk_norm, persistent=False)
         # Gemma: the attention output and the MLP output are normalised before they join the residual.
         assert (post_attn_norm is not None) == (post_mlp_norm is not None) == spec.norm.post, "post-norms: as described"
@@ -211,7 +212,9 @@ class CausalLM(torch.nn.Module):
         # GLM's next-token (MTP) layers as the file holds them, kept for speculative decoding, not run (mtp.py);
         # the loaders set them after building.
         self.mtp: tuple[MtpLayer, ...] = ()
-        self.rotary = RotaryTable(config if rotary_dim is None else replace(config, head_dim=rotary_dim, rotary_dim=None),
+        # Gemma 4's global layers (the ones this table rotates when there is a local one) may be wider.
+        rotated = rotary_dim or (config.global_head_dim if config.rope_local_theta is not None else None)
+        self.rotary = RotaryTable(config if rotated is None else replace(config, head_dim=rotated, rotary_dim=None),
                                   rope_freq_factors)
         # False: projections of a batch run as one GEMM (`linear`'s fast path); the engine clears it on CUDA
         # unless --deterministic. CPU float32 and int4 kernels are batch-invariant either way.
@@ -274,8 +277,9 @@ class CausalLM(torch.nn.Module):
         if self.graphs is not None and self.graphs.owns_one_token_rows and any(ch.tokens.numel() == 1 for ch in chunks):
             return self._hand_over_one_token_rows(chunks, kv, all_logits)
         c = self.config
-        assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.n_kv_heads, "K/V layout mismatch"
-        assert kv.layout.head_dim == c.head_dim and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
+        assert kv.layout.n_layers == c.n_layers and (kv.layout.n_kv_heads, kv.layout.head_dim) == c.kv_row, (
+            "K/V layout mismatch")
+        assert kv.layout.dtype.is_floating_point, "K/V layout mismatch"
         check_rows(chunks)
         for ch in chunks:
             n = ch.tokens.numel()
@@ -380,9 +384,12 @@ class CausalLM(torch.nn.Module):
         per_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
-        H, D = c.n_heads, c.head_dim
+        kv_heads, D = c.layer_heads(li)
+        H = c.n_heads
         q, k, v = self.qkv(layer, x, cos, sin, n_single, total)
         k_cache, v_cache = kv.layer(li)
+        if k_cache.shape[-2:] != (kv_heads, D):  # a narrower layer than the slots' row: its first channels
+            k_cache, v_cache = (t.flatten(-2)[..., : kv_heads * D].unflatten(-1, (kv_heads, D)) for t in (k_cache, v_cache))
         small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
         one = len(chunks) == 1
         attn = None if one else torch.empty(total, H, D, dtype=x.dtype, device=x.device)
@@ -418,7 +425,8 @@ class CausalLM(torch.nn.Module):
         """A layer's q [total, H, D], k and v [total, KVH, D] for x [total, hidden], RoPE applied (cos and sin
         per row, sin in the rolled-sign form of forward_chunks)."""
         c = self.config
-        H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
+        KVH, D = c.layer_heads(layer.spec.index)
+        H = c.n_heads
         eps = layer.spec.norm.eps
         h = rms_norm(x, layer.attn_norm, eps)
         qkv = linear(h, layer.wqkv, n_single, layer.bqkv, fast=not self.batch_invariant)

@@ -227,6 +227,7 @@ def slot_memory(model: Any, config: Any, n_slots: int, ctx: int, kv_dtype: torch
     if isinstance(model, HybridCausalLM):
         kv, states = hybrid_buffers(model, n_slots, ctx, every, kv_dtype)
         return kv, RecurrentMemory(kv, states)
-    kv = KVBuffers(KVLayout(config.n_layers, config.n_kv_heads, config.head_dim, kv_dtype), n_slots, ctx, stages)
+    heads, width = config.kv_row  # one row shape for every layer (Gemma 4's differ: the widest holds them)
+    kv = KVBuffers(KVLayout(config.n_layers, heads, width, kv_dtype), n_slots, ctx, stages)
     windows = slot_windows(config, kv, block_tokens)
     return kv, (AttentionMemory(kv) if windows is None else WindowMemory(kv, windows))
