@@ -223,7 +223,11 @@ def _gemma4_gguf_keys(writer, cfg: dict) -> None:
     full_kv = cfg.get("num_global_key_value_heads") or override.get("num_key_value_heads")
     writer.add_sliding_window(cfg["sliding_window"])
     writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
-    writer.add_shared_kv_layers(cfg.get("num_kv_shared_layers", 0))
+    shared = cfg.get("num_kv_shared_layers", 0)
+    writer.add_shared_kv_layers(shared)
+    if cfg.get("use_double_wide_mlp") and shared:  # the K/V-sharing layers' MLP twice as wide, per layer
+        n_ff, n = cfg["intermediate_size"], len(types)
+        writer.add_feed_forward_length([n_ff if i < n - shared else 2 * n_ff for i in range(n)])
     writer.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
     writer.add_key_length(full_dim)
     writer.add_value_length(full_dim)

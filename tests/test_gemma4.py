@@ -32,7 +32,8 @@ def _load(path: str):
 
 def _kv(lm, n_slots: int = 3, ctx: int = 256) -> KVBuffers:
     c = lm.config
-    return KVBuffers(KVLayout(c.n_layers, *c.kv_row, lm.dtype), n_slots, ctx, lm.model.stages)
+    return KVBuffers(KVLayout(c.kv_layers, *c.kv_row, lm.dtype), n_slots, ctx,
+                     [(d, a, min(b, c.kv_layers)) for d, a, b in lm.model.stages if a < c.kv_layers])
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,6 +48,16 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def lm(model):
     return _load(model)
+
+
+# Two layers reading earlier layers' K/V (a sliding one layer 3's, the global one layer 2's), their MLP doubled.
+SHARED = {"num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2}
+
+
+@pytest.fixture(scope="module")
+def shared_model(tmp_path_factory) -> str:
+    return write_tiny_model(tmp_path_factory.mktemp("gemma4-shared"), "gemma4", name="tiny-gemma4-shared", **SHARED)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +127,8 @@ def _hf(**overrides) -> dict:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
+        ({"num_kv_shared_layers": 2, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+         "num_kv_shared_layers"),
         ({"global_head_dim": 15}, "even width"),
         ({"attention_k_eq_v": True, "num_global_key_value_heads": 3}, "divisor"),
         ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block"),
@@ -141,6 +153,35 @@ def test_global_head_shape_is_resolved_as_transformers_resolves_it():
     assert ModelConfig.from_hf({**cfg, "global_head_dim": 64, "num_global_key_value_heads": 1}).layer_heads(5) == (2, 64)
 
 
+def test_layers_sharing_earlier_k_v_match_transformers_and_hold_no_k_v(shared_model, tmp_path):
+    """K/V-sharing layers: the slots hold the first four layers only; one shot, chunks and decode match
+    transformers; the GGUF of the same weights (no attn_k/attn_v on those layers, per-layer MLP widths) too."""
+    lm = _load(shared_model)
+    c = lm.config
+    assert (c.kv_layers, c.kv_source(4), c.kv_source(5), c.mlp_size(3), c.mlp_size(4)) == (4, 3, 2, 128, 256)
+    assert "shared K/V" in lm.model.description.features()
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(shared_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    kv = _kv(lm)
+    assert kv.layout.n_layers == 4
+    got = lm.model.forward_chunks([SeqChunk(0, 0, ids)], kv, all_logits=True)[0]
+    assert _diff(got, ref) <= ATOL, f"one shot: {_diff(got, ref):.3g}"
+    n = len(ids) - 3
+    for a in range(0, n, 13):
+        b = min(a + 13, n)
+        part = lm.model.forward_chunks([SeqChunk(1, a, ids[a:b])], kv, all_logits=True)[0]
+        assert _diff(part, ref[a:b]) <= ATOL, f"chunk [{a},{b}): {_diff(part, ref[a:b]):.3g}"
+    for pos in range(n, len(ids)):
+        one = lm.model.forward_chunks([SeqChunk(1, pos, ids[pos : pos + 1])], kv)[0]
+        assert _diff(one, ref[pos]) <= ATOL, f"decode at {pos}: {_diff(one, ref[pos]):.3g}"
+    gguf = _load(write_tiny_gguf(tmp_path, "gemma4", quantize=False, **SHARED))
+    assert (gguf.config.kv_layers, gguf.config.double_wide_mlp) == (4, True)
+    from_file = gguf.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(gguf), all_logits=True)[0]
+    assert _diff(from_file, ref) <= ATOL
+
+
 def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
     out = tmp_path / "shared"
     out.mkdir()
@@ -149,8 +190,8 @@ def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     os.unlink(out / "config.json")
-    (out / "config.json").write_text(json.dumps({**cfg, "num_kv_shared_layers": 2}), encoding="utf-8")
-    with pytest.raises(ModelLoadError, match="num_kv_shared_layers"):
+    (out / "config.json").write_text(json.dumps({**cfg, "enable_moe_block": True}), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match="enable_moe_block"):
         _load(str(out))
 
 
@@ -170,7 +211,6 @@ def test_gguf_as_llama_cpp_converts_it_loads_the_model_of_its_folder(tmp_path):
 @pytest.mark.parametrize(
     ("meta", "message"),
     [
-        ({"gemma4.attention.shared_kv_layers": 2}, "shared_kv_layers"),
         ({"gemma4.expert_count": 8}, "expert_count"),
         ({"gemma4.attention.head_count_kv": [2, 1, 2, 2, 2, 1],
           "gemma4.attention.sliding_window_pattern": [True] * 5 + [False]}, "head_count_kv"),

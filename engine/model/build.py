@@ -194,11 +194,15 @@ def build_model(
             spec = description.layers[i]
             kv_heads, head_dim = c.layer_heads(i)  # Gemma 4's global layers may have their own
             q_rows, kv_rows = c.n_heads * head_dim, kv_heads * head_dim
+            inter = spec.mlp.size  # twice the model's on Gemma 4's double-wide K/V-sharing layers
             # Gemma 4's global layers with attention_k_eq_v take their values from the key projection.
             v_key = p + ("k" if c.attention_k_eq_v and spec.attention.window is None else "v")
-            # The order of the reads is the order of the weights in the fingerprint: keep it.
-            w = {"wqkv": projection(p + "wqkv", [(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
-                                     (v_key, (kv_rows, hidden))], device)}
+            # The order of the reads is the order of the weights in the fingerprint: keep it. A Gemma 4 layer that
+            # reads an earlier layer's K/V projects q alone.
+            qkv_parts = [(p + "q", (q_rows, hidden))]
+            if spec.kv_source is None:
+                qkv_parts += [(p + "k", (kv_rows, hidden)), (v_key, (kv_rows, hidden))]
+            w = {"wqkv": projection(p + "wqkv", qkv_parts, device)}
             bqkv = None
             if spec.attention.bias:
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
@@ -224,7 +228,7 @@ def build_model(
             if spec.attention.qk_norm != "none":
                 q_shape, k_shape = moe_loading.q_norm_shapes(c, head_dim)
                 q_norm = need(p + "q_norm", q_shape, device)
-                k_norm = need(p + "k_norm", k_shape, device)
+                k_norm = need(p + "k_norm", k_shape, device) if spec.kv_source is None else None
             attn_norm = need(p + "attn_norm", (hidden,), device)
             w["wo"] = projection(p + "wo", [(p + "o", (hidden, q_rows))], device)
             mlp_norm = need(p + "mlp_norm", (hidden,), device)

@@ -21,7 +21,8 @@ _HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
                       "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
                       "mtp_layers": 0, "per_layer_input": 0, "per_layer_vocab": 0, "attention_k_eq_v": False,
-                      "rope_pairs": None, "global_head_dim": None, "global_kv_heads": None}
+                      "rope_pairs": None, "global_head_dim": None, "global_kv_heads": None, "kv_shared_layers": 0,
+                      "double_wide_mlp": False}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -73,6 +74,11 @@ class ModelConfig:
     # layers' (`head_dim`, `n_kv_heads`); None: the same. The slots hold one K/V row shape (`kv_row`).
     global_head_dim: int | None = None
     global_kv_heads: int | None = None
+    # Gemma 4: the last `kv_shared_layers` layers compute no K/V of their own; each reads the K/V of the last
+    # earlier layer of its kind (sliding or global), so the slots and the cache hold only the layers before them
+    # (`kv_layers`). With `double_wide_mlp` those layers' MLP is twice as wide.
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -100,6 +106,13 @@ class ModelConfig:
         if global_dim % 2 or self.n_heads % global_kvh:
             raise ConfigError(f"global layers: {self.n_heads} heads over {global_kvh} K/V heads of {global_dim} "
                               "(expected an even width and a divisor of the heads)")
+        if not isinstance(self.kv_shared_layers, int) or not 0 <= self.kv_shared_layers < self.n_layers:
+            raise ConfigError(f"num_kv_shared_layers: expected a whole number from 0 to {self.n_layers - 1}, got "
+                              f"{self.kv_shared_layers!r}")
+        kinds = {i in self.sliding_layers for i in range(self.n_layers)}
+        if kinds != {i in self.sliding_layers for i in range(self.kv_layers)}:
+            raise ConfigError(f"num_kv_shared_layers {self.kv_shared_layers}: the layers before the shared ones must "
+                              "include a sliding and a global layer for them to read")
         if self.rope_pairs is not None and not 0 < self.rope_pairs < global_dim // 2:
             raise ConfigError(f"proportional RoPE: expected 1 to {global_dim // 2 - 1} rotated frequencies, "
                               f"got {self.rope_pairs} (partial_rotary_factor)")
@@ -129,6 +142,23 @@ class ModelConfig:
     def norm_offset(self) -> bool:
         """Gemma 3's norms scale by (1 + w), stored as such by the loaders; Gemma 4's by w."""
         return self.architecture == "gemma3"
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers whose K/V the slots and the cache hold: all of them, less Gemma 4's K/V-sharing ones."""
+        return self.n_layers - self.kv_shared_layers
+
+    def kv_source(self, index: int) -> int:
+        """The layer whose K/V layer `index` attends to: itself, or for a K/V-sharing layer the last layer of its
+        kind before the shared ones (as transformers' kv_sharing_modes picks it)."""
+        if index < self.kv_layers:
+            return index
+        sliding = index in self.sliding_layers
+        return next(i for i in range(self.kv_layers - 1, -1, -1) if (i in self.sliding_layers) == sliding)
+
+    def mlp_size(self, index: int) -> int:
+        """Layer `index`'s MLP width: twice the model's on Gemma 4's K/V-sharing layers with double_wide_mlp."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and index >= self.kv_layers else 1)
 
     def layer_heads(self, index: int) -> tuple[int, int]:
         """(K/V heads, head width) of layer `index`: a global layer's own where the model gives them (Gemma 4)."""
@@ -236,6 +266,8 @@ class ModelConfig:
                 rope_pairs=gemma_fields.get("rope_pairs"),
                 global_head_dim=gemma_fields.get("global_head_dim"),
                 global_kv_heads=gemma_fields.get("global_kv_heads"),
+                kv_shared_layers=gemma_fields.get("kv_shared_layers", 0),
+                double_wide_mlp=gemma_fields.get("double_wide_mlp", False),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

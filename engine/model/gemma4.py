@@ -12,8 +12,10 @@ frequencies are 0, written as divisors of infinity, as llama.cpp's converter wri
 The global layers may have their own head width and K/V head count (`global_head_dim`, with `attention_k_eq_v`
 `num_global_key_value_heads`); the slots hold one row shape wide enough for every layer (ModelConfig.kv_row).
 
-Refused at load, each with the setting named: layers that reuse an earlier layer's K/V (`num_kv_shared_layers`),
-the expert block (`enable_moe_block`) and bidirectional attention.
+The last `num_kv_shared_layers` layers may read an earlier layer's K/V instead of computing their own (the slots
+and the cache then hold fewer layers, ModelConfig.kv_layers), with an MLP twice as wide (`use_double_wide_mlp`).
+
+Refused at load, each with the setting named: the expert block (`enable_moe_block`) and bidirectional attention.
 """
 
 from __future__ import annotations
@@ -58,9 +60,6 @@ def hf_gemma4_problem(cfg: dict[str, Any]) -> str | None:
         return "gemma4: use_bidirectional_attention is not supported (a causal model is expected)"
     if cfg.get("enable_moe_block"):
         return "gemma4: enable_moe_block (the expert block beside the MLP) is not supported yet"
-    if cfg.get("num_kv_shared_layers"):
-        return (f"gemma4: num_kv_shared_layers {cfg['num_kv_shared_layers']} (layers reusing an earlier layer's "
-                "K/V) is not supported yet (expected 0)")
     rope = cfg.get("rope_parameters") or {}
     for kind, allowed in (("full_attention", ("default", "proportional")), ("sliding_attention", ("default",))):
         rope_type = (rope.get(kind) or {}).get("rope_type", "default")
@@ -93,6 +92,8 @@ def hf_gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "rope_pairs": pairs,
         "global_head_dim": global_dim if global_dim != head_dim else None,
         "global_kv_heads": global_kv if global_kv != kv_heads else None,
+        "kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
+        "double_wide_mlp": bool(cfg.get("use_double_wide_mlp")) and bool(cfg.get("num_kv_shared_layers")),
     }
 
 
@@ -111,15 +112,13 @@ def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], 
     if arch != "gemma4":
         return {}
     shared = int(meta.get(f"{arch}.attention.shared_kv_layers") or 0)
-    if shared:
-        raise ValueError(f"{arch}.attention.shared_kv_layers {shared} (layers reusing an earlier layer's K/V) is not "
-                         "supported yet (expected 0)")
     if meta.get(f"{arch}.expert_count"):
         raise ValueError(f"{arch}.expert_count: the expert block beside the MLP is not supported yet")
     ff = meta.get(f"{arch}.feed_forward_length")
-    if isinstance(ff, list) and len(set(ff)) > 1:
-        raise ValueError(f"{arch}.feed_forward_length differs between layers ({sorted(set(ff))}): not supported yet "
-                         "(one MLP width per model)")
+    double = isinstance(ff, list) and shared > 0 and ff == [ff[0]] * (n_layers - shared) + [2 * ff[0]] * shared
+    if isinstance(ff, list) and len(set(ff)) > 1 and not double:
+        raise ValueError(f"{arch}.feed_forward_length differs between layers ({sorted(set(ff))}) other than twice as "
+                         "wide on the K/V-sharing layers: not supported")
     full_k, full_v = meta.get(f"{arch}.attention.key_length"), meta.get(f"{arch}.attention.value_length")
     swa_k = meta.get(f"{arch}.attention.key_length_swa") or full_k
     swa_v = meta.get(f"{arch}.attention.value_length_swa") or full_v
@@ -151,4 +150,6 @@ def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], 
         "n_kv_heads": kv_of(sliding[0]) if sliding and kv else None,
         "global_head_dim": int(full_k) if full_k and full_k != swa_k else None,
         "global_kv_heads": kv_of(full[0]) if full and sliding and kv and kv_of(full[0]) != kv_of(sliding[0]) else None,
+        "kv_shared_layers": shared,
+        "double_wide_mlp": double,
     }

@@ -43,6 +43,7 @@ FEATURES = (
     "value norm",  # an RMSNorm without a weight on each value head (Gemma 4)
     "layer scale",  # the layer's output times a scalar of its own (Gemma 4)
     "per-layer inputs",  # a per-layer embedding of the token through a gated residual after the MLP (Gemma 4)
+    "shared K/V",  # a layer attends to an earlier layer's K/V and computes none (Gemma 4)
 )
 
 
@@ -121,6 +122,7 @@ class LayerSpec:
     mlp: MlpSpec
     scaled: bool = False  # the layer's output is multiplied by its own scalar (Gemma 4's layer_scalar)
     per_layer_input: int = 0  # the width of its per-layer input (Gemma 4's PLE; per_layer_inputs.py), 0: none
+    kv_source: int | None = None  # the earlier layer whose K/V it attends to, computing none (Gemma 4); None: its own
 
     def features(self) -> frozenset[str]:
         """The FEATURES this layer uses."""
@@ -143,6 +145,7 @@ class LayerSpec:
             "value norm": a.value_norm,
             "layer scale": self.scaled,
             "per-layer inputs": self.per_layer_input > 0,
+            "shared K/V": self.kv_source is not None,
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -196,8 +199,8 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
             index=i, norm=norm,
             attention=AttentionSpec(window=window, rope=rope, qk_norm=qk, scale=scale, bias=c.attention_bias,
                                     rotary_dim=c.rotary_dim, value_norm=gemma4),
-            mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.intermediate_size, experts=experts),
-            scaled=gemma4, per_layer_input=c.per_layer_input,
+            mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.mlp_size(i), experts=experts),
+            scaled=gemma4, per_layer_input=c.per_layer_input, kv_source=None if i < c.kv_layers else c.kv_source(i),
         ))
     return ModelLayers(
         layers=tuple(layers),

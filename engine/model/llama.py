@@ -120,13 +120,14 @@ class DecoderLayer(torch.nn.Module):
         c = config
         kv_heads, head_dim = c.layer_heads(spec.index)  # Gemma 4's global layers may have their own
         q_rows, kv_rows = c.n_heads * head_dim, kv_heads * head_dim
-        assert wqkv.shape == (q_rows + 2 * kv_rows, c.hidden_size), ("wqkv", tuple(wqkv.shape))
+        own_kv = spec.kv_source is None  # Gemma 4's K/V-sharing layers project q alone
+        assert wqkv.shape == (q_rows + 2 * kv_rows * own_kv, c.hidden_size), ("wqkv", tuple(wqkv.shape))
         assert wo.shape == (c.hidden_size, q_rows), ("wo", tuple(wo.shape))
         assert (moe is not None) == (spec.mlp.experts is not None), f"layer {spec.index}: {spec.mlp.kind} expected"
         if moe is None:
             assert w_gate_up is not None and w_down is not None, "a dense layer needs w_gate_up and w_down"
-            assert w_gate_up.shape == (2 * c.intermediate_size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
-            assert w_down.shape == (c.hidden_size, c.intermediate_size), ("w_down", tuple(w_down.shape))
+            assert w_gate_up.shape == (2 * spec.mlp.size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
+            assert w_down.shape == (c.hidden_size, spec.mlp.size), ("w_down", tuple(w_down.shape))
         else:  # a sparse expert block (engine/model/moe.py) instead of the dense MLP
             assert w_gate_up is None and w_down is None, "a layer has either a dense MLP or experts"
         self.moe = moe
@@ -141,7 +142,7 @@ class DecoderLayer(torch.nn.Module):
         self.register_buffer("w_down", w_down, persistent=False)
         qk_norm = None
         kind = spec.attention.qk_norm
-        assert (q_norm is not None) == (k_norm is not None) == (kind != "none"), f"q/k norms: {kind} expected"
+        assert (q_norm is not None) == (k_norm is not None or not own_kv) == (kind != "none"), f"q/k norms: {kind}"
         # OLMoE normalises q and k over their full widths (one weight per row of q, of k) before the head split.
         full = kind == "full"
         self.register_buffer("q_norm_full", q_norm if full else None, persistent=False)
@@ -149,9 +150,10 @@ class DecoderLayer(torch.nn.Module):
         if full:
             assert q_norm is not None and q_norm.shape == (q_rows,), "full-width q norm: one weight per row of q"
             assert k_norm is not None and k_norm.shape == (kv_rows,), "full-width q norm needs a full-width k norm"
-        elif q_norm is not None and k_norm is not None:
+        elif q_norm is not None:
             # One weight row per q head then per k head, so both norms run as one op on the q|k view.
-            qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(kv_heads, -1)))
+            qk_norm = q_norm.expand(c.n_heads, -1) if k_norm is None else torch.cat(
+                (q_norm.expand(c.n_heads, -1), k_norm.expand(kv_heads, -1)))
         self.register_buffer("qk_norm", qk_norm, persistent=False)
         # Gemma: the attention output and the MLP output are normalised before they join the residual.
         assert (post_attn_norm is not None) == (post_mlp_norm is not None) == spec.norm.post, "post-norms: as described"
@@ -277,7 +279,7 @@ class CausalLM(torch.nn.Module):
         if self.graphs is not None and self.graphs.owns_one_token_rows and any(ch.tokens.numel() == 1 for ch in chunks):
             return self._hand_over_one_token_rows(chunks, kv, all_logits)
         c = self.config
-        assert kv.layout.n_layers == c.n_layers and (kv.layout.n_kv_heads, kv.layout.head_dim) == c.kv_row, (
+        assert kv.layout.n_layers == c.kv_layers and (kv.layout.n_kv_heads, kv.layout.head_dim) == c.kv_row, (
             "K/V layout mismatch")
         assert kv.layout.dtype.is_floating_point, "K/V layout mismatch"
         check_rows(chunks)
@@ -387,7 +389,8 @@ class CausalLM(torch.nn.Module):
         kv_heads, D = c.layer_heads(li)
         H = c.n_heads
         q, k, v = self.qkv(layer, x, cos, sin, n_single, total)
-        k_cache, v_cache = kv.layer(li)
+        shared = layer.spec.kv_source is not None  # Gemma 4: attends to an earlier layer's K/V, writes none
+        k_cache, v_cache = kv.layer(li if layer.spec.kv_source is None else layer.spec.kv_source)
         if k_cache.shape[-2:] != (kv_heads, D):  # a narrower layer than the slots' row: its first channels
             k_cache, v_cache = (t.flatten(-2)[..., : kv_heads * D].unflatten(-1, (kv_heads, D)) for t in (k_cache, v_cache))
         small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
@@ -398,13 +401,14 @@ class CausalLM(torch.nn.Module):
         for i, ch in enumerate(chunks):
             lo, hi = plans.offsets[i], plans.offsets[i + 1]
             end = ch.start + (hi - lo)
-            k_cache[ch.slot, ch.start : end] = k[lo:hi]
-            v_cache[ch.slot, ch.start : end] = v[lo:hi]
+            if not shared:
+                k_cache[ch.slot, ch.start : end] = k[lo:hi]
+                v_cache[ch.slot, ch.start : end] = v[lo:hi]
             # A sliding layer reads only its window's rows (sliding.py); `masks` are then the window masks.
             seen = first_key(ch.start, window)
             keys, values = k_cache[ch.slot, seen:end].transpose(0, 1), v_cache[ch.slot, seen:end].transpose(0, 1)
-            if keys.dtype != q.dtype:  # --kv-dtype narrower than the compute dtype: attend in the compute dtype
-                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if keys.dtype != q.dtype or keys.device != q.device:  # a narrower --kv-dtype; a shared layer's source
+                keys, values = keys.to(q.device, q.dtype), values.to(q.device, q.dtype)  # on another stage
             if hi - lo == 1 and small_float32:
                 out = _decode_attention(q[lo], keys, values, scale)
             else:
@@ -426,6 +430,8 @@ class CausalLM(torch.nn.Module):
         per row, sin in the rolled-sign form of forward_chunks)."""
         c = self.config
         KVH, D = c.layer_heads(layer.spec.index)
+        if layer.spec.kv_source is not None:  # Gemma 4's K/V-sharing layer: q alone
+            KVH = 0
         H = c.n_heads
         eps = layer.spec.norm.eps
         h = rms_norm(x, layer.attn_norm, eps)
