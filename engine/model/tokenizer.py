@@ -22,10 +22,10 @@ END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
     "<turn|>",  # Gemma 4
 )
-# Gemma 4's markers of calls, their strings and its thinking channel: special tokens in its tokenizer.json, decoded
-# as text here (as llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them.
-RENDERED_MARKERS = frozenset({"<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<|tool_response>",
-                              "<tool_response|>"})
+# Gemma 4's markers of a call and of its strings: special tokens in its tokenizer.json, decoded as text here (as
+# llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them. Its thinking channel's
+# markers stay special (left out of answers): no reasoning is parsed out of an answer yet.
+RENDERED_MARKERS = frozenset({"<|tool_call>", "<tool_call|>", '<|"|>'})
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
 _LLAMA3_SPLIT = (
