@@ -176,6 +176,8 @@ def write_tiny_model(
                 param.uniform_(-0.5, 0.5) if arch == "gemma3" else param.uniform_(0.5, 1.5)
             elif pname.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+            elif pname.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router scales: not all 1
+                param.uniform_(0.5, 1.5)
         for bname, buf in model.named_buffers():
             if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scalar: not 1, so it shows
                 buf.uniform_(0.5, 1.5)

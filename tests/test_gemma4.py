@@ -131,7 +131,7 @@ def _hf(**overrides) -> dict:
          "num_kv_shared_layers"),
         ({"global_head_dim": 15}, "even width"),
         ({"attention_k_eq_v": True, "num_global_key_value_heads": 3}, "divisor"),
-        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block"),
+        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "moe_intermediate_size"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"hidden_activation": "relu"}, "hidden_activation"),
     ],
@@ -182,6 +182,26 @@ def test_layers_sharing_earlier_k_v_match_transformers_and_hold_no_k_v(shared_mo
     assert _diff(from_file, ref) <= ATOL
 
 
+def test_expert_block_beside_the_mlp_matches_transformers(tmp_path):
+    """enable_moe_block: every layer's experts (4, top 2, GeGLU) beside its dense MLP, routed from the residual."""
+    path = write_tiny_model(tmp_path, "gemma4", enable_moe_block=True, num_experts=4, top_k_experts=2,
+                            moe_intermediate_size=32)
+    lm = _load(path)
+    assert lm.config.parallel_experts == (4, 2, 32) and "parallel experts" in lm.model.description.features()
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    kv = _kv(lm)
+    got = lm.model.forward_chunks([SeqChunk(0, 0, ids)], kv, all_logits=True)[0]
+    assert _diff(got, ref) <= ATOL, f"one shot: {_diff(got, ref):.3g}"
+    n = len(ids) - 2
+    lm.model.forward_chunks([SeqChunk(1, 0, ids[:n])], kv)
+    for pos in range(n, len(ids)):
+        one = lm.model.forward_chunks([SeqChunk(1, pos, ids[pos : pos + 1])], kv)[0]
+        assert _diff(one, ref[pos]) <= ATOL, f"decode at {pos}: {_diff(one, ref[pos]):.3g}"
+
+
 def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
     out = tmp_path / "shared"
     out.mkdir()
@@ -190,8 +210,8 @@ def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     os.unlink(out / "config.json")
-    (out / "config.json").write_text(json.dumps({**cfg, "enable_moe_block": True}), encoding="utf-8")
-    with pytest.raises(ModelLoadError, match="enable_moe_block"):
+    (out / "config.json").write_text(json.dumps({**cfg, "use_bidirectional_attention": "all"}), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
         _load(str(out))
 
 

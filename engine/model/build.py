@@ -14,6 +14,7 @@ from engine.errors import ModelLoadError
 from engine.model import int4, kquant_weight, moe_loading, q8_output, q8_weight
 from engine.model.config import ModelConfig
 from engine.model.gemma4 import proportional_factors
+from engine.model.gemma4_experts import Gemma4Experts
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
@@ -239,6 +240,17 @@ def build_model(
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
             if spec.scaled:  # Gemma 4's scalar on the layer's output
                 post["layer_scalar"] = need(p + "layer_scalar", (1,), device)
+            if spec.parallel_experts:  # Gemma 4's expert block beside the dense MLP (kept as read: float)
+                n_exp, top_k, size = c.parallel_experts
+                post["experts"] = Gemma4Experts(
+                    top_k=top_k, eps=c.rms_norm_eps, router=need(p + "router", (n_exp, hidden), device),
+                    router_scale=need(p + "router_scale", (hidden,), device),
+                    expert_scale=need(p + "expert_scale", (n_exp,), device),
+                    gate_up=need(p + "experts_gate_up", (n_exp, 2 * size, hidden), device),
+                    down=need(p + "experts_down", (n_exp, hidden, size), device),
+                    pre_norm=need(p + "experts_norm", (hidden,), device),
+                    post_mlp_norm=need(p + "post_mlp_norm_1", (hidden,), device),
+                    post_experts_norm=need(p + "post_experts_norm", (hidden,), device))
             if (width := spec.per_layer_input) > 0:  # Gemma 4's per-layer input: its gate, projection and norm
                 post["per_layer"] = (need(p + "ple_gate", (width, hidden), device),
                                      need(p + "ple_proj", (hidden, width), device), need(p + "ple_norm", (hidden,), device))

@@ -22,7 +22,7 @@ _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (),
                       "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
                       "mtp_layers": 0, "per_layer_input": 0, "per_layer_vocab": 0, "attention_k_eq_v": False,
                       "rope_pairs": None, "global_head_dim": None, "global_kv_heads": None, "kv_shared_layers": 0,
-                      "double_wide_mlp": False}
+                      "double_wide_mlp": False, "parallel_experts": (0, 0, 0)}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -79,6 +79,9 @@ class ModelConfig:
     # (`kv_layers`). With `double_wide_mlp` those layers' MLP is twice as wide.
     kv_shared_layers: int = 0
     double_wide_mlp: bool = False
+    # Gemma 4's expert block beside every layer's dense MLP (gemma4_experts.py): (experts, top k, expert width);
+    # (0, 0, 0): none.
+    parallel_experts: tuple[int, int, int] = (0, 0, 0)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -106,6 +109,10 @@ class ModelConfig:
         if global_dim % 2 or self.n_heads % global_kvh:
             raise ConfigError(f"global layers: {self.n_heads} heads over {global_kvh} K/V heads of {global_dim} "
                               "(expected an even width and a divisor of the heads)")
+        n_experts, top_k, expert_size = self.parallel_experts
+        if any(self.parallel_experts) and not (0 < top_k <= n_experts and expert_size > 0):
+            raise ConfigError(f"expert block: expected top_k_experts from 1 to num_experts ({n_experts}) and a "
+                              f"moe_intermediate_size > 0, got {top_k} and {expert_size}")
         if not isinstance(self.kv_shared_layers, int) or not 0 <= self.kv_shared_layers < self.n_layers:
             raise ConfigError(f"num_kv_shared_layers: expected a whole number from 0 to {self.n_layers - 1}, got "
                               f"{self.kv_shared_layers!r}")
@@ -268,6 +275,7 @@ class ModelConfig:
                 global_kv_heads=gemma_fields.get("global_kv_heads"),
                 kv_shared_layers=gemma_fields.get("kv_shared_layers", 0),
                 double_wide_mlp=gemma_fields.get("double_wide_mlp", False),
+                parallel_experts=gemma_fields.get("parallel_experts", (0, 0, 0)),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

@@ -39,7 +39,8 @@ HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
 # Gemma 4's value norm, layer scalar and per-layer inputs: only the eager forward runs them (step.c's layer,
 # the lean step's and the captured one's have no place for a second embedding or a third residual).
-GEMMA4 = (frozenset({"value norm", "layer scale", "per-layer inputs", "shared K/V"}), "Gemma 4 layers")
+GEMMA4 = (frozenset({"value norm", "layer scale", "per-layer inputs", "shared K/V", "parallel experts"}),
+          "Gemma 4 layers")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
     CPU_STEP: (

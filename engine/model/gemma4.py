@@ -15,7 +15,8 @@ The global layers may have their own head width and K/V head count (`global_head
 The last `num_kv_shared_layers` layers may read an earlier layer's K/V instead of computing their own (the slots
 and the cache then hold fewer layers, ModelConfig.kv_layers), with an MLP twice as wide (`use_double_wide_mlp`).
 
-Refused at load, each with the setting named: the expert block (`enable_moe_block`) and bidirectional attention.
+Every layer may have an expert block beside its dense MLP (`enable_moe_block`; gemma4_experts.py), read from an HF
+folder. Refused at load, each with the setting named: that block in a GGUF file, and bidirectional attention.
 """
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ def hf_gemma4_problem(cfg: dict[str, Any]) -> str | None:
         return f"gemma4: hidden_activation {act!r} is not supported (expected gelu_pytorch_tanh)"
     if cfg.get("use_bidirectional_attention"):
         return "gemma4: use_bidirectional_attention is not supported (a causal model is expected)"
-    if cfg.get("enable_moe_block"):
-        return "gemma4: enable_moe_block (the expert block beside the MLP) is not supported yet"
     rope = cfg.get("rope_parameters") or {}
     for kind, allowed in (("full_attention", ("default", "proportional")), ("sliding_attention", ("default",))):
         rope_type = (rope.get(kind) or {}).get("rope_type", "default")
@@ -94,6 +93,8 @@ def hf_gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "global_kv_heads": global_kv if global_kv != kv_heads else None,
         "kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
         "double_wide_mlp": bool(cfg.get("use_double_wide_mlp")) and bool(cfg.get("num_kv_shared_layers")),
+        "parallel_experts": ((int(cfg.get("num_experts") or 0), int(cfg.get("top_k_experts") or 0),
+                              int(cfg.get("moe_intermediate_size") or 0)) if cfg.get("enable_moe_block") else (0, 0, 0)),
     }
 
 
@@ -113,7 +114,8 @@ def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], 
         return {}
     shared = int(meta.get(f"{arch}.attention.shared_kv_layers") or 0)
     if meta.get(f"{arch}.expert_count"):
-        raise ValueError(f"{arch}.expert_count: the expert block beside the MLP is not supported yet")
+        raise ValueError(f"{arch}.expert_count: the expert block beside the MLP is not read from GGUF yet (an HF "
+                         "folder's is)")
     ff = meta.get(f"{arch}.feed_forward_length")
     double = isinstance(ff, list) and shared > 0 and ff == [ff[0]] * (n_layers - shared) + [2 * ff[0]] * shared
     if isinstance(ff, list) and len(set(ff)) > 1 and not double:

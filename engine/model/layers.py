@@ -44,6 +44,7 @@ FEATURES = (
     "layer scale",  # the layer's output times a scalar of its own (Gemma 4)
     "per-layer inputs",  # a per-layer embedding of the token through a gated residual after the MLP (Gemma 4)
     "shared K/V",  # a layer attends to an earlier layer's K/V and computes none (Gemma 4)
+    "parallel experts",  # an expert block beside the dense MLP, its own router, norms and GeGLU experts (Gemma 4)
 )
 
 
@@ -123,6 +124,7 @@ class LayerSpec:
     scaled: bool = False  # the layer's output is multiplied by its own scalar (Gemma 4's layer_scalar)
     per_layer_input: int = 0  # the width of its per-layer input (Gemma 4's PLE; per_layer_inputs.py), 0: none
     kv_source: int | None = None  # the earlier layer whose K/V it attends to, computing none (Gemma 4); None: its own
+    parallel_experts: bool = False  # an expert block beside the dense MLP (Gemma 4's, gemma4_experts.py)
 
     def features(self) -> frozenset[str]:
         """The FEATURES this layer uses."""
@@ -146,6 +148,7 @@ class LayerSpec:
             "layer scale": self.scaled,
             "per-layer inputs": self.per_layer_input > 0,
             "shared K/V": self.kv_source is not None,
+            "parallel experts": self.parallel_experts,
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -201,6 +204,7 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
                                     rotary_dim=c.rotary_dim, value_norm=gemma4),
             mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.mlp_size(i), experts=experts),
             scaled=gemma4, per_layer_input=c.per_layer_input, kv_source=None if i < c.kv_layers else c.kv_source(i),
+            parallel_experts=any(c.parallel_experts),
         ))
     return ModelLayers(
         layers=tuple(layers),

@@ -30,6 +30,7 @@ from engine.model.rope import RotaryTable
 from engine.model.sliding import first_key, window_mask
 
 if TYPE_CHECKING:  # moe imports this module's kernels
+    from engine.model.gemma4_experts import Gemma4Experts
     from engine.model.moe import SparseMoe
     from engine.model.mtp import MtpLayer
 
@@ -115,6 +116,7 @@ class DecoderLayer(torch.nn.Module):
         post_mlp_norm: torch.Tensor | None = None,
         layer_scalar: torch.Tensor | None = None,
         per_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        experts: Gemma4Experts | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -168,6 +170,8 @@ class DecoderLayer(torch.nn.Module):
         self.register_buffer("ple_gate", ple_gate, persistent=False)
         self.register_buffer("ple_proj", ple_proj, persistent=False)
         self.register_buffer("ple_norm", ple_norm, persistent=False)
+        assert (experts is not None) == spec.parallel_experts, f"layer {spec.index}: the expert block as described"
+        self.experts = experts  # Gemma 4's expert block beside the dense MLP
 
 
 class CausalLM(torch.nn.Module):
@@ -480,6 +484,8 @@ class CausalLM(torch.nn.Module):
         else:
             act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
         mlp_out = linear(act, layer.w_down, n_single, fast=fast)
+        if layer.experts is not None:  # Gemma 4: the experts beside the MLP, on the residual, summed with it
+            mlp_out = layer.experts(x, mlp_out, n_single, fast)
         if layer.post_mlp_norm is not None:
             mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, eps)
         return per_layer_residual(layer, x + mlp_out, per_layer, n_single, fast)
