@@ -205,6 +205,11 @@ _GGUF_GEMMA_NAMES = {
 _GGUF_GEMMA4_NAMES = {
     **_GGUF_GEMMA_NAMES, "per_layer_input_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
     "post_per_layer_input_norm.weight": "post_norm.weight", "layer_scalar": "layer_output_scale.weight",
+    "router.proj.weight": "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight", "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
 }
 _GGUF_GEMMA4_GLOBAL = {
     "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
@@ -242,6 +247,10 @@ def _gemma4_gguf_keys(writer, cfg: dict) -> None:
     writer.add_rope_freq_base_swa(cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     if cfg.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg.get("enable_moe_block"):
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["top_k_experts"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     # Proportional RoPE on the global layers as divisors: 1 for the rotated frequencies, 1e30 for the others.
     pairs = int(full_dim * cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * pairs + [1e30] * (full_dim // 2 - pairs), dtype=np.float32))

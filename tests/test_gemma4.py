@@ -183,9 +183,11 @@ def test_layers_sharing_earlier_k_v_match_transformers_and_hold_no_k_v(shared_mo
 
 
 def test_expert_block_beside_the_mlp_matches_transformers(tmp_path):
-    """enable_moe_block: every layer's experts (4, top 2, GeGLU) beside its dense MLP, routed from the residual."""
-    path = write_tiny_model(tmp_path, "gemma4", enable_moe_block=True, num_experts=4, top_k_experts=2,
-                            moe_intermediate_size=32)
+    """enable_moe_block: every layer's experts (4, top 2, GeGLU) beside its dense MLP, routed from the residual;
+    the GGUF of the same weights (llama.cpp's names: ffn_gate_inp with its .scale, ffn_gate_up_exps, ...) too."""
+    experts = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+    gguf_path = write_tiny_gguf(tmp_path, "gemma4", quantize=False, **experts)
+    path = os.path.join(tmp_path, "tiny-gemma4")
     lm = _load(path)
     assert lm.config.parallel_experts == (4, 2, 32) and "parallel experts" in lm.model.description.features()
     ids = torch.tensor(lm.tokenizer.encode(TEXT))
@@ -200,6 +202,10 @@ def test_expert_block_beside_the_mlp_matches_transformers(tmp_path):
     for pos in range(n, len(ids)):
         one = lm.model.forward_chunks([SeqChunk(1, pos, ids[pos : pos + 1])], kv)[0]
         assert _diff(one, ref[pos]) <= ATOL, f"decode at {pos}: {_diff(one, ref[pos]):.3g}"
+    gguf = _load(gguf_path)
+    assert gguf.config.parallel_experts == (4, 2, 32)
+    from_file = gguf.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(gguf), all_logits=True)[0]
+    assert _diff(from_file, ref) <= ATOL
 
 
 def test_a_refused_folder_fails_to_load_with_the_reason(model, tmp_path):
@@ -231,7 +237,6 @@ def test_gguf_as_llama_cpp_converts_it_loads_the_model_of_its_folder(tmp_path):
 @pytest.mark.parametrize(
     ("meta", "message"),
     [
-        ({"gemma4.expert_count": 8}, "expert_count"),
         ({"gemma4.attention.head_count_kv": [2, 1, 2, 2, 2, 1],
           "gemma4.attention.sliding_window_pattern": [True] * 5 + [False]}, "head_count_kv"),
         ({"gemma4.feed_forward_length": [128] * 4 + [256] * 2}, "feed_forward_length"),

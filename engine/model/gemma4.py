@@ -15,8 +15,8 @@ The global layers may have their own head width and K/V head count (`global_head
 The last `num_kv_shared_layers` layers may read an earlier layer's K/V instead of computing their own (the slots
 and the cache then hold fewer layers, ModelConfig.kv_layers), with an MLP twice as wide (`use_double_wide_mlp`).
 
-Every layer may have an expert block beside its dense MLP (`enable_moe_block`; gemma4_experts.py), read from an HF
-folder. Refused at load, each with the setting named: that block in a GGUF file, and bidirectional attention.
+Every layer may have an expert block beside its dense MLP (`enable_moe_block`, GGUF `expert_count`;
+gemma4_experts.py). Refused at load, with the setting named: bidirectional attention.
 """
 
 from __future__ import annotations
@@ -113,9 +113,6 @@ def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], 
     if arch != "gemma4":
         return {}
     shared = int(meta.get(f"{arch}.attention.shared_kv_layers") or 0)
-    if meta.get(f"{arch}.expert_count"):
-        raise ValueError(f"{arch}.expert_count: the expert block beside the MLP is not read from GGUF yet (an HF "
-                         "folder's is)")
     ff = meta.get(f"{arch}.feed_forward_length")
     double = isinstance(ff, list) and shared > 0 and ff == [ff[0]] * (n_layers - shared) + [2 * ff[0]] * shared
     if isinstance(ff, list) and len(set(ff)) > 1 and not double:
@@ -154,4 +151,6 @@ def gguf_gemma4_fields(arch: str, meta: dict[str, Any], tensor_names: set[str], 
         "global_kv_heads": kv_of(full[0]) if full and sliding and kv and kv_of(full[0]) != kv_of(sliding[0]) else None,
         "kv_shared_layers": shared,
         "double_wide_mlp": double,
+        "parallel_experts": (int(meta.get(f"{arch}.expert_count") or 0), int(meta.get(f"{arch}.expert_used_count") or 0),
+                             int(meta.get(f"{arch}.expert_feed_forward_length") or 0)),
     }
