@@ -264,3 +264,21 @@ def test_call_markers_special_in_tokenizer_json_decode_as_text(tmp_path):
     tok = Tokenizer.from_hf_folder(str(tmp_path))
     ids = tok.encode('<|tool_call>call:f{a:<|"|>x<|"|>}')
     assert tok.decode(ids) == '<|tool_call>call:f{a:<|"|>x<|"|>}'
+
+
+def test_gguf_gemma4_tokenizer_model_reads_as_sentencepiece_style_bpe():
+    """tokenizer.ggml.model "gemma4" (llama.cpp's converter): merges over U+2581 spaces, no dummy prefix, BOS added,
+    the call marker a user-defined token that decodes as text, <turn|> an end of turn."""
+    from engine.model.tokenizer import Tokenizer
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn|>", "<|tool_call>", "\u2581", "a", "b", "c", "\u2581a", "ab",
+              "\u2581ab"] + [f"<0x{i:02X}>" for i in range(256)]
+    meta = {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.pre": "gemma4", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3, 3, 2, 3, 4] + [1] * (len(tokens) - 6),
+            "tokenizer.ggml.merges": ["\u2581 a", "a b", "\u2581a b"], "tokenizer.ggml.bos_token_id": 2,
+            "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.add_space_prefix": False}
+    tok = Tokenizer.from_gguf_metadata(meta)
+    ids = tok.encode("ab ab<|tool_call>c", add_special_tokens=True)
+    assert [tokens[i] for i in ids] == ["<bos>", "ab", "\u2581ab", "<|tool_call>", "c"]
+    assert tok.decode(ids) == "ab ab<|tool_call>c" and {1, 4} <= set(tok.eos_token_ids)
