@@ -282,3 +282,21 @@ def test_gguf_gemma4_tokenizer_model_reads_as_sentencepiece_style_bpe():
     ids = tok.encode("ab ab<|tool_call>c", add_special_tokens=True)
     assert [tokens[i] for i in ids] == ["<bos>", "ab", "\u2581ab", "<|tool_call>", "c"]
     assert tok.decode(ids) == "ab ab<|tool_call>c" and {1, 4} <= set(tok.eos_token_ids)
+
+
+def test_the_stage_planner_counts_the_wider_global_layer_the_row_and_the_expert_block():
+    from engine.model.planning import layer_bytes
+
+    types = {"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    plain = ModelConfig.from_hf(_hf(**types, global_head_dim=16))
+    wide = ModelConfig.from_hf(_hf(**types, global_head_dim=64))
+    experts = ModelConfig.from_hf(_hf(**types, global_head_dim=64, enable_moe_block=True, num_experts=4,
+                                      top_k_experts=2, moe_intermediate_size=32))
+    per_token = 2 * 4  # K and V, float32
+    assert layer_bytes(plain, torch.float32, 1, 1) == layer_bytes(plain, torch.float32, 1, 0) + per_token * 2 * 16
+    assert layer_bytes(wide, torch.float32, 1, 1) == layer_bytes(wide, torch.float32, 1, 0) + per_token * 2 * 64
+    # The global layer: q and o (4 heads), k and v (2 heads) 48 channels wider each, by hidden 64, float32.
+    assert layer_bytes(wide, torch.float32, 1, 0) - layer_bytes(plain, torch.float32, 1, 0) == 4 * 64 * (
+        2 * 4 * 48 + 2 * 2 * 48)
+    assert layer_bytes(experts, torch.float32, 1, 0) - layer_bytes(wide, torch.float32, 1, 0) == 4 * 4 * (
+        3 * 64 * 32 + 64)
