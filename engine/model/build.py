@@ -288,7 +288,9 @@ def build_model(
     per_layer = None
     if (width := c.per_layer_input) > 0:  # Gemma 4's per-layer input embeddings (per_layer_inputs.py)
         ple_rows = c.n_layers * width
-        per_layer = PerLayerInputs(need("ple_embed", (c.per_layer_vocab, ple_rows), first_device),
+        # The per-layer table stays in host RAM whatever the first device (E2B's is 262144 x 8960): only the
+        # looked-up rows travel, as llama.cpp keeps it.
+        per_layer = PerLayerInputs(need("ple_embed", (c.per_layer_vocab, ple_rows), cpu),
                                    need("ple_model_proj", (ple_rows, hidden), first_device),
                                    need("ple_proj_norm", (width,), first_device), c.n_layers, c.rms_norm_eps)
     model = CausalLM(c, stages, description=description, embed=placeholder(embed), layers=layers, norm=norm, lm_head=placeholder(lm_head),

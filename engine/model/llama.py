@@ -208,7 +208,8 @@ class CausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
-        # Gemma 4's per-layer input embeddings (per_layer_inputs.py), on the first stage's device.
+        # Gemma 4's per-layer input embeddings (per_layer_inputs.py): the table in host RAM, the rest on the first
+        # stage's device.
         assert (per_layer is not None) == any(spec.per_layer_input for spec in description.layers)
         self.per_layer = per_layer
         # Partial RoPE: the tables span the rotated channels only (their frequencies are those of that width).

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # llama imports this module
 
 
 class PerLayerInputs(torch.nn.Module):
-    """The model-wide tensors of the per-layer inputs, on the first stage's device."""
+    """The model-wide tensors of the per-layer inputs: the table in host RAM, the rest on the first stage's device."""
 
     table: torch.Tensor
     projection: torch.Tensor
@@ -45,7 +45,8 @@ class PerLayerInputs(torch.nn.Module):
         """[tokens, n_layers, width] for token ids `ids` whose (scaled) embeddings are `x`."""
         if int(ids.max()) >= self.table.shape[0]:
             raise ValueError(f"token id {int(ids.max())} is past the per-layer table's {self.table.shape[0]} rows")
-        token = (self.table[ids] * self.table_scale).view(-1, self.n_layers, self.width)
+        rows = self.table[ids.to(self.table.device)] * self.table_scale  # scaled where the table is, then moved
+        token = rows.to(x.device).view(-1, self.n_layers, self.width)
         projected = linear(x, self.projection, n_single, fast=fast) * x.new_tensor(x.shape[-1] ** -0.5)
         projected = rms_norm(projected.view(-1, self.n_layers, self.width), self.norm, self.eps)
         return (projected + token.to(projected.dtype)) * projected.new_tensor(2**-0.5)
