@@ -122,6 +122,7 @@ def tiny_hf_config(arch: str = "llama", **overrides):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "gemma4": transformers.Gemma4TextConfig,
     }
     if arch not in classes:
         raise ValueError(f"arch: expected one of {', '.join(classes)}, got {arch!r}")
@@ -143,6 +144,14 @@ def tiny_hf_config(arch: str = "llama", **overrides):
         kwargs.update(num_hidden_layers=6, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=None,
                       bos_token_id=None, hidden_activation="gelu_pytorch_tanh")
         del kwargs["rope_theta"]  # rope_parameters per layer type: the defaults (1e6 global, 1e4 local)
+    if arch == "gemma4":  # six layers (five local); per-layer inputs, values = keys on the global layer, soft cap
+        # The global layer wider than the sliding ones (4 K/V heads of 32 against 2 of 16), as the released models.
+        kwargs.update(num_hidden_layers=6, tie_word_embeddings=True, sliding_window=8, global_head_dim=32,
+                      num_global_key_value_heads=4, hidden_size_per_layer_input=8,
+                      vocab_size_per_layer_input=kwargs["vocab_size"], attention_k_eq_v=True,
+                      final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                      initializer_range=0.2)  # at 0.25 float32's rounding grows to ~1.4e-4 through the six layers
+        del kwargs["rope_theta"]  # the defaults: proportional RoPE (a quarter) at 1e6 global, 1e4 local
     kwargs.update(overrides)
     return classes[arch](**kwargs)
 
@@ -167,6 +176,11 @@ def write_tiny_model(
                 param.uniform_(-0.5, 0.5) if arch == "gemma3" else param.uniform_(0.5, 1.5)
             elif pname.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+            elif pname.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router scales: not all 1
+                param.uniform_(0.5, 1.5)
+        for bname, buf in model.named_buffers():
+            if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scalar: not 1, so it shows
+                buf.uniform_(0.5, 1.5)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
     write_tokenizer_files(folder)
@@ -186,6 +200,60 @@ _GGUF_GEMMA_NAMES = {
     **_GGUF_LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+
+# llama.cpp's gemma4 names (conversion/gemma.py): Gemma 3's, with the per-layer inputs and the layer scalar.
+_GGUF_GEMMA4_NAMES = {
+    **_GGUF_GEMMA_NAMES, "per_layer_input_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight", "layer_scalar": "layer_output_scale.weight",
+    "router.proj.weight": "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight", "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+}
+_GGUF_GEMMA4_GLOBAL = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
+def _gemma4_gguf_keys(writer, cfg: dict) -> None:
+    """The gemma4 metadata llama.cpp's converter writes beyond the common keys: the global layers' head width as
+    key_length, the sliding ones' as key_length_swa, K/V heads per layer."""
+    import numpy as np
+
+    types = cfg["layer_types"]
+    full = next(i for i, t in enumerate(types) if t == "full_attention")
+    override = (cfg.get("per_layer_config") or {}).get(str(full), {})
+    full_dim = cfg.get("global_head_dim") or override.get("head_dim") or cfg["head_dim"]
+    full_kv = cfg.get("num_global_key_value_heads") or override.get("num_key_value_heads")
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    shared = cfg.get("num_kv_shared_layers", 0)
+    writer.add_shared_kv_layers(shared)
+    if cfg.get("use_double_wide_mlp") and shared:  # the K/V-sharing layers' MLP twice as wide, per layer
+        n_ff, n = cfg["intermediate_size"], len(types)
+        writer.add_feed_forward_length([n_ff if i < n - shared else 2 * n_ff for i in range(n)])
+    writer.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    writer.add_key_length(full_dim)
+    writer.add_value_length(full_dim)
+    writer.add_key_length_swa(cfg["head_dim"])
+    writer.add_value_length_swa(cfg["head_dim"])
+    if full_kv:
+        writer.add_head_count_kv([cfg["num_key_value_heads"] if t == "sliding_attention" else full_kv for t in types])
+    writer.add_rope_dimension_count(full_dim)
+    writer.add_rope_dimension_count_swa(cfg["head_dim"])
+    writer.add_rope_freq_base_swa(cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
+    if cfg.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg.get("enable_moe_block"):
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["top_k_experts"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    # Proportional RoPE on the global layers as divisors: 1 for the rotated frequencies, 1e30 for the others.
+    pairs = int(full_dim * cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * pairs + [1e30] * (full_dim // 2 - pairs), dtype=np.float32))
 
 
 # Byte offsets of the float16 fields (scales, minimums) inside one block of each block format.
@@ -256,6 +324,7 @@ def write_tiny_gguf(
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     gguf_arch = "llama" if arch == "mistral" else arch
+    gemma4 = arch == "gemma4"
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
@@ -268,12 +337,15 @@ def write_tiny_gguf(
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
     gemma = arch == "gemma3"
-    rope = cfg["rope_parameters"]["full_attention"] if gemma else cfg["rope_parameters"]
+    rope = cfg["rope_parameters"]["full_attention"] if gemma or gemma4 else cfg["rope_parameters"]
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
+    if not gemma4:  # llama.cpp's gemma4 files have none: the token list says it
+        writer.add_vocab_size(cfg["vocab_size"])
     if gemma:  # llama.cpp's gemma3 keys: the window; the period of 6 and the local base are implied
         writer.add_sliding_window(cfg["sliding_window"])
+    if gemma4:
+        _gemma4_gguf_keys(writer, cfg)
 
     add_tiny_tokenizer(writer)
 
@@ -288,9 +360,12 @@ def write_tiny_gguf(
             out = "output_norm.weight"
         elif name == "lm_head.weight":
             out = "output.weight"
+        elif name in _GGUF_GEMMA4_GLOBAL:
+            out = _GGUF_GEMMA4_GLOBAL[name]
         else:
             _, _, index, rest = name.split(".", 3)
-            out = f"blk.{index}.{(_GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES)[rest]}"
+            names = _GGUF_GEMMA4_NAMES if gemma4 else _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
+            out = f"blk.{index}.{names[rest]}"
         w = w.astype(np.float32)
         if gemma and "norm" in out:  # llama.cpp's converter stores Gemma's (1 + w)
             w = w + 1.0

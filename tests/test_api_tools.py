@@ -28,12 +28,12 @@ TOOLS = [{"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def write_tool_calling_model(root: Path) -> str:
-    """A tiny Llama folder whose greedy answer to any chat is exactly TOOL_CALL."""
+def write_tool_calling_model(root: Path, call: str = TOOL_CALL) -> str:
+    """A tiny Llama folder whose greedy answer to any chat is exactly `call` (TOOL_CALL unless given)."""
     folder = Path(write_tiny_model(root, "llama", name="tiny-tool-caller", num_hidden_layers=1))
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    assert tok.add_tokens([AddedToken(TOOL_CALL, normalized=False)]) == 1
-    block_id = tok.token_to_id(TOOL_CALL)
+    assert tok.add_tokens([AddedToken(call, normalized=False)]) == 1
+    block_id = tok.token_to_id(call)
     tok.save(str(folder / "tokenizer.json"))
     vocab = tok.get_vocab_size()
 

@@ -209,3 +209,32 @@ def test_glm_key_value_calls_read_values_by_the_schema():
                                                      "</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"))
     end = stream.finish()
     assert shown + end.content == "Sure." and json.loads(end.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+GEMMA4_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_gemma4_calls_with_strings_numbers_lists_and_objects():
+    text = ('Let me check.<|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,days:3,metric:true,'
+            'hours:[1, 2.5],where:{lat:-1e2,note:null}}<tool_call|><|tool_call>call:get_time{}<tool_call|>')
+    parsed = parse_tool_calls(text, GEMMA4_TOOLS)
+    assert parsed.content == "Let me check."
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {
+        "city": 'Paris, "FR"', "days": 3, "metric": True, "hours": [1, 2.5], "where": {"lat": -100.0, "note": None}}
+    assert json.loads(parsed.tool_calls[1]["function"]["arguments"]) == {}
+    # Generation stopped at the end marker: the open last block still counts.
+    assert parse_tool_calls('<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}').tool_calls
+
+
+def test_garbled_gemma4_calls_stay_text():
+    for text in ('<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>', "<|tool_call>get_weather{}<tool_call|>",
+                 "<|tool_call>call:get_weather{city:Paris}<tool_call|>", "<|tool_call>call:f{a:1}x<tool_call|>",
+                 "<|tool_call>call:f" + "{a:[" * 100 + "<tool_call|>"):
+        assert parse_tool_calls(text, GEMMA4_TOOLS).tool_calls == [] and parse_tool_calls(text).content == text
+
+
+def test_stream_holds_a_gemma4_call_from_its_marker():
+    content, calls = _stream(["It is ", "<|tool", '_call>call:get_weather{city:<|"|>Rome<|"|>}', "<tool_call|>"])
+    assert content == "It is " and len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}

@@ -14,11 +14,14 @@ from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model import int4, kquant_weight, mla, moe_loading, moe_offload, q8_output, q8_weight
 from engine.model.config import ModelConfig
+from engine.model.gemma4 import proportional_factors
+from engine.model.gemma4_experts import Gemma4Experts
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
 from engine.model.layers import describe_layers
 from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.per_layer_inputs import PerLayerInputs
 from engine.model.q8_output import Q8Output
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import BlocksGetter, QuantEmbedding, kept_table
@@ -194,7 +197,6 @@ def build_model(
         return w if isinstance(w, torch.Tensor) else torch.empty(w.shape, device="meta", dtype=w.dtype)
 
     first_device, last_device = torch.device(stages[0][0]), torch.device(stages[-1][0])
-    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     hidden, inter = c.hidden_size, c.intermediate_size
     # An untied model has an lm_head (the GGUF and HF readers refuse one without it before this point);
     # GraniteMoE's scaled output is built apart from the embeddings even when they are tied.
@@ -210,6 +212,9 @@ def build_model(
         for i in range(a, b):
             p = f"{i}."
             spec = description.layers[i]
+            kv_heads, head_dim = c.layer_heads(i)  # Gemma 4's global layers may have their own
+            q_rows, kv_rows = c.n_heads * head_dim, kv_heads * head_dim
+            inter = spec.mlp.size  # twice the model's on Gemma 4's double-wide K/V-sharing layers
             # The order of the reads is the order of the weights in the fingerprint: keep it.
             latent = None
             if c.mla is not None:  # the query's first projection and kv_a as one (engine/model/mla.py)
@@ -225,8 +230,13 @@ def build_model(
                     kv_b=need(p + "kv_b", (c.n_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), device),
                     q_a_norm=q_a_norm, q_b=q_b)
             else:
-                w = {"wqkv": projection(p + "wqkv", [(p + "q", (q_rows, hidden)), (p + "k", (kv_rows, hidden)),
-                                         (p + "v", (kv_rows, hidden))], device)}
+                # Gemma 4's global layers with attention_k_eq_v take their values from the key projection; a
+                # Gemma 4 layer that reads an earlier layer's K/V projects q alone.
+                v_key = p + ("k" if c.attention_k_eq_v and spec.attention.window is None else "v")
+                qkv_parts = [(p + "q", (q_rows, hidden))]
+                if spec.kv_source is None:
+                    qkv_parts += [(p + "k", (kv_rows, hidden)), (v_key, (kv_rows, hidden))]
+                w = {"wqkv": projection(p + "wqkv", qkv_parts, device)}
             bqkv = None
             if spec.attention.bias:
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
@@ -250,18 +260,34 @@ def build_model(
                 w["w_gate_up"] = projection(p + "w_gate_up", [(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
             q_norm = k_norm = None
             if spec.attention.qk_norm != "none":
-                q_shape, k_shape = moe_loading.q_norm_shapes(c)
+                q_shape, k_shape = moe_loading.q_norm_shapes(c, head_dim)
                 q_norm = need(p + "q_norm", q_shape, device)
-                k_norm = need(p + "k_norm", k_shape, device)
+                k_norm = need(p + "k_norm", k_shape, device) if spec.kv_source is None else None
             attn_norm = need(p + "attn_norm", (hidden,), device)
             o_cols = q_rows if c.mla is None else c.n_heads * c.mla.v_head_dim
             w["wo"] = projection(p + "wo", [(p + "o", (hidden, o_cols))], device)
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
             if moe is None:
                 w["w_down"] = projection(p + "w_down", [(p + "down", (hidden, inter))], device)
-            post = {}
+            post: dict[str, Any] = {}
             if spec.norm.post:  # the norms on the attention and MLP outputs
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
+            if spec.scaled:  # Gemma 4's scalar on the layer's output
+                post["layer_scalar"] = need(p + "layer_scalar", (1,), device)
+            if spec.parallel_experts:  # Gemma 4's expert block beside the dense MLP (kept as read: float)
+                n_exp, top_k, size = c.parallel_experts
+                post["experts"] = Gemma4Experts(
+                    top_k=top_k, eps=c.rms_norm_eps, router=need(p + "router", (n_exp, hidden), device),
+                    router_scale=need(p + "router_scale", (hidden,), device),
+                    expert_scale=need(p + "expert_scale", (n_exp,), device),
+                    gate_up=need(p + "experts_gate_up", (n_exp, 2 * size, hidden), device),
+                    down=need(p + "experts_down", (n_exp, hidden, size), device),
+                    pre_norm=need(p + "experts_norm", (hidden,), device),
+                    post_mlp_norm=need(p + "post_mlp_norm_1", (hidden,), device),
+                    post_experts_norm=need(p + "post_experts_norm", (hidden,), device))
+            if (width := spec.per_layer_input) > 0:  # Gemma 4's per-layer input: its gate, projection and norm
+                post["per_layer"] = (need(p + "ple_gate", (width, hidden), device),
+                                     need(p + "ple_proj", (hidden, width), device), need(p + "ple_norm", (hidden,), device))
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, spec, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
                                  moe=moe, mla=latent, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
@@ -291,8 +317,18 @@ def build_model(
     else:
         lm_head = projection("lm_head", [(head_key, (c.vocab_size, hidden))], last_device)
     freq_factors = get("rope_freqs", torch.device("cpu"), torch.float32)
+    if freq_factors is None and c.rope_pairs is not None:  # Gemma 4's proportional RoPE from config.json
+        freq_factors = proportional_factors(c.global_head_dim or c.head_dim, c.rope_pairs)
+    per_layer = None
+    if (width := c.per_layer_input) > 0:  # Gemma 4's per-layer input embeddings (per_layer_inputs.py)
+        ple_rows = c.n_layers * width
+        # The per-layer table stays in host RAM whatever the first device (E2B's is 262144 x 8960): only the
+        # looked-up rows travel, as llama.cpp keeps it.
+        per_layer = PerLayerInputs(need("ple_embed", (c.per_layer_vocab, ple_rows), cpu),
+                                   need("ple_model_proj", (ple_rows, hidden), first_device),
+                                   need("ple_proj_norm", (width,), first_device), c.n_layers, c.rms_norm_eps)
     model = CausalLM(c, stages, description=description, embed=placeholder(embed), layers=layers, norm=norm, lm_head=placeholder(lm_head),
-                     rope_freq_factors=freq_factors)
+                     rope_freq_factors=freq_factors, per_layer=per_layer)
     if isinstance(embed, QuantEmbedding):
         int4.install(model, "embed", embed)
     if isinstance(lm_head, (Int4Weight, RowsWeight)):

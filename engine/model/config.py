@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.model import families
 from engine.model.gemma import HF_HEAD_DIM, HF_ROPE_THETA, hf_gemma_fields, hf_gemma_problem
+from engine.model.gemma4 import hf_gemma4_fields, hf_gemma4_problem
 from engine.model.mla_config import MlaConfig, mla_from_hf
 from engine.model.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_from_hf
 from engine.model.sliding import check_windows, hf_sliding_layers
@@ -20,7 +21,9 @@ _HF_MODEL_TYPES = families.hf_model_types("dense", "moe")
 # such a model's parked K/V stays what it was before they existed.
 _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (), "rope_local_theta": None,
                       "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
-                      "mtp_layers": 0, "mla": None}
+                      "mtp_layers": 0, "per_layer_input": 0, "per_layer_vocab": 0, "attention_k_eq_v": False,
+                      "rope_pairs": None, "global_head_dim": None, "global_kv_heads": None, "kv_shared_layers": 0,
+                      "double_wide_mlp": False, "parallel_experts": (0, 0, 0), "mla": None}
 # Multi-head latent attention families (engine/model/mla_config.py): heads share one compressed latent.
 MLA_ARCHITECTURES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -66,6 +69,25 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): head_dim is then the RoPE'd width of a head
     # (transformers' own head_dim for them) and n_kv_heads 1, the one latent every head reads.
     mla: MlaConfig | None = None
+    # Gemma 4 (engine/model/gemma4.py): per-layer input embeddings of this width (0: none) over a vocabulary of
+    # `per_layer_vocab`; global layers whose values are their keys' projection; global layers rotating only their
+    # first `rope_pairs` frequencies (proportional RoPE; None: all of them).
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    attention_k_eq_v: bool = False
+    rope_pairs: int | None = None
+    # Gemma 4: the global (non-sliding) layers' head width and K/V head count where they differ from the sliding
+    # layers' (`head_dim`, `n_kv_heads`); None: the same. The slots hold one K/V row shape (`kv_row`).
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    # Gemma 4: the last `kv_shared_layers` layers compute no K/V of their own; each reads the K/V of the last
+    # earlier layer of its kind (sliding or global), so the slots and the cache hold only the layers before them
+    # (`kv_layers`). With `double_wide_mlp` those layers' MLP is twice as wide.
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    # Gemma 4's expert block beside every layer's dense MLP (gemma4_experts.py): (experts, top k, expert width);
+    # (0, 0, 0): none.
+    parallel_experts: tuple[int, int, int] = (0, 0, 0)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -82,6 +104,31 @@ class ModelConfig:
                                             or not 0 < self.rotary_dim < self.head_dim):
             raise ConfigError(f"rotary dimensions: expected an even number from 2 to below head_dim "
                               f"({self.head_dim}), got {self.rotary_dim!r} (partial_rotary_factor)")
+        if self.per_layer_input < 0 or (self.per_layer_input > 0) != (self.per_layer_vocab > 0):
+            raise ConfigError(f"per-layer inputs: expected a width and a vocabulary both > 0 or both 0, got "
+                              f"{self.per_layer_input} and {self.per_layer_vocab}")
+        for name in ("global_head_dim", "global_kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{name}: expected a positive whole number, got {value!r}")
+        global_kvh, global_dim = self.global_kv_heads or self.n_kv_heads, self.global_head_dim or self.head_dim
+        if global_dim % 2 or self.n_heads % global_kvh:
+            raise ConfigError(f"global layers: {self.n_heads} heads over {global_kvh} K/V heads of {global_dim} "
+                              "(expected an even width and a divisor of the heads)")
+        n_experts, top_k, expert_size = self.parallel_experts
+        if any(self.parallel_experts) and not (0 < top_k <= n_experts and expert_size > 0):
+            raise ConfigError(f"expert block: expected top_k_experts from 1 to num_experts ({n_experts}) and a "
+                              f"moe_intermediate_size > 0, got {top_k} and {expert_size}")
+        if not isinstance(self.kv_shared_layers, int) or not 0 <= self.kv_shared_layers < self.n_layers:
+            raise ConfigError(f"num_kv_shared_layers: expected a whole number from 0 to {self.n_layers - 1}, got "
+                              f"{self.kv_shared_layers!r}")
+        kinds = {i in self.sliding_layers for i in range(self.n_layers)}
+        if kinds != {i in self.sliding_layers for i in range(self.kv_layers)}:
+            raise ConfigError(f"num_kv_shared_layers {self.kv_shared_layers}: the layers before the shared ones must "
+                              "include a sliding and a global layer for them to read")
+        if self.rope_pairs is not None and not 0 < self.rope_pairs < global_dim // 2:
+            raise ConfigError(f"proportional RoPE: expected 1 to {global_dim // 2 - 1} rotated frequencies, "
+                              f"got {self.rope_pairs} (partial_rotary_factor)")
         if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise ConfigError(f"num_nextn_predict_layers: expected a whole number >= 0, got {self.mtp_layers!r}")
         if self.rope_scaling is not None:
@@ -107,14 +154,50 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma's layer: (1 + w) norms (stored as such), post-norms, GeGLU, embeddings scaled by sqrt(hidden)."""
+        """Gemma's layer: post-norms, GeGLU, embeddings scaled by sqrt(hidden) (Gemma 3 and 4)."""
+        return self.architecture in ("gemma3", "gemma4")
+
+    @property
+    def norm_offset(self) -> bool:
+        """Gemma 3's norms scale by (1 + w), stored as such by the loaders; Gemma 4's by w."""
         return self.architecture == "gemma3"
 
     @property
+    def kv_layers(self) -> int:
+        """The layers whose K/V the slots and the cache hold: all of them, less Gemma 4's K/V-sharing ones."""
+        return self.n_layers - self.kv_shared_layers
+
+    def kv_source(self, index: int) -> int:
+        """The layer whose K/V layer `index` attends to: itself, or for a K/V-sharing layer the last layer of its
+        kind before the shared ones (as transformers' kv_sharing_modes picks it)."""
+        if index < self.kv_layers:
+            return index
+        sliding = index in self.sliding_layers
+        return next(i for i in range(self.kv_layers - 1, -1, -1) if (i in self.sliding_layers) == sliding)
+
+    def mlp_size(self, index: int) -> int:
+        """Layer `index`'s MLP width: twice the model's on Gemma 4's K/V-sharing layers with double_wide_mlp."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and index >= self.kv_layers else 1)
+
+    def layer_heads(self, index: int) -> tuple[int, int]:
+        """(K/V heads, head width) of layer `index`: a global layer's own where the model gives them (Gemma 4)."""
+        if index in self.sliding_layers:
+            return self.n_kv_heads, self.head_dim
+        return self.global_kv_heads or self.n_kv_heads, self.global_head_dim or self.head_dim
+
+    @property
     def kv_row(self) -> tuple[int, int]:
-        """(heads, width) of one token's K row (and V row) per layer in the K/V store: the K/V heads, or the
-        latent of a latent-attention model split over the two rows (MlaConfig.store_width)."""
-        return (1, self.mla.store_width) if self.mla is not None else (self.n_kv_heads, self.head_dim)
+        """(heads, width) of one token's K/V row of a layer in the slots and the cache: every layer's shape (for
+        latent attention, MlaConfig.store_width), or
+        with per-layer shapes (Gemma 4) the widest head width and enough heads of it for the widest layer (a
+        narrower layer uses the row's first channels; the rest stays zero)."""
+        if self.mla is not None:  # the latent of a latent-attention model split over the two rows
+            return 1, self.mla.store_width
+        shapes = {self.layer_heads(i) for i in range(self.n_layers)}
+        if len(shapes) == 1:
+            return shapes.pop()
+        width = max(d for _, d in shapes)
+        return max(-(-h * d // width) for h, d in shapes), width
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index` (None = every earlier position)."""
@@ -160,13 +243,15 @@ class ModelConfig:
             params = rope_parameters
             if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)
                 params = dict(params["full_attention"] or {})
-            gemma = arch == "gemma3"
+            gemma = arch in ("gemma3", "gemma4")
             gemma_fields: dict[str, Any] = {}
-            if gemma:  # its own reader: engine/model/gemma.py
-                problem = hf_gemma_problem(cfg)
+            if gemma:  # their own readers: engine/model/gemma.py, gemma4.py
+                problem = hf_gemma_problem(cfg) if arch == "gemma3" else hf_gemma4_problem(cfg)
                 if problem:
                     raise ConfigError(problem)
-                gemma_fields = hf_gemma_fields(cfg, rope_parameters)
+                gemma_fields = hf_gemma_fields(cfg, rope_parameters) if arch == "gemma3" else hf_gemma4_fields(cfg)
+            if arch == "gemma4":  # proportional RoPE is rope_pairs (gemma4.py), not a scaling of the base
+                params = {"rope_theta": params.get("rope_theta", HF_ROPE_THETA)}
             theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
@@ -193,7 +278,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
                                     else cfg.get("attention_bias", arch == "qwen2")),
-                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3") or (glm and bool(cfg.get("use_qk_norm"))),
+                qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3", "gemma4") or (glm and bool(cfg.get("use_qk_norm"))),
                 moe=moe,
                 sliding_window=window,
                 sliding_layers=sliding,
@@ -203,6 +288,15 @@ class ModelConfig:
                 rotary_dim=_rotary_dim(params, cfg, head_dim) if glm else None,
                 mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0) if glm else 0,
                 mla=mla,
+                per_layer_input=gemma_fields.get("per_layer_input", 0),
+                per_layer_vocab=gemma_fields.get("per_layer_vocab", 0),
+                attention_k_eq_v=gemma_fields.get("attention_k_eq_v", False),
+                rope_pairs=gemma_fields.get("rope_pairs"),
+                global_head_dim=gemma_fields.get("global_head_dim"),
+                global_kv_heads=gemma_fields.get("global_kv_heads"),
+                kv_shared_layers=gemma_fields.get("kv_shared_layers", 0),
+                double_wide_mlp=gemma_fields.get("double_wide_mlp", False),
+                parallel_experts=gemma_fields.get("parallel_experts", (0, 0, 0)),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

@@ -27,10 +27,9 @@ from engine.model.llama import (
     DecoderLayer,
     SeqChunk,
     _decode_attention,
-    _head_rms_norm,
     check_rows,
-    rms_norm,
 )
+from engine.model.norms import head_rms_norm, rms_norm
 from engine.model.projections import linear, logit_rows
 from engine.model.quant_embedding import embed_rows
 from engine.model.sliding import first_key
@@ -126,7 +125,7 @@ class CpuDecode:
             qk = qkv[:, :qk_w].view(n, H + KVH, D)
             v = qkv[:, qk_w:].view(n, KVH, D)
             if layer.qk_norm is not None:
-                qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
+                qk = head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
             qk = qk * cos + qk.roll(D // 2, -1) * sin
             k_cache, v_cache = layer.k_cache, layer.v_cache
             outs = []

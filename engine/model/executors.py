@@ -40,12 +40,17 @@ PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
 # DeepSeek-V3's latent attention: the eager forward and the graph step (MlaAttention.decode_rows) read the latent
 # rows; the CPU steps' kernels read per-head K/V rows (engine/model/mla.py).
 LATENT = (frozenset({"latent attention"}), "latent attention")
+# Gemma 4's value norm, layer scalar and per-layer inputs: only the eager forward runs them (step.c's layer,
+# the lean step's and the captured one's have no place for a second embedding or a third residual).
+GEMMA4 = (frozenset({"value norm", "layer scale", "per-layer inputs", "shared K/V", "parallel experts"}),
+          "Gemma 4 layers")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
     CPU_STEP: (
         *HYBRID_ONLY,
         LATENT,
         PARTIAL_ROPE,
+        GEMMA4,
         (frozenset({"post-norms", "GeGLU", "local rope"}), "Gemma layers"),
         (frozenset({"experts", "shared expert", "ungated shared expert", "sigmoid routing", "full-width q/k norms"}),
          "experts or full-width q/k norms"),
@@ -55,6 +60,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
         *HYBRID_ONLY,
         LATENT,
         PARTIAL_ROPE,
+        GEMMA4,
         (frozenset({"sigmoid routing", "ungated shared expert"}),
          "sigmoid routing or an ungated shared expert (experts.c routes by softmax and gates its shared expert)"),
         (frozenset({"full-width q/k norms"}), "full-width q/k norms"),
@@ -64,6 +70,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     # GeGLU, embedding scale or soft cap: those models decode eagerly (still one GEMM per projection).
     GRAPH_STEP: (
         *HYBRID_ONLY,
+        GEMMA4,
         (frozenset({"sliding window"}), "sliding-window layers"),
         (frozenset({"post-norms", "GeGLU", "local rope", "embedding scale", "attention scale"}), "Gemma layers"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),

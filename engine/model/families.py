@@ -34,6 +34,7 @@ class Family:
 
 _DENSE = "engine.model.config"  # ModelConfig.from_hf; gguf_loading.gguf_config for GGUF
 _GEMMA = "engine.model.gemma"  # what Gemma 3 adds to the dense reader
+_GEMMA4 = "engine.model.gemma4"  # what Gemma 4 (text) adds to Gemma 3's
 _MOE = "engine.model.moe_config"  # moe_from_hf; moe_loading for GGUF names and keys
 _HYBRID = "engine.model.hybrid."  # + the family's module (hybrid/loader.py's FAMILIES)
 
@@ -43,6 +44,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "dense", _DENSE, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", "dense", _DENSE, ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gemma3", "dense", _GEMMA, ("Gemma3ForCausalLM",), ("gemma3", "gemma3_text"), ("gemma3",)),
+    Family("gemma4", "dense", _GEMMA4, ("Gemma4ForCausalLM",), ("gemma4_text",), ("gemma4",)),
     Family("qwen3_moe", "moe", _MOE, ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     Family("qwen2_moe", "moe", _MOE, ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     Family("olmoe", "moe", _MOE, ("OlmoeForCausalLM",), ("olmoe",), ("olmoe",)),

@@ -15,6 +15,7 @@ from engine.model import families, gguf_dequant, kquant_weight, mla_config, moe_
 from engine.model.build import Groups, LoadedModel, build_model
 from engine.model.config import ModelConfig
 from engine.model.gemma import GEMMA_CHAT_TEMPLATE, gguf_gemma_fields
+from engine.model.gemma4 import gguf_gemma4_fields
 from engine.model.gguf_header import forget_headers, read_gguf_header
 from engine.model.gguf_tensors import check_gguf_tensors, unpermute
 from engine.model.quant_embedding import QuantEmbedding
@@ -39,14 +40,27 @@ _GGUF_GLOBAL_NAMES = {
 # GLM-4.x MoE's post_attention_norm is its MLP's input norm (llama.cpp names its post_attention_layernorm so),
 # not Gemma's norm of the attention output.
 _GLM4_MOE_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm.weight": "mlp_norm"}
+# Gemma 4: each layer's output scalar and its per-layer input's gate, projection and norm; the model-wide
+# per-layer table, projection and norm.
+_GEMMA4_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "layer_output_scale.weight": "layer_scalar", "inp_gate.weight": "ple_gate",
+                       "proj.weight": "ple_proj", "post_norm.weight": "ple_norm",
+                       # the expert block beside the MLP (gemma4_experts.py), as llama.cpp's converter names it
+                       "ffn_gate_inp.weight": "router", "ffn_gate_inp.scale": "router_scale",
+                       "ffn_down_exps.scale": "expert_scale", "ffn_gate_up_exps.weight": "experts_gate_up",
+                       "ffn_down_exps.weight": "experts_down", "pre_ffw_norm_2.weight": "experts_norm",
+                       "post_ffw_norm_1.weight": "post_mlp_norm_1", "post_ffw_norm_2.weight": "post_experts_norm"}
+_GEMMA4_GLOBAL_NAMES = {"per_layer_token_embd.weight": "ple_embed", "per_layer_model_proj.weight": "ple_model_proj",
+                        "per_layer_proj_norm.weight": "ple_proj_norm"}
 
 
 def _gguf_canonical(name: str, arch: str | None = None) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    if arch == "gemma4" and name in _GEMMA4_GLOBAL_NAMES:
+        return _GEMMA4_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        layer_names = _GLM4_MOE_LAYER_NAMES if arch == "glm4moe" else _GGUF_LAYER_NAMES
+        layer_names = {"glm4moe": _GLM4_MOE_LAYER_NAMES, "gemma4": _GEMMA4_LAYER_NAMES}.get(arch or "", _GGUF_LAYER_NAMES)
         key = (layer_names.get(rest) or moe_loading.gguf_layer_key(rest) or mtp.GGUF_NAMES.get(rest)
                or mla_config.GGUF_NAMES.get(rest))
         if key is not None:
@@ -101,14 +115,20 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         n_kv, head_dim, rotary_dim = 1, mla.qk_rope_head_dim, mla.qk_rope_head_dim
     try:
         window, sliding = gguf_sliding_layers(arch, meta, n_layers)
-        gemma = gguf_gemma_fields(arch, meta, n_layers, hidden, n_heads)
+        gemma = (gguf_gemma_fields(arch, meta, n_layers, hidden, n_heads)
+                 or gguf_gemma4_fields(arch, meta, tensor_names, n_layers, int(vocab)))
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    # Gemma 4 gives the sliding layers' head shape as the model's, the global layers' apart.
+    head_dim = gemma.pop("head_dim", None) or head_dim
+    n_kv = gemma.pop("n_kv_heads", None) or n_kv
+    rotary_dim = rotary_dim if arch == "glm4moe" else head_dim
+    ff = key("feed_forward_length")
     return ModelConfig(
         architecture=moe_arch or arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(ff[0] if isinstance(ff, list) else ff),  # a list: one per layer (all equal: gemma4)
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
@@ -159,7 +179,7 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
         raise ModelLoadError(f"{path}: tokenizer: {e}") from None
     if kept_tokenizer is not None and kept is None:
         kept_tokenizer.save(tokenizer.backend, tokenizer.fingerprint)
-    if config.gemma and not tokenizer.chat_template:  # llama.cpp's converter leaves Gemma's template out
+    if config.architecture == "gemma3" and not tokenizer.chat_template:  # llama.cpp's gemma3 files have none
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     # llama.cpp permutes q/k only for the llama architecture and its subclasses (families.py).
     permuted = families.BY_NAME[config.architecture].gguf_permuted_qk

@@ -48,6 +48,29 @@ def _gemma_canonical(name: str) -> str | None:
     return _hf_canonical(name, _GEMMA_LAYER_NAMES)
 
 
+# Gemma 4: the per-layer inputs' tensors (model-wide and per layer) and each layer's output scalar.
+_GEMMA4_GLOBAL_NAMES = {"model.embed_tokens_per_layer.weight": "ple_embed",
+                        "model.per_layer_model_projection.weight": "ple_model_proj",
+                        "model.per_layer_projection_norm.weight": "ple_proj_norm"}
+_GEMMA4_LAYER_NAMES = {**_GEMMA_LAYER_NAMES, "per_layer_input_gate.weight": "ple_gate",
+                       "per_layer_projection.weight": "ple_proj", "post_per_layer_input_norm.weight": "ple_norm",
+                       "layer_scalar": "layer_scalar", "router.proj.weight": "router", "router.scale": "router_scale",
+                       "router.per_expert_scale": "expert_scale", "experts.gate_up_proj": "experts_gate_up",
+                       "experts.down_proj": "experts_down", "post_feedforward_layernorm_1.weight": "post_mlp_norm_1",
+                       "pre_feedforward_layernorm_2.weight": "experts_norm",
+                       "post_feedforward_layernorm_2.weight": "post_experts_norm"}
+
+
+def _gemma4_canonical(name: str) -> str | None:
+    return _GEMMA4_GLOBAL_NAMES.get(name) or _hf_canonical(name, _GEMMA4_LAYER_NAMES)
+
+
+def _canonical_names(config: ModelConfig):
+    if config.architecture == "gemma4":
+        return _gemma4_canonical
+    return _gemma_canonical if config.gemma else _hf_canonical
+
+
 def _is_norm(key: str) -> bool:
     return key == "norm" or key.endswith("_norm")
 
@@ -92,7 +115,7 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     files = safetensors_files(folder)
     h = header_fingerprint(config.describe(), files)
     tokenizer = folder_tokenizer(folder)
-    handles, where = open_tensors(files, _gemma_canonical if config.gemma else _hf_canonical)
+    handles, where = open_tensors(files, _canonical_names(config))
 
     hashed: set[str] = set()
 
@@ -110,7 +133,7 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
             content.update(key.encode())
             content.update(tensor.reshape(-1).view(torch.uint8).numpy())
         # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
-        if config.gemma and _is_norm(key):  # Gemma's norms scale by (1 + w), computed in float32 (as GGUF stores it)
+        if config.norm_offset and _is_norm(key):  # Gemma 3's norms scale by (1 + w), in float32 (as GGUF stores it)
             return (tensor.float() + 1.0).to(device=device, dtype=want)
         return tensor.float().to(device=device, dtype=want)
 

@@ -7,7 +7,7 @@ instead of the MLP, scaled embeddings, soft-capped logits) is stated here once, 
 executor asking the config (`architecture == "gemma3"`, `query_pre_attn_scalar`, the shape of a norm weight)
 in its own way. Which executor runs which of these features is the table in engine/model/executors.py.
 
-What is folded into the weights at load is recorded but never applied by an executor: Gemma's (1 + w) norms
+What is folded into the weights at load is recorded but never applied by an executor: Gemma 3's (1 + w) norms
 (the loaders store 1 + w, as llama.cpp's converter does) and GraniteMoE's embedding, attention, residual and
 logits multipliers (moe_loading.fold_scales).
 """
@@ -41,6 +41,11 @@ FEATURES = (
     "sigmoid routing",  # sigmoid scores, experts chosen by score + bias, optionally by groups (GLM-4.x MoE)
     "embedding scale",  # embeddings times sqrt(hidden) in the weights' dtype (Gemma 3)
     "soft-capped logits",  # logits -> cap * tanh(logits / cap)
+    "value norm",  # an RMSNorm without a weight on each value head (Gemma 4)
+    "layer scale",  # the layer's output times a scalar of its own (Gemma 4)
+    "per-layer inputs",  # a per-layer embedding of the token through a gated residual after the MLP (Gemma 4)
+    "shared K/V",  # a layer attends to an earlier layer's K/V and computes none (Gemma 4)
+    "parallel experts",  # an expert block beside the dense MLP, its own router, norms and GeGLU experts (Gemma 4)
 )
 
 
@@ -76,6 +81,7 @@ class AttentionSpec:
     output_gate: bool = False  # q_proj also yields a sigmoid gate per output channel (hybrid/attention.py)
     latent: bool = False  # multi-head latent attention (ModelConfig.mla, engine/model/mla.py; its softmax scale
     # is MlaConfig.softmax_scale, over the latent's widths, never `scale`)
+    value_norm: bool = False  # each value head is RMS-normalised, without a weight (Gemma 4)
 
     @property
     def kind(self) -> str:
@@ -118,6 +124,10 @@ class LayerSpec:
     norm: NormSpec
     attention: AttentionSpec
     mlp: MlpSpec
+    scaled: bool = False  # the layer's output is multiplied by its own scalar (Gemma 4's layer_scalar)
+    per_layer_input: int = 0  # the width of its per-layer input (Gemma 4's PLE; per_layer_inputs.py), 0: none
+    kv_source: int | None = None  # the earlier layer whose K/V it attends to, computing none (Gemma 4); None: its own
+    parallel_experts: bool = False  # an expert block beside the dense MLP (Gemma 4's, gemma4_experts.py)
 
     def features(self) -> frozenset[str]:
         """The FEATURES this layer uses."""
@@ -138,6 +148,11 @@ class LayerSpec:
             "shared expert": m.experts is not None and m.experts.shared_size > 0 and m.experts.shared_gated,
             "ungated shared expert": m.experts is not None and m.experts.shared_size > 0 and not m.experts.shared_gated,
             "sigmoid routing": m.experts is not None and m.experts.routing == "sigmoid_bias",
+            "value norm": a.value_norm,
+            "layer scale": self.scaled,
+            "per-layer inputs": self.per_layer_input > 0,
+            "shared K/V": self.kv_source is not None,
+            "parallel experts": self.parallel_experts,
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -170,11 +185,11 @@ class ModelLayers:
 def describe_layers(config: ModelConfig) -> ModelLayers:
     """The layer description of a model of `config` (the loader builds it once; CausalLM keeps it)."""
     c = config
-    gemma = c.architecture == "gemma3"
+    gemma, gemma4 = c.gemma, c.architecture == "gemma4"
     # OLMoE normalises q and k over their full widths; with one head that is the per-head norm.
     qk: QkNorm = "none" if not c.qk_norm else "full" if c.architecture == "olmoe" and c.n_heads > 1 else "head"
     scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
-    norm = NormSpec(eps=c.rms_norm_eps, post=gemma, stored_offset=gemma)
+    norm = NormSpec(eps=c.rms_norm_eps, post=gemma, stored_offset=c.norm_offset)
     layers = []
     for i in range(c.n_layers):
         window = c.layer_window(i)
@@ -190,8 +205,10 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
         layers.append(LayerSpec(
             index=i, norm=norm,
             attention=AttentionSpec(window=window, rope=rope, qk_norm=qk, scale=scale, bias=c.attention_bias,
-                                    rotary_dim=c.rotary_dim, latent=c.mla is not None),
-            mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.intermediate_size, experts=experts),
+                                    rotary_dim=c.rotary_dim, latent=c.mla is not None, value_norm=gemma4),
+            mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.mlp_size(i), experts=experts),
+            scaled=gemma4, per_layer_input=c.per_layer_input, kv_source=None if i < c.kv_layers else c.kv_source(i),
+            parallel_experts=any(c.parallel_experts),
         ))
     return ModelLayers(
         layers=tuple(layers),

@@ -21,6 +21,8 @@ from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.kquant_weight import KQuantWeight
 from engine.model.layers import LayerSpec, ModelLayers
+from engine.model.norms import head_rms_norm, rms_norm
+from engine.model.per_layer_inputs import PerLayerInputs, per_layer_residual
 from engine.model.projections import linear, logit_rows
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
@@ -28,6 +30,7 @@ from engine.model.rope import RotaryTable
 from engine.model.sliding import first_key, window_mask
 
 if TYPE_CHECKING:  # moe and mla import this module's kernels
+    from engine.model.gemma4_experts import Gemma4Experts
     from engine.model.mla import MlaAttention
     from engine.model.moe import SparseMoe
     from engine.model.mtp import MtpLayer
@@ -72,15 +75,6 @@ class DecodeRunner(Protocol):
         """Logits [len(chunks), vocab] (float32) of the step, or None to have forward_chunks compute it."""
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers computes it (statistics in float32, weight applied in the input dtype)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class DecoderLayer(torch.nn.Module):
     """One transformer block with fused q/k/v and gate/up projections, as `spec` describes it (layers.py)."""
 
@@ -99,6 +93,10 @@ class DecoderLayer(torch.nn.Module):
     qk_norm: torch.Tensor | None
     post_attn_norm: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None
+    layer_scalar: torch.Tensor | None
+    ple_gate: torch.Tensor | None
+    ple_proj: torch.Tensor | None
+    ple_norm: torch.Tensor | None
 
     def __init__(
         self,
@@ -118,11 +116,16 @@ class DecoderLayer(torch.nn.Module):
         post_attn_norm: torch.Tensor | None = None,
         post_mlp_norm: torch.Tensor | None = None,
         mla: MlaAttention | None = None,
+        layer_scalar: torch.Tensor | None = None,
+        per_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        experts: Gemma4Experts | None = None,
     ) -> None:
         super().__init__()
         c = config
-        q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        first_rows, o_cols = q_rows + 2 * kv_rows, q_rows
+        kv_heads, head_dim = c.layer_heads(spec.index)  # Gemma 4's global layers may have their own
+        q_rows, kv_rows = c.n_heads * head_dim, kv_heads * head_dim
+        own_kv = spec.kv_source is None  # Gemma 4's K/V-sharing layers project q alone
+        first_rows, o_cols = q_rows + 2 * kv_rows * own_kv, q_rows
         assert (mla is not None) == spec.attention.latent, f"layer {spec.index}: latent attention as described"
         if c.mla is not None:  # wqkv: the query's first projection, then kv_a (engine/model/mla.py)
             first_rows, o_cols = c.mla.q_rows(c.n_heads) + c.mla.latent_width, c.n_heads * c.mla.v_head_dim
@@ -131,8 +134,8 @@ class DecoderLayer(torch.nn.Module):
         assert (moe is not None) == (spec.mlp.experts is not None), f"layer {spec.index}: {spec.mlp.kind} expected"
         if moe is None:
             assert w_gate_up is not None and w_down is not None, "a dense layer needs w_gate_up and w_down"
-            assert w_gate_up.shape == (2 * c.intermediate_size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
-            assert w_down.shape == (c.hidden_size, c.intermediate_size), ("w_down", tuple(w_down.shape))
+            assert w_gate_up.shape == (2 * spec.mlp.size, c.hidden_size), ("w_gate_up", tuple(w_gate_up.shape))
+            assert w_down.shape == (c.hidden_size, spec.mlp.size), ("w_down", tuple(w_down.shape))
         else:  # a sparse expert block (engine/model/moe.py) instead of the dense MLP
             assert w_gate_up is None and w_down is None, "a layer has either a dense MLP or experts"
         self.moe = moe
@@ -148,7 +151,7 @@ class DecoderLayer(torch.nn.Module):
         self.register_buffer("w_down", w_down, persistent=False)
         qk_norm = None
         kind = spec.attention.qk_norm
-        assert (q_norm is not None) == (k_norm is not None) == (kind != "none"), f"q/k norms: {kind} expected"
+        assert (q_norm is not None) == (k_norm is not None or not own_kv) == (kind != "none"), f"q/k norms: {kind}"
         # OLMoE normalises q and k over their full widths (one weight per row of q, of k) before the head split.
         full = kind == "full"
         self.register_buffer("q_norm_full", q_norm if full else None, persistent=False)
@@ -156,14 +159,26 @@ class DecoderLayer(torch.nn.Module):
         if full:
             assert q_norm is not None and q_norm.shape == (q_rows,), "full-width q norm: one weight per row of q"
             assert k_norm is not None and k_norm.shape == (kv_rows,), "full-width q norm needs a full-width k norm"
-        elif q_norm is not None and k_norm is not None:
+        elif q_norm is not None:
             # One weight row per q head then per k head, so both norms run as one op on the q|k view.
-            qk_norm = torch.cat((q_norm.expand(c.n_heads, -1), k_norm.expand(c.n_kv_heads, -1)))
+            qk_norm = q_norm.expand(c.n_heads, -1) if k_norm is None else torch.cat(
+                (q_norm.expand(c.n_heads, -1), k_norm.expand(kv_heads, -1)))
         self.register_buffer("qk_norm", qk_norm, persistent=False)
         # Gemma: the attention output and the MLP output are normalised before they join the residual.
         assert (post_attn_norm is not None) == (post_mlp_norm is not None) == spec.norm.post, "post-norms: as described"
         self.register_buffer("post_attn_norm", post_attn_norm, persistent=False)
         self.register_buffer("post_mlp_norm", post_mlp_norm, persistent=False)
+        # Gemma 4: the layer's output scalar, and the gate, projection and norm of its per-layer input.
+        assert (layer_scalar is not None) == spec.scaled and (per_layer is not None) == (spec.per_layer_input > 0)
+        self.register_buffer("layer_scalar", layer_scalar, persistent=False)
+        ple_gate, ple_proj, ple_norm = per_layer or (None, None, None)
+        if ple_gate is not None:
+            assert ple_gate.shape == (spec.per_layer_input, c.hidden_size), ("ple_gate", tuple(ple_gate.shape))
+        self.register_buffer("ple_gate", ple_gate, persistent=False)
+        self.register_buffer("ple_proj", ple_proj, persistent=False)
+        self.register_buffer("ple_norm", ple_norm, persistent=False)
+        assert (experts is not None) == spec.parallel_experts, f"layer {spec.index}: the expert block as described"
+        self.experts = experts  # Gemma 4's expert block beside the dense MLP
 
 
 class CausalLM(torch.nn.Module):
@@ -186,6 +201,7 @@ class CausalLM(torch.nn.Module):
         norm: torch.Tensor,
         lm_head: torch.Tensor,
         rope_freq_factors: torch.Tensor | None = None,
+        per_layer: PerLayerInputs | None = None,
     ) -> None:
         super().__init__()
         assert len(layers) == config.n_layers == len(description.layers), (len(layers), config.n_layers)
@@ -199,6 +215,10 @@ class CausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
+        # Gemma 4's per-layer input embeddings (per_layer_inputs.py): the table in host RAM, the rest on the first
+        # stage's device.
+        assert (per_layer is not None) == any(spec.per_layer_input for spec in description.layers)
+        self.per_layer = per_layer
         # Partial RoPE: the tables span the rotated channels only (their frequencies are those of that width).
         rotary = {spec.attention.rotary_dim for spec in description.layers}
         assert len(rotary) == 1 and 0 not in rotary, f"one rotary width per model, got {rotary}"
@@ -206,7 +226,9 @@ class CausalLM(torch.nn.Module):
         # GLM's next-token (MTP) layers as the file holds them, kept for speculative decoding, not run (mtp.py);
         # the loaders set them after building.
         self.mtp: tuple[MtpLayer, ...] = ()
-        self.rotary = RotaryTable(config if rotary_dim is None else replace(config, head_dim=rotary_dim, rotary_dim=None),
+        # Gemma 4's global layers (the ones this table rotates when there is a local one) may be wider.
+        rotated = rotary_dim or (config.global_head_dim if config.rope_local_theta is not None else None)
+        self.rotary = RotaryTable(config if rotated is None else replace(config, head_dim=rotated, rotary_dim=None),
                                   rope_freq_factors)
         # False: projections of a batch run as one GEMM (`linear`'s fast path); the engine clears it on CUDA
         # unless --deterministic. CPU float32 and int4 kernels are batch-invariant either way.
@@ -269,8 +291,9 @@ class CausalLM(torch.nn.Module):
         if self.graphs is not None and self.graphs.owns_one_token_rows and any(ch.tokens.numel() == 1 for ch in chunks):
             return self._hand_over_one_token_rows(chunks, kv, all_logits)
         c = self.config
-        assert kv.layout.n_layers == c.n_layers and kv.layout.n_kv_heads == c.kv_row[0], "K/V layout mismatch"
-        assert kv.layout.head_dim == c.kv_row[1] and kv.layout.dtype.is_floating_point, "K/V layout mismatch"
+        assert kv.layout.n_layers == c.kv_layers and (kv.layout.n_kv_heads, kv.layout.head_dim) == c.kv_row, (
+            "K/V layout mismatch")
+        assert kv.layout.dtype.is_floating_point, "K/V layout mismatch"
         check_rows(chunks)
         for ch in chunks:
             n = ch.tokens.numel()
@@ -296,6 +319,7 @@ class CausalLM(torch.nn.Module):
         else:
             positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(ordered, lengths, strict=True)])
         x = embed_rows(ids, self.embed, self.embed_scale)
+        ple = None if self.per_layer is None else self.per_layer(ids, x, n_single, not self.batch_invariant)
 
         plans = _attention_plans(ordered, lengths, offsets, self.window)
         layers = cast(list[DecoderLayer], list(self.layers))
@@ -306,11 +330,13 @@ class CausalLM(torch.nn.Module):
             local_rope = rope if self.rotary_local is None else _rope_rows(self.rotary_local, max_pos, pos, device, self.dtype)
             masks = {i: m.to(device) for i, m in plans.masks.items()}
             window_masks = {i: m.to(device) for i, m in plans.window_masks.items()}
+            stage_ple = None if ple is None else ple.to(device)
             for li in range(first, end):
                 attention = layers[li].spec.attention
                 cos, sin = local_rope if attention.rope.local else rope
                 x = self._layer(layers[li], li, x, kv, ordered, plans,
-                                masks if attention.window is None else window_masks, cos, sin, n_single, total)
+                                masks if attention.window is None else window_masks, cos, sin, n_single, total,
+                                None if stage_ple is None else stage_ple[:, li])
 
         fast = not self.batch_invariant
         if all_logits:
@@ -369,15 +395,20 @@ class CausalLM(torch.nn.Module):
         sin: torch.Tensor,
         n_single: int,
         total: int,
+        per_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if layer.mla is not None:  # the latent rows, not per-head K/V (engine/model/mla.py)
             latent = layer.mla.attend(layer, x, kv.layer(li), chunks, plans.offsets, masks, plans.causal, cos, sin,
                                       n_single, not self.batch_invariant)
             return self.attention_out_and_mlp(layer, x, latent, n_single)
         c = self.config
-        H, D = c.n_heads, c.head_dim
+        kv_heads, D = c.layer_heads(li)
+        H = c.n_heads
         q, k, v = self.qkv(layer, x, cos, sin, n_single, total)
-        k_cache, v_cache = kv.layer(li)
+        shared = layer.spec.kv_source is not None  # Gemma 4: attends to an earlier layer's K/V, writes none
+        k_cache, v_cache = kv.layer(li if layer.spec.kv_source is None else layer.spec.kv_source)
+        if k_cache.shape[-2:] != (kv_heads, D):  # a narrower layer than the slots' row: its first channels
+            k_cache, v_cache = (t.flatten(-2)[..., : kv_heads * D].unflatten(-1, (kv_heads, D)) for t in (k_cache, v_cache))
         small_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
         one = len(chunks) == 1
         attn = None if one else torch.empty(total, H, D, dtype=x.dtype, device=x.device)
@@ -386,13 +417,14 @@ class CausalLM(torch.nn.Module):
         for i, ch in enumerate(chunks):
             lo, hi = plans.offsets[i], plans.offsets[i + 1]
             end = ch.start + (hi - lo)
-            k_cache[ch.slot, ch.start : end] = k[lo:hi]
-            v_cache[ch.slot, ch.start : end] = v[lo:hi]
+            if not shared:
+                k_cache[ch.slot, ch.start : end] = k[lo:hi]
+                v_cache[ch.slot, ch.start : end] = v[lo:hi]
             # A sliding layer reads only its window's rows (sliding.py); `masks` are then the window masks.
             seen = first_key(ch.start, window)
             keys, values = k_cache[ch.slot, seen:end].transpose(0, 1), v_cache[ch.slot, seen:end].transpose(0, 1)
-            if keys.dtype != q.dtype:  # --kv-dtype narrower than the compute dtype: attend in the compute dtype
-                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if keys.dtype != q.dtype or keys.device != q.device:  # a narrower --kv-dtype; a shared layer's source
+                keys, values = keys.to(q.device, q.dtype), values.to(q.device, q.dtype)  # on another stage
             if hi - lo == 1 and small_float32:
                 out = _decode_attention(q[lo], keys, values, scale)
             else:
@@ -405,7 +437,7 @@ class CausalLM(torch.nn.Module):
                 assert attn is not None  # allocated above for several chunks
                 attn[lo:hi] = out
         assert attn is not None
-        return self.attention_out_and_mlp(layer, x, attn.reshape(total, H * D), n_single)
+        return self.attention_out_and_mlp(layer, x, attn.reshape(total, H * D), n_single, per_layer)
 
     def qkv(
         self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_single: int, total: int
@@ -413,7 +445,10 @@ class CausalLM(torch.nn.Module):
         """A layer's q [total, H, D], k and v [total, KVH, D] for x [total, hidden], RoPE applied (cos and sin
         per row, sin in the rolled-sign form of forward_chunks)."""
         c = self.config
-        H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
+        KVH, D = c.layer_heads(layer.spec.index)
+        if layer.spec.kv_source is not None:  # Gemma 4's K/V-sharing layer: q alone
+            KVH = 0
+        H = c.n_heads
         eps = layer.spec.norm.eps
         h = rms_norm(x, layer.attn_norm, eps)
         qkv = linear(h, layer.wqkv, n_single, layer.bqkv, fast=not self.batch_invariant)
@@ -425,7 +460,9 @@ class CausalLM(torch.nn.Module):
         qk = qkv[:, : (H + KVH) * D].view(total, H + KVH, D)
         v = qkv[:, (H + KVH) * D :].view(total, KVH, D)
         if layer.qk_norm is not None:
-            qk = _head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
+            qk = head_rms_norm(qk.to(x.dtype), layer.qk_norm, eps)
+        if layer.spec.attention.value_norm:  # Gemma 4: each value head normalised, no weight
+            v = head_rms_norm(v.to(x.dtype), None, eps)
         # Rotate-half RoPE as one roll: roll(qk) * sin_rolled == cat(-qk2, qk1) * sin, bit for bit (the sign
         # of the first half lives in sin_rolled, see forward_chunks). Promotes a bfloat16 qkv to x's dtype.
         rotated = cos.shape[-1]
@@ -437,8 +474,10 @@ class CausalLM(torch.nn.Module):
             qk = torch.cat((head, qk[..., rotated:].to(head.dtype)), -1)
         return qk[:, :H], qk[:, H:], v
 
-    def attention_out_and_mlp(self, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, n_single: int) -> torch.Tensor:
-        """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual."""
+    def attention_out_and_mlp(self, layer: DecoderLayer, x: torch.Tensor, attn: torch.Tensor, n_single: int,
+                              per_layer: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest of a layer after attention: x + o(attn), then the MLP (or the experts) with its residual, then
+        Gemma 4's per-layer input and scalar (`per_layer`: this layer's [tokens, width] inputs)."""
         spec = layer.spec
         eps = spec.norm.eps
         fast = not self.batch_invariant
@@ -448,7 +487,7 @@ class CausalLM(torch.nn.Module):
         x = x + attn_out
         h = rms_norm(x, layer.mlp_norm, eps)
         if layer.moe is not None:
-            return x + layer.moe(h, n_single, fast=fast)
+            return per_layer_residual(layer, x + layer.moe(h, n_single, fast=fast), per_layer, n_single, fast)
         assert layer.w_gate_up is not None and layer.w_down is not None  # a dense layer (DecoderLayer)
         gate_up = linear(h, layer.w_gate_up, n_single, fast=fast)
         inter = spec.mlp.size
@@ -457,16 +496,11 @@ class CausalLM(torch.nn.Module):
         else:
             act = F.silu(gate_up[:, :inter].to(x.dtype)) * gate_up[:, inter:]
         mlp_out = linear(act, layer.w_down, n_single, fast=fast)
+        if layer.experts is not None:  # Gemma 4: the experts beside the MLP, on the residual, summed with it
+            mlp_out = layer.experts(x, mlp_out, n_single, fast)
         if layer.post_mlp_norm is not None:
             mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, eps)
-        return x + mlp_out
-
-
-def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over head_dim with a per-head weight [n_heads, head_dim] (Qwen3's q/k norms)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+        return per_layer_residual(layer, x + mlp_out, per_layer, n_single, fast)
 
 
 def _rope_rows(

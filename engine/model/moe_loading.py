@@ -81,12 +81,13 @@ def hf_layer_key(rest: str) -> str | None:
     return f"expert.{m.group(1)}.{_HF_EXPERT_PART[m.group(2)]}" if m else None
 
 
-def q_norm_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the q and k norm weights: one per head dim (Qwen3*), or the full q / k width (OLMoE)."""
+def q_norm_shapes(config: ModelConfig, head_dim: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the q and k norm weights: one per head dim (Qwen3*; `head_dim`: a layer's own, Gemma 4's global
+    ones), or the full q / k width (OLMoE)."""
     c = config
     if c.architecture == "olmoe":
         return (c.n_heads * c.head_dim,), (c.n_kv_heads * c.head_dim,)
-    return (c.head_dim,), (c.head_dim,)
+    return (head_dim or c.head_dim,), (head_dim or c.head_dim,)
 
 
 def fold_scales(config: ModelConfig, get: DeviceGetter) -> DeviceGetter:

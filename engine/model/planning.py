@@ -66,9 +66,21 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int,
 
         return hybrid_layer_bytes(config, dtype, n_slots, ctx, cpu_experts)
     c = config
-    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    mlp = max(moe_loading.mlp_weights(c, i) - (moe_loading.routed_expert_weights(c) if i in cpu_experts else 0)
-              for i in range(c.n_layers))  # experts make layers differ
+    heads, width = c.kv_row
+    kv = 2 * n_slots * ctx * heads * width  # the slots' row, every layer alike
+    return max(_one_layer_weights(c, i, cpu_experts) for i in range(c.n_layers)) * dtype.itemsize + kv * dtype.itemsize
+
+
+def _one_layer_weights(c: ModelConfig, i: int, cpu_experts: frozenset[int]) -> int:
+    """Layer `i`'s weights (experts and Gemma 4's per-layer shapes, MLP widths and blocks make layers differ)."""
+    kv_heads, head_dim = c.layer_heads(i)
+    q_rows, kv_rows = c.n_heads * head_dim, kv_heads * head_dim * (i < c.kv_layers)
+    if c.is_moe_layer(i):
+        mlp = moe_loading.mlp_weights(c, i) - (moe_loading.routed_expert_weights(c) if i in cpu_experts else 0)
+    else:
+        mlp = 3 * c.hidden_size * c.mlp_size(i)
+    n_experts, _, expert_size = c.parallel_experts  # Gemma 4's block beside the MLP, with its router
+    mlp += n_experts * (3 * c.hidden_size * expert_size + c.hidden_size) + 2 * c.per_layer_input * c.hidden_size
     weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + mlp
     weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
     if c.mla is not None:  # the latent projections instead (engine/model/mla.py)
@@ -77,8 +89,7 @@ def layer_bytes(config: ModelConfig, dtype: torch.dtype, n_slots: int, ctx: int,
         weights += heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank + 2 * c.hidden_size
         if m.q_lora_rank is not None:
             weights += heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * m.q_lora_rank
-    kv = 2 * n_slots * ctx * c.kv_row[0] * c.kv_row[1]
-    return (weights + kv) * dtype.itemsize
+    return weights
 
 
 def _parse_devices(devices: str) -> list[torch.device]:

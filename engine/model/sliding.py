@@ -19,8 +19,8 @@ import torch
 #   gated: only with `use_sliding_window`; then the layers `layer_types` names "sliding_attention", or else the
 #          layers from `max_window_layers` on (Qwen2, Qwen3).
 #   typed: the layers `layer_types` names, or else every layer but each `sliding_window_pattern`-th (Gemma 3).
-_HF_RULES = {"mistral": "all", "qwen2": "gated", "qwen3": "gated", "gemma3": "typed"}
-_HF_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma3": 4096}
+_HF_RULES = {"mistral": "all", "qwen2": "gated", "qwen3": "gated", "gemma3": "typed", "gemma4": "typed"}
+_HF_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma3": 4096, "gemma4": 512}
 GEMMA3_PATTERN = 6  # Gemma 3: five local layers, then a global one
 
 

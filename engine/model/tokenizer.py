@@ -20,9 +20,14 @@ from tokenizers import Tokenizer as FastTokenizer
 # Tokens that end a turn in common chat formats; generation stops on them as on eos.
 END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
+    "<turn|>",  # Gemma 4
 )
 # gpt-oss's harmony format: a chat whose tokenizer has all of these is written and read as harmony (engine.server.harmony)
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+# Gemma 4's markers of a call and of its strings: special tokens in its tokenizer.json, decoded as text here (as
+# llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them. Its thinking channel's
+# markers stay special (left out of answers): no reasoning is parsed out of an answer yet.
+RENDERED_MARKERS = frozenset({"<|tool_call>", "<tool_call|>", '<|"|>'})
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
 _LLAMA3_SPLIT = (
@@ -121,6 +126,9 @@ class Tokenizer:
         try:
             with open(path, encoding="utf-8") as f:
                 spec = json.load(f)
+            for added in spec.get("added_tokens") or ():
+                if added.get("content") in RENDERED_MARKERS:
+                    added["special"] = False
             backend = FastTokenizer.from_str(json.dumps(spec))
         except Exception as e:
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
@@ -185,7 +193,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], kept: tuple[FastTokenizer, str] | None = None) -> Tokenizer:
-        """From GGUF `tokenizer.ggml.*` metadata (byte-level BPE "gpt2" or sentencepiece "llama"). `kept`: the
+        """From GGUF `tokenizer.ggml.*` metadata (byte-level BPE "gpt2", sentencepiece "llama", or "gemma4": a
+        sentencepiece-style BPE with merges, spaces as U+2581 and byte fallback, as llama.cpp reads it). `kept`: the
         backend and fingerprint an earlier call built from the same metadata (engine/model/weights_cache.py), so
         neither is built again (a 262K-token sentencepiece vocabulary takes seconds)."""
         kind = meta.get("tokenizer.ggml.model")
@@ -194,8 +203,8 @@ class Tokenizer:
             raise TokenizerError("no tokenizer.ggml.tokens in the metadata")
         token_types = list(meta.get("tokenizer.ggml.token_type") or [])
         merges = meta.get("tokenizer.ggml.merges")
-        if kind not in ("gpt2", "llama"):
-            raise TokenizerError(f"tokenizer model {kind!r} is not supported (expected gpt2 or llama)")
+        if kind not in ("gpt2", "llama", "gemma4"):
+            raise TokenizerError(f"tokenizer model {kind!r} is not supported (expected gpt2, llama or gemma4)")
         backend, fingerprint = kept if kept is not None else cls._gguf_backend(meta, kind, tokens, token_types, merges)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos: set[int] = set()

@@ -222,6 +222,10 @@ def slot_memory(model: Any, config: Any, n_slots: int, ctx: int, kv_dtype: torch
     if isinstance(model, HybridCausalLM):
         kv, states = hybrid_buffers(model, n_slots, ctx, every, kv_dtype)
         return kv, RecurrentMemory(kv, states)
-    kv = KVBuffers(KVLayout(config.n_layers, config.kv_row[0], config.kv_row[1], kv_dtype), n_slots, ctx, stages)
+    heads, width = config.kv_row  # one row shape for every layer (Gemma 4's differ: the widest holds them)
+    # Gemma 4's K/V-sharing layers (the last ones) hold no K/V: the slots and the cache keep the layers before them.
+    n_kv = config.kv_layers
+    kv_stages = [(d, a, min(b, n_kv)) for d, a, b in stages if a < n_kv]
+    kv = KVBuffers(KVLayout(n_kv, heads, width, kv_dtype), n_slots, ctx, kv_stages)
     windows = slot_windows(config, kv, block_tokens)
     return kv, (AttentionMemory(kv) if windows is None else WindowMemory(kv, windows))

@@ -89,4 +89,6 @@ def slot_windows(config, kv: KVBuffers, block_tokens: int) -> SlotWindows | None
     """The windows of a model whose config declares sliding layers (None for the others)."""
     if not getattr(config, "sliding_layers", ()) or config.sliding_window is None:
         return None
-    return SlotWindows(kv, config.sliding_window, tuple(config.sliding_layers), block_tokens)
+    # The sliding layers among those the slots hold (Gemma 4's K/V-sharing layers hold none).
+    local = tuple(i for i in config.sliding_layers if i < kv.layout.n_layers)
+    return SlotWindows(kv, config.sliding_window, local, block_tokens) if local else None
