@@ -228,6 +228,10 @@ def build_model(
             post = {}
             if spec.norm.post:  # the norms on the attention and MLP outputs
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
+            if spec.attention.sinks:  # gpt-oss
+                post["sinks"] = need(p + "sinks", (c.n_heads,), device)
+            if spec.attention.out_bias:
+                post["bo"] = need(p + "o_bias", (hidden,), device)
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, spec, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
                                  moe=moe, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}

@@ -21,6 +21,9 @@ _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (),
                       "query_pre_attn_scalar": None, "final_logit_softcapping": None, "rotary_dim": None,
                       "mtp_layers": 0}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+GPT_OSS_ROPE_THETA = 150000.0  # GptOssConfig's default_theta
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 
 class ConfigError(ValueError):
@@ -140,6 +143,8 @@ class ModelConfig:
             params = rope_parameters
             if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)
                 params = dict(params["full_attention"] or {})
+            if arch == "gpt_oss" and not params and not cfg.get("rope_scaling"):
+                params = dict(GPT_OSS_ROPE)  # what GptOssConfig sets when config.json names none
             gemma = arch == "gemma3"
             gemma_fields: dict[str, Any] = {}
             if gemma:  # its own reader: engine/model/gemma.py
@@ -147,7 +152,8 @@ class ModelConfig:
                 if problem:
                     raise ConfigError(problem)
                 gemma_fields = hf_gemma_fields(cfg, rope_parameters)
-            theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else 10000.0)
+            theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else GPT_OSS_ROPE_THETA if arch == "gpt_oss"
+                                   else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
             head_dim = int(cfg.get("head_dim") or (HF_HEAD_DIM if gemma else hidden // n_heads))
@@ -169,7 +175,7 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
-                                    else cfg.get("attention_bias", arch == "qwen2")),
+                                    else cfg.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
                 qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3") or (glm and bool(cfg.get("use_qk_norm"))),
                 moe=moe,
                 sliding_window=window,

@@ -37,11 +37,16 @@ HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
 # GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
 # and native steps rotate whole heads with their own code.
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
+# gpt-oss's layer: the eager forward runs it; the steps' own attention has no sinks and no output bias, and their
+# expert kernels (experts.c, the grouped GEMMs) neither the router's bias nor biased, clamped experts.
+GPT_OSS = (frozenset({"attention sinks", "output bias", "router bias", "clamped SwiGLU"}),
+           "attention sinks, output bias, router bias or clamped SwiGLU experts (gpt-oss layers)")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
     CPU_STEP: (
         *HYBRID_ONLY,
         PARTIAL_ROPE,
+        GPT_OSS,
         (frozenset({"post-norms", "GeGLU", "local rope"}), "Gemma layers"),
         (frozenset({"experts", "shared expert", "ungated shared expert", "sigmoid routing", "full-width q/k norms"}),
          "experts or full-width q/k norms"),
@@ -50,6 +55,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     NATIVE_STEP: (
         *HYBRID_ONLY,
         PARTIAL_ROPE,
+        GPT_OSS,
         (frozenset({"sigmoid routing", "ungated shared expert"}),
          "sigmoid routing or an ungated shared expert (experts.c routes by softmax and gates its shared expert)"),
         (frozenset({"full-width q/k norms"}), "full-width q/k norms"),
@@ -59,6 +65,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     # GeGLU, embedding scale or soft cap: those models decode eagerly (still one GEMM per projection).
     GRAPH_STEP: (
         *HYBRID_ONLY,
+        GPT_OSS,
         (frozenset({"sliding window"}), "sliding-window layers"),
         (frozenset({"post-norms", "GeGLU", "local rope", "embedding scale", "attention scale"}), "Gemma layers"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),

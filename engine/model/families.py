@@ -51,6 +51,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("granitemoe", "moe", _MOE, ("GraniteMoeForCausalLM",), ("granitemoe",), ("granitemoe",),
            gguf_permuted_qk=True),
     Family("glm4_moe", "moe", _MOE, ("Glm4MoeForCausalLM",), ("glm4_moe",), ("glm4moe",)),
+    Family("gpt_oss", "moe", _MOE, ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
     Family("lfm2", "hybrid", _HYBRID + "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     Family("lfm2_moe", "hybrid", _HYBRID + "lfm2_moe", ("Lfm2MoeForCausalLM",), ("lfm2_moe",), ("lfm2moe",)),
     Family("qwen3_5", "hybrid", _HYBRID + "qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),

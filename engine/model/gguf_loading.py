@@ -39,6 +39,9 @@ _GGUF_GLOBAL_NAMES = {
 # GLM-4.x MoE's post_attention_norm is its MLP's input norm (llama.cpp names its post_attention_layernorm so),
 # not Gemma's norm of the attention output.
 _GLM4_MOE_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm.weight": "mlp_norm"}
+# gpt-oss's too (llama.cpp's GPT_OSS tensor list has ATTN_POST_NORM, not FFN_NORM), with its sinks and o bias.
+_GPT_OSS_LAYER_NAMES = {**_GLM4_MOE_LAYER_NAMES, "attn_output.bias": "o_bias", "attn_sinks.weight": "sinks"}
+_LAYER_NAMES = {"glm4moe": _GLM4_MOE_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}
 
 
 def _gguf_canonical(name: str, arch: str | None = None) -> str | None:
@@ -46,7 +49,7 @@ def _gguf_canonical(name: str, arch: str | None = None) -> str | None:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        layer_names = _GLM4_MOE_LAYER_NAMES if arch == "glm4moe" else _GGUF_LAYER_NAMES
+        layer_names = _LAYER_NAMES.get(arch or "", _GGUF_LAYER_NAMES)
         key = layer_names.get(rest) or moe_loading.gguf_layer_key(rest) or mtp.GGUF_NAMES.get(rest)
         if key is not None:
             return f"{index}.{key}"
@@ -77,6 +80,15 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         original = meta.get(f"{arch}.rope.scaling.original_context_length")
         if original:
             scaling["original_max_position_embeddings"] = int(original)
+        for name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                            ("yarn_attn_factor", "attention_factor")):
+            value = meta.get(f"{arch}.rope.scaling.{name}")
+            if kind == "yarn" and value is not None:
+                scaling[field] = float(value)
+        if kind == "yarn" and arch == "gpt-oss":
+            # gpt-oss was trained with YaRN's ramp unrounded (transformers' truncate: false, GptOssConfig's
+            # default); llama.cpp rounds its ends. The file cannot say which; the model's own holds.
+            scaling["truncate"] = False
     n_kv = key("attention.head_count_kv", n_heads)
     # GLM's block_count includes its next-token (MTP) layers after the decoder layers (llama.cpp's converter).
     mtp_layers = int(meta.get(f"{arch}.nextn_predict_layers") or 0) if arch == "glm4moe" else 0

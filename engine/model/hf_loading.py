@@ -20,6 +20,7 @@ _HF_LAYER_NAMES = {
     "self_attn.v_proj.bias": "v_bias", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
     "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks",  # gpt-oss
 }
 _HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
@@ -94,6 +95,10 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     handles, where = open_tensors(files, _gemma_canonical if config.gemma else _hf_canonical)
 
     hashed: set[str] = set()
+    gpt_oss = config.architecture == "gpt_oss"
+    if gpt_oss and any(name.endswith("_blocks") for h in handles.values() for name in h.keys()):  # noqa: SIM118 (safe_open is not a dict)
+        raise ModelLoadError(f"{folder}: the experts are MXFP4 blocks (*_blocks / *_scales), which this engine "
+                             "reads from a GGUF file only; convert the folder with llama.cpp's convert_hf_to_gguf.py")
 
     def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
         found = where.get(key)
@@ -108,6 +113,8 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
             hashed.add(key)
             content.update(key.encode())
             content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        if gpt_oss:  # its experts' own layout (moe_loading.gpt_oss_hf_layout)
+            tensor = moe_loading.gpt_oss_hf_layout(key, tensor)
         # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
         if config.gemma and _is_norm(key):  # Gemma's norms scale by (1 + w), computed in float32 (as GGUF stores it)
             return (tensor.float() + 1.0).to(device=device, dtype=want)

@@ -98,6 +98,8 @@ class DecoderLayer(torch.nn.Module):
     qk_norm: torch.Tensor | None
     post_attn_norm: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None
+    sinks: torch.Tensor | None
+    bo: torch.Tensor | None
 
     def __init__(
         self,
@@ -116,6 +118,8 @@ class DecoderLayer(torch.nn.Module):
         moe: SparseMoe | None = None,
         post_attn_norm: torch.Tensor | None = None,
         post_mlp_norm: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        bo: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -157,6 +161,13 @@ class DecoderLayer(torch.nn.Module):
         assert (post_attn_norm is not None) == (post_mlp_norm is not None) == spec.norm.post, "post-norms: as described"
         self.register_buffer("post_attn_norm", post_attn_norm, persistent=False)
         self.register_buffer("post_mlp_norm", post_mlp_norm, persistent=False)
+        # gpt-oss: a learned logit per head in each softmax's denominator, and a bias on the output projection.
+        assert (sinks is not None) == spec.attention.sinks, "attention sinks: as described"
+        assert sinks is None or sinks.shape == (c.n_heads,), ("sinks", tuple(sinks.shape))
+        assert (bo is not None) == spec.attention.out_bias, "output bias: as described"
+        assert bo is None or bo.shape == (c.hidden_size,), ("bo", tuple(bo.shape))
+        self.register_buffer("sinks", sinks, persistent=False)
+        self.register_buffer("bo", bo, persistent=False)
 
 
 class CausalLM(torch.nn.Module):
@@ -382,7 +393,9 @@ class CausalLM(torch.nn.Module):
             keys, values = k_cache[ch.slot, seen:end].transpose(0, 1), v_cache[ch.slot, seen:end].transpose(0, 1)
             if keys.dtype != q.dtype:  # --kv-dtype narrower than the compute dtype: attend in the compute dtype
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
-            if hi - lo == 1 and small_float32:
+            if layer.sinks is not None:  # gpt-oss
+                out = sink_attention(q[lo:hi], keys, values, masks.get(i), causal[i], scale, layer.sinks)
+            elif hi - lo == 1 and small_float32:
                 out = _decode_attention(q[lo], keys, values, scale)
             else:
                 query = q[lo:hi].transpose(0, 1).unsqueeze(0)
@@ -431,7 +444,7 @@ class CausalLM(torch.nn.Module):
         spec = layer.spec
         eps = spec.norm.eps
         fast = not self.batch_invariant
-        attn_out = linear(attn, layer.wo, n_single, fast=fast)
+        attn_out = linear(attn, layer.wo, n_single, layer.bo, fast=fast)
         if layer.post_attn_norm is not None:  # Gemma 3
             attn_out = rms_norm(attn_out.to(x.dtype), layer.post_attn_norm, eps)
         x = x + attn_out
@@ -509,6 +522,29 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     grouped = q.view(kv_heads, -1, d) * (d**-0.5 if scale is None else scale)
     scores = torch.bmm(grouped, k.transpose(1, 2))
     return torch.bmm(torch.softmax(scores, dim=-1), v).view(-1, d)
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks` [H], with no value (gpt-oss), as transformers'
+    eager gpt-oss attention computes it: scores, the sink appended, the row's maximum subtracted, softmax, the
+    sink's column dropped. q [L, H, D], k/v [KVH, S, D], `mask` [L, S] (True: seen) or `causal` from key 0;
+    returns [L, H, D]. Explicit, not SDPA: no fused kernel takes a sink."""
+    n_q, heads, d = q.shape
+    groups = heads // k.shape[0]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * (d**-0.5 if scale is None else scale)  # [H, L, S]
+    if mask is None and causal:
+        mask = torch.ones(n_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - n_q)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat((scores, sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, n_q, 1)), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v).transpose(0, 1)
 
 
 def _attention(

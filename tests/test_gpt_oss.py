@@ -1,0 +1,224 @@
+"""gpt-oss (transformers' GptOssConfig, llama.cpp's `gpt-oss`): its expert block against transformers' own (biased
+router, top-k then softmax, biased experts with the clamped SwiGLU), its attention sinks, and the whole tiny
+model against transformers: one shot, chunked, decoding; from its HF folder and from its GGUF with MXFP4 experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.moe import SparseMoe
+from engine.model.moe_config import MoeConfig, gpt_oss_experts
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4  # float32 on both sides; only summation orders differ (tests/test_moe_models.py)
+TEXT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b  café 🙂 " * 2 + "Paris is"
+HIDDEN = 32
+
+
+def _moe_config(cfg) -> MoeConfig:
+    return gpt_oss_experts({"n_experts": cfg.num_local_experts, "top_k": cfg.num_experts_per_tok},
+                           cfg.intermediate_size, cfg.swiglu_limit, cfg.swiglu_alpha)
+
+
+def test_the_block_with_its_biases_and_clamped_swiglu_equals_transformers():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from engine.model.moe_loading import gpt_oss_hf_layout
+
+    cfg = transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=16, num_local_experts=8,
+                                    num_experts_per_tok=3, swiglu_limit=0.8)
+    torch.manual_seed(0)
+    block = GptOssMLP(cfg).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.5)
+    e = block.experts
+
+    def canonical(key: str, t: torch.Tensor) -> torch.Tensor:
+        return gpt_oss_hf_layout("0." + key, t.detach().clone())
+
+    moe = SparseMoe(_moe_config(cfg), HIDDEN, router=block.router.weight.detach().clone(),
+                    router_bias=block.router.bias.detach().clone(),
+                    gate_up=canonical("experts.gate_up", e.gate_up_proj), down=canonical("experts.down", e.down_proj),
+                    gate_up_bias=canonical("experts.gate_up_bias", e.gate_up_proj_bias),
+                    down_bias=e.down_proj_bias.detach().clone())
+    h = torch.randn(40, HIDDEN)
+    with torch.no_grad():
+        ref = block(h[None])[0][0]
+        gate_up = h @ e.gate_up_proj[0] + e.gate_up_proj_bias[0]
+    assert (gate_up[:, 0::2] > cfg.swiglu_limit).any() and (gate_up[:, 1::2].abs() > cfg.swiglu_limit).any()
+    got = moe(h, 0)
+    assert (got - ref).abs().max().item() <= 1e-5
+    one = moe(h[:1], 1)  # a decode row alone computes what it does among others
+    assert (one - got[:1]).abs().max().item() <= 1e-5
+
+
+def test_a_clamped_swiglu_needs_both_settings_and_positive_values():
+    with pytest.raises(ValueError, match="swiglu_limit: expected a positive number, got -1"):
+        gpt_oss_experts({"n_experts": 4, "top_k": 2}, 16, -1, 1.702)
+    with pytest.raises(ValueError, match="expected both"):
+        MoeConfig(n_experts=4, top_k=2, expert_size=16, routing="topk_softmax", norm_topk_prob=False,
+                  swiglu_limit=7.0).check(2)
+
+
+def test_the_moe_families_from_before_gpt_oss_keep_their_identity():
+    m = MoeConfig(n_experts=8, top_k=2, expert_size=32, routing="softmax_topk", norm_topk_prob=True)
+    assert not {"router_bias", "expert_biases", "swiglu_limit", "swiglu_alpha"} & m.describe().keys()
+
+
+def test_sink_attention_is_a_softmax_with_one_more_logit_per_head():
+    from engine.model.llama import sink_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 4, 8), torch.randn(2, 9, 8), torch.randn(2, 9, 8)
+    sinks = torch.randn(4)
+    mask = torch.rand(5, 9) > 0.3
+    mask[:, 0] = True
+    got = sink_attention(q, k, v, mask, False, None, sinks)
+    for head in range(4):
+        kv = head // 2
+        scores = (q[:, head] @ k[kv].T) / 8**0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.exp(scores) / (torch.exp(scores).sum(-1, keepdim=True) + torch.exp(sinks[head]))
+        assert torch.allclose(got[:, head], weights @ v[kv], atol=1e-6)
+
+
+def _load(path: str, **kwargs):
+    from engine.model import load_model, plan_stages
+    from engine.model.loader import read_model_config
+
+    return load_model(path, plan_stages(read_model_config(path).n_layers, "cpu", ""), torch.float32, **kwargs)
+
+
+def _kv(lm):
+    from engine.kv import KVBuffers, KVLayout
+
+    c = lm.config
+    return KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), 3, 256, lm.model.stages)
+
+
+def _reference(folder: str, ids: torch.Tensor) -> torch.Tensor:
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.config._attn_implementation = "eager"  # gpt-oss's own attention, sinks included
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    from tests.gpt_oss_fixtures import write_tiny_gpt_oss
+
+    return write_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss"))
+
+
+@pytest.fixture(scope="module")
+def lm(folder):
+    return _load(folder)
+
+
+def test_the_config_is_read_as_gpt_oss_describes_its_layers(lm):
+    from engine.model import executors
+
+    c = lm.config
+    assert (c.architecture, c.head_dim, c.attention_bias, c.sliding_window, c.sliding_layers) == (
+        "gpt_oss", 16, True, 8, (0, 2))
+    assert c.rope_theta == 150000.0 and c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["truncate"] is False
+    m = c.moe
+    assert (m.routing, m.router_bias, m.expert_biases, m.swiglu_limit, m.swiglu_alpha, m.dense_layers) == (
+        "topk_softmax", True, True, 1.0, 1.702, ())
+    features = lm.model.description.features()
+    assert {"attention sinks", "output bias", "router bias", "clamped SwiGLU", "sliding window"} <= features
+    assert executors.layer_declines(executors.EAGER, lm.model.description) is None
+    reason = "attention sinks, output bias, router bias or clamped SwiGLU experts (gpt-oss layers)"
+    assert executors.cpu_step_declines(lm.model) == reason
+    assert executors.native_step_declines(lm.model) == reason
+
+
+def test_logits_match_transformers_one_shot_chunked_and_decoding(folder, lm):
+    from engine.model import SeqChunk
+
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    ref = _reference(folder, ids)
+    n = len(ids)
+    assert n >= 90  # well past the window of 8
+    ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
+    assert (ours - ref).abs().max().item() <= ATOL
+    kv = _kv(lm)
+    cuts = [0, 5, 13, 40, n - 4]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        got = lm.model.forward_chunks([SeqChunk(1, a, ids[a:b])], kv, all_logits=True)[0]
+        assert (got - ref[a:b]).abs().max().item() <= ATOL, f"prefill chunk [{a},{b})"
+    for pos in range(n - 4, n):
+        got = lm.model.forward_chunks([SeqChunk(1, pos, ids[pos : pos + 1])], kv)[0]
+        assert (got - ref[pos]).abs().max().item() <= ATOL, f"decode at {pos}"
+        assert got.argmax().item() == ref[pos].argmax().item()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"swiglu_limit": 0}, r"swiglu_limit: expected a positive number, got 0"),
+    ({"swiglu_alpha": "x"}, r"swiglu_alpha: expected a positive number, got 'x'"),
+    ({"layer_types": ["sliding_attention"]}, r"layer_types lists 1 layers, the model has 4"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_configs_it_cannot_run_are_refused_with_the_reason(folder, tmp_path, change, message):
+    import json
+    import shutil
+
+    from engine.errors import ModelLoadError
+    from engine.model.loader import read_model_config
+
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ModelLoadError, match=message):
+        read_model_config(str(copy))
+
+
+def test_a_checkpoint_with_mxfp4_expert_blocks_is_refused_with_what_to_do(folder, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.errors import ModelLoadError
+
+    copy = tmp_path / "mxfp4"
+    shutil.copytree(folder, copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    tensors["model.layers.0.mlp.experts.down_proj_blocks"] = torch.zeros(8, 64, 1, 16, dtype=torch.uint8)
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="MXFP4 blocks .* convert the folder with llama.cpp"):
+        _load(str(copy))
+
+
+# ---------------------------------------------------------------- the GGUF llama.cpp's converter writes
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory) -> str:
+    from tests.gpt_oss_fixtures import write_tiny_gpt_oss_gguf
+
+    return write_tiny_gpt_oss_gguf(tmp_path_factory.mktemp("gpt-oss-gguf"))
+
+
+def test_its_gguf_with_mxfp4_experts_loads_to_the_same_logits(gguf_path):
+    import gguf
+
+    from engine.model import SeqChunk
+
+    folder = gguf_path.removesuffix(".gguf") + "-mxfp4"
+    reader = gguf.GGUFReader(gguf_path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name}
+    assert set(types.values()) == {"MXFP4"} and len(types) == 12
+    del reader
+    file_lm = _load(gguf_path)
+    c = file_lm.config
+    assert (c.architecture, c.sliding_window, c.sliding_layers) == ("gpt_oss", 8, (0, 2))
+    assert c.rope_scaling["truncate"] is False and c.rope_scaling["factor"] == 32.0
+    assert c.moe == _load(folder).config.moe
+    ids = torch.tensor(file_lm.tokenizer.encode(TEXT))
+    ref = _reference(folder, ids)
+    ours = file_lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(file_lm), all_logits=True)[0]
+    assert (ours - ref).abs().max().item() <= ATOL
