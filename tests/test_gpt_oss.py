@@ -222,3 +222,49 @@ def test_its_gguf_with_mxfp4_experts_loads_to_the_same_logits(gguf_path):
     ref = _reference(folder, ids)
     ours = file_lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(file_lm), all_logits=True)[0]
     assert (ours - ref).abs().max().item() <= ATOL
+
+
+# ---------------------------------------------------------------- experts in host RAM, parked conversations
+
+def _parity_base(folder: str, storage: str) -> dict:
+    return {"model": folder, "devices": "cpu", "ctx_size": 1024, "cpu_weights": "float", "moe_experts": "cpu",
+            "conversation_cache_storage": storage, "conversation_cache_min_free_mib": 0,
+            "conversation_cache_block_tokens": 16, "prefill_chunk": 32}
+
+
+def test_experts_in_host_ram_are_4_bit_groups_beside_their_biases(folder):
+    from engine.model import int4, moe_placement
+    from engine.model.loader import read_model_config
+
+    if not int4.available():
+        pytest.skip("this torch has no CPU int4 kernels")
+    layers = moe_placement.cpu_expert_layers(read_model_config(folder), "cpu", 0)
+    assert layers == {0, 1, 2, 3}
+    lm = _load(folder, cpu_experts=layers)
+    moe = lm.model.layers[1].moe
+    assert all(isinstance(w, int4.Int4Weight) for w in (*moe.gate_up, *moe.down))
+    assert moe.expert_device.type == "cpu" and moe.gate_up_bias.device.type == "cpu"
+    assert moe.router_bias is not None and lm.model.layers[1].sinks is not None
+
+
+@pytest.mark.parametrize("storage", ["ram", "disk", "tiered"])
+def test_a_parked_conversation_resumes_exactly_with_experts_in_host_ram(folder, storage):
+    """`--moe-experts cpu`; a conversation parked (its full layers' K/V and its sliding layers' window) and
+    restored continues as one that never left."""
+    from engine.model import int4
+    from tools.conversation_cache_parity import run_scenario
+
+    if not int4.available():
+        pytest.skip("this torch has no CPU int4 kernels")
+    outcome = run_scenario("basic", _parity_base(folder, storage), n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
+
+
+def test_a_conversation_parked_in_tiered_storage_resumes_exactly_across_a_restart(folder):
+    from engine.model import int4
+    from tools.conversation_cache_parity import run_restart
+
+    if not int4.available():
+        pytest.skip("this torch has no CPU int4 kernels")
+    outcome = run_restart(_parity_base(folder, "tiered"), {}, n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
