@@ -268,3 +268,24 @@ def test_a_conversation_parked_in_tiered_storage_resumes_exactly_across_a_restar
         pytest.skip("this torch has no CPU int4 kernels")
     outcome = run_restart(_parity_base(folder, "tiered"), {}, n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail
+
+
+def test_its_mxfp4_experts_stay_the_files_blocks_in_host_ram_and_a_parked_conversation_resumes(gguf_path):
+    """`--moe-experts cpu` from the GGUF: every expert is the file's MXFP4 rows (kernels/blocks.c's
+    mxfp4_matmul, no conversion), within the int16 activations' rounding of transformers; and a conversation
+    parked on disk resumes exactly."""
+    from engine.model import SeqChunk, kquant_weight
+    from tools.conversation_cache_parity import run_scenario
+
+    if not kquant_weight.available():
+        pytest.skip("no native kernels here")
+    lm = _load(gguf_path, cpu_experts=frozenset(range(4)))
+    moe = lm.model.layers[1].moe
+    assert all(isinstance(w, kquant_weight.MXFP4Weight) for w in (*moe.gate_up, *moe.down))
+    assert moe.expert_bytes == 8 * (2 * 32 * 64 + 64 * 32) // 32 * 17  # 17 bytes for 32 weights, as in the file
+    ids = torch.tensor(lm.tokenizer.encode(TEXT))
+    ref = _reference(gguf_path.removesuffix(".gguf") + "-mxfp4", ids)
+    ours = lm.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(lm), all_logits=True)[0]
+    assert (ours - ref).abs().max().item() <= 1e-2  # logits of magnitude ~10: the activations' int16 rounding
+    outcome = run_scenario("basic", _parity_base(gguf_path, "disk"), n_words=40, max_tokens=8)
+    assert outcome.passed, outcome.detail
