@@ -34,13 +34,16 @@ def tiny_gpt_oss_config(**overrides):
     return transformers.GptOssConfig(**kwargs)
 
 
-def write_tiny_gpt_oss(root: str | os.PathLike, *, seed: int = 0, mxfp4_grid: bool = False, **overrides) -> str:
-    """Write the random-weight tiny gpt-oss under `root`; returns the folder."""
+def write_tiny_gpt_oss(root: str | os.PathLike, *, seed: int = 0, mxfp4_grid: bool = False, hf_mxfp4: bool = False,
+                       **overrides) -> str:
+    """Write the random-weight tiny gpt-oss under `root`; returns the folder. With `hf_mxfp4` (on the grid) its
+    experts are stored as a released checkpoint stores them, MXFP4 `*_blocks` / `*_scales`."""
+    mxfp4_grid = mxfp4_grid or hf_mxfp4
     import torch
     import transformers
 
     config = tiny_gpt_oss_config(**overrides)
-    folder = Path(root) / ("tiny-gpt-oss-mxfp4" if mxfp4_grid else "tiny-gpt-oss")
+    folder = Path(root) / ("tiny-gpt-oss-hf-mxfp4" if hf_mxfp4 else "tiny-gpt-oss-mxfp4" if mxfp4_grid else "tiny-gpt-oss")
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -55,8 +58,30 @@ def write_tiny_gpt_oss(root: str | os.PathLike, *, seed: int = 0, mxfp4_grid: bo
                 param.copy_(on_mxfp4_grid(param.transpose(1, 2)).transpose(1, 2))
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
+    if hf_mxfp4:
+        _store_experts_as_mxfp4(folder / "model.safetensors")
     write_tokenizer_files(folder)
     return str(folder)
+
+
+def _store_experts_as_mxfp4(path: Path) -> None:
+    """Replace the float expert stacks by MXFP4 blocks as gpt-oss's releases hold them: `*_blocks` [experts,
+    out rows, blocks, 16] (byte j: value 2j low nibble, 2j + 1 high) and `*_scales` [experts, out rows, blocks]
+    (e8m0, bias 127); gate_up's rows interleaved as in its float layout. Made from gguf-py's MXFP4 blocks, whose
+    codes are the same indices (its table is e2m1 doubled, its exponent byte the same)."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2).contiguous()  # [experts, out, in]
+        q = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.MXFP4))
+        q = q.view(*w.shape[:2], -1, 17)
+        codes = torch.stack((q[..., 1:] & 0x0F, q[..., 1:] >> 4), dim=-2).flatten(-2)  # value order
+        tensors[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+        tensors[name + "_scales"] = q[..., 0].contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def on_mxfp4_grid(w):

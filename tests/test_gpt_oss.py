@@ -178,20 +178,36 @@ def test_configs_it_cannot_run_are_refused_with_the_reason(folder, tmp_path, cha
         read_model_config(str(copy))
 
 
-def test_a_checkpoint_with_mxfp4_expert_blocks_is_refused_with_what_to_do(folder, tmp_path):
-    import shutil
+def test_a_checkpoint_with_mxfp4_experts_loads_to_the_values_they_hold(tmp_path):
+    """A released checkpoint's MXFP4 `*_blocks` / `*_scales`: decoded exactly (the same logits as the float
+    checkpoint of the same values), and kept as MXFP4 rows when the experts are placed in host RAM: the bytes
+    llama.cpp's converter writes to the GGUF."""
+    from engine.model import SeqChunk, kquant_weight
+    from tests.gpt_oss_fixtures import write_tiny_gpt_oss
 
-    from safetensors.torch import load_file, save_file
+    packed = _load(write_tiny_gpt_oss(tmp_path, hf_mxfp4=True))
+    plain = _load(write_tiny_gpt_oss(tmp_path, mxfp4_grid=True))
+    ids = torch.tensor(plain.tokenizer.encode(TEXT))
+    a, b = (x.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(x), all_logits=True)[0] for x in (packed, plain))
+    assert torch.equal(a, b)
+    if kquant_weight.available():
+        from tests.gpt_oss_fixtures import write_tiny_gpt_oss_gguf
 
-    from engine.errors import ModelLoadError
+        placed = _load(write_tiny_gpt_oss(tmp_path, hf_mxfp4=True), cpu_experts=frozenset(range(4)))
+        from_file = _load(write_tiny_gpt_oss_gguf(tmp_path / "gguf"), cpu_experts=frozenset(range(4)))
+        for ours, file in ((layer.moe, other.moe) for layer, other in zip(placed.model.layers, from_file.model.layers,
+                                                                           strict=True)):
+            assert all(isinstance(w, kquant_weight.MXFP4Weight) for w in (*ours.gate_up, *ours.down))
+            assert all(torch.equal(x.blocks, y.blocks) for x, y in zip((*ours.gate_up, *ours.down),
+                                                                       (*file.gate_up, *file.down), strict=True))
 
-    copy = tmp_path / "mxfp4"
-    shutil.copytree(folder, copy)
-    tensors = load_file(str(copy / "model.safetensors"))
-    tensors["model.layers.0.mlp.experts.down_proj_blocks"] = torch.zeros(8, 64, 1, 16, dtype=torch.uint8)
-    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="MXFP4 blocks .* convert the folder with llama.cpp"):
-        _load(str(copy))
+
+def test_mxfp4_blocks_of_the_wrong_shape_are_refused_by_name():
+    from engine.model import mxfp4
+
+    with pytest.raises(ValueError, match=r"0.experts.down: MXFP4 blocks uint8 \[experts, rows, blocks, 16\]"):
+        mxfp4.decode(torch.zeros(2, 4, 1, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.uint8),
+                     "0.experts.down")
 
 
 # ---------------------------------------------------------------- the GGUF llama.cpp's converter writes

@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import moe_loading, mtp
+from engine.model import moe_loading, mtp, mxfp4
 from engine.model.build import LoadedModel, build_model
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.hf_files import folder_tokenizer, header_fingerprint, open_tensors, safetensors_files
@@ -96,11 +96,9 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
 
     hashed: set[str] = set()
     gpt_oss = config.architecture == "gpt_oss"
-    if gpt_oss and any(name.endswith("_blocks") for h in handles.values() for name in h.keys()):  # noqa: SIM118 (safe_open is not a dict)
-        raise ModelLoadError(f"{folder}: the experts are MXFP4 blocks (*_blocks / *_scales), which this engine "
-                             "reads from a GGUF file only; convert the folder with llama.cpp's convert_hf_to_gguf.py")
 
-    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
+    def read(key: str) -> torch.Tensor | None:
+        """The checkpoint's tensor of a canonical key as stored (its bytes hashed on the first read), or None."""
         found = where.get(key)
         if found is None:
             return None
@@ -113,6 +111,21 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
             hashed.add(key)
             content.update(key.encode())
             content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        return tensor
+
+    # A released gpt-oss checkpoint's experts are MXFP4 blocks (mxfp4.py): decoded, or kept as they are.
+    experts = mxfp4.CheckpointExperts(read) if gpt_oss and any(k.endswith("_blocks") for k in where) else None
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
+        try:
+            decoded = experts.get(key) if experts is not None else None
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: {e}") from None
+        if decoded is not None:
+            return decoded.to(device=device, dtype=want)
+        tensor = read(key)
+        if tensor is None:
+            return None
         if gpt_oss:  # its experts' own layout (moe_loading.gpt_oss_hf_layout)
             tensor = moe_loading.gpt_oss_hf_layout(key, tensor)
         # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
@@ -123,7 +136,8 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
-    model = build_model(config, stages, dtype, get, folder, int4_weights=int4_weights, cpu_experts=cpu_experts)
+    model = build_model(config, stages, dtype, get, folder, int4_weights=int4_weights, cpu_experts=cpu_experts,
+                        kquant=experts.kquant if experts is not None else None)
     h.update(content.digest())
     # GLM's next-token layers: kept as the checkpoint holds them, not part of the running model (mtp.py).
     kept = mtp.layer_keys(config.n_layers, config.mtp_layers, list(where))

@@ -62,6 +62,10 @@ _HF_FIXED = {
     "mlp.router.bias": "router_bias",
     "mlp.experts.gate_up_proj_bias": "experts.gate_up_bias",
     "mlp.experts.down_proj_bias": "experts.down_bias",
+    "mlp.experts.gate_up_proj_blocks": "experts.gate_up_blocks",  # a released checkpoint's MXFP4 (mxfp4.py)
+    "mlp.experts.gate_up_proj_scales": "experts.gate_up_scales",
+    "mlp.experts.down_proj_blocks": "experts.down_blocks",
+    "mlp.experts.down_proj_scales": "experts.down_scales",
 }
 _HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
 _HF_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
