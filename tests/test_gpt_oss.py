@@ -305,3 +305,16 @@ def test_its_mxfp4_experts_stay_the_files_blocks_in_host_ram_and_a_parked_conver
     assert (ours - ref).abs().max().item() <= 1e-2  # logits of magnitude ~10: the activations' int16 rounding
     outcome = run_scenario("basic", _parity_base(gguf_path, "disk"), n_words=40, max_tokens=8)
     assert outcome.passed, outcome.detail
+
+
+def test_a_gpt_oss_gguf_tokenizer_splits_text_as_llama_cpp_does():
+    """llama.cpp's `gpt-4o` pre-tokenizer (o200k's expression): a word splits before a capital, digits in threes,
+    contractions stay with their word; the GPT-2 split would keep "HelloWorld" and "12345" whole."""
+    from engine.model.tokenizer import Tokenizer
+
+    tokens = [chr(c) for c in range(33, 127)] + ["Ġ"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-4o", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [1] * len(tokens)}
+    backend = Tokenizer.from_gguf_metadata(meta).backend
+    pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("HelloWorld 12345 it's")]
+    assert pieces == ["Hello", "World", "Ġ", "123", "45", "Ġit's"]
