@@ -85,6 +85,16 @@ def test_sink_attention_is_a_softmax_with_one_more_logit_per_head():
         assert torch.allclose(got[:, head], weights @ v[kv], atol=1e-6)
 
 
+def test_a_long_chunk_attends_in_blocks_of_queries_to_the_same_result(monkeypatch):
+    from engine.model import llama
+
+    torch.manual_seed(1)
+    q, k, v, sinks = torch.randn(40, 4, 8), torch.randn(2, 40, 8), torch.randn(2, 40, 8), torch.randn(4)
+    whole = llama.sink_attention(q, k, v, None, True, 0.3, sinks)
+    monkeypatch.setattr(llama, "SINK_SCORES", 4 * 40 * 7)  # blocks of 7 queries
+    assert torch.allclose(llama.sink_attention(q, k, v, None, True, 0.3, sinks), whole, atol=1e-6)
+
+
 def _load(path: str, **kwargs):
     from engine.model import load_model, plan_stages
     from engine.model.loader import read_model_config
@@ -318,3 +328,33 @@ def test_a_gpt_oss_gguf_tokenizer_splits_text_as_llama_cpp_does():
     backend = Tokenizer.from_gguf_metadata(meta).backend
     pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("HelloWorld 12345 it's")]
     assert pieces == ["Hello", "World", "Ġ", "123", "45", "Ġit's"]
+
+
+def test_gpt_oss_20b_config_json_is_read_as_released():
+    """gpt-oss-20b's own config.json (transformers 4.x style: rope_scaling and rope_theta at the top level, no
+    swiglu_alpha, the MXFP4 quantization_config of its expert blocks)."""
+    from engine.model.config import ModelConfig
+
+    released = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    }
+    c = ModelConfig.from_hf(released)
+    assert (c.n_layers, c.head_dim, c.n_heads, c.n_kv_heads, c.rope_theta, c.sliding_window) == (
+        24, 64, 64, 8, 150000.0, 128)
+    assert c.sliding_layers == tuple(range(0, 24, 2))
+    assert c.rope_scaling == {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                              "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False}
+    m = c.moe
+    assert (m.n_experts, m.top_k, m.expert_size, m.swiglu_limit, m.swiglu_alpha) == (32, 4, 2880, 7.0, 1.702)

@@ -531,14 +531,28 @@ def sink_attention(
     """Attention whose softmax has one more logit per head, `sinks` [H], with no value (gpt-oss), as transformers'
     eager gpt-oss attention computes it: scores, the sink appended, the row's maximum subtracted, softmax, the
     sink's column dropped. q [L, H, D], k/v [KVH, S, D], `mask` [L, S] (True: seen) or `causal` from key 0;
-    returns [L, H, D]. Explicit, not SDPA: no fused kernel takes a sink."""
+    returns [L, H, D]. Explicit, not SDPA: no fused kernel takes a sink; a long chunk runs in blocks of queries
+    so that its scores stay within SINK_SCORES values."""
     n_q, heads, d = q.shape
     groups = heads // k.shape[0]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * (d**-0.5 if scale is None else scale)  # [H, L, S]
     if mask is None and causal:
         mask = torch.ones(n_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - n_q)
+    scale = d**-0.5 if scale is None else scale
+    rows = max(1, SINK_SCORES // (heads * k.shape[1]))
+    out = [_sink_rows(q[a : a + rows], k, v, None if mask is None else mask[a : a + rows], scale, sinks)
+           for a in range(0, n_q, rows)]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+SINK_SCORES = 1 << 26  # scores of one block of queries (256 MiB in float32)
+
+
+def _sink_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               sinks: torch.Tensor) -> torch.Tensor:
+    heads, n_q = q.shape[1], q.shape[0]
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, L, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     logits = torch.cat((scores, sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, n_q, 1)), dim=-1)
