@@ -107,6 +107,8 @@ class MoeConfig:
                                  f"({self.topk_group}) groups kept ({self.topk_group * (self.n_experts // self.n_group)})")
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
             raise ValueError("swiglu_limit and swiglu_alpha: expected both (a clamped SwiGLU) or neither")
+        if self.expert_biases != self.clamped_swiglu:
+            raise ValueError("expert biases come with the clamped SwiGLU (gpt-oss's experts): expected both or neither")
         for name in ("swiglu_limit", "swiglu_alpha"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, float) or not value > 0):
