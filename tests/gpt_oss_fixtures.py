@@ -52,7 +52,10 @@ def write_tiny_gpt_oss(root: str | os.PathLike, *, seed: int = 0, mxfp4_grid: bo
             if "norm" in name:  # non-trivial norm weights, so a missing or misplaced norm shows
                 param.uniform_(0.5, 1.5)
             elif name.endswith(("bias", "sinks")):
-                param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.5)
+                if name.endswith("sinks"):  # large enough to take a good part of each softmax
+                    param.normal_(2.0, 1.0)
+                else:
+                    param.normal_(0.0, 0.5)
             elif mxfp4_grid and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 # [experts, in, out]: MXFP4 blocks run along the input (the GGUF's last dimension)
                 param.copy_(on_mxfp4_grid(param.transpose(1, 2)).transpose(1, 2))

@@ -144,7 +144,7 @@ def test_the_config_is_read_as_gpt_oss_describes_its_layers(lm):
     assert executors.layer_declines(executors.EAGER, lm.model.description) is None
     reason = "attention sinks, output bias, router bias or clamped SwiGLU experts (gpt-oss layers)"
     assert executors.cpu_step_declines(lm.model) == reason
-    assert executors.native_step_declines(lm.model) == reason
+    assert executors.layer_declines(executors.NATIVE_STEP, lm.model.description) is None  # its weights decide
 
 
 def test_logits_match_transformers_one_shot_chunked_and_decoding(folder, lm):
@@ -358,3 +358,56 @@ def test_gpt_oss_20b_config_json_is_read_as_released():
                               "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False}
     m = c.moe
     assert (m.n_experts, m.top_k, m.expert_size, m.swiglu_limit, m.swiglu_alpha) == (32, 4, 2880, 7.0, 1.702)
+
+
+def test_it_decodes_through_the_native_step_with_its_mxfp4_experts(gguf_path):
+    """`--cpu-weights int4` from the GGUF: the experts as the file's MXFP4 rows, the rest in native 4-bit blocks;
+    step.c's sink term and output bias and experts.c's biased router and clamped experts follow forward_chunks
+    within the native step's tolerance, over sliding and full layers, two slots at once."""
+    from engine.model import kquant_weight
+    from engine.model.native_decode import NativeDecode
+    from tests.int4_kernels import int4_kernel
+    from tests.test_kquant_weights import _native_step_follows_forward_chunks
+
+    with int4_kernel("blocks"):
+        lm = _load(gguf_path, int4_weights=True)
+        assert isinstance(lm.model.layers[0].moe.gate_up[0], kquant_weight.MXFP4Weight)
+        _native_step_follows_forward_chunks(lm, {0: 20, 1: 13})
+        assert NativeDecode(lm.model).owns_one_token_rows
+
+
+# ---------------------------------------------------------------- on a GPU
+
+def check_on_gpu(folder: str, gguf_path: str, device: str = "cuda:0") -> None:
+    """The layers on a CUDA GPU in float32 (sink attention, the biases, the experts' loop) give the CPU's logits,
+    one shot, chunked and decoding; so do GPU layers beside experts in host RAM as the GGUF's MXFP4 rows; and
+    bfloat16 layers keep the greedy token."""
+    from engine.model import SeqChunk, load_model, plan_stages
+
+    def on_gpu(path: str, dtype: torch.dtype, experts: frozenset[int]):
+        return load_model(path, plan_stages(4, device, ""), dtype, cpu_experts=experts)
+
+    for path, experts in ((folder, frozenset()), (gguf_path, frozenset(range(4)))):
+        cpu, gpu = _load(path, cpu_experts=experts), on_gpu(path, torch.float32, experts)
+        ids = torch.tensor(cpu.tokenizer.encode(TEXT))
+        ref = cpu.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(cpu), all_logits=True)[0]
+        got = gpu.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(gpu), all_logits=True)[0].cpu()
+        assert (got - ref).abs().max().item() <= 1e-3, f"{path}: one shot"
+        kv, n = _kv(gpu), len(ids)
+        for a, b in ((0, 13), (13, n - 2)):
+            got = gpu.model.forward_chunks([SeqChunk(1, a, ids[a:b])], kv, all_logits=True)[0].cpu()
+            assert (got - ref[a:b]).abs().max().item() <= 1e-3, f"{path}: chunk [{a},{b})"
+        for pos in (n - 2, n - 1):
+            got = gpu.model.forward_chunks([SeqChunk(1, pos, ids[pos : pos + 1])], kv)[0].cpu()
+            assert (got - ref[pos]).abs().max().item() <= 1e-3, f"{path}: decode at {pos}"
+    half = on_gpu(folder, torch.bfloat16, frozenset())
+    ids = torch.tensor(half.tokenizer.encode(TEXT))
+    ref = _load(folder).model.forward_chunks([SeqChunk(0, 0, ids)], _kv(_load(folder)), all_logits=True)[0]
+    got = half.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(half), all_logits=True)[0].cpu()
+    same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert same >= 0.9, f"bfloat16 keeps the greedy token at only {same:.0%} of positions"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_it_computes_what_the_cpu_does(folder, gguf_path):
+    check_on_gpu(folder, gguf_path)

@@ -37,8 +37,9 @@ HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
 # GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
 # and native steps rotate whole heads with their own code.
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
-# gpt-oss's layer: the eager forward runs it; the steps' own attention has no sinks and no output bias, and their
-# expert kernels (experts.c, the grouped GEMMs) neither the router's bias nor biased, clamped experts.
+# gpt-oss's layer: the eager forward and the native step (step.c's sink term and output bias, experts.c's biases
+# and clamp) run it; the lean CPU step's and the graph step's attention has no sinks, and the grouped GEMMs no
+# expert biases.
 GPT_OSS = (frozenset({"attention sinks", "output bias", "router bias", "clamped SwiGLU"}),
            "attention sinks, output bias, router bias or clamped SwiGLU experts (gpt-oss layers)")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
@@ -55,7 +56,6 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     NATIVE_STEP: (
         *HYBRID_ONLY,
         PARTIAL_ROPE,
-        GPT_OSS,
         (frozenset({"sigmoid routing", "ungated shared expert"}),
          "sigmoid routing or an ungated shared expert (experts.c routes by softmax and gates its shared expert)"),
         (frozenset({"full-width q/k norms"}), "full-width q/k norms"),
