@@ -314,6 +314,15 @@ KERNEL static inline void mxfp4_values(const uint8_t *codes, __m256i *first, __m
 #endif
 }
 
+/* 2^(e - 128), exactly, from its bits (ggml's e8m0 half). A libm ldexpf call per block and row made a 2880 x 2880
+   product of one row take 1.17 ms on one thread here (best of 5), 0.36 ms this way (Q8_0 rows: 0.30). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 KERNEL static inline __attribute__((always_inline)) void tile_mx(
     int RM, int RN, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq, const float *xd,
     const uint8_t *w, float *out) {
@@ -327,7 +336,7 @@ KERNEL static inline __attribute__((always_inline)) void tile_mx(
         for (int j = 0; j < RN; j++) {
             const uint8_t *block = w + (n0 + j) * row + b * MXFP4_BLOCK;
             _mm_prefetch((const char *)(block + PREFETCH_BYTES), _MM_HINT_T0);
-            ws[j] = ldexpf(1.0f, (int)block[0] - 128);  /* exact: 2^-128 .. 2^127 */
+            ws[j] = e8m0_half(block[0]);
             mxfp4_values(block + 1, &w0[j], &w1[j]);
         }
         for (int i = 0; i < RM; i++) {
