@@ -260,7 +260,7 @@ def _gemma4_gguf_keys(writer, cfg: dict) -> None:
 F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": (),  # MXFP4: an e8m0 exponent byte, no float16 field
 }
 
 
@@ -275,7 +275,7 @@ def random_blocks(qtype, rows: int, cols: int, seed: int = 0, scale: float | Non
     block, size = GGML_QUANT_SIZES[qtype]
     n_blocks = rows * cols // block
     raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    for at in F16_FIELDS[qtype.name]:
+    for at in F16_FIELDS.get(qtype.name, ()):  # a type this engine does not decode: random bytes throughout
         if scale is None:
             values = rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-7, 2, n_blocks)
             values[::17] = 0

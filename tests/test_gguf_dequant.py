@@ -40,7 +40,7 @@ def _ours(name: str, raw: np.ndarray, qtype, shape, device: str) -> torch.Tensor
 def test_every_listed_type_is_covered():
     assert {T[name] for name in F16_FIELDS} | set(PLAIN) == set(SUPPORTED)
     wanted = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-              "Q6_K", "IQ4_NL", "IQ4_XS"}
+              "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
     assert wanted <= {t.name for t in SUPPORTED}
 
 
@@ -55,7 +55,7 @@ def test_random_blocks_decode_bit_identical_to_gguf(qtype, device):
     assert torch.equal(_bits(ours), _bits(ref)), f"{qtype.name}: {(ours != ref).sum().item()} values differ"
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.MXFP4], ids=lambda t: t.name)
 def test_quantised_weights_decode_bit_identical_to_gguf(qtype):
     w = np.random.default_rng(1).standard_normal((32, 256)).astype(np.float32) * 0.05
     raw = reference_quantize(w, qtype)

@@ -45,6 +45,22 @@ def test_products_are_the_files_values_and_rows_are_batch_invariant(kind):
                 assert torch.equal(w(x[r : r + 1])[0], got[r]), f"row {r} of {rows} differs alone"
 
 
+def test_mxfp4_products_are_the_files_values_and_rows_are_batch_invariant():
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    with int4_kernel("blocks"):
+        for rows, n, k in ((1, 16, 64), (5, 48, 512), (9, 33, 96), (3, 2, 1024)):
+            raw = torch.from_numpy(random_blocks(mxfp4, n, k, seed=n)).view(n, k // 32, 17)
+            raw[..., 0] = torch.randint(110, 131, (n, k // 32), dtype=torch.uint8)  # e8m0: 2^-18 .. 2^2
+            w = CLASSES["MXFP4"](raw.reshape(n, -1).contiguous(), (n, k))
+            x = torch.randn(rows, k) * torch.logspace(-3, 1, k)
+            ref = x.double() @ _file_values(raw, n, k, "MXFP4").double().t()
+            got = w(x)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-4
+            for r in range(rows):
+                assert torch.equal(w(x[r : r + 1])[0], got[r]), f"row {r} of {rows} differs alone"
+
+
 def test_q6k_to_q8_0_rows_are_the_bytes_q8_0_rows_makes_of_the_files_values():
     with int4_kernel("blocks"):
         for seed, (n, k) in enumerate(((3, 256), (40, 1024), (7, 512))):

@@ -101,8 +101,8 @@ def test_corrupt_tensor_directory_is_refused_by_tensor_name(tmp_path):
 
 
 def test_unsupported_quantisation_is_refused_by_tensor_and_type(tmp_path):
-    path = write_tiny_gguf(tmp_path, "llama", tensor_types={"blk.1.ffn_up.weight": "MXFP4"})
-    with pytest.raises(ModelLoadError, match=r"tiny-llama\.gguf: tensor blk\.1\.ffn_up\.weight: quantisation MXFP4 is "
+    path = write_tiny_gguf(tmp_path, "llama", tensor_types={"blk.1.ffn_up.weight": "Q8_1"})
+    with pytest.raises(ModelLoadError, match=r"tiny-llama\.gguf: tensor blk\.1\.ffn_up\.weight: quantisation Q8_1 is "
                                              r"not supported; expected one of BF16, F16, F32, IQ4_NL"):
         _load(path)
 

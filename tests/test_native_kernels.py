@@ -61,10 +61,12 @@ def random_rows(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         return int4.q4_runs(codes, torch.rand(n, k // 32, generator=gen) * 0.01,
                             torch.randn(n, k // 32, generator=gen) * 0.01)
-    size, nb = {"q8": (34, k // 32), "q4k": (144, k // 256), "q6k": (210, k // 256)}[kind]
+    size, nb = {"q8": (34, k // 32), "q4k": (144, k // 256), "q6k": (210, k // 256), "mxfp4": (17, k // 32)}[kind]
     rows = torch.randint(0, 256, (n, nb, size), generator=gen, dtype=torch.uint8)
-    for at in {"q8": (0,), "q4k": (0, 2), "q6k": (208,)}[kind]:
+    for at in {"q8": (0,), "q4k": (0, 2), "q6k": (208,), "mxfp4": ()}[kind]:
         rows[..., at : at + 2] = (torch.randn(n, nb, 1, generator=gen) * 0.01).half().view(torch.uint8)
+    if kind == "mxfp4":  # e8m0 exponents of weights' magnitudes (2^-18 .. 2^2)
+        rows[..., 0] = torch.randint(110, 131, (n, nb), generator=gen, dtype=torch.uint8)
     return rows.view(n, -1).contiguous()
 
 
@@ -76,7 +78,7 @@ def products(lib: kernels.Library, threads: int) -> list[torch.Tensor]:
     """Every product of `lib` on the same random inputs (wide-ranged activations), and a Q6_K conversion."""
     gen = torch.Generator().manual_seed(5)
     out = []
-    for kind in ("q4", "q8", "q4k", "q6k"):
+    for kind in ("q4", "q8", "q4k", "q6k", "mxfp4"):
         for rows, n, k in SHAPES:
             if kind in ("q4k", "q6k") and k % 256:
                 continue

@@ -1,6 +1,6 @@
 """Write a GGUF of random weights laid out as llama.cpp's Q4_K_M, for load-time and memory measurements.
 
-    python tools/make_random_gguf.py OUT.gguf [--shape 1b|tiny|moe] [--seed 0]
+    python tools/make_random_gguf.py OUT.gguf [--shape 1b|tiny|moe|gpt-oss] [--layers N] [--seed 0]
 
 Shape 1b: Llama-3.2-1B's (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, tied embeddings)
 with the bundled SmolLM2's vocabulary (49152 tokens; every tokenizer.* key is copied from it, so the engine
@@ -9,6 +9,10 @@ Q6_K for attn_v and ffn_down of every other layer and for the (tied) token embed
 Shape moe: a Qwen3-MoE (hidden 1024, 8 layers of 32 experts of 512, top 4, q/k norms, an F32 router) with
 every expert stack (ffn_{gate,up,down}_exps, [experts, rows, cols]) in Q4_K and attention typed as above,
 ~0.45 B weights of which 0.40 B are experts.
+Shape gpt-oss: gpt-oss-20b's layer (hidden 2880, 64 heads of 64 over 8 K/V heads, 32 experts of 2880, top 4,
+sliding window 128 on every other layer, q/k/v/o biases, attention sinks, biased router and experts) cut to
+--layers layers (2 by default), as ggml-org's gpt-oss GGUFs type it: the expert stacks MXFP4, attention, the
+embedding and the output matrix Q8_0, norms, biases, sinks and router F32; ~0.47 B weights a layer.
 Block bytes are random except the float16 scale fields, which are small and finite; tensors are written one
 at a time, so the writer never holds more than one.
 """
@@ -32,9 +36,11 @@ SHAPES = {
     "1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8),
     "tiny": dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2),
     "moe": dict(hidden=1024, inter=512, layers=8, heads=16, kv_heads=4, experts=32, top_k=4),
+    "gpt-oss": dict(hidden=2880, inter=2880, layers=2, heads=64, kv_heads=8, experts=32, top_k=4, head_dim=64),
 }
 # Offsets of the float16 fields in one block of the two block types written here.
-_F16_FIELDS = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,)}
+_F16_FIELDS = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,),
+               gguf.GGMLQuantizationType.Q8_0: (0,), gguf.GGMLQuantizationType.MXFP4: ()}
 
 
 def random_blocks(rng: np.random.Generator, qtype, shape: tuple[int, ...], scale: float) -> np.ndarray:
@@ -44,6 +50,8 @@ def random_blocks(rng: np.random.Generator, qtype, shape: tuple[int, ...], scale
     raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
     for at in _F16_FIELDS[qtype]:
         raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, n) * scale).astype(np.float16).view(np.uint8).reshape(n, 2)
+    if qtype == gguf.GGMLQuantizationType.MXFP4:  # an e8m0 exponent byte: values up to 6 * 2^(e - 127) ~ scale
+        raw[:, 0] = 127 + int(np.round(np.log2(scale / 6)))
     return raw.reshape(*shape[:-1], -1)
 
 
@@ -52,7 +60,10 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0, help="layers (0: the shape's own)")
     args = ap.parse_args()
+    if args.shape == "gpt-oss":
+        return write_gpt_oss(args.out, args.layers or SHAPES["gpt-oss"]["layers"], args.seed)
     s = SHAPES[args.shape]
     h, inter, n_layers, n_heads, n_kv = s["hidden"], s["inter"], s["layers"], s["heads"], s["kv_heads"]
     hd = h // n_heads
@@ -128,7 +139,7 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     for _name, shape, qtype in plan:
-        if qtype is None and name.endswith("ffn_gate_inp.weight"):  # a router that tells experts apart
+        if qtype is None and _name.endswith("ffn_gate_inp.weight"):  # a router that tells experts apart
             w.write_tensor_data(rng.standard_normal(shape).astype(np.float32))
         elif qtype is None:
             w.write_tensor_data(np.ones(shape, dtype=np.float32))
@@ -138,6 +149,80 @@ def main() -> int:
     w.close()
     print(f"wrote {args.out}: {len(plan)} tensors, {os.path.getsize(args.out) / 2**20:.0f} MiB, "
           f"{time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _tokenizer_fields() -> dict:
+    reader = gguf.GGUFReader(embedded_model_path())
+    return {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def write_gpt_oss(out: str, n_layers: int, seed: int) -> int:
+    """The gpt-oss shape (module docstring) with the bundled model's tokenizer."""
+    s = SHAPES["gpt-oss"]
+    h, inter, n_heads, n_kv, hd, e = s["hidden"], s["inter"], s["heads"], s["kv_heads"], s["head_dim"], s["experts"]
+    tok_fields = _tokenizer_fields()
+    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(out, "gpt-oss")
+    w.add_name("random-gpt-oss")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_expert_count(e)
+    w.add_expert_used_count(s["top_k"])
+    w.add_expert_feed_forward_length(inter)
+    w.add_sliding_window(128)
+    for key, f in tok_fields.items():
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
+    plan: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (n_vocab, h), q8)]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        plan += [(p + "attn_norm.weight", (h,), None), (p + "attn_q.weight", (n_heads * hd, h), q8),
+                 (p + "attn_q.bias", (n_heads * hd,), None), (p + "attn_k.weight", (n_kv * hd, h), q8),
+                 (p + "attn_k.bias", (n_kv * hd,), None), (p + "attn_v.weight", (n_kv * hd, h), q8),
+                 (p + "attn_v.bias", (n_kv * hd,), None), (p + "attn_output.weight", (h, n_heads * hd), q8),
+                 (p + "attn_output.bias", (h,), None), (p + "attn_sinks.weight", (n_heads,), None),
+                 (p + "post_attention_norm.weight", (h,), None), (p + "ffn_gate_inp.weight", (e, h), None),
+                 (p + "ffn_gate_inp.bias", (e,), None), (p + "ffn_gate_exps.weight", (e, inter, h), mx),
+                 (p + "ffn_gate_exps.bias", (e, inter), None), (p + "ffn_up_exps.weight", (e, inter, h), mx),
+                 (p + "ffn_up_exps.bias", (e, inter), None), (p + "ffn_down_exps.weight", (e, h, inter), mx),
+                 (p + "ffn_down_exps.bias", (e, h), None)]
+    plan += [("output_norm.weight", (h,), None), ("output.weight", (n_vocab, h), q8)]
+    for name, shape, qtype in plan:
+        if qtype is None:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shape[:-1], shape[-1] // block * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    for name, shape, qtype in plan:
+        if qtype is not None:  # values of about +-0.02 (Q8_0: d * int8 code; MXFP4: 2^(e - 127) * e2m1)
+            w.write_tensor_data(random_blocks(rng, qtype, shape, 0.02 / 128 if qtype == q8 else 0.02))
+        elif name.endswith("norm.weight"):
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
+        else:  # biases, sinks and the router: values that tell heads and experts apart
+            w.write_tensor_data((rng.standard_normal(shape) * (1.0 if "gate_inp.weight" in name else 0.02)).astype(np.float32))
+    w.close()
+    print(f"wrote {out}: {len(plan)} tensors, {os.path.getsize(out) / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")
     return 0
 
 

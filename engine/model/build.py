@@ -288,6 +288,10 @@ def build_model(
             if (width := spec.per_layer_input) > 0:  # Gemma 4's per-layer input: its gate, projection and norm
                 post["per_layer"] = (need(p + "ple_gate", (width, hidden), device),
                                      need(p + "ple_proj", (hidden, width), device), need(p + "ple_norm", (hidden,), device))
+            if spec.attention.sinks:  # gpt-oss
+                post["sinks"] = need(p + "sinks", (c.n_heads,), device)
+            if spec.attention.out_bias:
+                post["bo"] = need(p + "o_bias", (hidden,), device)
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, spec, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
                                  moe=moe, mla=latent, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}

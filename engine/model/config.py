@@ -27,6 +27,9 @@ _OPTIONAL_DEFAULTS = {"moe": None, "sliding_window": None, "sliding_layers": (),
 # Multi-head latent attention families (engine/model/mla_config.py): heads share one compressed latent.
 MLA_ARCHITECTURES = ("deepseek_v3", "glm4_moe_lite")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+GPT_OSS_ROPE_THETA = 150000.0  # GptOssConfig's default_theta
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 
 class ConfigError(ValueError):
@@ -243,6 +246,8 @@ class ModelConfig:
             params = rope_parameters
             if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)
                 params = dict(params["full_attention"] or {})
+            if arch == "gpt_oss" and not params and not cfg.get("rope_scaling"):
+                params = dict(GPT_OSS_ROPE)  # what GptOssConfig sets when config.json names none
             gemma = arch in ("gemma3", "gemma4")
             gemma_fields: dict[str, Any] = {}
             if gemma:  # their own readers: engine/model/gemma.py, gemma4.py
@@ -252,7 +257,8 @@ class ModelConfig:
                 gemma_fields = hf_gemma_fields(cfg, rope_parameters) if arch == "gemma3" else hf_gemma4_fields(cfg)
             if arch == "gemma4":  # proportional RoPE is rope_pairs (gemma4.py), not a scaling of the base
                 params = {"rope_theta": params.get("rope_theta", HF_ROPE_THETA)}
-            theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else 10000.0)
+            theta, scaling = _rope(params, cfg, HF_ROPE_THETA if gemma else GPT_OSS_ROPE_THETA if arch == "gpt_oss"
+                                   else 10000.0)
             moe = _moe(arch, cfg) if arch in MOE_ARCHITECTURES else None
             window, sliding = _windows(arch, cfg, n_layers)
             head_dim = int(cfg.get("head_dim") or (HF_HEAD_DIM if gemma else hidden // n_heads))
@@ -277,7 +283,7 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(cfg.get("qkv_bias", True) if arch == "qwen2_moe"
-                                    else cfg.get("attention_bias", arch == "qwen2")),
+                                    else cfg.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
                 qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3", "gemma4") or (glm and bool(cfg.get("use_qk_norm"))),
                 moe=moe,
                 sliding_window=window,

@@ -44,6 +44,11 @@ LATENT = (frozenset({"latent attention"}), "latent attention")
 # the lean step's and the captured one's have no place for a second embedding or a third residual).
 GEMMA4 = (frozenset({"value norm", "layer scale", "per-layer inputs", "shared K/V", "parallel experts"}),
           "Gemma 4 layers")
+# gpt-oss's layer: the eager forward and the native step (step.c's sink term and output bias, experts.c's biases
+# and clamp) run it; the lean CPU step's and the graph step's attention has no sinks, and the grouped GEMMs no
+# expert biases.
+GPT_OSS = (frozenset({"attention sinks", "output bias", "router bias", "clamped SwiGLU"}),
+           "attention sinks, output bias, router bias or clamped SwiGLU experts (gpt-oss layers)")
 DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     EAGER: HYBRID_ONLY,
     CPU_STEP: (
@@ -51,6 +56,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
         LATENT,
         PARTIAL_ROPE,
         GEMMA4,
+        GPT_OSS,
         (frozenset({"post-norms", "GeGLU", "local rope"}), "Gemma layers"),
         (frozenset({"experts", "shared expert", "ungated shared expert", "sigmoid routing", "full-width q/k norms"}),
          "experts or full-width q/k norms"),
@@ -71,6 +77,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     GRAPH_STEP: (
         *HYBRID_ONLY,
         GEMMA4,
+        GPT_OSS,
         (frozenset({"sliding window"}), "sliding-window layers"),
         (frozenset({"post-norms", "GeGLU", "local rope", "embedding scale", "attention scale"}), "Gemma layers"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),

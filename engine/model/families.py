@@ -57,6 +57,7 @@ FAMILIES: tuple[Family, ...] = (
     # computation is DeepSeek-V3's (GLM-4.7-Flash's file loads as that family).
     Family("deepseek_v3", "moe", _MOE, ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ("deepseek2",)),
     Family("glm4_moe_lite", "moe", _MOE, ("Glm4MoeLiteForCausalLM",), ("glm4_moe_lite",)),
+    Family("gpt_oss", "moe", _MOE, ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
     Family("lfm2", "hybrid", _HYBRID + "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     Family("lfm2_moe", "hybrid", _HYBRID + "lfm2_moe", ("Lfm2MoeForCausalLM",), ("lfm2_moe",), ("lfm2moe",)),
     Family("qwen3_5", "hybrid", _HYBRID + "qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),

@@ -28,6 +28,8 @@ _SLICE_VALUES = 1 << 20
 _SLICE_VALUES_GPU = 1 << 24
 # The 16 values of IQ4_NL / IQ4_XS codes (llama.cpp's kvalues_iq4nl).
 _IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The 16 e2m1 values of MXFP4 codes, doubled (llama.cpp's kvalues_mxfp4): 0 and 8 are +0 and -0.
+_MXFP4_VALUES = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -178,10 +180,19 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * _iq4_table(b)[codes.long()]).view(n, QK_K)
 
 
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (gpt-oss's experts): an e8m0 exponent byte, then 32 e2m1 codes as nibbles (low nibbles the first 16
+    values); a value is kvalues[code] (e2m1 doubled, llama.cpp's kvalues_mxfp4) * 2^(exponent - 128), which is
+    e2m1 * 2^(exponent - 127): exact in float32 for every exponent (2^-128 is a float32 subnormal)."""
+    scale = torch.ldexp(torch.ones(b.shape[0], 1, device=b.device), b[:, :1].int() - 128)
+    codes = _split_nibbles(b[:, 1:], 16).reshape(b.shape[0], 32)
+    return scale * torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=b.device)[codes.long()]
+
+
 _BLOCK_DECODERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
     T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
-    T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
+    T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs, T.MXFP4: _mxfp4,
 }
 _PLAIN: dict[int, torch.dtype] = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 # The tables are keyed by int (a raw type read from a file looks them up) but their keys are all members.

@@ -51,6 +51,9 @@ _GEMMA4_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "layer_output_scale.weight": "layer_
                        "post_ffw_norm_1.weight": "post_mlp_norm_1", "post_ffw_norm_2.weight": "post_experts_norm"}
 _GEMMA4_GLOBAL_NAMES = {"per_layer_token_embd.weight": "ple_embed", "per_layer_model_proj.weight": "ple_model_proj",
                         "per_layer_proj_norm.weight": "ple_proj_norm"}
+# gpt-oss's too (llama.cpp's GPT_OSS tensor list has ATTN_POST_NORM, not FFN_NORM), with its sinks and o bias.
+_GPT_OSS_LAYER_NAMES = {**_GLM4_MOE_LAYER_NAMES, "attn_output.bias": "o_bias", "attn_sinks.weight": "sinks"}
+_LAYER_NAMES = {"glm4moe": _GLM4_MOE_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES, "gemma4": _GEMMA4_LAYER_NAMES}
 
 
 def _gguf_canonical(name: str, arch: str | None = None) -> str | None:
@@ -60,7 +63,7 @@ def _gguf_canonical(name: str, arch: str | None = None) -> str | None:
         return _GEMMA4_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        layer_names = {"glm4moe": _GLM4_MOE_LAYER_NAMES, "gemma4": _GEMMA4_LAYER_NAMES}.get(arch or "", _GGUF_LAYER_NAMES)
+        layer_names = _LAYER_NAMES.get(arch or "", _GGUF_LAYER_NAMES)
         key = (layer_names.get(rest) or moe_loading.gguf_layer_key(rest) or mtp.GGUF_NAMES.get(rest)
                or mla_config.GGUF_NAMES.get(rest))
         if key is not None:
@@ -92,6 +95,15 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         original = meta.get(f"{arch}.rope.scaling.original_context_length")
         if original:
             scaling["original_max_position_embeddings"] = int(original)
+        for name, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                            ("yarn_attn_factor", "attention_factor")):
+            value = meta.get(f"{arch}.rope.scaling.{name}")
+            if kind == "yarn" and value is not None:
+                scaling[field] = float(value)
+        if kind == "yarn" and arch == "gpt-oss":
+            # gpt-oss was trained with YaRN's ramp unrounded (transformers' truncate: false, GptOssConfig's
+            # default); llama.cpp rounds its ends. The file cannot say which; the model's own holds.
+            scaling["truncate"] = False
     n_kv = key("attention.head_count_kv", n_heads)
     # GLM's block_count includes its next-token (MTP) layers after the decoder layers (llama.cpp's converter).
     # GLM-4.7-Flash's deepseek2 files too (conversion/glm.py's Glm4MoeLiteModel).

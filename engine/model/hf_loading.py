@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import mla_config, moe_loading, mtp
+from engine.model import mla_config, moe_loading, mtp, mxfp4
 from engine.model.build import LoadedModel, build_model
 from engine.model.config import ConfigError, ModelConfig
 from engine.model.hf_files import folder_tokenizer, header_fingerprint, open_tensors, safetensors_files
@@ -20,6 +20,7 @@ _HF_LAYER_NAMES = {
     "self_attn.v_proj.bias": "v_bias", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
     "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks",  # gpt-oss
 }
 _HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
@@ -118,8 +119,10 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     handles, where = open_tensors(files, _canonical_names(config))
 
     hashed: set[str] = set()
+    gpt_oss = config.architecture == "gpt_oss"
 
-    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
+    def read(key: str) -> torch.Tensor | None:
+        """The checkpoint's tensor of a canonical key as stored (its bytes hashed on the first read), or None."""
         found = where.get(key)
         if found is None:
             return None
@@ -132,6 +135,23 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
             hashed.add(key)
             content.update(key.encode())
             content.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        return tensor
+
+    # A released gpt-oss checkpoint's experts are MXFP4 blocks (mxfp4.py): decoded, or kept as they are.
+    experts = mxfp4.CheckpointExperts(read) if gpt_oss and any(k.endswith("_blocks") for k in where) else None
+
+    def get(key: str, device: torch.device, want: torch.dtype) -> torch.Tensor | None:
+        try:
+            decoded = experts.get(key) if experts is not None else None
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: {e}") from None
+        if decoded is not None:
+            return decoded.to(device=device, dtype=want)
+        tensor = read(key)
+        if tensor is None:
+            return None
+        if gpt_oss:  # its experts' own layout (moe_loading.gpt_oss_hf_layout)
+            tensor = moe_loading.gpt_oss_hf_layout(key, tensor)
         # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.
         if config.norm_offset and _is_norm(key):  # Gemma 3's norms scale by (1 + w), in float32 (as GGUF stores it)
             return (tensor.float() + 1.0).to(device=device, dtype=want)
@@ -140,7 +160,8 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
     content = xxhash.xxh3_128()  # the weights' bytes, hashed as they are read for loading
-    model = build_model(config, stages, dtype, get, folder, int4_weights=int4_weights, cpu_experts=cpu_experts)
+    model = build_model(config, stages, dtype, get, folder, int4_weights=int4_weights, cpu_experts=cpu_experts,
+                        kquant=experts.kquant if experts is not None else None)
     h.update(content.digest())
     # GLM's next-token layers: kept as the checkpoint holds them, not part of the running model (mtp.py).
     kept = mtp.layer_keys(config.n_layers, config.mtp_layers, list(where))

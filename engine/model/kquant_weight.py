@@ -1,4 +1,5 @@
-"""CPU weights kept in a GGUF's own K-quant blocks (Q4_K, Q6_K), multiplied by the native kernels as they are.
+"""CPU weights kept in a GGUF's own K-quant blocks (Q4_K, Q6_K; and gpt-oss's MXFP4), multiplied by the native
+kernels as they are.
 
 The routed experts of a mixture-of-experts model are most of its bytes, and a Q4_K_M file holds most expert
 stacks as Q4_K (some down stacks, its output matrix and value projections as Q6_K). Converted to the native
@@ -10,7 +11,8 @@ scales and minimums, 4-bit codes; Q6_K: 210 bytes, 6-bit codes, an int8 scale pe
 the bytes read from the file, and kernels/blocks.c's q4k_matmul and q6k_matmul multiply them with the same int16
 activations and integer dot products as the other native products. An expert stack the file holds as Q8_0 is
 kept likewise, as q8_weight.Q8Weight rows (the native kernel's 8-bit format is Q8_0's), instead of being rounded to
-4-bit groups.
+4-bit groups. So is an MXFP4 stack (gpt-oss's experts, 17 bytes for 32 values): its e2m1 codes are not an affine
+4-bit grid, so 4-bit groups could not hold them; kernels/blocks.c's mxfp4_matmul multiplies the file's bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from engine.model import kernels
 from engine.model.q8_weight import Q8Weight
 
 VALUES = 256  # a K-quant block's values
-BLOCKS = {"Q4_K": (VALUES, 144), "Q6_K": (VALUES, 210), "Q8_0": (32, 34)}  # kind -> (values, bytes) a block
+BLOCKS = {"Q4_K": (VALUES, 144), "Q6_K": (VALUES, 210), "Q8_0": (32, 34), "MXFP4": (32, 17)}  # kind -> (values, bytes)
 
 
 def available() -> bool:
@@ -70,8 +72,18 @@ class Q6KWeight(KQuantWeight):
     kind = "Q6_K"
 
 
+class MXFP4Weight(KQuantWeight):
+    """MXFP4 rows (17 bytes for 32 values: an e8m0 exponent, 32 e2m1 codes; gpt-oss's experts) through
+    mxfp4_matmul."""
+
+    product_name = "mxfp4_matmul"
+    rows_code = 4
+    kind = "MXFP4"
+
+
 # The rows kept as the file holds them, by the file's type.
-CLASSES: dict[str, type[KQuantWeight] | type[Q8Weight]] = {"Q4_K": Q4KWeight, "Q6_K": Q6KWeight, "Q8_0": Q8Weight}
+CLASSES: dict[str, type[KQuantWeight] | type[Q8Weight]] = {"Q4_K": Q4KWeight, "Q6_K": Q6KWeight, "Q8_0": Q8Weight,
+                                                           "MXFP4": MXFP4Weight}
 
 
 def q6k_to_q8_0(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

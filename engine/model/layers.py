@@ -39,6 +39,10 @@ FEATURES = (
     "shared expert",  # an always-on expert behind a sigmoid gate beside the routed ones (Qwen2-MoE)
     "ungated shared expert",  # an always-on expert added without a gate (GLM-4.x MoE)
     "sigmoid routing",  # sigmoid scores, experts chosen by score + bias, optionally by groups (GLM-4.x MoE)
+    "attention sinks",  # a learned logit per head joins each softmax's denominator (gpt-oss)
+    "output bias",  # a bias on the attention's output projection (gpt-oss)
+    "router bias",  # a bias on the router's logits (gpt-oss)
+    "clamped SwiGLU",  # experts with biases and a clamped (up + 1) * gate * sigmoid(alpha * gate) (gpt-oss)
     "embedding scale",  # embeddings times sqrt(hidden) in the weights' dtype (Gemma 3)
     "soft-capped logits",  # logits -> cap * tanh(logits / cap)
     "value norm",  # an RMSNorm without a weight on each value head (Gemma 4)
@@ -76,7 +80,8 @@ class AttentionSpec:
     qk_norm: QkNorm  # none, per head over head_dim, or over q's and k's full widths before the head split
     scale: float | None  # the softmax scale; None: 1/sqrt(head_dim), each kernel's own default arithmetic
     bias: bool  # q, k and v have biases
-    sinks: bool = False  # attention sinks: no family this engine runs has them yet
+    sinks: bool = False  # a learned logit per head joins the softmax's denominator, no value (gpt-oss)
+    out_bias: bool = False  # the output projection has a bias (gpt-oss)
     rotary_dim: int | None = None  # leading channels of a head RoPE rotates; None: all of them, 0: no RoPE
     output_gate: bool = False  # q_proj also yields a sigmoid gate per output channel (hybrid/attention.py)
     latent: bool = False  # multi-head latent attention (ModelConfig.mla, engine/model/mla.py; its softmax scale
@@ -100,6 +105,8 @@ class ExpertsSpec:
     norm_topk_prob: bool
     shared_size: int  # the shared expert's intermediate size; 0 = none
     shared_gated: bool = True  # the shared expert's output times a sigmoid gate (Qwen2-MoE); False: added as it is
+    router_bias: bool = False  # the router's logits have a bias (gpt-oss)
+    clamped_swiglu: bool = False  # experts with biases and gpt-oss's clamped SwiGLU (moe_config.MoeConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +160,10 @@ class LayerSpec:
             "per-layer inputs": self.per_layer_input > 0,
             "shared K/V": self.kv_source is not None,
             "parallel experts": self.parallel_experts,
+            "attention sinks": a.sinks,
+            "output bias": a.out_bias,
+            "router bias": m.experts is not None and m.experts.router_bias,
+            "clamped SwiGLU": m.experts is not None and m.experts.clamped_swiglu,
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -190,6 +201,7 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
     qk: QkNorm = "none" if not c.qk_norm else "full" if c.architecture == "olmoe" and c.n_heads > 1 else "head"
     scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5
     norm = NormSpec(eps=c.rms_norm_eps, post=gemma, stored_offset=c.norm_offset)
+    gpt_oss = c.architecture == "gpt_oss"  # sinks, and a bias on the output projection too when on q, k and v
     layers = []
     for i in range(c.n_layers):
         window = c.layer_window(i)
@@ -201,11 +213,13 @@ def describe_layers(config: ModelConfig) -> ModelLayers:
             m = c.moe
             experts = ExpertsSpec(n_experts=m.n_experts, top_k=m.top_k, size=m.expert_size, routing=m.routing,
                                   norm_topk_prob=m.norm_topk_prob, shared_size=m.shared_expert_size,
-                                  shared_gated=m.shared_gated)
+                                  shared_gated=m.shared_gated, router_bias=m.router_bias,
+                                  clamped_swiglu=m.clamped_swiglu)
         layers.append(LayerSpec(
             index=i, norm=norm,
             attention=AttentionSpec(window=window, rope=rope, qk_norm=qk, scale=scale, bias=c.attention_bias,
-                                    rotary_dim=c.rotary_dim, latent=c.mla is not None, value_norm=gemma4),
+                                    rotary_dim=c.rotary_dim, latent=c.mla is not None, value_norm=gemma4,
+                                    sinks=gpt_oss, out_bias=gpt_oss and c.attention_bias),
             mlp=MlpSpec(activation="gelu_tanh" if gemma else "silu", size=c.mlp_size(i), experts=experts),
             scaled=gemma4, per_layer_input=c.per_layer_input, kv_source=None if i < c.kv_layers else c.kv_source(i),
             parallel_experts=any(c.parallel_experts),

@@ -97,6 +97,8 @@ class DecoderLayer(torch.nn.Module):
     ple_gate: torch.Tensor | None
     ple_proj: torch.Tensor | None
     ple_norm: torch.Tensor | None
+    sinks: torch.Tensor | None
+    bo: torch.Tensor | None
 
     def __init__(
         self,
@@ -119,6 +121,8 @@ class DecoderLayer(torch.nn.Module):
         layer_scalar: torch.Tensor | None = None,
         per_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         experts: Gemma4Experts | None = None,
+        sinks: torch.Tensor | None = None,
+        bo: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -179,6 +183,13 @@ class DecoderLayer(torch.nn.Module):
         self.register_buffer("ple_norm", ple_norm, persistent=False)
         assert (experts is not None) == spec.parallel_experts, f"layer {spec.index}: the expert block as described"
         self.experts = experts  # Gemma 4's expert block beside the dense MLP
+        # gpt-oss: a learned logit per head in each softmax's denominator, and a bias on the output projection.
+        assert (sinks is not None) == spec.attention.sinks, "attention sinks: as described"
+        assert sinks is None or sinks.shape == (c.n_heads,), ("sinks", tuple(sinks.shape))
+        assert (bo is not None) == spec.attention.out_bias, "output bias: as described"
+        assert bo is None or bo.shape == (c.hidden_size,), ("bo", tuple(bo.shape))
+        self.register_buffer("sinks", sinks, persistent=False)
+        self.register_buffer("bo", bo, persistent=False)
 
 
 class CausalLM(torch.nn.Module):
@@ -425,7 +436,9 @@ class CausalLM(torch.nn.Module):
             keys, values = k_cache[ch.slot, seen:end].transpose(0, 1), v_cache[ch.slot, seen:end].transpose(0, 1)
             if keys.dtype != q.dtype or keys.device != q.device:  # a narrower --kv-dtype; a shared layer's source
                 keys, values = keys.to(q.device, q.dtype), values.to(q.device, q.dtype)  # on another stage
-            if hi - lo == 1 and small_float32:
+            if layer.sinks is not None:  # gpt-oss
+                out = sink_attention(q[lo:hi], keys, values, masks.get(i), causal[i], scale, layer.sinks)
+            elif hi - lo == 1 and small_float32:
                 out = _decode_attention(q[lo], keys, values, scale)
             else:
                 query = q[lo:hi].transpose(0, 1).unsqueeze(0)
@@ -481,7 +494,7 @@ class CausalLM(torch.nn.Module):
         spec = layer.spec
         eps = spec.norm.eps
         fast = not self.batch_invariant
-        attn_out = linear(attn, layer.wo, n_single, fast=fast)
+        attn_out = linear(attn, layer.wo, n_single, layer.bo, fast=fast)
         if layer.post_attn_norm is not None:  # Gemma 3
             attn_out = rms_norm(attn_out.to(x.dtype), layer.post_attn_norm, eps)
         x = x + attn_out
@@ -554,6 +567,43 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     grouped = q.view(kv_heads, -1, d) * (d**-0.5 if scale is None else scale)
     scores = torch.bmm(grouped, k.transpose(1, 2))
     return torch.bmm(torch.softmax(scores, dim=-1), v).view(-1, d)
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks` [H], with no value (gpt-oss), as transformers'
+    eager gpt-oss attention computes it: scores, the sink appended, the row's maximum subtracted, softmax, the
+    sink's column dropped. q [L, H, D], k/v [KVH, S, D], `mask` [L, S] (True: seen) or `causal` from key 0;
+    returns [L, H, D]. Explicit, not SDPA: no fused kernel takes a sink; a long chunk runs in blocks of queries
+    so that its scores stay within SINK_SCORES values."""
+    n_q, heads, d = q.shape
+    groups = heads // k.shape[0]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    if mask is None and causal:
+        mask = torch.ones(n_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - n_q)
+    scale = d**-0.5 if scale is None else scale
+    rows = max(1, SINK_SCORES // (heads * k.shape[1]))
+    out = [_sink_rows(q[a : a + rows], k, v, None if mask is None else mask[a : a + rows], scale, sinks)
+           for a in range(0, n_q, rows)]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+SINK_SCORES = 1 << 26  # scores of one block of queries (256 MiB in float32)
+
+
+def _sink_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               sinks: torch.Tensor) -> torch.Tensor:
+    heads, n_q = q.shape[1], q.shape[0]
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, L, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat((scores, sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, n_q, 1)), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v).transpose(0, 1)
 
 
 def _attention(

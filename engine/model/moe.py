@@ -4,7 +4,7 @@ A router scores every expert for every token; each token runs its top-k experts 
 by the routing weights. Tokens are grouped by expert: each expert that any token chose runs once, as one
 matmul over all the rows routed to it (a prefill of 1000 tokens makes at most n_experts expert calls, not
 1000 * top_k). Qwen2-MoE adds a shared expert that every token runs, behind a sigmoid gate; GLM-4.x MoE one
-without a gate, added as it is.
+without a gate, added as it is. gpt-oss biases its router and its experts, and clamps its SwiGLU (`clamped_mlp`).
 
 Numerics follow transformers exactly: the same routing ops on the same values in the same order (so ties
 between equal router scores go the same way: torch.topk on the float32 probabilities over experts in index
@@ -89,6 +89,17 @@ def _mlp(x: torch.Tensor, gate_up, down, n_single: int, fast: bool = False) -> t
     return linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, n_single, fast=fast)
 
 
+def clamped_mlp(x: torch.Tensor, gate_up, down, n_single: int, gate_up_bias: torch.Tensor,
+                down_bias: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert over fused [gate; up] rows with biases, as transformers' GptOssExperts computes it:
+    gate <= limit, -limit <= up <= limit, down((up + 1) * gate * sigmoid(alpha * gate)) + down_bias."""
+    gu = linear(x, gate_up, n_single, gate_up_bias.to(x.dtype))
+    inter = gu.shape[1] // 2
+    gate = gu[:, :inter].clamp(max=limit)
+    up = gu[:, inter:].clamp(min=-limit, max=limit)
+    return linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, n_single, down_bias.to(x.dtype))
+
+
 class SparseMoe(torch.nn.Module):
     """Router + experts (+ an optional shared expert, gated or not) of one layer.
 
@@ -107,6 +118,9 @@ class SparseMoe(torch.nn.Module):
     down: Experts
     shared_gate_up: torch.Tensor | int4.Int4Weight | None
     shared_down: torch.Tensor | int4.Int4Weight | None
+    router_bias: torch.Tensor | None
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
 
     def __init__(
         self,
@@ -120,6 +134,9 @@ class SparseMoe(torch.nn.Module):
         shared_down: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
         expert_bias: torch.Tensor | None = None,
+        router_bias: torch.Tensor | None = None,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         e, inter, h = moe.n_experts, moe.expert_size, hidden_size
@@ -152,13 +169,23 @@ class SparseMoe(torch.nn.Module):
                 object.__setattr__(self, name, w)
         self.register_buffer("shared_gate_up", shared_gate_up, persistent=False)
         self.register_buffer("shared_down", shared_down, persistent=False)
+        # gpt-oss: the router's bias (on the layer's device) and the experts' biases (where the experts are).
+        assert (router_bias is not None) == moe.router_bias and not (moe.router_bias and gated), "router bias"
+        assert router_bias is None or router_bias.shape == (e,), ("router_bias", tuple(router_bias.shape))
+        assert (gate_up_bias is not None) == (down_bias is not None) == moe.expert_biases, "expert biases"
+        assert gate_up_bias is None or gate_up_bias.shape == (e, 2 * inter), ("gate_up_bias", tuple(gate_up_bias.shape))
+        assert down_bias is None or down_bias.shape == (e, h), ("down_bias", tuple(down_bias.shape))
+        assert moe.expert_biases or not moe.clamped_swiglu, "the clamped SwiGLU is gpt-oss's, with expert biases"
+        self.register_buffer("router_bias", router_bias, persistent=False)
+        self.register_buffer("gate_up_bias", gate_up_bias, persistent=False)
+        self.register_buffer("down_bias", down_bias, persistent=False)
 
     def forward(self, h: torch.Tensor, n_single: int, *, fast: bool = False) -> torch.Tensor:
         """h [tokens, hidden] (the first `n_single` rows are one-token chunks) -> the block's output.
 
         `fast` (the CUDA default, `linear`'s): one GEMM over all rows for the router and the shared expert, and
         the routed experts as one grouped GEMM where `grouped_ready` says they can be."""
-        logits = linear(h, self.router, n_single, fast=fast)
+        logits = linear(h, self.router, n_single, self.router_bias, fast=fast)
         n_experts = self.config.n_experts
         weights, experts = route(logits[:, :n_experts], self.config, self.expert_bias)
         where = self.expert_device
@@ -182,7 +209,15 @@ class SparseMoe(torch.nn.Module):
         return out
 
     def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:
-        return grouped_experts(h, experts, weights, n_single, self.config.n_experts,
+        c = self.config
+        if self.gate_up_bias is not None:  # gpt-oss
+            gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
+            assert down_bias is not None and c.swiglu_limit is not None and c.swiglu_alpha is not None  # __init__
+            limit, alpha = c.swiglu_limit, c.swiglu_alpha
+            return grouped_experts(h, experts, weights, n_single, c.n_experts,
+                                   lambda x, e, n_one: clamped_mlp(x, self.gate_up[e], self.down[e], n_one,
+                                                                   gate_up_bias[e], down_bias[e], limit, alpha))
+        return grouped_experts(h, experts, weights, n_single, c.n_experts,
                                lambda x, e, n_one: _mlp(x, self.gate_up[e], self.down[e], n_one))
 
     def offload_rows(self, h: torch.Tensor) -> bool:
@@ -207,6 +242,8 @@ class SparseMoe(torch.nn.Module):
         """Whether the routed experts can run as grouped GEMMs with no host synchronisation: float experts on
         the layer's device that `grouped_mm_usable` accepts."""
         if not isinstance(self.gate_up, torch.Tensor) or not isinstance(self.down, torch.Tensor):
+            return False
+        if self.gate_up_bias is not None:  # the grouped GEMMs add no expert biases (gpt-oss)
             return False
         return self.router.device == self.gate_up.device and grouped_mm_usable(self.gate_up, self.down)
 

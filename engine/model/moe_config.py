@@ -1,5 +1,5 @@
 """The expert settings of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GraniteMoE,
-GLM-4.x MoE).
+GLM-4.x MoE, gpt-oss).
 
 Kept apart from config.py so the dense families' shape stays as it was: a dense ModelConfig has `moe=None` and
 describes itself exactly as before; a MoE one carries a MoeConfig, which is part of the identity of its K/V.
@@ -17,7 +17,7 @@ MOE_ARCHITECTURES = families.names("moe")
 # How router logits become (experts, weights):
 #   softmax_topk: softmax over all experts in float32, then top-k of the probabilities, optionally renormalised
 #                 over the chosen k (Qwen*, OLMoE; Mixtral always renormalises).
-#   topk_softmax: top-k of the logits, then softmax over those k (GraniteMoE).
+#   topk_softmax: top-k of the logits, then softmax over those k (GraniteMoE; gpt-oss, whose router adds a bias).
 #   sigmoid_bias: sigmoid of the logits in float32; the top-k experts by sigmoid + a per-expert bias (the bias
 #                 only chooses: zero when the family has none); weights = the chosen sigmoids, divided by their
 #                 sum (+ norm_eps) when norm_topk_prob, times routed_scaling (LFM2-MoE). With n_group > 1 the
@@ -26,7 +26,8 @@ MOE_ARCHITECTURES = families.names("moe")
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_bias")
 # Fields a family without them leaves at these defaults; describe() omits them then, so the identity of the
 # parked K/V of the families from before them stays what it was.
-_OPTIONAL_DEFAULTS = {"routed_scaling": 1.0, "norm_eps": 0.0, "n_group": 1, "topk_group": 1, "shared_gated": True}
+_OPTIONAL_DEFAULTS = {"routed_scaling": 1.0, "norm_eps": 0.0, "n_group": 1, "topk_group": 1, "shared_gated": True,
+                      "router_bias": False, "expert_biases": False, "swiglu_limit": None, "swiglu_alpha": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,18 @@ class MoeConfig:
     # sigmoid_bias routing by groups: experts come from the best `topk_group` of `n_group` groups (1, 1: all)
     n_group: int = 1
     topk_group: int = 1
+    # gpt-oss: the router's logits have a bias; each expert's gate, up and down projections have biases; and
+    # its SwiGLU is clamped: gate <= limit, -limit <= up <= limit, out = (up + 1) * gate * sigmoid(alpha * gate)
+    # (None, None: the plain down(silu(gate) * up) of every other family).
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+
+    @property
+    def clamped_swiglu(self) -> bool:
+        """Whether the experts run gpt-oss's clamped SwiGLU (swiglu_limit, swiglu_alpha) instead of SiLU's."""
+        return self.swiglu_limit is not None
 
     def describe(self) -> dict[str, Any]:
         """JSON-able description (part of the model's, and so of its parked K/V's, identity)."""
@@ -92,6 +105,14 @@ class MoeConfig:
             if self.top_k > self.topk_group * (self.n_experts // self.n_group):
                 raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of the topk_group "
                                  f"({self.topk_group}) groups kept ({self.topk_group * (self.n_experts // self.n_group)})")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ValueError("swiglu_limit and swiglu_alpha: expected both (a clamped SwiGLU) or neither")
+        if self.expert_biases != self.clamped_swiglu:
+            raise ValueError("expert biases come with the clamped SwiGLU (gpt-oss's experts): expected both or neither")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, float) or not value > 0):
+                raise ValueError(f"{name}: expected a positive number, got {value!r}")
         bad = [i for i in self.dense_layers if not 0 <= i < n_layers]
         if bad:
             raise ValueError(f"dense layers {bad} are outside the model's {n_layers} layers")
@@ -127,6 +148,9 @@ def moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoeConfig:
                          dense_layers=dense)
     if arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):  # the same expert block; defaults differ
         return _glm4_moe(cfg, common, n_layers, _SIGMOID_DEFAULTS[arch])
+    if arch == "gpt_oss":
+        return gpt_oss_experts(common, int(cfg["intermediate_size"]), cfg.get("swiglu_limit", 7.0),
+                               cfg.get("swiglu_alpha", 1.702))
     expert_size = int(cfg["intermediate_size"])
     if arch == "olmoe":
         if cfg.get("clip_qkv") is not None:
@@ -177,3 +201,15 @@ def _glm4_moe(cfg: dict[str, Any], common: dict[str, Any], n_layers: int,
                      shared_gated=False, dense_layers=dense,
                      routed_scaling=float(cfg.get("routed_scaling_factor", defaults[3])), norm_eps=1e-20,
                      n_group=int(cfg.get("n_group") or defaults[1]), topk_group=int(cfg.get("topk_group") or defaults[2]))
+
+
+def gpt_oss_experts(common: dict[str, Any], expert_size: int, limit: Any, alpha: Any) -> MoeConfig:
+    """gpt-oss (transformers' GptOssConfig; llama.cpp's LLM_ARCH_OPENAI_MOE): every layer's MLP is experts of
+    `intermediate_size`, chosen by top-k of the biased router logits and weighted by the softmax over those k;
+    experts with biases and the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`; 7.0 and 1.702 by default, the
+    values llama.cpp builds in)."""
+    for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name}: expected a positive number, got {value!r}")
+    return MoeConfig(**common, expert_size=expert_size, routing="topk_softmax", norm_topk_prob=False,
+                     router_bias=True, expert_biases=True, swiglu_limit=float(limit), swiglu_alpha=float(alpha))

@@ -9,6 +9,10 @@ Canonical keys of a MoE layer i (what a loader's getter answers, as CPU tensors)
   "i.shared.gate", ".up", ".down", "i.shared_gate"                     Qwen2-MoE's shared expert and its gate
   "i.expert_bias"               [n_experts]                            what sigmoid routing adds to choose (LFM2-MoE,
                                                                        GLM-4.x MoE's e_score_correction_bias)
+  "i.router_bias"               [n_experts]                            gpt-oss: added to the router's logits
+  "i.experts.gate_up_bias"      [n_experts, 2 * expert_size]           gpt-oss's expert biases (HF: fused; GGUF:
+  "i.experts.gate_bias", ".up_bias" [n_experts, expert_size]           gate and up apart)
+  "i.experts.down_bias"         [n_experts, hidden]
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from engine.model import families, int4, kquant_weight
 from engine.model.config import ModelConfig
 from engine.model.kernels import RowsWeight
 from engine.model.moe import Experts, SparseMoe
-from engine.model.moe_config import MoeConfig
+from engine.model.moe_config import MoeConfig, gpt_oss_experts
 
 Getter = Callable[[str], "torch.Tensor | None"]
 # The loader's getter (engine.model.build.Getter, not imported from there: build imports this module).
@@ -54,6 +58,14 @@ _HF_FIXED = {
     "mlp.shared_experts.up_proj.weight": "shared.up",
     "mlp.shared_experts.down_proj.weight": "shared.down",
     "mlp.gate.e_score_correction_bias": "expert_bias",
+    "mlp.router.weight": "router",  # gpt-oss (its experts' layout: gpt_oss_hf_layout)
+    "mlp.router.bias": "router_bias",
+    "mlp.experts.gate_up_proj_bias": "experts.gate_up_bias",
+    "mlp.experts.down_proj_bias": "experts.down_bias",
+    "mlp.experts.gate_up_proj_blocks": "experts.gate_up_blocks",  # a released checkpoint's MXFP4 (mxfp4.py)
+    "mlp.experts.gate_up_proj_scales": "experts.gate_up_scales",
+    "mlp.experts.down_proj_blocks": "experts.down_blocks",
+    "mlp.experts.down_proj_scales": "experts.down_scales",
 }
 _HF_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
 _HF_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -79,6 +91,22 @@ def hf_layer_key(rest: str) -> str | None:
         return key
     m = _HF_EXPERT.fullmatch(rest)
     return f"expert.{m.group(1)}.{_HF_EXPERT_PART[m.group(2)]}" if m else None
+
+
+def gpt_oss_hf_layout(key: str, t: torch.Tensor) -> torch.Tensor:
+    """A gpt-oss checkpoint's expert tensor in the canonical layout: transformers keeps gate_up_proj as
+    [n_experts, hidden, 2 * expert_size] with gate and up columns interleaved (gate even, up odd) and down_proj as
+    [n_experts, expert_size, hidden] (x @ W); the canonical stacks are [n_experts, out, in] with gate rows, then up
+    rows (llama.cpp's converter splits them the same way). Other tensors pass unchanged."""
+    part = key.split(".", 1)[-1]
+    if part == "experts.gate_up":
+        t = t.transpose(1, 2)
+        return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+    if part == "experts.gate_up_bias":
+        return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+    if part == "experts.down":
+        return t.transpose(1, 2)
+    return t
 
 
 def q_norm_shapes(config: ModelConfig, head_dim: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -193,6 +221,16 @@ def build_sparse_moe(
         if m.shared_gated:  # Qwen2-MoE's sigmoid gate (GLM-4.x MoE adds its shared expert ungated)
             shared["shared_gate"] = to(_shared_gate(get(p + "shared_gate"), h, p, path))
     router = to(need(p + "router", (e, h)))
+    if m.router_bias:  # gpt-oss
+        shared["router_bias"] = to(need(p + "router_bias", (e,)))
+    if m.expert_biases:
+        gate_up_bias = get(p + "experts.gate_up_bias")
+        if gate_up_bias is None:  # GGUF: gate and up apart
+            gate_up_bias = torch.cat((need(p + "experts.gate_bias", (e, inter)), need(p + "experts.up_bias", (e, inter))),
+                                     dim=1)
+        _check(gate_up_bias, (e, 2 * inter), p + "experts.gate_up_bias", path)
+        shared["gate_up_bias"] = to_experts(gate_up_bias)
+        shared["down_bias"] = to_experts(need(p + "experts.down_bias", (e, h)))
     if m.routing == "sigmoid_bias":  # the bias that chooses experts stays float32, as the families keep it
         bias = get(p + "expert_bias")
         if bias is not None:
@@ -273,6 +311,10 @@ _GGUF_LAYER_KEYS = {
     "ffn_down_shexp.weight": "shared.down",
     "ffn_gate_inp_shexp.weight": "shared_gate",
     "exp_probs_b.bias": "expert_bias",
+    "ffn_gate_inp.bias": "router_bias",  # gpt-oss
+    "ffn_gate_exps.bias": "experts.gate_bias",
+    "ffn_up_exps.bias": "experts.up_bias",
+    "ffn_down_exps.bias": "experts.down_bias",
 }
 def gguf_layer_key(rest: str) -> str | None:
     """The canonical key (without the layer prefix) of a GGUF layer tensor such as "ffn_up_exps.weight"."""
@@ -328,6 +370,8 @@ def gguf_moe_config(arch: str, gguf_arch: str, meta: dict, tensor_names: set[str
                             routed_scaling=float(meta.get(f"{gguf_arch}.expert_weights_scale", 1.0)), norm_eps=1e-20,
                             n_group=int(meta.get(f"{gguf_arch}.expert_group_count") or 1),
                             topk_group=int(meta.get(f"{gguf_arch}.expert_group_used_count") or 1))
+        elif arch == "gpt_oss":  # llama.cpp builds in the clamped SwiGLU's limit and alpha (no metadata keys)
+            moe = gpt_oss_experts(common, common.pop("expert_size"), 7.0, 1.702)
         elif arch == "granitemoe":
             moe = MoeConfig(**common, routing="topk_softmax", norm_topk_prob=False,
                             embedding_multiplier=float(key("embedding_scale", 1.0)),

@@ -102,14 +102,14 @@ def describe(layers: Iterable[Any]) -> dict[str, Any]:
 
 def _format(moe: Any) -> str:
     """How an expert block's stacks are stored: float, int4 (one Int4Weight per expert, as quantize_experts makes
-    them), q4k / q6k / q8 (the file's Q4_K, Q6_K or Q8_0 rows), or gate_up's and down's formats apart when they
-    differ."""
+    them), q4k / q6k / q8 / mxfp4 (the file's Q4_K, Q6_K, Q8_0 or MXFP4 rows), or gate_up's and down's formats
+    apart when they differ."""
     def one(w: Any) -> str:
         if not isinstance(w, list):
             return "float"
         if isinstance(w[0], Q8Weight):
             return "q8"
-        return w[0].kind.replace("_", "").lower() if isinstance(w[0], KQuantWeight) else "int4"  # q4k, q6k
+        return w[0].kind.replace("_", "").lower() if isinstance(w[0], KQuantWeight) else "int4"  # q4k, q6k, mxfp4
 
     down = one(moe.down)
     gate_up = one(moe.gate_up) if hasattr(moe, "gate_up") else down  # Nemotron-H's experts have up and down only

@@ -12,8 +12,8 @@ every one-token row of the model: forward_chunks hands it the one-token rows of 
 prefill (step.c's invariants). Prefill chunks stay on forward_chunks. The engine takes this runner where
 `unsupported` finds nothing against it: one CPU, float32, a Llama-family model (Gemma 3's scaled embeddings,
 output norms, GeGLU and local RoPE included; no soft-capped logits) or a mixture-of-experts one whose layers are
-those with experts (Qwen3-MoE, Qwen2-MoE's shared expert, Mixtral, GraniteMoE; experts.c: the router, top-k and
-each picked expert once over its rows), every projection and expert in the native 4-bit blocks or 8-bit rows
+those with experts (Qwen3-MoE, Qwen2-MoE's shared expert, Mixtral, GraniteMoE, gpt-oss's sinks and biased,
+clamped experts; experts.c: the router, top-k and each picked expert once over its rows), every projection and expert in the native 4-bit blocks or 8-bit rows
 (engine/model/q8_weight.py) and the output matrix likewise.
 """
 
@@ -70,10 +70,10 @@ class NativeDecode:
             assert k_cache.is_contiguous() and v_cache.is_contiguous(), "step.c indexes K/V as [slot, ctx, KVH, D]"
             views += [k_cache, v_cache]
             vectors = (layer.attn_norm, layer.mlp_norm, layer.bqkv, layer.qk_norm, layer.post_attn_norm,
-                       layer.post_mlp_norm)
+                       layer.post_mlp_norm, layer.sinks, layer.bo)
             for t in vectors:
                 assert t is None or (t.dtype == torch.float32 and t.is_contiguous()), "float32 norms and biases"
-            attn_norm, mlp_norm, bqkv, qk_norm, post_attn_norm, post_mlp_norm = (
+            attn_norm, mlp_norm, bqkv, qk_norm, post_attn_norm, post_mlp_norm, sinks, bo = (
                 None if t is None else t.data_ptr() for t in vectors)
             products = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
             rows[li] = StepLayer(
@@ -81,7 +81,7 @@ class NativeDecode:
                 _blocks(layer.w_down), qk_norm, post_attn_norm, post_mlp_norm, k_cache.data_ptr(),
                 v_cache.data_ptr(), attention.window or 0, int(attention.rope.local),
                 (ctypes.c_int64 * 4)(*(kind(w) if w is not None else 0 for w in products)),
-                None if layer.moe is None else ctypes.pointer(self._experts(layer.moe, keep)))
+                None if layer.moe is None else ctypes.pointer(self._experts(layer.moe, keep)), sinks, bo)
         head = m.lm_head
         activation, eps, scale = native_layout.model_wide(m.description, c.head_dim)
         self._layers, self._views, self._keep = rows, views, keep  # StepModel points into them
@@ -99,12 +99,16 @@ class NativeDecode:
         gate_up = (ctypes.c_void_p * c.n_experts)(*(_blocks(w) for w in moe.gate_up))
         down = (ctypes.c_void_p * c.n_experts)(*(_blocks(w) for w in moe.down))
         shared = c.shared_expert_size > 0
+        biases = (moe.router_bias, moe.gate_up_bias, moe.down_bias)  # gpt-oss's, else None
+        for t in biases:
+            assert t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"), "biases"
         block = StepExperts(
             c.n_experts, c.top_k, c.expert_size, c.shared_expert_size, ROUTINGS[c.routing, c.norm_topk_prob],
             moe.router.data_ptr(), gate_up, down, _blocks(moe.shared_gate_up) if shared else None,
             _blocks(moe.shared_down) if shared else None,
             (ctypes.c_int64 * 4)(kind(moe.gate_up[0]), kind(moe.down[0]),
-                                 *(kind(w) if shared else 0 for w in (moe.shared_gate_up, moe.shared_down))))
+                                 *(kind(w) if shared else 0 for w in (moe.shared_gate_up, moe.shared_down))),
+            *(None if t is None else t.data_ptr() for t in biases), c.swiglu_limit or 0.0, c.swiglu_alpha or 0.0)
         keep += [gate_up, down, block]
         return block
 

@@ -27,7 +27,9 @@ class StepExperts(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("n_experts", "top_k", "inter", "shared_inter", "routing")),
                 ("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
                 ("down", ctypes.POINTER(ctypes.c_void_p)), ("shared_gate_up", ctypes.c_void_p),
-                ("shared_down", ctypes.c_void_p), ("kinds", ctypes.c_int64 * 4)]
+                ("shared_down", ctypes.c_void_p), ("kinds", ctypes.c_int64 * 4), ("router_bias", ctypes.c_void_p),
+                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("swiglu_limit", ctypes.c_double),
+                ("swiglu_alpha", ctypes.c_double)]
 
 
 class StepLayer(ctypes.Structure):
@@ -36,7 +38,8 @@ class StepLayer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in (
         "attn_norm", "mlp_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "qk_norm", "post_attn_norm",
         "post_mlp_norm", "k_cache", "v_cache")), ("window", ctypes.c_int64), ("local", ctypes.c_int64),
-        ("kinds", ctypes.c_int64 * 4), ("experts", ctypes.POINTER(StepExperts))]
+        ("kinds", ctypes.c_int64 * 4), ("experts", ctypes.POINTER(StepExperts)), ("sinks", ctypes.c_void_p),
+        ("bo", ctypes.c_void_p)]
 
 
 class StepModel(ctypes.Structure):

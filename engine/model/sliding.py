@@ -18,10 +18,14 @@ import torch
 #   all:   `sliding_window` (when not null) on every layer (Mistral predates `layer_types`).
 #   gated: only with `use_sliding_window`; then the layers `layer_types` names "sliding_attention", or else the
 #          layers from `max_window_layers` on (Qwen2, Qwen3).
-#   typed: the layers `layer_types` names, or else every layer but each `sliding_window_pattern`-th (Gemma 3).
-_HF_RULES = {"mistral": "all", "qwen2": "gated", "qwen3": "gated", "gemma3": "typed", "gemma4": "typed"}
-_HF_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma3": 4096, "gemma4": 512}
+#   typed: the layers `layer_types` names, or else every layer but each `sliding_window_pattern`-th (Gemma 3:
+#          every 6th; gpt-oss: every 2nd, a sliding layer then a full one).
+_HF_RULES = {"mistral": "all", "qwen2": "gated", "qwen3": "gated", "gemma3": "typed", "gemma4": "typed", "gpt_oss": "typed"}
+_HF_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma3": 4096, "gemma4": 512, "gpt_oss": 128}
 GEMMA3_PATTERN = 6  # Gemma 3: five local layers, then a global one
+# The period of full layers when neither config.json's `layer_types` nor a GGUF's pattern says (transformers'
+# config classes; llama.cpp's set_swa_pattern for gemma3 and gpt-oss).
+_DEFAULT_PATTERN = {"gemma3": GEMMA3_PATTERN, "gpt_oss": 2, "gpt-oss": 2}
 
 
 def hf_sliding_layers(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -53,7 +57,7 @@ def hf_sliding_layers(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[in
     elif rule == "gated":
         layers = tuple(range(int(cfg.get("max_window_layers", 28)), n_layers))
     else:
-        pattern = int(cfg.get("sliding_window_pattern", GEMMA3_PATTERN))
+        pattern = int(cfg.get("sliding_window_pattern", _DEFAULT_PATTERN[arch]))
         layers = tuple(i for i in range(n_layers) if (i + 1) % pattern)
     return (int(window), layers) if layers else (None, ())
 
@@ -63,7 +67,8 @@ def gguf_sliding_layers(arch: str, meta: dict[str, Any], n_layers: int) -> tuple
 
     `<arch>.attention.sliding_window` gives the window; `<arch>.attention.sliding_window_pattern` (a period, or
     one flag per layer, true = sliding) the layers. Without a pattern key llama.cpp uses Gemma 3's period of 6
-    for gemma3 and leaves the window unused for the other families it converts (Mistral, Qwen2)."""
+    for gemma3, a period of 2 for gpt-oss, and leaves the window unused for the other families it converts (Mistral,
+    Qwen2)."""
     window = meta.get(f"{arch}.attention.sliding_window")
     if not window:
         return None, ()
@@ -74,8 +79,8 @@ def gguf_sliding_layers(arch: str, meta: dict[str, Any], n_layers: int) -> tuple
         layers = tuple(i for i, flag in enumerate(pattern) if flag)
     elif pattern:
         layers = tuple(i for i in range(n_layers) if (i + 1) % int(pattern))
-    elif arch == "gemma3":
-        layers = tuple(i for i in range(n_layers) if (i + 1) % GEMMA3_PATTERN)
+    elif arch in _DEFAULT_PATTERN:
+        layers = tuple(i for i in range(n_layers) if (i + 1) % _DEFAULT_PATTERN[arch])
     else:
         return None, ()
     return (int(window), layers) if layers else (None, ())

@@ -92,8 +92,8 @@ class Library:
         self.threads: str = lib.kernels_threads().decode()
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.q4_matmul, self.q8_matmul, self.q4k_matmul = lib.q4_matmul, lib.q8_matmul, lib.q4k_matmul
-        self.q6k_matmul = lib.q6k_matmul
-        for fn in (self.q4_matmul, self.q8_matmul, self.q4k_matmul, self.q6k_matmul):  # blocks.h's Product
+        self.q6k_matmul, self.mxfp4_matmul = lib.q6k_matmul, lib.mxfp4_matmul
+        for fn in (self.q4_matmul, self.q8_matmul, self.q4k_matmul, self.q6k_matmul, self.mxfp4_matmul):  # Product
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
             fn.restype = ctypes.c_int
         self.q6k_to_q8_0 = lib.q6k_to_q8_0  # Q6_K blocks -> Q8_0 rows (engine/model/kquant_weight.py)
@@ -121,7 +121,7 @@ class Library:
 
 
 def product(fn, x: torch.Tensor, shape: tuple[int, int], *weights: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ w.T -> float32 [rows, out] through `fn` (Library.q4_matmul, q8_matmul, q4k_matmul or q6k_matmul), w [out, in] held
+    """x [rows, in] @ w.T -> float32 [rows, out] through `fn` (Library.q4_matmul, q8_matmul, q4k_matmul, q6k_matmul or mxfp4_matmul), w [out, in] held
     by `weights` (passed as pointers in order); MemoryError when the kernel finds no memory for its activations."""
     x = x.float().contiguous()
     rows, (n, k) = x.shape[0], shape

@@ -4,7 +4,8 @@
    lower expert index); then each expert that any row picked runs once, as two products over all of its rows, and
    adds its weighted output to each of them. A row's terms are added in ascending expert order starting from zero,
    as the PyTorch path (moe.py's grouped_experts) adds them, and with a shared expert (Qwen2-MoE) its output, times
-   the sigmoid of its gate, comes last. Every value of a row is computed with the same operations in the same order
+   the sigmoid of its gate, comes last. gpt-oss's router adds a bias to its logits, and its experts add biases and
+   clamp their SwiGLU (as moe.py's clamped_mlp). Every value of a row is computed with the same operations in the same order
    whatever the other rows: the products are blocks.c's (row-invariant), the routing a row's own. */
 #include <math.h>
 #include <stdlib.h>
@@ -94,13 +95,43 @@ KERNEL static void add_scaled(float *out, const float *y, float w, int64_t n) {
         _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(s, _mm256_loadu_ps(y + i))));
 }
 
-/* SwiGLU of `rows` rows x [rows, E] through one expert's rows: y [rows, E]; gu and act are work room. */
+/* out[i] += b[i] over n floats (n a multiple of 8). */
+KERNEL static void add_bias(float *out, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_loadu_ps(b + i)));
+}
+
+/* gpt-oss's clamped SwiGLU of a row's [gate | up] (n values each): gate <= limit, -limit <= up <= limit,
+   out = (up + 1) (gate / (1 + e^(-alpha gate))), as moe.clamped_mlp computes it. */
+KERNEL static void clamped(const float *gate_up, int64_t n, float limit, float alpha, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+    const __m256 minus_alpha = _mm256_set1_ps(-alpha);
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 g = _mm256_min_ps(_mm256_loadu_ps(gate_up + i), hi);
+        const __m256 u = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(gate_up + n + i), hi), lo);
+        const __m256 glu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_mul_ps(minus_alpha, g))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_add_ps(u, one), glu));
+    }
+}
+
+/* One expert over `rows` rows x [rows, E]: y [rows, E]; gu and act are work room. gate_up_bias and down_bias (gpt-oss,
+   else NULL) are this expert's; limit > 0 takes the clamped SwiGLU. */
 KERNEL static int expert(const float *x, int64_t rows, int64_t E, int64_t I, const uint8_t *gate_up,
-                       const uint8_t *down, Product first, Product second, float *gu, float *act, float *y,
+                       const uint8_t *down, Product first, Product second, const float *gate_up_bias,
+                       const float *down_bias, float limit, float alpha, float *gu, float *act, float *y,
                        int threads) {
     if (first(x, rows, E, gate_up, 2 * I, gu, threads)) return -1;
-    for (int64_t r = 0; r < rows; r++) gated(gu + r * 2 * I, I, SILU, act + r * I);
-    return second(act, rows, I, down, E, y, threads);
+    for (int64_t r = 0; r < rows; r++) {
+        if (gate_up_bias) add_bias(gu + r * 2 * I, gate_up_bias, 2 * I);
+        if (limit > 0.0f)
+            clamped(gu + r * 2 * I, I, limit, alpha, act + r * I);
+        else
+            gated(gu + r * 2 * I, I, SILU, act + r * I);
+    }
+    if (second(act, rows, I, down, E, y, threads)) return -1;
+    if (down_bias)
+        for (int64_t r = 0; r < rows; r++) add_bias(y + r * E, down_bias, E);
+    return 0;
 }
 
 /* out [M, E] = the experts' sum for rows h [M, E] (module comment). Returns 0, -1 when memory ran out, -2 for
@@ -109,8 +140,9 @@ KERNEL int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *
     const int64_t NE = x->n_experts, K = x->top_k, S = x->shared_inter;
     const int64_t width = NE + (S > 0), wide = x->inter > S ? x->inter : S;
     if (K <= 0 || K > NE || K > MAX_TOP_K || x->inter % 32 || S % 32 || E % 32) return -2;
-    for (int i = 0; i < 4; i++)
-        if (x->kinds[i] >= ROWS_Q4_K && (i % 2 == 0 ? E : i == 1 ? x->inter : S) % 256) return -2;
+    for (int i = 0; i < 4; i++)  /* K-quant rows take whole blocks of 256 values */
+        if ((x->kinds[i] == ROWS_Q4_K || x->kinds[i] == ROWS_Q6_K) && (i % 2 == 0 ? E : i == 1 ? x->inter : S) % 256)
+            return -2;
     float *logits = malloc(sizeof(float) * M * width), *weights = malloc(sizeof(float) * M * K);
     float *probs = malloc(sizeof(float) * NE), *member_weight = malloc(sizeof(float) * M);
     float *rows = malloc(sizeof(float) * M * E), *y = malloc(sizeof(float) * M * E);
@@ -121,6 +153,9 @@ KERNEL int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *
     if (!logits || !weights || !probs || !member_weight || !rows || !y || !gu || !act || !chosen || !members || !taken)
         goto done;
     float_rows(h, M, E, x->router, width, logits, threads);
+    if (x->router_bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t i = 0; i < NE; i++) logits[r * width + i] += x->router_bias[i];
     for (int64_t r = 0; r < M; r++)
         route(logits + r * width, NE, K, x->routing, probs, taken, chosen + r * K, weights + r * K);
     memset(out, 0, sizeof(float) * M * E);
@@ -135,13 +170,15 @@ KERNEL int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *
         if (n == 0) continue;
         for (int64_t i = 0; i < n; i++) memcpy(rows + i * E, h + members[i] * E, sizeof(float) * E);
         if (expert(rows, n, E, x->inter, x->gate_up[e], x->down[e], product_of(x->kinds[0]), product_of(x->kinds[1]),
+                   x->gate_up_bias ? x->gate_up_bias + e * 2 * x->inter : NULL,
+                   x->down_bias ? x->down_bias + e * E : NULL, (float)x->swiglu_limit, (float)x->swiglu_alpha,
                    gu, act, y, threads))
             goto done;
         for (int64_t i = 0; i < n; i++) add_scaled(out + members[i] * E, y + i * E, member_weight[i], E);
     }
     if (S > 0) {
         if (expert(h, M, E, S, x->shared_gate_up, x->shared_down, product_of(x->kinds[2]), product_of(x->kinds[3]),
-                   gu, act, y, threads))
+                   NULL, NULL, 0.0f, 0.0f, gu, act, y, threads))
             goto done;
         for (int64_t r = 0; r < M; r++)
             add_scaled(out + r * E, y + r * E, 1.0f / (1.0f + expf(-logits[r * width + NE])), E);

@@ -16,6 +16,10 @@ typedef struct {
     const uint8_t *const *down;       /* per expert: rows [hidden, inter] */
     const uint8_t *shared_gate_up, *shared_down;  /* the shared expert's rows, or NULL */
     int64_t kinds[4];                 /* ROWS_* (blocks.h) of gate_up, down, shared_gate_up, shared_down */
+    /* gpt-oss: a bias on the router's logits [n_experts], each expert's gate/up [n_experts, 2 inter] and down
+       [n_experts, hidden] biases, and its clamped SwiGLU (swiglu_limit 0: the plain SwiGLU); NULL where none. */
+    const float *router_bias, *gate_up_bias, *down_bias;
+    double swiglu_limit, swiglu_alpha;
 } StepExperts;
 
 int experts_mlp(const StepExperts *x, int64_t M, int64_t hidden, const float *h, float *out, int threads);

@@ -39,6 +39,8 @@ typedef struct {
     int64_t local;                         /* 1: RoPE from the local table (Gemma's sliding layers) */
     int64_t kinds[4];                      /* ROWS_* (blocks.h) of wqkv, wo, w_gate_up, w_down */
     const StepExperts *experts;            /* a sparse expert block instead of the dense MLP (experts.c), or NULL */
+    const float *sinks;                    /* gpt-oss: a logit per query head [H] in each softmax's denominator, or NULL */
+    const float *bo;                       /* gpt-oss: the output projection's bias [hidden], or NULL */
 } StepLayer;
 
 /* The model (mirrored by StepModel there). */
@@ -112,10 +114,11 @@ KERNEL static void store_kv(void *row, const float *x, int64_t n, int64_t dtype)
 /* The `group` query heads of one K/V head (consecutive in q) against its keys [first, first + n):
    softmax(scale q.k) v for each, into out [group, D]. Each key and value row is read once for the whole group, as
    PyTorch's grouped bmm reads it. `stride`: values between two positions' rows; `scores`: room for group x n
-   rounded up to 8. Inlined for the usual head sizes, so that the compiler keeps a row in registers. */
+   rounded up to 8; `sinks` (gpt-oss, else NULL): each head's sink logit, one more term of its softmax's maximum
+   and denominator with no value. Inlined for the usual head sizes, so that the compiler keeps a row in registers. */
 KERNEL static inline __attribute__((always_inline)) void attend_group(
     const float *q, int64_t group, const void *k, const void *v, int64_t dtype, int64_t stride, int64_t first,
-    int64_t n, int64_t D, float scale, float *scores, float *out) {
+    int64_t n, int64_t D, float scale, const float *sinks, float *scores, float *out) {
     const int64_t padded = (n + 7) & ~(int64_t)7, lanes = D / 8;
     __m256 qs[MAX_GROUP_WIDTH / 8], acc[MAX_GROUP_WIDTH / 8], row[MAX_HEAD_DIM / 8];
     for (int64_t i = 0; i < group * lanes; i++) qs[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), _mm256_set1_ps(scale));
@@ -132,6 +135,7 @@ KERNEL static inline __attribute__((always_inline)) void attend_group(
         float *s = scores + g * padded;
         float best = -INFINITY;
         for (int64_t t = 0; t < n; t++) best = s[t] > best ? s[t] : best;
+        if (sinks) best = sinks[g] > best ? sinks[g] : best;
         for (int64_t t = n; t < padded; t++) s[t] = -INFINITY;
         __m256 total = _mm256_setzero_ps();
         for (int64_t t = 0; t < padded; t += 8) {
@@ -139,7 +143,8 @@ KERNEL static inline __attribute__((always_inline)) void attend_group(
             _mm256_storeu_ps(s + t, e);
             total = _mm256_add_ps(total, e);
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / hsum8(total));
+        const float sink = sinks ? expf(sinks[g] - best) : 0.0f;
+        const __m256 inv = _mm256_set1_ps(1.0f / (hsum8(total) + sink));
         for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
     }
     for (int64_t i = 0; i < group * lanes; i++) acc[i] = _mm256_setzero_ps();
@@ -155,13 +160,14 @@ KERNEL static inline __attribute__((always_inline)) void attend_group(
 }
 
 KERNEL static void attend(const float *q, int64_t group, const void *k, const void *v, int64_t dtype, int64_t stride,
-                        int64_t first, int64_t n, int64_t D, float scale, float *scores, float *out) {
+                        int64_t first, int64_t n, int64_t D, float scale, const float *sinks, float *scores,
+                        float *out) {
     if (D == 64)
-        attend_group(q, group, k, v, dtype, stride, first, n, 64, scale, scores, out);
+        attend_group(q, group, k, v, dtype, stride, first, n, 64, scale, sinks, scores, out);
     else if (D == 128)
-        attend_group(q, group, k, v, dtype, stride, first, n, 128, scale, scores, out);
+        attend_group(q, group, k, v, dtype, stride, first, n, 128, scale, sinks, scores, out);
     else
-        attend_group(q, group, k, v, dtype, stride, first, n, D, scale, scores, out);
+        attend_group(q, group, k, v, dtype, stride, first, n, D, scale, sinks, scores, out);
 }
 
 
@@ -193,8 +199,8 @@ KERNEL static void attention_part(void *job, int64_t begin, int64_t end, int par
         const int64_t first = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
         const int64_t base = a->slots[r] * m->ctx * stride * elem + g * D * elem;
         attend(a->qkv + r * width + g * group * D, group, (const char *)L->k_cache + base,
-               (const char *)L->v_cache + base, m->kv_dtype, stride, first, p + 1 - first, D, (float)m->scale, room,
-               a->attn + r * H * D + g * group * D);
+               (const char *)L->v_cache + base, m->kv_dtype, stride, first, p + 1 - first, D, (float)m->scale,
+               L->sinks ? L->sinks + g * group : NULL, room, a->attn + r * H * D + g * group * D);
     }
 }
 
@@ -232,7 +238,7 @@ EXPORT KERNEL int decode_step(const StepModel *m, int64_t M, const int64_t *slot
     for (int64_t l = 0; l < m->n_layers; l++) {  /* K-quant rows take whole blocks of 256 values */
         const int64_t *kinds = m->layers[l].kinds, in[4] = {E, H * D, E, I};
         for (int p = 0; p < 4; p++)
-            if (kinds[p] >= ROWS_Q4_K && in[p] % 256) return -2;
+            if ((kinds[p] == ROWS_Q4_K || kinds[p] == ROWS_Q6_K) && in[p] % 256) return -2;
     }
     int64_t longest = 1;
     for (int64_t r = 0; r < M; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
@@ -256,6 +262,8 @@ EXPORT KERNEL int decode_step(const StepModel *m, int64_t M, const int64_t *slot
         const float *const *table = rope + (L->local ? 2 : 0);
         attention(m, L, M, slots, positions, table[0], table[1], qkv, attn, scores, per_part, threads);
         if (product_of(L->kinds[1])(attn, M, H * D, L->wo, E, delta, threads)) goto done;
+        if (L->bo)
+            for (int64_t r = 0; r < M; r++) add_rows(delta + r * E, L->bo, E);
         if (L->post_attn_norm)
             for (int64_t r = 0; r < M; r++) rms_norm(delta + r * E, L->post_attn_norm, E, eps, delta + r * E);
         add_rows(x, delta, M * E);
@@ -301,11 +309,13 @@ static const Field layout[] = {
     FIELD(StepLayer, bqkv), FIELD(StepLayer, wo), FIELD(StepLayer, w_gate_up), FIELD(StepLayer, w_down),
     FIELD(StepLayer, qk_norm), FIELD(StepLayer, post_attn_norm), FIELD(StepLayer, post_mlp_norm),
     FIELD(StepLayer, k_cache), FIELD(StepLayer, v_cache), FIELD(StepLayer, window), FIELD(StepLayer, local),
-    FIELD(StepLayer, kinds), FIELD(StepLayer, experts),
+    FIELD(StepLayer, kinds), FIELD(StepLayer, experts), FIELD(StepLayer, sinks), FIELD(StepLayer, bo),
     SIZE_OF(StepExperts), FIELD(StepExperts, n_experts), FIELD(StepExperts, top_k), FIELD(StepExperts, inter),
     FIELD(StepExperts, shared_inter), FIELD(StepExperts, routing), FIELD(StepExperts, router),
     FIELD(StepExperts, gate_up), FIELD(StepExperts, down), FIELD(StepExperts, shared_gate_up),
-    FIELD(StepExperts, shared_down), FIELD(StepExperts, kinds),
+    FIELD(StepExperts, shared_down), FIELD(StepExperts, kinds), FIELD(StepExperts, router_bias),
+    FIELD(StepExperts, gate_up_bias), FIELD(StepExperts, down_bias), FIELD(StepExperts, swiglu_limit),
+    FIELD(StepExperts, swiglu_alpha),
     {0, 0, 0, 0},
 };
 
