@@ -154,6 +154,7 @@ def test_settings_tab_shows_the_command_line_whole_and_copies_it_without_the_key
     from PySide6.QtGui import QGuiApplication
 
     from desktop.client import Dispatcher
+    from desktop.settings import set_variable_hint
     from desktop.settings_tab import SettingsTab
 
     dispatcher = Dispatcher()
@@ -170,7 +171,8 @@ def test_settings_tab_shows_the_command_line_whole_and_copies_it_without_the_key
     assert tab.command.text() == expected and long_dir in expected
     qtbot.waitUntil(lambda: tab.command.document().blockCount() == 1 and tab.command.document().lineCount() > 1)
     assert tab.command.horizontalScrollBar().maximum() == 0, "wrapped to the width, never cut or scrolled sideways"
-    assert tab.command_note.isVisibleTo(tab) and "export STRATA_API_KEY=" in tab.command_note.text()
+    # The note is in the words of this platform's shell (PowerShell's `$env:` on Windows, `export` elsewhere).
+    assert tab.command_note.isVisibleTo(tab) and set_variable_hint("STRATA_API_KEY") in tab.command_note.text()
     tab.copy_button.click()
     assert QGuiApplication.clipboard().text() == expected and "s3cret" not in expected
     dispatcher.close()

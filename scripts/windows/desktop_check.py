@@ -47,7 +47,7 @@ def main() -> int:
         port = s.getsockname()[1]
     w = MainWindow(Paths(base / "cfg", base / "state"), environ={})
     w.store.set("port", port)
-    metrics: list[dict] = []
+    metrics: list = []  # engine.contract.MetricsBody, as the poller parses GET /metrics for the Monitor
     w.poller.metrics.connect(metrics.append)
     w.show()
     w.start()
@@ -61,7 +61,7 @@ def main() -> int:
         with urllib.request.urlopen(req, timeout=300) as response:
             out["chat"] = json.loads(response.read())["choices"][0]["message"]["content"][:40]
         # The Monitor has filled in once a poll after the chat counts it.
-        out["monitor"] = pump(lambda: any((m.get("engine") or {}).get("requests", 0) >= 1 for m in metrics), 60)
+        out["monitor"] = pump(lambda: any(m.engine.requests >= 1 for m in metrics), 60)
         pump(lambda: False, 2.0)  # let the plots draw
     w.grab().save(str(base / "window.png"))
     (base / "shot-now").touch()
