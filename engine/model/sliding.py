@@ -25,7 +25,7 @@ _HF_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "gemma3": 4
 GEMMA3_PATTERN = 6  # Gemma 3: five local layers, then a global one
 # The period of full layers when neither config.json's `layer_types` nor a GGUF's pattern says (transformers'
 # config classes; llama.cpp's set_swa_pattern for gemma3 and gpt-oss).
-_DEFAULT_PATTERN = {"gemma3": GEMMA3_PATTERN, "gpt_oss": 2, "gpt-oss": 2}
+_DEFAULT_PATTERN = {"gemma3": GEMMA3_PATTERN, "gemma4": GEMMA3_PATTERN, "gpt_oss": 2, "gpt-oss": 2}
 
 
 def hf_sliding_layers(arch: str, cfg: dict[str, Any], n_layers: int) -> tuple[int | None, tuple[int, ...]]:
