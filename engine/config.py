@@ -313,7 +313,8 @@ class EngineConfig:
     prefill_chunk: int = setting(
         512, flag="--prefill-chunk", label="Prefill chunk",
         kind="int", group="runtime", unit="tokens", minimum=16, maximum=65536,
-        help="prompt tokens computed per forward pass (chunked prefill)",
+        help="prompt tokens computed per forward pass (chunked prefill); at the default, a model whose experts live "
+        "in host RAM beside a GPU takes 2048 (each chunk brings the experts to the GPU)",
     )
     side_call_tokens: int = setting(
         512, flag="--side-call-tokens", label="Side-call size", ui="line",
