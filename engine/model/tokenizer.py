@@ -27,7 +27,11 @@ HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|retur
 # Gemma 4's markers of a call and of its strings: special tokens in its tokenizer.json, decoded as text here (as
 # llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them. Its thinking channel's
 # markers stay special (left out of answers): no reasoning is parsed out of an answer yet.
-RENDERED_MARKERS = frozenset({"<|tool_call>", "<tool_call|>", '<|"|>'})
+# DeepSeek-V3's call markers (engine.server.deepseek_calls) likewise, in whichever tokenizer.json marks them special.
+RENDERED_MARKERS = frozenset({
+    "<|tool_call>", "<tool_call|>", '<|"|>',
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+})
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
 _LLAMA3_SPLIT = (
@@ -290,8 +294,37 @@ class Tokenizer:
         context = dict(self.special_tokens)
         context.update(extra)
         return self._template.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **context
+            messages=[_with_joinable_arguments(m) for m in messages], tools=tools,
+            add_generation_prompt=add_generation_prompt, **context
         )
+
+
+class JsonArguments(dict[str, Any]):
+    """A call's arguments that stay an object for templates that serialise them (`| tojson`, `.items()`) and join a
+    string as their JSON text, as DeepSeek-V3's template writes them (`'```json\n' + arguments + ...`)."""
+
+    def __add__(self, other: object) -> str:
+        if not isinstance(other, str):
+            return NotImplemented
+        return json.dumps(self, ensure_ascii=False) + other
+
+    def __radd__(self, other: object) -> str:
+        if not isinstance(other, str):
+            return NotImplemented
+        return other + json.dumps(self, ensure_ascii=False)
+
+
+def _with_joinable_arguments(message: dict) -> dict:
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and type(function.get("arguments")) is dict:
+            call = {**call, "function": {**function, "arguments": JsonArguments(function["arguments"])}}
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 class StreamDecoder:
