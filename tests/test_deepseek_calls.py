@@ -93,3 +93,19 @@ def test_past_calls_join_deepseek_v3_template_strings_as_json_and_stay_objects_f
     out = tok.render_chat([{"role": "assistant", "content": "", "tool_calls": [call]}], add_generation_prompt=False)
     assert out == 'function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```{"city": "Paris"}'
 
+
+
+def test_gguf_control_markers_decode_as_text_and_other_control_tokens_stay_special():
+    """llama.cpp's converter makes every `<｜...｜>` token a control token, DeepSeek-V3's call markers included."""
+    from tokenizers import pre_tokenizers
+
+    eos = "<｜end▁of▁sentence｜>"
+    markers = [BEGIN, END, CALL, CALL_END, SEP]
+    tokens = [eos, *markers, *sorted(pre_tokenizers.ByteLevel.alphabet())]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-v3", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3] * (1 + len(markers)) + [1] * (len(tokens) - 1 - len(markers)),
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": 0}
+    tok = Tokenizer.from_gguf_metadata(meta)
+    ids = tok.encode(V31) + [0]
+    assert [i for i in ids if i <= len(markers)] == [1, 3, 5, 4, 3, 5, 4, 2, 0]  # each marker one token
+    assert tok.decode(ids) == V31  # the markers as text, the end of sentence left out

@@ -187,11 +187,15 @@ class Tokenizer:
         else:
             backend = _sentencepiece_bpe(tokens, merges, meta.get("tokenizer.ggml.scores"), token_types,
                                          add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", True))
+        # llama.cpp's converter makes every `<｜...｜>` token a control token, DeepSeek-V3's call markers included:
+        # those are decoded as text like user-defined ones.
         special_added = [
-            AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types, strict=False) if ty == _CONTROL
+            AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types, strict=False)
+            if ty == _CONTROL and t not in RENDERED_MARKERS
         ]
         user_added = [
-            AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types, strict=False) if ty == _USER_DEFINED
+            AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types, strict=False)
+            if ty == _USER_DEFINED or (ty == _CONTROL and t in RENDERED_MARKERS)
         ]
         if special_added:
             backend.add_special_tokens(special_added)
