@@ -109,3 +109,38 @@ def test_gguf_control_markers_decode_as_text_and_other_control_tokens_stay_speci
     ids = tok.encode(V31) + [0]
     assert [i for i in ids if i <= len(markers)] == [1, 3, 5, 4, 3, 5, 4, 2, 0]  # each marker one token
     assert tok.decode(ids) == V31  # the markers as text, the end of sentence left out
+
+
+# DeepSeek-V3's template in brief: the system text first, then its turns, past calls as V3 writes them (string
+# concatenation) and results in its own markers; it never reads `tools`.
+V3_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<｜Assistant｜><｜tool▁calls▁begin｜>"
+    "{% for t in m['tool_calls'] %}{{ '<｜tool▁call▁begin｜>' + t['type'] + '<｜tool▁sep｜>' + t['function']['name']"
+    " + '\\n```json\\n' + t['function']['arguments'] + '\\n```<｜tool▁call▁end｜>' }}{% endfor %}"
+    "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+    "{% elif m['role'] == 'tool' %}<｜tool▁outputs▁begin｜>{{ m['content'] }}<｜tool▁outputs▁end｜>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+
+
+def test_a_deepseek_template_gets_the_tool_list_in_its_system_turn_and_writes_past_calls_itself(tmp_path):
+    from engine.server.prompts import render_prompt
+
+    write_tokenizer_files(tmp_path, chat_template=V3_TEMPLATE)
+    tok = Tokenizer.from_hf_folder(str(tmp_path))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                               "parameters": {"type": "object"}}}]
+    for arguments in ({"city": "Paris"}, '{"city": "Paris"}'):  # as the chat and Anthropic APIs, and Responses
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        text = tok.decode(render_prompt(tok, messages, tools).ids, skip_special_tokens=False)
+        system, _, turns = text.partition("<｜User｜>")
+        assert system.startswith("Be brief.\n\n## Tools\n") and "### get_weather\nDescription: Current weather" in system
+        assert f"{CALL}function{SEP}tool_call_name\n```json\ntool_call_arguments\n```{CALL_END}" in system
+        assert turns == (f'Weather?<｜Assistant｜>{BEGIN}{CALL}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n'
+                         f"```{CALL_END}{END}<｜end▁of▁sentence｜><｜tool▁outputs▁begin｜>sunny<｜tool▁outputs▁end｜>"
+                         "<｜Assistant｜>")
+        assert "<tool_call>" not in text

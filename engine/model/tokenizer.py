@@ -318,6 +318,18 @@ class JsonArguments(dict[str, Any]):
         return other + json.dumps(self, ensure_ascii=False)
 
 
+def _arguments_object(arguments: Any) -> Any:
+    # The Responses API passes past arguments as the JSON text the model wrote, the other two as objects: one kind
+    # for every template (one that writes `arguments | tojson` would quote the text a second time).
+    value = arguments
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):  # not JSON: the template gets the text as it is
+            return arguments
+    return JsonArguments(value) if isinstance(value, dict) else arguments
+
+
 def _with_joinable_arguments(message: dict) -> dict:
     calls = message.get("tool_calls")
     if not isinstance(calls, list):
@@ -325,8 +337,8 @@ def _with_joinable_arguments(message: dict) -> dict:
     out = []
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and type(function.get("arguments")) is dict:
-            call = {**call, "function": {**function, "arguments": JsonArguments(function["arguments"])}}
+        if isinstance(function, dict) and "arguments" in function:
+            call = {**call, "function": {**function, "arguments": _arguments_object(function["arguments"])}}
         out.append(call)
     return {**message, "tool_calls": out}
 
