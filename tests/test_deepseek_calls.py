@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from engine.model.tokenizer import JsonArguments, Tokenizer
+from engine.model.template_arguments import JsonArguments
+from engine.model.tokenizer import Tokenizer
 from engine.server.tool_calls import ToolCallStream, parse_tool_calls
 from tests.model_fixtures import write_tokenizer_files
 

@@ -17,6 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 
+from engine.model.template_arguments import with_joinable_arguments
+
 # Tokens that end a turn in common chat formats; generation stops on them as on eos.
 END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
@@ -298,49 +300,9 @@ class Tokenizer:
         context = dict(self.special_tokens)
         context.update(extra)
         return self._template.render(
-            messages=[_with_joinable_arguments(m) for m in messages], tools=tools,
+            messages=[with_joinable_arguments(m) for m in messages], tools=tools,
             add_generation_prompt=add_generation_prompt, **context
         )
-
-
-class JsonArguments(dict[str, Any]):
-    """A call's arguments that stay an object for templates that serialise them (`| tojson`, `.items()`) and join a
-    string as their JSON text, as DeepSeek-V3's template writes them (`'```json\n' + arguments + ...`)."""
-
-    def __add__(self, other: object) -> str:
-        if not isinstance(other, str):
-            return NotImplemented
-        return json.dumps(self, ensure_ascii=False) + other
-
-    def __radd__(self, other: object) -> str:
-        if not isinstance(other, str):
-            return NotImplemented
-        return other + json.dumps(self, ensure_ascii=False)
-
-
-def _arguments_object(arguments: Any) -> Any:
-    # The Responses API passes past arguments as the JSON text the model wrote, the other two as objects: one kind
-    # for every template (one that writes `arguments | tojson` would quote the text a second time).
-    value = arguments
-    if isinstance(arguments, str):
-        try:
-            value = json.loads(arguments)
-        except (ValueError, RecursionError):  # not JSON: the template gets the text as it is
-            return arguments
-    return JsonArguments(value) if isinstance(value, dict) else arguments
-
-
-def _with_joinable_arguments(message: dict) -> dict:
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return message
-    out = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and "arguments" in function:
-            call = {**call, "function": {**function, "arguments": _arguments_object(function["arguments"])}}
-        out.append(call)
-    return {**message, "tool_calls": out}
 
 
 class StreamDecoder:
