@@ -17,6 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 
+from engine.model.template_arguments import with_joinable_arguments
+
 # Tokens that end a turn in common chat formats; generation stops on them as on eos.
 END_OF_TURN_TOKENS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>",
@@ -27,7 +29,11 @@ HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|retur
 # Gemma 4's markers of a call and of its strings: special tokens in its tokenizer.json, decoded as text here (as
 # llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them. Its thinking channel's
 # markers stay special (left out of answers): no reasoning is parsed out of an answer yet.
-RENDERED_MARKERS = frozenset({"<|tool_call>", "<tool_call|>", '<|"|>'})
+# DeepSeek-V3's call markers (engine.server.deepseek_calls) likewise, in whichever tokenizer.json marks them special.
+RENDERED_MARKERS = frozenset({
+    "<|tool_call>", "<tool_call|>", '<|"|>',
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+})
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
 _LLAMA3_SPLIT = (
@@ -183,11 +189,15 @@ class Tokenizer:
         else:
             backend = _sentencepiece_bpe(tokens, merges, meta.get("tokenizer.ggml.scores"), token_types,
                                          add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", True))
+        # llama.cpp's converter makes every `<｜...｜>` token a control token, DeepSeek-V3's call markers included:
+        # those are decoded as text like user-defined ones.
         special_added = [
-            AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types, strict=False) if ty == _CONTROL
+            AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types, strict=False)
+            if ty == _CONTROL and t not in RENDERED_MARKERS
         ]
         user_added = [
-            AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types, strict=False) if ty == _USER_DEFINED
+            AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types, strict=False)
+            if ty == _USER_DEFINED or (ty == _CONTROL and t in RENDERED_MARKERS)
         ]
         if special_added:
             backend.add_special_tokens(special_added)
@@ -290,7 +300,8 @@ class Tokenizer:
         context = dict(self.special_tokens)
         context.update(extra)
         return self._template.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **context
+            messages=[with_joinable_arguments(m) for m in messages], tools=tools,
+            add_generation_prompt=add_generation_prompt, **context
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -16,7 +17,12 @@ from engine.server.effort import openai_effort
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
-from engine.server.tool_prompt import inline_tools, template_renders_tools
+from engine.server.tool_prompt import (
+    deepseek_tools,
+    inline_tools,
+    template_renders_tools,
+    template_writes_deepseek_calls,
+)
 
 log = logging.getLogger("strata.server")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
@@ -107,17 +113,21 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
     if getattr(tokenizer, "harmony", False):
         return _encode_harmony(tokenizer, messages, tools, ids, effort)
-    if template_renders_tools(tokenizer.chat_template):
+    template = tokenizer.chat_template
+    if template_renders_tools(template):
         return _encode(tokenizer, messages, tools, ids)
+    inline: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[dict[str, Any]]] = inline_tools
+    if template_writes_deepseek_calls(template):  # it writes past calls and results itself, never the tool list
+        inline = lambda msgs, offered: deepseek_tools(msgs, offered, template)  # noqa: E731
     if not tools:  # past calls and results still become text the template can show
-        return _encode(tokenizer, inline_tools(messages, None), None, ids)
+        return _encode(tokenizer, inline(messages, None), None, ids)
     # The template cannot show tools: they go into its system turn, unless that no longer fits the context; then
     # the model answers without them (as llama.cpp's server always does for such a template), and the log says so.
-    prompt = _encode(tokenizer, inline_tools(messages, tools), None, ids)
+    prompt = _encode(tokenizer, inline(messages, tools), None, ids)
     context = getattr(tokenizer, "context_tokens", None)
     if context is None or len(prompt.ids) < context:
         return prompt
-    without = _encode(tokenizer, inline_tools(messages, None), None, ids)
+    without = _encode(tokenizer, inline(messages, None), None, ids)
     log.warning("the %d tools offered take the prompt to %d tokens, past the context of %d, and this model's chat "
                 "template cannot show them more briefly: answering without them (%d tokens)", len(tools),
                 len(prompt.ids), context, len(without.ids))

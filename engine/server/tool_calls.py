@@ -13,7 +13,10 @@ teach them:
 - LFM2's Python calls, `<|tool_call_start|>[NAME(KEY=VALUE, ...)]<|tool_call_end|>` (engine/server/pythonic_calls.py;
   without its markers, which are control tokens, a whole answer of such calls counts when every one names an
   offered tool);
-- Gemma 4's, `<|tool_call>call:NAME{KEY:<|"|>text<|"|>,KEY:5}<tool_call|>` (engine/server/gemma4_calls.py).
+- Gemma 4's, `<|tool_call>call:NAME{KEY:<|"|>text<|"|>,KEY:5}<tool_call|>` (engine/server/gemma4_calls.py);
+- DeepSeek-V3's, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+  <｜tool▁call▁end｜><｜tool▁calls▁end｜>`, and V3.1's `...<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}...`
+  (engine/server/deepseek_calls.py).
 
 A call the model garbles stays in the content as text, never an error.
 """
@@ -26,6 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.server import deepseek_calls as deepseek
 from engine.server import gemma4_calls as gemma4
 from engine.server import pythonic_calls as pythonic
 
@@ -220,6 +224,11 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> Pa
         if found_calls:
             return ParsedOutput(rest.strip() or None, [_call(name, arguments) for name, arguments in found_calls])
         return ParsedOutput(text)
+    if not calls and deepseek.OPEN in text:
+        rest, found_calls = deepseek.deepseek_blocks(text)
+        if found_calls:
+            return ParsedOutput(rest.strip() or None, [_call(name, arguments) for name, arguments in found_calls])
+        return ParsedOutput(text)
     if not calls:
         mistral = text.find(MISTRAL)
         whole = _whole_answer_calls(text[mistral:] if mistral > 0 else text, schemas)
@@ -230,7 +239,7 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> Pa
     return ParsedOutput(content.strip() or None, calls)
 
 
-MARKERS = (OPEN, MISTRAL, PYTHON_TAG, pythonic.OPEN, gemma4.OPEN)
+MARKERS = (OPEN, MISTRAL, PYTHON_TAG, pythonic.OPEN, gemma4.OPEN, deepseek.OPEN)
 _CALL_START = re.compile(r'^(?:\{\s*"|\[\s*\{)')
 # LFM2's calls without their markers: `[name(` (or, still arriving, `[name`)
 _PYTHONIC_START = re.compile(r"^\[\s*[A-Za-z_][\w.]*\s*\(")
@@ -249,7 +258,8 @@ def _marker_prefix_len(text: str) -> int:
 
 
 class ToolCallStream:
-    """Streams content through until a call opens (`<tool_call>`, `[TOOL_CALLS]`, `<|python_tag|>`, `<|tool_call>`, or an answer
+    """Streams content through until a call opens (`<tool_call>`, `[TOOL_CALLS]`, `<|python_tag|>`, `<|tool_call>`,
+    `<｜tool▁calls▁begin｜>`, or an answer
     that starts as a JSON call would); from there holds everything until `finish()`.
 
     Text that might be the start of a marker (`<tool`) is held back until the next delta decides it.

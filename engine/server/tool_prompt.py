@@ -55,3 +55,42 @@ def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
         else:
             out.append(msg)
     return out
+
+
+DEEPSEEK_INSTRUCTIONS = """## Tools
+You have access to the following tools:
+{tools}
+IMPORTANT: ALWAYS adhere to this exact format for tool use:
+<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{example}<｜tool▁call▁end｜>{{additional_tool_calls}}<｜tool▁calls▁end｜>
+
+Where:
+- `tool_call_name` must be an exact match to one of the available tools
+- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema
+- For multiple tool calls, chain them directly without separators or spaces"""
+V31_EXAMPLE = "tool_call_name<｜tool▁sep｜>tool_call_arguments"
+V3_EXAMPLE = "function<｜tool▁sep｜>tool_call_name\n```json\ntool_call_arguments\n```"
+
+
+def template_writes_deepseek_calls(template: str) -> bool:
+    """Whether a chat template writes past calls in DeepSeek-V3's markers (and results in its own): such templates
+    (V3's, V3.1's, R1's) never show the tool list, which DeepSeek's model cards put in the system turn."""
+    return "<｜tool▁call▁begin｜>" in template
+
+
+def deepseek_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   template: str) -> list[dict[str, Any]]:
+    """`messages` with the tool list in the system turn in the form DeepSeek-V3.1's model card gives, showing calls
+    in the form `template` writes them (V3's fenced JSON or V3.1's bare object); past calls and results are left
+    to the template."""
+    if not tools:
+        return messages
+    listing = ""
+    for tool in tools:
+        function = tool.get("function") or {}
+        listing += (f"\n### {function.get('name', '')}\nDescription: {function.get('description', '')}\n\n"
+                    f"Parameters: {json.dumps(function.get('parameters') or {}, ensure_ascii=False)}\n")
+    example = V3_EXAMPLE if "```json" in template else V31_EXAMPLE
+    block = DEEPSEEK_INSTRUCTIONS.format(tools=listing, example=example)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
