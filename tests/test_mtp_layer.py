@@ -1,0 +1,102 @@
+"""GLM-4.x MoE's next-token (MTP) layer, run from the tensors the loader keeps, against the same layer computed with
+transformers' own modules (its decoder layer, RMSNorm and rotary embedding) on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4  # float32 on both sides; only summation orders differ
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    from tests.moe_fixtures import write_tiny_moe_model
+
+    return write_tiny_moe_model(tmp_path_factory.mktemp("glm4-mtp"), "glm4_moe", seed=3)
+
+
+@pytest.fixture(scope="module")
+def lm(folder):
+    from engine.model import load_model, plan_stages
+    from engine.model.loader import read_model_config
+
+    return load_model(folder, plan_stages(read_model_config(folder).n_layers, "cpu", ""), torch.float32)
+
+
+def _reference(folder: str, next_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, the layer's output rows) of the MTP layer over a whole sequence, by transformers' modules."""
+    from safetensors.torch import load_file
+    from transformers.models.glm4_moe.modeling_glm4_moe import (
+        Glm4MoeDecoderLayer,
+        Glm4MoeRMSNorm,
+        Glm4MoeRotaryEmbedding,
+    )
+
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    n_layers, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
+    p = f"model.layers.{n_layers}."
+    layer = Glm4MoeDecoderLayer(cfg, layer_idx=n_layers).eval()
+    own = {k[len(p):]: t for k, t in tensors.items() if k.startswith(p)}
+    # the checkpoint holds each expert's matrices; transformers' layer stacks them
+    experts = range(cfg.n_routed_experts)
+    own["mlp.experts.gate_up_proj"] = torch.stack([torch.cat((own[f"mlp.experts.{j}.gate_proj.weight"],
+                                                              own[f"mlp.experts.{j}.up_proj.weight"])) for j in experts])
+    own["mlp.experts.down_proj"] = torch.stack([own[f"mlp.experts.{j}.down_proj.weight"] for j in experts])
+    missing, _ = layer.load_state_dict(own, strict=False)
+    assert not missing
+
+    def norm(name: str) -> Glm4MoeRMSNorm:
+        module = Glm4MoeRMSNorm(cfg.hidden_size, eps)
+        module.weight.data.copy_(tensors[p + name + ".weight"])
+        return module
+
+    embed = tensors["model.embed_tokens.weight"]
+    head = tensors.get("lm_head.weight", embed)
+    n = next_ids.shape[0]
+    positions = torch.arange(n)[None]
+    with torch.no_grad():
+        x = torch.cat((norm("enorm")(embed[next_ids]), norm("hnorm")(hidden)), -1) @ tensors[p + "eh_proj.weight"].T
+        rope = Glm4MoeRotaryEmbedding(cfg)(x[None], positions)
+        causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(x[None], attention_mask=causal, position_ids=positions, position_embeddings=rope)
+        out = out[0] if isinstance(out, tuple) else out
+        out = out[0]
+        return norm("shared_head.norm")(out) @ head.T, out
+
+
+def test_the_next_token_layer_computes_what_transformers_modules_do(folder, lm):
+    from engine.model.mtp_layer import MtpBlock
+
+    (kept,) = lm.model.mtp
+    block = MtpBlock(lm.model, kept)
+    torch.manual_seed(0)
+    n = 24
+    next_ids = torch.randint(0, lm.config.vocab_size, (n,))
+    hidden = torch.randn(n, lm.config.hidden_size)
+    ref_logits, ref_out = _reference(folder, next_ids, hidden)
+    cache = block.new_cache(32)
+    logits, out = block.forward(next_ids, hidden, 0, cache)
+    assert logits.shape == (n, lm.config.vocab_size) and logits.dtype == torch.float32
+    assert (out - ref_out).abs().max().item() <= ATOL
+    assert (logits - ref_logits).abs().max().item() <= ATOL
+    # in pieces on its own K/V (a prefill chunk, then one row at a time, as drafting runs) it computes the same
+    cache = block.new_cache(32)
+    got = [block.forward(next_ids[:10], hidden[:10], 0, cache)[0]]
+    got += [block.forward(next_ids[i : i + 1], hidden[i : i + 1], i, cache)[0] for i in range(10, n)]
+    assert (torch.cat(got) - ref_logits).abs().max().item() <= ATOL
+
+
+def test_a_next_token_layer_missing_a_tensor_or_past_its_rows_is_refused(lm):
+    from engine.errors import ModelLoadError
+    from engine.model.mtp_layer import MtpBlock
+
+    (kept,) = lm.model.mtp
+    with pytest.raises(ModelLoadError, match=r"next-token layer 4: the tensor nextn.enorm is missing"):
+        MtpBlock(lm.model, {k: t for k, t in kept.items() if k != "nextn.enorm"})
+    block = MtpBlock(lm.model, kept)
+    with pytest.raises(ValueError, match=r"positions up to 5 do not fit its 4 rows"):
+        block.forward(torch.zeros(5, dtype=torch.int64), torch.zeros(5, lm.config.hidden_size), 0, block.new_cache(4))
