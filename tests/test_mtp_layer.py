@@ -100,3 +100,83 @@ def test_a_next_token_layer_missing_a_tensor_or_past_its_rows_is_refused(lm):
     block = MtpBlock(lm.model, kept)
     with pytest.raises(ValueError, match=r"positions up to 5 do not fit its 4 rows"):
         block.forward(torch.zeros(5, dtype=torch.int64), torch.zeros(5, lm.config.hidden_size), 0, block.new_cache(4))
+
+
+# ---------------------------------------------------------------- drafting with it (--spec mtp)
+
+def _greedy(block, next_ids: list[int], rows: torch.Tensor, k: int) -> list[int]:
+    """The layer's k greedy tokens after its rows 0 .. len-1 (one shot), each next from its own output row."""
+    cache = block.new_cache(128)
+    logits, out = block.forward(torch.tensor(next_ids), rows, 0, cache)
+    tokens, hidden = [int(logits[-1].argmax())], out[-1:]
+    while len(tokens) < k:
+        logits, hidden = block.forward(torch.tensor(tokens[-1:]), hidden, len(next_ids) - 1 + len(tokens), cache)
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
+def test_the_drafts_are_the_layer_s_greedy_tokens_over_the_target_s_rows(lm):
+    from engine.kv import KVBuffers, KVLayout
+    from engine.model import SeqChunk
+    from engine.model.mtp_layer import MtpBlock
+    from engine.runtime.mtp_drafts import MtpSource
+
+    c = lm.config
+    kv = KVBuffers(KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, lm.dtype), 2, 128, lm.model.stages)
+    source = MtpSource(lm.model, 2, 128)
+    block = MtpBlock(lm.model, lm.model.mtp[0])
+    seq = [(7 * i) % 300 + 3 for i in range(30)]
+    try:
+        lm.model.forward_chunks([SeqChunk(1, 0, torch.tensor(seq[:20]))], kv)
+        rows = source.target.rows[1]
+        assert source.propose(1, seq[:21], 3) == _greedy(block, seq[1:21], rows[:20], 3)
+        assert source.propose(0, seq[:21], 3) == []  # rows never computed here (as a restored slot's): no drafts
+        for p in range(20, 25):  # decoding on: it reads only the rows added, and the same tokens come out
+            lm.model.forward_chunks([SeqChunk(1, p, torch.tensor(seq[p : p + 1]))], kv)
+        assert source.propose(1, seq[:26], 4) == _greedy(block, seq[1:26], rows[:25], 4)
+        assert source.held[1] == seq[:26]
+        # a rejected draft's rows are read again with the sequence's own tokens
+        assert source.propose(1, seq[:23], 2) == _greedy(block, seq[1:23], rows[:22], 2)
+    finally:
+        lm.model.hidden_rows = None
+
+def _answers(config, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
+    from engine.runtime.engine import Engine
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+
+    engine = Engine.from_config(config)
+    try:
+        out = []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            events = engine.submit(GenerationRequest(f"mtp-{i}", prompt, params))
+            out.append([e.token_id for e in events if e.token_id is not None])
+        return out, engine.call(lambda: dict(engine.stats.counters)).result()
+    finally:
+        engine.close()
+
+
+def test_spec_mtp_drafts_with_the_layer_and_answers_token_identical(folder):
+    from engine.config import EngineConfig
+
+    config = EngineConfig(model=folder, ctx_size=256, cpu_weights="float")
+    prompts = [list(range(5, 40)), [7, 8, 9] * 10]
+    off, _ = _answers(config, prompts, 24)
+    on, counters = _answers(config.replace(spec="mtp"), prompts, 24)
+    assert on == off
+    assert counters["spec_drafted_tokens"] > 0, counters  # proposed and verified (random weights: few accepted)
+
+
+def test_spec_mtp_on_a_model_without_the_layer_is_declined_with_the_reason(tmp_path, caplog):
+    import logging
+
+    from engine.config import EngineConfig
+    from tests.model_fixtures import write_tiny_model
+
+    path = write_tiny_model(tmp_path, "llama")
+    config = EngineConfig(model=path, ctx_size=128, cpu_weights="float")
+    with caplog.at_level(logging.WARNING, logger="strata.engine"):
+        off, _ = _answers(config, [[5, 6, 7, 8]], 6)
+        on, counters = _answers(config.replace(spec="mtp"), [[5, 6, 7, 8]], 6)
+    assert "--spec mtp declined, decoding without drafts: the model has no next-token (MTP) layers" in caplog.text
+    assert on == off and counters["spec_drafted_tokens"] == 0
