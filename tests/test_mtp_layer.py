@@ -129,10 +129,12 @@ def test_the_drafts_are_the_layer_s_greedy_tokens_over_the_target_s_rows(lm):
     try:
         lm.model.forward_chunks([SeqChunk(1, 0, torch.tensor(seq[:20]))], kv)
         rows = source.target.rows[1]
+        assert rows.shape[0] < 128 and rows.dtype == lm.dtype  # grown with what the slot holds
         assert source.propose(1, seq[:21], 3) == _greedy(block, seq[1:21], rows[:20], 3)
         assert source.propose(0, seq[:21], 3) == []  # rows never computed here (as a restored slot's): no drafts
         for p in range(20, 25):  # decoding on: it reads only the rows added, and the same tokens come out
             lm.model.forward_chunks([SeqChunk(1, p, torch.tensor(seq[p : p + 1]))], kv)
+        rows = source.target.rows[1]
         assert source.propose(1, seq[:26], 4) == _greedy(block, seq[1:26], rows[:25], 4)
         assert source.held[1] == seq[:26]
         # a rejected draft's rows are read again with the sequence's own tokens

@@ -46,10 +46,13 @@ def declines(model: object) -> str:
 
 
 class TargetRows:
-    """The target's last hidden rows per slot and the tokens they were computed for (`CausalLM.hidden_rows`)."""
+    """The target's last hidden rows per slot and the tokens they were computed for (`CausalLM.hidden_rows`).
 
-    def __init__(self, n_slots: int, ctx: int, hidden: int) -> None:
-        self.rows = torch.zeros(n_slots, ctx, hidden)
+    A slot's rows grow with what it holds (doubling, in the model's dtype), so the cost is that of the contexts in
+    use, not of `n_slots * ctx` rows of the model's width."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.rows: list[torch.Tensor] = [torch.empty(0) for _ in range(n_slots)]
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
 
     def __call__(self, chunks: list[SeqChunk], offsets: list[int], x: torch.Tensor) -> None:
@@ -59,7 +62,19 @@ class TargetRows:
                 seen.extend([-1] * (ch.start - len(seen)))
             del seen[ch.start :]
             seen.extend(ch.tokens.tolist())
-            self.rows[ch.slot, ch.start : ch.start + hi - lo] = x[lo:hi].to("cpu", torch.float32)
+            end = ch.start + hi - lo
+            rows = self.rows[ch.slot]
+            if rows.shape[0] < end:
+                grown = torch.empty(max(end, 2 * rows.shape[0], 64), x.shape[1], dtype=x.dtype)
+                if rows.numel():
+                    grown[: rows.shape[0]] = rows
+                self.rows[ch.slot] = rows = grown
+            rows[ch.start : end] = x[lo:hi].to("cpu")
+
+    def get(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """The slot's rows [start, end) as float32."""
+        assert end <= len(self.tokens[slot]), (slot, end)
+        return self.rows[slot][start:end].float()
 
 
 class MtpSource:
@@ -69,9 +84,9 @@ class MtpSource:
         assert not declines(model), declines(model)
         self.block = MtpBlock(model, model.mtp[0])
         self.ctx = ctx
-        self.target = TargetRows(n_slots, ctx, model.config.hidden_size)
+        self.target = TargetRows(n_slots)
         model.hidden_rows = self.target
-        self.caches = [self.block.new_cache(ctx) for _ in range(n_slots)]
+        self.caches = [self.block.new_cache(0) for _ in range(n_slots)]  # grown as TargetRows' rows
         # the tokens s_0 .. s_m of the slot's rows 0 .. m-1 (row t read s_{t+1} and the target's row t)
         self.held: list[list[int]] = [[] for _ in range(n_slots)]
         self.catch_up = CATCH_UP_CHUNK
@@ -90,9 +105,9 @@ class MtpSource:
             return []
         rows = min(max(0, common_prefix(self.held[slot], sequence) - 1), n - 2)  # row n-2's logits are needed
         end = min(n - 1, rows + self.catch_up)
-        cache = self.caches[slot]
+        cache = self._cache(slot, n - 2 + k)
         logits, out = self.block.forward(torch.tensor(sequence[rows + 1 : end + 1]),
-                                         self.target.rows[slot, rows:end], rows, cache)
+                                         self.target.get(slot, rows, end), rows, cache)
         self.held[slot] = sequence[: end + 1]
         if end < n - 1:  # a long way behind: drafts once caught up
             return []
@@ -102,6 +117,17 @@ class MtpSource:
             logits, hidden = self.block.forward(torch.tensor(proposed[-1:]), hidden, n - 2 + len(proposed), cache)
             proposed.append(int(torch.argmax(logits[0])))
         return proposed
+
+    def _cache(self, slot: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's K/V rows, grown (doubling, at most `ctx`) to hold at least `rows` positions."""
+        cache = self.caches[slot]
+        have = cache[0].shape[0]
+        if have < rows:
+            grown = self.block.new_cache(min(self.ctx, max(rows, 2 * have, 64)))
+            for old, new in zip(cache, grown, strict=True):
+                new[:have] = old
+            self.caches[slot] = cache = grown
+        return cache
 
 
 class MtpDrafter:
