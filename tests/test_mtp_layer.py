@@ -182,3 +182,19 @@ def test_spec_mtp_on_a_model_without_the_layer_is_declined_with_the_reason(tmp_p
         on, counters = _answers(config.replace(spec="mtp"), [[5, 6, 7, 8]], 6)
     assert "--spec mtp declined, decoding without drafts: the model has no next-token (MTP) layers" in caplog.text
     assert on == off and counters["spec_drafted_tokens"] == 0
+
+
+def test_the_layer_built_from_the_gguf_s_own_bytes_computes_as_from_the_folder(tmp_path):
+    from engine.model import load_model, plan_stages
+    from engine.model.loader import read_model_config
+    from engine.model.mtp_layer import MtpBlock
+    from tests.moe_fixtures import write_tiny_moe_gguf
+
+    path = write_tiny_moe_gguf(tmp_path, "glm4_moe")
+    models = [load_model(p, plan_stages(read_model_config(p).n_layers, "cpu", ""), torch.float32)
+              for p in (path.removesuffix(".gguf"), path)]
+    blocks = [MtpBlock(m.model, m.model.mtp[0]) for m in models]
+    torch.manual_seed(1)
+    next_ids, hidden = torch.randint(0, models[0].config.vocab_size, (12,)), torch.randn(12, models[0].config.hidden_size)
+    (a, ha), (b, hb) = (block.forward(next_ids, hidden, 0, block.new_cache(16)) for block in blocks)
+    assert (ha - hb).abs().max().item() <= ATOL and (a - b).abs().max().item() <= ATOL
