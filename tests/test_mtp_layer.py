@@ -169,6 +169,35 @@ def test_spec_mtp_drafts_with_the_layer_and_answers_token_identical(folder):
     assert counters["spec_drafted_tokens"] > 0, counters  # proposed and verified (random weights: few accepted)
 
 
+def test_a_restored_conversation_answers_as_without_drafts(folder):
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+
+    def switch_back(config) -> tuple[list[int], list[int], str, dict]:
+        engine = Engine.from_config(config)
+        try:
+            def answer(name: str, prompt: list[int]) -> list[int]:
+                params = SamplingParams(temperature=0.0, max_tokens=16)
+                return [e.token_id for e in engine.submit(GenerationRequest(name, prompt, params))
+                        if e.token_id is not None]
+
+            first = list(range(5, 40))
+            one = answer("first", first)
+            answer("other", [9, 10, 11] * 8)  # takes the one slot: the first conversation is parked
+            two = answer("again", first + one + [12, 13, 14, 15])
+            source = engine.call(lambda: engine.stats.requests.snapshot()[-1].source).result()
+            return one, two, source, engine.call(lambda: dict(engine.stats.counters)).result()
+        finally:
+            engine.close()
+
+    config = EngineConfig(model=folder, ctx_size=256, cpu_weights="float", conversation_cache_storage="ram",
+                          conversation_cache_min_free_mib=0)
+    off, on = switch_back(config), switch_back(config.replace(spec="mtp"))
+    assert on[:2] == off[:2] and on[2] == "ram"  # restored from the cache, answered as without drafts
+    assert on[3]["spec_drafted_tokens"] > 0, on[3]
+
+
 def test_spec_mtp_on_a_model_without_the_layer_is_declined_with_the_reason(tmp_path, caplog):
     import logging
 
