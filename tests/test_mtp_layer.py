@@ -65,7 +65,8 @@ def _reference(folder: str, next_ids: torch.Tensor, hidden: torch.Tensor) -> tup
         out = layer(x[None], attention_mask=causal, position_ids=positions, position_embeddings=rope)
         out = out[0] if isinstance(out, tuple) else out
         out = out[0]
-        return norm("shared_head.norm")(out) @ head.T, out
+        out = norm("shared_head.norm")(out)
+        return out @ head.T, out
 
 
 def test_the_next_token_layer_computes_what_transformers_modules_do(folder, lm):

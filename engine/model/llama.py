@@ -237,7 +237,8 @@ class CausalLM(torch.nn.Module):
         # GLM's next-token (MTP) layers as the file holds them, kept for speculative decoding, not run (mtp.py);
         # the loaders set them after building.
         self.mtp: tuple[MtpLayer, ...] = ()
-        # `--spec mtp`: given every row's last decoder layer output (before the final norm) of the eager path, as
+        # `--spec mtp`: given every row's hidden state after the final norm (what its logits are taken from) on the
+        # eager path, as
         # (chunks in row order, their row offsets, the rows); the next-token layer drafts from them
         # (engine/runtime/mtp_drafts.py). Reads the rows only: results are those without it.
         self.hidden_rows: Callable[[list[SeqChunk], list[int], torch.Tensor], None] | None = None
@@ -353,8 +354,8 @@ class CausalLM(torch.nn.Module):
                                 masks if attention.window is None else window_masks, cos, sin, n_single, total,
                                 None if stage_ple is None else stage_ple[:, li])
 
-        if self.hidden_rows is not None:
-            self.hidden_rows(ordered, offsets, x)
+        if self.hidden_rows is not None:  # the rows the logits are taken from (the norm is per row)
+            self.hidden_rows(ordered, offsets, rms_norm(x, self.norm, self.description.final_norm_eps))
         fast = not self.batch_invariant
         if all_logits:
             h = rms_norm(x, self.norm, self.description.final_norm_eps)

@@ -1,16 +1,16 @@
 """GLM-4.x MoE's next-token (MTP) layer, runnable: built from the tensors the loaders keep (`CausalLM.mtp`, mtp.py).
 
-For the row of position t it takes the target's hidden state at t (the last decoder layer's output, before the
-final norm) and the token at t+1, and predicts the token at t+2:
+For the row of position t it takes the target's hidden state at t (after the final norm: the row its logits are
+taken from) and the token at t+1, and predicts the token at t+2:
 
     x = eh_proj([enorm(embed(token_{t+1})); hnorm(hidden_t)])
     x = decoder_layer(x)            # attention over its own K/V of the earlier rows (RoPE at position t), then MoE
     logits = head(shared_head.norm(x))
 
-as transformers' checkpoint layout and llama.cpp's glm4-moe nextn graph compute it (vLLM's glm4_moe_mtp too).
-The embedding and the head are the MTP layer's own where the file holds them (`nextn.embed_tokens`,
-`nextn.shared_head_head`), else the model's. The layer's output row before `shared_head.norm` is the hidden
-state its next step takes in place of the target's (drafting several tokens ahead).
+as llama.cpp's glm4-moe nextn graph computes it (its `t_h_nextn`: the target's rows after `output_norm`, the
+layer's own after `shared_head.norm`). The embedding and the head are the MTP layer's own where the file holds
+them (`nextn.embed_tokens`, `nextn.shared_head_head`), else the model's. The layer's output row after
+`shared_head.norm` is the hidden state its next step takes in place of the target's (drafting further ahead).
 
 The weights become float32 on the CPU (a GGUF tensor dequantised): the draft runs one row per step, and the
 layer is a single MoE layer, small beside the model.
@@ -105,7 +105,8 @@ class MtpBlock:
     @torch.no_grad()
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int,
                 cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, vocab] (float32) for the tokens at start+2 .. start+n+1, and the layer's output rows [n, h],
+        """Logits [n, vocab] (float32) for the tokens at start+2 .. start+n+1, and the layer's output rows [n, h]
+        after `shared_head.norm` (what a next step takes as its hidden rows),
         from `next_ids` (the tokens at start+1 ..) and `hidden` (the target's, or this layer's, rows at start ..).
         Writes the K/V rows of positions start .. start+n-1 into `cache` and attends to its rows before them."""
         n = next_ids.shape[0]
@@ -121,9 +122,9 @@ class MtpBlock:
         x = x + self.moe(rms_norm(x, self.mlp_norm, self.eps), 0)
         h = rms_norm(x, self.head_norm, self.eps)
         if self.head is not None:
-            return F.linear(h, self.head), x
+            return F.linear(h, self.head), h
         head = self.model_head
-        return logit_rows(h.to(self.model_embed.device, self.model_embed.dtype), head).float().cpu(), x
+        return logit_rows(h.to(self.model_embed.device, self.model_embed.dtype), head).float().cpu(), h
 
     def _attention(self, h: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         c = self.config

@@ -2,7 +2,7 @@
 the next tokens from the target's hidden rows, and the target verifies them in its decode step as it verifies
 every draft (engine/runtime/scheduler.py `_verify`), so greedy output is the target's own, token for token.
 
-The MTP layer's row t reads the target's hidden row at t and the token at t+1 and predicts the token at t+2
+The MTP layer's row t reads the target's hidden row at t (after its final norm) and the token at t+1 and predicts the token at t+2
 (engine/model/mtp_layer.py). With a sequence of L tokens the target has computed its rows 0 .. L-2 (the last
 token is fed in the step that verifies), so the layer's row L-2 proposes token L; each further draft token
 comes from a row that reads the previous draft token and the layer's own output row in place of the target's.
@@ -46,7 +46,7 @@ def declines(model: object) -> str:
 
 
 class TargetRows:
-    """The target's last hidden rows per slot and the tokens they were computed for (`CausalLM.hidden_rows`).
+    """The target's hidden rows (after its final norm) per slot and the tokens they were computed for (`CausalLM.hidden_rows`).
 
     A slot's rows grow with what it holds (doubling, in the model's dtype), so the cost is that of the contexts in
     use, not of `n_slots * ctx` rows of the model's width."""
