@@ -293,10 +293,11 @@ class EngineConfig:
     )
     spec: str = setting(
         "off", flag="--spec", label="Speculative decoding", kind="choice", group="runtime",
-        choices=("off", "prompt-lookup", "draft"),
+        choices=("off", "prompt-lookup", "draft", "mtp"),
         help="prompt-lookup: draft the next tokens from the conversation's own earlier tokens (an agent repeating "
         "code it read) and verify them in one decode step; draft: a smaller model of the same vocabulary "
-        "(--model-draft) drafts them; greedy output token-identical to off, sampled output distributed as off "
+        "(--model-draft) drafts them; mtp: the model's own next-token layer (GLM-4.x MoE) drafts them, declined "
+        "with a logged reason for a model without one; greedy output token-identical to off, sampled output distributed as off "
         "(rejection sampling); declined with a logged reason on CUDA stages",
     )
     model_draft: str = setting(
@@ -307,7 +308,7 @@ class EngineConfig:
     spec_draft_max: int = setting(
         8, flag="--spec-draft-max", label="Most draft tokens", kind="int", group="runtime", unit="tokens",
         minimum=1, maximum=64, metavar="N",
-        help="with --spec prompt-lookup or draft: the most tokens one draft proposes (the length adapts below it to how "
+        help="with --spec prompt-lookup, draft or mtp: the most tokens one draft proposes (the length adapts below it to how "
         "many are accepted)",
     )
     prefill_chunk: int = setting(

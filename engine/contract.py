@@ -240,7 +240,7 @@ class RequestRecord:
     `conversation_id` is the parked conversation it continues, once known (a request served before its
     conversation was first parked gets the id when it is). `ttft_ms`: from the engine taking the request to its
     first token (None until then, or when it produced none). `spec_drafted` / `spec_accepted`: draft tokens
-    `--spec prompt-lookup` (or `draft`) had verified for it, and those accepted (0 without speculation).
+    `--spec prompt-lookup` (or `draft`, `mtp`) had verified for it, and those accepted (0 without speculation).
     `spec_draft_reused`: with `--spec draft`, the request's tokens the draft model held already at its first draft
     (kept in the slot or restored with the conversation; 0 when it re-read them all).
     `past_reasoning`: where the chat format decides which earlier reasoning the prompt carries (harmony), what it did

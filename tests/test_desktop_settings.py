@@ -670,8 +670,9 @@ def test_the_settings_tab_chooses_the_speculation_method_and_its_draft_length(qt
     qtbot.addWidget(tab)
     method = tab.rows["spec"].editor
     assert isinstance(method, QComboBox)
-    assert [method.itemData(i) for i in range(method.count())] == ["off", "prompt-lookup", "draft"]
+    assert [method.itemData(i) for i in range(method.count())] == ["off", "prompt-lookup", "draft", "mtp"]
     assert method.currentData() == "off" and method.itemText(1).startswith("prompt lookup — drafts from")
+    assert method.itemText(3).startswith("next-token layer — the model's own MTP layer drafts")
     assert method.itemText(2).startswith("draft model — a smaller model")
     tab.set_text("spec", "prompt-lookup")
     tab.set_text("spec_draft_max", "16")

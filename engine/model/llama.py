@@ -9,7 +9,7 @@ their rules are engine/model/projections.py's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -237,6 +237,11 @@ class CausalLM(torch.nn.Module):
         # GLM's next-token (MTP) layers as the file holds them, kept for speculative decoding, not run (mtp.py);
         # the loaders set them after building.
         self.mtp: tuple[MtpLayer, ...] = ()
+        # `--spec mtp`: given every row's hidden state after the final norm (what its logits are taken from) on the
+        # eager path, as
+        # (chunks in row order, their row offsets, the rows); the next-token layer drafts from them
+        # (engine/runtime/mtp_drafts.py). Reads the rows only: results are those without it.
+        self.hidden_rows: Callable[[list[SeqChunk], list[int], torch.Tensor], None] | None = None
         # Gemma 4's global layers (the ones this table rotates when there is a local one) may be wider.
         rotated = rotary_dim or (config.global_head_dim if config.rope_local_theta is not None else None)
         self.rotary = RotaryTable(config if rotated is None else replace(config, head_dim=rotated, rotary_dim=None),
@@ -349,6 +354,8 @@ class CausalLM(torch.nn.Module):
                                 masks if attention.window is None else window_masks, cos, sin, n_single, total,
                                 None if stage_ple is None else stage_ple[:, li])
 
+        if self.hidden_rows is not None:  # the rows the logits are taken from (the norm is per row)
+            self.hidden_rows(ordered, offsets, rms_norm(x, self.norm, self.description.final_norm_eps))
         fast = not self.batch_invariant
         if all_logits:
             h = rms_norm(x, self.norm, self.description.final_norm_eps)

@@ -1,14 +1,14 @@
-"""GLM-4.x MoE's next-token (MTP) layers: loaded and kept as the file holds them, not run.
+"""GLM-4.x MoE's next-token (MTP) layers: loaded and kept as the file holds them (mtp_layer.py runs one).
 
 A GLM-4.5/4.6/4.7 checkpoint carries `num_nextn_predict_layers` (one) extra layers after the last decoder layer
 (`model.layers.<n_layers>.*` in HF folders, `blk.<n_layers>.*` in a GGUF whose `block_count` includes them):
 a MoE decoder layer plus `eh_proj` (the [embedding; hidden] -> hidden projection), `enorm`, `hnorm`,
 `shared_head.norm` and optionally `shared_head.head` / `embed_tokens`. They predict the token after the next
-one, for speculative decoding. The engine does not run them yet; the loaders keep each MTP layer's tensors
+one, for speculative decoding. The loaders keep each MTP layer's tensors
 (every canonical key of that layer, the decoder part under the same keys as a decoder layer's and the MTP part
 as `nextn.*`) in `CausalLM.mtp`, as the file stores them: a GGUF tensor's own bytes in its own type (no
 dequantised copy: the MTP layer of GLM-4.5-Air is a full MoE layer), a safetensors tensor in its own dtype,
-both on the CPU. A later step builds a runnable layer from them (gguf_dequant.dequantize for the GGUF kind).
+both on the CPU. mtp_layer.MtpBlock builds a runnable layer from them (gguf_dequant.dequantize for the GGUF kind).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from engine.errors import BadValue, Unavailable
 from engine.figures import CacheFigures, EngineFigures
 from engine.model import moe_placement
 from engine.model.chat_templates import choose_chat_template
+from engine.runtime import mtp_drafts
 from engine.runtime.control import CacheControl
 from engine.runtime.draft_model import DraftModel
 from engine.runtime.draft_states import DraftStates, draft_identity
@@ -139,7 +140,15 @@ class Engine:
             self.draft = DraftModel.load(config.model_draft, loaded, self.n_slots, self.ctx_size, kv_dtype,
                                          self.weights_format)
             speculation = dataclasses.replace(speculation, source=self.draft)
-        elif config.model_draft and config.spec != "draft":
+        elif speculation.method == "mtp" and not speculation.declined:
+            why = mtp_drafts.declines(loaded.model)
+            if why:  # declined, not refused: a settings file keeps --spec mtp across models (docs/DETAILS.md)
+                log.warning("--spec mtp declined, decoding without drafts: %s", why)
+                speculation = dataclasses.replace(speculation, declined=why)
+            else:
+                speculation = dataclasses.replace(speculation, source=mtp_drafts.MtpSource(
+                    loaded.model, self.n_slots, self.ctx_size))
+        if config.model_draft and config.spec != "draft":
             log.warning("--model-draft %s is not loaded: it drafts with --spec draft only (--spec is %s)",
                         config.model_draft, config.spec)
         progress.begin("building cache index")

@@ -43,7 +43,8 @@ class Drafts(Protocol):
 
 
 class DraftSource(Protocol):
-    """Where `--spec draft` takes a request's drafter from (a draft model: engine/runtime/draft_model.py)."""
+    """Where `--spec draft` / `mtp` take a request's drafter from (a draft model: engine/runtime/draft_model.py; the
+    model's next-token layer: engine/runtime/mtp_drafts.py)."""
 
     def drafter(self, slot: int, prompt: list[int], draft_max: int) -> Drafts: ...
 
@@ -55,12 +56,12 @@ class Speculation:
     method: str
     draft_max: int
     declined: str = ""
-    source: DraftSource | None = None  # --spec draft: the draft model, given once loaded
+    source: DraftSource | None = None  # --spec draft / mtp: the draft model or the next-token layer, given once built
 
     @classmethod
     def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, on_cpu: bool) -> Speculation:
         """The one place that decides whether this engine can speculate losslessly; a decline is logged once."""
-        assert method in ("off", "prompt-lookup", "draft"), method
+        assert method in ("off", "prompt-lookup", "draft", "mtp"), method
         why = ""
         if method != "off":
             why = memory.rewind_inexact()
@@ -79,8 +80,8 @@ class Speculation:
         (both drafters propose their tokens deterministically, so the draft distribution is one-hot at them)."""
         if self.method == "off" or self.declined:
             return None
-        if self.method == "draft":
-            assert self.source is not None, "--spec draft runs with its draft model"
+        if self.method in ("draft", "mtp"):
+            assert self.source is not None, f"--spec {self.method} runs with its draft source"
             return self.source.drafter(slot, prompt, self.draft_max)
         return Drafter(prompt, self.draft_max)
 
