@@ -69,7 +69,7 @@ def test_the_moe_families_from_before_gpt_oss_keep_their_identity():
 
 
 def test_sink_attention_is_a_softmax_with_one_more_logit_per_head():
-    from engine.model.llama import sink_attention
+    from engine.model.chunk_attention import sink_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(5, 4, 8), torch.randn(2, 9, 8), torch.randn(2, 9, 8)
@@ -86,13 +86,13 @@ def test_sink_attention_is_a_softmax_with_one_more_logit_per_head():
 
 
 def test_a_long_chunk_attends_in_blocks_of_queries_to_the_same_result(monkeypatch):
-    from engine.model import llama
+    from engine.model import chunk_attention
 
     torch.manual_seed(1)
     q, k, v, sinks = torch.randn(40, 4, 8), torch.randn(2, 40, 8), torch.randn(2, 40, 8), torch.randn(4)
-    whole = llama.sink_attention(q, k, v, None, True, 0.3, sinks)
-    monkeypatch.setattr(llama, "SINK_SCORES", 4 * 40 * 7)  # blocks of 7 queries
-    assert torch.allclose(llama.sink_attention(q, k, v, None, True, 0.3, sinks), whole, atol=1e-6)
+    whole = chunk_attention.sink_attention(q, k, v, None, True, 0.3, sinks)
+    monkeypatch.setattr(chunk_attention, "SINK_SCORES", 4 * 40 * 7)  # blocks of 7 queries
+    assert torch.allclose(chunk_attention.sink_attention(q, k, v, None, True, 0.3, sinks), whole, atol=1e-6)
 
 
 def _load(path: str, **kwargs):

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 
 from engine.kv import KVBuffers
 from engine.model import executors
+from engine.model.chunk_attention import decode_attention
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
 from engine.model.llama import (
     CausalLM,
     DecoderLayer,
     SeqChunk,
-    _decode_attention,
     check_rows,
 )
 from engine.model.norms import head_rms_norm, rms_norm
@@ -137,7 +137,7 @@ class CpuDecode:
                 keys, values = k_cache[s, seen : p + 1].transpose(0, 1), v_cache[s, seen : p + 1].transpose(0, 1)
                 if keys.dtype != qk.dtype:  # --kv-dtype narrower than float32 (as forward_chunks does)
                     keys, values = keys.to(qk.dtype), values.to(qk.dtype)
-                outs.append(_decode_attention(qk[i, :H], keys, values, layer.scale))
+                outs.append(decode_attention(qk[i, :H], keys, values, layer.scale))
             attn = outs[0] if n == 1 else torch.stack(outs)
             x = x + _project(attn.reshape(n, H * D), layer.wo, n, None)
             h = rms_norm(x, layer.mlp_norm, eps)

@@ -17,6 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv import KVBuffers
+from engine.model.chunk_attention import (
+    AttentionPlans,
+    attention_plans,
+    decode_attention,
+    rope_rows,
+    sdpa,
+    sink_attention,
+)
 from engine.model.config import ModelConfig
 from engine.model.int4 import Int4Weight
 from engine.model.kquant_weight import KQuantWeight
@@ -27,15 +35,13 @@ from engine.model.projections import linear, logit_rows
 from engine.model.q8_weight import Q8Weight
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
-from engine.model.sliding import first_key, window_mask
+from engine.model.sliding import first_key
 
 if TYPE_CHECKING:  # moe and mla import this module's kernels
     from engine.model.gemma4_experts import Gemma4Experts
     from engine.model.mla import MlaAttention
     from engine.model.moe import SparseMoe
     from engine.model.mtp import MtpLayer
-
-_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 @dataclass(slots=True)
@@ -337,13 +343,13 @@ class CausalLM(torch.nn.Module):
         x = embed_rows(ids, self.embed, self.embed_scale)
         ple = None if self.per_layer is None else self.per_layer(ids, x, n_single, not self.batch_invariant)
 
-        plans = _attention_plans(ordered, lengths, offsets, self.window)
+        plans = attention_plans(ordered, lengths, offsets, self.window)
         layers = cast(list[DecoderLayer], list(self.layers))
         for device, first, end in self.stages:
             x = x.to(device)
             pos = positions.to(device)
-            rope = _rope_rows(self.rotary, max_pos, pos, device, self.dtype)
-            local_rope = rope if self.rotary_local is None else _rope_rows(self.rotary_local, max_pos, pos, device, self.dtype)
+            rope = rope_rows(self.rotary, max_pos, pos, device, self.dtype)
+            local_rope = rope if self.rotary_local is None else rope_rows(self.rotary_local, max_pos, pos, device, self.dtype)
             masks = {i: m.to(device) for i, m in plans.masks.items()}
             window_masks = {i: m.to(device) for i, m in plans.window_masks.items()}
             stage_ple = None if ple is None else ple.to(device)
@@ -407,7 +413,7 @@ class CausalLM(torch.nn.Module):
         x: torch.Tensor,
         kv: KVBuffers,
         chunks: list[SeqChunk],
-        plans: _Plans,
+        plans: AttentionPlans,
         masks: dict[int, torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -446,10 +452,10 @@ class CausalLM(torch.nn.Module):
             if layer.sinks is not None:  # gpt-oss
                 out = sink_attention(q[lo:hi], keys, values, masks.get(i), causal[i], scale, layer.sinks)
             elif hi - lo == 1 and small_float32:
-                out = _decode_attention(q[lo], keys, values, scale)
+                out = decode_attention(q[lo], keys, values, scale)
             else:
                 query = q[lo:hi].transpose(0, 1).unsqueeze(0)
-                out = _attention(query, keys.unsqueeze(0), values.unsqueeze(0), masks.get(i), causal[i], scale)
+                out = sdpa(query, keys.unsqueeze(0), values.unsqueeze(0), masks.get(i), causal[i], scale)
                 out = out[0].transpose(0, 1)
             if one:
                 attn = out
@@ -521,107 +527,3 @@ class CausalLM(torch.nn.Module):
         if layer.post_mlp_norm is not None:
             mlp_out = rms_norm(mlp_out.to(x.dtype), layer.post_mlp_norm, eps)
         return per_layer_residual(layer, x + mlp_out, per_layer, n_single, fast)
-
-
-def _rope_rows(
-    table: RotaryTable, max_pos: int, pos: torch.Tensor, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of `pos` as [tokens, 1, head_dim], sin in the rolled-sign form _layer uses."""
-    cos, sin = table.get(max_pos, device, dtype)
-    cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-    half = cos.shape[-1] // 2
-    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-@dataclass(slots=True)
-class _Plans:
-    offsets: list[int]
-    causal: list[bool]
-    masks: dict[int, torch.Tensor]
-    window_causal: list[bool]  # the same for the sliding layers (empty for a model without them)
-    window_masks: dict[int, torch.Tensor]
-
-
-def _attention_plans(chunks: list[SeqChunk], lengths: list[int], offsets: list[int], window: int | None) -> _Plans:
-    """Per chunk: no mask for one token (it sees every row), is_causal from position 0, else an offset mask;
-    and under `window`, over the window's rows only (sliding.window_mask)."""
-    causal: list[bool] = []
-    masks: dict[int, torch.Tensor] = {}
-    window_causal: list[bool] = []
-    window_masks: dict[int, torch.Tensor] = {}
-    for i, (ch, n) in enumerate(zip(chunks, lengths, strict=True)):
-        if n == 1:
-            causal.append(False)
-        elif ch.start == 0:
-            causal.append(True)
-        else:
-            causal.append(False)
-            rows = torch.arange(ch.start, ch.start + n).unsqueeze(1)
-            masks[i] = torch.arange(ch.start + n).unsqueeze(0) <= rows
-        if window is not None:
-            mask = None if n == 1 else window_mask(ch.start, n, window)
-            window_causal.append(n > 1 and mask is None)
-            if mask is not None:
-                window_masks[i] = mask
-    return _Plans(offsets, causal, masks, window_causal, window_masks)
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """One query token against all rows: q [H, D], k/v [KVH, L, D] -> [H, D]. On CPU in float32 two small
-    bmm calls beat SDPA's per-call overhead for a single query (softmax in the input dtype, so float32 only).
-    `scale` multiplies the scores (None = 1/sqrt(D))."""
-    kv_heads, d = k.shape[0], k.shape[2]
-    grouped = q.view(kv_heads, -1, d) * (d**-0.5 if scale is None else scale)
-    scores = torch.bmm(grouped, k.transpose(1, 2))
-    return torch.bmm(torch.softmax(scores, dim=-1), v).view(-1, d)
-
-
-def sink_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None,
-    sinks: torch.Tensor,
-) -> torch.Tensor:
-    """Attention whose softmax has one more logit per head, `sinks` [H], with no value (gpt-oss), as transformers'
-    eager gpt-oss attention computes it: scores, the sink appended, the row's maximum subtracted, softmax, the
-    sink's column dropped. q [L, H, D], k/v [KVH, S, D], `mask` [L, S] (True: seen) or `causal` from key 0;
-    returns [L, H, D]. Explicit, not SDPA: no fused kernel takes a sink; a long chunk runs in blocks of queries
-    so that its scores stay within SINK_SCORES values."""
-    n_q, heads, d = q.shape
-    groups = heads // k.shape[0]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-    if mask is None and causal:
-        mask = torch.ones(n_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - n_q)
-    scale = d**-0.5 if scale is None else scale
-    rows = max(1, SINK_SCORES // (heads * k.shape[1]))
-    out = [_sink_rows(q[a : a + rows], k, v, None if mask is None else mask[a : a + rows], scale, sinks)
-           for a in range(0, n_q, rows)]
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
-SINK_SCORES = 1 << 26  # scores of one block of queries (256 MiB in float32)
-
-
-def _sink_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               sinks: torch.Tensor) -> torch.Tensor:
-    heads, n_q = q.shape[1], q.shape[0]
-    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [H, L, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    logits = torch.cat((scores, sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, n_q, 1)), dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v).transpose(0, 1)
-
-
-def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-    scale: float | None = None,
-) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1 and not _HAS_GQA:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    kwargs: dict = {"enable_gqa": True} if groups > 1 and _HAS_GQA else {}
-    if scale is not None:
-        kwargs["scale"] = scale
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kwargs)
