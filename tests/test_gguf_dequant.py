@@ -49,7 +49,8 @@ def test_every_listed_type_is_covered():
 def test_random_blocks_decode_bit_identical_to_gguf(qtype, device):
     rows, cols = 24, 512
     raw = random_tensor(qtype, rows, cols, seed=qtype.value)
-    ref = torch.from_numpy(np.ascontiguousarray(reference_dequantize(raw, qtype), dtype=np.float32))
+    with np.errstate(over="ignore"):  # random MXFP4 exponents reach float32's top: inf, as ours must give too
+        ref = torch.from_numpy(np.ascontiguousarray(reference_dequantize(raw, qtype), dtype=np.float32))
     ours = _ours("blk.0.ffn_up.weight", raw, qtype, (rows, cols), device)
     assert ours.dtype == torch.float32 and ours.shape == (rows, cols)
     assert torch.equal(_bits(ours), _bits(ref)), f"{qtype.name}: {(ours != ref).sum().item()} values differ"
