@@ -1,6 +1,7 @@
-"""DeepSeek-V3's tool-call format end to end in the three APIs: an answer in V3's fenced form or V3.1's bare one
-comes back as OpenAI `tool_calls` (whole and streamed), an Anthropic `tool_use` block and a Responses
-`function_call` item, with the arguments as JSON."""
+"""The families' own tool-call formats end to end in the three APIs: a model answering in Gemma 4's
+`<|tool_call>call:NAME{...}<tool_call|>`, DeepSeek-V3's fenced form or V3.1's bare one gets OpenAI `tool_calls`
+(whole and streamed), an Anthropic `tool_use` block (whole and streamed) and a Responses `function_call` item, with
+the arguments as JSON."""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ from tests.test_api_tools import ASK, TOOLS, write_tool_calling_model
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 FORMS = {
-    "v3": f'{BEGIN}{CALL}function{SEP}get_weather\n```json\n{{"city": "Paris", "days": 2}}\n```{CALL_END}{END}',
-    "v3.1": f'{BEGIN}{CALL}get_weather{SEP}{{"city": "Paris", "days": 2}}{CALL_END}{END}',
+    "gemma4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>',
+    "deepseek-v3": f'{BEGIN}{CALL}function{SEP}get_weather\n```json\n{{"city": "Paris", "days": 2}}\n```{CALL_END}{END}',
+    "deepseek-v3.1": f'{BEGIN}{CALL}get_weather{SEP}{{"city": "Paris", "days": 2}}{CALL_END}{END}',
 }
 ARGUMENTS = {"city": "Paris", "days": 2}
-# An engine start of its own per form (~10 s each): the parsing itself is checked quickly in tests/test_deepseek_calls.py.
+# An engine start of its own per form (~10 s each): the parsing itself is checked quickly in
+# tests/test_server_tool_calls.py and tests/test_deepseek_calls.py.
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=sorted(FORMS))
 def base_url(request, tmp_path_factory):
-    model = write_tool_calling_model(tmp_path_factory.mktemp("deepseek-tool-model"), FORMS[request.param])
+    model = write_tool_calling_model(tmp_path_factory.mktemp(f"{request.param}-tool-model"), FORMS[request.param])
     with engine_process("--model", model, "--ctx-size", "512", "--conversation-cache-mib", "0") as engine:
         yield engine.base_url
 
