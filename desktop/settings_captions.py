@@ -63,8 +63,10 @@ class RowCaptions(QObject):
             if value != default:
                 parts += [f"changed from the default ({value_words(row.spec, default)})", applies_words(row.spec)]
         report = self.folder_reports.get("conversation_cache_dir")
-        risk = risk_warning(row.name, value, row.text(), self.host_total,
-                            report.free_bytes if report else None)
+        # A budget the storage mode does not use risks nothing: warning that 16 GiB exceeds a small disk's free
+        # space while storage is "ram" would only alarm.
+        risk = "" if unused else risk_warning(row.name, value, row.text(), self.host_total,
+                                              report.free_bytes if report else None)
         arena, arena_warns = "", False
         if row.name == "conversation_cache_mib":  # a MoE model's expert arena, and what it leaves
             arena, arena_warns = arena_words(self.expert_arena, value,

@@ -634,6 +634,14 @@ def test_captions_speak_only_when_they_say_something_and_zero_is_said_in_words(q
     tab.set_text("conversation_cache_disk_mib", "0")
     disk = tab.rows["conversation_cache_disk_mib"].caption.text()
     assert "no disk parking" in disk and "changed from the default (16 GiB)" in disk, disk
+    # A disk budget past the folder's free space is warned of where disk storage uses it, and only there.
+    tab.set_text("conversation_cache_disk_mib", str(1 << 30))
+    caption = tab.rows["conversation_cache_disk_mib"].caption
+    qtbot.waitUntil(lambda: "more than the free space on disk" in caption.text(), timeout=5000)
+    tab.set_text("conversation_cache_storage", "ram")
+    assert caption.text().startswith("not used in ram mode") and "free space" not in caption.text(), caption.text()
+    tab.set_text("conversation_cache_storage", "tiered")
+    tab.set_text("conversation_cache_disk_mib", "0")
     tab.set_text("conversation_cache_mib", "0")
     assert "no RAM parking" in tab.rows["conversation_cache_mib"].caption.text()
     # A changed value says what it replaced and when it applies.
