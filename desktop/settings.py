@@ -27,7 +27,8 @@ from typing import Any
 import platformdirs
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from engine.config import APP_NAME, EngineConfig, Setting, SettingError, all_settings, setting_of
+from engine.config import APP_NAME, EngineConfig, all_settings, setting_of
+from engine.setting import Setting, SettingError
 from engine.store_url import redact_url
 
 SCHEMA_VERSION = 1

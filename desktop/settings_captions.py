@@ -17,7 +17,8 @@ from desktop.folders import FolderReport, check_folder
 from desktop.settings import SettingsStore, Source, format_bytes, format_mib
 from desktop.settings_rows import SettingRow
 from desktop.settings_words import applies_words, arena_words, risk_warning, value_words, zero_words
-from engine.config import EngineConfig, SettingError, default_cache_dir
+from engine.config import EngineConfig, default_cache_dir
+from engine.setting import SettingError
 
 Submit = Callable[[Callable[[], Any], Callable[[Any], None]], None]
 

@@ -22,7 +22,8 @@ from PySide6.QtWidgets import (
 
 from desktop.settings import is_budget, parse_mib
 from desktop.settings_words import CHOICE_WORDS, applies_words, label_of
-from engine.config import Setting, SettingError, all_settings, default_cache_dir, setting_of
+from engine.config import all_settings, default_cache_dir, setting_of
+from engine.setting import Setting, SettingError
 
 FOLDER_SETTINGS = tuple(name for name, spec, _ in all_settings() if spec.ui == "folder")
 

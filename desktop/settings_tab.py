@@ -48,7 +48,8 @@ from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build
 from desktop.settings_words import GROUPS, group_note, label_of, plain_error
 from desktop.store_check import check_store
 from desktop.widgets import CommandView, guard_wheel
-from engine.config import EngineConfig, SettingError, all_settings
+from engine.config import EngineConfig, all_settings
+from engine.setting import SettingError
 
 SETTLE_MS = 1200  # a pause in typing this long counts as done
 PREFS = (

@@ -10,7 +10,8 @@ import re
 from typing import Any
 
 from desktop.settings import format_bytes, format_mib, is_budget
-from engine.config import Setting, SettingError, all_settings
+from engine.config import all_settings
+from engine.setting import Setting, SettingError
 
 GROUPS = (("model", "Model"), ("cache", "Conversation cache"), ("server", "Server"), ("runtime", "Runtime"))
 LABELS = {name: spec.label for name, spec, _ in all_settings()}  # declared with each setting (engine/config.py)

@@ -17,7 +17,8 @@ import threading
 from dataclasses import fields
 
 from engine import __version__
-from engine.config import EngineConfig, Setting, SettingError
+from engine.config import EngineConfig
+from engine.setting import Setting, SettingError
 
 log = logging.getLogger("strata")
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from engine.cli import parse_config
-from engine.config import LIVE_SETTINGS, EngineConfig, SettingError, all_settings, setting_of
+from engine.config import LIVE_SETTINGS, EngineConfig, all_settings, setting_of
+from engine.setting import SettingError
 
 
 @pytest.mark.parametrize(
@@ -98,7 +99,8 @@ def test_flag_reference_in_docs_is_up_to_date():
 
 
 def test_each_setting_declares_its_own_label_and_a_ui_kind():
-    from engine.config import UI_KINDS, all_settings
+    from engine.config import all_settings
+    from engine.setting import UI_KINDS
 
     labels = [spec.label for _, spec, _ in all_settings()]
     assert all(labels) and len(set(labels)) == len(labels), "every setting has its own words"

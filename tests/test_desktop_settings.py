@@ -22,7 +22,8 @@ from desktop.settings import (
     parse_mib,
     secret_variables,
 )
-from engine.config import EngineConfig, SettingError, setting_of
+from engine.config import EngineConfig, setting_of
+from engine.setting import SettingError
 
 
 def test_budget_accepts_mib_and_gib_and_refuses_with_reason():

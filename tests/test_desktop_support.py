@@ -223,7 +223,8 @@ def _make_handler(state: _State, server_ref: list):
             if self.path != "/cache/config":
                 self._send(404, {"error": {"message": "no route"}})
                 return
-            from engine.config import SettingError, setting_of
+            from engine.config import setting_of
+            from engine.setting import SettingError
 
             body = self._body()
             unknown = [k for k in body if k not in state.settings]

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig, SettingError
+from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.runtime.engine import Engine
 from engine.runtime.requests import GenerationRequest, SamplingParams
 from engine.runtime.slot_set import common_prefix
+from engine.setting import SettingError
 from tests.model_fixtures import write_tiny_model
 
 LOOPING = ["one two three " * 20, "alpha beta " * 30]

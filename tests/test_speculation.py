@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig, SettingError
+from engine.config import EngineConfig
 from engine.runtime.engine import Engine
 from engine.runtime.requests import GenerationRequest, SamplingParams
 from engine.runtime.speculation import BACKOFF_FIRST, Drafter, Length, lookup
+from engine.setting import SettingError
 from tests.hybrid_fixtures import write_tiny_hybrid
 from tests.model_fixtures import write_tiny_model
 from tests.moe_fixtures import write_tiny_moe_model

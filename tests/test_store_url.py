@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.cli import parse_config
-from engine.config import EngineConfig, SettingError
+from engine.config import EngineConfig
+from engine.setting import SettingError
 from engine.store_url import parse_store_url
 
 

@@ -162,7 +162,8 @@ class CacheControl:
 
     def update(self, changes: dict) -> dict:
         """PUT /cache/config: change live settings; the cache starts, or switches to them, or nothing changes."""
-        from engine.config import LIVE_SETTINGS, SettingError
+        from engine.config import LIVE_SETTINGS
+        from engine.setting import SettingError
 
         if not isinstance(changes, dict) or not changes:
             raise BadValue("expected a JSON object of settings to change, e.g. {\"conversation_cache_mib\": 2048}")
