@@ -63,8 +63,10 @@ def strata_decode(engine: Engine, messages: list[dict], max_tokens: int) -> tupl
 
 
 def llama_decode(binary: str, gguf: str, spec: str, messages: list[dict], max_tokens: int, rounds: int,
-                 draft_max: int, threads: int) -> tuple[float, int]:
-    """llama-server's median decode rate over `rounds` for spec type `spec`, and its answer's length."""
+                 draft_max: int, threads: int) -> tuple[list[float], int]:
+    """llama-server's decode rate in each of `rounds` for spec type `spec` (one server throughout), and its answer's
+    length. Its ngram-mod and ngram-cache types keep what they saw across requests, so a repeated request's later
+    rounds draft from the earlier answers: the first round is the fresh figure."""
     port = 8791
     cmd = [binary, "-m", gguf, "--port", str(port), "-t", str(threads), "-c", "4096", "-np", "1", "--cache-ram", "0"]
     if spec != "none":
@@ -88,7 +90,7 @@ def llama_decode(binary: str, gguf: str, spec: str, messages: list[dict], max_to
                 answer = json.load(r)
             rates.append(answer["timings"]["predicted_per_second"])
             n = answer["timings"]["predicted_n"]
-        return statistics.median(rates), n
+        return rates, n
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = model_path(args.model)
     messages = replay_messages()
     print(f"CPU: {cpu_description()}; load at start {load()}")
-    base = EngineConfig(model=args.model, ctx_size=4096, conversation_cache_mib=0)
+    base = EngineConfig(model=gguf if args.model else "", ctx_size=4096, conversation_cache_mib=0)
     engines = {"off": Engine.from_config(base),
                "prompt-lookup": Engine.from_config(base.replace(spec="prompt-lookup", spec_draft_max=args.draft_max))}
     rates: dict[str, list[float]] = {k: [] for k in engines}
@@ -133,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     binary = os.environ.get("LLAMA_SERVER")
     if binary:
         for spec in args.llama_spec.split(","):
-            rate, n = llama_decode(binary, gguf, spec, messages, args.max_tokens, args.rounds, args.draft_max,
-                                   args.llama_threads)
-            print(f"llama-server -t {args.llama_threads} --spec-type {spec:13s} {rate:6.1f} tok/s decode ({n} tokens)")
+            rates_l, n = llama_decode(binary, gguf, spec, messages, args.max_tokens, args.rounds, args.draft_max,
+                                      args.llama_threads)
+            print(f"llama-server -t {args.llama_threads} --spec-type {spec:13s} {statistics.median(rates_l):6.1f} tok/s "
+                  f"decode ({n} tokens; first round {rates_l[0]:.1f}, rounds "
+                  f"{', '.join(f'{r:.1f}' for r in rates_l)})")
     print(f"load at end {load()}")
     return 0 if same else 1
 
