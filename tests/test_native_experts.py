@@ -1,6 +1,7 @@
 """The native decode step on mixture-of-experts models (kernels/experts.c): within the native step's tolerance of
 forward_chunks' PyTorch arithmetic on the same 4-bit experts for each routing (renormalised top-k, plain top-k
-with a gated shared expert, Mixtral's, GraniteMoE's top-k-then-softmax), a row the same alone and batched, and
+with a gated shared expert, Mixtral's, GraniteMoE's top-k-then-softmax, GLM-4.x MoE's grouped sigmoid routing
+with an ungated shared expert and partial RoPE), a row the same alone and batched, and
 OLMoE (full-width q/k norms) left to PyTorch with the reason said."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.int4_kernels import int4_kernel
 from tests.moe_fixtures import write_tiny_moe_model
 from tests.test_native_decode import PROMPTS, TOLERANCE, _kv, _relative, _step
 
-NATIVE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe")
+NATIVE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "glm4_moe")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Write a GGUF of random weights laid out as llama.cpp's Q4_K_M, for load-time and memory measurements.
 
-    python tools/make_random_gguf.py OUT.gguf [--shape 1b|tiny|moe|gpt-oss] [--layers N] [--seed 0]
+    python tools/make_random_gguf.py OUT.gguf [--shape 1b|tiny|moe|gpt-oss|glm4moe] [--layers N] [--seed 0]
 
 Shape 1b: Llama-3.2-1B's (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, tied embeddings)
 with the bundled SmolLM2's vocabulary (49152 tokens; every tokenizer.* key is copied from it, so the engine
@@ -13,6 +13,12 @@ Shape gpt-oss: gpt-oss-20b's layer (hidden 2880, 64 heads of 64 over 8 K/V heads
 sliding window 128 on every other layer, q/k/v/o biases, attention sinks, biased router and experts) cut to
 --layers layers (2 by default), as ggml-org's gpt-oss GGUFs type it: the expert stacks MXFP4, attention, the
 embedding and the output matrix Q8_0, norms, biases, sinks and router F32; ~0.47 B weights a layer.
+Shape glm4moe: GLM-4.5-Air's layers (hidden 4096, 96 heads of 128 over 8 K/V heads with q/k/v biases, RoPE on half of
+each head, a dense first layer of 10944, then 128 routed experts of 1408, top 8, and one shared expert, a sigmoid
+router with its bias) cut to --layers layers (3 by default: the dense one and two with experts), typed as above (Q4_K,
+Q6_K for attn_v and ffn_down of every other layer, the embedding and the untied output matrix; ffn_down, 1408 or
+10944 wide, as llama-quantize's fallbacks type it, Q8_0 or Q5_0), no MTP layer;
+~2.3 B weights a layer with experts.
 Block bytes are random except the float16 scale fields, which are small and finite; tensors are written one
 at a time, so the writer never holds more than one.
 """
@@ -37,10 +43,13 @@ SHAPES = {
     "tiny": dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2),
     "moe": dict(hidden=1024, inter=512, layers=8, heads=16, kv_heads=4, experts=32, top_k=4),
     "gpt-oss": dict(hidden=2880, inter=2880, layers=2, heads=64, kv_heads=8, experts=32, top_k=4, head_dim=64),
+    "glm4moe": dict(hidden=4096, inter=10944, layers=3, heads=96, kv_heads=8, experts=128, top_k=8, head_dim=128,
+                    expert_inter=1408),
 }
-# Offsets of the float16 fields in one block of the two block types written here.
+# Offsets of the float16 fields in one block of the block types written here.
 _F16_FIELDS = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,),
-               gguf.GGMLQuantizationType.Q8_0: (0,), gguf.GGMLQuantizationType.MXFP4: ()}
+               gguf.GGMLQuantizationType.Q8_0: (0,), gguf.GGMLQuantizationType.MXFP4: (),
+               gguf.GGMLQuantizationType.Q5_0: (0,)}
 
 
 def random_blocks(rng: np.random.Generator, qtype, shape: tuple[int, ...], scale: float) -> np.ndarray:
@@ -64,6 +73,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.shape == "gpt-oss":
         return write_gpt_oss(args.out, args.layers or SHAPES["gpt-oss"]["layers"], args.seed)
+    if args.shape == "glm4moe":
+        return write_glm4moe(args.out, args.layers or SHAPES["glm4moe"]["layers"], args.seed)
     s = SHAPES[args.shape]
     h, inter, n_layers, n_heads, n_kv = s["hidden"], s["inter"], s["layers"], s["heads"], s["kv_heads"]
     hd = h // n_heads
@@ -220,6 +231,86 @@ def write_gpt_oss(out: str, n_layers: int, seed: int) -> int:
         elif name.endswith("norm.weight"):
             w.write_tensor_data(np.ones(shape, dtype=np.float32))
         else:  # biases, sinks and the router: values that tell heads and experts apart
+            w.write_tensor_data((rng.standard_normal(shape) * (1.0 if "gate_inp.weight" in name else 0.02)).astype(np.float32))
+    w.close()
+    print(f"wrote {out}: {len(plan)} tensors, {os.path.getsize(out) / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def write_glm4moe(out: str, n_layers: int, seed: int) -> int:
+    """The GLM-4.5-Air shape (module docstring) with the bundled model's tokenizer, as llama.cpp's converter names and
+    keys a `glm4moe` file."""
+    s = SHAPES["glm4moe"]
+    h, n_heads, n_kv, hd, e, fe = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["experts"], s["expert_inter"]
+    tok_fields = _tokenizer_fields()
+    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(out, "glm4moe")
+    w.add_name("random-glm4moe")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(s["inter"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd // 2)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_expert_count(e)
+    w.add_expert_used_count(s["top_k"])
+    w.add_expert_feed_forward_length(fe)
+    w.add_expert_shared_count(1)
+    w.add_leading_dense_block_count(1)
+    w.add_expert_weights_scale(1.0)
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_nextn_predict_layers(0)
+    for key, f in tok_fields.items():
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    q4k, q6k, q8, q5 = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
+                        gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0)
+    plan: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (n_vocab, h), q6k)]
+    for i in range(n_layers):
+        p, more_bits = f"blk.{i}.", (q6k if i % 2 == 0 else q4k)
+        # 1408 and 10944 columns are not whole 256-value blocks: llama-quantize falls back from Q6_K to Q8_0, Q4_K to Q5_0
+        down = q8 if more_bits == q6k else q5
+        plan += [(p + "attn_norm.weight", (h,), None), (p + "attn_q.weight", (n_heads * hd, h), q4k),
+                 (p + "attn_q.bias", (n_heads * hd,), None), (p + "attn_k.weight", (n_kv * hd, h), q4k),
+                 (p + "attn_k.bias", (n_kv * hd,), None), (p + "attn_v.weight", (n_kv * hd, h), more_bits),
+                 (p + "attn_v.bias", (n_kv * hd,), None), (p + "attn_output.weight", (h, n_heads * hd), q4k),
+                 (p + "post_attention_norm.weight", (h,), None)]
+        if i == 0:
+            plan += [(p + "ffn_gate.weight", (s["inter"], h), q4k), (p + "ffn_up.weight", (s["inter"], h), q4k),
+                     (p + "ffn_down.weight", (h, s["inter"]), down)]
+        else:
+            plan += [(p + "ffn_gate_inp.weight", (e, h), None), (p + "exp_probs_b.bias", (e,), None),
+                     (p + "ffn_gate_exps.weight", (e, fe, h), q4k), (p + "ffn_up_exps.weight", (e, fe, h), q4k),
+                     (p + "ffn_down_exps.weight", (e, h, fe), down), (p + "ffn_gate_shexp.weight", (fe, h), q4k),
+                     (p + "ffn_up_shexp.weight", (fe, h), q4k), (p + "ffn_down_shexp.weight", (h, fe), down)]
+    plan += [("output_norm.weight", (h,), None), ("output.weight", (n_vocab, h), q6k)]
+    for name, shape, qtype in plan:
+        if qtype is None:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shape[:-1], shape[-1] // block * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    for name, shape, qtype in plan:
+        if qtype is not None:  # values of about +-0.02, as the other shapes write them
+            scale = {q4k: 0.02 / (32 * 8), q6k: 0.02 / (64 * 16), q8: 0.02 / 128, q5: 0.02 / 16}[qtype]
+            w.write_tensor_data(random_blocks(rng, qtype, shape, scale))
+        elif name.endswith("norm.weight"):
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
+        else:  # biases and the router: values that tell heads and experts apart
             w.write_tensor_data((rng.standard_normal(shape) * (1.0 if "gate_inp.weight" in name else 0.02)).astype(np.float32))
     w.close()
     print(f"wrote {out}: {len(plan)} tensors, {os.path.getsize(out) / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")

@@ -27,15 +27,15 @@ from engine.model.int4 import Int4Weight
 from engine.model.layers import FEATURES, ModelLayers
 from engine.model.llama import CausalLM, DecoderLayer
 from engine.model.moe import SparseMoe
-from engine.model.native_layout import ROUTINGS, is_native, layout_mismatch
+from engine.model.native_layout import MAX_GROUPS, ROUTINGS, is_native, layout_mismatch
 
 EAGER, CPU_STEP, NATIVE_STEP, GRAPH_STEP = "eager forward", "lean CPU step", "native step", "CUDA graph step"
 EXECUTORS = (EAGER, CPU_STEP, NATIVE_STEP, GRAPH_STEP)
 
 # The hybrids' attention (hybrid/attention.py, its own executor) runs these; no Llama-family config has them.
 HYBRID_ONLY = ((frozenset({"output gate"}), "hybrid attention features"),)
-# GLM-4.x MoE's partial RoPE: the eager forward and the graph step (through the eager `qkv`) run it; the lean CPU
-# and native steps rotate whole heads with their own code.
+# GLM-4.x MoE's partial RoPE: the eager forward, the native step (step.c's rotary_dim) and the graph step (through
+# the eager `qkv`) run it; the lean CPU step rotates whole heads with its own code.
 PARTIAL_ROPE = (frozenset({"partial or no rope"}), "partial RoPE")
 # DeepSeek-V3's latent attention: the eager forward and the graph step (MlaAttention.decode_rows) read the latent
 # rows; the CPU steps' kernels read per-head K/V rows (engine/model/mla.py).
@@ -65,10 +65,7 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
     NATIVE_STEP: (
         *HYBRID_ONLY,
         LATENT,
-        PARTIAL_ROPE,
         GEMMA4,
-        (frozenset({"sigmoid routing", "ungated shared expert"}),
-         "sigmoid routing or an ungated shared expert (experts.c routes by softmax and gates its shared expert)"),
         (frozenset({"full-width q/k norms"}), "full-width q/k norms"),
         (frozenset({"soft-capped logits"}), "soft-capped logits"),
     ),
@@ -87,6 +84,8 @@ DECLINED: dict[str, tuple[tuple[frozenset[str], str], ...]] = {
 CONDITIONS = {
     (NATIVE_STEP, "experts"): "in native 4-bit blocks, top-k <= 64",
     (NATIVE_STEP, "shared expert"): "in native 4- or 8-bit blocks",
+    (NATIVE_STEP, "ungated shared expert"): "in native 4- or 8-bit blocks",
+    (NATIVE_STEP, "sigmoid routing"): f"groups of 2 or more experts, at most {MAX_GROUPS} groups",
     (GRAPH_STEP, "experts"): "grouped GEMMs: bfloat16 on sm90/sm100, not --deterministic",
     (GRAPH_STEP, "shared expert"): "grouped GEMMs",
     (GRAPH_STEP, "ungated shared expert"): "grouped GEMMs",
@@ -167,8 +166,9 @@ def _native_experts_decline(moe: SparseMoe) -> str | None:
     if any(isinstance(w, torch.Tensor) or not all(is_native(x) and type(x) is type(w[0]) for x in w) for w in stacks):
         return "experts not in the native 4-bit blocks"
     shared = (moe.shared_gate_up, moe.shared_down)
-    if c.shared_expert_size and not c.shared_gated:  # the table declines it; the router's gate row is assumed
-        return "ungated shared expert (experts.c gates its shared expert)"
+    if c.routing == "sigmoid_bias" and not (c.n_experts % c.n_group == 0 and c.n_experts // c.n_group >= 2
+                                            and c.n_group <= MAX_GROUPS):
+        return f"{c.n_group} expert groups of {c.n_experts} experts (experts.c ranks groups of 2 or more, at most {MAX_GROUPS})"
     if c.shared_expert_size and not all(is_native(w) for w in shared):
         return "shared expert not in native 4- or 8-bit blocks"
     if c.top_k > 64 or c.expert_size % 32 or c.shared_expert_size % 32:

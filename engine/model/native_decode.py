@@ -88,19 +88,20 @@ class NativeDecode:
         self._step = StepModel(
             c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim, kv.ctx,
             c.vocab_size, KV_DTYPES[kv.layout.dtype], kind(head), activation, eps, scale, rows, m.norm.data_ptr(),
-            _blocks(head))
+            _blocks(head), c.rotary_dim or c.head_dim)
         self._kv = kv
 
     @staticmethod
     def _experts(moe: SparseMoe, keep: list[object]) -> StepExperts:
         """A StepExperts over `moe`'s weights; its ctypes arrays go to `keep`."""
         c = moe.config
-        assert moe.router.is_contiguous() and moe.router.shape[0] == c.n_experts + (c.shared_expert_size > 0)
+        gated = c.shared_expert_size > 0 and c.shared_gated
+        assert moe.router.is_contiguous() and moe.router.shape[0] == c.n_experts + gated
         gate_up = (ctypes.c_void_p * c.n_experts)(*(_blocks(w) for w in moe.gate_up))
         down = (ctypes.c_void_p * c.n_experts)(*(_blocks(w) for w in moe.down))
         shared = c.shared_expert_size > 0
         biases = (moe.router_bias, moe.gate_up_bias, moe.down_bias)  # gpt-oss's, else None
-        for t in biases:
+        for t in (*biases, moe.expert_bias):
             assert t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"), "biases"
         block = StepExperts(
             c.n_experts, c.top_k, c.expert_size, c.shared_expert_size, ROUTINGS[c.routing, c.norm_topk_prob],
@@ -108,7 +109,9 @@ class NativeDecode:
             _blocks(moe.shared_down) if shared else None,
             (ctypes.c_int64 * 4)(kind(moe.gate_up[0]), kind(moe.down[0]),
                                  *(kind(w) if shared else 0 for w in (moe.shared_gate_up, moe.shared_down))),
-            *(None if t is None else t.data_ptr() for t in biases), c.swiglu_limit or 0.0, c.swiglu_alpha or 0.0)
+            *(None if t is None else t.data_ptr() for t in biases), c.swiglu_limit or 0.0, c.swiglu_alpha or 0.0,
+            None if moe.expert_bias is None else moe.expert_bias.data_ptr(), c.norm_eps, c.routed_scaling,
+            int(c.norm_topk_prob), c.n_group, c.topk_group, int(gated))
         keep += [gate_up, down, block]
         return block
 
@@ -126,7 +129,7 @@ class NativeDecode:
         assert x.shape == (len(chunks), m.config.hidden_size), tuple(x.shape)
         positions = max(ch.start for ch in chunks) + 1
         tables = [t for rotary in (m.rotary, m.rotary_local or m.rotary) for t in rotary.get(positions, x.device, torch.float32)]
-        assert all(t.is_contiguous() and t.shape[1] == m.config.head_dim for t in tables)
+        assert all(t.is_contiguous() and t.shape[1] == (m.config.rotary_dim or m.config.head_dim) for t in tables)
         rope = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in tables))
         where = torch.tensor([[ch.slot for ch in chunks], [ch.start for ch in chunks]], dtype=torch.int64)
         logits = torch.empty(len(chunks), m.config.vocab_size)

@@ -18,7 +18,9 @@ from engine.model.layers import Activation, ModelLayers
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # step.c's KV_* codes
 ACTIVATIONS: dict[Activation, int] = {"silu": 0, "gelu_tanh": 1}  # step.c's activation codes
 ROUTINGS = {("softmax_topk", False): 0, ("softmax_topk", True): 1, ("topk_softmax", False): 2,
-            ("topk_softmax", True): 2}  # experts.h's routings by (MoeConfig.routing, norm_topk_prob)
+            ("topk_softmax", True): 2, ("sigmoid_bias", False): 3, ("sigmoid_bias", True): 3}
+# experts.h's routings by (MoeConfig.routing, norm_topk_prob); SIGMOID_BIAS reads norm_topk itself
+MAX_GROUPS = 64  # experts.c's
 
 
 class StepExperts(ctypes.Structure):
@@ -29,7 +31,9 @@ class StepExperts(ctypes.Structure):
                 ("down", ctypes.POINTER(ctypes.c_void_p)), ("shared_gate_up", ctypes.c_void_p),
                 ("shared_down", ctypes.c_void_p), ("kinds", ctypes.c_int64 * 4), ("router_bias", ctypes.c_void_p),
                 ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p), ("swiglu_limit", ctypes.c_double),
-                ("swiglu_alpha", ctypes.c_double)]
+                ("swiglu_alpha", ctypes.c_double), ("expert_bias", ctypes.c_void_p), ("norm_eps", ctypes.c_double),
+                ("routed_scaling", ctypes.c_double),
+                *((name, ctypes.c_int64) for name in ("norm_topk", "n_group", "topk_group", "shared_gated"))]
 
 
 class StepLayer(ctypes.Structure):
@@ -49,7 +53,7 @@ class StepModel(ctypes.Structure):
         "n_layers", "hidden", "inter", "n_heads", "n_kv_heads", "head_dim", "ctx", "vocab", "kv_dtype", "head_kind",
         "activation")),
         ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("layers", ctypes.POINTER(StepLayer)),
-        ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p)]
+        ("norm", ctypes.c_void_p), ("head", ctypes.c_void_p), ("rotary_dim", ctypes.c_int64)]
 
 
 MIRRORS = {"StepModel": StepModel, "StepLayer": StepLayer, "StepExperts": StepExperts}

@@ -3,8 +3,8 @@
    The router is a float32 product; each row picks its top-k experts (engine/model/moe.py's routings, ties to the
    lower expert index); then each expert that any row picked runs once, as two products over all of its rows, and
    adds its weighted output to each of them. A row's terms are added in ascending expert order starting from zero,
-   as the PyTorch path (moe.py's grouped_experts) adds them, and with a shared expert (Qwen2-MoE) its output, times
-   the sigmoid of its gate, comes last. gpt-oss's router adds a bias to its logits, and its experts add biases and
+   as the PyTorch path (moe.py's grouped_experts) adds them, and with a shared expert its output comes last, times
+   the sigmoid of its gate where it has one (Qwen2-MoE; GLM-4.x MoE's is ungated). gpt-oss's router adds a bias to its logits, and its experts add biases and
    clamp their SwiGLU (as moe.py's clamped_mlp). Every value of a row is computed with the same operations in the same order
    whatever the other rows: the products are blocks.c's (row-invariant), the routing a row's own. */
 #include <math.h>
@@ -17,6 +17,7 @@
 #include "vector.h"
 
 #define MAX_TOP_K 64
+#define MAX_GROUPS 64
 
 /* A float32 product's arguments, handed to its parts. */
 typedef struct {
@@ -57,12 +58,48 @@ static int64_t take_largest(const float *v, int64_t n, unsigned char *taken) {
     return best;
 }
 
+/* Keep only the experts of the best topk_group of n_group groups (of consecutive experts) in `choice` [n]: the
+   others become -inf. A group ranks by the sum of its two best values, ties to the lower group (moe.py's
+   keep_top_groups). */
+static void keep_top_groups(float *choice, int64_t n, int64_t n_group, int64_t topk_group, unsigned char *taken) {
+    const int64_t size = n / n_group;
+    float score[MAX_GROUPS];
+    for (int64_t g = 0; g < n_group; g++) {
+        float best = -INFINITY, second = -INFINITY;
+        for (int64_t i = g * size; i < (g + 1) * size; i++) {
+            if (choice[i] > best) { second = best; best = choice[i]; }
+            else if (choice[i] > second) second = choice[i];
+        }
+        score[g] = best + second;
+    }
+    memset(taken, 0, (size_t)n_group);
+    for (int64_t j = 0; j < topk_group; j++) take_largest(score, n_group, taken);
+    for (int64_t g = 0; g < n_group; g++)
+        if (!taken[g])
+            for (int64_t i = g * size; i < (g + 1) * size; i++) choice[i] = -INFINITY;
+}
+
 /* A row's k experts in ascending index order and their weights, from its router logits [n]. `probs` and `taken`:
    room for n values. */
-static void route(const float *logits, int64_t n, int64_t k, int64_t routing, float *probs, unsigned char *taken,
-                  int64_t *chosen, float *weight) {
+static void route(const StepExperts *x, const float *logits, float *probs, unsigned char *taken, int64_t *chosen,
+                  float *weight) {
+    const int64_t n = x->n_experts, k = x->top_k, routing = x->routing;
+    if (routing == SIGMOID_BIAS) {
+        for (int64_t i = 0; i < n; i++)
+            probs[i] = 1.0f / (1.0f + expf(-logits[i])) + (x->expert_bias ? x->expert_bias[i] : 0.0f);
+        if (x->n_group > 1) keep_top_groups(probs, n, x->n_group, x->topk_group, taken);
+    }
     memset(taken, 0, (size_t)n);
-    if (routing == TOPK_SOFTMAX) {
+    if (routing == SIGMOID_BIAS) {
+        float picked = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            chosen[j] = take_largest(probs, n, taken);
+            picked += weight[j] = 1.0f / (1.0f + expf(-logits[chosen[j]]));
+        }
+        const float scale = (float)x->routed_scaling;
+        for (int64_t j = 0; j < k; j++)
+            weight[j] = (x->norm_topk ? weight[j] / (picked + (float)x->norm_eps) : weight[j]) * scale;
+    } else if (routing == TOPK_SOFTMAX) {
         for (int64_t j = 0; j < k; j++) chosen[j] = take_largest(logits, n, taken);
         const float top = logits[chosen[0]];
         float total = 0.0f;
@@ -138,8 +175,11 @@ KERNEL static int expert(const float *x, int64_t rows, int64_t E, int64_t I, con
    shapes outside what this code handles. */
 KERNEL int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *h, float *out, int threads) {
     const int64_t NE = x->n_experts, K = x->top_k, S = x->shared_inter;
-    const int64_t width = NE + (S > 0), wide = x->inter > S ? x->inter : S;
+    const int64_t width = NE + (S > 0 && x->shared_gated), wide = x->inter > S ? x->inter : S;
     if (K <= 0 || K > NE || K > MAX_TOP_K || x->inter % 32 || S % 32 || E % 32) return -2;
+    if (x->routing == SIGMOID_BIAS && (x->n_group < 1 || x->n_group > MAX_GROUPS || NE % x->n_group ||
+                                       NE / x->n_group < 2 || x->topk_group < 1 || x->topk_group > x->n_group))
+        return -2;
     for (int i = 0; i < 4; i++)  /* K-quant rows take whole blocks of 256 values */
         if ((x->kinds[i] == ROWS_Q4_K || x->kinds[i] == ROWS_Q6_K) && (i % 2 == 0 ? E : i == 1 ? x->inter : S) % 256)
             return -2;
@@ -157,7 +197,7 @@ KERNEL int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *
         for (int64_t r = 0; r < M; r++)
             for (int64_t i = 0; i < NE; i++) logits[r * width + i] += x->router_bias[i];
     for (int64_t r = 0; r < M; r++)
-        route(logits + r * width, NE, K, x->routing, probs, taken, chosen + r * K, weights + r * K);
+        route(x, logits + r * width, probs, taken, chosen + r * K, weights + r * K);
     memset(out, 0, sizeof(float) * M * E);
     for (int64_t e = 0; e < NE; e++) {
         int64_t n = 0;
@@ -181,7 +221,7 @@ KERNEL int experts_mlp(const StepExperts *x, int64_t M, int64_t E, const float *
                    NULL, NULL, 0.0f, 0.0f, gu, act, y, threads))
             goto done;
         for (int64_t r = 0; r < M; r++)
-            add_scaled(out + r * E, y + r * E, 1.0f / (1.0f + expf(-logits[r * width + NE])), E);
+            add_scaled(out + r * E, y + r * E, x->shared_gated ? 1.0f / (1.0f + expf(-logits[r * width + NE])) : 1.0f, E);
     }
     status = 0;
 done:

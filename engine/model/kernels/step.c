@@ -51,6 +51,7 @@ typedef struct {
     const StepLayer *layers;
     const float *norm;                     /* the final norm [hidden] */
     const uint8_t *head;                   /* the output matrix: Q4 or Q8_0 blocks [vocab rows] */
+    int64_t rotary_dim;                    /* the leading channels of a head RoPE turns (GLM-4.x MoE: half) */
 } StepModel;
 
 /* Sum of squares of n floats (n a multiple of 8), eight lanes then one fixed reduction. */
@@ -70,8 +71,9 @@ KERNEL static void rms_norm(const float *x, const float *w, int64_t n, float eps
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r), _mm256_loadu_ps(w + i)));
 }
 
-/* Rotate-half RoPE of one head in place: x[i] cos[i] - x[i + D/2] sin[i] for the first half, x[i] cos[i] +
-   x[i - D/2] sin[i] for the second (cos and sin the position's rows of the model's table). */
+/* Rotate-half RoPE of a head's leading D channels in place: x[i] cos[i] - x[i + D/2] sin[i] for the first half,
+   x[i] cos[i] + x[i - D/2] sin[i] for the second (cos and sin the position's rows of the model's table); the
+   channels past D (partial RoPE) pass. */
 KERNEL static void rope(float *x, const float *cos, const float *sin, int64_t D) {
     const int64_t half = D / 2;
     float rotated[MAX_HEAD_DIM];
@@ -209,14 +211,14 @@ KERNEL static void attention_part(void *job, int64_t begin, int64_t end, int par
 KERNEL static void attention(const StepModel *m, const StepLayer *L, int64_t M, const int64_t *slots,
                              const int64_t *positions, const float *cos, const float *sin, float *qkv, float *attn,
                              float *scores, int64_t scores_per_part, int threads) {
-    const int64_t H = m->n_heads, G = m->n_kv_heads, D = m->head_dim, width = (H + 2 * G) * D;
+    const int64_t H = m->n_heads, G = m->n_kv_heads, D = m->head_dim, R = m->rotary_dim, width = (H + 2 * G) * D;
     const int64_t elem = m->kv_dtype == KV_FLOAT32 ? 4 : 2, stride = G * D;
     for (int64_t r = 0; r < M; r++) {
         float *row = qkv + r * width;
         const int64_t p = positions[r];
         for (int64_t h = 0; h < H + G; h++) {
             if (L->qk_norm) rms_norm(row + h * D, L->qk_norm + h * D, D, (float)m->eps, row + h * D);
-            rope(row + h * D, cos + p * D, sin + p * D, D);
+            rope(row + h * D, cos + p * R, sin + p * R, R);
         }
         const int64_t at = (slots[r] * m->ctx + p) * stride * elem;
         store_kv((char *)L->k_cache + at, row + H * D, stride, m->kv_dtype);
@@ -227,7 +229,7 @@ KERNEL static void attention(const StepModel *m, const StepLayer *L, int64_t M, 
 }
 
 /* Logits [M, vocab] of M one-token rows: x [M, hidden] holds their embeddings (overwritten), slots and positions
-   say where each row's K/V goes; rope holds the RoPE tables' rows ([> max position, D] each): cos, sin, then the
+   say where each row's K/V goes; rope holds the RoPE tables' rows ([> max position, rotary_dim] each): cos, sin, then the
    local layers' cos and sin (the same pointers again for a model without local layers). Returns 0, -1 when memory
    ran out, -2 when the shapes are outside what this code handles. */
 EXPORT KERNEL int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const int64_t *positions,
@@ -235,6 +237,7 @@ EXPORT KERNEL int decode_step(const StepModel *m, int64_t M, const int64_t *slot
     const int64_t E = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv_heads, D = m->head_dim;
     const int64_t width = (H + 2 * G) * D;
     if (D % 8 || D > MAX_HEAD_DIM || E % 32 || I % 32 || G <= 0 || H % G || H / G * D > MAX_GROUP_WIDTH) return -2;
+    if (m->rotary_dim <= 0 || m->rotary_dim > D || m->rotary_dim % 2) return -2;
     for (int64_t l = 0; l < m->n_layers; l++) {  /* K-quant rows take whole blocks of 256 values */
         const int64_t *kinds = m->layers[l].kinds, in[4] = {E, H * D, E, I};
         for (int p = 0; p < 4; p++)
@@ -304,7 +307,7 @@ static const Field layout[] = {
     FIELD(StepModel, n_heads), FIELD(StepModel, n_kv_heads), FIELD(StepModel, head_dim), FIELD(StepModel, ctx),
     FIELD(StepModel, vocab), FIELD(StepModel, kv_dtype), FIELD(StepModel, head_kind), FIELD(StepModel, activation),
     FIELD(StepModel, eps), FIELD(StepModel, scale), FIELD(StepModel, layers), FIELD(StepModel, norm),
-    FIELD(StepModel, head),
+    FIELD(StepModel, head), FIELD(StepModel, rotary_dim),
     SIZE_OF(StepLayer), FIELD(StepLayer, attn_norm), FIELD(StepLayer, mlp_norm), FIELD(StepLayer, wqkv),
     FIELD(StepLayer, bqkv), FIELD(StepLayer, wo), FIELD(StepLayer, w_gate_up), FIELD(StepLayer, w_down),
     FIELD(StepLayer, qk_norm), FIELD(StepLayer, post_attn_norm), FIELD(StepLayer, post_mlp_norm),
@@ -315,7 +318,9 @@ static const Field layout[] = {
     FIELD(StepExperts, gate_up), FIELD(StepExperts, down), FIELD(StepExperts, shared_gate_up),
     FIELD(StepExperts, shared_down), FIELD(StepExperts, kinds), FIELD(StepExperts, router_bias),
     FIELD(StepExperts, gate_up_bias), FIELD(StepExperts, down_bias), FIELD(StepExperts, swiglu_limit),
-    FIELD(StepExperts, swiglu_alpha),
+    FIELD(StepExperts, swiglu_alpha), FIELD(StepExperts, expert_bias), FIELD(StepExperts, norm_eps),
+    FIELD(StepExperts, routed_scaling), FIELD(StepExperts, norm_topk), FIELD(StepExperts, n_group),
+    FIELD(StepExperts, topk_group), FIELD(StepExperts, shared_gated),
     {0, 0, 0, 0},
 };
 
