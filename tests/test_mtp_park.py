@@ -158,25 +158,27 @@ def test_a_restart_adopts_the_layer_s_state_bit_for_bit_and_drafts_at_once(folde
     assert _off_answers(folder, tmp_path / "off", prompt) == (first, again)
 
 
-def test_a_damaged_layer_part_is_refused_alone_and_the_answer_is_the_same(folder, tmp_path):
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_damaged_layer_part_is_refused_alone_and_the_answer_is_the_same(folder, tmp_path, damage):
     first, _ = _first_turn_then_restart(folder, tmp_path)
     engine = Engine.from_config(_config(folder, "disk", tmp_path / "kept"))
     layer_folder = tmp_path / engine.control.draft_identity.key
     engine.close()
     files = sorted(layer_folder.glob("*.safetensors"))
     assert files, sorted(p.name for p in tmp_path.iterdir())
-    for path in files:  # one byte flipped in the middle of each: every checksum fails
+    for path in files:  # one byte flipped in the middle of each (every checksum fails), or cut there
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+        path.write_bytes(bytes(data if damage == "flipped" else data[: len(data) // 2]))
     prompt = _next_turn(first)
     engine = Engine.from_config(_config(folder, "disk", tmp_path))
     try:
         again = _answer(engine, prompt, "again")
         record = _record(engine)
         assert record.source == "disk" and record.reused_tokens > 0  # the model's part restored
-        assert engine.draft_states.refused == 1 and engine.draft_states.restored == 0
-        assert record.spec_draft_reused == 0
+        assert engine.draft_states.restored == 0 and record.spec_draft_reused == 0
+        # a flipped byte is refused at the restore; a cut file already at the start-up scan (never found)
+        assert engine.draft_states.refused == (damage == "flipped")
     finally:
         engine.close()
     assert _off_answers(folder, tmp_path / "off", prompt) == (first, again)
