@@ -75,6 +75,7 @@ def test_the_layer_s_rows_roundtrip_between_slots_and_draft_at_once(folder):
     from engine.kv import KVBuffers, KVLayout
     from engine.model import SeqChunk, load_model, plan_stages
     from engine.model.loader import read_model_config
+    from engine.model.mtp_layer import MtpBlock
     from engine.runtime.mtp_drafts import MtpSource
 
     lm = load_model(folder, plan_stages(read_model_config(folder).n_layers, "cpu", ""), torch.float32)
@@ -96,6 +97,14 @@ def test_the_layer_s_rows_roundtrip_between_slots_and_draft_at_once(folder):
         assert source.propose(0, seq[:25], 3) == source.propose(1, seq[:25], 3)  # drafts at once, the same
         assert source.reused[0] == 24
         assert source.parkable(0, seq[:40]) == 24  # what its rows cover, no more
+        # restored without the layer's part: the target's rows from 24 on only, and the layer drafts from there
+        source.restored_without(0)
+        lm.model.forward_chunks([SeqChunk(0, 24, torch.tensor(seq[24:28]))], kv)
+        assert source.target.first[0] == 24 and source.parkable(0, seq[:28]) == 0  # nothing whole to park
+        block = MtpBlock(lm.model, lm.model.mtp[0])
+        logits, _ = block.forward(torch.tensor(seq[25:29]), source.target.get(0, 24, 28), 24, block.new_cache(64), 24)
+        assert source.propose(0, seq[:29], 1) == [int(logits[-1].argmax())]
+        assert source.propose(0, seq[:23], 1) == []  # before the rows it has
     finally:
         lm.model.hidden_rows = None
 
@@ -177,6 +186,7 @@ def test_a_damaged_layer_part_is_refused_alone_and_the_answer_is_the_same(folder
         record = _record(engine)
         assert record.source == "disk" and record.reused_tokens > 0  # the model's part restored
         assert engine.draft_states.restored == 0 and record.spec_draft_reused == 0
+        assert record.spec_drafted > 0, record  # from the rows computed after the restore
         # a flipped byte is refused at the restore; a cut file already at the start-up scan (never found)
         assert engine.draft_states.refused == (damage == "flipped")
     finally:

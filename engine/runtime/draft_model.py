@@ -121,6 +121,10 @@ class DraftModel:
         """The slot's rows hold `tokens` (draft_states.DraftRows)."""
         self.held[slot] = list(tokens)
 
+    def restored_without(self, slot: int) -> None:
+        """Its rows stay (draft_states.DraftRows): keyed by the tokens they hold, what they share with the
+        restored conversation is still good, and the rest is read again."""
+
     def drafter(self, slot: int, prompt: list[int], draft_max: int) -> ModelDrafter:
         """A request's drafter in `slot` (speculation.DraftSource)."""
         return ModelDrafter(self, slot, prompt, draft_max)

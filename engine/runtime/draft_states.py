@@ -84,6 +84,10 @@ class DraftRows(Protocol):
         """The slot's draft state now holds `tokens` (every part written)."""
         ...
 
+    def restored_without(self, slot: int) -> None:
+        """The model's part was restored into the slot without this draft's (none found, or refused)."""
+        ...
+
 
 @dataclass(slots=True)
 class DraftRead:
@@ -158,6 +162,7 @@ class DraftStates:
         """Write the draft part `begin` started into `slot` (engine thread); the tokens the draft holds then, 0
         when there was none or it failed (the draft re-reads what it lacks)."""
         if pending is None:
+            self.draft.restored_without(slot)
             return 0
         self.draft.forget(slot)
         try:
@@ -169,6 +174,7 @@ class DraftStates:
                                           persist_use=False)
         except Exception as exc:
             self._refused(pending.hit, exc)
+            self.draft.restored_without(slot)
             return 0
         self._reader.submit(pending.read.persist_use)  # a disk entry's manifest rewrite: a file write, off here
         n = min(result.n_tokens, len(prompt))

@@ -16,7 +16,8 @@ Both are parked with the conversation (engine/runtime/draft_states.py, as a draf
 is the target's hidden row t and the layer's row t-1 (the one that read token t), so every prefix of a parked
 part is a whole state (the layer's rows 0 .. n-2 and the target's 0 .. n-1 for n tokens) and a conversation
 restored with it drafts at once. One restored without it (evicted, damaged, another model's) has no target rows
-here for its restored tokens: it answers the same, without drafts.
+here for its restored tokens: the layer drafts over the rows computed after the restore only (`TargetRows.first`,
+a context cut short: fewer drafts accepted, the same answer).
 """
 
 from __future__ import annotations
@@ -60,12 +61,18 @@ class TargetRows:
     def __init__(self, n_slots: int) -> None:
         self.rows: list[torch.Tensor] = [torch.empty(0) for _ in range(n_slots)]
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        # the first row computed here after rows that were not (their tokens -1): 0 unless the slot's K/V came
+        # from a restore without the rows
+        self.first: list[int] = [0] * n_slots
 
     def __call__(self, chunks: list[SeqChunk], offsets: list[int], x: torch.Tensor) -> None:
         for ch, lo, hi in zip(chunks, offsets, offsets[1:], strict=False):
             seen = self.tokens[ch.slot]
             if ch.start > len(seen):  # rows computed elsewhere (a restore): -1 never matches a token
                 seen.extend([-1] * (ch.start - len(seen)))
+                self.first[ch.slot] = ch.start
+            elif ch.start < self.first[ch.slot]:  # every row before it is one of those
+                self.first[ch.slot] = ch.start
             del seen[ch.start :]
             seen.extend(ch.tokens.tolist())
             end = ch.start + hi - lo
@@ -107,6 +114,8 @@ class MtpSource:
         # the tokens s_0 .. s_m of the slot's rows 0 .. m-1 (row t read s_{t+1} and the target's row t)
         self.held: list[list[int]] = [[] for _ in range(n_slots)]
         self.reused: list[int] = [0] * n_slots  # the tokens the slot's last read found held (its first draft's)
+        # the position the slot's layer rows attend from: 0, or the target's `first` when its rows start there
+        self.base: list[int] = [0] * n_slots
         self.dtype = model.dtype  # of the target's hidden rows, as parked
         self.catch_up = CATCH_UP_CHUNK
         log.info("--spec mtp: drafting with the model's next-token layer (float32 on the CPU)")
@@ -117,26 +126,33 @@ class MtpSource:
 
     def propose(self, slot: int, sequence: list[int], k: int) -> list[int]:
         """The layer's `k` greedy tokens after `sequence` in `slot`; none where the target's rows of the sequence
-        are not all here, and none while more than `catch_up` rows are still to read (a chunk is read per call)."""
+        are not here, and none while more than `catch_up` rows are still to read (a chunk is read per call).
+        Where the target's rows start past 0 (a conversation restored without the layer's part), the layer reads
+        and attends from there: shorter context, fewer drafts accepted, never a different answer."""
         n = len(sequence)
         self.reused[slot] = 0
         k = min(k, self.ctx - n + 1)  # the last proposed token is never fed: it needs no row
-        if k <= 0 or n < 2 or common_prefix(self.target.tokens[slot], sequence) < n - 1:
+        lo = self.target.first[slot]
+        if k <= 0 or n < 2 or lo > n - 2:
             return []
+        if common_prefix(self.target.tokens[slot][lo:], sequence[lo:]) < n - 1 - lo:
+            return []
+        if self.base[slot] != lo:  # its rows attend from another position: read again from `lo`
+            self.held[slot], self.base[slot] = [], lo
         held = common_prefix(self.held[slot], sequence)
         self.reused[slot] = min(held, n - 1)
-        rows = min(max(0, held - 1), n - 2)  # row n-2's logits are needed
+        rows = min(max(lo, held - 1), n - 2)  # row n-2's logits are needed
         end = min(n - 1, rows + self.catch_up)
         cache = self._cache(slot, n - 2 + k)
         logits, out = self.block.forward(torch.tensor(sequence[rows + 1 : end + 1]),
-                                         self.target.get(slot, rows, end), rows, cache)
+                                         self.target.get(slot, rows, end), rows, cache, lo)
         self.held[slot] = sequence[: end + 1]
         if end < n - 1:  # a long way behind: drafts once caught up
             return []
         proposed = [int(torch.argmax(logits[-1]))]
         hidden = out[-1:]
         while len(proposed) < k:  # rows past n-2 read draft tokens: not held, overwritten by the next catch-up
-            logits, hidden = self.block.forward(torch.tensor(proposed[-1:]), hidden, n - 2 + len(proposed), cache)
+            logits, hidden = self.block.forward(torch.tensor(proposed[-1:]), hidden, n - 2 + len(proposed), cache, lo)
             proposed.append(int(torch.argmax(logits[0])))
         return proposed
 
@@ -144,6 +160,10 @@ class MtpSource:
         """How many of `tokens` (the slot's, being parked) the slot's state covers (draft_states.DraftRows): the
         layer first reads the rows it lags behind the target by (the last verify's tokens, at most a catch-up
         chunk), so a parked conversation resumes drafting with nothing to read."""
+        if self.target.first[slot] > 0:  # the target's rows of its first tokens are not here: nothing to park
+            return 0
+        if self.base[slot] > 0:  # rows of a context cut short: not what a restore of the part promises
+            self.held[slot], self.base[slot] = [], 0
         tokens = list(tokens)
         n = common_prefix(self.target.tokens[slot], tokens)
         held = common_prefix(self.held[slot], tokens)
@@ -166,8 +186,10 @@ class MtpSource:
         return {"kv": kv, "hidden": self.target.rows[slot][start:end].to(self.dtype, copy=True)}
 
     def forget(self, slot: int) -> None:
-        """Its rows are about to be overwritten (draft_states.DraftRows)."""
+        """Its rows are about to be overwritten, or the slot's K/V was restored without them: the target's rows
+        computed next start a context of their own (draft_states.DraftRows)."""
         self.held[slot], self.target.tokens[slot] = [], []
+        self.base[slot] = self.target.first[slot] = 0
 
     def write_rows(self, slot: int, start: int, parts: dict[str, torch.Tensor]) -> None:
         """Restored rows (`read_rows`' layout) into the slot from token `start` on (draft_states.DraftRows)."""
@@ -182,6 +204,12 @@ class MtpSource:
     def restored(self, slot: int, tokens: Sequence[int]) -> None:
         """The slot's layer rows and target rows hold `tokens` (draft_states.DraftRows)."""
         self.held[slot], self.target.tokens[slot] = list(tokens), list(tokens)
+        self.base[slot] = self.target.first[slot] = 0
+
+    def restored_without(self, slot: int) -> None:
+        """The target's rows of the restored tokens are not here (draft_states.DraftRows): the rows the target
+        computes next start a context of the layer's own (`propose`)."""
+        self.forget(slot)
 
     def _cache(self, slot: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's K/V rows, grown (doubling, at most `ctx`) to hold at least `rows` positions."""
