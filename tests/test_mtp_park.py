@@ -109,7 +109,7 @@ def test_the_layer_s_rows_roundtrip_between_slots_and_draft_at_once(folder):
         lm.model.hidden_rows = None
 
 
-@pytest.mark.parametrize("storage", ["ram", "tiered"])
+@pytest.mark.parametrize("storage", ["ram", "tiered", "disk"])
 def test_switch_back_restores_the_layer_s_state_and_drafts_at_once(folder, tmp_path, storage):
     engine = Engine.from_config(_config(folder, storage, tmp_path / "on" if storage != "ram" else None))
     try:
@@ -119,11 +119,13 @@ def test_switch_back_restores_the_layer_s_state_and_drafts_at_once(folder, tmp_p
         _answer(engine, OTHER, "other", 4)  # takes the one slot: the first conversation is parked
         again = _answer(engine, _next_turn(first), "again")
         record = _record(engine)
-        assert record.source == "ram" and record.reused_tokens == len(parked)
+        assert record.source == ("disk" if storage == "disk" else "ram") and record.reused_tokens == len(parked)
         # the layer read none of the tokens parked, and drafted from its first decode steps
         assert record.spec_draft_reused == len(parked) and record.spec_drafted > 0, record
         assert engine.draft_states.restored == 1 and engine.draft_states.refused == 0
         assert _equal(_layer_state(engine, parked), before)  # bit for bit
+        _answer(engine, OTHER, "other", 4)  # parks the second turn, the layer's part with it
+        _check_drop_takes_the_layer_s_part(engine)
     finally:
         engine.close()
     off = Engine.from_config(_config(folder, storage, tmp_path / "off" if storage != "ram" else None, spec="off"))
@@ -131,6 +133,19 @@ def test_switch_back_restores_the_layer_s_state_and_drafts_at_once(folder, tmp_p
         assert _play_switch_back(off) == (first, again)  # the target's own answers, token for token
     finally:
         off.close()
+
+
+def _check_drop_takes_the_layer_s_part(engine: Engine) -> None:
+    control = engine.control
+
+    def drop_one() -> tuple[bool, bool]:
+        assert control.draft_cache is not None
+        conv_id, part_id = next(iter(control.draft_parts.items()))
+        before = {c.id for c in control.draft_cache.conversations()}
+        control.drop_conversation(conv_id)
+        return part_id in before, part_id in {c.id for c in control.draft_cache.conversations()}
+
+    assert engine.call(drop_one).result() == (True, False)
 
 
 def _first_turn_then_restart(folder: str, cache_dir: Path) -> tuple[list[int], dict[str, torch.Tensor]]:
