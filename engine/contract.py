@@ -241,8 +241,9 @@ class RequestRecord:
     conversation was first parked gets the id when it is). `ttft_ms`: from the engine taking the request to its
     first token (None until then, or when it produced none). `spec_drafted` / `spec_accepted`: draft tokens
     `--spec prompt-lookup` (or `draft`, `mtp`) had verified for it, and those accepted (0 without speculation).
-    `spec_draft_reused`: with `--spec draft`, the request's tokens the draft model held already at its first draft
-    (kept in the slot or restored with the conversation; 0 when it re-read them all).
+    `spec_draft_reused`: with `--spec draft` or `mtp`, the request's tokens the draft model (or the next-token
+    layer) held already at its first draft (kept in the slot or restored with the conversation; 0 when it re-read
+    them all, or for the layer when its part was not restored).
     `past_reasoning`: where the chat format decides which earlier reasoning the prompt carries (harmony), what it did
     with the reasoning the client sent back: `{"rule": "harmony", "dropped": turns, "dropped_tokens": n, "kept":
     turns, "kept_tokens": n}` (dropped reasoning ends the cached prefix there: `reason` "template"); None (left out of

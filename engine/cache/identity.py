@@ -40,6 +40,9 @@ class CacheIdentity:
     # the global layers only, and each conversation its local layers' last window (engine/cache/window.py)
     window: int | None = None
     local_layers: tuple[int, ...] = ()
+    # per-token parts parked beside the layout's K/V (a draft's own rows: `--spec mtp` parks the target's hidden
+    # row of each token with its next-token layer's K/V), named in `describe` so its files never mix with others
+    extra_parts: tuple[PartSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -49,6 +52,7 @@ class CacheIdentity:
             assert self.window and self.window > 0 and not self.state, (self.window, self.state)
             assert list(self.local_layers) == sorted(set(self.local_layers)), self.local_layers
             assert self.local_layers[0] >= 0 and self.local_layers[-1] < self.layout.n_layers, self.local_layers
+        assert all(p.per_token and p.name != "kv" for p in self.extra_parts), self.extra_parts
 
     def describe(self) -> dict:
         """Everything the identity covers, as JSON-able data (stored in every file).
@@ -88,8 +92,8 @@ class CacheIdentity:
         """The state parts every parked block and tail holds: the attention K/V of every layer, or of the
         global layers only for a sliding-window model."""
         if self.local_layers:
-            return (window.global_part(self.layout, self.local_layers),)
-        return layout_parts(self.layout)
+            return (window.global_part(self.layout, self.local_layers), *self.extra_parts)
+        return layout_parts(self.layout) + self.extra_parts
 
     @functools.cached_property
     def state_parts(self) -> tuple[PartSpec, ...]:

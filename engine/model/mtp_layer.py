@@ -104,11 +104,12 @@ class MtpBlock:
 
     @torch.no_grad()
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int,
-                cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: tuple[torch.Tensor, torch.Tensor], first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [n, vocab] (float32) for the tokens at start+2 .. start+n+1, and the layer's output rows [n, h]
         after `shared_head.norm` (what a next step takes as its hidden rows),
         from `next_ids` (the tokens at start+1 ..) and `hidden` (the target's, or this layer's, rows at start ..).
-        Writes the K/V rows of positions start .. start+n-1 into `cache` and attends to its rows before them."""
+        Writes the K/V rows of positions start .. start+n-1 into `cache` and attends to its rows from `first`
+        before them (a later `first`: a context cut short, for rows whose earlier hidden rows are not at hand)."""
         n = next_ids.shape[0]
         assert hidden.shape == (n, self.config.hidden_size), ("hidden", tuple(hidden.shape))
         k_cache, v_cache = cache
@@ -118,7 +119,9 @@ class MtpBlock:
         e = embed_rows(next_ids.to(self.model_embed.device), table, self.embed_scale).to("cpu", torch.float32)
         x = F.linear(torch.cat((rms_norm(e, self.enorm, self.eps),
                                 rms_norm(hidden.to("cpu", torch.float32), self.hnorm, self.eps)), -1), self.eh_proj)
-        x = x + F.linear(self._attention(rms_norm(x, self.attn_norm, self.eps), start, k_cache, v_cache), self.wo)
+        assert 0 <= first <= start, (first, start)
+        x = x + F.linear(self._attention(rms_norm(x, self.attn_norm, self.eps), start, k_cache, v_cache, first),
+                         self.wo)
         x = x + self.moe(rms_norm(x, self.mlp_norm, self.eps), 0)
         h = rms_norm(x, self.head_norm, self.eps)
         if self.head is not None:
@@ -126,7 +129,8 @@ class MtpBlock:
         head = self.model_head
         return logit_rows(h.to(self.model_embed.device, self.model_embed.dtype), head).float().cpu(), h
 
-    def _attention(self, h: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   first: int) -> torch.Tensor:
         c = self.config
         n, (kv_heads, d), heads = h.shape[0], self.kv_shape, c.n_heads
         qkv = F.linear(h, self.wqkv, self.bqkv)
@@ -139,9 +143,9 @@ class MtpBlock:
         q, k = _rope(q, cos[start : start + n], sin[start : start + n]), _rope(k, cos[start : start + n], sin[start : start + n])
         k_cache[start : start + n], v_cache[start : start + n] = k, v
         end = start + n
-        keys, values = k_cache[:end].transpose(0, 1), v_cache[:end].transpose(0, 1)  # [KVH, end, D]
-        # row i sees positions 0 .. start+i
-        mask = torch.ones(n, end, dtype=torch.bool).tril(start)
+        keys, values = k_cache[first:end].transpose(0, 1), v_cache[first:end].transpose(0, 1)  # [KVH, end-first, D]
+        # row i sees positions first .. start+i
+        mask = torch.ones(n, end - first, dtype=torch.bool).tril(start - first)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                              enable_gqa=heads != kv_heads)
         return out.transpose(0, 1).reshape(n, heads * d)

@@ -57,8 +57,9 @@ class CacheControl:
     def __init__(self, config: EngineConfig, identity: CacheIdentity, settle: Callable[[], None],
                  draft_identity: CacheIdentity | None = None) -> None:
         """`settle` waits for the restores being read, which finish on the cache they began on (their pins hold
-        its files) before a settings change touches it. `draft_identity`: --spec draft's model, whose K/V is
-        parked in a cache of its own identity (`draft_cache`), so a foreign or damaged draft part fails alone."""
+        its files) before a settings change touches it. `draft_identity`: --spec draft's model (or --spec mtp's
+        next-token layer), whose rows are parked in a cache of its own identity (`draft_cache`), so a foreign or
+        damaged draft part fails alone."""
         self.config = config
         self.identity = identity
         self.settle = settle

@@ -14,6 +14,7 @@ different answer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,6 +100,30 @@ class DraftModel:
         log.info("draft model %s: %d layers on %s (%s weights); %s", loaded.name, cfg.n_layers, device,
                  weights_format, configure(loaded.model, n_slots, cuda_graphs=False, deterministic=True))
         return cls(loaded, kv, min(cfg.vocab_size, target.config.vocab_size))
+
+    def parkable(self, slot: int, tokens: Sequence[int]) -> int:
+        """The prefix of `tokens` whose rows the slot holds (draft_states.DraftRows)."""
+        return common_prefix(self.held[slot], list(tokens))
+
+    def read_rows(self, slot: int, start: int, end: int) -> dict[str, torch.Tensor]:
+        """The slot's K/V of tokens [start, end), the one part a draft model parks (draft_states.DraftRows)."""
+        return {"kv": self.kv.read(slot, start, end)}
+
+    def forget(self, slot: int) -> None:
+        """Its rows are about to be overwritten (draft_states.DraftRows)."""
+        self.held[slot] = []
+
+    def write_rows(self, slot: int, start: int, parts: dict[str, torch.Tensor]) -> None:
+        """Restored K/V into the slot from token `start` on (draft_states.DraftRows)."""
+        self.kv.write(slot, start, parts["kv"])
+
+    def restored(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's rows hold `tokens` (draft_states.DraftRows)."""
+        self.held[slot] = list(tokens)
+
+    def restored_without(self, slot: int) -> None:
+        """Its rows stay (draft_states.DraftRows): keyed by the tokens they hold, what they share with the
+        restored conversation is still good, and the rest is read again."""
 
     def drafter(self, slot: int, prompt: list[int], draft_max: int) -> ModelDrafter:
         """A request's drafter in `slot` (speculation.DraftSource)."""

@@ -1,6 +1,7 @@
-"""The draft model's K/V parked with the conversation (`--spec draft`): when a slot's conversation is parked, the
-draft rows it holds for the same tokens are parked too, and restored with it, so a switch-back drafts at once
-instead of re-reading the conversation into the draft.
+"""A draft's own state parked with the conversation: the draft model's K/V (`--spec draft`), or the next-token
+layer's K/V and the target's hidden rows it reads (`--spec mtp`). When a slot's conversation is parked, the draft
+rows it holds for the same tokens are parked too, and restored with it, so a switch-back drafts at once instead
+of re-reading the conversation into the draft. Either draft is a `DraftRows`: what this module needs of it.
 
 The draft's rows live in a conversation cache of their own (`CacheControl.draft_cache`), keyed by the draft model's
 identity (chained block keys from it, its own subfolder on disk), under a share of the same budgets: deduplicated by
@@ -18,17 +19,21 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from engine.cache.identity import CacheIdentity
-from engine.cache.parts import kv_reader, kv_writer
+from engine.cache.parts import PartSpec
+from engine.kv import KVLayout
 from engine.runtime.control import CacheControl
 from engine.runtime.draft_model import DraftModel
 from engine.runtime.identity import cache_identity, int4_kernel
 from engine.runtime.memory import AttentionMemory
-from engine.runtime.slot_set import common_prefix
+from engine.runtime.mtp_drafts import MtpSource
 
 if TYPE_CHECKING:
+    from engine.cache.parts import Parts
     from engine.cache.restores import RestoreRead
     from engine.cache.stats import CacheHit
 
@@ -46,6 +51,44 @@ def draft_identity(draft: DraftModel, block_tokens: int) -> CacheIdentity:
     return dataclasses.replace(identity, model={**identity.model, "role": "draft"})
 
 
+def mtp_identity(model: CacheIdentity, source: MtpSource) -> CacheIdentity:
+    """The next-token layer's cache identity: the model's own (the layer's weights are the model file's), marked
+    as the layer's, with its K/V (one float32 layer) as the layout and the target's hidden rows as a second
+    per-token part (`MtpSource.read_rows`)."""
+    kv_heads, head_dim = source.block.kv_shape
+    hidden = PartSpec("hidden", "hidden_rows", source.dtype, (-1, source.block.config.hidden_size), 0)
+    return CacheIdentity({**model.model, "role": "mtp"}, KVLayout(1, kv_heads, head_dim, torch.float32),
+                         model.block_tokens, extra_parts=(hidden,))
+
+
+class DraftRows(Protocol):
+    """A draft's state per slot as the cache parks it (engine thread only): `DraftModel`, `MtpSource`."""
+
+    def parkable(self, slot: int, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (the slot's, being parked) the slot's draft state covers, to park."""
+        ...
+
+    def read_rows(self, slot: int, start: int, end: int) -> Parts:
+        """The slot's draft state of tokens [start, end), every part in host memory."""
+        ...
+
+    def forget(self, slot: int) -> None:
+        """The slot's draft state is about to be overwritten: it holds nothing until `restored`."""
+        ...
+
+    def write_rows(self, slot: int, start: int, parts: Parts) -> None:
+        """Write restored parts into the slot from token `start` on."""
+        ...
+
+    def restored(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's draft state now holds `tokens` (every part written)."""
+        ...
+
+    def restored_without(self, slot: int) -> None:
+        """The model's part was restored into the slot without this draft's (none found, or refused)."""
+        ...
+
+
 @dataclass(slots=True)
 class DraftRead:
     """A draft part being read (on the draft's reader thread when `future` is set, else at delivery)."""
@@ -59,7 +102,7 @@ class DraftStates:
     """Parks and restores the draft's rows of a slot beside the model's (engine thread only, but for the reads
     of draft parts, which run on a thread of their own while the model's part is read on its reader)."""
 
-    def __init__(self, draft: DraftModel, control: CacheControl) -> None:
+    def __init__(self, draft: DraftRows, control: CacheControl) -> None:
         self.draft = draft
         self.control = control
         self.restored = self.refused = 0  # draft parts restored, and those that failed (the draft re-read them)
@@ -81,12 +124,13 @@ class DraftStates:
         `conversation_id`) they hold; `keep`: a draft part this park must not evict (the one about to be restored
         into the slot)."""
         cache = self.control.draft_cache
-        n = common_prefix(self.draft.held[slot], list(tokens))
-        if cache is None or n < 2:
+        if cache is None:
             return
-        kv = self.draft.kv
         try:
-            result = cache.park(list(tokens[:n]), kv_reader(lambda a, b: kv.read(slot, a, b)), keep=keep)
+            n = self.draft.parkable(slot, tokens)
+            if n < 2:
+                return
+            result = cache.park(list(tokens[:n]), lambda a, b: self.draft.read_rows(slot, a, b), keep=keep)
         except Exception:
             log.exception("parking the draft's rows of slot %d failed", slot)
             return
@@ -118,22 +162,23 @@ class DraftStates:
         """Write the draft part `begin` started into `slot` (engine thread); the tokens the draft holds then, 0
         when there was none or it failed (the draft re-reads what it lacks)."""
         if pending is None:
+            self.draft.restored_without(slot)
             return 0
-        kv = self.draft.kv
-        self.draft.held[slot] = []  # its rows are about to be overwritten
+        self.draft.forget(slot)
         try:
             if pending.future is None:
                 pending.read.read()
             else:
                 pending.future.result()  # smaller than the model's part, read beside it: done nearly always
-            result = pending.read.deliver(kv_writer(lambda start, data: kv.write(slot, start, data)),
+            result = pending.read.deliver(lambda start, parts: self.draft.write_rows(slot, start, parts),
                                           persist_use=False)
         except Exception as exc:
             self._refused(pending.hit, exc)
+            self.draft.restored_without(slot)
             return 0
         self._reader.submit(pending.read.persist_use)  # a disk entry's manifest rewrite: a file write, off here
         n = min(result.n_tokens, len(prompt))
-        self.draft.held[slot] = list(prompt[:n])
+        self.draft.restored(slot, prompt[:n])
         self.restored += 1
         return n
 

@@ -43,7 +43,7 @@ from engine.model.chat_templates import choose_chat_template
 from engine.runtime import mtp_drafts
 from engine.runtime.control import CacheControl
 from engine.runtime.draft_model import DraftModel
-from engine.runtime.draft_states import DraftStates, draft_identity
+from engine.runtime.draft_states import DraftRows, DraftStates, draft_identity, mtp_identity
 from engine.runtime.identity import cache_identity, int4_kernel, session_identity
 from engine.runtime.memory import slot_memory
 from engine.runtime.model_runner import ModelRunner
@@ -152,9 +152,13 @@ class Engine:
             log.warning("--model-draft %s is not loaded: it drafts with --spec draft only (--spec is %s)",
                         config.model_draft, config.spec)
         progress.begin("building cache index")
-        self.control = CacheControl(config, self.cache_identity, settle=restores.wait, draft_identity=(
-            draft_identity(self.draft, config.conversation_cache_block_tokens) if self.draft else None))
-        self.draft_states = DraftStates(self.draft, self.control) if self.draft else None
+        # the draft's own state (a draft model's K/V, the next-token layer's rows) is parked beside the model's
+        drafting: DraftRows | None = self.draft
+        parked_as = draft_identity(self.draft, config.conversation_cache_block_tokens) if self.draft else None
+        if isinstance(speculation.source, mtp_drafts.MtpSource):
+            drafting, parked_as = speculation.source, mtp_identity(self.cache_identity, speculation.source)
+        self.control = CacheControl(config, self.cache_identity, settle=restores.wait, draft_identity=parked_as)
+        self.draft_states = DraftStates(drafting, self.control) if drafting is not None else None
         progress.begin("warming up")
         self.runner.warm_up(self.ctx_size)
 

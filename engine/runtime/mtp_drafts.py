@@ -10,13 +10,20 @@ comes from a row that reads the previous draft token and the layer's own output 
 Per slot the layer keeps its K/V rows and the tokens they were computed for (`held`), like a draft model
 (draft_model.py): a slot that goes on reads only what was added. The target's hidden rows reach it through
 `CausalLM.hidden_rows` (`TargetRows`) with the tokens they were computed for; where they do not cover the
-sequence (a conversation restored from the cache: its rows were never computed here) no draft is made, so a
-restore costs drafts, never a different answer.
+sequence no draft is made, so missing rows cost drafts, never a different answer.
+
+Both are parked with the conversation (engine/runtime/draft_states.py, as a draft model's K/V): token t's part
+is the target's hidden row t and the layer's row t-1 (the one that read token t), so every prefix of a parked
+part is a whole state (the layer's rows 0 .. n-2 and the target's 0 .. n-1 for n tokens) and a conversation
+restored with it drafts at once. One restored without it (evicted, damaged, another model's) has no target rows
+here for its restored tokens: the layer drafts over the rows computed after the restore only (`TargetRows.first`,
+a context cut short: fewer drafts accepted, the same answer).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,12 +61,18 @@ class TargetRows:
     def __init__(self, n_slots: int) -> None:
         self.rows: list[torch.Tensor] = [torch.empty(0) for _ in range(n_slots)]
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        # the first row computed here after rows that were not (their tokens -1): 0 unless the slot's K/V came
+        # from a restore without the rows
+        self.first: list[int] = [0] * n_slots
 
     def __call__(self, chunks: list[SeqChunk], offsets: list[int], x: torch.Tensor) -> None:
         for ch, lo, hi in zip(chunks, offsets, offsets[1:], strict=False):
             seen = self.tokens[ch.slot]
             if ch.start > len(seen):  # rows computed elsewhere (a restore): -1 never matches a token
                 seen.extend([-1] * (ch.start - len(seen)))
+                self.first[ch.slot] = ch.start
+            elif ch.start < self.first[ch.slot]:  # every row before it is one of those
+                self.first[ch.slot] = ch.start
             del seen[ch.start :]
             seen.extend(ch.tokens.tolist())
             end = ch.start + hi - lo
@@ -70,6 +83,17 @@ class TargetRows:
                     grown[: rows.shape[0]] = rows
                 self.rows[ch.slot] = rows = grown
             rows[ch.start : end] = x[lo:hi].to("cpu")
+
+    def put(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Restored rows of positions start .. start+n-1 (their tokens are set by the caller)."""
+        end = start + rows.shape[0]
+        have = self.rows[slot]
+        if have.shape[0] < end or have.dtype != rows.dtype or have.shape[1:] != rows.shape[1:]:
+            grown = torch.empty(max(end, 2 * have.shape[0], 64), rows.shape[1], dtype=rows.dtype)
+            if have.numel() and have.dtype == rows.dtype and have.shape[1:] == rows.shape[1:]:
+                grown[: have.shape[0]] = have
+            self.rows[slot] = have = grown
+        have[start:end] = rows
 
     def get(self, slot: int, start: int, end: int) -> torch.Tensor:
         """The slot's rows [start, end) as float32."""
@@ -89,6 +113,10 @@ class MtpSource:
         self.caches = [self.block.new_cache(0) for _ in range(n_slots)]  # grown as TargetRows' rows
         # the tokens s_0 .. s_m of the slot's rows 0 .. m-1 (row t read s_{t+1} and the target's row t)
         self.held: list[list[int]] = [[] for _ in range(n_slots)]
+        self.reused: list[int] = [0] * n_slots  # the tokens the slot's last read found held (its first draft's)
+        # the position the slot's layer rows attend from: 0, or the target's `first` when its rows start there
+        self.base: list[int] = [0] * n_slots
+        self.dtype = model.dtype  # of the target's hidden rows, as parked
         self.catch_up = CATCH_UP_CHUNK
         log.info("--spec mtp: drafting with the model's next-token layer (float32 on the CPU)")
 
@@ -98,25 +126,90 @@ class MtpSource:
 
     def propose(self, slot: int, sequence: list[int], k: int) -> list[int]:
         """The layer's `k` greedy tokens after `sequence` in `slot`; none where the target's rows of the sequence
-        are not all here, and none while more than `catch_up` rows are still to read (a chunk is read per call)."""
+        are not here, and none while more than `catch_up` rows are still to read (a chunk is read per call).
+        Where the target's rows start past 0 (a conversation restored without the layer's part), the layer reads
+        and attends from there: shorter context, fewer drafts accepted, never a different answer."""
         n = len(sequence)
+        self.reused[slot] = 0
         k = min(k, self.ctx - n + 1)  # the last proposed token is never fed: it needs no row
-        if k <= 0 or n < 2 or common_prefix(self.target.tokens[slot], sequence) < n - 1:
+        lo = self.target.first[slot]
+        if k <= 0 or n < 2 or lo > n - 2:
             return []
-        rows = min(max(0, common_prefix(self.held[slot], sequence) - 1), n - 2)  # row n-2's logits are needed
+        if common_prefix(self.target.tokens[slot][lo:], sequence[lo:]) < n - 1 - lo:
+            return []
+        if self.base[slot] != lo:  # its rows attend from another position: read again from `lo`
+            self.held[slot], self.base[slot] = [], lo
+        held = common_prefix(self.held[slot], sequence)
+        self.reused[slot] = min(held, n - 1)
+        rows = min(max(lo, held - 1), n - 2)  # row n-2's logits are needed
         end = min(n - 1, rows + self.catch_up)
         cache = self._cache(slot, n - 2 + k)
         logits, out = self.block.forward(torch.tensor(sequence[rows + 1 : end + 1]),
-                                         self.target.get(slot, rows, end), rows, cache)
+                                         self.target.get(slot, rows, end), rows, cache, lo)
         self.held[slot] = sequence[: end + 1]
         if end < n - 1:  # a long way behind: drafts once caught up
             return []
         proposed = [int(torch.argmax(logits[-1]))]
         hidden = out[-1:]
         while len(proposed) < k:  # rows past n-2 read draft tokens: not held, overwritten by the next catch-up
-            logits, hidden = self.block.forward(torch.tensor(proposed[-1:]), hidden, n - 2 + len(proposed), cache)
+            logits, hidden = self.block.forward(torch.tensor(proposed[-1:]), hidden, n - 2 + len(proposed), cache, lo)
             proposed.append(int(torch.argmax(logits[0])))
         return proposed
+
+    def parkable(self, slot: int, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (the slot's, being parked) the slot's state covers (draft_states.DraftRows): the
+        layer first reads the rows it lags behind the target by (the last verify's tokens, at most a catch-up
+        chunk), so a parked conversation resumes drafting with nothing to read."""
+        if self.target.first[slot] > 0:  # the target's rows of its first tokens are not here: nothing to park
+            return 0
+        if self.base[slot] > 0:  # rows of a context cut short: not what a restore of the part promises
+            self.held[slot], self.base[slot] = [], 0
+        tokens = list(tokens)
+        n = common_prefix(self.target.tokens[slot], tokens)
+        held = common_prefix(self.held[slot], tokens)
+        if held >= n or n < 2 or n - held > self.catch_up:
+            return min(held, n)
+        rows = max(0, held - 1)
+        cache = self._cache(slot, n - 1)
+        self.block.forward(torch.tensor(tokens[rows + 1 : n]), self.target.get(slot, rows, n - 1), rows, cache)
+        self.held[slot] = tokens[:n]
+        return n
+
+    def read_rows(self, slot: int, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Tokens [start, end) of the slot's state (draft_states.DraftRows): `kv` [1, 2, n, KVH, D] holds token
+        t's layer row t-1 (token 0 has none: zeros), `hidden` [n, hidden] the target's row t."""
+        kv = torch.zeros(1, 2, end - start, *self.block.kv_shape)
+        lo = max(start, 1)
+        if end > lo:
+            k, v = self.caches[slot]
+            kv[0, 0, lo - start :], kv[0, 1, lo - start :] = k[lo - 1 : end - 1], v[lo - 1 : end - 1]
+        return {"kv": kv, "hidden": self.target.rows[slot][start:end].to(self.dtype, copy=True)}
+
+    def forget(self, slot: int) -> None:
+        """Its rows are about to be overwritten, or the slot's K/V was restored without them: the target's rows
+        computed next start a context of their own (draft_states.DraftRows)."""
+        self.held[slot], self.target.tokens[slot] = [], []
+        self.base[slot] = self.target.first[slot] = 0
+
+    def write_rows(self, slot: int, start: int, parts: dict[str, torch.Tensor]) -> None:
+        """Restored rows (`read_rows`' layout) into the slot from token `start` on (draft_states.DraftRows)."""
+        kv, hidden = parts["kv"], parts["hidden"]
+        end = start + hidden.shape[0]
+        lo = max(start, 1)
+        if end > lo:
+            k, v = self._cache(slot, end - 1)
+            k[lo - 1 : end - 1], v[lo - 1 : end - 1] = kv[0, 0, lo - start :], kv[0, 1, lo - start :]
+        self.target.put(slot, start, hidden)
+
+    def restored(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's layer rows and target rows hold `tokens` (draft_states.DraftRows)."""
+        self.held[slot], self.target.tokens[slot] = list(tokens), list(tokens)
+        self.base[slot] = self.target.first[slot] = 0
+
+    def restored_without(self, slot: int) -> None:
+        """The target's rows of the restored tokens are not here (draft_states.DraftRows): the rows the target
+        computes next start a context of the layer's own (`propose`)."""
+        self.forget(slot)
 
     def _cache(self, slot: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's K/V rows, grown (doubling, at most `ctx`) to hold at least `rows` positions."""
@@ -140,12 +233,18 @@ class MtpDrafter:
         self.prompt = list(prompt)
         self.length = Length(draft_max)
         self.drafted = self.accepted = 0
-        self.reused = 0
+        self.reused = 0  # the tokens the layer held already at its first draft (a switch-back's reuse)
+        self._first = True
 
     def draft(self, generated: list[int], room: int) -> list[int]:
         """Up to `room` (and the current length) tokens to follow prompt + `generated`."""
         k = min(room, self.length.want())
-        return self.source.propose(self.slot, self.prompt + generated, k) if k > 0 else []
+        if k <= 0:
+            return []
+        out = self.source.propose(self.slot, self.prompt + generated, k)
+        if self._first:
+            self.reused, self._first = self.source.reused[self.slot], False
+        return out
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verify's outcome: `accepted` of `drafted` tokens were the target's own."""
