@@ -19,6 +19,7 @@ from engine.server.harmony import message_bodies, reasoning_tokens
 from engine.server.model_output import is_harmony
 from engine.server.state import server_state
 from engine.server.streaming import SSE_HEADERS, engine_events, wait_disconnect
+from engine.server.thoughts import thought_tokens
 
 log = logging.getLogger("strata.server")
 RETRY_AFTER_S = 5  # what a request refused by --queue-timeout is told to wait before trying again
@@ -83,9 +84,13 @@ def remember_answer(request: Request, tokenizer: Any, final: TokenEvent) -> None
         answers.remember(tokenizer, final.generated)
 
 
-def reasoning_token_count(tokenizer: Any, final: TokenEvent) -> int:
-    """The answer's reasoning tokens, where its format marks them (harmony's `analysis`); 0 otherwise."""
-    return reasoning_tokens(tokenizer, final.generated or []) if is_harmony(tokenizer) else 0
+def reasoning_token_count(tokenizer: Any, final: TokenEvent, in_thought: bool = False) -> int:
+    """The answer's reasoning tokens, where its format marks them (harmony's `analysis`, a thinking model's thought;
+    `in_thought`: the prompt opened it); 0 otherwise."""
+    if is_harmony(tokenizer):
+        return reasoning_tokens(tokenizer, final.generated or [])
+    thinking = getattr(tokenizer, "thinking", None)
+    return 0 if thinking is None else thought_tokens(tokenizer, thinking, final.generated or [], in_thought)
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
