@@ -12,11 +12,12 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as FastTokenizer
 
 from engine.model.tokenizer import Tokenizer
+from engine.server.answer_ids import AnswerIds
 from engine.server.anthropic_schemas import MessagesRequest, template_messages
 from engine.server.effort import messages_thinking, openai_thinking
 from engine.server.model_output import output_stream, parse_output
 from engine.server.prompts import render_prompt
-from engine.server.thoughts import ThoughtStream, thought_tokens
+from engine.server.thoughts import ThoughtStream, answer_parts, thought_tokens
 from tests.model_fixtures import write_tokenizer_files
 
 _TURNS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -163,3 +164,16 @@ def test_reasoning_tokens_are_the_thoughts(tmp_path, inside):
     assert thought_tokens(tok, thinking, ids, inside) == len(thought)
     assert thought_tokens(tok, thinking, answer, False) == 0
     assert thought_tokens(tok, thinking, thought, True) == len(thought)  # never closed: all of it
+
+
+def test_the_thought_and_the_answer_are_remembered_apart_as_the_client_sends_them_back(tmp_path):
+    tok = tokenizer(tmp_path, QWEN3_LIKE)
+    thought, answer, nl = tok.encode("I think so"), tok.encode("Yes."), tok.encode("\n")
+    ids = tok.encode("<think>") + nl + thought + nl + tok.encode("</think>") + nl + nl + answer + tok.encode("<|im_end|>")
+    parsed = parse_output(tok, tok.decode(ids), None)
+    assert answer_parts(tok, tok.thinking, ids, False) == [thought, answer]
+    answers = AnswerIds()
+    for part in answer_parts(tok, tok.thinking, ids, False):
+        answers.remember(tok, part)
+    assert (answers.get(parsed.reasoning), answers.get(parsed.content)) == (thought, answer)
+    assert answer_parts(tok, tok.thinking, answer, False) == [answer]  # no thought: the output as it is

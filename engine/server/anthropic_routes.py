@@ -110,7 +110,7 @@ async def messages(request: Request) -> Response:
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", message_id)
         return Response(status_code=499)
-    remember_answer(request, engine.tokenizer, final)
+    remember_answer(request, engine.tokenizer, final, prompt.in_thought)
     parsed = parse_output(engine.tokenizer, text, tools, prompt.in_thought)
     content: list[dict[str, Any]] = [thinking_block(parsed.reasoning)] if parsed.reasoning else []
     content += [{"type": "text", "text": parsed.content}] if parsed.content else []
@@ -192,7 +192,7 @@ async def _events(stream: Any, request: Request, message_id: str, model: str, n_
     if final is None or final.finish_reason == "error":
         yield _event("error", {"error": anthropic_error_body(failure(final))["error"]})
         return
-    remember_answer(request, tokenizer, final)
+    remember_answer(request, tokenizer, final, in_thought)
     rest, tool_calls = reader.finish()
     for piece in rest:
         for out in blocks.write(piece):

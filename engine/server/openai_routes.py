@@ -100,7 +100,7 @@ async def chat_completions(request: Request) -> Response:
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", request_id)
         return Response(status_code=499)
-    remember_answer(request, engine.tokenizer, final)
+    remember_answer(request, engine.tokenizer, final, prompt.in_thought)
     parsed = parse_output(engine.tokenizer, text, tools, prompt.in_thought)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning is not None:
@@ -156,7 +156,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
     if final is None or final.finish_reason == "error":
         yield _error_event(failure(final))
         return
-    remember_answer(request, tokenizer, final)
+    remember_answer(request, tokenizer, final, in_thought)
     finish_reason = final.finish_reason
     rest, tool_calls = reader.finish()
     for kind, text in rest:

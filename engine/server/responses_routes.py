@@ -175,7 +175,7 @@ async def responses(request: Request) -> Response:
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", turn.response_id)
         return Response(status_code=499)
-    remember_answer(request, engine.tokenizer, final)
+    remember_answer(request, engine.tokenizer, final, prompt.in_thought)
     parsed = parse_output(engine.tokenizer, text, tools, prompt.in_thought)
     body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex, reasoning_token_count(engine.tokenizer, final,
                                                                                     prompt.in_thought))
@@ -284,7 +284,7 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
         yield ev("response.failed", {"response": turn.body("failed", [], error={
             "code": "server_error", "message": err.message})})
         return
-    remember_answer(request, tokenizer, final)
+    remember_answer(request, tokenizer, final, in_thought)
     rest, tool_calls = reader.finish()
     for piece in rest:
         for out in items.write(piece):

@@ -97,28 +97,55 @@ class ThoughtStream:
                 out.append((kind, text))
 
 
-def thought_tokens(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) -> int:
-    """How many of the generated `ids` are the thought's (the usage's reasoning tokens): those after the open marker
-    (or from the start, when the prompt opened the thought) up to the one that completes the close marker. Read
-    from the decoded text, so a marker spelled in several tokens counts as one written as a single token does."""
+def _span(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) -> tuple[int, int, int] | None:
+    """Where the thought lies in the generated `ids`: (its first token, the token that completes its close marker,
+    the end of the output without its end-of-turn token); None when the output has no thought. Read from the
+    decoded text, so a marker spelled in several tokens is found as one written as a single token is."""
+    stop = len(ids) - 1 if ids and ids[-1] in tokenizer.eos_token_ids else len(ids)
+
     def first(holds: Any) -> int:
-        """The fewest leading ids whose text `holds` (monotone: once it holds, more ids keep it); len(ids) + 1 if
-        none do."""
-        lo, hi = 0, len(ids) + 1
+        """The fewest leading ids whose text `holds` (once it holds, more ids keep it); stop + 1 if none do."""
+        lo, hi = 0, stop + 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if mid <= len(ids) and holds(tokenizer.decode(ids[:mid])):
+            if mid <= stop and holds(tokenizer.decode(ids[:mid])):
                 hi = mid
             else:
                 lo = mid + 1
         return lo
 
-    if ids and ids[-1] in tokenizer.eos_token_ids:
-        ids = ids[:-1]
     start = 0
     if not in_thought:
         start = first(lambda text: text.lstrip().startswith(thinking.open))
-        if start > len(ids):
-            return 0  # the output does not begin with a thought
-    end = first(lambda text: thinking.close in text[len(tokenizer.decode(ids[:start])):])
-    return min(end - 1, len(ids)) - start
+        if start > stop:
+            return None  # the output does not begin with a thought
+    before = len(tokenizer.decode(ids[:start]))
+    return start, min(first(lambda text: thinking.close in text[before:]) - 1, stop), stop
+
+
+def thought_tokens(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) -> int:
+    """How many of the generated `ids` are the thought's (the usage's reasoning tokens): those after the open marker
+    (or from the start, when the prompt opened the thought) up to the one that completes the close marker."""
+    span = _span(tokenizer, thinking, ids, in_thought)
+    return 0 if span is None else span[1] - span[0]
+
+
+def answer_parts(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) -> list[list[int]]:
+    """The generated ids of the thought and of the answer, apart and without the whitespace tokens around the
+    markers: the texts a client sends back (as reasoning and as content), to be prompted with the ids that were
+    generated for them (engine.server.answer_ids). The whole output when it has no thought."""
+    span = _span(tokenizer, thinking, ids, in_thought)
+    if span is None:
+        return [ids]
+    start, close, stop = span  # ids[close] holds the close marker (or its end), neither part's text
+    parts = (_trimmed(tokenizer, ids[start:close]), _trimmed(tokenizer, ids[close + 1:stop]))
+    return [part for part in parts if part]
+
+
+def _trimmed(tokenizer: Any, ids: list[int]) -> list[int]:
+    lo, hi = 0, len(ids)
+    while lo < hi and not tokenizer.decode(ids[lo:lo + 1]).strip():
+        lo += 1
+    while hi > lo and not tokenizer.decode(ids[hi - 1:hi]).strip():
+        hi -= 1
+    return ids[lo:hi]
