@@ -105,6 +105,9 @@ def test_text_that_only_starts_like_a_marker_is_answer_or_thought_as_it_stands(t
     assert _stream(thinking, ["<thi"], False) == ("", "<thi")  # ended while it could still have been one
     assert _stream(thinking, ["cut short by max_tokens </thi"], True) == ("cut short by max_tokens </thi", "")
     assert _stream(thinking, ["<think>\n\n</think>\n\nHi"], False) == ("", "Hi")  # an empty thought
+    # An empty thought after the answer (Gemma 4 may end with one) is dropped, however it arrives.
+    for chunks in (["Hi.<think>\n</think>"], ["Hi.<th", "ink>\n", "</thi", "nk> Bye."]):
+        assert _stream(thinking, chunks, False) == ("", "".join(chunks).replace("<think>\n</think>", "")), chunks
 
 
 def test_a_tool_call_is_read_after_the_thought_and_never_inside_it(tmp_path):

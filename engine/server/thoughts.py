@@ -5,7 +5,7 @@ Whitespace the templates put around the markers (`<think>\\n`, `\\n</think>\\n\\
 to neither part and is dropped. Text that merely starts like a marker (`</thin` before it is known to be `</think>`
 or `</thing>`) is held back until it is known, so a marker split across chunks is still one marker. A thought the
 model never closes (max_tokens cut it) is all reasoning; once the first thought closes, later markers are answer
-text (only the first thought is one).
+text (only the first thought is one), except an empty thought, which is dropped.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ class ThoughtStream:
                 self._state = "after"  # the answer began without a thought
                 continue
             if self._state == "after":
-                self._emit(out, "content", self._buf)
-                self._buf = ""
-                break
+                if not self._answer(out):
+                    break
+                continue
             at = self._buf.find(self._close)
             if at >= 0:
                 self._emit(out, "reasoning", self._buf[:at], closing=True)
@@ -68,6 +68,27 @@ class ThoughtStream:
             self._buf = self._buf[len(self._buf) - keep:]
             break
         return out
+
+    def _answer(self, out: list[Piece]) -> bool:
+        """Answer text let through up to a possible empty thought, which is dropped (Gemma 4 may end its answer with
+        one, as llama.cpp notes); False when the rest must wait for more text."""
+        at = self._buf.find(self._open)
+        if at < 0:
+            keep = _held(self._buf, self._open)
+            self._emit(out, "content", self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        self._emit(out, "content", self._buf[:at])
+        self._buf = self._buf[at:]
+        inner = self._buf[len(self._open):].lstrip()
+        if inner.startswith(self._close):
+            self._buf = inner[len(self._close):]
+            return True
+        if self._close.startswith(inner):
+            return False  # it may still be an empty thought
+        self._emit(out, "content", self._open)  # a thought with something in it, past the first: answer text
+        self._buf = self._buf[len(self._open):]
+        return True
 
     def finish(self) -> list[Piece]:
         """What is left once generation ended: a marker that never completed is text of the part it was in."""
