@@ -10,6 +10,7 @@ text (only the first thought is one), except an empty thought, which is dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.model.thinking import Thinking
@@ -124,7 +125,7 @@ def _span(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) 
     decoded text, so a marker spelled in several tokens is found as one written as a single token is."""
     stop = len(ids) - 1 if ids and ids[-1] in tokenizer.eos_token_ids else len(ids)
 
-    def first(holds: Any) -> int:
+    def first(holds: Callable[[str], bool]) -> int:
         """The fewest leading ids whose text `holds` (once it holds, more ids keep it); stop + 1 if none do."""
         lo, hi = 0, stop + 1
         while lo < hi:
