@@ -17,6 +17,7 @@ from engine.server.anthropic_schemas import MessagesRequest, template_messages
 from engine.server.effort import messages_thinking, openai_thinking
 from engine.server.model_output import output_stream, parse_output
 from engine.server.prompts import render_prompt
+from engine.server.responses_schemas import input_messages
 from engine.server.thoughts import ThoughtStream, answer_parts, thought_tokens
 from tests.model_fixtures import write_tokenizer_files
 
@@ -144,7 +145,7 @@ def test_the_request_switch_reaches_only_a_template_that_reads_it(tmp_path):
     assert messages_thinking(None) is None and messages_thinking({"type": "adaptive"}) is None
 
 
-def test_past_reasoning_reaches_the_template_from_chat_and_messages(tmp_path):
+def test_past_reasoning_reaches_the_template_from_each_api(tmp_path):
     tok = tokenizer(tmp_path, QWEN3_LIKE)
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet."}]
     assert "<think>\nGreet.\n</think>\n\nHello." in tok.decode(render_prompt(tok, chat, None).ids)
@@ -154,6 +155,11 @@ def test_past_reasoning_reaches_the_template_from_chat_and_messages(tmp_path):
                                           {"type": "text", "text": "Hello."}]},
         {"role": "user", "content": "Again"}]})
     text = tok.decode(render_prompt(tok, template_messages(req), None).ids)
+    assert "<think>\nGreet.\n</think>\n\nHello." in text
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Greet."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]}]
+    text = tok.decode(render_prompt(tok, input_messages(items), None).ids)
     assert "<think>\nGreet.\n</think>\n\nHello." in text
 
 
