@@ -30,26 +30,41 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 def write_tool_calling_model(root: Path, call: str = TOOL_CALL) -> str:
     """A tiny Llama folder whose greedy answer to any chat is exactly `call` (TOOL_CALL unless given)."""
+    return write_scripted_model(root, [call])
+
+
+def write_scripted_model(root: Path, pieces: list[str], tokens: tuple[str, ...] = (), chat_template: str | None = None
+                         ) -> str:
+    """A tiny Llama folder whose greedy answer to any chat is `pieces`, one token each, in order (so each streams as
+    its own chunk), then <|im_end|>; `tokens`: more vocabulary (markers a template uses), `chat_template` instead of
+    ChatML."""
     folder = Path(write_tiny_model(root, "llama", name="tiny-tool-caller", num_hidden_layers=1))
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    assert tok.add_tokens([AddedToken(call, normalized=False)]) == 1
-    block_id = tok.token_to_id(call)
+    added = list(tokens) + pieces
+    assert tok.add_tokens([AddedToken(t, normalized=False) for t in added]) == len(added) == len(set(added))
+    piece_ids = [tok.token_to_id(p) for p in pieces]
     tok.save(str(folder / "tokenizer.json"))
     vocab = tok.get_vocab_size()
 
     config = json.loads((folder / "config.json").read_text())
     config["vocab_size"] = vocab
     (folder / "config.json").write_text(json.dumps(config))
+    if chat_template is not None:
+        tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+        tok_config["chat_template"] = chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
 
     [weights_file] = folder.glob("*.safetensors")
     weights = load_file(weights_file)
     hidden = config["hidden_size"]
+    assert len(pieces) < hidden
     embed = torch.zeros(vocab, hidden)
     embed[:, 0] = 1.0  # every ordinary token looks the same to the head...
-    embed[block_id] = torch.nn.functional.one_hot(torch.tensor(1), hidden).float()  # ...and the block differs
     head = torch.zeros(vocab, hidden)
-    head[block_id, 0] = 10.0
-    head[IM_END, 1] = 10.0
+    for n, piece_id in enumerate(piece_ids):  # ...and piece n differs, and leads to piece n + 1
+        embed[piece_id] = torch.nn.functional.one_hot(torch.tensor(n + 1), hidden).float()
+        head[piece_id, n] = 10.0
+    head[IM_END, len(pieces)] = 10.0
     for name in list(weights):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             weights[name] = torch.zeros_like(weights[name])

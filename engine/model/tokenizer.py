@@ -18,6 +18,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as FastTokenizer
 
 from engine.model.template_arguments import with_joinable_arguments
+from engine.model.thinking import MARKER_TOKENS as THINKING_MARKERS
+from engine.model.thinking import Thinking, detect_thinking
 
 # Tokens that end a turn in common chat formats; generation stops on them as on eos.
 END_OF_TURN_TOKENS = (
@@ -27,13 +29,13 @@ END_OF_TURN_TOKENS = (
 # gpt-oss's harmony format: a chat whose tokenizer has all of these is written and read as harmony (engine.server.harmony)
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 # Gemma 4's markers of a call and of its strings: special tokens in its tokenizer.json, decoded as text here (as
-# llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them. Its thinking channel's
-# markers stay special (left out of answers): no reasoning is parsed out of an answer yet.
-# DeepSeek-V3's call markers (engine.server.deepseek_calls) likewise, in whichever tokenizer.json marks them special.
+# llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them.
+# DeepSeek-V3's call markers (engine.server.deepseek_calls) likewise, in whichever tokenizer.json marks them special,
+# and the markers of a thought (engine.model.thinking: `<think>`, Gemma 4's channel), which the server splits out.
 RENDERED_MARKERS = frozenset({
     "<|tool_call>", "<tool_call|>", '<|"|>',
     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
-})
+}) | THINKING_MARKERS
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp defines them.
 _LLAMA3_SPLIT = (
@@ -114,6 +116,7 @@ class Tokenizer:
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.max_prompt_chars: int | None = None  # set by limit_prompts
         self.context_tokens: int | None = None  # set by limit_prompts
+        self.thinking: Thinking | None = detect_thinking(self)
 
 
     def vocabulary(self) -> dict[str, int]:
@@ -288,6 +291,7 @@ class Tokenizer:
         """Render chats with `template` from now on (engine.model.chat_templates chooses it)."""
         self.chat_template = template
         self._template = None
+        self.thinking = detect_thinking(self)
 
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True, **extra: Any

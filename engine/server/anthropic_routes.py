@@ -28,7 +28,7 @@ from engine.server.anthropic_schemas import (
     tool_input,
 )
 from engine.server.conversation_attrs import template_attrs
-from engine.server.effort import messages_effort
+from engine.server.effort import messages_effort, messages_thinking
 from engine.server.errors import anthropic_error_body
 from engine.server.generation import collect, failure, remember_answer, sse_response, wait_for_slot
 from engine.server.harmony import Piece
@@ -84,7 +84,8 @@ def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, ids: Prom
             ) -> tuple[RenderedPrompt, list[dict[str, Any]], list[dict[str, Any]] | None]:
     messages = template_messages(req)
     tools = function_tools(req)
-    return render_prompt(tokenizer, messages, tools, ids, messages_effort(req.thinking, req.output_config)), messages, tools
+    effort = messages_effort(req.thinking, req.output_config)
+    return render_prompt(tokenizer, messages, tools, ids, effort, messages_thinking(req.thinking)), messages, tools
 
 
 @router.post("/v1/messages")
@@ -102,14 +103,15 @@ async def messages(request: Request) -> Response:
         return refused
     model = req.model or engine.model_name
     if req.stream:
-        return sse_response(_events(stream, request, message_id, model, len(prompt.ids), tools, engine.tokenizer))
+        return sse_response(_events(stream, request, message_id, model, len(prompt.ids), tools, engine.tokenizer,
+                                    prompt.in_thought))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", message_id)
         return Response(status_code=499)
-    remember_answer(request, engine.tokenizer, final)
-    parsed = parse_output(engine.tokenizer, text, tools)
+    remember_answer(request, engine.tokenizer, final, prompt.in_thought)
+    parsed = parse_output(engine.tokenizer, text, tools, prompt.in_thought)
     content: list[dict[str, Any]] = [thinking_block(parsed.reasoning)] if parsed.reasoning else []
     content += [{"type": "text", "text": parsed.content}] if parsed.content else []
     content += [tool_use_block(call) for call in parsed.tool_calls]
@@ -159,11 +161,11 @@ class _Blocks:
 
 
 async def _events(stream: Any, request: Request, message_id: str, model: str, n_prompt: int,
-                  tools: list[dict[str, Any]] | None, tokenizer: Any) -> AsyncIterator[str]:
+                  tools: list[dict[str, Any]] | None, tokenizer: Any, in_thought: bool) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start and a ping at once, pings while the prompt is computed, a text
     block's start/deltas/stop, a block per tool call, message_delta (stop_reason, the final usage: what the cache
     reused is known only once the prompt is in), message_stop. An engine failure ends with an error event."""
-    reader = output_stream(tokenizer, tools)
+    reader = output_stream(tokenizer, tools, in_thought)
     blocks = _Blocks()
     final: TokenEvent | None = None
     yield _event("message_start", {"message": {
@@ -190,7 +192,7 @@ async def _events(stream: Any, request: Request, message_id: str, model: str, n_
     if final is None or final.finish_reason == "error":
         yield _event("error", {"error": anthropic_error_body(failure(final))["error"]})
         return
-    remember_answer(request, tokenizer, final)
+    remember_answer(request, tokenizer, final, in_thought)
     rest, tool_calls = reader.finish()
     for piece in rest:
         for out in blocks.write(piece):

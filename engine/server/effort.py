@@ -69,3 +69,18 @@ def thinking_effort(thinking: dict[str, Any] | None) -> str | None:
         raise ApiError(400, f"'thinking.budget_tokens': expected a whole number of tokens >= 1 with "
                        f"\"type\": \"enabled\", got {budget!r}"[:300], param="thinking.budget_tokens")
     return "low" if budget < BUDGET_MEDIUM else "medium" if budget < BUDGET_HIGH else "high"
+
+
+# Whether a request turns the model's thinking on or off (None: it does not say), for a template with such a switch
+# (engine.model.thinking). Only what an API states outright counts: OpenAI's effort "none" is off (no other effort
+# says on or off), Anthropic's `thinking` type "disabled" is off and "enabled" on. Values are checked by the effort
+# readers above.
+def openai_thinking(value: Any) -> bool | None:
+    """From `reasoning_effort` (chat) or `reasoning.effort` (Responses)."""
+    return False if value == "none" else None
+
+
+def messages_thinking(thinking: dict[str, Any] | None) -> bool | None:
+    """From Anthropic's `thinking` object."""
+    kind = (thinking or {}).get("type")
+    return False if kind == "disabled" else True if kind == "enabled" else None

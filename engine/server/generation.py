@@ -19,6 +19,7 @@ from engine.server.harmony import message_bodies, reasoning_tokens
 from engine.server.model_output import is_harmony
 from engine.server.state import server_state
 from engine.server.streaming import SSE_HEADERS, engine_events, wait_disconnect
+from engine.server.thoughts import answer_parts, thought_tokens
 
 log = logging.getLogger("strata.server")
 RETRY_AFTER_S = 5  # what a request refused by --queue-timeout is told to wait before trying again
@@ -71,21 +72,31 @@ async def wait_for_slot(stream: Any, request: Request, n_slots: int) -> Response
     return error_response(err, headers={"Retry-After": str(RETRY_AFTER_S)}, path=request.url.path)
 
 
-def remember_answer(request: Request, tokenizer: Any, final: TokenEvent) -> None:
+def remember_answer(request: Request, tokenizer: Any, final: TokenEvent, in_thought: bool = False) -> None:
     """Keep the ids generated for a finished answer, for the turn that sends it back (engine.server.answer_ids).
-    An answer a stop string cut is not the text of its ids, and is not kept."""
+    An answer a stop string cut is not the text of its ids, and is not kept. `in_thought`: the prompt opened a
+    thinking model's thought."""
     if final.finish_reason in ("stop", "length") and final.stop_string is None and final.generated:
         answers = server_state(request).prompt_ids.answers
         if is_harmony(tokenizer):  # the client gets (and sends back) each message's body, not the whole output
             for body in message_bodies(tokenizer, final.generated):
                 answers.remember(tokenizer, body)
             return
+        thinking = getattr(tokenizer, "thinking", None)
+        if thinking is not None:  # the client gets (and sends back) the thought and the answer apart
+            for part in answer_parts(tokenizer, thinking, final.generated, in_thought):
+                answers.remember(tokenizer, part)
+            return
         answers.remember(tokenizer, final.generated)
 
 
-def reasoning_token_count(tokenizer: Any, final: TokenEvent) -> int:
-    """The answer's reasoning tokens, where its format marks them (harmony's `analysis`); 0 otherwise."""
-    return reasoning_tokens(tokenizer, final.generated or []) if is_harmony(tokenizer) else 0
+def reasoning_token_count(tokenizer: Any, final: TokenEvent, in_thought: bool = False) -> int:
+    """The answer's reasoning tokens, where its format marks them (harmony's `analysis`, a thinking model's thought;
+    `in_thought`: the prompt opened it); 0 otherwise."""
+    if is_harmony(tokenizer):
+        return reasoning_tokens(tokenizer, final.generated or [])
+    thinking = getattr(tokenizer, "thinking", None)
+    return 0 if thinking is None else thought_tokens(tokenizer, thinking, final.generated or [], in_thought)
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:

@@ -94,14 +94,14 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         return sse_response(_chat_chunks(stream, request, request_id, created, engine.model_name,
-                                         tools, req.include_usage(), engine.tokenizer))
+                                         tools, req.include_usage(), engine.tokenizer, prompt.in_thought))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", request_id)
         return Response(status_code=499)
-    remember_answer(request, engine.tokenizer, final)
-    parsed = parse_output(engine.tokenizer, text, tools)
+    remember_answer(request, engine.tokenizer, final, prompt.in_thought)
+    parsed = parse_output(engine.tokenizer, text, tools, prompt.in_thought)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning  # llama.cpp's, vLLM's and DeepSeek's field
@@ -115,7 +115,7 @@ async def chat_completions(request: Request) -> Response:
         "created": created,
         "model": engine.model_name,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_dict(final.usage, reasoning_token_count(engine.tokenizer, final)),
+        "usage": usage_dict(final.usage, reasoning_token_count(engine.tokenizer, final, prompt.in_thought)),
     })
 
 
@@ -123,7 +123,8 @@ _DELTA_FIELD = {"content": "content", "reasoning": "reasoning_content"}
 
 
 async def _chat_chunks(stream: Any, request: Request, request_id: str, created: int, model: str,
-                       tools: list[dict[str, Any]] | None, include_usage: bool, tokenizer: Any) -> AsyncIterator[str]:
+                       tools: list[dict[str, Any]] | None, include_usage: bool, tokenizer: Any,
+                       in_thought: bool) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -133,7 +134,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
             body["usage"] = None
         return sse(body)
 
-    reader = output_stream(tokenizer, tools)
+    reader = output_stream(tokenizer, tools, in_thought)
     final: TokenEvent | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})
@@ -155,7 +156,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
     if final is None or final.finish_reason == "error":
         yield _error_event(failure(final))
         return
-    remember_answer(request, tokenizer, final)
+    remember_answer(request, tokenizer, final, in_thought)
     finish_reason = final.finish_reason
     rest, tool_calls = reader.finish()
     for kind, text in rest:
@@ -165,7 +166,7 @@ async def _chat_chunks(stream: Any, request: Request, request_id: str, created: 
         finish_reason = "tool_calls"
     yield chunk({}, finish_reason)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage_dict(final.usage, reasoning_token_count(tokenizer, final))})
+        yield sse({**base, "choices": [], "usage": usage_dict(final.usage, reasoning_token_count(tokenizer, final, in_thought))})
     yield SSE_DONE
 
 

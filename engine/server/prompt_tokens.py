@@ -39,6 +39,7 @@ class RenderedPrompt:
     rewritten_at: int | None = None
     # Earlier turns' reasoning the format left out or kept (harmony's rule), for /cache/requests; None: none was sent
     past_reasoning: dict[str, Any] | None = None
+    in_thought: bool = False  # the prompt ends inside the model's opened thought (engine.model.thinking)
 
 
 def _texts(msg: dict[str, Any]) -> list[tuple[str, bool]]:

@@ -3,6 +3,7 @@ as text or token ids. Every refusal is a 400 naming the message or field at faul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,8 +13,9 @@ from typing import Any
 import jinja2
 
 from engine.errors import ApiError
+from engine.model.thinking import SWITCH
 from engine.server.content_parts import CHAT_PARTS, parts_text
-from engine.server.effort import openai_effort
+from engine.server.effort import openai_effort, openai_thinking
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
@@ -101,33 +103,45 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
     messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
     effort = openai_effort(req.reasoning_effort, "reasoning_effort")
-    return render_prompt(tokenizer, messages, tools, ids, effort), tools
+    return render_prompt(tokenizer, messages, tools, ids, effort, openai_thinking(req.reasoning_effort)), tools
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  ids: PromptIds | None = None, effort: str | None = None) -> RenderedPrompt:
+                  ids: PromptIds | None = None, effort: str | None = None,
+                  thinking: bool | None = None) -> RenderedPrompt:
     """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
     answers keep the ids the engine generated for them (engine.server.prompt_tokens). `effort`: the reasoning
-    effort asked for (engine.server.effort), which only the harmony format has a place for."""
+    effort asked for (engine.server.effort), which only the harmony format has a place for. `thinking`: whether the
+    request turned the model's thinking on or off (None: it did not say), which reaches a template that reads
+    `enable_thinking` and no other."""
     check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
     if getattr(tokenizer, "harmony", False):
         return _encode_harmony(tokenizer, messages, tools, ids, effort)
+    model = getattr(tokenizer, "thinking", None)
+    switch = thinking if model is not None and model.switch else None
+    prompt = _render(tokenizer, messages, tools, ids, {} if switch is None else {SWITCH: switch})
+    return prompt if model is None else dataclasses.replace(prompt, in_thought=model.starts_inside(switch))
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            ids: PromptIds | None, extra: dict[str, Any]) -> RenderedPrompt:
+    """The prompt through the model's own template; `extra`: variables the template reads beside the messages."""
     template = tokenizer.chat_template
     if template_renders_tools(template):
-        return _encode(tokenizer, messages, tools, ids)
+        return _encode(tokenizer, messages, tools, ids, extra)
     inline: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[dict[str, Any]]] = inline_tools
     if template_writes_deepseek_calls(template):  # it writes past calls and results itself, never the tool list
         inline = lambda msgs, offered: deepseek_tools(msgs, offered, template)  # noqa: E731
     if not tools:  # past calls and results still become text the template can show
-        return _encode(tokenizer, inline(messages, None), None, ids)
+        return _encode(tokenizer, inline(messages, None), None, ids, extra)
     # The template cannot show tools: they go into its system turn, unless that no longer fits the context; then
     # the model answers without them (as llama.cpp's server always does for such a template), and the log says so.
-    prompt = _encode(tokenizer, inline(messages, tools), None, ids)
+    prompt = _encode(tokenizer, inline(messages, tools), None, ids, extra)
     context = getattr(tokenizer, "context_tokens", None)
     if context is None or len(prompt.ids) < context:
         return prompt
-    without = _encode(tokenizer, inline(messages, None), None, ids)
+    without = _encode(tokenizer, inline(messages, None), None, ids, extra)
     log.warning("the %d tools offered take the prompt to %d tokens, past the context of %d, and this model's chat "
                 "template cannot show them more briefly: answering without them (%d tokens)", len(tools),
                 len(prompt.ids), context, len(without.ids))
@@ -135,9 +149,9 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
 
 
 def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            ids: PromptIds | None) -> RenderedPrompt:
+            ids: PromptIds | None, extra: dict[str, Any]) -> RenderedPrompt:
     try:
-        text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True)
+        text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True, **extra)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
@@ -145,7 +159,7 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
     prompt, dropped = encode_prompt(tokenizer, text, messages, ids)
     if ids is None:  # counting tokens: nothing is served, nothing to explain
         return RenderedPrompt(prompt)
-    rewritten = [c for c in (dropped, _history_rewritten(tokenizer, messages, tools, text)) if c is not None]
+    rewritten = [c for c in (dropped, _history_rewritten(tokenizer, messages, tools, text, extra)) if c is not None]
     if not rewritten:
         return RenderedPrompt(prompt)
     # The token the rewrite falls in (the text before it tokenized alone: near enough for a report).
@@ -170,7 +184,7 @@ def _encode_harmony(tokenizer: Any, messages: list[dict[str, Any]], tools: list[
 
 
 def _history_rewritten(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       text: str) -> int | None:
+                       text: str, extra: dict[str, Any]) -> int | None:
     """Where `text` stops beginning with the prompt of the conversation's previous turn (the messages before the last
     answer) rendered now, followed by that answer as it was returned, as a character position; None when it begins
     with them (the template only appends).
@@ -182,7 +196,7 @@ def _history_rewritten(tokenizer: Any, messages: list[dict[str, Any]], tools: li
     if last == 0:
         return None
     try:
-        earlier = tokenizer.render_chat(messages[:last], tools=tools, add_generation_prompt=True)
+        earlier = tokenizer.render_chat(messages[:last], tools=tools, add_generation_prompt=True, **extra)
     except (ValueError, TypeError, jinja2.TemplateError):
         return None  # a template that refuses a history ending where this one did: nothing to compare with
     answer = messages[last]

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from engine.errors import ApiError
 from engine.runtime.requests import GenerationRequest, SamplingParams, TokenEvent, Usage
 from engine.server.conversation_attrs import template_attrs
-from engine.server.effort import responses_effort
+from engine.server.effort import openai_thinking, responses_effort
 from engine.server.generation import (
     collect,
     failure,
@@ -120,7 +120,8 @@ def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]]
         raise ApiError(400, "'input' must contain at least one item", param="input")
     tools = function_tools(req)
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    prompt = render_prompt(tokenizer, instructions + history, tools, ids, responses_effort(req.reasoning))
+    prompt = render_prompt(tokenizer, instructions + history, tools, ids, responses_effort(req.reasoning),
+                           openai_thinking((req.reasoning or {}).get("effort")))
     return prompt, history, tools
 
 
@@ -168,15 +169,16 @@ async def responses(request: Request) -> Response:
     if refused is not None:
         return refused
     if req.stream:
-        return sse_response(_events(stream, request, turn, tools, engine.tokenizer))
+        return sse_response(_events(stream, request, turn, tools, engine.tokenizer, prompt.in_thought))
     try:
         text, final = await collect(stream, request)
     except ClientDisconnected:
         log.info("%s: client disconnected, request cancelled", turn.response_id)
         return Response(status_code=499)
-    remember_answer(request, engine.tokenizer, final)
-    parsed = parse_output(engine.tokenizer, text, tools)
-    body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex, reasoning_token_count(engine.tokenizer, final))
+    remember_answer(request, engine.tokenizer, final, prompt.in_thought)
+    parsed = parse_output(engine.tokenizer, text, tools, prompt.in_thought)
+    body = _finish(turn, parsed, final, "msg_" + uuid.uuid4().hex, reasoning_token_count(engine.tokenizer, final,
+                                                                                    prompt.in_thought))
     _store(request, turn, parsed, body)
     return JSONResponse(body)
 
@@ -249,14 +251,14 @@ class _Items:
         return out
 
 
-async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[str, Any]] | None, tokenizer: Any
-                  ) -> AsyncIterator[str]:
+async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[str, Any]] | None, tokenizer: Any,
+                  in_thought: bool) -> AsyncIterator[str]:
     """response.created / in_progress; a reasoning item whose text streams as deltas (a model that marks its
     reasoning), a message item whose output_text streams as deltas; a function_call item per call (its arguments as
     one delta); then response.completed (or .incomplete, or .failed)."""
     ev = _Events()
     items = _Items(ev, "msg_" + uuid.uuid4().hex)
-    reader = output_stream(tokenizer, tools)
+    reader = output_stream(tokenizer, tools, in_thought)
     final: TokenEvent | None = None
     yield ev("response.created", {"response": turn.body("in_progress", [])})
     yield ev("response.in_progress", {"response": turn.body("in_progress", [])})
@@ -282,7 +284,7 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
         yield ev("response.failed", {"response": turn.body("failed", [], error={
             "code": "server_error", "message": err.message})})
         return
-    remember_answer(request, tokenizer, final)
+    remember_answer(request, tokenizer, final, in_thought)
     rest, tool_calls = reader.finish()
     for piece in rest:
         for out in items.write(piece):
@@ -299,7 +301,7 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
         yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
                                                            "arguments": item["arguments"]})
         yield ev("response.output_item.done", {"output_index": i, "item": item})
-    body = _finish(turn, parsed, final, items.message_id, reasoning_token_count(tokenizer, final))
+    body = _finish(turn, parsed, final, items.message_id, reasoning_token_count(tokenizer, final, in_thought))
     _store(request, turn, parsed, body)
     yield ev("response.incomplete" if body["status"] == "incomplete" else "response.completed", {"response": body})
 
