@@ -181,8 +181,14 @@ def build_sparse_moe(
     assert m is not None and c.is_moe_layer(index), index
     p = f"{index}."
     e, inter, h = m.n_experts, m.expert_size, c.hidden_size
-    gate_up: Experts | None = get(p + "experts.gate_up")
     down: Experts | None = None
+    # A GGUF stack of gate and up rows fused (Gemma 4's ffn_gate_up_exps) stays in the file's blocks too.
+    gate_up: Experts | None = None if kquant is None else _file_kquant([p + "experts.gate_up"], (e, 2 * inter, h), kquant)
+    if gate_up is not None:
+        assert kquant is not None  # what found the fused stack
+        down = _file_kquant([p + "experts.down"], (e, h, inter), kquant)
+    else:
+        gate_up = get(p + "experts.gate_up")
     if gate_up is None and kquant is not None:
         # The order of the reads (gate, up, down) is that of the float path: the fingerprint stays the same.
         gate_up = _file_kquant([p + "experts.gate", p + "experts.up"], (e, 2 * inter, h), kquant)
@@ -292,9 +298,13 @@ def mlp_weights(config: ModelConfig, index: int) -> int:
 
 
 def routed_expert_weights(config: ModelConfig) -> int:
-    """Number of routed-expert weights of one MoE layer (gate, up and down of every expert; 0 without experts)."""
+    """Number of routed-expert weights of one MoE layer, or of a layer's expert block beside its MLP (Gemma 4's):
+    gate, up and down of every expert; 0 without experts."""
     m = config.moe
-    return 0 if m is None else m.n_experts * 3 * config.hidden_size * m.expert_size
+    if m is None:
+        n_experts, _, expert_size = config.parallel_experts
+        return n_experts * 3 * config.hidden_size * expert_size
+    return m.n_experts * 3 * config.hidden_size * m.expert_size
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp's names and metadata keys)
