@@ -17,7 +17,9 @@ import torch
 
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, int4, kquant_weight, load_model, moe_placement, plan_stages
+from engine.model.gemma4_experts import routed_config
 from engine.model.loader import read_model_config
+from engine.model.moe_config import MoeConfig
 from engine.model.moe_loading import routed_expert_weights
 from engine.model.planning import layer_bytes
 from engine.model.q8_weight import Q8Weight
@@ -79,6 +81,19 @@ def test_the_flags_place_the_block_beside_every_mlp(files):
     on_device = layer_bytes(config, torch.float32, 1, 0)
     in_ram = layer_bytes(config, torch.float32, 1, 0, frozenset(range(N_LAYERS)))
     assert on_device - in_ram == routed_expert_weights(config) * 4  # float32
+
+
+def test_the_shared_block_runs_geglu_experts_and_refuses_an_activation_it_does_not_know():
+    """Gemma 4's settings of the shared block: softmax top k renormalised, GeGLU; the SwiGLU families' identity
+    does not name the activation (theirs stays what it was)."""
+    gemma = routed_config((4, 2, 32))
+    gemma.check(N_LAYERS)
+    assert gemma.describe()["activation"] == "gelu_tanh" and (gemma.routing, gemma.norm_topk_prob) == ("softmax_topk", True)
+    assert "activation" not in MoeConfig(n_experts=4, top_k=2, expert_size=32, routing="softmax_topk",
+                                         norm_topk_prob=True).describe()
+    with pytest.raises(ValueError, match=r"expert activation 'relu': expected one of silu, gelu_tanh"):
+        MoeConfig(n_experts=4, top_k=2, expert_size=32, routing="softmax_topk", norm_topk_prob=True,
+                  activation="relu").check(N_LAYERS)
 
 
 @needs_int4
