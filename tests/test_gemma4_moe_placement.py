@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
 
 from engine.kv import KVBuffers, KVLayout
 from engine.model import SeqChunk, int4, kquant_weight, load_model, moe_placement, plan_stages
 from engine.model.gemma4_experts import routed_config
+from engine.model.gguf_dequant import q4_groups
 from engine.model.loader import read_model_config
 from engine.model.moe_config import MoeConfig
 from engine.model.moe_loading import routed_expert_weights
 from engine.model.planning import layer_bytes
 from engine.model.q8_weight import Q8Weight
+from tests.int4_kernels import dense, implied
 from tests.model_fixtures import write_tiny_gguf
 from tools.conversation_cache_parity import run_restart, run_scenario
 
@@ -159,6 +163,28 @@ def test_from_the_gguf_the_experts_stay_the_files_blocks(files):
         want = in_float.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(in_float), all_logits=True)[0]
         got = placed.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(placed), all_logits=True)[0]
     assert (got - want).abs().max().item() <= 2e-2
+
+
+@needs_int4
+def test_from_a_gguf_with_q4_0_experts_the_groups_are_the_files_codes(tmp_path):
+    """A fused ffn_gate_up_exps (and ffn_down_exps) in Q4_0: each expert's 4-bit groups are sliced from the file's
+    codes (no float round trip), and the logits stay within int4's tolerance of the file's values run in float."""
+    types = {name: "Q4_0" for name in Q8_EXPERTS}
+    gguf_path = write_tiny_gguf(tmp_path, "gemma4", quantize=False, tensor_types=types, **EXPERTS)
+    in_float, placed = _load(gguf_path), _load(gguf_path, frozenset(range(N_LAYERS)))
+    block = placed.model.layers[2].experts.moe
+    assert all(isinstance(w, int4.Int4Weight) for w in (*block.gate_up, *block.down))
+    # Expert 1's weight is built from the file's codes, scales and minimums (its slice of the fused stack).
+    t = next(x for x in GGUFReader(gguf_path).tensors if x.name == "blk.2.ffn_gate_up_exps.weight")
+    _, rows, cols = (int(x) for x in reversed(t.shape))
+    codes, scale, minimum = q4_groups(t.name, torch.from_numpy(np.array(t.data[1]).reshape(-1)), t.tensor_type,
+                                      (rows, cols))
+    assert torch.equal(dense(block.gate_up[1]), implied(block.gate_up[1], codes, scale, minimum))
+    ids = torch.tensor(placed.tokenizer.encode(TEXT))
+    with torch.inference_mode():
+        ref = in_float.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(in_float), all_logits=True)[0]
+        got = placed.model.forward_chunks([SeqChunk(0, 0, ids)], _kv(placed), all_logits=True)[0]
+    _close(got, ref, "Q4_0 experts")
 
 
 def _parity_base(model: str, storage: str) -> dict:
