@@ -103,7 +103,8 @@ class EngineConfig:
     )
     moe_experts: str = setting(
         "gpu", flag="--moe-experts", label="Experts on", kind="choice", group="model", choices=("gpu", "cpu"),
-        help="mixture-of-experts models: where the routed experts live; gpu: on their layer's device (--devices); "
+        help="mixture-of-experts models (and Gemma 4's expert block beside its MLP): where the routed experts live; "
+        "gpu: on their layer's device (--devices); "
         "cpu: every layer's experts in host RAM as 4-bit groups, run on the CPU for the tokens routed to them "
         "(attention, router and shared experts stay on the layer's device; their size is the expert arena, "
         "which the conversation cache's RAM budget must fit beside); ignored for models without experts",

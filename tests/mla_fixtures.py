@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
-from tests.moe_fixtures import _on_int4_grid
+from tests.model_fixtures import on_int4_grid, tiny_vocab_size, write_tokenizer_files
 
 MLA_ARCHS = ("deepseek_v3", "glm4_moe_lite")
 
@@ -60,7 +59,7 @@ def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, i
             if "norm" in pname:  # non-trivial norm weights, so a missing or misplaced norm shows
                 param.uniform_(0.5, 1.5)
             elif int4_grid and param.dim() >= 2 and param.shape[-1] % 32 == 0:
-                param.copy_(_on_int4_grid(param))
+                param.copy_(on_int4_grid(param))
         for bname, buf in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # a bias that changes which experts are chosen
                 buf.normal_(0.0, 0.3)

@@ -156,10 +156,21 @@ def tiny_hf_config(arch: str = "llama", **overrides):
     return classes[arch](**kwargs)
 
 
+def on_int4_grid(w):
+    """`w` rounded to min + scale * q (q in 0..15) per group of 32 along its last dimension."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp_min(1e-30)  # a constant group (the zero padding row) stays as it is
+    return (low + scale * ((groups - low) / scale).round()).reshape(w.shape)
+
+
 def write_tiny_model(
-    tmp_path: str | os.PathLike, arch: str = "llama", *, name: str | None = None, seed: int = 0, **overrides
+    tmp_path: str | os.PathLike, arch: str = "llama", *, name: str | None = None, seed: int = 0,
+    int4_grid_experts: bool = False, **overrides
 ) -> str:
-    """Write a random-weight `arch` model (HF layout, safetensors) under tmp_path; returns the folder path."""
+    """Write a random-weight `arch` model (HF layout, safetensors) under tmp_path; returns the folder path. With
+    `int4_grid_experts` the expert stacks (Gemma 4's) lie on a 4-bit grid, so experts packed as 4-bit groups lose
+    nothing but the kernel's bfloat16 activations."""
     import torch
     import transformers
 
@@ -178,6 +189,8 @@ def write_tiny_model(
                 param.normal_(0.0, 0.5)
             elif pname.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router scales: not all 1
                 param.uniform_(0.5, 1.5)
+            elif int4_grid_experts and pname.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                param.copy_(on_int4_grid(param))
         for bname, buf in model.named_buffers():
             if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scalar: not 1, so it shows
                 buf.uniform_(0.5, 1.5)

@@ -14,7 +14,13 @@ import re
 import zlib
 from pathlib import Path
 
-from tests.model_fixtures import TINY_SIZES, add_tiny_tokenizer, tiny_vocab_size, write_tokenizer_files
+from tests.model_fixtures import (
+    TINY_SIZES,
+    add_tiny_tokenizer,
+    on_int4_grid,
+    tiny_vocab_size,
+    write_tokenizer_files,
+)
 
 MOE_ARCHS = ("qwen3_moe", "olmoe", "mixtral", "granitemoe", "qwen2_moe")
 
@@ -97,7 +103,7 @@ def write_tiny_moe_model(root: str | os.PathLike, arch: str, *, name: str | None
             elif same_router_rows and param.dim() == 2 and param.shape[0] == N_EXPERTS:
                 param.copy_(param[:1].expand_as(param))
             elif int4_grid and param.dim() >= 2 and param.shape[-1] % 32 == 0:
-                param.copy_(_on_int4_grid(param))
+                param.copy_(on_int4_grid(param))
         for bname, buf in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # GLM: a bias that changes which experts are chosen
                 buf.normal_(0.0, 0.3)
@@ -129,14 +135,6 @@ def _add_mtp_layers(folder: Path, config) -> None:
         for norm in ("enorm", "hnorm", "shared_head.norm"):
             tensors[p + norm + ".weight"] = 1.0 + 0.1 * torch.randn(hidden)
     save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _on_int4_grid(w):
-    """`w` rounded to min + scale * q (q in 0..15) per group of 32 along its last dimension."""
-    groups = w.reshape(*w.shape[:-1], -1, 32)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp_min(1e-30)  # a constant group (the zero padding row) stays as it is
-    return (low + scale * ((groups - low) / scale).round()).reshape(w.shape)
 
 
 _GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",

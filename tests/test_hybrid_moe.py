@@ -45,10 +45,10 @@ def _experts_on_int4_grid(folder: str) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    from tests.moe_fixtures import _on_int4_grid
+    from tests.model_fixtures import on_int4_grid
 
     file = os.path.join(folder, "model.safetensors")
-    weights = {k: _on_int4_grid(w) if ".mlp.experts." in k else w for k, w in load_file(file).items()}
+    weights = {k: on_int4_grid(w) if ".mlp.experts." in k else w for k, w in load_file(file).items()}
     save_file(weights, file, metadata={"format": "pt"})
     return folder
 

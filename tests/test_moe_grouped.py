@@ -42,21 +42,24 @@ def _routing(tokens: int, n_experts: int, top_k: int, hidden: int, gen: torch.Ge
     return h, weights, experts
 
 
-def _loop(h, experts, weights, gate_up, down, n_single: int = 0):
+def _loop(h, experts, weights, gate_up, down, n_single: int = 0, activation: str = "silu"):
     return grouped_experts(h, experts, weights, n_single, gate_up.shape[0],
-                           lambda x, e, n_one: _mlp(x, gate_up[e], down[e], n_one))
+                           lambda x, e, n_one: _mlp(x, gate_up[e], down[e], n_one, activation=activation))
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no torch._grouped_mm")
-@pytest.mark.parametrize(("tokens", "n_experts", "top_k"), [(1, 8, 2), (37, 8, 2), (3, 16, 4), (64, 4, 4)])
-def test_grouped_gemms_compute_what_the_per_expert_loop_computes(tokens, n_experts, top_k):
-    """Few tokens over many experts (experts with no rows), many tokens over few, every expert chosen."""
+@pytest.mark.parametrize(("tokens", "n_experts", "top_k", "activation"),
+                         [(1, 8, 2, "silu"), (37, 8, 2, "silu"), (3, 16, 4, "silu"), (64, 4, 4, "silu"),
+                          (37, 8, 2, "gelu_tanh")])
+def test_grouped_gemms_compute_what_the_per_expert_loop_computes(tokens, n_experts, top_k, activation):
+    """Few tokens over many experts (experts with no rows), many tokens over few, every expert chosen; GeGLU
+    experts (Gemma 4's) as well as SwiGLU ones."""
     gen = torch.Generator().manual_seed(tokens * 100 + n_experts)
     hidden, inter = 64, 32
     gate_up, down = _experts(n_experts, hidden, inter, torch.float32, gen)
     h, weights, experts = _routing(tokens, n_experts, top_k, hidden, gen)
-    expected = _loop(h, experts, weights, gate_up, down)
-    got = grouped_mm_experts(h, experts, weights, gate_up, down)
+    expected = _loop(h, experts, weights, gate_up, down, activation=activation)
+    got = grouped_mm_experts(h, experts, weights, gate_up, down, activation)
     assert got.shape == h.shape and got.dtype == h.dtype
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

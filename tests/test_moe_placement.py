@@ -129,9 +129,9 @@ def test_prefill_runs_each_chosen_expert_once_over_all_its_tokens(grid_models, m
     chosen: list[int] = []
     real_mlp, real_route = moe._mlp, moe.route
 
-    def counting_mlp(x, gate_up, down, n_single):
+    def counting_mlp(x, gate_up, down, n_single, **options):
         calls.append(x.shape[0])
-        return real_mlp(x, gate_up, down, n_single)
+        return real_mlp(x, gate_up, down, n_single, **options)
 
     def recording_route(logits, config, bias=None):
         weights, experts = real_route(logits, config, bias)

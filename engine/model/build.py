@@ -12,10 +12,10 @@ from gguf import GGMLQuantizationType
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, kquant_weight, mla, moe_loading, moe_offload, q8_output, q8_weight
+from engine.model import int4, kquant_weight, mla, moe, moe_loading, moe_offload, q8_output, q8_weight
 from engine.model.config import ModelConfig
 from engine.model.gemma4 import proportional_factors
-from engine.model.gemma4_experts import Gemma4Experts
+from engine.model.gemma4_experts import ExpertShape, Gemma4Experts, routed_config
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
@@ -241,21 +241,26 @@ def build_model(
             if spec.attention.bias:
                 bqkv = torch.cat((need(p + "q_bias", (q_rows,), device), need(p + "k_bias", (kv_rows,), device),
                                   need(p + "v_bias", (kv_rows,), device)))
-            moe = None
-            if spec.mlp.experts is not None:  # a sparse expert block instead of the dense MLP
-                def to_layer(t: torch.Tensor, d: torch.device = device) -> torch.Tensor:
-                    return t.to(device=d, dtype=dtype).contiguous()
 
-                def to_host(t: torch.Tensor) -> torch.Tensor:  # experts placed in host RAM never visit `device`
-                    return t.to(device=cpu, dtype=dtype).contiguous()
+            def sparse_block(block_shape: moe_loading.MoeShape, d: torch.device = device, index: int = i) -> moe.SparseMoe:
+                """Layer i's router and routed experts, the experts in host RAM when placed there."""
+                def to_layer(weight: torch.Tensor) -> torch.Tensor:
+                    return weight.to(device=d, dtype=dtype).contiguous()
+
+                def to_host(weight: torch.Tensor) -> torch.Tensor:  # experts placed in host RAM never visit `device`
+                    return weight.to(device=cpu, dtype=dtype).contiguous()
 
                 # Experts that end up as 4-bit groups take a Q4 file's own codes, not a float round trip.
-                packed = i in cpu_experts or (int4_weights and device.type == "cpu")
-                moe = moe_loading.build_sparse_moe(
-                    c, i, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu), to_layer, path,
-                    to_experts=to_host if i in cpu_experts else to_layer, groups=groups if packed else None,
+                packed = index in cpu_experts or (int4_weights and d.type == "cpu")
+                return moe_loading.build_sparse_moe(
+                    block_shape, index, lambda key: get(key, cpu, dtype), lambda key, shape: need(key, shape, cpu),
+                    to_layer, path, to_experts=to_host if index in cpu_experts else to_layer, groups=groups if packed else None,
                     kquant=kquant if packed else None, dtype=dtype,
                 )
+
+            routed = None
+            if spec.mlp.experts is not None:  # a sparse expert block instead of the dense MLP
+                routed = sparse_block(c)
             else:
                 w["w_gate_up"] = projection(p + "w_gate_up", [(p + "gate", (inter, hidden)), (p + "up", (inter, hidden))], device)
             q_norm = k_norm = None
@@ -267,21 +272,19 @@ def build_model(
             o_cols = q_rows if c.mla is None else c.n_heads * c.mla.v_head_dim
             w["wo"] = projection(p + "wo", [(p + "o", (hidden, o_cols))], device)
             mlp_norm = need(p + "mlp_norm", (hidden,), device)
-            if moe is None:
+            if routed is None:
                 w["w_down"] = projection(p + "w_down", [(p + "down", (hidden, inter))], device)
             post: dict[str, Any] = {}
             if spec.norm.post:  # the norms on the attention and MLP outputs
                 post = {name: need(p + name, (hidden,), device) for name in ("post_attn_norm", "post_mlp_norm")}
             if spec.scaled:  # Gemma 4's scalar on the layer's output
                 post["layer_scalar"] = need(p + "layer_scalar", (1,), device)
-            if spec.parallel_experts:  # Gemma 4's expert block beside the dense MLP (kept as read: float)
-                n_exp, top_k, size = c.parallel_experts
+            expert_block = routed
+            if spec.parallel_experts:  # Gemma 4's expert block beside the dense MLP: the shared block inside
+                expert_block = sparse_block(ExpertShape(routed_config(c.parallel_experts), hidden))
                 post["experts"] = Gemma4Experts(
-                    top_k=top_k, eps=c.rms_norm_eps, router=need(p + "router", (n_exp, hidden), device),
-                    router_scale=need(p + "router_scale", (hidden,), device),
-                    expert_scale=need(p + "expert_scale", (n_exp,), device),
-                    gate_up=need(p + "experts_gate_up", (n_exp, 2 * size, hidden), device),
-                    down=need(p + "experts_down", (n_exp, hidden, size), device),
+                    routed=expert_block, eps=c.rms_norm_eps, router_scale=need(p + "router_scale", (hidden,), device),
+                    expert_scale=need(p + "expert_scale", (c.parallel_experts[0],), device),
                     pre_norm=need(p + "experts_norm", (hidden,), device),
                     post_mlp_norm=need(p + "post_mlp_norm_1", (hidden,), device),
                     post_experts_norm=need(p + "post_experts_norm", (hidden,), device))
@@ -294,15 +297,15 @@ def build_model(
                 post["bo"] = need(p + "o_bias", (hidden,), device)
             # w_gate_up/w_down None: the experts replace them (the cast: a dict of mixed keyword values).
             layer = DecoderLayer(c, spec, attn_norm=attn_norm, bqkv=bqkv, mlp_norm=mlp_norm, q_norm=q_norm, k_norm=k_norm,
-                                 moe=moe, mla=latent, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
+                                 moe=routed, mla=latent, **post, **cast(dict[str, Any], {"w_gate_up": None, "w_down": None}
                                                  | {name: placeholder(t) for name, t in w.items()}))
             for name, t in w.items():
                 if isinstance(t, (Int4Weight, RowsWeight)):
                     int4.install(layer, name, t)
-            if moe is not None and int4_weights and device.type == "cpu":
-                moe.quantize_experts()  # the experts as 4-bit groups, one Int4Weight per expert and matrix
-            elif moe is not None and i in cpu_experts:
-                moe.quantize_experts(shared=False)  # the shared expert runs where the layer runs, as it is
+            if expert_block is not None and int4_weights and device.type == "cpu":
+                expert_block.quantize_experts()  # the experts as 4-bit groups, one Int4Weight per expert and matrix
+            elif expert_block is not None and i in cpu_experts:
+                expert_block.quantize_experts(shared=False)  # the shared expert runs where the layer runs, as it is
             layers.append(layer)
             # The layer's temporaries were freed among the kept weights; without this the heap keeps their
             # pages (~100 MB for SmolLM2 in int4, half its weights).

@@ -162,6 +162,8 @@ def _native_experts_decline(moe: SparseMoe) -> str | None:
     c = moe.config
     if (c.routing, c.norm_topk_prob) not in ROUTINGS:
         return f"{c.routing} routing (experts.h routes by softmax only)"
+    if c.activation != "silu":
+        return f"{c.activation} experts (experts.c runs SwiGLU ones)"
     stacks = (moe.gate_up, moe.down)
     if any(isinstance(w, torch.Tensor) or not all(is_native(x) and type(x) is type(w[0]) for x in w) for w in stacks):
         return "experts not in the native 4-bit blocks"

@@ -46,8 +46,8 @@ _GEMMA4_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "layer_output_scale.weight": "layer_
                        "proj.weight": "ple_proj", "post_norm.weight": "ple_norm",
                        # the expert block beside the MLP (gemma4_experts.py), as llama.cpp's converter names it
                        "ffn_gate_inp.weight": "router", "ffn_gate_inp.scale": "router_scale",
-                       "ffn_down_exps.scale": "expert_scale", "ffn_gate_up_exps.weight": "experts_gate_up",
-                       "ffn_down_exps.weight": "experts_down", "pre_ffw_norm_2.weight": "experts_norm",
+                       "ffn_down_exps.scale": "expert_scale", "ffn_gate_up_exps.weight": "experts.gate_up",
+                       "ffn_down_exps.weight": "experts.down", "pre_ffw_norm_2.weight": "experts_norm",
                        "post_ffw_norm_1.weight": "post_mlp_norm_1", "post_ffw_norm_2.weight": "post_experts_norm"}
 _GEMMA4_GLOBAL_NAMES = {"per_layer_token_embd.weight": "ple_embed", "per_layer_model_proj.weight": "ple_model_proj",
                         "per_layer_proj_norm.weight": "ple_proj_norm"}

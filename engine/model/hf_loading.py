@@ -56,8 +56,8 @@ _GEMMA4_GLOBAL_NAMES = {"model.embed_tokens_per_layer.weight": "ple_embed",
 _GEMMA4_LAYER_NAMES = {**_GEMMA_LAYER_NAMES, "per_layer_input_gate.weight": "ple_gate",
                        "per_layer_projection.weight": "ple_proj", "post_per_layer_input_norm.weight": "ple_norm",
                        "layer_scalar": "layer_scalar", "router.proj.weight": "router", "router.scale": "router_scale",
-                       "router.per_expert_scale": "expert_scale", "experts.gate_up_proj": "experts_gate_up",
-                       "experts.down_proj": "experts_down", "post_feedforward_layernorm_1.weight": "post_mlp_norm_1",
+                       "router.per_expert_scale": "expert_scale", "experts.gate_up_proj": "experts.gate_up",
+                       "experts.down_proj": "experts.down", "post_feedforward_layernorm_1.weight": "post_mlp_norm_1",
                        "pre_feedforward_layernorm_2.weight": "experts_norm",
                        "post_feedforward_layernorm_2.weight": "post_experts_norm"}
 

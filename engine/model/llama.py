@@ -294,7 +294,9 @@ class CausalLM(torch.nn.Module):
     def expert_bytes(self) -> int:
         """Resident bytes of the routed experts' weights, the expert arena (0 for a dense model)."""
         layers = cast(Iterable[DecoderLayer], self.layers)
-        return sum(layer.moe.expert_bytes for layer in layers if layer.moe is not None)
+        blocks = [layer.moe if layer.moe is not None else layer.experts.moe if layer.experts is not None else None
+                  for layer in layers]  # Gemma 4's block beside the MLP too
+        return sum(b.expert_bytes for b in blocks if b is not None)
 
     @torch.inference_mode()
     def forward_chunks(

@@ -5,6 +5,9 @@ by the routing weights. Tokens are grouped by expert: each expert that any token
 matmul over all the rows routed to it (a prefill of 1000 tokens makes at most n_experts expert calls, not
 1000 * top_k). Qwen2-MoE adds a shared expert that every token runs, behind a sigmoid gate; GLM-4.x MoE one
 without a gate, added as it is. gpt-oss biases its router and its experts, and clamps its SwiGLU (`clamped_mlp`).
+Gemma 4's expert block sits beside its dense MLP (engine/model/gemma4_experts.py): it routes from its own norm of
+the residual and runs GeGLU experts (`MoeConfig.activation`) through `SparseMoe.run_routed`, the part below that
+knows where the experts live.
 
 Numerics follow transformers exactly: the same routing ops on the same values in the same order (so ties
 between equal router scores go the same way: torch.topk on the float32 probabilities over experts in index
@@ -82,11 +85,19 @@ def keep_top_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torc
     return choice.masked_fill(~mask.bool(), float("-inf"))
 
 
-def _mlp(x: torch.Tensor, gate_up, down, n_single: int, fast: bool = False) -> torch.Tensor:
-    """SwiGLU over fused [gate; up] rows: down(silu(gate x) * up x)."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# MoeConfig.activation -> the gate's activation.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
+def _mlp(x: torch.Tensor, gate_up, down, n_single: int, fast: bool = False, activation: str = "silu") -> torch.Tensor:
+    """A gated MLP over fused [gate; up] rows: down(act(gate x) * up x), SwiGLU unless `activation` says."""
     gu = linear(x, gate_up, n_single, fast=fast)
     inter = gu.shape[1] // 2
-    return linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, n_single, fast=fast)
+    return linear(_ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:], down, n_single, fast=fast)
 
 
 def clamped_mlp(x: torch.Tensor, gate_up, down, n_single: int, gate_up_bias: torch.Tensor,
@@ -188,25 +199,30 @@ class SparseMoe(torch.nn.Module):
         logits = linear(h, self.router, n_single, self.router_bias, fast=fast)
         n_experts = self.config.n_experts
         weights, experts = route(logits[:, :n_experts], self.config, self.expert_bias)
-        where = self.expert_device
-        if fast and self.grouped_ready:
-            assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)  # grouped_ready
-            out = grouped_mm_experts(h, experts, weights.to(h.dtype), self.gate_up, self.down)
-        elif fast and self.offload_rows(h):
-            out = self._routed_here(h, experts, weights.to(h.dtype), n_single)
-        else:
-            # Experts run where their weights are (host RAM beside a GPU) and in the dtype their products give
-            # (float32 for the 4- and 8-bit kinds, whatever the layer's dtype): the hidden states and the routing
-            # go to them, their weighted sum comes back in the layer's device and dtype.
-            dtype = self.expert_dtype
-            out = self._routed(h.to(where, dtype), experts.to(where), weights.to(where, dtype), n_single)
-            out = out.to(h.device, h.dtype)
+        out = self.run_routed(h, experts, weights, n_single, fast=fast)
         if self.shared_gate_up is not None:
             shared = _mlp(h, self.shared_gate_up, self.shared_down, n_single, fast).to(h.dtype)  # 4-bit: float32
             if self.config.shared_gated:
                 shared = _sigmoid_column(logits[:, n_experts:]) * shared
             out = out + shared
         return out
+
+    def run_routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int, *,
+                   fast: bool = False) -> torch.Tensor:
+        """The routed experts' weighted sum for h [tokens, hidden] routed to `experts` [tokens, k] with `weights`
+        [tokens, k] (float32), in h's device and dtype, wherever the experts live (the router's part is the
+        caller's: `forward`, or a block that routes from another input, Gemma 4's)."""
+        if fast and self.grouped_ready:
+            assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)  # grouped_ready
+            return grouped_mm_experts(h, experts, weights.to(h.dtype), self.gate_up, self.down, self.config.activation)
+        if fast and self.offload_rows(h):
+            return self._routed_here(h, experts, weights.to(h.dtype), n_single)
+        # Experts run where their weights are (host RAM beside a GPU) and in the dtype their products give
+        # (float32 for the 4- and 8-bit kinds, whatever the layer's dtype): the hidden states and the routing
+        # go to them, their weighted sum comes back in the layer's device and dtype.
+        where, dtype = self.expert_device, self.expert_dtype
+        out = self._routed(h.to(where, dtype), experts.to(where), weights.to(where, dtype), n_single)
+        return out.to(h.device, h.dtype)
 
     def _routed(self, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_single: int) -> torch.Tensor:
         c = self.config
@@ -218,7 +234,8 @@ class SparseMoe(torch.nn.Module):
                                    lambda x, e, n_one: clamped_mlp(x, self.gate_up[e], self.down[e], n_one,
                                                                    gate_up_bias[e], down_bias[e], limit, alpha))
         return grouped_experts(h, experts, weights, n_single, c.n_experts,
-                               lambda x, e, n_one: _mlp(x, self.gate_up[e], self.down[e], n_one))
+                               lambda x, e, n_one: _mlp(x, self.gate_up[e], self.down[e], n_one,
+                                                        activation=c.activation))
 
     def offload_rows(self, h: torch.Tensor) -> bool:
         """Whether the step's `h` is a batch big enough to bring experts kept in host RAM to h's GPU for it
@@ -233,7 +250,7 @@ class SparseMoe(torch.nn.Module):
 
         def run(x: torch.Tensor, e: int, n_one: int) -> torch.Tensor:
             gate_up, down = here.weights(e)
-            return _mlp(x, gate_up, down, n_one, fast=True)
+            return _mlp(x, gate_up, down, n_one, fast=True, activation=self.config.activation)
 
         return grouped_experts(h, experts, weights, n_single, self.config.n_experts, run)
 
@@ -335,7 +352,8 @@ def grouped_mm_usable(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
 
 
 def grouped_mm_experts(
-    h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """`grouped_experts`' result (up to the GEMM kernel's rounding) as two grouped GEMMs over all experts.
 
@@ -355,7 +373,7 @@ def grouped_mm_experts(
     x = h.index_select(0, order // k)
     gu = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets)
     inter = gu.shape[1] // 2
-    y = torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], down.transpose(1, 2), offs=offsets)
+    y = torch._grouped_mm(_ACTIVATIONS[activation](gu[:, :inter]) * gu[:, inter:], down.transpose(1, 2), offs=offsets)
     terms = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1) * weights.unsqueeze(2)
     out = terms[:, 0]
     for j in range(1, k):  # one add at a time in h's dtype, as index_add_ accumulates expert by expert

@@ -1,5 +1,5 @@
 """The expert settings of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GraniteMoE,
-GLM-4.x MoE, gpt-oss).
+GLM-4.x MoE, gpt-oss; and Gemma 4's expert block beside its dense MLP, engine/model/gemma4_experts.py).
 
 Kept apart from config.py so the dense families' shape stays as it was: a dense ModelConfig has `moe=None` and
 describes itself exactly as before; a MoE one carries a MoeConfig, which is part of the identity of its K/V.
@@ -24,10 +24,14 @@ MOE_ARCHITECTURES = families.names("moe")
 #                 experts are chosen only among the topk_group groups (of n_experts / n_group consecutive
 #                 experts) whose two best sigmoid + bias values sum highest (GLM-4.x MoE, Nemotron-H).
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_bias")
+# The gate's activation of an expert's gated MLP, down(act(gate x) * up x): SiLU (SwiGLU) in every family but
+# Gemma 4, whose experts are GeGLU with the tanh GeLU.
+ACTIVATIONS = ("silu", "gelu_tanh")
 # Fields a family without them leaves at these defaults; describe() omits them then, so the identity of the
 # parked K/V of the families from before them stays what it was.
 _OPTIONAL_DEFAULTS = {"routed_scaling": 1.0, "norm_eps": 0.0, "n_group": 1, "topk_group": 1, "shared_gated": True,
-                      "router_bias": False, "expert_biases": False, "swiglu_limit": None, "swiglu_alpha": None}
+                      "router_bias": False, "expert_biases": False, "swiglu_limit": None, "swiglu_alpha": None,
+                      "activation": "silu"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class MoeConfig:
     expert_biases: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    activation: str = "silu"  # the gate's activation (ACTIVATIONS)
 
     @property
     def clamped_swiglu(self) -> bool:
@@ -105,6 +110,10 @@ class MoeConfig:
             if self.top_k > self.topk_group * (self.n_experts // self.n_group):
                 raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of the topk_group "
                                  f"({self.topk_group}) groups kept ({self.topk_group * (self.n_experts // self.n_group)})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
+        if self.activation != "silu" and self.clamped_swiglu:
+            raise ValueError("the clamped SwiGLU is a SiLU gate: expected activation silu with swiglu_limit")
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
             raise ValueError("swiglu_limit and swiglu_alpha: expected both (a clamped SwiGLU) or neither")
         if self.expert_biases != self.clamped_swiglu:

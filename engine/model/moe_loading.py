@@ -181,13 +181,24 @@ def build_sparse_moe(
     assert m is not None and c.is_moe_layer(index), index
     p = f"{index}."
     e, inter, h = m.n_experts, m.expert_size, c.hidden_size
-    gate_up: Experts | None = get(p + "experts.gate_up")
     down: Experts | None = None
+    # A GGUF stack of gate and up rows fused (Gemma 4's ffn_gate_up_exps) stays in the file's blocks too.
+    gate_up: Experts | None = None if kquant is None else _file_kquant([p + "experts.gate_up"], (e, 2 * inter, h), kquant)
+    packable = groups is not None and int4.can_pack(2 * inter, h) and int4.can_pack(h, inter)
+    if gate_up is not None:
+        assert kquant is not None  # what found the fused stack
+        down = _file_kquant([p + "experts.down"], (e, h, inter), kquant)
+    elif packable:  # ... and one held as 4-bit groups (Q4_0, Q4_1) gives its own codes
+        assert groups is not None  # packable
+        gate_up = _fused_groups(p + "experts.gate_up", (e, 2 * inter, h), get, groups, dtype, path)
+    if gate_up is None:
+        gate_up = get(p + "experts.gate_up")
     if gate_up is None and kquant is not None:
         # The order of the reads (gate, up, down) is that of the float path: the fingerprint stays the same.
         gate_up = _file_kquant([p + "experts.gate", p + "experts.up"], (e, 2 * inter, h), kquant)
         down = _file_kquant([p + "experts.down"], (e, h, inter), kquant)
-    if groups is not None and int4.can_pack(2 * inter, h) and int4.can_pack(h, inter):
+    if packable:
+        assert groups is not None  # packable
         if gate_up is None:
             gate_up = _packed_experts([p + "experts.gate", p + "experts.up"], (e, inter, h), get, groups, dtype, path)
         if down is None and not isinstance(gate_up, torch.Tensor):
@@ -246,6 +257,14 @@ def _file_kquant(keys: list[str], shape: tuple[int, int, int], kquant: KQuantGet
     return None if found is None else kquant_weight.expert_rows(found[0], found[1], shape)
 
 
+def _fused_groups(key: str, shape: tuple[int, int, int], get: Getter, groups: GroupsGetter, dtype: torch.dtype,
+                  path: str) -> list[int4.Int4Weight] | None:
+    """A fused expert stack `key` as one Int4Weight per expert from the file's own 4-bit groups; None, reading
+    nothing, when the file has no such stack in 4-bit groups."""
+    found = groups(key)
+    return None if found is None else _packed_experts([key], shape, get, lambda _: found, dtype, path)
+
+
 def _packed_experts(keys: list[str], shape: tuple[int, int, int], get: Getter, groups: GroupsGetter,
                     dtype: torch.dtype, path: str) -> list[int4.Int4Weight]:
     """The expert stacks `keys` (each of `shape` [n_experts, rows, cols]) fused by rows, as one Int4Weight per
@@ -292,9 +311,13 @@ def mlp_weights(config: ModelConfig, index: int) -> int:
 
 
 def routed_expert_weights(config: ModelConfig) -> int:
-    """Number of routed-expert weights of one MoE layer (gate, up and down of every expert; 0 without experts)."""
+    """Number of routed-expert weights of one MoE layer, or of a layer's expert block beside its MLP (Gemma 4's):
+    gate, up and down of every expert; 0 without experts."""
     m = config.moe
-    return 0 if m is None else m.n_experts * 3 * config.hidden_size * m.expert_size
+    if m is None:
+        n_experts, _, expert_size = config.parallel_experts
+        return n_experts * 3 * config.hidden_size * expert_size
+    return m.n_experts * 3 * config.hidden_size * m.expert_size
 
 
 # ---------------------------------------------------------------- GGUF (llama.cpp's names and metadata keys)

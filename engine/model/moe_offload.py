@@ -123,7 +123,7 @@ def pin_host_experts(layers: Iterable[Any]) -> int:
     cudart = torch.cuda.cudart()
     done = 0
     for layer in layers:
-        moe = getattr(layer, "moe", None)
+        moe = routed_block(layer)
         if moe is None or not offloadable(moe.gate_up, moe.down):
             continue
         pinned = []
@@ -146,12 +146,20 @@ def _unregister(pointers: list[int]) -> None:
         cudart.cudaHostUnregister(ptr)
 
 
+def routed_block(layer: object) -> Any:
+    """A decoder layer's routed expert block (moe.SparseMoe): its `moe` (experts instead of the MLP), or the one
+    inside its `experts` (Gemma 4's, beside the MLP); None for a layer without experts. Looked up by name: moe.py
+    imports this module."""
+    block = getattr(layer, "moe", None)
+    return block if block is not None else getattr(getattr(layer, "experts", None), "moe", None)
+
+
 def offloads(layers: Iterable[Any]) -> bool:
     """Whether any of a model's layers brings its experts from host RAM to a GPU for long batches (the shared
     SparseMoe's experts held as file blocks beside a CUDA layer)."""
     for layer in layers:
-        moe = getattr(layer, "moe", None)
-        router = getattr(moe, "router", None)
+        moe = routed_block(layer)
+        router = getattr(moe, "router", None)  # by name: Nemotron-H's block has up and down stacks, no gate_up
         if (isinstance(router, torch.Tensor) and router.device.type == "cuda"
                 and offloadable(getattr(moe, "gate_up", None), getattr(moe, "down", None))):
             return True

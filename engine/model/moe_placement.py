@@ -26,6 +26,7 @@ import torch
 from engine.model import int4
 from engine.model.kquant_weight import KQuantWeight
 from engine.model.moe_loading import routed_expert_weights
+from engine.model.moe_offload import routed_block
 from engine.model.q8_weight import Q8Weight
 
 log = logging.getLogger("strata.engine")
@@ -44,8 +45,10 @@ def cpu_expert_layers(config: Any, experts: str, cpu_layers: int) -> frozenset[i
         raise ValueError(f"--moe-experts: expected one of {', '.join(EXPERT_PLACES)}, got {experts!r}")
     if cpu_layers < 0:
         raise ValueError(f"--moe-cpu-layers: expected a whole number >= 0, got {cpu_layers}")
-    moe = getattr(config, "moe", None)
-    if moe is None:
+    expert_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
+    if not expert_layers and any(getattr(config, "parallel_experts", ())):  # Gemma 4: a block beside every MLP
+        expert_layers = list(range(config.n_layers))
+    if not expert_layers:
         if experts != "gpu" or cpu_layers:
             log.warning("--moe-experts %s --moe-cpu-layers %d ignored: %s has no experts", experts, cpu_layers,
                         config.architecture)
@@ -61,7 +64,7 @@ def cpu_expert_layers(config: Any, experts: str, cpu_layers: int) -> frozenset[i
         if cpu_layers > n:
             raise ValueError(f"--moe-cpu-layers {cpu_layers}: the model has {n} layers; expected 0 to {n}")
         count = cpu_layers
-    return frozenset(i for i in range(count) if config.is_moe_layer(i))
+    return frozenset(i for i in expert_layers if i < count)
 
 
 def check_cpu_experts(config: Any, layers: frozenset[int], available: int) -> None:
@@ -86,15 +89,15 @@ def check_cpu_experts(config: Any, layers: frozenset[int], available: int) -> No
 def arena_bytes(layers: Iterable[Any]) -> int:
     """Bytes of routed-expert weights resident in host RAM (the expert arena) among decoder `layers`: every
     expert of a CPU model, the placed layers' experts of a GPU one; 0 for a dense model."""
-    return sum(layer.moe.expert_bytes for layer in layers
-               if getattr(layer, "moe", None) is not None and layer.moe.expert_device.type == "cpu")
+    blocks = (routed_block(layer) for layer in layers)
+    return sum(b.expert_bytes for b in blocks if b is not None and b.expert_device.type == "cpu")
 
 
 def describe(layers: Iterable[Any]) -> dict[str, Any]:
     """Where each expert layer's experts are and how they are stored, for the cache identity (K/V computed with
     4-bit experts differs from K/V computed with float ones); empty for a dense model, whose identity keeps its
     old form."""
-    placed = [(i, layer.moe) for i, layer in enumerate(layers) if getattr(layer, "moe", None) is not None]
+    placed = [(i, b) for i, layer in enumerate(layers) if (b := routed_block(layer)) is not None]
     if not placed:
         return {}
     return {"experts": [f"{i}:{m.expert_device.type}:{_format(m)}" for i, m in placed]}

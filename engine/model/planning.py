@@ -80,7 +80,8 @@ def _one_layer_weights(c: ModelConfig, i: int, cpu_experts: frozenset[int]) -> i
     else:
         mlp = 3 * c.hidden_size * c.mlp_size(i)
     n_experts, _, expert_size = c.parallel_experts  # Gemma 4's block beside the MLP, with its router
-    mlp += n_experts * (3 * c.hidden_size * expert_size + c.hidden_size) + 2 * c.per_layer_input * c.hidden_size
+    on_device = 0 if i in cpu_experts else 3 * c.hidden_size * expert_size  # its experts in host RAM when placed
+    mlp += n_experts * (on_device + c.hidden_size) + 2 * c.per_layer_input * c.hidden_size
     weights = (q_rows + 2 * kv_rows) * c.hidden_size + c.hidden_size * q_rows + mlp
     weights += 2 * c.hidden_size + (q_rows + 2 * kv_rows if c.attention_bias else 0)
     if c.mla is not None:  # the latent projections instead (engine/model/mla.py)
