@@ -161,7 +161,7 @@ def _native_experts_decline(moe: SparseMoe) -> str | None:
     """Why experts.c cannot run this expert block (None: it can)."""
     c = moe.config
     if (c.routing, c.norm_topk_prob) not in ROUTINGS:
-        return f"{c.routing} routing (experts.h routes by softmax only)"
+        return f"{c.routing} routing (not one of experts.h's)"
     if c.activation != "silu":
         return f"{c.activation} experts (experts.c runs SwiGLU ones)"
     stacks = (moe.gate_up, moe.down)
