@@ -52,15 +52,17 @@ def from_json(text: str) -> list[Conversation]:
         messages = item.get("messages") if isinstance(item, dict) else None
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-                for m in messages):
-            raise ValueError(f"conversation {n}: expected messages with a role and a text content")
+                and isinstance(m.get("reasoning_content", ""), str) for m in messages):
+            raise ValueError(f"conversation {n}: expected messages with a role and a text content "
+                             "(and a thinking model's reasoning as text)")
         stats: dict[int, TurnStats] = {}
         figures = item.get("stats")
         for key, value in (figures.items() if isinstance(figures, dict) else ()):
             # Figures are a courtesy: one that does not fit is left out, the messages still count.
             if key.isdigit() and isinstance(value, dict) and _figures_fit(value):
                 stats[int(key)] = TurnStats(**value)
-        out.append(Conversation([{"role": m["role"], "content": m["content"]} for m in messages], stats))
+        out.append(Conversation([{k: m[k] for k in ("role", "content", "reasoning_content") if k in m}
+                                 for m in messages], stats))
     return out
 
 

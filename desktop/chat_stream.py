@@ -1,7 +1,8 @@
 """One streamed chat completion on a worker thread, its pieces handed to the GUI thread as Qt signals.
 
 `ChatStream.start()` returns at once: a plain thread posts `POST /v1/chat/completions` with `stream: true` and
-`stream_options.include_usage`, reads the server-sent events and emits `delta(text)` per piece, then
+`stream_options.include_usage`, reads the server-sent events and emits `delta(text)` per piece of the answer and
+`thought(text)` per piece of a thinking model's reasoning (`reasoning_content`), then
 `finished(TurnStats)` or `failed(message)`. `cancel()` never waits: the stream stops emitting at once, and the
 worker closes the connection at its next event, which makes the engine cancel the request and free its slot.
 Signals emitted from the worker reach slots of objects living on the GUI thread as queued calls.
@@ -29,7 +30,7 @@ class TurnStats:
     prompt_tokens: int | None
     cached_tokens: int | None
     completion_tokens: int | None
-    ttft_s: float | None  # request sent -> first piece of text
+    ttft_s: float | None  # request sent -> first piece of text (reasoning or answer)
     total_s: float
     stopped: bool = False  # cancelled by the user before the engine finished
 
@@ -72,6 +73,7 @@ class ChatStream(QObject):
     """One request. Emits `delta` pieces, then exactly one of `finished` / `failed` unless cancelled first."""
 
     delta = Signal(str)
+    thought = Signal(str)  # a thinking model's reasoning, streamed before its answer
     finished = Signal(object)  # TurnStats
     failed = Signal(str)
 
@@ -150,11 +152,13 @@ class ChatStream(QObject):
                     if event.get("usage"):
                         usage = event["usage"]
                     for choice in event.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            if first is None:
-                                first = time.perf_counter()
-                            self._emit(self.delta, text)
+                        delta = choice.get("delta") or {}
+                        for key, signal in (("reasoning_content", self.thought), ("content", self.delta)):
+                            text = delta.get(key)
+                            if text:
+                                if first is None:
+                                    first = time.perf_counter()
+                                self._emit(signal, text)
         except httpx.TimeoutException:
             self._emit(self.failed, "The engine did not answer in time.")
             return

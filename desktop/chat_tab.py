@@ -52,13 +52,20 @@ class Conversation:
         return "New conversation"
 
 
+THOUGHT_STYLE = "color:#757575;font-style:italic;white-space:pre-wrap"
+
+
 def render(conversation: Conversation) -> str:
-    """The transcript as HTML. The last block is the last message's text, so streamed pieces append to it."""
+    """The transcript as HTML. The last block is the last message's text, so streamed pieces append to it: a
+    thinking model's reasoning, in grey italics, until its answer begins, then the answer."""
     blocks = []
     for i, m in enumerate(conversation.messages):
         who = "You" if m["role"] == "user" else "Assistant"
         blocks.append(f"<p style='margin-top:10px'><b>{who}</b></p>")
-        blocks.append(f"<p style='white-space:pre-wrap'>{html.escape(m['content'])}</p>")
+        if m.get("reasoning_content"):
+            blocks.append(f"<p style='{THOUGHT_STYLE}'>{html.escape(m['reasoning_content'])}</p>")
+        if m["content"] or not m.get("reasoning_content"):
+            blocks.append(f"<p style='white-space:pre-wrap'>{html.escape(m['content'])}</p>")
         stats = conversation.stats.get(i)
         if stats is not None:
             blocks.append(f"<p style='color:#616161'><small>{html.escape(stats.summary())}</small></p>")
@@ -217,7 +224,8 @@ class ChatTab(QWidget):
         self._retitle(conversation)
         self._show()
         self.stream, self.streaming, self._first_piece_at = stream, conversation, None
-        stream.delta.connect(lambda piece: self._on_piece(stream, piece))
+        stream.delta.connect(lambda piece: self._on_piece(stream, piece, "content"))
+        stream.thought.connect(lambda piece: self._on_piece(stream, piece, "reasoning_content"))
         stream.finished.connect(lambda stats: self._on_finished(stream, stats))
         stream.failed.connect(lambda message: self._on_failed(stream, message))
         stream.start()
@@ -228,13 +236,20 @@ class ChatTab(QWidget):
         if self.stream is not None:
             self._end_stream(stopped=True)
 
-    def _on_piece(self, stream: ChatStream, piece: str) -> None:
+    def _on_piece(self, stream: ChatStream, piece: str, key: str) -> None:
+        """A streamed piece of the answer (`key` "content") or of its reasoning ("reasoning_content")."""
         if stream is not self.stream or self.streaming is None:
             return  # a stopped stream's last queued pieces
         if self._first_piece_at is None:
             self._first_piece_at = time.perf_counter()
-        self.streaming.messages[-1]["content"] += piece
-        if self.streaming is self.current:
+        message = self.streaming.messages[-1]
+        # The first piece of a kind starts a block of its own (the thought's, or the answer's below it): drawn anew.
+        starts_block = not message.get(key) and (key == "reasoning_content" or bool(message.get("reasoning_content")))
+        message[key] = message.get(key, "") + piece
+        if self.streaming is self.current and starts_block:
+            self._show()
+            self.piece_shown.emit(piece)
+        elif self.streaming is self.current:
             cursor = self.view.textCursor()
             cursor.movePosition(QTextCursor.MoveOperation.End)
             cursor.insertText(piece)
@@ -267,7 +282,7 @@ class ChatTab(QWidget):
         if stats is not None:
             conversation.stats[index] = stats
         if error:
-            if not conversation.messages[index]["content"]:
+            if not conversation.messages[index]["content"] and not conversation.messages[index].get("reasoning_content"):
                 # Nothing came: take the turn back and put the message in the box again, to be sent again.
                 conversation.messages.pop()
                 self.input.setText(conversation.messages.pop()["content"])

@@ -1,0 +1,68 @@
+"""The Chat tab with a thinking model: its reasoning streams into the transcript in grey italics above the answer,
+is kept with the turn (and in the chats file), and goes back to the engine with the next turn as the assistant
+message's `reasoning_content`, where the template sees it. A real engine serves a tiny model whose answer is
+scripted (tests/test_api_tools.py): a thought whose close marker is split over two tokens, then the answer."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+
+import json
+
+import pytest
+from PySide6.QtGui import QTextCursor
+
+from desktop.chat_store import from_json, to_json
+from desktop.chat_stream import ChatStream
+from desktop.chat_tab import THOUGHT_STYLE, ChatTab, render
+from desktop.engine_process import EngineState
+from tests.engine_process import engine_process
+from tests.test_api_tools import write_scripted_model
+from tests.test_desktop_chat import say
+from tests.test_thoughts import R1_LIKE, THINK
+
+pytestmark = pytest.mark.timeout(240)
+PIECES = ["Apples are fruit. ", "Say so.\n</th", "ink>\n\n", "Apples grow on trees."]
+THOUGHT, ANSWER = "Apples are fruit. Say so.", "Apples grow on trees."
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    model = write_scripted_model(tmp_path_factory.mktemp("thinking-chat"), PIECES, THINK, R1_LIKE)
+    with engine_process("--model", model, "--ctx-size", "512") as engine:
+        yield engine.base_url
+
+
+def test_the_thought_streams_apart_from_the_answer_and_goes_back_with_the_turn(qtbot, base_url):
+    tab = ChatTab()
+    qtbot.addWidget(tab)
+    tab.set_engine(EngineState.READY, base_url, None)
+    tab.new_conversation()
+    shown: list[str] = []
+    tab.piece_shown.connect(shown.append)
+    stats = say(qtbot, tab, "Tell me about apples.", max_tokens=8)
+    message = tab.current.messages[-1]
+    assert (message["reasoning_content"], message["content"]) == (THOUGHT, ANSWER)
+    assert len(shown) >= 3, "the thought and the answer streamed in pieces"
+    assert stats.completion_tokens == len(PIECES) + 1 and stats.ttft_s is not None  # and the end of the turn
+    text = tab.view.toPlainText()
+    assert text.index(THOUGHT) < text.index(ANSWER) and "</think>" not in text
+    cursor = tab.view.textCursor()  # the thought is drawn in italics, the answer not
+    cursor.setPosition(text.index(THOUGHT) + 1)
+    assert cursor.charFormat().fontItalic()
+    cursor.setPosition(text.index(ANSWER) + 1)
+    assert not cursor.charFormat().fontItalic()
+    cursor.movePosition(QTextCursor.MoveOperation.End)
+    assert THOUGHT_STYLE in render(tab.current) and tab.view.toPlainText() == text
+
+    # Kept in the chats file and read back the same; the next turn sends it back as the template's input.
+    assert from_json(to_json(tab.conversations))[0].messages == tab.current.messages
+    tab.input.setText("And pears?")
+    body = ChatStream(base_url, None, [*tab.current.messages, {"role": "user", "content": "And pears?"}],
+                      max_tokens=8).body
+    assert body["messages"][1] == {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT}
+    second = say(qtbot, tab, "And pears?", max_tokens=8)
+    assert second.cached_tokens and second.cached_tokens > 0, "the first turn was reused"
+    assert json.loads(to_json(tab.conversations))["conversations"][0]["messages"][1]["reasoning_content"] == THOUGHT
