@@ -131,6 +131,22 @@ def test_layout_does_not_jump(qtbot, window):
     assert monitor.banner.isHidden()
 
 
+def test_the_plots_placeholder_is_gone_as_soon_as_the_plots_are_built(qtbot):
+    """Shown first, its label must not paint through the plots before the event loop deletes it."""
+    from PySide6.QtWidgets import QLabel
+
+    from desktop.monitor import MonitorTab
+
+    tab = MonitorTab()
+    qtbot.addWidget(tab)
+    tab.show()
+    [placeholder] = [w for w in tab.findChildren(QLabel) if w.text() == "Preparing plots…"]
+    assert placeholder.isVisible()
+    tab.ensure_plots()
+    assert not placeholder.isVisible() and tab.memory is not None
+    qtbot.waitUntil(tab.memory.isVisible, timeout=2000)
+
+
 def test_timing_plot_empty_restart_and_legend(qtbot):
     import time
 

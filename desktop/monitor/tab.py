@@ -176,6 +176,9 @@ class MonitorTab(QWidget):
         self.memory, self.timings = MemoryPlots(), TimingPlot()
         self.memory.set_arena(self._arena)  # before the replay: samples take the arena known when they are added
         self._plots_layout.removeWidget(self._plots_placeholder)
+        # Hidden now, deleted later: out of the layout it still paints where it was until the event loop deletes
+        # it (the Windows build's first screenshot showed it through the plots).
+        self._plots_placeholder.hide()
         self._plots_placeholder.deleteLater()
         self._plots_layout.addWidget(self.memory, 2)
         self._plots_layout.addWidget(self.timings, 1)
