@@ -68,6 +68,10 @@ def test_bad_reasoning_effort_is_refused(oai, claude):
         oai.responses.create(model="m", input="hi", max_output_tokens=4, reasoning={"effort": "extreme"})
     with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
         claude.messages.create(model="m", max_tokens=4, messages=ASK, thinking={"type": "enabled"})
+    # Harmony has no chat template to take variables: refused, not ignored.
+    with pytest.raises(openai.BadRequestError, match="harmony format, which has no chat template"):
+        oai.chat.completions.create(model="m", messages=ASK, max_tokens=4,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": True}})
 
 
 def test_messages_return_a_thinking_block_and_tool_use(claude):

@@ -19,6 +19,7 @@ from engine.server.effort import openai_effort, openai_thinking
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
+from engine.server.template_kwargs import template_kwargs, thinking_switch
 from engine.server.tool_prompt import (
     deepseek_tools,
     inline_tools,
@@ -103,24 +104,30 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
     messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
     effort = openai_effort(req.reasoning_effort, "reasoning_effort")
-    return render_prompt(tokenizer, messages, tools, ids, effort, openai_thinking(req.reasoning_effort)), tools
+    kwargs = template_kwargs(req.chat_template_kwargs, bool(getattr(tokenizer, "harmony", False)))
+    thinking = thinking_switch(kwargs, openai_thinking(req.reasoning_effort))
+    return render_prompt(tokenizer, messages, tools, ids, effort, thinking, kwargs), tools
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                   ids: PromptIds | None = None, effort: str | None = None,
-                  thinking: bool | None = None) -> RenderedPrompt:
+                  thinking: bool | None = None, variables: dict[str, Any] | None = None) -> RenderedPrompt:
     """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
     answers keep the ids the engine generated for them (engine.server.prompt_tokens). `effort`: the reasoning
     effort asked for (engine.server.effort), which only the harmony format has a place for. `thinking`: whether the
     request turned the model's thinking on or off (None: it did not say), which reaches a template that reads
-    `enable_thinking` and no other."""
+    `enable_thinking` and no other. `variables`: the request's own template variables (engine.server.template_kwargs,
+    checked there)."""
     check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
     if getattr(tokenizer, "harmony", False):
         return _encode_harmony(tokenizer, messages, tools, ids, effort)
     model = getattr(tokenizer, "thinking", None)
     switch = thinking if model is not None and model.switch else None
-    prompt = _render(tokenizer, messages, tools, ids, {} if switch is None else {SWITCH: switch})
+    extra = dict(variables or {})
+    if switch is not None:
+        extra[SWITCH] = switch
+    prompt = _render(tokenizer, messages, tools, ids, extra)
     return prompt if model is None else dataclasses.replace(prompt, in_thought=model.starts_inside(switch))
 
 

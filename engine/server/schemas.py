@@ -117,6 +117,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Items[Tool] | None = None
     tool_choice: Any = None
     reasoning_effort: Any = None  # low / medium / high (engine.server.effort reads and checks it)
+    chat_template_kwargs: Any = None  # template variables (engine.server.template_kwargs reads and checks them)
 
 
 class CompletionRequest(SamplingFields):

@@ -1,0 +1,54 @@
+"""`chat_template_kwargs` in a chat completion: variables handed to the model's chat template beside the messages,
+as vLLM, SGLang and llama.cpp's server take them (`{"enable_thinking": false}` is what clients send most).
+
+The names the template's call sets itself (the messages, the tools, the generation prompt, the special tokens) are
+refused: a request cannot replace them. `enable_thinking`, where given as true or false, is also the request's
+thinking switch (engine.model.thinking), so the answer is read from where the prompt leaves the model; it wins over
+what `reasoning_effort` implies, as the more specific of the two. A harmony model (gpt-oss) renders its own format,
+not a template: there the variables are refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.model.thinking import SWITCH
+from engine.server.errors import ApiError
+
+PARAM = "chat_template_kwargs"
+# What engine.model.tokenizer's render_chat and the templates' own conventions set (Hugging Face's apply_chat_template).
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                      "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"})
+MAX_BYTES = 16 * 1024  # as JSON: variables steer a template, they are not a second prompt
+
+
+def template_kwargs(raw: Any, harmony: bool) -> dict[str, Any]:
+    """The request's template variables, checked; {} when it gave none."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"'{PARAM}': expected an object of template variables, got {type(raw).__name__}",
+                       param=PARAM)
+    if raw and harmony:
+        raise ApiError(400, f"'{PARAM}': this model speaks the harmony format, which has no chat template to take "
+                       "them; set the reasoning effort with 'reasoning_effort'", param=PARAM)
+    for name, value in raw.items():
+        if not name.isidentifier():
+            raise ApiError(400, f"'{PARAM}': {name!r} is not a template variable name (letters, digits and _, not "
+                           "starting with a digit)", param=f"{PARAM}.{name}"[:100])
+        if name in RESERVED:
+            raise ApiError(400, f"'{PARAM}.{name}': set by the request itself, not a variable a request can give",
+                           param=f"{PARAM}.{name}")
+        if name == SWITCH and not isinstance(value, bool):
+            raise ApiError(400, f"'{PARAM}.{SWITCH}': expected true or false, got {json.dumps(value)[:60]}",
+                           param=f"{PARAM}.{SWITCH}")
+    if len(json.dumps(raw)) > MAX_BYTES:
+        raise ApiError(400, f"'{PARAM}': more than {MAX_BYTES // 1024} KiB of variables", param=PARAM)
+    return dict(raw)
+
+
+def thinking_switch(kwargs: dict[str, Any], implied: bool | None) -> bool | None:
+    """The thinking switch: `enable_thinking` where the variables give it, else what the request's effort implies."""
+    value = kwargs.get(SWITCH)
+    return value if isinstance(value, bool) else implied
