@@ -291,13 +291,16 @@ def test_start_at_login_checkbox_writes_and_removes_the_entry(qtbot, tmp_path):
     autostart = Autostart(platform="linux", folder=tmp_path / "autostart", command=["strata-desktop"])
     tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit, autostart)
     qtbot.addWidget(tab)
-    qtbot.waitUntil(tab.login_box.isEnabled, timeout=3000)
+    # The writes run beside the tab's start-up probes (the folders, the GPU), which spawn processes: a round trip
+    # took past 3 s under wine on a busy machine.
+    wait_ms = 15_000
+    qtbot.waitUntil(tab.login_box.isEnabled, timeout=wait_ms)
     assert not tab.login_box.isChecked()
     tab.login_box.setChecked(True)
-    qtbot.waitUntil(lambda: autostart.is_enabled() and tab.login_box.isEnabled(), timeout=3000)
+    qtbot.waitUntil(lambda: autostart.is_enabled() and tab.login_box.isEnabled(), timeout=wait_ms)
     assert autostart.read() == ["strata-desktop", "--hidden"]
     tab.login_box.setChecked(False)
-    qtbot.waitUntil(lambda: not autostart.is_enabled() and tab.login_box.isEnabled(), timeout=3000)
+    qtbot.waitUntil(lambda: not autostart.is_enabled() and tab.login_box.isEnabled(), timeout=wait_ms)
     dispatcher.close()
 
 
