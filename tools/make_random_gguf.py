@@ -213,28 +213,7 @@ def write_gpt_oss(out: str, n_layers: int, seed: int) -> int:
                  (p + "ffn_up_exps.bias", (e, inter), None), (p + "ffn_down_exps.weight", (e, h, inter), mx),
                  (p + "ffn_down_exps.bias", (e, h), None)]
     plan += [("output_norm.weight", (h,), None), ("output.weight", (n_vocab, h), q8)]
-    for name, shape, qtype in plan:
-        if qtype is None:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-        else:
-            block, size = gguf.GGML_QUANT_SIZES[qtype]
-            byte_shape = (*shape[:-1], shape[-1] // block * size)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    t0 = time.perf_counter()
-    for name, shape, qtype in plan:
-        if qtype is not None:  # values of about +-0.02 (Q8_0: d * int8 code; MXFP4: 2^(e - 127) * e2m1)
-            w.write_tensor_data(random_blocks(rng, qtype, shape, 0.02 / 128 if qtype == q8 else 0.02))
-        elif name.endswith("norm.weight"):
-            w.write_tensor_data(np.ones(shape, dtype=np.float32))
-        else:  # biases, sinks and the router: values that tell heads and experts apart
-            w.write_tensor_data((rng.standard_normal(shape) * (1.0 if "gate_inp.weight" in name else 0.02)).astype(np.float32))
-    w.close()
-    print(f"wrote {out}: {len(plan)} tensors, {os.path.getsize(out) / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")
-    return 0
+    return _write_plan(w, out, plan, seed)
 
 
 def write_glm4moe(out: str, n_layers: int, seed: int) -> int:
@@ -292,6 +271,19 @@ def write_glm4moe(out: str, n_layers: int, seed: int) -> int:
                      (p + "ffn_down_exps.weight", (e, h, fe), down), (p + "ffn_gate_shexp.weight", (fe, h), q4k),
                      (p + "ffn_up_shexp.weight", (fe, h), q4k), (p + "ffn_down_shexp.weight", (h, fe), down)]
     plan += [("output_norm.weight", (h,), None), ("output.weight", (n_vocab, h), q6k)]
+    return _write_plan(w, out, plan, seed)
+
+
+# Values of about +-0.02 per block type (Q4_K: d * 6-bit scale * 4-bit code; Q6_K: d * int8 scale * (q - 32);
+# Q8_0: d * int8 code; Q5_0: d * (q - 16); MXFP4: 2^(e - 127) * e2m1).
+_SCALES = {gguf.GGMLQuantizationType.Q4_K: 0.02 / (32 * 8), gguf.GGMLQuantizationType.Q6_K: 0.02 / (64 * 16),
+           gguf.GGMLQuantizationType.Q8_0: 0.02 / 128, gguf.GGMLQuantizationType.Q5_0: 0.02 / 16,
+           gguf.GGMLQuantizationType.MXFP4: 0.02}
+
+
+def _write_plan(w: gguf.GGUFWriter, out: str, plan: list[tuple[str, tuple[int, ...], object]], seed: int) -> int:
+    """The tensors of `plan` ((name, shape, block type or None for float32)) after the keys already added: random
+    blocks, norms of ones, and biases, sinks and routers of values that tell heads and experts apart."""
     for name, shape, qtype in plan:
         if qtype is None:
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
@@ -305,12 +297,11 @@ def write_glm4moe(out: str, n_layers: int, seed: int) -> int:
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     for name, shape, qtype in plan:
-        if qtype is not None:  # values of about +-0.02, as the other shapes write them
-            scale = {q4k: 0.02 / (32 * 8), q6k: 0.02 / (64 * 16), q8: 0.02 / 128, q5: 0.02 / 16}[qtype]
-            w.write_tensor_data(random_blocks(rng, qtype, shape, scale))
+        if qtype is not None:
+            w.write_tensor_data(random_blocks(rng, qtype, shape, _SCALES[qtype]))
         elif name.endswith("norm.weight"):
             w.write_tensor_data(np.ones(shape, dtype=np.float32))
-        else:  # biases and the router: values that tell heads and experts apart
+        else:
             w.write_tensor_data((rng.standard_normal(shape) * (1.0 if "gate_inp.weight" in name else 0.02)).astype(np.float32))
     w.close()
     print(f"wrote {out}: {len(plan)} tensors, {os.path.getsize(out) / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s")
