@@ -43,12 +43,17 @@ def tiny_mla_config(arch: str, **overrides):
 
 
 def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, int4_grid: bool = False,
-                         **overrides) -> str:
+                         mtp: bool = False, **overrides) -> str:
     """Write a random-weight latent-attention model of `arch` under `root`; returns the folder. With `int4_grid`
-    every matrix lies on a 4-bit grid per group of 32 (tests/moe_fixtures.py), so 4-bit weights lose nothing."""
+    every matrix lies on a 4-bit grid per group of 32 (tests/moe_fixtures.py), so 4-bit weights lose nothing.
+    With `mtp` the checkpoint carries one next-token (MTP) layer (`num_nextn_predict_layers` 1), as released."""
     import torch
     import transformers
 
+    from tests.moe_fixtures import add_mtp_layers
+
+    if mtp:
+        overrides["num_mtp_layers" if arch == "deepseek_v3" else "num_nextn_predict_layers"] = 1
     config = tiny_mla_config(arch, **overrides)
     folder = Path(root) / f"tiny-{arch}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -65,6 +70,8 @@ def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, i
                 buf.normal_(0.0, 0.3)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
+    if mtp:
+        add_mtp_layers(folder, config)
     write_tokenizer_files(folder)
     return str(folder)
 
