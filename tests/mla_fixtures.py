@@ -89,17 +89,21 @@ _GGUF_NAMES = {
     "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    # a next-token (MTP) layer's own tensors (llama.cpp's NEXTN names)
+    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
 }
 
 
 def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool = True, quantize: bool = False,
-                        seed: int = 0, **overrides) -> str:
+                        seed: int = 0, mtp: bool = False, **overrides) -> str:
     """Convert a tiny latent-attention HF model to a GGUF as llama.cpp's converter writes it (arch `deepseek2`,
     MLA as one K/V head of kv_lora_rank + rope values, experts stacked, RoPE rows left interleaved): kv_b_proj
     split into attn_k_b (each head's k part transposed) and attn_v_b, or with `split_kv_b` false as one
     attn_kv_b, as older converters wrote it. The expert gating function is written as sigmoid, as DeepSeek-V3's
     own config.json (`scoring_func`) makes the converter write it. With `quantize` every matrix whose rows are
-    whole blocks is Q8_0. Returns the .gguf path; the HF folder sits beside it."""
+    whole blocks is Q8_0. With `mtp` the model's next-token layer follows as `blk.<n_layers>` (block_count counts
+    it, `nextn_predict_layers` 1). Returns the .gguf path; the HF folder sits beside it."""
     import json
     import re
 
@@ -109,13 +113,15 @@ def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool 
 
     from tests.model_fixtures import add_tiny_tokenizer
 
-    folder = write_tiny_mla_model(root, arch, seed=seed, **overrides)
+    folder = write_tiny_mla_model(root, arch, seed=seed, mtp=mtp, **overrides)
     cfg = json.loads((Path(folder) / "config.json").read_text())
     heads, rank, rope = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     nope, v_dim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
     path = Path(root) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), "deepseek2")
-    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_block_count(cfg["num_hidden_layers"] + int(mtp))
+    if mtp:
+        writer.add_nextn_predict_layers(1)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])

@@ -165,3 +165,28 @@ def test_the_layer_s_parked_part_costs_the_latent_s_bytes(folder):
     assert ident.key != model.key and ident.model["role"] == "mtp"
     # float32: the latent (its two halves) and the target's hidden row, not per-head keys and values
     assert ident.bytes_per_token == 2 * c.mla.store_width * 4 + c.hidden_size * 4
+
+
+def test_the_layer_built_from_a_deepseek2_gguf_computes_as_from_the_folder(tmp_path):
+    """llama.cpp's deepseek2 file: RoPE rows interleaved, kv_b split into attn_k_b / attn_v_b, read as the
+    decoder layers' are."""
+    from engine.model.mtp_layer import MtpBlock
+    from tests.mla_fixtures import write_tiny_mla_gguf
+
+    path = write_tiny_mla_gguf(tmp_path, "glm4_moe_lite", seed=3, mtp=True)
+    models = [_load(p) for p in (path.removesuffix(".gguf"), path)]
+    blocks = [MtpBlock(m.model, m.model.mtp[0]) for m in models]
+    torch.manual_seed(1)
+    next_ids, hidden = torch.randint(0, models[0].config.vocab_size, (12,)), torch.randn(12, models[0].config.hidden_size)
+    (a, ha), (b, hb) = (block.forward(next_ids, hidden, 0, block.new_cache(16)) for block in blocks)
+    assert (ha - hb).abs().max().item() <= ATOL and (a - b).abs().max().item() <= ATOL
+
+
+def test_a_latent_next_token_layer_missing_a_tensor_is_refused(folder):
+    from engine.errors import ModelLoadError
+    from engine.model.mtp_layer import MtpBlock
+
+    lm = _load(folder)
+    (kept,) = lm.model.mtp
+    with pytest.raises(ModelLoadError, match=r"next-token layer 3: the tensor kv_b is missing"):
+        MtpBlock(lm.model, {k: t for k, t in kept.items() if k != "kv_b"})
