@@ -1,4 +1,5 @@
-"""A next-token (MTP) layer (GLM-4.x MoE, DeepSeek-V3, GLM-4.7-Flash), runnable: built from the tensors the loaders keep (`CausalLM.mtp`, mtp.py).
+"""A next-token (MTP) layer (GLM-4.x MoE, DeepSeek-V3, GLM-4.7-Flash), runnable: built from the tensors the
+loaders keep (`CausalLM.mtp`, mtp.py).
 
 For the row of position t it takes the target's hidden state at t (after the final norm: the row its logits are
 taken from) and the token at t+1, and predicts the token at t+2:
