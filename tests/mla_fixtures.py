@@ -43,12 +43,17 @@ def tiny_mla_config(arch: str, **overrides):
 
 
 def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, int4_grid: bool = False,
-                         **overrides) -> str:
+                         mtp: bool = False, **overrides) -> str:
     """Write a random-weight latent-attention model of `arch` under `root`; returns the folder. With `int4_grid`
-    every matrix lies on a 4-bit grid per group of 32 (tests/moe_fixtures.py), so 4-bit weights lose nothing."""
+    every matrix lies on a 4-bit grid per group of 32 (tests/moe_fixtures.py), so 4-bit weights lose nothing.
+    With `mtp` the checkpoint carries one next-token (MTP) layer (`num_nextn_predict_layers` 1), as released."""
     import torch
     import transformers
 
+    from tests.moe_fixtures import add_mtp_layers
+
+    if mtp:
+        overrides["num_mtp_layers" if arch == "deepseek_v3" else "num_nextn_predict_layers"] = 1
     config = tiny_mla_config(arch, **overrides)
     folder = Path(root) / f"tiny-{arch}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -65,6 +70,8 @@ def write_tiny_mla_model(root: str | os.PathLike, arch: str, *, seed: int = 0, i
                 buf.normal_(0.0, 0.3)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
+    if mtp:
+        add_mtp_layers(folder, config)
     write_tokenizer_files(folder)
     return str(folder)
 
@@ -82,17 +89,21 @@ _GGUF_NAMES = {
     "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    # a next-token (MTP) layer's own tensors (llama.cpp's NEXTN names)
+    "eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
 }
 
 
 def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool = True, quantize: bool = False,
-                        seed: int = 0, **overrides) -> str:
+                        seed: int = 0, mtp: bool = False, **overrides) -> str:
     """Convert a tiny latent-attention HF model to a GGUF as llama.cpp's converter writes it (arch `deepseek2`,
     MLA as one K/V head of kv_lora_rank + rope values, experts stacked, RoPE rows left interleaved): kv_b_proj
     split into attn_k_b (each head's k part transposed) and attn_v_b, or with `split_kv_b` false as one
     attn_kv_b, as older converters wrote it. The expert gating function is written as sigmoid, as DeepSeek-V3's
     own config.json (`scoring_func`) makes the converter write it. With `quantize` every matrix whose rows are
-    whole blocks is Q8_0. Returns the .gguf path; the HF folder sits beside it."""
+    whole blocks is Q8_0. With `mtp` the model's next-token layer follows as `blk.<n_layers>` (block_count counts
+    it, `nextn_predict_layers` 1). Returns the .gguf path; the HF folder sits beside it."""
     import json
     import re
 
@@ -102,13 +113,15 @@ def write_tiny_mla_gguf(root: str | os.PathLike, arch: str, *, split_kv_b: bool 
 
     from tests.model_fixtures import add_tiny_tokenizer
 
-    folder = write_tiny_mla_model(root, arch, seed=seed, **overrides)
+    folder = write_tiny_mla_model(root, arch, seed=seed, mtp=mtp, **overrides)
     cfg = json.loads((Path(folder) / "config.json").read_text())
     heads, rank, rope = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     nope, v_dim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
     path = Path(root) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), "deepseek2")
-    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_block_count(cfg["num_hidden_layers"] + int(mtp))
+    if mtp:
+        writer.add_nextn_predict_layers(1)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])

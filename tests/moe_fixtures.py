@@ -110,14 +110,14 @@ def write_tiny_moe_model(root: str | os.PathLike, arch: str, *, name: str | None
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
     if arch == "glm4_moe":
-        _add_mtp_layers(folder, config)
+        add_mtp_layers(folder, config)
     write_tokenizer_files(folder)
     return str(folder)
 
 
-def _add_mtp_layers(folder: Path, config) -> None:
-    """Append GLM's next-token (MTP) layers to the checkpoint as GLM's releases hold them (transformers neither
-    builds nor saves them): `model.layers.<n_layers + j>.` with a MoE decoder layer's tensors (those of the last
+def add_mtp_layers(folder: Path, config) -> None:
+    """Append next-token (MTP) layers to the checkpoint as GLM's and DeepSeek's releases hold them (transformers
+    neither builds nor saves them): `model.layers.<n_layers + j>.` with a MoE decoder layer's tensors (those of the last
     layer, perturbed) and eh_proj, enorm, hnorm and shared_head.norm."""
     import torch
     from safetensors.torch import load_file, save_file

@@ -66,8 +66,9 @@ class ModelConfig:
     # Partial RoPE (GLM-4.x MoE's partial_rotary_factor): only a head's leading `rotary_dim` channels rotate
     # (rotate-half within them); None = all head_dim channels.
     rotary_dim: int | None = None
-    # GLM-4.x MoE: next-token (MTP) layers after the last decoder layer; their weights are loaded and kept
-    # (CausalLM.mtp), not run. Not a setting of the decoder, but what the loaders read and keep.
+    # GLM-4.x MoE, DeepSeek-V3, GLM-4.7-Flash: next-token (MTP) layers after the last decoder layer; their weights
+    # are loaded and kept (CausalLM.mtp), run by `--spec mtp` only. Not a setting of the decoder, but what the
+    # loaders read and keep.
     mtp_layers: int = 0
     # Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): head_dim is then the RoPE'd width of a head
     # (transformers' own head_dim for them) and n_kv_heads 1, the one latent every head reads.
@@ -292,7 +293,7 @@ class ModelConfig:
                 query_pre_attn_scalar=gemma_fields.get("query_pre_attn_scalar"),
                 final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
                 rotary_dim=_rotary_dim(params, cfg, head_dim) if glm else None,
-                mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0) if glm else 0,
+                mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0) if glm or mla is not None else 0,
                 mla=mla,
                 per_layer_input=gemma_fields.get("per_layer_input", 0),
                 per_layer_vocab=gemma_fields.get("per_layer_vocab", 0),

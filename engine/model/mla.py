@@ -14,6 +14,7 @@ and a step reads the latent rows once rather than building keys and values for e
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,11 @@ import torch.nn.functional as F
 from engine.model.llama import DecoderLayer, SeqChunk, rms_norm
 from engine.model.mla_config import LATENT_NORM_EPS, MlaConfig, interleaved_to_halves
 from engine.model.projections import linear
+
+if TYPE_CHECKING:
+    from engine.model.float16 import Float16Weight
+    from engine.model.int4 import Int4Weight
+    from engine.model.kernels import RowsWeight
 
 
 class MlaAttention(torch.nn.Module):
@@ -54,15 +60,22 @@ class MlaAttention(torch.nn.Module):
                          n_single: int, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The absorbed query [tokens, heads, latent_width] and the tokens' latents [tokens, latent_width], RoPE
         applied (cos and sin per row in forward_chunks' rolled-sign form, over the RoPE'd width)."""
-        m, H = self.mla, self.n_heads
-        T = x.shape[0]
         h = rms_norm(x, layer.attn_norm, layer.spec.norm.eps)
-        first = linear(h, layer.wqkv, n_single, fast=fast).to(x.dtype)
+        return self.project(h, layer.wqkv, cos, sin, n_single, fast, x.dtype)
+
+    def project(self, h: torch.Tensor, wqkv: torch.Tensor | Int4Weight | Float16Weight | RowsWeight,
+                cos: torch.Tensor, sin: torch.Tensor, n_single: int, fast: bool,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """query_and_latent of rows `h` already normalised, through the fused first projection `wqkv` (a decoder
+        layer's, or a next-token layer's own: engine/model/mtp_attention.py), its products in `dtype`."""
+        m, H = self.mla, self.n_heads
+        T = h.shape[0]
+        first = linear(h, wqkv, n_single, fast=fast).to(dtype)
         q_rows = m.q_rows(H)
         q = first[:, :q_rows]
         if self.q_b is not None:
             assert self.q_a_norm is not None  # set with q_b (__init__)
-            q = linear(rms_norm(q, self.q_a_norm, LATENT_NORM_EPS), self.q_b, n_single, fast=fast).to(x.dtype)
+            q = linear(rms_norm(q, self.q_a_norm, LATENT_NORM_EPS), self.q_b, n_single, fast=fast).to(dtype)
         q = q.view(T, H, m.qk_nope_head_dim + m.qk_rope_head_dim)
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
         c_kv = rms_norm(first[:, q_rows : q_rows + m.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
@@ -80,12 +93,18 @@ class MlaAttention(torch.nn.Module):
                cos: torch.Tensor, sin: torch.Tensor, n_single: int, fast: bool) -> torch.Tensor:
         """The attention output [tokens, heads * v_head_dim] of a step's chunks (each against its slot's rows),
         after writing their latents into the slot rows [start, start + n)."""
+        query, latent = self.query_and_latent(layer, x, cos, sin, n_single, fast)
+        return self.attend_projected(query, latent, kv, chunks, offsets, masks, causal)
+
+    def attend_projected(self, query: torch.Tensor, latent: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                         chunks: list[SeqChunk], offsets: list[int], masks: dict[int, torch.Tensor],
+                         causal: list[bool]) -> torch.Tensor:
+        """`attend` from the chunks' absorbed queries and latents (`project`); kv rows as [slots, rows, 1, store]."""
         m, H = self.mla, self.n_heads
         width, store = m.latent_width, m.store_width
-        query, latent = self.query_and_latent(layer, x, cos, sin, n_single, fast)
         k_rows, v_rows = kv
         padded = latent if 2 * store == width else F.pad(latent, (0, 1))
-        out = torch.empty(x.shape[0], H, m.kv_lora_rank, dtype=query.dtype, device=x.device)
+        out = torch.empty(query.shape[0], H, m.kv_lora_rank, dtype=query.dtype, device=query.device)
         scale = m.softmax_scale
         for i, ch in enumerate(chunks):
             lo, hi = offsets[i], offsets[i + 1]
@@ -95,7 +114,7 @@ class MlaAttention(torch.nn.Module):
             rows = torch.cat((k_rows[ch.slot, :end, 0], v_rows[ch.slot, :end, 0]), -1)[:, :width].to(query.dtype)
             out[lo:hi] = _latent_attention(query[lo:hi], rows, m.kv_lora_rank, masks.get(i), causal[i], scale)
         heads = torch.einsum("thr,hvr->thv", out, self.w_uv.to(out.dtype))
-        return heads.reshape(x.shape[0], H * m.v_head_dim)
+        return heads.reshape(query.shape[0], H * m.v_head_dim)
 
     def decode_rows(self, layer: DecoderLayer, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                     cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
@@ -132,7 +151,7 @@ def _latent_attention(query: torch.Tensor, rows: torch.Tensor, rank: int, mask: 
     q = query.reshape(1, 1, n * heads, width)  # row i * H + h: position i, head h
     keys = rows.view(1, 1, -1, width)
     values = keys[..., :rank]  # c_kv, the latent's first `rank` values
-    if n > 1 and (mask is not None or causal):
+    if mask is not None or (n > 1 and causal):  # a given mask holds for one row too (a context cut short)
         if mask is None:  # from position 0: row i sees keys [0, i]
             mask = torch.arange(rows.shape[0], device=rows.device) <= torch.arange(n, device=rows.device).unsqueeze(1)
         mask = mask.to(rows.device).repeat_interleave(heads, 0)

@@ -1,6 +1,7 @@
-"""GLM-4.x MoE's next-token (MTP) layers: loaded and kept as the file holds them (mtp_layer.py runs one).
+"""Next-token (MTP) layers (GLM-4.x MoE, DeepSeek-V3, GLM-4.7-Flash): loaded and kept as the file holds them
+(mtp_layer.py runs one).
 
-A GLM-4.5/4.6/4.7 checkpoint carries `num_nextn_predict_layers` (one) extra layers after the last decoder layer
+A GLM-4.5/4.6/4.7 checkpoint (and a DeepSeek-V3 or GLM-4.7-Flash one, the attention then latent) carries `num_nextn_predict_layers` (one) extra layers after the last decoder layer
 (`model.layers.<n_layers>.*` in HF folders, `blk.<n_layers>.*` in a GGUF whose `block_count` includes them):
 a MoE decoder layer plus `eh_proj` (the [embedding; hidden] -> hidden projection), `enorm`, `hnorm`,
 `shared_head.norm` and optionally `shared_head.head` / `embed_tokens`. They predict the token after the next
@@ -63,5 +64,5 @@ def report_kept(layers: tuple[MtpLayer, ...], path: str) -> None:
     """Log what was kept (host RAM that holds weights the engine does not run yet)."""
     if layers:
         size = sum(t.data.nbytes for layer in layers for t in layer.values())
-        log.info("%s: kept %d next-token (MTP) layer(s), %d tensors, %.1f MiB in host RAM (not run)", path,
+        log.info("%s: kept %d next-token (MTP) layer(s), %d tensors, %.1f MiB in host RAM (run by --spec mtp)", path,
                  len(layers), sum(len(layer) for layer in layers), size / 2**20)
