@@ -14,13 +14,14 @@ from engine import startup_progress
 from engine.errors import ModelLoadError
 from engine.model import int4, kquant_weight, mla, moe, moe_loading, moe_offload, q8_output, q8_weight
 from engine.model.config import ModelConfig
+from engine.model.decoder_layer import DecoderLayer
 from engine.model.gemma4 import proportional_factors
 from engine.model.gemma4_experts import ExpertShape, Gemma4Experts, routed_config
 from engine.model.heap import release_freed_memory
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
 from engine.model.layers import describe_layers
-from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.llama import CausalLM
 from engine.model.per_layer_inputs import PerLayerInputs
 from engine.model.q8_output import Q8Output
 from engine.model.q8_weight import Q8Weight

@@ -21,14 +21,10 @@ import torch.nn.functional as F
 from engine.kv import KVBuffers
 from engine.model import executors
 from engine.model.chunk_attention import decode_attention
+from engine.model.decoder_layer import DecoderLayer
 from engine.model.int4 import Int4Weight
 from engine.model.kernels import RowsWeight
-from engine.model.llama import (
-    CausalLM,
-    DecoderLayer,
-    SeqChunk,
-    check_rows,
-)
+from engine.model.llama import CausalLM, SeqChunk, check_rows
 from engine.model.norms import head_rms_norm, rms_norm
 from engine.model.projections import linear, logit_rows
 from engine.model.quant_embedding import embed_rows

@@ -22,10 +22,11 @@ from typing import cast
 import torch
 
 from engine.model import kernels
+from engine.model.decoder_layer import DecoderLayer
 from engine.model.gpu_weights import CudaInt4Weight
 from engine.model.int4 import Int4Weight
 from engine.model.layers import FEATURES, ModelLayers
-from engine.model.llama import CausalLM, DecoderLayer
+from engine.model.llama import CausalLM
 from engine.model.moe import SparseMoe
 from engine.model.native_layout import MAX_GROUPS, ROUTINGS, is_native, layout_mismatch
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from engine.kv import KVBuffers
 from engine.model import executors
-from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, rms_norm
+from engine.model.decoder_layer import DecoderLayer
+from engine.model.llama import CausalLM, SeqChunk, rms_norm
 from engine.model.projections import logit_rows
 
 MIN_ATTENTION_LENGTH = 256

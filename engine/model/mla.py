@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.model.llama import DecoderLayer, SeqChunk, rms_norm
+from engine.model.decoder_layer import DecoderLayer
+from engine.model.llama import SeqChunk, rms_norm
 from engine.model.mla_config import LATENT_NORM_EPS, MlaConfig, interleaved_to_halves
 from engine.model.projections import linear
 

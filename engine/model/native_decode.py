@@ -26,8 +26,9 @@ import torch
 
 from engine.kv import KVBuffers
 from engine.model import executors, kernels, native_layout
+from engine.model.decoder_layer import DecoderLayer
 from engine.model.int4 import Int4Weight
-from engine.model.llama import CausalLM, DecoderLayer, SeqChunk, check_rows
+from engine.model.llama import CausalLM, SeqChunk, check_rows
 from engine.model.moe import SparseMoe
 
 # The structs and their layout check live in native_layout.py (layout_mismatch kept here where callers look).

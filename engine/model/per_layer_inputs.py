@@ -18,7 +18,7 @@ from engine.model.norms import rms_norm
 from engine.model.projections import linear
 
 if TYPE_CHECKING:  # llama imports this module
-    from engine.model.llama import DecoderLayer
+    from engine.model.decoder_layer import DecoderLayer
 
 
 class PerLayerInputs(torch.nn.Module):
