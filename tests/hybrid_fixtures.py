@@ -131,9 +131,11 @@ def _qwen_moe_config(arch: str, common: dict):
     return transformers.Qwen3_5MoeTextConfig(**shape)
 
 
-def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, overrides: dict | None = None) -> str:
+def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, overrides: dict | None = None,
+                      mtp: bool = False) -> str:
     """Write a random-weight `arch` hybrid under tmp_path (safetensors + tokenizer); returns the folder.
-    `overrides`: config attributes set on top of `tiny_hybrid_config(arch)`."""
+    `overrides`: config attributes set on top of `tiny_hybrid_config(arch)`. `mtp` (Qwen3-Next, Qwen3.5): the file
+    also holds a next-token layer under `mtp.*`, as the released checkpoints do (`_add_mtp`)."""
     import torch
     import transformers
 
@@ -158,8 +160,38 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, 
                 buffer.normal_(0.0, 0.5)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
+    if mtp:
+        _add_mtp(folder / "model.safetensors", arch, seed)
     write_tokenizer_files(folder)
     return str(folder)
+
+
+def _add_mtp(path: Path, arch: str, seed: int) -> None:
+    """Random `mtp.*` tensors into a Qwen3-Next / Qwen3.5 checkpoint (transformers drops them, so writes none): a
+    decoder layer with the names and shapes of the model's attention layer 1 (its MLP kind too), the [embedding;
+    hidden] projection `fc` and the three zero-centred norms."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if arch not in _CENTRED_NORMS:
+        raise ValueError(f"mtp: the fixture writes next-token layers for {', '.join(_CENTRED_NORMS)}, not {arch!r}")
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def norm(size: int) -> torch.Tensor:
+        return torch.rand(size, generator=g) - 0.5  # stored as w - 1
+
+    layer = "model.layers.1."  # full attention (tiny_hybrid_config)
+    added = {
+        "mtp.layers.0." + name[len(layer):]: norm(t.shape[0]) if "norm" in name else 0.08 * torch.randn(
+            t.shape, generator=g)
+        for name, t in tensors.items() if name.startswith(layer)
+    }
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    added["mtp.fc.weight"] = 0.08 * torch.randn(hidden, 2 * hidden, generator=g)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        added[f"mtp.{name}.weight"] = norm(hidden)
+    save_file({**tensors, **added}, str(path), metadata={"format": "pt"})
 
 
 def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False) -> str:

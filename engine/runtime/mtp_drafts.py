@@ -1,4 +1,5 @@
-"""Speculative decoding with the model's own next-token layer (`--spec mtp`: GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3): the layer proposes
+"""Speculative decoding with the model's own next-token layer (`--spec mtp`: GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next,
+Qwen3.5): the layer proposes
 the next tokens from the target's hidden rows, and the target verifies them in its decode step as it verifies
 every draft (engine/runtime/scheduler.py `_verify`), so greedy output is the target's own, token for token.
 
@@ -46,8 +47,8 @@ def declines(model: object) -> str:
     """Why `--spec mtp` cannot draft for `model` ("" when it can)."""
     mtp = getattr(model, "mtp", ())
     if not mtp:
-        return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash and DeepSeek-V3 files carry one; "
-                "a file converted without it does not)")
+        return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3 files and Qwen3-Next "
+                "and Qwen3.5 folders carry one; a file converted without it does not)")
     if getattr(model, "graphs", None) is not None:
         return "its decode step runs outside the eager path that hands over the hidden rows"
     return ""
