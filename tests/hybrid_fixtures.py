@@ -194,7 +194,8 @@ def _add_mtp(path: Path, arch: str, seed: int) -> None:
     save_file({**tensors, **added}, str(path), metadata={"format": "pt"})
 
 
-def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False) -> str:
+def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False,
+                           mtp: bool = False) -> str:
     """Convert the tiny `arch` HF model (lfm2, granitemoehybrid or qwen3_5) to GGUF as llama.cpp's converter
     does: tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts
     with 0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
@@ -203,7 +204,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     order (`_tile_v_heads`); for Qwen3-Next the same without the tiling, in_proj_qkvz regrouped into attn_qkv and
     attn_gate (`_qwen_moe_rewrite`, which also stacks the experts of both MoE families). 2-D weights but the routers
     in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it (Qwen3-Next's without dense
-    layers: llama.cpp's qwen3next has none)."""
+    layers: llama.cpp's qwen3next has none). `mtp` (the Qwen families): the folder's next-token layer too, renamed
+    as llama.cpp's converter does (`_MTP_AS_LAYER`: a layer after the model's, its own tensors as `nextn.*`, counted
+    in `block_count` and `nextn_predict_layers`)."""
     import json
 
     import gguf
@@ -220,7 +223,8 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     if gguf_arch is None:
         raise ValueError(f"arch: only {', '.join(HYBRID_ARCHS)} have a GGUF writer here, got {arch!r}")
     # llama.cpp's qwen3next has no dense-MLP layers: its converter cannot name one
-    folder = write_tiny_hybrid(tmp_path, arch, overrides={"mlp_only_layers": []} if arch == "qwen3_next" else None)
+    folder = write_tiny_hybrid(tmp_path, arch, overrides={"mlp_only_layers": []} if arch == "qwen3_next" else None,
+                               mtp=mtp)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["parallel"] * cfg["num_hidden_layers"]
@@ -228,7 +232,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     experts = int(cfg.get("num_local_experts") or 0)
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(n_layers)
+    writer.add_block_count(n_layers + mtp)
+    if mtp:
+        writer.add_nextn_predict_layers(1)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(n_heads)
@@ -355,10 +361,17 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
                   "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
                   "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE, "falcon_h1": gguf.MODEL_ARCH.FALCON_H1,
                   }[arch if family == "nemotron_h" else family]
-    names = gguf.get_tensor_name_map(model_arch, n_layers)
+    names = gguf.get_tensor_name_map(model_arch, n_layers + mtp)
     out_tensors: list[tuple[str, np.ndarray]] = []
     per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # Nemotron-H: stacked as the converter does
     weights = load_file(os.path.join(folder, "model.safetensors"))
+    nextn = {}  # the next-token layer's own tensors, which gguf's name map does not name for these architectures
+    for name in [n for n in weights if n.startswith("mtp.")]:
+        rest = name.removeprefix("mtp.layers.0.")
+        own = _MTP_AS_LAYER.get(rest)
+        weights[f"model.layers.{n_layers}.{own or rest}"] = weights.pop(name)
+        if own:
+            nextn[f"model.layers.{n_layers}.{own}"] = f"blk.{n_layers}.nextn.{own.removesuffix('.weight')}.weight"
     if arch in ("qwen3_next", "qwen3_5_moe"):
         weights, out_tensors = _qwen_moe_rewrite(cfg, weights)
     for name, w in weights.items():
@@ -399,7 +412,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             continue
         if name.endswith("shared_mlp.output_linear.weight"):
             name = name.replace("shared_mlp.output_linear", "mlp.down_proj")
-        out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        out = nextn.get(name) or names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, f"no GGUF name for {name}"
         if ".conv.conv." in name or ".conv1d.weight" in name:
             w = w.squeeze(1)
@@ -432,6 +445,11 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+# llama.cpp's converter: a Qwen `mtp.*` tensor -> its name after "model.layers.<n_layers>." (then `blk.<n>.nextn.*`)
+_MTP_AS_LAYER = {"mtp.fc.weight": "eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
+                 "mtp.pre_fc_norm_hidden.weight": "hnorm.weight", "mtp.norm.weight": "shared_head_norm.weight"}
 
 
 def _qwen_moe_rewrite(cfg: dict, weights: dict) -> tuple[dict, list]:

@@ -4,6 +4,8 @@ with it token-identical to `--spec off`, and its state parked and restored with 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -165,3 +167,18 @@ def test_a_hybrid_s_parked_conversation_restores_the_layer_s_state_and_drafts_at
     assert record.source == "ram" and record.reused_tokens == parked, record
     # the layer read none of the tokens parked, and drafted from its first decode steps
     assert record.spec_draft_reused == parked and record.spec_drafted > 0, record
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_the_layer_from_the_gguf_s_nextn_tensors_computes_as_from_the_folder(tmp_path, arch):
+    from engine.model.mtp_layer import MtpBlock
+    from tests.hybrid_fixtures import write_tiny_hybrid_gguf
+
+    path = write_tiny_hybrid_gguf(tmp_path, arch, mtp=True)
+    models = [_load(p) for p in (os.path.join(tmp_path, f"tiny-{arch}"), path)]
+    blocks = [MtpBlock(m.model, m.model.mtp[0]) for m in models]
+    torch.manual_seed(1)
+    next_ids = torch.randint(0, models[0].config.vocab_size, (12,))
+    hidden = torch.randn(12, models[0].config.hidden_size)
+    (a, ha), (b, hb) = (block.forward(next_ids, hidden, 0, block.new_cache(16)) for block in blocks)
+    assert (ha - hb).abs().max().item() <= ATOL and (a - b).abs().max().item() <= ATOL

@@ -17,11 +17,18 @@ every norm weight as it is.
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.model.gguf_header import GGUFTensor
 
 log = logging.getLogger("strata.engine")
 
@@ -85,6 +92,18 @@ def layer_keys(n_layers: int, mtp_layers: int, keys: list[str]) -> list[list[str
             return []
         out.append(found)
     return out
+
+
+def read_gguf_tensor(t: GGUFTensor, f: io.BufferedIOBase, path: str) -> KeptTensor:
+    """A GGUF tensor's own bytes, read from the open file `f`, in its own type."""
+    from gguf import GGMLQuantizationType
+
+    data = torch.empty(t.n_bytes, dtype=torch.uint8)
+    f.seek(t.offset)
+    # numpy's stubs give ndarray the buffer protocol only from Python 3.12 on; it has it on 3.11 too.
+    if f.readinto(memoryview(data.numpy())) != data.numel():  # type: ignore[arg-type]
+        raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+    return KeptTensor(t.name, GGMLQuantizationType(t.qtype).name, tuple(t.shape), data)
 
 
 def report_kept(layers: tuple[MtpLayer, ...], path: str) -> None:

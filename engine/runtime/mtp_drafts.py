@@ -47,8 +47,8 @@ def declines(model: object) -> str:
     """Why `--spec mtp` cannot draft for `model` ("" when it can)."""
     mtp = getattr(model, "mtp", ())
     if not mtp:
-        return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3 files and Qwen3-Next "
-                "and Qwen3.5 folders carry one; a file converted without it does not)")
+        return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next and Qwen3.5 "
+                "files carry one; a file converted without it does not)")
     if getattr(model, "graphs", None) is not None:
         return "its decode step runs outside the eager path that hands over the hidden rows"
     return ""
