@@ -21,8 +21,8 @@ def folders(tmp_path_factory) -> dict[str, str]:
     from tests.hybrid_fixtures import write_tiny_hybrid
 
     root = tmp_path_factory.mktemp("hybrid-mtp")
-    # Qwen3-Next: experts in the layer; Qwen3.5: its dense MLP
-    return {arch: write_tiny_hybrid(root, arch, seed=5, mtp=True) for arch in ("qwen3_next", "qwen3_5")}
+    # Qwen3-Next and Qwen3.5-MoE: experts in the layer; Qwen3.5: its dense MLP
+    return {arch: write_tiny_hybrid(root, arch, seed=5, mtp=True) for arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe")}
 
 
 def _load(folder: str):
@@ -72,7 +72,7 @@ def _reference(folder: str, next_ids: torch.Tensor, hidden: torch.Tensor) -> tup
         return out @ head.T, out
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_the_hybrid_s_next_token_layer_computes_what_transformers_modules_do(folders, arch):
     from engine.model.mtp_layer import MtpBlock
 

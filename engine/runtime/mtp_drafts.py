@@ -10,8 +10,9 @@ comes from a row that reads the previous draft token and the layer's own output 
 
 Per slot the layer keeps its K/V rows and the tokens they were computed for (`held`), like a draft model
 (draft_model.py): a slot that goes on reads only what was added. The target's hidden rows reach it through
-`CausalLM.hidden_rows` (`TargetRows`) with the tokens they were computed for; where they do not cover the
-sequence no draft is made, so missing rows cost drafts, never a different answer.
+`CausalLM.hidden_rows` (`TargetRows`; a hybrid's `HybridCausalLM.hidden_rows`, the same hook) with the tokens they
+were computed for; where they do not cover the sequence no draft is made, so missing rows cost drafts, never a
+different answer.
 
 Both are parked with the conversation (engine/runtime/draft_states.py, as a draft model's K/V): token t's part
 is the target's hidden row t and the layer's row t-1 (the one that read token t), so every prefix of a parked
