@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hybrid_mtp_fixtures import add_mtp, mtp_as_converted
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "nemotron_h_moe",
@@ -135,7 +136,7 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, 
                       mtp: bool = False) -> str:
     """Write a random-weight `arch` hybrid under tmp_path (safetensors + tokenizer); returns the folder.
     `overrides`: config attributes set on top of `tiny_hybrid_config(arch)`. `mtp` (Qwen3-Next, Qwen3.5): the file
-    also holds a next-token layer under `mtp.*`, as the released checkpoints do (`_add_mtp`)."""
+    also holds a next-token layer under `mtp.*`, as the released checkpoints do (`hybrid_mtp_fixtures.add_mtp`)."""
     import torch
     import transformers
 
@@ -161,37 +162,11 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, 
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
     if mtp:
-        _add_mtp(folder / "model.safetensors", arch, seed)
+        if arch not in _CENTRED_NORMS:
+            raise ValueError(f"mtp: the fixture writes next-token layers for {', '.join(_CENTRED_NORMS)}, not {arch!r}")
+        add_mtp(folder / "model.safetensors", seed)
     write_tokenizer_files(folder)
     return str(folder)
-
-
-def _add_mtp(path: Path, arch: str, seed: int) -> None:
-    """Random `mtp.*` tensors into a Qwen3-Next / Qwen3.5 checkpoint (transformers drops them, so writes none): a
-    decoder layer with the names and shapes of the model's attention layer 1 (its MLP kind too), the [embedding;
-    hidden] projection `fc` and the three zero-centred norms."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    if arch not in _CENTRED_NORMS:
-        raise ValueError(f"mtp: the fixture writes next-token layers for {', '.join(_CENTRED_NORMS)}, not {arch!r}")
-    tensors = load_file(str(path))
-    g = torch.Generator().manual_seed(seed + 1)
-
-    def norm(size: int) -> torch.Tensor:
-        return torch.rand(size, generator=g) - 0.5  # stored as w - 1
-
-    layer = "model.layers.1."  # full attention (tiny_hybrid_config)
-    added = {
-        "mtp.layers.0." + name[len(layer):]: norm(t.shape[0]) if "norm" in name else 0.08 * torch.randn(
-            t.shape, generator=g)
-        for name, t in tensors.items() if name.startswith(layer)
-    }
-    hidden = tensors["model.embed_tokens.weight"].shape[1]
-    added["mtp.fc.weight"] = 0.08 * torch.randn(hidden, 2 * hidden, generator=g)
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        added[f"mtp.{name}.weight"] = norm(hidden)
-    save_file({**tensors, **added}, str(path), metadata={"format": "pt"})
 
 
 def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False,
@@ -205,7 +180,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     attn_gate (`_qwen_moe_rewrite`, which also stacks the experts of both MoE families). 2-D weights but the routers
     in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it (Qwen3-Next's without dense
     layers: llama.cpp's qwen3next has none). `mtp` (the Qwen families): the folder's next-token layer too, renamed
-    as llama.cpp's converter does (`_MTP_AS_LAYER`: a layer after the model's, its own tensors as `nextn.*`, counted
+    as llama.cpp's converter does (`hybrid_mtp_fixtures.mtp_as_converted`: a layer after the model's, its own tensors as `nextn.*`, counted
     in `block_count` and `nextn_predict_layers`)."""
     import json
 
@@ -365,13 +340,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     out_tensors: list[tuple[str, np.ndarray]] = []
     per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # Nemotron-H: stacked as the converter does
     weights = load_file(os.path.join(folder, "model.safetensors"))
-    nextn = {}  # the next-token layer's own tensors, which gguf's name map does not name for these architectures
-    for name in [n for n in weights if n.startswith("mtp.")]:
-        rest = name.removeprefix("mtp.layers.0.")
-        own = _MTP_AS_LAYER.get(rest)
-        weights[f"model.layers.{n_layers}.{own or rest}"] = weights.pop(name)
-        if own:
-            nextn[f"model.layers.{n_layers}.{own}"] = f"blk.{n_layers}.nextn.{own.removesuffix('.weight')}.weight"
+    nextn = mtp_as_converted(weights, n_layers)  # the layer's own tensors' names, which gguf's map lacks here
     if arch in ("qwen3_next", "qwen3_5_moe"):
         weights, out_tensors = _qwen_moe_rewrite(cfg, weights)
     for name, w in weights.items():
@@ -445,11 +414,6 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
-
-
-# llama.cpp's converter: a Qwen `mtp.*` tensor -> its name after "model.layers.<n_layers>." (then `blk.<n>.nextn.*`)
-_MTP_AS_LAYER = {"mtp.fc.weight": "eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
-                 "mtp.pre_fc_norm_hidden.weight": "hnorm.weight", "mtp.norm.weight": "shared_head_norm.weight"}
 
 
 def _qwen_moe_rewrite(cfg: dict, weights: dict) -> tuple[dict, list]:
