@@ -6,17 +6,18 @@ taken from) and the token at t+1, and predicts the token at t+2:
 
     x = eh_proj([enorm(embed(token_{t+1})); hnorm(hidden_t)])
     x = decoder_layer(x)            # attention over its own K/V of the earlier rows (RoPE at position t), then MoE
-                                    # (the attention of the model's kind: per-head or latent, mtp_attention.py)
+                                    # (the attention of the model's kind: per-head, latent or gated,
+                                    # mtp_attention.py; the MLP the layer's: experts, or Qwen3.5's dense one)
     logits = head(shared_head.norm(x))
 
-as llama.cpp's glm4-moe nextn graph computes it (and its qwen3next MTP graph: the same order, the target's rows
-after the final norm, the gated attention of the hybrid's own layers, and a dense MLP where Qwen3.5 has one) (its `t_h_nextn`: the target's rows after `output_norm`, the
-layer's own after `shared_head.norm`). The embedding and the head are the MTP layer's own where the file holds
-them (`nextn.embed_tokens`, `nextn.shared_head_head`), else the model's. The layer's output row after
+as llama.cpp's glm4-moe nextn graph computes it (its `t_h_nextn`: the target's rows after `output_norm`, the
+layer's own after `shared_head.norm`), and its qwen3next MTP graph too (the same order and rows, the gated
+attention of the hybrid's own layers, a dense MLP where Qwen3.5 has one). The embedding and the head are the
+MTP layer's own where the file holds them (`nextn.embed_tokens`, `nextn.shared_head_head`), else the model's. The layer's output row after
 `shared_head.norm` is the hidden state its next step takes in place of the target's (drafting further ahead).
 
 The weights become float32 on the CPU (a GGUF tensor dequantised): the draft runs one row per step, and the
-layer is a single MoE layer, small beside the model.
+layer is a single decoder layer, small beside the model.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def float_weight(t: KeptTensor) -> torch.Tensor:
 
 class MtpBlock:
     """One next-token layer, float32 on the CPU; its K/V rows live in caches the caller owns ([rows, *kv_shape]).
-    Its attention is the kind the model's layers have (mtp_attention.py): per-head K/V or latent attention."""
+    Its attention is the kind the model's layers have (mtp_attention.py): per-head K/V, latent or gated attention."""
 
     def __init__(self, model: CausalLM | HybridCausalLM, layer: MtpLayer, index: int = 0) -> None:
         c: ModelConfig | HybridConfig = model.config
@@ -74,7 +75,8 @@ class MtpBlock:
             return weights.get(key)
 
         get: mla.Getter = kept
-        if not isinstance(c, HybridConfig) and c.mla is not None:  # the loaders' own reading: RoPE rows to rotate-half order, a split kv_b joined
+        # the loaders' own reading of latent attention: RoPE rows to rotate-half order, a split kv_b joined
+        if not isinstance(c, HybridConfig) and c.mla is not None:
             get, _ = mla.rope_rows_in_halves(c.mla, c.n_heads, mla.kv_b_joined(kept))
 
         def need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
