@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hybrid_mtp_fixtures import add_mtp, mtp_as_converted
 from tests.model_fixtures import tiny_vocab_size, write_tokenizer_files
 
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "granitemoehybrid", "granitemoehybrid_moe", "nemotron_h", "nemotron_h_moe",
@@ -131,9 +132,11 @@ def _qwen_moe_config(arch: str, common: dict):
     return transformers.Qwen3_5MoeTextConfig(**shape)
 
 
-def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, overrides: dict | None = None) -> str:
+def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, overrides: dict | None = None,
+                      mtp: bool = False) -> str:
     """Write a random-weight `arch` hybrid under tmp_path (safetensors + tokenizer); returns the folder.
-    `overrides`: config attributes set on top of `tiny_hybrid_config(arch)`."""
+    `overrides`: config attributes set on top of `tiny_hybrid_config(arch)`. `mtp` (Qwen3-Next, Qwen3.5): the file
+    also holds a next-token layer under `mtp.*`, as the released checkpoints do (`hybrid_mtp_fixtures.add_mtp`)."""
     import torch
     import transformers
 
@@ -158,11 +161,16 @@ def write_tiny_hybrid(tmp_path: str | os.PathLike, arch: str, *, seed: int = 0, 
                 buffer.normal_(0.0, 0.5)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(folder)
+    if mtp:
+        if arch not in _CENTRED_NORMS:
+            raise ValueError(f"mtp: the fixture writes next-token layers for {', '.join(_CENTRED_NORMS)}, not {arch!r}")
+        add_mtp(folder / "model.safetensors", seed)
     write_tokenizer_files(folder)
     return str(folder)
 
 
-def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False) -> str:
+def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, quantize: bool = False,
+                           mtp: bool = False) -> str:
     """Convert the tiny `arch` HF model (lfm2, granitemoehybrid or qwen3_5) to GGUF as llama.cpp's converter
     does: tensor names from gguf's own name map, the depthwise conv squeezed to 2-D, per-layer K/V head counts
     with 0 for recurrent layers; for Granite also A = -exp(A_log), [heads, 1] A and D, the grouped norm as
@@ -171,7 +179,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     order (`_tile_v_heads`); for Qwen3-Next the same without the tiling, in_proj_qkvz regrouped into attn_qkv and
     attn_gate (`_qwen_moe_rewrite`, which also stacks the experts of both MoE families). 2-D weights but the routers
     in Q8_0 when `quantize`. Returns the .gguf path; the HF folder sits beside it (Qwen3-Next's without dense
-    layers: llama.cpp's qwen3next has none)."""
+    layers: llama.cpp's qwen3next has none). `mtp` (the Qwen families): the folder's next-token layer too, renamed
+    as llama.cpp's converter does (`hybrid_mtp_fixtures.mtp_as_converted`: a layer after the model's, its own tensors as `nextn.*`, counted
+    in `block_count` and `nextn_predict_layers`)."""
     import json
 
     import gguf
@@ -188,7 +198,8 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     if gguf_arch is None:
         raise ValueError(f"arch: only {', '.join(HYBRID_ARCHS)} have a GGUF writer here, got {arch!r}")
     # llama.cpp's qwen3next has no dense-MLP layers: its converter cannot name one
-    folder = write_tiny_hybrid(tmp_path, arch, overrides={"mlp_only_layers": []} if arch == "qwen3_next" else None)
+    folder = write_tiny_hybrid(tmp_path, arch, overrides={"mlp_only_layers": []} if arch == "qwen3_next" else None,
+                               mtp=mtp)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["parallel"] * cfg["num_hidden_layers"]
@@ -196,7 +207,9 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
     experts = int(cfg.get("num_local_experts") or 0)
     path = Path(tmp_path) / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_block_count(n_layers)
+    writer.add_block_count(n_layers + mtp)
+    if mtp:
+        writer.add_nextn_predict_layers(1)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(n_heads)
@@ -323,10 +336,11 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
                   "qwen3_5_moe": gguf.MODEL_ARCH.QWEN35MOE, "nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H,
                   "nemotron_h_moe": gguf.MODEL_ARCH.NEMOTRON_H_MOE, "falcon_h1": gguf.MODEL_ARCH.FALCON_H1,
                   }[arch if family == "nemotron_h" else family]
-    names = gguf.get_tensor_name_map(model_arch, n_layers)
+    names = gguf.get_tensor_name_map(model_arch, n_layers + mtp)
     out_tensors: list[tuple[str, np.ndarray]] = []
     per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # Nemotron-H: stacked as the converter does
     weights = load_file(os.path.join(folder, "model.safetensors"))
+    nextn = mtp_as_converted(weights, n_layers)  # the layer's own tensors' names, which gguf's map lacks here
     if arch in ("qwen3_next", "qwen3_5_moe"):
         weights, out_tensors = _qwen_moe_rewrite(cfg, weights)
     for name, w in weights.items():
@@ -367,7 +381,7 @@ def write_tiny_hybrid_gguf(tmp_path: str | os.PathLike, arch: str = "lfm2", *, q
             continue
         if name.endswith("shared_mlp.output_linear.weight"):
             name = name.replace("shared_mlp.output_linear", "mlp.down_proj")
-        out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        out = nextn.get(name) or names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, f"no GGUF name for {name}"
         if ".conv.conv." in name or ".conv1d.weight" in name:
             w = w.squeeze(1)

@@ -297,18 +297,8 @@ def load_gguf(path: str, stages, dtype: torch.dtype, int4_weights: bool = False,
             derived.save(fingerprint)
     # GLM's next-token layers: kept as the file holds them (its bytes, its type), not run (mtp.py).
     with open(path, "rb") as f:
-        model.mtp = tuple({key.split(".", 1)[1]: _kept(tensors[key], f, path) for key in keys}
+        model.mtp = tuple({key.split(".", 1)[1]: mtp.read_gguf_tensor(tensors[key], f, path) for key in keys}
                           for keys in mtp.layer_keys(config.n_layers, config.mtp_layers, list(tensors)))
     mtp.report_kept(model.mtp, path)
     name = os.path.splitext(os.path.basename(path))[0]
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(path), fingerprint, dtype)
-
-
-def _kept(t, f, path: str) -> mtp.KeptTensor:
-    """A GGUF tensor's own bytes, read from the open file `f`."""
-    data = torch.empty(t.n_bytes, dtype=torch.uint8)
-    f.seek(t.offset)
-    if f.readinto(memoryview(data.numpy())) != data.numel():  # type: ignore[arg-type]  # see raw() above
-        raise ModelLoadError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
-    return mtp.KeptTensor(t.name, GGMLQuantizationType(t.qtype).name, tuple(t.shape), data)
-

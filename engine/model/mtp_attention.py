@@ -7,7 +7,11 @@ decoder layers have, so the block itself is one code path:
   own latent rows, stored as the model stores its own (the latent's halves in a K and a V row of one
   `store_width` head: [rows, 1, store_width]), so a parked part costs the latent's bytes, not expanded K/V.
 
-Either writes the rows of positions start .. start+n-1 into caches the caller owns and reads them from `first`
+- `GatedAttention`: the gated attention of Qwen3-Next and Qwen3.5 (hybrid/attention.py's own projections: query
+  rows interleaved per head with a sigmoid output gate, per-head q/k norms, partial RoPE); K/V rows
+  [rows, kv_heads, head_dim], its output gated before the block's output projection.
+
+Each writes the rows of positions start .. start+n-1 into caches the caller owns and reads them from `first`
 (a context cut short, mtp_drafts.TargetRows.first). Float32 on the CPU, as the block.
 """
 
@@ -20,7 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ModelLoadError
 from engine.model.chunk_attention import rope_rows
+from engine.model.hybrid.attention import AttentionMixer
 from engine.model.llama import SeqChunk
 from engine.model.mla import MlaAttention
 from engine.model.norms import head_rms_norm
@@ -28,6 +34,7 @@ from engine.model.rope import RotaryTable
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
+    from engine.model.hybrid.config import HybridConfig
 
 # A layer's tensor by its canonical key (without the layer's number), checked against the shape expected.
 Need = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -107,6 +114,39 @@ class LatentAttention:
         chunk = SeqChunk(0, start, torch.zeros(n, dtype=torch.int64))
         return self.mla.attend_projected(query, latent, (k_cache[None], v_cache[None]), [chunk], [0, n], {0: mask},
                                          [False])
+
+
+class GatedAttention:
+    """Qwen3-Next / Qwen3.5's gated attention: the decoder's own projections (hybrid AttentionMixer.project), then
+    causal attention over the layer's rows from `first`, gated by the query's sigmoid gate."""
+
+    def __init__(self, c: HybridConfig, need: Need, rotary: RotaryTable) -> None:
+        h, heads, kv_heads, d = c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim
+        if not (c.attention_gate and c.qk_norm):
+            raise ModelLoadError(f"{c.architecture}: a gated next-token attention needs the output gate and q/k norms")
+        wqkv = torch.cat((need("q", (2 * heads * d, h)), need("k", (kv_heads * d, h)), need("v", (kv_heads * d, h))))
+        self.mixer = AttentionMixer(c, 0, wqkv=wqkv, wo=need("o", (h, heads * d)), q_norm=need("q_norm", (d,)),
+                                    k_norm=need("k_norm", (d,)))
+        self.rotary = rotary  # the model's own table (partial RoPE: its rotary_dim leading channels)
+        self.scale = c.softmax_scale
+        self.n_heads = heads
+        self.kv_shape = (kv_heads, d)
+        self.out_width = heads * d
+
+    def __call__(self, h: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 first: int) -> torch.Tensor:
+        """The gated heads' output [n, out_width] of the normalised rows `h` at positions start .., K/V written."""
+        n, end = h.shape[0], start + h.shape[0]
+        cos, sin = self.rotary.get(end, CPU, torch.float32)
+        q, k, v, gate = self.mixer.project(h, cos[start:end, None], sin[start:end, None], 0)
+        assert gate is not None  # checked in __init__
+        k_cache[start:end], v_cache[start:end] = k, v
+        keys, values = k_cache[first:end].transpose(0, 1), v_cache[first:end].transpose(0, 1)  # [KVH, end-first, D]
+        # row i sees positions first .. start+i
+        mask = torch.ones(n, end - first, dtype=torch.bool).tril(start - first)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.n_heads != self.kv_shape[0])
+        return out.transpose(0, 1).reshape(n, self.out_width) * torch.sigmoid(gate)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,23 @@
-"""A next-token (MTP) layer (GLM-4.x MoE, DeepSeek-V3, GLM-4.7-Flash), runnable: built from the tensors the
-loaders keep (`CausalLM.mtp`, mtp.py).
+"""A next-token (MTP) layer (GLM-4.x MoE, DeepSeek-V3, GLM-4.7-Flash, Qwen3-Next, Qwen3.5), runnable: built from
+the tensors the loaders keep (`CausalLM.mtp`, `HybridCausalLM.mtp`, mtp.py).
 
 For the row of position t it takes the target's hidden state at t (after the final norm: the row its logits are
 taken from) and the token at t+1, and predicts the token at t+2:
 
     x = eh_proj([enorm(embed(token_{t+1})); hnorm(hidden_t)])
     x = decoder_layer(x)            # attention over its own K/V of the earlier rows (RoPE at position t), then MoE
-                                    # (the attention of the model's kind: per-head or latent, mtp_attention.py)
+                                    # (the attention of the model's kind: per-head, latent or gated,
+                                    # mtp_attention.py; the MLP the layer's: experts, or Qwen3.5's dense one)
     logits = head(shared_head.norm(x))
 
 as llama.cpp's glm4-moe nextn graph computes it (its `t_h_nextn`: the target's rows after `output_norm`, the
-layer's own after `shared_head.norm`). The embedding and the head are the MTP layer's own where the file holds
-them (`nextn.embed_tokens`, `nextn.shared_head_head`), else the model's. The layer's output row after
+layer's own after `shared_head.norm`), and its qwen3next MTP graph too (the same order and rows, the gated
+attention of the hybrid's own layers, a dense MLP where Qwen3.5 has one). The embedding and the head are the
+MTP layer's own where the file holds them (`nextn.embed_tokens`, `nextn.shared_head_head`), else the model's. The layer's output row after
 `shared_head.norm` is the hidden state its next step takes in place of the target's (drafting further ahead).
 
 The weights become float32 on the CPU (a GGUF tensor dequantised): the draft runs one row per step, and the
-layer is a single MoE layer, small beside the model.
+layer is a single decoder layer, small beside the model.
 """
 
 from __future__ import annotations
@@ -26,20 +28,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_dequant, mla, moe_loading
-from engine.model.mtp_attention import CPU, HeadAttention, LatentAttention
+from engine.model import gguf_dequant, mla, moe, moe_loading
+from engine.model.hybrid.config import HybridConfig
+from engine.model.mtp_attention import CPU, GatedAttention, HeadAttention, LatentAttention
 from engine.model.norms import rms_norm
 from engine.model.projections import logit_rows
 from engine.model.quant_embedding import embed_rows
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
+    from engine.model.hybrid.model import HybridCausalLM
     from engine.model.llama import CausalLM
     from engine.model.mtp import KeptTensor, MtpLayer
 
 # The families whose files carry next-token layers this runs: GLM-4.x MoE (per-head K/V), DeepSeek-V3 and
-# GLM-4.7-Flash (latent attention; llama.cpp's deepseek2 files load as deepseek_v3).
-ARCHITECTURES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+# GLM-4.7-Flash (latent attention; llama.cpp's deepseek2 files load as deepseek_v3), Qwen3-Next and Qwen3.5 (the
+# hybrids' gated attention).
+ARCHITECTURES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def float_weight(t: KeptTensor) -> torch.Tensor:
@@ -53,13 +58,13 @@ def float_weight(t: KeptTensor) -> torch.Tensor:
 
 class MtpBlock:
     """One next-token layer, float32 on the CPU; its K/V rows live in caches the caller owns ([rows, *kv_shape]).
-    Its attention is the kind the model's layers have (mtp_attention.py): per-head K/V or latent attention."""
+    Its attention is the kind the model's layers have (mtp_attention.py): per-head K/V, latent or gated attention."""
 
-    def __init__(self, model: CausalLM, layer: MtpLayer, index: int = 0) -> None:
-        c = model.config
+    def __init__(self, model: CausalLM | HybridCausalLM, layer: MtpLayer, index: int = 0) -> None:
+        c: ModelConfig | HybridConfig = model.config
         if c.architecture not in ARCHITECTURES:
             raise ModelLoadError(f"next-token layers run for {', '.join(ARCHITECTURES)} only, not {c.architecture}")
-        self.config: ModelConfig = c
+        self.config = c
         self.index = c.n_layers + index  # the layer's number in the file (its MoE keys)
         self.eps = c.rms_norm_eps
         weights = {f"{self.index}.{key}": float_weight(t) for key, t in layer.items()}
@@ -70,7 +75,8 @@ class MtpBlock:
             return weights.get(key)
 
         get: mla.Getter = kept
-        if c.mla is not None:  # the loaders' own reading: RoPE rows to rotate-half order, a split kv_b joined
+        # the loaders' own reading of latent attention: RoPE rows to rotate-half order, a split kv_b joined
+        if not isinstance(c, HybridConfig) and c.mla is not None:
             get, _ = mla.rope_rows_in_halves(c.mla, c.n_heads, mla.kv_b_joined(kept))
 
         def need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -85,16 +91,27 @@ class MtpBlock:
         self.enorm, self.hnorm = need("nextn.enorm", (h,)), need("nextn.hnorm", (h,))
         self.head_norm = need("nextn.shared_head_norm", (h,))
         self.attn_norm, self.mlp_norm = need("attn_norm", (h,)), need("mlp_norm", (h,))
-        self.attention: HeadAttention | LatentAttention = (
-            HeadAttention(c, need) if c.mla is None else LatentAttention(c, need, model.rotary))
+        self.attention: HeadAttention | LatentAttention | GatedAttention
+        rotary = model.rotary
+        assert rotary is not None, "the families with next-token layers rotate"
+        if isinstance(c, HybridConfig):
+            self.attention = GatedAttention(c, need, rotary)
+        else:
+            self.attention = HeadAttention(c, need) if c.mla is None else LatentAttention(c, need, rotary)
         self.wo = need("o", (h, self.attention.out_width))
-        if not c.is_moe_layer(self.index):
+        self.moe: moe.SparseMoe | None = None
+        self.gate_up = self.down = torch.empty(0)
+        if c.is_moe_layer(self.index):
+            def moe_need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+                return need(key.split(".", 1)[1], shape)
+
+            self.moe = moe_loading.build_sparse_moe(c, self.index, weights.get, moe_need, lambda t: t, where)
+        elif isinstance(c, HybridConfig):  # Qwen3.5 (dense): the layer's MLP is its decoder layers' SwiGLU
+            inter = c.intermediate_size
+            self.gate_up = torch.cat((need("gate", (inter, h)), need("up", (inter, h))))
+            self.down = need("down", (h, inter))
+        else:
             raise ModelLoadError(f"{where}: expected a MoE layer (first_k_dense_replace covers it)")
-
-        def moe_need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-            return need(key.split(".", 1)[1], shape)
-
-        self.moe = moe_loading.build_sparse_moe(c, self.index, weights.get, moe_need, lambda t: t, where)
         # The MTP layer's own embedding and head where the file holds them, else the model's (as llama.cpp).
         self.embed = weights.get(f"{self.index}.nextn.embed_tokens")
         self.model_embed, self.embed_scale = model.embed, model.embed_scale
@@ -126,11 +143,16 @@ class MtpBlock:
         assert 0 <= first <= start, (first, start)
         attended = self.attention(rms_norm(x, self.attn_norm, self.eps), start, k_cache, v_cache, first)
         x = x + F.linear(attended, self.wo)
-        x = x + self.moe(rms_norm(x, self.mlp_norm, self.eps), 0)
+        x = x + self._mlp(rms_norm(x, self.mlp_norm, self.eps))
         h = rms_norm(x, self.head_norm, self.eps)
         if self.head is not None:
             return F.linear(h, self.head), h
         head = self.model_head
         return logit_rows(h.to(self.model_embed.device, self.model_embed.dtype), head).float().cpu(), h
 
-
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x, 0)
+        inter = self.down.shape[1]
+        gate_up = F.linear(x, self.gate_up)
+        return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down)

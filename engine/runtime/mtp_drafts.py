@@ -1,4 +1,5 @@
-"""Speculative decoding with the model's own next-token layer (`--spec mtp`: GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3): the layer proposes
+"""Speculative decoding with the model's own next-token layer (`--spec mtp`: GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next,
+Qwen3.5): the layer proposes
 the next tokens from the target's hidden rows, and the target verifies them in its decode step as it verifies
 every draft (engine/runtime/scheduler.py `_verify`), so greedy output is the target's own, token for token.
 
@@ -9,8 +10,9 @@ comes from a row that reads the previous draft token and the layer's own output 
 
 Per slot the layer keeps its K/V rows and the tokens they were computed for (`held`), like a draft model
 (draft_model.py): a slot that goes on reads only what was added. The target's hidden rows reach it through
-`CausalLM.hidden_rows` (`TargetRows`) with the tokens they were computed for; where they do not cover the
-sequence no draft is made, so missing rows cost drafts, never a different answer.
+`CausalLM.hidden_rows` (`TargetRows`; a hybrid's `HybridCausalLM.hidden_rows`, the same hook) with the tokens they
+were computed for; where they do not cover the sequence no draft is made, so missing rows cost drafts, never a
+different answer.
 
 Both are parked with the conversation (engine/runtime/draft_states.py, as a draft model's K/V): token t's part
 is the target's hidden row t and the layer's row t-1 (the one that read token t), so every prefix of a parked
@@ -46,8 +48,8 @@ def declines(model: object) -> str:
     """Why `--spec mtp` cannot draft for `model` ("" when it can)."""
     mtp = getattr(model, "mtp", ())
     if not mtp:
-        return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash and DeepSeek-V3 files carry one; "
-                "a file converted without it does not)")
+        return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next and Qwen3.5 "
+                "files carry one; a file converted without it does not)")
     if getattr(model, "graphs", None) is not None:
         return "its decode step runs outside the eager path that hands over the hidden rows"
     return ""

@@ -62,10 +62,15 @@ class AttentionMixer(torch.nn.Module):
         self.register_buffer("q_norm", q_norm, persistent=False)
         self.register_buffer("k_norm", k_norm, persistent=False)
 
-    def forward(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def project(
+        self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, n_single: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The rows' queries [n, H, D], keys and values [n, KVH, D] (normed, RoPE'd with `cos`/`sin` [n, 1, rd]
+        where given) and output gate [n, H * D] (None without one): what `forward` attends with, and the
+        next-token layer of these families too (engine/model/mtp_attention.py)."""
         c, spec = self.config, self.spec
         H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
-        total, n_single = batch.total, batch.n_single
+        total = h.shape[0]
         qkv = linear(h, self.wqkv, n_single)
         gate = None
         if spec.output_gate:
@@ -79,10 +84,16 @@ class AttentionMixer(torch.nn.Module):
             assert self.k_norm is not None  # the norms come in pairs (asserted in __init__)
             q = _rms(q, self.q_norm, c.rms_norm_eps)
             k = _rms(k, self.k_norm, c.rms_norm_eps)
-        if batch.cos is not None:
-            assert batch.sin is not None  # cos and sin are set together
-            q, k = _rope(q, batch.cos, batch.sin), _rope(k, batch.cos, batch.sin)
+        if cos is not None:
+            assert sin is not None  # cos and sin are set together
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        return q, k, v, gate
 
+    def forward(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        c, spec = self.config, self.spec
+        H, KVH, D = c.n_heads, c.n_kv_heads, c.head_dim
+        total, n_single = batch.total, batch.n_single
+        q, k, v, gate = self.project(h, batch.cos, batch.sin, n_single)
         k_cache, v_cache = batch.kv.layer(self.kv_index)
         scale = spec.scale
         assert scale is not None  # attention_spec states it

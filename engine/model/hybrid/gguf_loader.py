@@ -18,7 +18,8 @@ Supported:
 - `nemotron_h`, `nemotron_h_moe` (Nemotron-H): `engine.model.hybrid.gguf_nemotron` reads its block pattern and experts;
 - `qwen35` (Qwen3.5), `qwen35moe` (Qwen3.5-MoE) and `qwen3next` (Qwen3-Next): `engine.model.hybrid.gguf_qwen35`
   undoes what llama.cpp's converter rewrites (the value-head order, the +1 folded into the norms, -exp(A_log),
-  Qwen3-Next's regrouped qkvz); their experts have Qwen2-MoE's tensor names and keys.
+  Qwen3-Next's regrouped qkvz); their experts have Qwen2-MoE's tensor names and keys; their next-token layer
+  (`blk.<n_layers>.*` with `nextn.*`, counted in `block_count`) is kept for `--spec mtp` (engine/model/mtp.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import xxhash
 
 from engine.errors import ModelLoadError
-from engine.model import families, gguf_dequant, moe_loading
+from engine.model import families, gguf_dequant, moe_loading, mtp
 from engine.model.build import LoadedModel
 from engine.model.gguf_header import GGUFTensor, forget_headers, read_gguf_header
 from engine.model.gguf_tensors import check_gguf_tensors, unpermute
@@ -187,13 +188,15 @@ def _granite_experts(meta: dict, arch: str, path: str) -> MoeConfig | None:
                      norm_topk_prob=False)
 
 
-def _canonical(arch: str, name: str) -> str | None:
+def _canonical(arch: str, name: str, n_layers: int) -> str | None:
     global_names, layer_names = _NAMES[arch]
     if name in global_names:
         return global_names[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
         key = layer_names.get(rest) or moe_loading.gguf_layer_key(rest)  # experts: the MoE families' names
+        if int(index) >= n_layers and arch in gguf_qwen35.GGUF_ARCHITECTURES:  # a next-token layer (mtp.py)
+            key = "attn_norm" if key == "mixer_norm" else key or mtp.GGUF_NAMES.get(rest)
         if key is not None:
             return f"{index}.{key}"
     return None
@@ -214,7 +217,7 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
     file_size = os.path.getsize(path)
     tensors = {}
     for t in directory:
-        key = _canonical(arch, t.name)
+        key = _canonical(arch, t.name, config.n_layers)
         if key is not None:
             tensors[key] = t
     # Layout checks for every tensor, type and size checks for those gguf_dequant decodes (gguf's decoder checks
@@ -281,6 +284,12 @@ def load_hybrid_gguf(path: str, stages, dtype: torch.dtype, cpu_experts: frozens
 
     with open(path, "rb") as f:
         model = build_hybrid(config, stages, dtype, get, path, cpu_experts, int4_weights, blocks)
+        # Qwen3-Next / Qwen3.5's next-token layers, kept as the file holds them (their norms already 1 + w, as the
+        # block reads them), run by --spec mtp only.
+        keys = list(tensors)
+        model.mtp = tuple({key.split(".", 1)[1]: mtp.read_gguf_tensor(tensors[key], f, path) for key in found}
+                          for found in mtp.layer_keys(config.n_layers, mtp.count_layers(config.n_layers, keys), keys))
+    mtp.report_kept(model.mtp, path)
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", file_size))
     with open(path, "rb") as f:

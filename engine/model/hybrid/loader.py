@@ -17,7 +17,7 @@ import xxhash
 
 from engine import startup_progress
 from engine.errors import ModelLoadError
-from engine.model import int4, moe_loading, q8_output
+from engine.model import int4, moe_loading, mtp, q8_output
 from engine.model.build import LoadedModel
 from engine.model.hf_files import folder_tokenizer, header_fingerprint, open_tensors, safetensors_files
 from engine.model.hybrid import (
@@ -44,6 +44,8 @@ FAMILIES |= {"nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "lfm2_moe": lfm2_
 # Wrappers around the text model (Qwen3.5's vision-language checkpoints) and parts the text model does not use.
 _PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))  # backbone.: Nemotron-H
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision")
+# The families whose folders carry a next-token layer (`mtp.*`) that `--spec mtp` runs (engine/model/mtp.py).
+MTP_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def hybrid_config_from_hf(cfg: dict) -> HybridConfig:
@@ -190,22 +192,59 @@ def _int4(layer: torch.nn.Module) -> torch.nn.Module:
     return layer
 
 
-def _hf_canonical(family: ModuleType, name: str) -> str | None:
+def _hf_canonical(family: ModuleType, config: HybridConfig, name: str) -> str | None:
     for old, new in _PREFIXES:
         if name.startswith(old):
             name = new + name[len(old) :]
+    if name.startswith("model.mtp."):  # a wrapper's next-token layer, as llama.cpp's converter reads it
+        name = name[len("model.") :]
+    if name.startswith("mtp.") and config.architecture in MTP_FAMILIES:
+        return mtp.qwen_hf_key(name, config.n_layers, lambda rest: _mtp_layer_key(family, rest))
     if name.startswith(_SKIPPED_PREFIXES):
         return None
     if name in family.HF_GLOBAL_NAMES:
         return family.HF_GLOBAL_NAMES[name]
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
-        # a family's own names, then its own rules, then the experts' names of the attention-only MoE families
-        own_rule = family.hf_layer_key(rest) if hasattr(family, "hf_layer_key") else None
-        key = family.HF_LAYER_NAMES.get(rest) or own_rule or moe_loading.hf_layer_key(rest)
+        key = _layer_key(family, rest)
         if key is not None:
             return f"{index}.{key}"
     return None
+
+
+def _layer_key(family: ModuleType, rest: str) -> str | None:
+    # a family's own names, then its own rules, then the experts' names of the attention-only MoE families
+    own_rule = family.hf_layer_key(rest) if hasattr(family, "hf_layer_key") else None
+    return family.HF_LAYER_NAMES.get(rest) or own_rule or moe_loading.hf_layer_key(rest)
+
+
+def _mtp_layer_key(family: ModuleType, rest: str) -> str | None:
+    # the next-token layer's norm before attention under the name the block reads for every family
+    key = _layer_key(family, rest)
+    return "attn_norm" if key == "mixer_norm" else key
+
+
+def _kept_mtp(config: HybridConfig, family: ModuleType, where: dict[str, tuple[str, str]], handles,
+              folder: str) -> tuple[mtp.MtpLayer, ...]:
+    """The folder's next-token layers (mtp.py), each tensor as stored except the norms, kept as the decoder's are
+    loaded (with the family's NORM_OFFSET: Qwen's zero-centred RMSNorm weights become 1 + w)."""
+    offset = float(getattr(family, "NORM_OFFSET", 0.0))
+    keys = list(where)
+    layers = []
+    for found in mtp.layer_keys(config.n_layers, mtp.count_layers(config.n_layers, keys), keys):
+        layer: mtp.MtpLayer = {}
+        for key in found:
+            file, name = where[key]
+            try:
+                tensor = handles[file].get_tensor(name)
+            except Exception as e:
+                raise ModelLoadError(f"{file}: cannot read tensor {name} ({e})") from None
+            if key.endswith("norm") and offset:
+                tensor = tensor.float() + offset
+            layer[key.split(".", 1)[1]] = mtp.KeptTensor(name, str(tensor.dtype), tuple(tensor.shape), tensor)
+        layers.append(layer)
+    mtp.report_kept(tuple(layers), folder)
+    return tuple(layers)
 
 
 def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
@@ -221,7 +260,7 @@ def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
     files = safetensors_files(folder)
     h = header_fingerprint(config.describe(), files)
     tokenizer = folder_tokenizer(folder)
-    handles, where = open_tensors(files, lambda name: _hf_canonical(family, name))
+    handles, where = open_tensors(files, lambda name: _hf_canonical(family, config, name))
     content = xxhash.xxh3_128()
 
     def get(key: str) -> torch.Tensor | None:
@@ -240,6 +279,7 @@ def load_hybrid_hf(folder: str, raw_config: dict, stages, dtype: torch.dtype,
     if "lm_head" not in where and not config.tie_word_embeddings:
         raise ModelLoadError(f"{folder}: lm_head.weight is missing and config.json does not tie it to the embeddings")
     model = build_hybrid(config, stages, dtype, get, folder, cpu_experts, int4_weights)
+    model.mtp = _kept_mtp(config, family, where, handles, folder)  # run by --spec mtp only
     h.update(content.digest())
     name = os.path.basename(os.path.normpath(folder))
     return LoadedModel(config, model, tokenizer, name, os.path.abspath(folder), h.hexdigest(), dtype)  # type: ignore[arg-type]

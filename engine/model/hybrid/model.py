@@ -22,6 +22,9 @@ depend on what it was batched with) and logits through `logit_rows`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +39,9 @@ from engine.model.projections import linear, logit_rows
 from engine.model.q8_output import Q8Output
 from engine.model.quant_embedding import QuantEmbedding, embed_rows
 from engine.model.rope import RotaryTable
+
+if TYPE_CHECKING:
+    from engine.model.mtp import MtpLayer
 
 
 class HybridLayer(torch.nn.Module):
@@ -90,10 +96,21 @@ class HybridCausalLM(torch.nn.Module):
         self.register_buffer("norm", norm, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.rotary = RotaryTable(config.rope_shape()) if config.rotary_dim else None  # type: ignore[arg-type]
+        # The file's next-token layers, kept as it holds them (engine/model/mtp.py; Qwen3-Next, Qwen3.5), and
+        # `--spec mtp`'s hook for the rows the logits are taken from, as CausalLM's (engine/runtime/mtp_drafts.py).
+        self.mtp: tuple[MtpLayer, ...] = ()
+        self.hidden_rows: Callable[[list[SeqChunk], list[int], torch.Tensor], None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def embed_scale(self) -> torch.Tensor | None:
+        """What a next-token layer scales its embeddings by, as CausalLM's: nothing (the families with such
+        layers have no embedding multiplier)."""
+        assert self.config.embedding_multiplier == 1.0, "a next-token layer of a scaled embedding"
+        return None
 
     # ------------------------------------------------------------ buffers this model runs on
 
@@ -184,6 +201,8 @@ class HybridCausalLM(torch.nn.Module):
             state.finish_chunk(slot, end)
 
         h = rms_norm(x, self.norm, c.rms_norm_eps)
+        if self.hidden_rows is not None:  # the rows the logits are taken from, every row (the norm is per row)
+            self.hidden_rows(ordered, offsets, h)
         if not all_logits and total != len(ordered):
             h = h.index_select(0, torch.tensor([offsets[k + 1] - 1 for k in range(len(ordered))], device=h.device))
         if all_logits:
