@@ -2,8 +2,8 @@
 them: `enable_thinking` turns a thinking model's thought on or off (and the answer is read from where the prompt
 leaves it), any other variable is the template's to read, and what a request cannot set is refused by name.
 
-The template is DeepSeek-V3.1's way (tests/test_thoughts.py): thinking off unless asked for; on, the prompt opens the
-thought. The tiny model's answer is scripted (tests/test_api_tools.py): a thought's end, split over two tokens, then
+The template is DeepSeek-V3.1's way (tests/test_thoughts.py): thinking off unless its own variable, `thinking`, asks
+for it (as vLLM's guide for V3.1 sends it); on, the prompt opens the thought. The tiny model's answer is scripted (tests/test_api_tools.py): a thought's end, split over two tokens, then
 the answer."""
 
 from __future__ import annotations
@@ -31,18 +31,22 @@ def ask(client, **kwargs):
     return client.chat.completions.create(model="m", messages=ASK, max_tokens=8, **kwargs)
 
 
-def test_enable_thinking_opens_the_thought_and_the_answer_is_read_from_inside_it(client):
-    on = ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+def test_the_templates_thinking_variable_opens_the_thought_and_the_answer_is_read_from_inside_it(client):
+    on = ask(client, extra_body={"chat_template_kwargs": {"thinking": True}})
     assert (on.choices[0].message.model_extra.get("reasoning_content"), on.choices[0].message.content) == (
         "Pondering.", "Done.")
-    off = ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    off = ask(client, extra_body={"chat_template_kwargs": {"thinking": False}})
     assert not off.choices[0].message.model_extra.get("reasoning_content")
     assert off.usage.prompt_tokens == on.usage.prompt_tokens + 1  # "<think></think>" where on writes "<think>"
     default = ask(client)
     assert default.usage.prompt_tokens == off.usage.prompt_tokens  # the template's own default: off
     # The variable wins over what the effort implies ("none": off).
-    both = ask(client, reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    both = ask(client, reasoning_effort="none", extra_body={"chat_template_kwargs": {"thinking": True}})
     assert both.choices[0].message.model_extra.get("reasoning_content") == "Pondering."
+    # A variable this template does not read changes nothing.
+    other = ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert other.usage.prompt_tokens == off.usage.prompt_tokens
+    assert not other.choices[0].message.model_extra.get("reasoning_content")
 
 
 def test_any_other_variable_is_the_templates_to_read(client):
@@ -52,11 +56,12 @@ def test_any_other_variable_is_the_templates_to_read(client):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"messages": []}, "'chat_template_kwargs.messages': set by the request itself"),
-    ({"add_generation_prompt": False}, "'chat_template_kwargs.add_generation_prompt': set by the request itself"),
+    ({"messages": []}, "'chat_template_kwargs.messages': sets itself"),
+    ({"add_generation_prompt": False}, "'chat_template_kwargs.add_generation_prompt': sets itself"),
     ({"enable_thinking": "yes"}, "'chat_template_kwargs.enable_thinking': expected true or false"),
     ({"not a name": 1}, "is not a template variable name"),
     (["enable_thinking"], "expected an object of template variables, got list"),
+    ({"namespace": 1}, "'chat_template_kwargs.namespace': sets itself"),
 ])
 def test_what_a_request_cannot_set_is_refused_by_name(client, kwargs, words):
     with pytest.raises(openai.BadRequestError) as refused:

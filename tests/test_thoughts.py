@@ -11,6 +11,7 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as FastTokenizer
 
+from engine.model.thinking import prompt_opens
 from engine.model.tokenizer import Tokenizer
 from engine.server.answer_ids import AnswerIds
 from engine.server.anthropic_schemas import MessagesRequest, template_messages
@@ -30,9 +31,9 @@ QWEN3_LIKE = _TURNS + ("{% if add_generation_prompt %}<|im_start|>assistant\n"
                        "{% endif %}{% endif %}")
 # As DeepSeek-R1's: the prompt opens the thought, always.
 R1_LIKE = _TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-# As DeepSeek-V3.1's: thinking off unless asked for; on, the prompt opens the thought.
+# As DeepSeek-V3.1's: thinking off unless its own variable, `thinking`, asks for it; on, the prompt opens the thought.
 V31_LIKE = _TURNS + ("{% if add_generation_prompt %}<|im_start|>assistant\n"
-                     "{% if enable_thinking is defined and enable_thinking %}<think>{% else %}<think></think>"
+                     "{% if thinking is defined and thinking %}<think>{% else %}<think></think>"
                      "{% endif %}{% endif %}")
 # As Gemma 4's: thinking off unless asked for, an empty thought channel written for it.
 GEMMA4_LIKE = ("{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}"
@@ -53,16 +54,21 @@ def tokenizer(folder: Path, template: str, tokens: tuple[str, ...] = THINK, spec
 
 
 def test_markers_and_where_the_prompt_leaves_the_output_are_read_from_the_template(tmp_path):
-    qwen3 = tokenizer(tmp_path / "qwen3", QWEN3_LIKE).thinking
-    assert qwen3 is not None and (qwen3.open, qwen3.close, qwen3.switch) == ("<think>", "</think>", True)
-    assert not qwen3.starts_inside(None) and not qwen3.starts_inside(False)
-    r1 = tokenizer(tmp_path / "r1", R1_LIKE).thinking
-    assert r1 is not None and not r1.switch and r1.starts_inside(None) and r1.starts_inside(False)
-    v31 = tokenizer(tmp_path / "v31", V31_LIKE).thinking
-    assert v31 is not None and not v31.starts_inside(None) and v31.starts_inside(True)
-    gemma4 = tokenizer(tmp_path / "gemma4", GEMMA4_LIKE, ("<|channel>", "<channel|>"), special=True).thinking
+    qwen3_tok = tokenizer(tmp_path / "qwen3", QWEN3_LIKE)
+    qwen3 = qwen3_tok.thinking
+    assert qwen3 is not None and (qwen3.open, qwen3.close, qwen3.switch) == ("<think>", "</think>", "enable_thinking")
+    assert not prompt_opens(qwen3_tok, qwen3, {}) and not prompt_opens(qwen3_tok, qwen3, {"enable_thinking": False})
+    r1_tok = tokenizer(tmp_path / "r1", R1_LIKE)
+    r1 = r1_tok.thinking
+    assert r1 is not None and r1.switch is None and prompt_opens(r1_tok, r1, {})
+    v31_tok = tokenizer(tmp_path / "v31", V31_LIKE)
+    v31 = v31_tok.thinking
+    assert v31 is not None and v31.switch == "thinking"
+    assert not prompt_opens(v31_tok, v31, {}) and prompt_opens(v31_tok, v31, {"thinking": True})
+    gemma4_tok = tokenizer(tmp_path / "gemma4", GEMMA4_LIKE, ("<|channel>", "<channel|>"), special=True)
+    gemma4 = gemma4_tok.thinking
     assert gemma4 is not None and (gemma4.open, gemma4.close) == ("<|channel>thought", "<channel|>")
-    assert not gemma4.starts_inside(None)
+    assert gemma4.switch == "enable_thinking" and not prompt_opens(gemma4_tok, gemma4, {})
     # No markers in the vocabulary, or a template that never closes a thought: the output is all answer.
     assert tokenizer(tmp_path / "plain", R1_LIKE, ()).thinking is None
     assert tokenizer(tmp_path / "no-close", R1_LIKE.replace("</think>", ""), THINK).thinking is None
@@ -132,9 +138,12 @@ def test_the_request_switch_reaches_only_a_template_that_reads_it(tmp_path):
     off = render_prompt(qwen3, ask, None, thinking=False)
     assert qwen3.decode(off.ids).endswith("assistant\n<think>\n\n</think>\n\n") and not off.in_thought
     assert not qwen3.decode(render_prompt(qwen3, ask, None).ids).endswith("</think>\n\n")
-    v31 = tokenizer(tmp_path / "v31", V31_LIKE)
+    v31 = tokenizer(tmp_path / "v31", V31_LIKE)  # the request's switch reaches it as its own `thinking`
     assert render_prompt(v31, ask, None, thinking=True).in_thought
     assert not render_prompt(v31, ask, None).in_thought
+    # A variable the request gives itself wins, and where the prompt leaves the output is read with it.
+    assert render_prompt(v31, ask, None, variables={"thinking": True}).in_thought
+    assert not render_prompt(v31, ask, None, thinking=True, variables={"thinking": False}).in_thought
     r1 = tokenizer(tmp_path / "r1", R1_LIKE)  # no switch: asking thinking off changes nothing
     assert render_prompt(r1, ask, None, thinking=False) == render_prompt(r1, ask, None)
     assert render_prompt(r1, ask, None).in_thought

@@ -6,40 +6,37 @@ an answer.
   vocabulary and their template writes `</think>`);
 - Gemma 4's thought channel, `<|channel>thought ... <channel|>`.
 
-Some templates open the thought in the generation prompt themselves (DeepSeek-R1's ends with `<think>\\n`, V3.1's
-with thinking on), so the output starts inside it and only the close marker appears; which way a template writes its
-prompt is read by rendering a one-message conversation, with `enable_thinking` unset, false and true where the
-template reads that switch. (gpt-oss's harmony is its own format: engine.server.harmony.)
+Some templates open the thought in the generation prompt themselves (DeepSeek-R1's ends with `<think>\n`; V3.1's
+with its `thinking` variable true; Qwen3's unless `enable_thinking` is false), so the output starts inside it and only
+the close marker appears. Which variable switches a template's thinking is read from the template (`enable_thinking`,
+as Qwen3, GLM-4.x and Gemma 4 name it, or `thinking`, as DeepSeek-V3.1 does); where a request's prompt leaves the
+output is read per request, by rendering a one-message conversation with the request's own template variables
+(`prompt_opens`), so a variable the request sets (its own `thinking`, say) counts as the template reads it.
+(gpt-oss's harmony is its own format: engine.server.harmony.)
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 # (what opens the thought in output, what closes it, the token that begins the opening marker)
 _FORMATS = (("<think>", "</think>", "<think>"), ("<|channel>thought", "<channel|>", "<|channel>"))
-SWITCH = "enable_thinking"  # the template variable Qwen3, DeepSeek-V3.1, GLM-4.x and Gemma 4 read
+# The variables templates switch thinking with, in the order they are looked for: Qwen3's, GLM-4.x's and Gemma 4's;
+# DeepSeek-V3.1's.
+SWITCHES = ("enable_thinking", "thinking")
 MARKER_TOKENS = frozenset(token for _, close, token in _FORMATS for token in (token, close))
 _PROBE = [{"role": "user", "content": "Hi"}]
 
 
 @dataclass(frozen=True, slots=True)
 class Thinking:
-    """A model's thought markers, and where its generation prompt leaves the output: inside the thought or not."""
+    """A model's thought markers, and the variable its template switches thinking with (None: it has none)."""
 
     open: str
     close: str
-    switch: bool  # the template reads `enable_thinking`
-    opens_by_default: bool  # the generation prompt ends inside the thought with the switch unset...
-    opens_on: bool  # ...with it true
-    opens_off: bool  # ...with it false
-
-    def starts_inside(self, enable: bool | None) -> bool:
-        """Whether the output begins inside the thought, for a request that set the switch (True / False) or not."""
-        if enable is None or not self.switch:
-            return self.opens_by_default
-        return self.opens_on if enable else self.opens_off
+    switch: str | None
 
 
 def detect_thinking(tokenizer: Any) -> Thinking | None:
@@ -51,11 +48,16 @@ def detect_thinking(tokenizer: Any) -> Thinking | None:
         in_vocabulary = all(tokenizer.backend.token_to_id(t) is not None for t in (first, close))
         if not in_vocabulary or close not in template:
             continue
-        switch = SWITCH in template
-        return Thinking(open_, close, switch, _prompt_opens(tokenizer, open_, close, {}),
-                        switch and _prompt_opens(tokenizer, open_, close, {SWITCH: True}),
-                        switch and _prompt_opens(tokenizer, open_, close, {SWITCH: False}))
+        # A word of the template's source: a string that merely mentions it only costs a variable nothing reads.
+        switch = next((name for name in SWITCHES if re.search(rf"(?<![\w.]){name}(?!\w)", template)), None)
+        return Thinking(open_, close, switch)
     return None
+
+
+def prompt_opens(tokenizer: Any, thinking: Thinking, variables: dict[str, Any]) -> bool:
+    """Whether the generation prompt the template appends, with these template variables, leaves an opened thought
+    unclosed: the output then starts inside the thought."""
+    return _prompt_opens(tokenizer, thinking.open, thinking.close, variables)
 
 
 def _prompt_opens(tokenizer: Any, open_: str, close: str, extra: dict[str, Any]) -> bool:

@@ -13,13 +13,13 @@ from typing import Any
 import jinja2
 
 from engine.errors import ApiError
-from engine.model.thinking import SWITCH
+from engine.model.thinking import prompt_opens
 from engine.server.content_parts import CHAT_PARTS, parts_text
 from engine.server.effort import openai_effort, openai_thinking
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
-from engine.server.template_kwargs import template_kwargs, thinking_switch
+from engine.server.template_kwargs import template_kwargs
 from engine.server.tool_prompt import (
     deepseek_tools,
     inline_tools,
@@ -105,8 +105,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
     tools = active_tools(req)
     effort = openai_effort(req.reasoning_effort, "reasoning_effort")
     kwargs = template_kwargs(req.chat_template_kwargs, bool(getattr(tokenizer, "harmony", False)))
-    thinking = thinking_switch(kwargs, openai_thinking(req.reasoning_effort))
-    return render_prompt(tokenizer, messages, tools, ids, effort, thinking, kwargs), tools
+    return render_prompt(tokenizer, messages, tools, ids, effort, openai_thinking(req.reasoning_effort), kwargs), tools
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -116,19 +115,20 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
     answers keep the ids the engine generated for them (engine.server.prompt_tokens). `effort`: the reasoning
     effort asked for (engine.server.effort), which only the harmony format has a place for. `thinking`: whether the
-    request turned the model's thinking on or off (None: it did not say), which reaches a template that reads
-    `enable_thinking` and no other. `variables`: the request's own template variables (engine.server.template_kwargs,
+    request turned the model's thinking on or off (None: it did not say), which reaches a template through the
+    variable it switches thinking with (engine.model.thinking), unless the request set that variable itself. `variables`: the request's own template variables (engine.server.template_kwargs,
     checked there)."""
     check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
     if getattr(tokenizer, "harmony", False):
         return _encode_harmony(tokenizer, messages, tools, ids, effort)
     model = getattr(tokenizer, "thinking", None)
-    switch = thinking if model is not None and model.switch else None
     extra = dict(variables or {})
-    if switch is not None:
-        extra[SWITCH] = switch
+    if thinking is not None and model is not None and model.switch is not None:
+        extra.setdefault(model.switch, thinking)  # a variable the request named itself wins
     prompt = _render(tokenizer, messages, tools, ids, extra)
-    return prompt if model is None else dataclasses.replace(prompt, in_thought=model.starts_inside(switch))
+    if model is None:
+        return prompt
+    return dataclasses.replace(prompt, in_thought=prompt_opens(tokenizer, model, extra))
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

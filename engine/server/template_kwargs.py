@@ -1,11 +1,12 @@
 """`chat_template_kwargs` in a chat completion: variables handed to the model's chat template beside the messages,
 as vLLM, SGLang and llama.cpp's server take them (`{"enable_thinking": false}` is what clients send most).
 
-The names the template's call sets itself (the messages, the tools, the generation prompt, the special tokens) are
-refused: a request cannot replace them. `enable_thinking`, where given as true or false, is also the request's
-thinking switch (engine.model.thinking), so the answer is read from where the prompt leaves the model; it wins over
-what `reasoning_effort` implies, as the more specific of the two. A harmony model (gpt-oss) renders its own format,
-not a template: there the variables are refused by name rather than ignored.
+The names the template's call sets itself (the messages, the tools, the generation prompt, the special tokens) and
+the template language's own globals are refused: a request cannot replace them. A variable that switches the model's
+thinking (`enable_thinking`; DeepSeek-V3.1's `thinking`) wins over what `reasoning_effort` implies, as the more
+specific of the two, and the answer is read from where the prompt, rendered with the request's variables, leaves the
+model (engine.model.thinking). A harmony model (gpt-oss) renders its own format, not a template: there the variables
+are refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.model.thinking import SWITCH
 from engine.server.errors import ApiError
 
 PARAM = "chat_template_kwargs"
 # What engine.model.tokenizer's render_chat and the templates' own conventions set (Hugging Face's apply_chat_template).
 RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                      "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"})
+                      "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now",
+                      # jinja2's own globals, which templates call (`namespace`, `range`)
+                      "namespace", "range", "dict", "lipsum", "cycler", "joiner"})
+ENABLE = "enable_thinking"  # true or false only, as every template that reads it expects
 MAX_BYTES = 16 * 1024  # as JSON: variables steer a template, they are not a second prompt
 
 
@@ -38,17 +41,13 @@ def template_kwargs(raw: Any, harmony: bool) -> dict[str, Any]:
             raise ApiError(400, f"'{PARAM}': {name!r} is not a template variable name (letters, digits and _, not "
                            "starting with a digit)", param=f"{PARAM}.{name}"[:100])
         if name in RESERVED:
-            raise ApiError(400, f"'{PARAM}.{name}': set by the request itself, not a variable a request can give",
+            raise ApiError(400, f"'{PARAM}.{name}': a name the request or the template language sets itself, not "
+                           "a variable a request can give",
                            param=f"{PARAM}.{name}")
-        if name == SWITCH and not isinstance(value, bool):
-            raise ApiError(400, f"'{PARAM}.{SWITCH}': expected true or false, got {json.dumps(value)[:60]}",
-                           param=f"{PARAM}.{SWITCH}")
+        if name == ENABLE and not isinstance(value, bool):
+            raise ApiError(400, f"'{PARAM}.{ENABLE}': expected true or false, got {json.dumps(value)[:60]}",
+                           param=f"{PARAM}.{ENABLE}")
     if len(json.dumps(raw)) > MAX_BYTES:
         raise ApiError(400, f"'{PARAM}': more than {MAX_BYTES // 1024} KiB of variables", param=PARAM)
     return dict(raw)
 
-
-def thinking_switch(kwargs: dict[str, Any], implied: bool | None) -> bool | None:
-    """The thinking switch: `enable_thinking` where the variables give it, else what the request's effort implies."""
-    value = kwargs.get(SWITCH)
-    return value if isinstance(value, bool) else implied
