@@ -88,6 +88,7 @@ class ChatTab(QWidget):
         self.stream: ChatStream | None = None
         self.streaming: Conversation | None = None  # the conversation the running stream answers
         self._first_piece_at: float | None = None
+        self._last_kind = ""  # the key ("content" or "reasoning_content") of the streamed answer's last piece
         self.base_url: str | None = None
         self.api_key: str | None = None
         self.ready = False
@@ -223,7 +224,7 @@ class ChatTab(QWidget):
         self.input.clear()
         self._retitle(conversation)
         self._show()
-        self.stream, self.streaming, self._first_piece_at = stream, conversation, None
+        self.stream, self.streaming, self._first_piece_at, self._last_kind = stream, conversation, None, ""
         stream.delta.connect(lambda piece: self._on_piece(stream, piece, "content"))
         stream.thought.connect(lambda piece: self._on_piece(stream, piece, "reasoning_content"))
         stream.finished.connect(lambda stats: self._on_finished(stream, stats))
@@ -243,8 +244,11 @@ class ChatTab(QWidget):
         if self._first_piece_at is None:
             self._first_piece_at = time.perf_counter()
         message = self.streaming.messages[-1]
-        # The first piece of a kind starts a block of its own (the thought's, or the answer's below it): drawn anew.
-        starts_block = not message.get(key) and (key == "reasoning_content" or bool(message.get("reasoning_content")))
+        # A piece of another kind than the last goes to another block (the thought's, or the answer's below it):
+        # drawn anew, as is the thought's first piece (its block replaces the empty answer's).
+        starts_block = (key != self._last_kind and bool(self._last_kind)) or (
+            key == "reasoning_content" and not message.get(key))
+        self._last_kind = key
         message[key] = message.get(key, "") + piece
         if self.streaming is self.current and starts_block:
             self._show()

@@ -103,6 +103,20 @@ def test_a_next_token_layer_missing_a_tensor_or_past_its_rows_is_refused(lm):
         block.forward(torch.zeros(5, dtype=torch.int64), torch.zeros(5, lm.config.hidden_size), 0, block.new_cache(4))
 
 
+def test_a_layer_too_large_for_the_free_ram_is_declined_before_it_is_built(lm):
+    """The layer runs in float32: a large expert block (DeepSeek-V3's: ~45 GiB) is declined with its size, not built
+    until the machine runs out of memory."""
+    from engine.model.mtp_layer import float_bytes
+    from engine.runtime.mtp_drafts import declines
+
+    (kept,) = lm.model.mtp
+    need = float_bytes(kept)
+    assert need == 4 * sum(t.data.numel() for t in kept.values())  # the folder's bfloat16 or float32 values
+    assert declines(lm.model, available=2 * need + 1) == ""
+    why = declines(lm.model, available=need)
+    assert why.startswith(f"its next-token layer takes {need / 2**30:.1f} GiB as float32, more than half the")
+
+
 # ---------------------------------------------------------------- drafting with it (--spec mtp)
 
 def _greedy(block, next_ids: list[int], rows: torch.Tensor, k: int) -> list[int]:

@@ -56,6 +56,18 @@ def float_weight(t: KeptTensor) -> torch.Tensor:
     return gguf_dequant.dequantize(t.name, t.data, int(GGMLQuantizationType[t.kind]), t.shape)
 
 
+def float_bytes(layer: MtpLayer) -> int:
+    """The bytes the layer's tensors take as float32 (what MtpBlock makes of them): for a large expert block that
+    is tens of GiB (DeepSeek-V3's 256 experts of 7168 x 2048: ~45 GiB; GLM-4.5-Air's 128 of 4096 x 1408: ~8.3)."""
+    total = 0
+    for t in layer.values():
+        count = 1
+        for n in t.shape:
+            count *= n
+        total += 4 * count
+    return total
+
+
 class MtpBlock:
     """One next-token layer, float32 on the CPU; its K/V rows live in caches the caller owns ([rows, *kv_shape]).
     Its attention is the kind the model's layers have (mtp_attention.py): per-head K/V, latent or gated attention."""

@@ -141,7 +141,7 @@ class Engine:
                                          self.weights_format)
             speculation = dataclasses.replace(speculation, source=self.draft)
         elif speculation.method == "mtp" and not speculation.declined:
-            why = mtp_drafts.declines(loaded.model)
+            why = mtp_drafts.declines(loaded.model, psutil.virtual_memory().available)
             if why:  # declined, not refused: a settings file keeps --spec mtp across models (docs/DETAILS.md)
                 log.warning("--spec mtp declined, decoding without drafts: %s", why)
                 speculation = dataclasses.replace(speculation, declined=why)

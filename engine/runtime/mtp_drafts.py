@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.mtp_layer import MtpBlock
+from engine.model.mtp_layer import MtpBlock, float_bytes
 from engine.runtime.slot_set import common_prefix
 from engine.runtime.speculation import Length
 
@@ -44,14 +44,20 @@ log = logging.getLogger("strata.engine")
 CATCH_UP_CHUNK = 512
 
 
-def declines(model: object) -> str:
-    """Why `--spec mtp` cannot draft for `model` ("" when it can)."""
+def declines(model: object, available: int | None = None) -> str:
+    """Why `--spec mtp` cannot draft for `model` ("" when it can); `available`: the host RAM free for it (bytes)."""
     mtp = getattr(model, "mtp", ())
     if not mtp:
         return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next and Qwen3.5 "
                 "files carry one; a file converted without it does not)")
     if getattr(model, "graphs", None) is not None:
         return "its decode step runs outside the eager path that hands over the hidden rows"
+    # The layer runs in float32 (mtp_layer.py): a large expert block would not fit beside the model. Half of what
+    # is free, so the cache and the system keep room.
+    need = float_bytes(mtp[0])
+    if available is not None and need > available // 2:
+        return (f"its next-token layer takes {need / 2**30:.1f} GiB as float32, more than half the "
+                f"{available / 2**30:.1f} GiB of host RAM free")
     return ""
 
 
