@@ -104,13 +104,13 @@ def test_a_next_token_layer_missing_a_tensor_or_past_its_rows_is_refused(lm):
 
 
 def test_a_layer_too_large_for_the_free_ram_is_declined_before_it_is_built(lm):
-    """The layer runs in float32: a large expert block (DeepSeek-V3's: ~45 GiB) is declined with its size, not built
-    until the machine runs out of memory."""
-    from engine.model.mtp_layer import float_bytes
+    """With --cpu-weights float the layer runs in float32: a large expert block (DeepSeek-V3's: ~45 GiB) is declined
+    with its size, not built until the machine runs out of memory (4-bit experts: tests/test_mtp_int4.py)."""
+    from engine.model.mtp_experts import held_bytes
     from engine.runtime.mtp_drafts import declines
 
     (kept,) = lm.model.mtp
-    need = float_bytes(kept)
+    need = held_bytes(kept, int4_experts=False)
     assert need == 4 * sum(t.data.numel() for t in kept.values())  # the folder's bfloat16 or float32 values
     assert declines(lm.model, available=2 * need + 1) == ""
     why = declines(lm.model, available=need)

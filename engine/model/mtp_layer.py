@@ -16,8 +16,10 @@ attention of the hybrid's own layers, a dense MLP where Qwen3.5 has one). The em
 MTP layer's own where the file holds them (`nextn.embed_tokens`, `nextn.shared_head_head`), else the model's. The layer's output row after
 `shared_head.norm` is the hidden state its next step takes in place of the target's (drafting further ahead).
 
-The weights become float32 on the CPU (a GGUF tensor dequantised): the draft runs one row per step, and the
-layer is a single decoder layer, small beside the model.
+The layer runs on the CPU in float32: the draft runs one row per step. Its experts (routed and shared) are held
+as the main model's CPU experts when the model's weights are int4 on the CPU (`int4_experts`: the file's K-quant
+blocks or 4-bit groups, mtp_experts.py), float32 with `--cpu-weights float`; every other tensor is decoded when
+the block reads it, one at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_dequant, mla, moe, moe_loading
+from engine.model import int4, mla, moe, moe_loading, mtp_experts
 from engine.model.hybrid.config import HybridConfig
 from engine.model.mtp_attention import CPU, GatedAttention, HeadAttention, LatentAttention
 from engine.model.norms import rms_norm
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from engine.model.config import ModelConfig
     from engine.model.hybrid.model import HybridCausalLM
     from engine.model.llama import CausalLM
-    from engine.model.mtp import KeptTensor, MtpLayer
+    from engine.model.mtp import MtpLayer
 
 # The families whose files carry next-token layers this runs: GLM-4.x MoE (per-head K/V), DeepSeek-V3 and
 # GLM-4.7-Flash (latent attention; llama.cpp's deepseek2 files load as deepseek_v3), Qwen3-Next and Qwen3.5 (the
@@ -47,44 +49,27 @@ if TYPE_CHECKING:
 ARCHITECTURES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
-def float_weight(t: KeptTensor) -> torch.Tensor:
-    """A kept tensor as float32 on the CPU (a GGUF one decoded from its own bytes)."""
-    if t.kind.startswith("torch."):
-        return t.data.to(torch.float32)
-    from gguf import GGMLQuantizationType
-
-    return gguf_dequant.dequantize(t.name, t.data, int(GGMLQuantizationType[t.kind]), t.shape)
-
-
-def float_bytes(layer: MtpLayer) -> int:
-    """The bytes the layer's tensors take as float32 (what MtpBlock makes of them): for a large expert block that
-    is tens of GiB (DeepSeek-V3's 256 experts of 7168 x 2048: ~45 GiB; GLM-4.5-Air's 128 of 4096 x 1408: ~8.3)."""
-    total = 0
-    for t in layer.values():
-        count = 1
-        for n in t.shape:
-            count *= n
-        total += 4 * count
-    return total
-
-
 class MtpBlock:
-    """One next-token layer, float32 on the CPU; its K/V rows live in caches the caller owns ([rows, *kv_shape]).
-    Its attention is the kind the model's layers have (mtp_attention.py): per-head K/V, latent or gated attention."""
+    """One next-token layer on the CPU, float32 but for its experts with `int4_experts` (then held as the main
+    model's CPU experts: the file's K-quant blocks or 4-bit groups); its K/V rows live in caches the caller owns
+    ([rows, *kv_shape]). Its attention is the kind the model's layers have (mtp_attention.py): per-head K/V,
+    latent or gated attention."""
 
-    def __init__(self, model: CausalLM | HybridCausalLM, layer: MtpLayer, index: int = 0) -> None:
+    def __init__(self, model: CausalLM | HybridCausalLM, layer: MtpLayer, index: int = 0, *,
+                 int4_experts: bool = False) -> None:
         c: ModelConfig | HybridConfig = model.config
         if c.architecture not in ARCHITECTURES:
             raise ModelLoadError(f"next-token layers run for {', '.join(ARCHITECTURES)} only, not {c.architecture}")
         self.config = c
         self.index = c.n_layers + index  # the layer's number in the file (its MoE keys)
         self.eps = c.rms_norm_eps
-        weights = {f"{self.index}.{key}": float_weight(t) for key, t in layer.items()}
+        prefix = f"{self.index}."
+        decoded = mtp_experts.decoder(layer, prefix)  # each tensor decoded when read: no float copy of them all
         h = c.hidden_size
         where = f"next-token layer {self.index}"
 
         def kept(key: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-            return weights.get(key)
+            return decoded(key)
 
         get: mla.Getter = kept
         # the loaders' own reading of latent attention: RoPE rows to rotate-half order, a split kv_b joined
@@ -117,7 +102,15 @@ class MtpBlock:
             def moe_need(key: str, shape: tuple[int, ...]) -> torch.Tensor:
                 return need(key.split(".", 1)[1], shape)
 
-            self.moe = moe_loading.build_sparse_moe(c, self.index, weights.get, moe_need, lambda t: t, where)
+            # As the main model's CPU experts (build.py): a K-quant stack stays in its blocks, a Q4 one gives
+            # its own groups, the rest is quantised expert by expert; the shared expert then as 4-bit groups.
+            packed = int4_experts and int4.available()
+            self.moe = moe_loading.build_sparse_moe(
+                c, self.index, decoded, moe_need, lambda t: t, where,
+                groups=mtp_experts.groups(layer, prefix, where) if packed else None,
+                kquant=mtp_experts.kquant(layer, prefix) if packed else None)
+            if packed:
+                self.moe.quantize_experts()
         elif isinstance(c, HybridConfig):  # Qwen3.5 (dense): the layer's MLP is its decoder layers' SwiGLU
             inter = c.intermediate_size
             self.gate_up = torch.cat((need("gate", (inter, h)), need("up", (inter, h))))
@@ -125,9 +118,9 @@ class MtpBlock:
         else:
             raise ModelLoadError(f"{where}: expected a MoE layer (first_k_dense_replace covers it)")
         # The MTP layer's own embedding and head where the file holds them, else the model's (as llama.cpp).
-        self.embed = weights.get(f"{self.index}.nextn.embed_tokens")
+        self.embed = decoded(f"{self.index}.nextn.embed_tokens")
         self.model_embed, self.embed_scale = model.embed, model.embed_scale
-        self.head = weights.get(f"{self.index}.nextn.shared_head_head")
+        self.head = decoded(f"{self.index}.nextn.shared_head_head")
         self.model_head = model.lm_head
         self.kv_shape = self.attention.kv_shape
 

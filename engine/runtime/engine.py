@@ -141,13 +141,14 @@ class Engine:
                                          self.weights_format)
             speculation = dataclasses.replace(speculation, source=self.draft)
         elif speculation.method == "mtp" and not speculation.declined:
-            why = mtp_drafts.declines(loaded.model, psutil.virtual_memory().available)
+            int4_experts = self.weights_format == "int4"  # the layer's experts held as the model's CPU ones
+            why = mtp_drafts.declines(loaded.model, psutil.virtual_memory().available, int4_experts)
             if why:  # declined, not refused: a settings file keeps --spec mtp across models (docs/DETAILS.md)
                 log.warning("--spec mtp declined, decoding without drafts: %s", why)
                 speculation = dataclasses.replace(speculation, declined=why)
             else:
                 speculation = dataclasses.replace(speculation, source=mtp_drafts.MtpSource(
-                    loaded.model, self.n_slots, self.ctx_size))
+                    loaded.model, self.n_slots, self.ctx_size, int4_experts))
         if config.model_draft and config.spec != "draft":
             log.warning("--model-draft %s is not loaded: it drafts with --spec draft only (--spec is %s)",
                         config.model_draft, config.spec)

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.mtp_layer import MtpBlock, float_bytes
+from engine.model.mtp_experts import held_bytes
+from engine.model.mtp_layer import MtpBlock
 from engine.runtime.slot_set import common_prefix
 from engine.runtime.speculation import Length
 
@@ -44,19 +45,21 @@ log = logging.getLogger("strata.engine")
 CATCH_UP_CHUNK = 512
 
 
-def declines(model: object, available: int | None = None) -> str:
-    """Why `--spec mtp` cannot draft for `model` ("" when it can); `available`: the host RAM free for it (bytes)."""
+def declines(model: object, available: int | None = None, int4_experts: bool = False) -> str:
+    """Why `--spec mtp` cannot draft for `model` ("" when it can); `available`: the host RAM free for it (bytes);
+    `int4_experts`: the layer's experts are to be held in 4-bit (the model's weights are int4 on the CPU)."""
     mtp = getattr(model, "mtp", ())
     if not mtp:
         return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next and Qwen3.5 "
                 "files carry one; a file converted without it does not)")
     if getattr(model, "graphs", None) is not None:
         return "its decode step runs outside the eager path that hands over the hidden rows"
-    # The layer runs in float32 (mtp_layer.py): a large expert block would not fit beside the model. Half of what
-    # is free, so the cache and the system keep room.
-    need = float_bytes(mtp[0])
+    # The layer runs in float32 on the CPU (mtp_layer.py), its experts in 4-bit with int4 weights: a large expert
+    # block in float32 would not fit beside the model. Half of what is free, so the cache and the system keep room.
+    need = held_bytes(mtp[0], int4_experts)
     if available is not None and need > available // 2:
-        return (f"its next-token layer takes {need / 2**30:.1f} GiB as float32, more than half the "
+        held = "with its experts in 4-bit" if int4_experts else "as float32"
+        return (f"its next-token layer takes {need / 2**30:.1f} GiB {held}, more than half the "
                 f"{available / 2**30:.1f} GiB of host RAM free")
     return ""
 
@@ -113,9 +116,9 @@ class TargetRows:
 class MtpSource:
     """The next-token layer drafting for every slot (speculation.DraftSource; engine thread only)."""
 
-    def __init__(self, model: CausalLM, n_slots: int, ctx: int) -> None:
+    def __init__(self, model: CausalLM, n_slots: int, ctx: int, int4_experts: bool = False) -> None:
         assert not declines(model), declines(model)
-        self.block = MtpBlock(model, model.mtp[0])
+        self.block = MtpBlock(model, model.mtp[0], int4_experts=int4_experts)
         self.ctx = ctx
         self.target = TargetRows(n_slots)
         model.hidden_rows = self.target
@@ -127,7 +130,8 @@ class MtpSource:
         self.base: list[int] = [0] * n_slots
         self.dtype = model.dtype  # of the target's hidden rows, as parked
         self.catch_up = CATCH_UP_CHUNK
-        log.info("--spec mtp: drafting with the model's next-token layer (float32 on the CPU)")
+        log.info("--spec mtp: drafting with the model's next-token layer (on the CPU, %s)",
+                 "its experts in 4-bit" if int4_experts else "float32")
 
     def drafter(self, slot: int, prompt: list[int], draft_max: int) -> MtpDrafter:
         """A request's drafter in `slot` (speculation.DraftSource)."""
