@@ -40,11 +40,12 @@ def _on_grid(layer, only: str = ""):
             for key, t in layer.items()}
 
 
-def _compare(lm, layer) -> tuple:
-    """The float32 and the 4-bit-experts block of `layer`, and their MoE outputs and output rows apart (relative)."""
+def _compare(lm, layer, ref_layer=None) -> tuple:
+    """The float32 block of `ref_layer` (`layer` unless given) and the 4-bit-experts block of `layer`, and their MoE
+    outputs and output rows apart (relative)."""
     from engine.model.mtp_layer import MtpBlock
 
-    ref, got = MtpBlock(lm.model, layer), MtpBlock(lm.model, layer, int4_experts=True)
+    ref, got = MtpBlock(lm.model, ref_layer or layer), MtpBlock(lm.model, layer, int4_experts=True)
     torch.manual_seed(2)
     x = torch.randn(16, lm.config.hidden_size)
     next_ids, hidden = torch.randint(0, lm.config.vocab_size, (12,)), torch.randn(12, lm.config.hidden_size)
@@ -52,6 +53,12 @@ def _compare(lm, layer) -> tuple:
     moe = _relative(got.moe(x, 0), ref.moe(x, 0))
     (_, ref_out), (_, got_out) = (b.forward(next_ids, hidden, 0, b.new_cache(16)) for b in (ref, got))
     return ref, got, moe, _relative(got_out, ref_out)
+
+
+def _values(groups) -> torch.Tensor:
+    """What 4-bit groups (codes, scale, minimum) hold, as float32 [..., rows, cols]."""
+    codes, scale, minimum = groups
+    return (codes.float().view(*codes.shape[:-1], -1, 32) * scale[..., None] + minimum[..., None]).view(codes.shape)
 
 
 def test_experts_from_a_folder_are_4_bit_groups_and_track_the_float_layer(tmp_path):
@@ -63,10 +70,9 @@ def test_experts_from_a_folder_are_4_bit_groups_and_track_the_float_layer(tmp_pa
     lm = _load(write_tiny_moe_model(tmp_path, "glm4_moe", seed=3))
     layer = _on_grid(lm.model.mtp[0])
     n = lm.config.n_layers
-    codes, scale, minimum = mtp_experts.groups(layer, f"{n}.", "here")(f"{n}.experts.down")
+    values = _values(mtp_experts.groups(layer, f"{n}.", "here")(f"{n}.experts.down"))
     stack = torch.stack([layer[f"expert.{j}.down"].data for j in range(lm.config.moe.n_experts)])
-    values = codes.float().view(*codes.shape[:-1], -1, 32) * scale[..., None] + minimum[..., None]
-    assert (values.view(stack.shape) - stack).abs().max().item() <= 1e-6
+    assert (values - stack).abs().max().item() <= 1e-6
     ref, got, moe, out = _compare(lm, layer)
     assert isinstance(ref.moe.gate_up, torch.Tensor) and ref.moe.gate_up.dtype == torch.float32
     assert isinstance(got.moe.gate_up[0], int4.Int4Weight) and isinstance(got.moe.down[0], int4.Int4Weight)
@@ -75,19 +81,33 @@ def test_experts_from_a_folder_are_4_bit_groups_and_track_the_float_layer(tmp_pa
 
 
 def test_experts_from_a_gguf_stay_in_the_file_s_blocks_and_groups(tmp_path):
-    """A GGUF's Q4_K gate and up stacks stay in their blocks (with the native kernels), its Q4_0 down stack gives
-    its own 4-bit groups; the layer computes as the float32 one (the file's values decoded) within the tolerance
-    (its float32 shared expert put on the 4-bit grid: the fixture's is not)."""
-    from engine.model import kquant_weight
+    """A GGUF's Q4_K down stack stays in its blocks (with the native kernels), its Q4_0 gate stack gives its own
+    4-bit groups and its Q5_0 up stack is quantised one expert at a time (each expert's run of blocks decoded
+    alone: the groups of the whole stack's values). The layer computes as the float32 one holding those values
+    (the file's, the up stack's 4-bit groups', the fixture's float32 shared expert put on the grid) within the
+    tolerance."""
+    import math
+
+    from engine.model import kquant_weight, mtp_experts
+    from engine.model.mtp import KeptTensor
     from tests.moe_fixtures import write_tiny_moe_gguf
 
-    path = write_tiny_moe_gguf(tmp_path, "glm4_moe", expert_types={"gate": "Q4_K", "up": "Q4_K", "down": "Q4_0"},
+    path = write_tiny_moe_gguf(tmp_path, "glm4_moe", expert_types={"gate": "Q4_0", "up": "Q5_0", "down": "Q4_K"},
                                hidden_size=256, moe_intermediate_size=256)
     lm = _load(path)
-    _, got, moe, out = _compare(lm, _on_grid(lm.model.mtp[0], "shared."))
+    layer, n = _on_grid(lm.model.mtp[0], "shared."), lm.config.n_layers
+    up = layer["experts.up"]
+    groups = mtp_experts.groups(layer, f"{n}.", "here")(f"{n}.experts.up")
+    whole = int4.quantize_groups(mtp_experts.float_weight(up).view(-1, up.shape[-1]))
+    assert all(torch.equal(a.view(b.shape), b) for a, b in zip(groups, whole, strict=True))
+    ref_layer = {**layer, "experts.up": KeptTensor(up.name, "torch.float32", up.shape, _values(groups))}
+    _, got, moe, out = _compare(lm, layer, ref_layer)
     kind = kquant_weight.Q4KWeight if kquant_weight.available() else int4.Int4Weight
-    assert isinstance(got.moe.gate_up[0], kind) and isinstance(got.moe.down[0], int4.Int4Weight)
+    assert isinstance(got.moe.gate_up[0], int4.Int4Weight) and isinstance(got.moe.down[0], kind)
     assert moe < RELATIVE and out < RELATIVE, (moe, out)
+    down = layer["experts.down"]  # the guard counts a stack kept in its blocks at the file's bytes
+    assert mtp_experts.held_bytes({"experts.down": down}, True) == (
+        down.data.numel() if kquant_weight.available() else math.prod(down.shape) * 20 // 32)
 
 
 def test_the_guard_counts_the_bytes_the_experts_take_in_4_bit(tmp_path):
