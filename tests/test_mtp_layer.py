@@ -184,6 +184,25 @@ def test_spec_mtp_drafts_with_the_layer_and_answers_token_identical(folder):
     assert counters["spec_drafted_tokens"] > 0, counters  # proposed and verified (random weights: few accepted)
 
 
+def test_with_4_bit_weights_the_native_step_hands_the_layer_its_rows(folder):
+    """With int4 weights GLM's decode steps run in step.c (the native step): it hands over the rows the logits are
+    taken from as the eager forward does, so --spec mtp drafts there too, token-identical to off."""
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+
+    config = EngineConfig(model=folder, ctx_size=256, cpu_weights="int4")
+    engine = Engine.from_config(config)
+    try:
+        assert type(engine.model.graphs).__name__ == "NativeDecode", engine.model.graphs
+    finally:
+        engine.close()
+    prompts = [list(range(5, 40)), [7, 8, 9] * 10]
+    off, _ = _answers(config, prompts, 24)
+    on, counters = _answers(config.replace(spec="mtp"), prompts, 24)
+    assert on == off
+    assert counters["spec_drafted_tokens"] > 0, counters
+
+
 def test_a_restored_conversation_answers_as_without_drafts(folder):
     from engine.config import EngineConfig
     from engine.runtime.engine import Engine

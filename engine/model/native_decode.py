@@ -47,6 +47,7 @@ class NativeDecode:
     """Runs steps of one-token rows in step.c (module docstring); bound to one KVBuffers at a time."""
 
     owns_one_token_rows = True  # forward_chunks hands over the one-token rows of mixed steps too
+    hands_over_hidden_rows = True  # to CausalLM.hidden_rows, as forward_chunks does (--spec mtp reads them)
     batches: tuple[int, ...] = ()  # it captures nothing
 
     def __init__(self, model: CausalLM) -> None:
@@ -134,13 +135,18 @@ class NativeDecode:
         rope = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in tables))
         where = torch.tensor([[ch.slot for ch in chunks], [ch.start for ch in chunks]], dtype=torch.int64)
         logits = torch.empty(len(chunks), m.config.vocab_size)
+        # The rows the logits are taken from, for whoever reads them (--spec mtp's drafts), as forward_chunks hands
+        # them over.
+        hidden = None if m.hidden_rows is None else torch.empty(len(chunks), m.config.hidden_size)
         assert self._step is not None  # _bind set it
         status = self._lib.decode_step(
             ctypes.byref(self._step), len(chunks), where[0].data_ptr(), where[1].data_ptr(), rope, x.data_ptr(),
-            logits.data_ptr(), torch.get_num_threads())
+            logits.data_ptr(), None if hidden is None else hidden.data_ptr(), torch.get_num_threads())
         if status == -1:
             raise MemoryError(f"native decode step: {_ERRORS[status]}")
         assert status == 0, f"native decode step: {_ERRORS.get(status, status)}"
+        if m.hidden_rows is not None and hidden is not None:
+            m.hidden_rows(chunks, list(range(len(chunks) + 1)), hidden)
         self.steps += 1
         return logits
 

@@ -52,8 +52,9 @@ def declines(model: object, available: int | None = None, int4_experts: bool = F
     if not mtp:
         return ("the model has no next-token (MTP) layers (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next and Qwen3.5 "
                 "files carry one; a file converted without it does not)")
-    if getattr(model, "graphs", None) is not None:
-        return "its decode step runs outside the eager path that hands over the hidden rows"
+    runner = getattr(model, "graphs", None)
+    if runner is not None and not getattr(runner, "hands_over_hidden_rows", False):
+        return "its decode step runs where the hidden rows the layer reads are not handed over (CUDA graphs)"
     # The layer runs in float32 on the CPU (mtp_layer.py), its experts in 4-bit with int4 weights: a large expert
     # block in float32 would not fit beside the model. Half of what is free, so the cache and the system keep room.
     need = held_bytes(mtp[0], int4_experts)

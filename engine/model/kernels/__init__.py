@@ -100,7 +100,7 @@ class Library:
         self.q6k_to_q8_0.argtypes = [ptr, i64, ptr, ctypes.c_int]
         self.q6k_to_q8_0.restype = ctypes.c_int
         self.decode_step = lib.decode_step  # arguments: engine/model/native_decode.py
-        self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        self.decode_step.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self.decode_step.restype = ctypes.c_int
         self._step_layout = lib.step_layout
         self._step_layout.restype = ctypes.POINTER(Field)

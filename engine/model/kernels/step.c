@@ -230,10 +230,11 @@ KERNEL static void attention(const StepModel *m, const StepLayer *L, int64_t M, 
 
 /* Logits [M, vocab] of M one-token rows: x [M, hidden] holds their embeddings (overwritten), slots and positions
    say where each row's K/V goes; rope holds the RoPE tables' rows ([> max position, rotary_dim] each): cos, sin, then the
-   local layers' cos and sin (the same pointers again for a model without local layers). Returns 0, -1 when memory
-   ran out, -2 when the shapes are outside what this code handles. */
+   local layers' cos and sin (the same pointers again for a model without local layers); hidden, unless NULL, gets
+   the rows after the final norm [M, hidden]. Returns 0, -1 when memory ran out, -2 when the shapes are outside what
+   this code handles. */
 EXPORT KERNEL int decode_step(const StepModel *m, int64_t M, const int64_t *slots, const int64_t *positions,
-                              const float *const *rope, float *x, float *logits, int threads) {
+                              const float *const *rope, float *x, float *logits, float *hidden, int threads) {
     const int64_t E = m->hidden, I = m->inter, H = m->n_heads, G = m->n_kv_heads, D = m->head_dim;
     const int64_t width = (H + 2 * G) * D;
     if (D % 8 || D > MAX_HEAD_DIM || E % 32 || I % 32 || G <= 0 || H % G || H / G * D > MAX_GROUP_WIDTH) return -2;
@@ -284,6 +285,7 @@ EXPORT KERNEL int decode_step(const StepModel *m, int64_t M, const int64_t *slot
         add_rows(x, delta, M * E);
     }
     for (int64_t r = 0; r < M; r++) rms_norm(x + r * E, m->norm, E, eps, h + r * E);
+    if (hidden) memcpy(hidden, h, sizeof(float) * M * E);  /* the rows the logits are taken from (--spec mtp reads them) */
     if (product_of(m->head_kind)(h, M, E, m->head, m->vocab, logits, threads)) goto done;
     status = 0;
 done:
