@@ -18,6 +18,7 @@ from tests.test_thoughts import THINK, V31_LIKE
 PIECES = ["Pondering.\n</th", "ink>\n\n", "Done."]
 TEMPLATE = "{% if greeting is defined %}{{ greeting }}\n{% endif %}" + V31_LIKE
 ASK = [{"role": "user", "content": "Hello?"}]
+SET_ITSELF = "a name the request or the template language sets itself"
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +57,12 @@ def test_any_other_variable_is_the_templates_to_read(client):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"messages": []}, "'chat_template_kwargs.messages': sets itself"),
-    ({"add_generation_prompt": False}, "'chat_template_kwargs.add_generation_prompt': sets itself"),
+    ({"messages": []}, f"'chat_template_kwargs.messages': {SET_ITSELF}"),
+    ({"add_generation_prompt": False}, f"'chat_template_kwargs.add_generation_prompt': {SET_ITSELF}"),
     ({"enable_thinking": "yes"}, "'chat_template_kwargs.enable_thinking': expected true or false"),
     ({"not a name": 1}, "is not a template variable name"),
     (["enable_thinking"], "expected an object of template variables, got list"),
-    ({"namespace": 1}, "'chat_template_kwargs.namespace': sets itself"),
+    ({"namespace": 1}, f"'chat_template_kwargs.namespace': {SET_ITSELF}"),
 ])
 def test_what_a_request_cannot_set_is_refused_by_name(client, kwargs, words):
     with pytest.raises(openai.BadRequestError) as refused:
