@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -331,7 +332,7 @@ class Autostart:
         """Remove the entry in every form; True when something was removed."""
         removed = False
         for path in self.existing():
-            path.unlink()
+            _while_shared(path.unlink)
             removed = True
         return removed
 
@@ -348,4 +349,22 @@ def _write_atomic(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _while_shared(lambda: os.replace(tmp, path))
+
+
+SHARING_RETRIES = 40  # x 25 ms: a reader's handle lives for one read
+
+
+def _while_shared(change: Callable[[], object]) -> None:
+    """Remove or replace a file, again while another process or thread holds it open for a moment: Windows refuses
+    both then (a sharing violation, PermissionError), where POSIX lets them through. Anything else, or a file held
+    for longer, raises as it came."""
+    for _ in range(SHARING_RETRIES - 1):
+        try:
+            change()
+            return
+        except PermissionError:
+            if os.name != "nt":
+                raise
+            time.sleep(0.025)
+    change()

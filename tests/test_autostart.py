@@ -46,6 +46,28 @@ def test_xdg_entry_created_read_back_removed(xdg):
     assert entry.disable() is False  # nothing left to remove
 
 
+def test_an_entry_held_open_for_a_moment_is_still_rewritten_and_removed(tmp_path):
+    """Windows refuses to replace or remove a file another handle holds (a sharing violation, as the Settings tab's
+    own read of the entry can cause): the change is tried again until the handle is gone. (POSIX lets both through
+    at once; this runs on each, and under wine in scripts/windows-check.sh.)"""
+    import threading
+
+    entry = Autostart(platform="linux", folder=tmp_path, command=["strata-desktop"])
+    path = entry.enable()
+
+    def while_held(change):
+        held = open(path, encoding="utf-8")  # noqa: SIM115 - the timer closes it while the change waits
+        timer = threading.Timer(0.2, held.close)
+        timer.start()
+        try:
+            return change()
+        finally:
+            timer.join()
+
+    assert while_held(entry.enable) == path and entry.read() == ["strata-desktop", HIDDEN_FLAG]
+    assert while_held(entry.disable) is True and not path.exists() and not entry.is_enabled()
+
+
 def test_xdg_entry_never_duplicated(xdg):
     entry = Autostart(platform="linux", command=["/usr/bin/strata-desktop"])
     for _ in range(3):

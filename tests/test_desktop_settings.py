@@ -291,16 +291,17 @@ def test_start_at_login_checkbox_writes_and_removes_the_entry(qtbot, tmp_path):
     autostart = Autostart(platform="linux", folder=tmp_path / "autostart", command=["strata-desktop"])
     tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit, autostart)
     qtbot.addWidget(tab)
-    # The writes run beside the tab's start-up probes (the folders, the GPU), which spawn processes: a round trip
-    # took past 3 s under wine on a busy machine.
-    wait_ms = 15_000
+    wait_ms = 15_000  # PowerShell or wine on a busy machine: seconds
     qtbot.waitUntil(tab.login_box.isEnabled, timeout=wait_ms)
     assert not tab.login_box.isChecked()
+    # The box is off while the worker writes; it comes back when the change is done (the file is read only then:
+    # on Windows a read that holds the file while the worker removes it is a sharing violation, retried there).
     tab.login_box.setChecked(True)
-    qtbot.waitUntil(lambda: autostart.is_enabled() and tab.login_box.isEnabled(), timeout=wait_ms)
-    assert autostart.read() == ["strata-desktop", "--hidden"]
+    qtbot.waitUntil(tab.login_box.isEnabled, timeout=wait_ms)
+    assert autostart.is_enabled() and tab.login_box.isChecked() and autostart.read() == ["strata-desktop", "--hidden"]
     tab.login_box.setChecked(False)
-    qtbot.waitUntil(lambda: not autostart.is_enabled() and tab.login_box.isEnabled(), timeout=wait_ms)
+    qtbot.waitUntil(tab.login_box.isEnabled, timeout=wait_ms)
+    assert not autostart.is_enabled() and not tab.login_box.isChecked(), tab.result.text()
     dispatcher.close()
 
 
