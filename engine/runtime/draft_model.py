@@ -22,7 +22,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.kv import KVBuffers, KVLayout
 from engine.runtime.slot_set import common_prefix
-from engine.runtime.speculation import Length
+from engine.runtime.speculation import SlotDrafter
 
 if TYPE_CHECKING:
     from engine.model.build import LoadedModel
@@ -125,9 +125,9 @@ class DraftModel:
         """Its rows stay (draft_states.DraftRows): keyed by the tokens they hold, what they share with the
         restored conversation is still good, and the rest is read again."""
 
-    def drafter(self, slot: int, prompt: list[int], draft_max: int) -> ModelDrafter:
+    def drafter(self, slot: int, prompt: list[int], draft_max: int) -> SlotDrafter:
         """A request's drafter in `slot` (speculation.DraftSource)."""
-        return ModelDrafter(self, slot, prompt, draft_max)
+        return SlotDrafter(self, slot, prompt, draft_max)
 
     def propose(self, slot: int, sequence: list[int], k: int) -> list[int]:
         """The draft's `k` greedy tokens after `sequence` in `slot`, fewer where the draft's context ends; none
@@ -159,34 +159,3 @@ class DraftModel:
             held.append(out[-1])
             out.append(int(torch.argmax(logits[0][:self.vocab])))
         return out
-
-
-class ModelDrafter:
-    """One request's draft-model drafts and their adaptive length (engine thread only; speculation.Drafts)."""
-
-    def __init__(self, draft: DraftModel, slot: int, prompt: list[int], draft_max: int) -> None:
-        assert draft_max >= 1, draft_max
-        self.draft_model = draft
-        self.slot = slot
-        self.prompt = list(prompt)
-        self.length = Length(draft_max)
-        self.drafted = self.accepted = 0
-        self.reused = 0  # the tokens its first draft found held (a switch-back's reuse)
-        self._first = True
-
-    def draft(self, generated: list[int], room: int) -> list[int]:
-        """Up to `room` (and the current length) tokens to follow prompt + `generated`."""
-        k = min(room, self.length.want())
-        if k <= 0:
-            return []
-        out = self.draft_model.propose(self.slot, self.prompt + generated, k)
-        if self._first:
-            self.reused, self._first = self.draft_model.reused[self.slot], False
-        return out
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verify's outcome: `accepted` of `drafted` tokens were the target's own."""
-        assert 0 <= accepted <= drafted and drafted > 0, (accepted, drafted)
-        self.drafted += drafted
-        self.accepted += accepted
-        self.length.record(drafted, accepted)

@@ -33,7 +33,7 @@ import torch
 from engine.model.mtp_experts import held_bytes
 from engine.model.mtp_layer import MtpBlock
 from engine.runtime.slot_set import common_prefix
-from engine.runtime.speculation import Length
+from engine.runtime.speculation import SlotDrafter
 
 if TYPE_CHECKING:
     from engine.model.llama import CausalLM, SeqChunk
@@ -134,9 +134,9 @@ class MtpSource:
         log.info("--spec mtp: drafting with the model's next-token layer (on the CPU, %s)",
                  "its experts in 4-bit" if int4_experts else "float32")
 
-    def drafter(self, slot: int, prompt: list[int], draft_max: int) -> MtpDrafter:
+    def drafter(self, slot: int, prompt: list[int], draft_max: int) -> SlotDrafter:
         """A request's drafter in `slot` (speculation.DraftSource)."""
-        return MtpDrafter(self, slot, prompt, draft_max)
+        return SlotDrafter(self, slot, prompt, draft_max)
 
     def propose(self, slot: int, sequence: list[int], k: int) -> list[int]:
         """The layer's `k` greedy tokens after `sequence` in `slot`; none where the target's rows of the sequence
@@ -235,34 +235,3 @@ class MtpSource:
                 new[:have] = old
             self.caches[slot] = cache = grown
         return cache
-
-
-class MtpDrafter:
-    """One request's next-token-layer drafts and their adaptive length (speculation.Drafts)."""
-
-    def __init__(self, source: MtpSource, slot: int, prompt: list[int], draft_max: int) -> None:
-        assert draft_max >= 1, draft_max
-        self.source = source
-        self.slot = slot
-        self.prompt = list(prompt)
-        self.length = Length(draft_max)
-        self.drafted = self.accepted = 0
-        self.reused = 0  # the tokens the layer held already at its first draft (a switch-back's reuse)
-        self._first = True
-
-    def draft(self, generated: list[int], room: int) -> list[int]:
-        """Up to `room` (and the current length) tokens to follow prompt + `generated`."""
-        k = min(room, self.length.want())
-        if k <= 0:
-            return []
-        out = self.source.propose(self.slot, self.prompt + generated, k)
-        if self._first:
-            self.reused, self._first = self.source.reused[self.slot], False
-        return out
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verify's outcome: `accepted` of `drafted` tokens were the target's own."""
-        assert 0 <= accepted <= drafted and drafted > 0, (accepted, drafted)
-        self.drafted += drafted
-        self.accepted += accepted
-        self.length.record(drafted, accepted)

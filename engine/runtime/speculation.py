@@ -121,6 +121,46 @@ class Drafter:
         self.length.record(drafted, accepted)
 
 
+class Proposer(Protocol):
+    """What drafts a slot's next tokens from a model of its own (a draft model, the next-token layer)."""
+
+    reused: list[int]  # per slot: the tokens it held already when its current request first drafted
+
+    def propose(self, slot: int, tokens: list[int], k: int) -> list[int]: ...
+
+
+class SlotDrafter:
+    """One request's drafts from a `Proposer` (a draft model's, the next-token layer's) and their adaptive length
+    (engine thread only; speculation.Drafts)."""
+
+    def __init__(self, proposer: Proposer, slot: int, prompt: list[int], draft_max: int) -> None:
+        assert draft_max >= 1, draft_max
+        self.proposer = proposer
+        self.slot = slot
+        self.prompt = list(prompt)
+        self.length = Length(draft_max)
+        self.drafted = self.accepted = 0
+        self.reused = 0  # the tokens the proposer held already at its first draft (a switch-back's reuse)
+        self._first = True
+
+    def draft(self, generated: list[int], room: int) -> list[int]:
+        """Up to `room` (and the current length) tokens to follow prompt + `generated`."""
+        k = min(room, self.length.want())
+        if k <= 0:
+            return []
+        out = self.proposer.propose(self.slot, self.prompt + generated, k)
+        if self._first:
+            self.reused, self._first = self.proposer.reused[self.slot], False
+        return out
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify's outcome: `accepted` of `drafted` tokens were the target's own."""
+        assert 0 <= accepted <= drafted and drafted > 0, (accepted, drafted)
+        self.drafted += drafted
+        self.accepted += accepted
+        self.length.record(drafted, accepted)
+
+
 def lookup(tokens: list[int], at: dict[int, list[int]], k: int) -> list[int]:
     """The `k` tokens after the most recent earlier occurrence of the longest suffix of `tokens` (NGRAM_MAX down
     to NGRAM_MIN tokens long); `at` indexes `tokens` by token. [] when no suffix of NGRAM_MIN occurred before."""
