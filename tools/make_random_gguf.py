@@ -168,36 +168,43 @@ def _tokenizer_fields() -> dict:
     return {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
 
+def _moe_writer(out: str, arch: str, file_type: gguf.LlamaFileType, shape: dict, n_layers: int, ffn: int,
+                expert_ffn: int) -> tuple[gguf.GGUFWriter, int]:
+    """A writer with the keys the MoE shapes share and the bundled model's tokenizer; and the vocabulary's size."""
+    tok_fields = _tokenizer_fields()
+    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(out, arch)
+    w.add_name(f"random-{arch}")
+    w.add_file_type(file_type)
+    w.add_context_length(131072)
+    w.add_embedding_length(shape["hidden"])
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(shape["heads"])
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_key_length(shape["head_dim"])
+    w.add_value_length(shape["head_dim"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_expert_count(shape["experts"])
+    w.add_expert_used_count(shape["top_k"])
+    w.add_expert_feed_forward_length(expert_ffn)
+    for key, f in tok_fields.items():
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    return w, n_vocab
+
+
 def write_gpt_oss(out: str, n_layers: int, seed: int) -> int:
     """The gpt-oss shape (module docstring) with the bundled model's tokenizer."""
     s = SHAPES["gpt-oss"]
     h, inter, n_heads, n_kv, hd, e = s["hidden"], s["inter"], s["heads"], s["kv_heads"], s["head_dim"], s["experts"]
-    tok_fields = _tokenizer_fields()
-    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
-    w = gguf.GGUFWriter(out, "gpt-oss")
-    w.add_name("random-gpt-oss")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
-    w.add_context_length(131072)
-    w.add_embedding_length(h)
-    w.add_block_count(n_layers)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w, n_vocab = _moe_writer(out, "gpt-oss", gguf.LlamaFileType.MOSTLY_MXFP4_MOE, s, n_layers, inter, inter)
     w.add_rope_freq_base(150000.0)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(32.0)
     w.add_rope_scaling_orig_ctx_len(4096)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(n_vocab)
-    w.add_expert_count(e)
-    w.add_expert_used_count(s["top_k"])
-    w.add_expert_feed_forward_length(inter)
     w.add_sliding_window(128)
-    for key, f in tok_fields.items():
-        vtype = f.types[0]
-        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
     plan: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (n_vocab, h), q8)]
     for i in range(n_layers):
@@ -221,35 +228,15 @@ def write_glm4moe(out: str, n_layers: int, seed: int) -> int:
     keys a `glm4moe` file."""
     s = SHAPES["glm4moe"]
     h, n_heads, n_kv, hd, e, fe = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["experts"], s["expert_inter"]
-    tok_fields = _tokenizer_fields()
-    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
-    w = gguf.GGUFWriter(out, "glm4moe")
-    w.add_name("random-glm4moe")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    w.add_context_length(131072)
-    w.add_embedding_length(h)
-    w.add_block_count(n_layers)
-    w.add_feed_forward_length(s["inter"])
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w, n_vocab = _moe_writer(out, "glm4moe", gguf.LlamaFileType.MOSTLY_Q4_K_M, s, n_layers, s["inter"], fe)
     w.add_rope_dimension_count(hd // 2)
     w.add_rope_freq_base(1000000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(n_vocab)
-    w.add_expert_count(e)
-    w.add_expert_used_count(s["top_k"])
-    w.add_expert_feed_forward_length(fe)
     w.add_expert_shared_count(1)
     w.add_leading_dense_block_count(1)
     w.add_expert_weights_scale(1.0)
     w.add_expert_weights_norm(True)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_nextn_predict_layers(0)
-    for key, f in tok_fields.items():
-        vtype = f.types[0]
-        w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     q4k, q6k, q8, q5 = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
                         gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0)
     plan: list[tuple[str, tuple[int, ...], object]] = [("token_embd.weight", (n_vocab, h), q6k)]
