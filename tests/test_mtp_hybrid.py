@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.hybrid_fixtures import one_thread  # noqa: F401 (an autouse fixture of this module)
+from tests.test_mtp_layer import greedy_answers
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,29 +110,13 @@ def test_a_hybrid_without_the_layer_keeps_none_and_one_missing_a_tensor_is_refus
         MtpBlock(lm.model, {k: t for k, t in kept.items() if k != "q_norm"})
 
 
-def _answers(config, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
-    from engine.runtime.engine import Engine
-    from engine.runtime.requests import GenerationRequest, SamplingParams
-
-    engine = Engine.from_config(config)
-    try:
-        out = []
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-            events = engine.submit(GenerationRequest(f"mtp-{i}", prompt, params))
-            out.append([e.token_id for e in events if e.token_id is not None])
-        return out, engine.call(lambda: dict(engine.stats.counters)).result()
-    finally:
-        engine.close()
-
-
 def test_spec_mtp_on_a_hybrid_drafts_and_answers_token_identical(folders):
     from engine.config import EngineConfig
 
     config = EngineConfig(model=folders["qwen3_next"], ctx_size=256, cpu_weights="float")
     prompts = [list(range(5, 40)), [7, 8, 9] * 10]
-    off, _ = _answers(config, prompts, 16)
-    on, counters = _answers(config.replace(spec="mtp"), prompts, 16)
+    off, _ = greedy_answers(config, prompts, 16)
+    on, counters = greedy_answers(config.replace(spec="mtp"), prompts, 16)
     assert on == off
     assert counters["spec_drafted_tokens"] > 0, counters  # proposed and verified (random weights: few accepted)
 

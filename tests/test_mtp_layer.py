@@ -157,7 +157,8 @@ def test_the_drafts_are_the_layer_s_greedy_tokens_over_the_target_s_rows(lm):
     finally:
         lm.model.hidden_rows = None
 
-def _answers(config, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
+def greedy_answers(config, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict]:
+    """Each prompt's greedy answer on an engine of `config`, and the engine's counters after them."""
     from engine.runtime.engine import Engine
     from engine.runtime.requests import GenerationRequest, SamplingParams
 
@@ -178,8 +179,8 @@ def test_spec_mtp_drafts_with_the_layer_and_answers_token_identical(folder):
 
     config = EngineConfig(model=folder, ctx_size=256, cpu_weights="float")
     prompts = [list(range(5, 40)), [7, 8, 9] * 10]
-    off, _ = _answers(config, prompts, 24)
-    on, counters = _answers(config.replace(spec="mtp"), prompts, 24)
+    off, _ = greedy_answers(config, prompts, 24)
+    on, counters = greedy_answers(config.replace(spec="mtp"), prompts, 24)
     assert on == off
     assert counters["spec_drafted_tokens"] > 0, counters  # proposed and verified (random weights: few accepted)
 
@@ -197,8 +198,8 @@ def test_with_4_bit_weights_the_native_step_hands_the_layer_its_rows(folder):
     finally:
         engine.close()
     prompts = [list(range(5, 40)), [7, 8, 9] * 10]
-    off, _ = _answers(config, prompts, 24)
-    on, counters = _answers(config.replace(spec="mtp"), prompts, 24)
+    off, _ = greedy_answers(config, prompts, 24)
+    on, counters = greedy_answers(config.replace(spec="mtp"), prompts, 24)
     assert on == off
     assert counters["spec_drafted_tokens"] > 0, counters
 
@@ -241,8 +242,8 @@ def test_spec_mtp_on_a_model_without_the_layer_is_declined_with_the_reason(tmp_p
     path = write_tiny_model(tmp_path, "llama")
     config = EngineConfig(model=path, ctx_size=128, cpu_weights="float")
     with caplog.at_level(logging.WARNING, logger="strata.engine"):
-        off, _ = _answers(config, [[5, 6, 7, 8]], 6)
-        on, counters = _answers(config.replace(spec="mtp"), [[5, 6, 7, 8]], 6)
+        off, _ = greedy_answers(config, [[5, 6, 7, 8]], 6)
+        on, counters = greedy_answers(config.replace(spec="mtp"), [[5, 6, 7, 8]], 6)
     assert "--spec mtp declined, decoding without drafts: the model has no next-token (MTP) layers" in caplog.text
     assert on == off and counters["spec_drafted_tokens"] == 0
 
