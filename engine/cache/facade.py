@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from engine.cache import reconfigure, restores
+from engine.cache import reconfigure, restores, views
 from engine.cache.attrs import NO_ATTRS, PRIORITIES, ConvAttrs
 from engine.cache.disk_store import DiskStore
 from engine.cache.disk_tier import DiskTier
@@ -373,29 +373,7 @@ class ConversationCache:
     def conversations(self) -> list[ConversationInfo]:
         """Every parked conversation, most recently used first."""
         with self.lock:
-            rows = [
-                ConversationInfo(
-                    conv.id,
-                    conv.n_tokens,
-                    index.conv_bytes(conv),
-                    tier,
-                    conv.created,
-                    conv.last_used,
-                    conv.hits,
-                    pending=tier == "disk" and not conv.on_disk,
-                    on_disk=tier == "disk" and conv.on_disk,
-                    priority=conv.priority,
-                    pinned=conv.pinned,
-                    name=conv.name,
-                    client=conv.client,
-                    system=conv.system,
-                    checkpoints=(n := len(conv.checkpoints) + sum(index.blocks[k].state for k in conv.keys)),
-                    checkpoint_bytes=n * self.identity.state_bytes,
-                )
-                for tier, index in self.tiers()
-                for conv in index.convs.values()
-            ]
-        return sorted(rows, key=lambda r: r.last_used, reverse=True)
+            return views.conversation_rows(self.tiers(), self.identity.state_bytes)
 
     def set_attrs(self, conv_id: str, *, priority: str | None = None, pinned: bool | None = None) -> str:
         """Change a parked conversation's priority and/or pin in every tier that holds it (a written manifest is
@@ -423,38 +401,10 @@ class ConversationCache:
 
     def stats(self) -> CacheStats:
         with self.lock:
-            s, disk, j = self.settings, self.disk, self.journal
             remote = self.remote.figures() if self.remote is not None else RemoteFigures()
-            return CacheStats(
-                enabled=s.enabled,
-                storage=s.storage,
-                dir=disk.files.folder if disk else s.dir,
-                ram_bytes=s.ram_bytes,
-                disk_bytes=s.disk_bytes,
-                slots=s.slots,
-                min_free_bytes=s.min_free_bytes,
-                block_tokens=self.identity.block_tokens,
-                bytes_ram=self.ram.index.bytes,
-                bytes_disk=disk.index.bytes if disk else 0,
-                bytes_pending=disk.staging.pending_bytes() if disk else 0,
-                entries_ram=len(self.ram.index.convs),
-                entries_disk=len(disk.index.convs) if disk else 0,
-                blocks_ram=len(self.ram.index.blocks),
-                blocks_disk=len(disk.index.blocks) if disk else 0,
-                refusals=dict(j.refusals),
-                declined=dict(j.declined),
-                park_ms=j.park_ms.summary(),
-                restore_ms=j.restore_ms.summary(),
-                restore_bandwidth=dict(j.bandwidth),
-                prefill_tokens_per_s=self.prefill_tokens_per_s,
-                disk_error=(disk.files.error or disk.files.write_error) if disk else "",
-                remote=remote.remote,
-                remote_state=remote.remote_state,
-                remote_error=remote.remote_error,
-                remote_bytes=remote.remote_bytes,
-                remote_max_bytes=remote.remote_max_bytes,
-                **j.counts,
-            )
+            return views.cache_stats(self.settings, self.ram, self.disk, self.journal, remote,
+                                     block_tokens=self.identity.block_tokens,
+                                     prefill_tokens_per_s=self.prefill_tokens_per_s)
 
     def events(self, limit: int = 200) -> list[dict]:
         """The most recent park/restore/evict/spill/refuse events, oldest first."""
