@@ -107,12 +107,13 @@ def test_experts_from_a_gguf_stay_in_the_file_s_blocks_and_groups(tmp_path):
     assert moe < RELATIVE and out < RELATIVE, (moe, out)
     down = layer["experts.down"]  # the guard counts a stack kept in its blocks at the file's bytes
     assert mtp_experts.held_bytes({"experts.down": down}, True) == (
-        down.data.numel() if kquant_weight.available() else math.prod(down.shape) * 20 // 32)
+        down.data.numel() if kquant_weight.available() else math.prod(down.shape) * (20 + 40) // 32)
 
 
 def test_the_guard_counts_the_bytes_the_experts_take_in_4_bit(tmp_path):
     """float32 for every tensor; with 4-bit experts their matrices at 20 bytes per 32 values (codes, scale and
-    minimum), and the decline names how the layer is held."""
+    minimum) once built, a routed stack's build (a byte per code, a float scale and minimum per group: 40 bytes per
+    32 values) counted too, twice for gate and up (joined by rows); the decline names how the layer is held."""
     import re
 
     from engine.model.mtp_experts import held_bytes
@@ -121,15 +122,20 @@ def test_the_guard_counts_the_bytes_the_experts_take_in_4_bit(tmp_path):
 
     lm = _load(write_tiny_moe_model(tmp_path, "glm4_moe", seed=3))
     (kept,) = lm.model.mtp
-    expert = re.compile(r"expert\.\d+\.(gate|up|down)|shared\.(gate|up|down)")
-    packed = sum(t.data.numel() for key, t in kept.items() if expert.fullmatch(key))
-    rest = sum(t.data.numel() for key, t in kept.items() if not expert.fullmatch(key))
-    assert held_bytes(kept, False) == 4 * (packed + rest)
+
+    def count(pattern: str) -> int:
+        return sum(t.data.numel() for key, t in kept.items() if re.fullmatch(pattern, key))
+
+    routed, routed_gate_up, shared = count(r"expert\.\d+\.(gate|up|down)"), count(r"expert\.\d+\.(gate|up)"), count(
+        r"shared\.(gate|up|down)")
+    rest = sum(t.data.numel() for t in kept.values()) - routed - shared
+    assert routed and routed_gate_up and shared and rest
+    assert held_bytes(kept, False) == 4 * (routed + shared + rest)
     need = held_bytes(kept, True)
-    assert need == packed * 20 // 32 + 4 * rest
+    assert need == (routed + shared) * 20 // 32 + (routed + routed_gate_up) * 40 // 32 + 4 * rest
     assert declines(lm.model, available=2 * need + 1, int4_experts=True) == ""
     why = declines(lm.model, available=need, int4_experts=True)
-    assert why.startswith(f"its next-token layer takes {need / 2**30:.1f} GiB with its experts in 4-bit, more than")
+    assert why.startswith(f"its next-token layer needs {need / 2**30:.1f} GiB with its experts in 4-bit, more than")
 
 
 def test_spec_mtp_with_4_bit_experts_answers_token_identical(tmp_path, caplog):

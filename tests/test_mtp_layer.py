@@ -114,7 +114,7 @@ def test_a_layer_too_large_for_the_free_ram_is_declined_before_it_is_built(lm):
     assert need == 4 * sum(t.data.numel() for t in kept.values())  # the folder's bfloat16 or float32 values
     assert declines(lm.model, available=2 * need + 1) == ""
     why = declines(lm.model, available=need)
-    assert why.startswith(f"its next-token layer takes {need / 2**30:.1f} GiB as float32, more than half the")
+    assert why.startswith(f"its next-token layer needs {need / 2**30:.1f} GiB as float32, more than half the")
 
 
 # ---------------------------------------------------------------- drafting with it (--spec mtp)

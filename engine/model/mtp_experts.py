@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 # as 4-bit groups or the file's blocks. The router, its bias and every other tensor stay float32.
 _EXPERT_MATRIX = re.compile(r"experts\.(gate|up|down|gate_up)|expert\.\d+\.(gate|up|down)|shared\.(gate|up|down)")
 _STACKS = ("experts.gate", "experts.up", "experts.down", "experts.gate_up")
+# A routed stack's group while it is built: 32 one-byte codes, a float32 scale and minimum.
+_BUILT_GROUP_BYTES = int4.GROUP + 8
 
 
 def float_weight(t: KeptTensor) -> torch.Tensor:
@@ -39,18 +41,27 @@ def float_weight(t: KeptTensor) -> torch.Tensor:
 
 
 def held_bytes(layer: MtpLayer, int4_experts: bool) -> int:
-    """The bytes MtpBlock will hold for the layer: float32 for every tensor, except, with `int4_experts`, the
-    expert matrices: a stack in a K-quant (or Q8_0) the native kernels multiply takes its file's bytes, any other
-    matrix the 4-bit kernels take 20 bytes per 32 values (codes, scale and minimum). GLM-4.5-Air's MTP experts
-    (128 of 4096 x 1408): ~8.3 GiB as float32, ~1.3 as 4-bit groups."""
+    """The most host RAM MtpBlock takes for the layer, while it is built and after: float32 for every tensor,
+    except, with `int4_experts` (where the 4-bit kernels run), the expert matrices: a stack in a K-quant (or Q8_0)
+    the native kernels multiply takes its file's bytes; any other matrix is held as 4-bit groups (20 bytes per 32
+    values: codes, scale and minimum), and a routed stack is first built whole as a byte per code with a float
+    scale and minimum per group (40 bytes per 32 values), its gate and up joined by rows into one more such copy
+    (moe_loading's packing). GLM-4.5-Air's MTP experts (128 of 4096 x 1408): ~8.3 GiB as float32, ~1.3 held as
+    4-bit groups, ~4.7 at the peak of the build."""
+    int4_experts = int4_experts and int4.available()  # as MtpBlock decides: float32 where the kernels do not run
     total = 0
     for key, t in layer.items():
         count = 1
         for n in t.shape:
             count *= n
         if int4_experts and _EXPERT_MATRIX.fullmatch(key) and len(t.shape) >= 2 and t.shape[-1] % int4.GROUP == 0:
-            kquant = t.kind in kquant_weight.CLASSES and len(t.shape) == 3 and kquant_weight.available()
-            total += t.data.numel() if kquant else count // int4.GROUP * int4.Q4_BLOCK_BYTES
+            if t.kind in kquant_weight.CLASSES and len(t.shape) == 3 and kquant_weight.available():
+                total += t.data.numel()
+                continue
+            groups = count // int4.GROUP
+            total += groups * int4.Q4_BLOCK_BYTES
+            if not key.startswith("shared."):
+                total += groups * _BUILT_GROUP_BYTES * (2 if key.endswith((".gate", ".up")) else 1)
         else:
             total += 4 * count
     return total

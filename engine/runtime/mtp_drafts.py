@@ -60,7 +60,7 @@ def declines(model: object, available: int | None = None, int4_experts: bool = F
     need = held_bytes(mtp[0], int4_experts)
     if available is not None and need > available // 2:
         held = "with its experts in 4-bit" if int4_experts else "as float32"
-        return (f"its next-token layer takes {need / 2**30:.1f} GiB {held}, more than half the "
+        return (f"its next-token layer needs {need / 2**30:.1f} GiB {held}, more than half the "
                 f"{available / 2**30:.1f} GiB of host RAM free")
     return ""
 
