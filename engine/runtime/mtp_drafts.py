@@ -84,7 +84,7 @@ class TargetRows:
             if ch.start > len(seen):  # rows computed elsewhere (a restore): -1 never matches a token
                 seen.extend([-1] * (ch.start - len(seen)))
                 self.first[ch.slot] = ch.start
-            elif ch.start < self.first[ch.slot]:  # every row before it is one of those
+            elif ch.start < self.first[ch.slot]:  # rows before `first` are not read as context
                 self.first[ch.slot] = ch.start
             del seen[ch.start :]
             seen.extend(ch.tokens.tolist())
