@@ -11,7 +11,6 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as FastTokenizer
 
-from engine.model.thinking import prompt_opens
 from engine.model.tokenizer import Tokenizer
 from engine.server.answer_ids import AnswerIds
 from engine.server.anthropic_schemas import MessagesRequest, template_messages
@@ -31,6 +30,12 @@ QWEN3_LIKE = _TURNS + ("{% if add_generation_prompt %}<|im_start|>assistant\n"
                        "{% endif %}{% endif %}")
 # As DeepSeek-R1's: the prompt opens the thought, always.
 R1_LIKE = _TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+# As DeepSeek-R1's writes a tool result (a template that reads `tools` gets the tool messages as they are): after
+# one, its generation prompt opens no thought.
+R1_TOOL_LIKE = ("{% set ns = namespace(is_tool=false) %}{% if tools %}{{ tools | length }} tools{% endif %}" + _TURNS.replace("{% for m in messages %}",
+                "{% for m in messages %}{% set ns.is_tool = m.role == 'tool' %}")
+                + "{% if add_generation_prompt and not ns.is_tool %}<|im_start|>assistant\n<think>\n{% endif %}"
+                "{% if add_generation_prompt and ns.is_tool %}<|im_start|>assistant\n{% endif %}")
 # As DeepSeek-V3.1's: thinking off unless its own variable, `thinking`, asks for it; on, the prompt opens the thought.
 V31_LIKE = _TURNS + ("{% if add_generation_prompt %}<|im_start|>assistant\n"
                      "{% if thinking is defined and thinking %}<think>{% else %}<think></think>"
@@ -53,22 +58,34 @@ def tokenizer(folder: Path, template: str, tokens: tuple[str, ...] = THINK, spec
     return Tokenizer.from_hf_folder(str(folder))
 
 
+def prompt_opens(tok: Tokenizer, messages: list[dict] | None = None, **variables) -> bool:
+    """Whether the prompt of `messages` (one user message) ends inside an opened thought."""
+    return render_prompt(tok, messages or [{"role": "user", "content": "Hi"}], None, variables=variables).in_thought
+
+
 def test_markers_and_where_the_prompt_leaves_the_output_are_read_from_the_template(tmp_path):
     qwen3_tok = tokenizer(tmp_path / "qwen3", QWEN3_LIKE)
     qwen3 = qwen3_tok.thinking
     assert qwen3 is not None and (qwen3.open, qwen3.close, qwen3.switch) == ("<think>", "</think>", "enable_thinking")
-    assert not prompt_opens(qwen3_tok, qwen3, {}) and not prompt_opens(qwen3_tok, qwen3, {"enable_thinking": False})
+    assert not prompt_opens(qwen3_tok) and not prompt_opens(qwen3_tok, enable_thinking=False)
     r1_tok = tokenizer(tmp_path / "r1", R1_LIKE)
     r1 = r1_tok.thinking
-    assert r1 is not None and r1.switch is None and prompt_opens(r1_tok, r1, {})
+    assert r1 is not None and r1.switch is None and prompt_opens(r1_tok)
     v31_tok = tokenizer(tmp_path / "v31", V31_LIKE)
     v31 = v31_tok.thinking
     assert v31 is not None and v31.switch == "thinking"
-    assert not prompt_opens(v31_tok, v31, {}) and prompt_opens(v31_tok, v31, {"thinking": True})
+    assert not prompt_opens(v31_tok) and prompt_opens(v31_tok, thinking=True)
     gemma4_tok = tokenizer(tmp_path / "gemma4", GEMMA4_LIKE, ("<|channel>", "<channel|>"), special=True)
     gemma4 = gemma4_tok.thinking
     assert gemma4 is not None and (gemma4.open, gemma4.close) == ("<|channel>thought", "<channel|>")
-    assert gemma4.switch == "enable_thinking" and not prompt_opens(gemma4_tok, gemma4, {})
+    assert gemma4.switch == "enable_thinking" and not prompt_opens(gemma4_tok)
+    # Read from the request's own conversation: after a tool result R1's template opens no thought.
+    r1_tools = tokenizer(tmp_path / "r1-tools", R1_TOOL_LIKE)
+    assert prompt_opens(r1_tools)
+    after_tool = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Looking."},
+                  {"role": "tool", "content": "Sunny"}]
+    assert not prompt_opens(r1_tools, after_tool)
+    assert parse_output(r1_tools, "It is sunny.", None, prompt_opens(r1_tools, after_tool)).content == "It is sunny."
     # No markers in the vocabulary, or a template that never closes a thought: the output is all answer.
     assert tokenizer(tmp_path / "plain", R1_LIKE, ()).thinking is None
     assert tokenizer(tmp_path / "no-close", R1_LIKE.replace("</think>", ""), THINK).thinking is None

@@ -10,8 +10,9 @@ Some templates open the thought in the generation prompt themselves (DeepSeek-R1
 with its `thinking` variable true; Qwen3's unless `enable_thinking` is false), so the output starts inside it and only
 the close marker appears. Which variable switches a template's thinking is read from the template (`enable_thinking`,
 as Qwen3, GLM-4.x and Gemma 4 name it, or `thinking`, as DeepSeek-V3.1 does); where a request's prompt leaves the
-output is read per request, by rendering a one-message conversation with the request's own template variables
-(`prompt_opens`), so a variable the request sets (its own `thinking`, say) counts as the template reads it.
+output is read per request from the generation prompt its own conversation was rendered with (`prompt_opens`), so
+a variable the request sets (its own `thinking`, say) and the message the conversation ends with (a tool result,
+after which R1's template opens no thought) count as the template reads them.
 (gpt-oss's harmony is its own format: engine.server.harmony.)
 """
 
@@ -27,7 +28,6 @@ _FORMATS = (("<think>", "</think>", "<think>"), ("<|channel>thought", "<channel|
 # DeepSeek-V3.1's.
 SWITCHES = ("enable_thinking", "thinking")
 MARKER_TOKENS = frozenset(token for _, close, token in _FORMATS for token in (token, close))
-_PROBE = [{"role": "user", "content": "Hi"}]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +54,10 @@ def detect_thinking(tokenizer: Any) -> Thinking | None:
     return None
 
 
-def prompt_opens(tokenizer: Any, thinking: Thinking, variables: dict[str, Any]) -> bool:
-    """Whether the generation prompt the template appends, with these template variables, leaves an opened thought
-    unclosed: the output then starts inside the thought."""
-    return _prompt_opens(tokenizer, thinking.open, thinking.close, variables)
-
-
-def _prompt_opens(tokenizer: Any, open_: str, close: str, extra: dict[str, Any]) -> bool:
-    """Whether the generation prompt the template appends leaves an opened thought unclosed."""
-    try:
-        without = tokenizer.render_chat(_PROBE, add_generation_prompt=False, **extra)
-        with_prompt = tokenizer.render_chat(_PROBE, add_generation_prompt=True, **extra)
-    except Exception:  # noqa: BLE001 - a template that refuses this conversation has no prompt to read here
-        return False
+def prompt_opens(thinking: Thinking, without: str, with_prompt: str) -> bool:
+    """Whether the generation prompt a template appended leaves an opened thought unclosed, the output then
+    starting inside it: `without` and `with_prompt` are the request's own conversation rendered without and with
+    the generation prompt (templates write it after some messages only: DeepSeek-R1's opens no thought after a
+    tool result, V3.1's only after a user message)."""
     suffix = with_prompt[len(without):] if with_prompt.startswith(without) else with_prompt
-    return suffix.rfind(open_) > suffix.rfind(close)
+    return suffix.rfind(thinking.open) > suffix.rfind(thinking.close)

@@ -3,7 +3,6 @@ as text or token ids. Every refusal is a 400 naming the message or field at faul
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -125,10 +124,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     extra = dict(variables or {})
     if thinking is not None and model is not None and model.switch is not None:
         extra.setdefault(model.switch, thinking)  # a variable the request named itself wins
-    prompt = _render(tokenizer, messages, tools, ids, extra)
-    if model is None:
-        return prompt
-    return dataclasses.replace(prompt, in_thought=prompt_opens(tokenizer, model, extra))
+    return _render(tokenizer, messages, tools, ids, extra)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -164,13 +160,28 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
     check_length(tokenizer, len(text), "messages")
     prompt, dropped = encode_prompt(tokenizer, text, messages, ids)
+    in_thought = _ends_in_thought(tokenizer, messages, tools, text, extra)
     if ids is None:  # counting tokens: nothing is served, nothing to explain
-        return RenderedPrompt(prompt)
+        return RenderedPrompt(prompt, in_thought=in_thought)
     rewritten = [c for c in (dropped, _history_rewritten(tokenizer, messages, tools, text, extra)) if c is not None]
     if not rewritten:
-        return RenderedPrompt(prompt)
+        return RenderedPrompt(prompt, in_thought=in_thought)
     # The token the rewrite falls in (the text before it tokenized alone: near enough for a report).
-    return RenderedPrompt(prompt, len(tokenizer.encode(text[:min(rewritten)], add_special_tokens=False)))
+    return RenderedPrompt(prompt, len(tokenizer.encode(text[:min(rewritten)], add_special_tokens=False)),
+                          in_thought=in_thought)
+
+
+def _ends_in_thought(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, text: str,
+                     extra: dict[str, Any]) -> bool:
+    """Whether `text` (these messages' prompt) ends inside the thought its generation prompt opened."""
+    thinking = getattr(tokenizer, "thinking", None)
+    if thinking is None:
+        return False
+    try:
+        without = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=False, **extra)
+    except (ValueError, TypeError, jinja2.TemplateError):  # a template that needs its generation prompt
+        return False
+    return prompt_opens(thinking, without, text)
 
 
 def _encode_harmony(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
