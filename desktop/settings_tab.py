@@ -5,6 +5,10 @@ running engine live or after a restart. A live setting is applied to the running
 settles and the value is valid (`apply_requested`, sent with `PUT /cache/config`; a folder only on Enter,
 leaving the field or a pick, never on a pause in typing); Apply sends again what was declined or refused, Revert
 goes back to what the engine runs. A restart is offered for the rest, never forced.
+
+Beside it: the rows (settings_rows.py), what each says beneath its field (settings_captions.py), the words
+(settings_words.py), the "Desktop app" group (settings_app_box.py) and the command line with the buttons below the
+page (settings_footer.py).
 """
 
 from __future__ import annotations
@@ -14,17 +18,14 @@ from dataclasses import fields
 from typing import Any
 
 import psutil
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
     QFormLayout,
     QGroupBox,
-    QHBoxLayout,
     QLabel,
     QLineEdit,
-    QPushButton,
     QScrollArea,
     QVBoxLayout,
     QWidget,
@@ -33,30 +34,18 @@ from PySide6.QtWidgets import (
 from desktop.autostart import Autostart
 from desktop.engine_process import EngineState
 from desktop.gpu import GPU_ONLY_SETTINGS, nvidia_gpu_present
-from desktop.settings import (
-    HIDDEN_SETTINGS,
-    AutoSaver,
-    SettingsStore,
-    Source,
-    command_line,
-    is_budget,
-    secret_variables,
-    set_variable_hint,
-)
+from desktop.settings import HIDDEN_SETTINGS, AutoSaver, SettingsStore, Source, is_budget
+from desktop.settings_app_box import DesktopAppBox
 from desktop.settings_captions import RowCaptions
+from desktop.settings_footer import SettingsFooter
 from desktop.settings_rows import FOLDER_SETTINGS, RowActions, SettingRow, build_row, choose_path, tooltip
 from desktop.settings_words import GROUPS, group_note, label_of, plain_error
 from desktop.store_check import check_store
-from desktop.widgets import CommandView, guard_wheel
+from desktop.widgets import guard_wheel
 from engine.config import EngineConfig, all_settings
 from engine.setting import SettingError
 
 SETTLE_MS = 1200  # a pause in typing this long counts as done
-PREFS = (
-    ("start_engine", "Start the engine when the app starts"),
-    ("close_to_tray", "Closing the window keeps the engine serving from the tray"),
-    ("auto_restart", "Restart the engine automatically if it crashes"),
-)
 
 
 class SettingsTab(QWidget):
@@ -74,7 +63,6 @@ class SettingsTab(QWidget):
         super().__init__(parent)
         self.store = store
         self.gpu = nvidia_gpu_present() if gpu is None else gpu
-        self.autostart = autostart
         self.autosaver = autosaver
         self._submit = submit
         self.rows: dict[str, SettingRow] = {}
@@ -121,27 +109,11 @@ class SettingsTab(QWidget):
                 label.setToolTip(tooltip(spec))
                 form.addRow(label, row.container)
             content_layout.addWidget(box)
-        app_box = QGroupBox("Desktop app")
-        app_layout = QVBoxLayout(app_box)
-        self.pref_boxes: dict[str, QCheckBox] = {}
-        for name, text in PREFS:
-            cb = QCheckBox(text)
-            cb.setChecked(getattr(store.prefs, name))
-            cb.toggled.connect(lambda on, n=name: self._pref_toggled(n, on))
-            app_layout.addWidget(cb)
-            self.pref_boxes[name] = cb
-        self.login_box = QCheckBox("Start at login, in the tray, serving")
-        self.login_box.setEnabled(False)  # until the current state is read
-        self.login_box.toggled.connect(self._login_toggled)
-        if autostart is not None and autostart.supported:
-            app_layout.addWidget(self.login_box)
-            self._submit(autostart.is_enabled, self._got_login_state)
-        self.file_label = QLabel(f"Saved automatically to {store.path}")
-        self.file_label.setWordWrap(True)
-        self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.file_label.setStyleSheet("color: #666;")
-        app_layout.addWidget(self.file_label)
-        content_layout.addWidget(app_box)
+        self.app_box = DesktopAppBox(store, autosaver, submit, autostart)
+        self.app_box.prefs_changed.connect(self.prefs_changed)
+        self.app_box.failed.connect(self._show_failure)
+        self.login_box = self.app_box.login_box
+        content_layout.addWidget(self.app_box)
         content_layout.addStretch(1)
         self._wheel_guard = guard_wheel(content)
         scroll = self.scroll = QScrollArea()
@@ -149,47 +121,17 @@ class SettingsTab(QWidget):
         scroll.setWidget(content)
 
         # Bottom: the command line and what applying would do.
-        self.command = CommandView()
-        self.copy_button = QPushButton("Copy")
-        self.copy_button.setToolTip("Copy the command line to the clipboard (a key stays out of it: the line "
-                                    "reads it from an environment variable)")
-        self.command_note = QLabel()  # how the shown line gets the secrets it does not show
-        self.command_note.setWordWrap(True)
-        self.copy_button.clicked.connect(self.copy_command)
-        self.pending = QLabel()
-        self.pending.setWordWrap(True)
-        self.apply_button = QPushButton("Apply")
-        self.apply_button.setToolTip("Send the live settings to the running engine again (after a refusal or a "
-                                     "declined eviction); a settled edit is applied without it")
+        footer = self.footer = SettingsFooter(store)
+        self.command, self.copy_button, self.command_note = footer.command, footer.copy_button, footer.command_note
+        self.pending, self.result = footer.pending, footer.result
+        self.apply_button, self.revert_button = footer.apply_button, footer.revert_button
+        self.restart_button = footer.restart_button
         self.apply_button.clicked.connect(self.apply)
-        self.revert_button = QPushButton("Revert")
-        self.revert_button.setToolTip("Go back to the values the running engine uses")
         self.revert_button.clicked.connect(self.revert)
-        self.restart_button = QPushButton("Restart engine")
         self.restart_button.clicked.connect(self.restart_requested)
-        self.result = QLabel()
-        self.result.setWordWrap(True)
-        bottom = QWidget()
-        bl = QVBoxLayout(bottom)
-        bl.setContentsMargins(0, 0, 0, 0)
-        # The lines whose length changes (an apply's outcome, what is pending, the note on secrets) sit above the
-        # command line, which has a fixed height and is anchored to the window's bottom edge: growing text
-        # pushes the page above up, never the Copy button from under the pointer.
-        bl.addWidget(self.result)
-        act_row = QHBoxLayout()
-        act_row.addWidget(self.pending, 1)
-        for button in (self.apply_button, self.revert_button, self.restart_button):
-            act_row.addWidget(button, 0, Qt.AlignmentFlag.AlignBottom)
-        bl.addLayout(act_row)
-        bl.addWidget(self.command_note)
-        cmd_row = QHBoxLayout()
-        cmd_row.addWidget(QLabel("Command line:"))
-        cmd_row.addWidget(self.command, 1)
-        cmd_row.addWidget(self.copy_button, 0, Qt.AlignmentFlag.AlignTop)
-        bl.addLayout(cmd_row)
         layout = QVBoxLayout(self)
         layout.addWidget(scroll, 1)
-        layout.addWidget(bottom)
+        layout.addWidget(footer)
 
         for name, row in self.rows.items():
             row.set_value(store.value(name))
@@ -205,10 +147,7 @@ class SettingsTab(QWidget):
             if not row.error:
                 row.set_value(self.store.value(name))
                 self.captions.show(row)
-        for name, box in self.pref_boxes.items():
-            box.blockSignals(True)
-            box.setChecked(getattr(self.store.prefs, name))
-            box.blockSignals(False)
+        self.app_box.reload()
         self.captions.check_folders_soon()
         self.refresh()
 
@@ -313,31 +252,10 @@ class SettingsTab(QWidget):
             self.result.setText("")
             self.result.setStyleSheet("")
 
-    def _pref_toggled(self, name: str, on: bool) -> None:
-        self.store.set_pref(name, on)
-        self.autosaver.schedule()
-        self.prefs_changed.emit()
-
-    def _got_login_state(self, result: Any) -> None:
-        self.login_box.blockSignals(True)
-        self.login_box.setChecked(result is True)
-        self.login_box.blockSignals(False)
-        self.login_box.setEnabled(not isinstance(result, BaseException))
-
-    def _login_toggled(self, on: bool) -> None:
-        """Write or remove the start-at-login entry off the UI thread (on Windows it runs PowerShell)."""
-        autostart = self.autostart
-        assert autostart is not None
-        self.login_box.setEnabled(False)
-
-        def done(result: Any) -> None:
-            self.login_box.setEnabled(True)
-            if isinstance(result, BaseException):
-                self._got_login_state(not on)
-                self.result.setText(f"Could not change start at login: {result}")
-                self.result.setStyleSheet("color: #c62828;")
-
-        self._submit(lambda: autostart.set_enabled(on), done)
+    def _show_failure(self, text: str) -> None:
+        """A change that did not go through (start at login), said where an apply's outcome is."""
+        self.result.setText(text)
+        self.result.setStyleSheet("color: #c62828;")
 
     def _pick(self, name: str, file: bool = False) -> None:
         """A file or folder chosen in the platform's dialog goes into the setting as if typed whole."""
@@ -420,15 +338,7 @@ class SettingsTab(QWidget):
     def refresh(self) -> None:
         """Update the command line, the greyed budgets and what Apply / Restart would do."""
         self.captions.grey_unused()
-        try:
-            config = self.store.engine_config()
-            self.command.setText(command_line(config))
-            names = secret_variables(config)
-            self.command_note.setText("Before pasting it into a shell, set " + " and ".join(
-                f"{n} to the key ({set_variable_hint(n)})" for n in names) + "." if names else "")
-            self.command_note.setVisible(bool(names))
-        except SettingError as e:  # the store refuses such values; shown rather than hidden if it happens
-            self.command.setText(str(e))
+        self.footer.show_command()
         errors = [r for r in self.rows.values() if r.error]
         live, restart = self.differences()
         ready = self.engine_state is EngineState.READY
@@ -510,6 +420,3 @@ class SettingsTab(QWidget):
         self.refresh()
         if again:
             self.apply_live_changes()  # an edit settled while the engine answered
-
-    def copy_command(self) -> None:
-        QGuiApplication.clipboard().setText(command_line(self.store.engine_config()))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 
 from engine.atomic import is_temp_name
-from engine.cache.disk_tier import BLOCK_RE, CONV_RE
+from engine.cache.disk_files import BLOCK_RE, CONV_RE
 from engine.cache.fileformat import FileFormatError, read_header, read_tensor
 from tests.cache_faults import FAST, SPAWN, arm_fault_points, crashed, run_child
 from tests.test_cache_disk import check_restores

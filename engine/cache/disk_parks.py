@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.cache.attrs import ConvAttrs
-from engine.cache.disk_tier import os_reason
+from engine.cache.disk_files import os_reason
 from engine.cache.errors import ParkRefused
 from engine.cache.index import Block, Conv
 from engine.cache.lifecycle import EntryState

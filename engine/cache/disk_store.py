@@ -24,7 +24,8 @@ import numpy as np
 
 from engine.cache import disk_parks
 from engine.cache.attrs import ConvAttrs
-from engine.cache.disk_tier import DAY, DiskTier
+from engine.cache.disk_scan import DAY
+from engine.cache.disk_tier import DiskTier
 from engine.cache.errors import ParkRefused
 from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv

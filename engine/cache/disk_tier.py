@@ -1,31 +1,34 @@
 """The disk tier's files: one folder per identity, shared block files, conversation manifests, a lock file.
 
-Names this tier owns (and the only files it ever removes): `blk-<32 hex>.safetensors` (one block's state parts, shared by
-every conversation that contains it), `conv-<16 hex>.safetensors` (a conversation: its token ids and the state parts of
-its last partial block; its full blocks are the `blk-*` files named by its chained keys), temp files
-`.<one of those>.tmp-<pid>-<hex>`, and `strata-cache.lock`. Any other `blk-*`/`conv-*` `.safetensors` name
-(`conv-hacked-9.safetensors`) is malformed and removed; anything else in the folder is never touched.
+The tier writes, reads and removes its files here; what their names look like and the file-system calls behind them
+are in disk_files.py, the start-up scan that indexes a folder from their headers in disk_scan.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import re
 import time
 
 import numpy as np
 
-from engine import startup_progress
-from engine.atomic import is_temp_name, publish, write_temp
-from engine.cache.attrs import DEFAULT_PRIORITY, MAX_CLIENT_CHARS, MAX_NAME_CHARS, PRIORITIES
+from engine.atomic import publish, write_temp
+from engine.cache.disk_files import (
+    LOCK_NAME,
+    block_name,
+    conv_name,
+    fsync_path,
+    lock_file,
+    unlink,
+    unlink_error,
+    unlock_file,
+)
+from engine.cache.disk_scan import scan_folder
 from engine.cache.errors import CacheDirLockedError
 from engine.cache.fileformat import FileFormatError, file_chunks, read_header, read_tensor
-from engine.cache.identity import CacheIdentity, block_keys
+from engine.cache.identity import CacheIdentity
 from engine.cache.index import Block, Conv, History, TierIndex
-from engine.cache.lifecycle import EntryState
 from engine.cache.parts import Parts
 from engine.cache.session_file import (
     block_file,
@@ -37,39 +40,6 @@ from engine.cache.session_file import (
 )
 
 log = logging.getLogger("strata.cache")
-
-BLOCK_RE = re.compile(r"^blk-([0-9a-f]{32})\.safetensors$")
-CONV_RE = re.compile(r"^conv-([0-9a-f]{16})\.safetensors$")
-OURS_RE = re.compile(r"^(blk|conv)-.*\.safetensors$")
-LOCK_NAME = "strata-cache.lock"
-DAY = 86400.0
-_REASONS = ("alien", "foreign", "version", "corrupt", "truncated")
-
-
-def os_reason(exc: BaseException) -> str:
-    """A failed file operation in words an operator can search for, without the path: the errno's name and the
-    system's message ('ENOSPC (No space left on device)'); another exception's type and message."""
-    if isinstance(exc, OSError) and exc.errno is not None:
-        name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
-        return f"{name} ({exc.strerror or os.strerror(exc.errno)})"
-    return f"{type(exc).__name__} ({exc})"
-
-
-def _unlink(path: str) -> bool:
-    return not _unlink_error(path)
-
-
-def _unlink_error(path: str) -> str:
-    """Remove `path`; "" when it is gone (or was never there), else why it could not be removed (logged)."""
-    try:
-        os.unlink(path)
-        return ""
-    except FileNotFoundError:
-        return ""
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__  # str(exc) would name the path: callers name the file
-        log.warning("conversation cache: cannot remove %s: %s", path, reason)
-        return reason
 
 
 class DiskTier:
@@ -110,7 +80,7 @@ class DiskTier:
             log.error("conversation cache: %s; disk parking is off until it is fixed", self.error)
             return
         try:
-            _lock_file(fd)
+            lock_file(fd)
         except OSError:
             try:
                 other = os.pread(fd, 32, 0).decode(errors="replace").strip() if hasattr(os, "pread") else "?"
@@ -131,7 +101,7 @@ class DiskTier:
     def close(self) -> None:
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
-                _unlock_file(self._lock_fd)
+                unlock_file(self._lock_fd)
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -145,7 +115,7 @@ class DiskTier:
         self.write_error = ""
 
     def block_path(self, key: str) -> str:
-        return os.path.join(self.folder, f"blk-{key}.safetensors")
+        return os.path.join(self.folder, block_name(key))
 
     def block_file_bytes(self, key: str) -> bytes:
         """A written block's file as it is (what the remote tier stores: the same format); OSError when gone."""
@@ -153,149 +123,14 @@ class DiskTier:
             return f.read()
 
     def conv_path(self, conv_id: str) -> str:
-        return os.path.join(self.folder, f"conv-{conv_id}.safetensors")
+        return os.path.join(self.folder, conv_name(conv_id))
 
     def scan(self, *, days: float) -> dict[str, int]:
         """Index the folder from headers only; remove our leftovers and every file that cannot be used."""
-        removed = {
-            "temp": 0,
-            "malformed": 0,
-            "foreign": 0,
-            "version": 0,
-            "corrupt": 0,
-            "truncated": 0,
-            "expired": 0,
-            "orphan": 0,
-            "incomplete": 0,
-            "unreadable": 0,
-        }
-        try:
-            names = sorted(os.listdir(self.folder))
-        except OSError as exc:
-            self.error = f"cannot list cache folder {self.folder}: {exc.strerror or exc}"
-            log.error("conversation cache: %s", self.error)
-            return removed
-        now = time.time()
-        blocks: dict[str, tuple[int, bool]] = {}  # key -> (file bytes, holds the checkpoint at its end)
-        convs: list[tuple[str, str]] = []
-        for done, name in enumerate(names):
-            startup_progress.report(done, len(names))  # GET /health shows the fraction while the engine starts
-            path = os.path.join(self.folder, name)
-            if is_temp_name(name) and OURS_RE.match(name[1 : name.rindex(".tmp-")]):
-                if os.path.isfile(path) and _unlink(path):
-                    removed["temp"] += 1
-                continue
-            if not OURS_RE.match(name):
-                continue  # not ours: never touched
-            if not os.path.isfile(path) or os.path.islink(path):
-                log.warning("conversation cache: %s is not a regular file; ignored", path)
-                continue
-            if days == 0:
-                removed["expired"] += _unlink(path)
-                continue
-            if m := BLOCK_RE.match(name):
-                reason, state = self._check_block_file(path, m.group(1))
-                if reason:
-                    removed[reason] += _unlink(path)
-                else:
-                    st = os.stat(path)
-                    blocks[m.group(1)] = (st.st_size, state)
-            elif m := CONV_RE.match(name):
-                convs.append((m.group(1), path))
-            else:
-                removed["malformed"] += _unlink(path)
-        loaded: list[Conv] = []
-        for conv_id, path in convs:
-            try:
-                st = os.stat(path)
-                conv = self._read_manifest(path, conv_id, st.st_size, st.st_mtime)
-                if days and now - conv.last_used > days * DAY:
-                    removed["expired"] += _unlink(path)
-                    continue
-            except FileFormatError as exc:
-                log.info("conversation cache: removing %s (%s)", path, exc)
-                reason = {"alien": "foreign"}.get(exc.reason, exc.reason)
-                removed[reason if reason in removed else "corrupt"] += _unlink(path)
-                continue
-            except OSError as exc:
-                log.info("conversation cache: removing unreadable %s (%s)", path, exc.strerror or exc)
-                removed["unreadable"] += _unlink(path)
-                continue
-            if any(k not in blocks for k in conv.keys):
-                removed["incomplete"] += _unlink(path)
-                continue
-            loaded.append(conv)
-        held = {k for conv in loaded for k in conv.keys}
-        for key in list(blocks):
-            if key not in held:
-                removed["orphan"] += _unlink(self.block_path(key))
-                del blocks[key]
-        for conv in sorted(loaded, key=lambda c: c.last_used):
-            new = [Block(k, blocks[k][0], on_disk=True, state=blocks[k][1]) for k in conv.keys
-                   if k not in self.index.blocks]
-            # the same block may appear twice in one conversation only if keys repeat, which chaining rules out
-            self.index.add(conv, new)
-        gone = {k: v for k, v in removed.items() if v}
-        log.info(
-            "conversation cache ready: %d conversations, %d blocks, %.1f MiB on disk (%s)%s",
-            len(self.index.convs),
-            len(self.index.blocks),
-            self.index.bytes / (1 << 20),
-            self.folder,
-            f"; removed {gone}" if gone else "",
-        )
+        removed, error = scan_folder(self.folder, self.identity, self.index, days=days)
+        if error:
+            self.error = error
         return removed
-
-    def _check_block_file(self, path: str, key: str) -> tuple[str, bool]:
-        """("", holds a checkpoint) when the block file is usable (header only), else (the reason to remove it, _)."""
-        try:
-            with open(path, "rb", buffering=0) as f:
-                header = read_header(f)
-            check_identity(header, self.identity, kv_only=False)
-            n = self.identity.block_tokens
-            state = {s.name for s in self.identity.state_parts}
-            names = {s.name for s in self.identity.parts}
-            has_state = bool(state) and set(header.tensors) == names | state
-            ok = (
-                header.meta.get("kind") == "block"
-                and header.meta.get("block_key") == key
-                and (set(header.tensors) == names or has_state)
-                and all(
-                    header.tensors[s.name].shape == s.shape(n) and header.tensors[s.name].dtype == s.dtype
-                    for s in self.identity.parts + (self.identity.state_parts if has_state else ())
-                )
-            )
-            return ("" if ok else "corrupt"), has_state
-        except FileFormatError as exc:
-            return ({"alien": "foreign"}.get(exc.reason, exc.reason) if exc.reason in _REASONS else "corrupt"), False
-        except OSError:
-            return "unreadable", False
-
-    def _read_manifest(self, path: str, conv_id: str, size: int, mtime: float) -> Conv:
-        with open(path, "rb", buffering=0) as f:
-            header = read_header(f)
-            n, n_blocks = check_conversation(header, self.identity, session=False)
-            positions = checkpoint_positions(header, self.identity)
-            tokens = read_tensor(f, header, "tokens").numpy()
-        if header.meta.get("conversation_id") != conv_id:
-            raise FileFormatError("corrupt", "conversation id in the header does not match the file name")
-        keys = block_keys(self.identity.key, tokens, self.identity.block_tokens)
-        if len(keys) != n_blocks:
-            raise FileFormatError("corrupt", "block count does not match the token count")
-        # The history fields are vouched for by the header checksum; a manifest written before `last_used`
-        # existed falls back to its mtime (what it used to be), one without `created` to the same.
-        meta = header.meta
-        try:
-            last_used = float(meta.get("last_used", mtime))
-            created, hits = float(meta.get("created", last_used)), max(0, int(meta.get("hits", "0")))
-        except ValueError:
-            last_used, created, hits = mtime, mtime, 0
-        conv = Conv(
-            conv_id, tokens, keys, size, created=created, last_used=last_used, hits=hits, state=EntryState.WRITTEN,
-            checkpoints=dict.fromkeys(positions),
-        )
-        conv.set_attrs(_attrs_of(meta))
-        return conv
 
     # ------------------------------------------------------------------ writes
 
@@ -340,12 +175,12 @@ class DiskTier:
                 del parts, tensors
             if sync:
                 for tmp, _ in temps:
-                    _fsync_path(tmp)
+                    fsync_path(tmp)
             publish(temps, sync_dirs=sync)
         except BaseException:
             for tmp, _ in temps:
                 if os.path.exists(tmp):
-                    _unlink(tmp)
+                    unlink(tmp)
             raise
         return sizes
 
@@ -377,7 +212,7 @@ class DiskTier:
         try:
             publish([(tmp, final)])
         except BaseException:
-            _unlink(tmp)
+            unlink(tmp)
             raise
         return n
 
@@ -385,22 +220,22 @@ class DiskTier:
         """Remove a dropped conversation's manifest and the block files no one holds any more; returns the bytes
         of the files that could not be removed (they stay until a start-up scan can remove them)."""
         stuck = 0
-        if conv.on_disk and _unlink_error(self.conv_path(conv.id)):
+        if conv.on_disk and unlink_error(self.conv_path(conv.id)):
             stuck += conv.nbytes
         for blk in freed:
-            if blk.on_disk and _unlink_error(self.block_path(blk.key)):
+            if blk.on_disk and unlink_error(self.block_path(blk.key)):
                 stuck += blk.nbytes
         return stuck
 
     def remove_manifest(self, conv: Conv) -> str:
         """Remove a written conversation's manifest (which makes it unrestorable, here and after a restart);
         "" when done, else why not."""
-        return _unlink_error(self.conv_path(conv.id)) if conv.on_disk else ""
+        return unlink_error(self.conv_path(conv.id)) if conv.on_disk else ""
 
     def delete_blocks(self, keys: list[str]) -> None:
         """Remove published block files no index entry names (a rolled-back park, an orphaned write)."""
         for key in keys:
-            _unlink(self.block_path(key))
+            unlink(self.block_path(key))
 
     def touch(self, conv: Conv) -> int:
         """Persist a written conversation's last use and hits (a restore, a re-park of the same tokens) so the
@@ -466,42 +301,3 @@ class DiskTier:
                 raise FileFormatError("corrupt", "manifest token ids changed on disk since it was indexed")
             yield f, header
 
-
-def _attrs_of(meta: dict[str, str]) -> tuple[str, bool, str, str, str]:
-    """A manifest's priority, pin, name, client and system words; one written before they existed (or with a
-    value this version does not know) reads as the defaults: normal, unpinned, no name, no client, no system."""
-    priority = meta.get("priority", DEFAULT_PRIORITY)
-    return (
-        priority if priority in PRIORITIES else DEFAULT_PRIORITY,
-        meta.get("pinned") == "true",
-        str(meta.get("name", ""))[:MAX_NAME_CHARS],
-        str(meta.get("client", ""))[:MAX_CLIENT_CHARS],
-        str(meta.get("system", ""))[:MAX_NAME_CHARS],
-    )
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-if os.name == "nt":  # pragma: no cover - exercised on Windows only
-    import msvcrt
-
-    def _lock_file(fd: int) -> None:
-        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]  # Windows-only names
-
-    def _unlock_file(fd: int) -> None:
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
-
-else:
-    import fcntl
-
-    def _lock_file(fd: int) -> None:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-    def _unlock_file(fd: int) -> None:
-        fcntl.flock(fd, fcntl.LOCK_UN)

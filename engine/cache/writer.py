@@ -15,7 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.cache.disk_tier import DiskTier, os_reason
+from engine.cache.disk_files import os_reason
+from engine.cache.disk_tier import DiskTier
 from engine.cache.index import Conv, History
 from engine.cache.parts import Parts
 from engine.kv.host_memory import return_free_memory

@@ -1,6 +1,6 @@
 """Probe 4, kill -9 in tiered mode: conversations take turns on one slot, so each turn parks the last one in RAM
 and spills an older one to disk; the engine is SIGKILLed at seeded moments (some as a file is being written),
-restarted on the same folder each time. No file under a cache name may be torn (engine/cache/disk_tier.py names
+restarted on the same folder each time. No file under a cache name may be torn (engine/cache/disk_files.py names
 them; a write goes to a temp name first, engine/atomic.py), the restart removes the temp files, and greedy
 answers after the last restart equal those of the first engine, which started on an empty folder."""
 
@@ -13,7 +13,7 @@ import threading
 import time
 
 from engine.atomic import is_temp_name
-from engine.cache.disk_tier import BLOCK_RE, CONV_RE
+from engine.cache.disk_files import BLOCK_RE, CONV_RE
 from engine.cache.fileformat import FileFormatError, read_header, read_tensor
 from tools.reliability.common import Checks, Options, Result, words
 from tools.reliability.engine import Engine
