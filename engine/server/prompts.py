@@ -103,7 +103,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
     messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
     effort = openai_effort(req.reasoning_effort, "reasoning_effort")
-    kwargs = template_kwargs(req.chat_template_kwargs, bool(getattr(tokenizer, "harmony", False)))
+    kwargs = template_kwargs(req.chat_template_kwargs, tokenizer, ids is None or ids.contents_as_text)
     return render_prompt(tokenizer, messages, tools, ids, effort, openai_thinking(req.reasoning_effort), kwargs), tools
 
 
