@@ -11,6 +11,7 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as FastTokenizer
 
+from engine.model.thinking import Thinking
 from engine.model.tokenizer import Tokenizer
 from engine.server.answer_ids import AnswerIds
 from engine.server.anthropic_schemas import MessagesRequest, template_messages
@@ -117,9 +118,12 @@ def test_the_split_is_the_same_however_the_text_is_cut(tmp_path):
     for cut in range(1, len(text)):
         assert _stream(thinking, [text[:cut], text[cut:]], False) == expected, cut
     assert _stream(thinking, list(text), False) == expected
-    # The prompt opened the thought: only its close appears.
+    # The prompt opened the thought: only its close appears, or the model opens it again itself (the marker, not
+    # thought text).
     opened = text.removeprefix("<think>\n")
     assert _stream(thinking, list(opened), True) == expected
+    for cut in range(1, len(text)):
+        assert _stream(thinking, [text[:cut], text[cut:]], True) == expected, cut
 
 
 def test_text_that_only_starts_like_a_marker_is_answer_or_thought_as_it_stands(tmp_path):
@@ -199,6 +203,19 @@ def test_reasoning_tokens_are_the_thoughts(tmp_path, inside):
     assert thought_tokens(tok, thinking, ids, inside) == len(thought)
     assert thought_tokens(tok, thinking, answer, False) == 0
     assert thought_tokens(tok, thinking, thought, True) == len(thought)  # never closed: all of it
+    assert thought_tokens(tok, thinking, [open_id, *thought, close_id], True) == len(thought)  # opened again
+
+
+def test_a_close_marker_in_several_tokens_is_neither_the_thoughts_text_nor_its_count(tmp_path):
+    tok = tokenizer(tmp_path, R1_LIKE, ())  # no marker tokens: the model spells '</think>' in pieces
+    thinking = Thinking("<think>", "</think>", None)
+    thought, answer = tok.encode("Pondering."), tok.encode("Done.")
+    marker, nl = tok.encode("</think>"), tok.encode("\n")
+    assert len(marker) > 1
+    ids = thought + marker + nl + answer
+    assert thought_tokens(tok, thinking, ids, True) == len(thought)
+    parts = answer_parts(tok, thinking, ids, True)
+    assert [tok.decode(part) for part in parts] == ["Pondering.", "Done."]
 
 
 def test_the_thought_and_the_answer_are_remembered_apart_as_the_client_sends_them_back(tmp_path):

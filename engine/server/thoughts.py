@@ -36,6 +36,8 @@ class ThoughtStream:
         self._buf = ""
         self._lead = True  # at the start of a part: its leading whitespace is the template's, not the model's
         self._trail = ""  # whitespace at the thought's end, kept back in case the close marker follows it
+        # the prompt opened the thought, and the model may open it again itself (its first text is the marker)
+        self._may_reopen = starts_inside
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
@@ -57,6 +59,16 @@ class ThoughtStream:
             if self._state == "after":
                 if not self._answer(out):
                     break
+                continue
+            if self._may_reopen:
+                start = self._buf.lstrip()
+                if start.startswith(self._open):
+                    self._buf = start[len(self._open):]
+                elif start and self._open.startswith(start):
+                    break  # the marker may be arriving
+                elif not start:
+                    break  # only whitespace so far
+                self._may_reopen = False
                 continue
             at = self._buf.find(self._close)
             if at >= 0:
@@ -119,10 +131,13 @@ class ThoughtStream:
                 out.append((kind, text))
 
 
-def _span(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) -> tuple[int, int, int] | None:
-    """Where the thought lies in the generated `ids`: (its first token, the token that completes its close marker,
-    the end of the output without its end-of-turn token); None when the output has no thought. Read from the
-    decoded text, so a marker spelled in several tokens is found as one written as a single token is."""
+def _span(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) -> tuple[int, int, int, int] | None:
+    """Where the thought lies in the generated `ids`: (its first token, the end of its tokens, the first token of
+    the answer, the end of the output without its end-of-turn token); None when the output has no thought. The
+    tokens between the thought's end and the answer's start are the close marker's: neither part's text, nor
+    counted as the thought's (a token that holds the thought's last text and the marker's start is the thought's). Read from the decoded text, so a marker spelled in several tokens is found as one
+    written as a single token is; an open marker the model writes after a prompt that opened the thought is the
+    marker, not thought text."""
     stop = len(ids) - 1 if ids and ids[-1] in tokenizer.eos_token_ids else len(ids)
 
     def first(holds: Callable[[str], bool]) -> int:
@@ -136,18 +151,23 @@ def _span(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) 
                 lo = mid + 1
         return lo
 
-    start = 0
-    if not in_thought:
-        start = first(lambda text: text.lstrip().startswith(thinking.open))
-        if start > stop:
+    start = first(lambda text: text.lstrip().startswith(thinking.open))
+    if start > stop:
+        if not in_thought:
             return None  # the output does not begin with a thought
+        start = 0
     before = len(tokenizer.decode(ids[:start]))
-    return start, min(first(lambda text: thinking.close in text[before:]) - 1, stop), stop
+    at = tokenizer.decode(ids[:stop]).find(thinking.close, before)
+    if at < 0:  # never closed (max_tokens): all thought
+        return start, stop, stop, stop
+    end = max(start, first(lambda text: len(text) >= at))  # the fewest ids that hold the thought's text
+    return start, end, min(first(lambda text: thinking.close in text[before:]), stop), stop
 
 
 def thought_tokens(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought: bool) -> int:
     """How many of the generated `ids` are the thought's (the usage's reasoning tokens): those after the open marker
-    (or from the start, when the prompt opened the thought) up to the one that completes the close marker."""
+    (or from the start, when the prompt opened the thought) up to the close marker, whose own tokens are not
+    counted."""
     span = _span(tokenizer, thinking, ids, in_thought)
     return 0 if span is None else span[1] - span[0]
 
@@ -159,8 +179,8 @@ def answer_parts(tokenizer: Any, thinking: Thinking, ids: list[int], in_thought:
     span = _span(tokenizer, thinking, ids, in_thought)
     if span is None:
         return [ids]
-    start, close, stop = span  # ids[close] holds the close marker (or its end), neither part's text
-    parts = (_trimmed(tokenizer, ids[start:close]), _trimmed(tokenizer, ids[close + 1:stop]))
+    start, end, after, stop = span
+    parts = (_trimmed(tokenizer, ids[start:end]), _trimmed(tokenizer, ids[after:stop]))
     return [part for part in parts if part]
 
 
