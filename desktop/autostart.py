@@ -332,7 +332,7 @@ class Autostart:
         """Remove the entry in every form; True when something was removed."""
         removed = False
         for path in self.existing():
-            _while_shared(path.unlink)
+            _while_shared(path.unlink, path)
             removed = True
         return removed
 
@@ -344,27 +344,42 @@ class Autostart:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: through `<name>.tmp`, which is removed again when the write or the replace
+    fails (a Startup folder must not collect stray files the next login would show)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    _while_shared(lambda: os.replace(tmp, path))
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        _while_shared(lambda: os.replace(tmp, path), path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
-SHARING_RETRIES = 40  # x 25 ms: a reader's handle lives for one read
+SHARING_RETRIES = 40
+SHARING_RETRY_S = 0.025  # a reader's handle lives for one read: 40 tries wait about 1 s
+# Windows refuses to replace or remove a file while another handle holds it (a sharing violation, PermissionError);
+# POSIX lets both through, so there a PermissionError is a real lack of permission and is not tried again.
+SHARING_VIOLATIONS = os.name == "nt"
 
 
-def _while_shared(change: Callable[[], object]) -> None:
-    """Remove or replace a file, again while another process or thread holds it open for a moment: Windows refuses
-    both then (a sharing violation, PermissionError), where POSIX lets them through. Anything else, or a file held
-    for longer, raises as it came."""
-    for _ in range(SHARING_RETRIES - 1):
+def _while_shared(change: Callable[[], object], path: Path) -> None:
+    """Remove or replace `path` by `change`, again while another process or thread holds it open for a moment where
+    the OS refuses that (SHARING_VIOLATIONS). Anything else raises as it came; a file still held after
+    SHARING_RETRIES tries raises PermissionError saying so."""
+    for attempt in range(1, SHARING_RETRIES + 1):
         try:
             change()
             return
-        except PermissionError:
-            if os.name != "nt":
+        except PermissionError as error:
+            if not SHARING_VIOLATIONS:
                 raise
-            time.sleep(0.025)
-    change()
+            if attempt == SHARING_RETRIES:
+                raise PermissionError(
+                    error.errno, f"{path} stayed in use by another program through {SHARING_RETRIES} tries over "
+                    f"{SHARING_RETRIES * SHARING_RETRY_S:.1f} s ({error.strerror}); close what holds it and try "
+                    "again") from error
+            time.sleep(SHARING_RETRY_S)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QTextCursor
+from PySide6.QtGui import QTextCursor, QTextDocument
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -55,16 +55,28 @@ class Conversation:
 THOUGHT_STYLE = "color:#757575;font-style:italic;white-space:pre-wrap"
 
 
-def render(conversation: Conversation) -> str:
-    """The transcript as HTML. The last block is the last message's text, so streamed pieces append to it: a
-    thinking model's reasoning, in grey italics, until its answer begins, then the answer."""
+def drawn(message: dict[str, str], key: str) -> bool:
+    """Whether `render` draws a block for the message's `key` ("content": the answer, "reasoning_content": the
+    thought): a thought once it has text, the answer once it has text or when there is no thought."""
+    if key == "reasoning_content":
+        return bool(message.get(key))
+    return bool(message["content"]) or not message.get("reasoning_content")
+
+
+def render(conversation: Conversation, *, through_thought: bool = False) -> str:
+    """The transcript as HTML: each message's thought (a thinking model's reasoning, in grey italics) above its
+    answer, so the last block is the last message's answer. `through_thought`: stop after the last message's
+    thought, the transcript up to where its next streamed reasoning piece goes."""
     blocks = []
+    last = len(conversation.messages) - 1
     for i, m in enumerate(conversation.messages):
         who = "You" if m["role"] == "user" else "Assistant"
         blocks.append(f"<p style='margin-top:10px'><b>{who}</b></p>")
-        if m.get("reasoning_content"):
+        if drawn(m, "reasoning_content"):
             blocks.append(f"<p style='{THOUGHT_STYLE}'>{html.escape(m['reasoning_content'])}</p>")
-        if m["content"] or not m.get("reasoning_content"):
+        if through_thought and i == last:
+            break
+        if drawn(m, "content"):
             blocks.append(f"<p style='white-space:pre-wrap'>{html.escape(m['content'])}</p>")
         stats = conversation.stats.get(i)
         if stats is not None:
@@ -88,7 +100,9 @@ class ChatTab(QWidget):
         self.stream: ChatStream | None = None
         self.streaming: Conversation | None = None  # the conversation the running stream answers
         self._first_piece_at: float | None = None
-        self._last_kind = ""  # the key ("content" or "reasoning_content") of the streamed answer's last piece
+        # Where the shown streamed answer's next reasoning piece goes: the end of its thought's block, above the
+        # answer (kept by Qt as text is inserted before it); None while no thought is drawn.
+        self._thought_end: QTextCursor | None = None
         self.base_url: str | None = None
         self.api_key: str | None = None
         self.ready = False
@@ -198,6 +212,13 @@ class ChatTab(QWidget):
     def _show(self) -> None:
         assert self.current is not None
         self.view.setHtml(render(self.current))
+        self._thought_end = None
+        if self.current is self.streaming and drawn(self.current.messages[-1], "reasoning_content"):
+            # Its position is the length of the transcript drawn up to the thought's end (the same blocks).
+            head = QTextDocument()
+            head.setHtml(render(self.current, through_thought=True))
+            self._thought_end = QTextCursor(self.view.document())
+            self._thought_end.setPosition(head.characterCount() - 1)
         self.view.moveCursor(QTextCursor.MoveOperation.End)
         self.view.ensureCursorVisible()
 
@@ -224,7 +245,7 @@ class ChatTab(QWidget):
         self.input.clear()
         self._retitle(conversation)
         self._show()
-        self.stream, self.streaming, self._first_piece_at, self._last_kind = stream, conversation, None, ""
+        self.stream, self.streaming, self._first_piece_at = stream, conversation, None
         stream.delta.connect(lambda piece: self._on_piece(stream, piece, "content"))
         stream.thought.connect(lambda piece: self._on_piece(stream, piece, "reasoning_content"))
         stream.finished.connect(lambda stats: self._on_finished(stream, stats))
@@ -244,22 +265,26 @@ class ChatTab(QWidget):
         if self._first_piece_at is None:
             self._first_piece_at = time.perf_counter()
         message = self.streaming.messages[-1]
-        # A piece of another kind than the last goes to another block (the thought's, or the answer's below it):
-        # drawn anew, as is the thought's first piece (its block replaces the empty answer's).
-        starts_block = (key != self._last_kind and bool(self._last_kind)) or (
-            key == "reasoning_content" and not message.get(key))
-        self._last_kind = key
+        # The first piece of a block not drawn yet (the thought's first; the answer's first after a thought) draws
+        # the transcript anew; any other goes where its block ends, whichever kind came last (gpt-oss may write
+        # a preamble of its answer, then reason more): a thought's piece at the thought's end, an answer's at the end.
+        new_block = not drawn(message, key)
         message[key] = message.get(key, "") + piece
-        if self.streaming is self.current and starts_block:
+        if self.streaming is not self.current:
+            return
+        if new_block:
             self._show()
-            self.piece_shown.emit(piece)
-        elif self.streaming is self.current:
-            cursor = self.view.textCursor()
-            cursor.movePosition(QTextCursor.MoveOperation.End)
+        else:
+            if key == "reasoning_content":
+                assert self._thought_end is not None, "a drawn thought has a cursor at its end"
+                cursor = self._thought_end
+            else:
+                cursor = self.view.textCursor()
+                cursor.movePosition(QTextCursor.MoveOperation.End)
             cursor.insertText(piece)
             self.view.setTextCursor(cursor)
             self.view.ensureCursorVisible()
-            self.piece_shown.emit(piece)
+        self.piece_shown.emit(piece)
 
     def _on_finished(self, stream: ChatStream, stats: TurnStats) -> None:
         if stream is not self.stream:

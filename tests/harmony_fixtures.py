@@ -40,14 +40,15 @@ def harmony_tokenizer() -> Tokenizer:
     return tok
 
 
-def write_harmony_model(root: Path) -> str:
-    """The model folder (see the module docstring)."""
+def write_harmony_model(root: Path, script_text: tuple[str, ...] = SCRIPT, end: str = "<|call|>") -> str:
+    """The model folder (see the module docstring); `script_text` (one token each) and its `end` (`<|call|>` or
+    `<|return|>`) for another answer."""
     folder = Path(write_tiny_model(root, "llama", name="tiny-harmony", num_hidden_layers=1))
     tok = harmony_tokenizer()
-    assert tok.add_tokens([AddedToken(t, normalized=False) for t in SCRIPT]) == len(SCRIPT)
+    assert tok.add_tokens([AddedToken(t, normalized=False) for t in script_text]) == len(script_text)
     tok.save(str(folder / "tokenizer.json"))
-    script = [tok.token_to_id(t) for t in SCRIPT]
-    call = tok.token_to_id("<|call|>")
+    script = [tok.token_to_id(t) for t in script_text]
+    call = tok.token_to_id(end)
     vocab = tok.get_vocab_size()
 
     config = json.loads((folder / "config.json").read_text())

@@ -3,6 +3,7 @@ with a temporary folder standing in for the Startup folder."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -47,9 +48,10 @@ def test_xdg_entry_created_read_back_removed(xdg):
 
 
 def test_an_entry_held_open_for_a_moment_is_still_rewritten_and_removed(tmp_path):
-    """Windows refuses to replace or remove a file another handle holds (a sharing violation, as the Settings tab's
-    own read of the entry can cause): the change is tried again until the handle is gone. (POSIX lets both through
-    at once; this runs on each, and under wine in scripts/windows-check.sh.)"""
+    """A real handle held for a moment (as the Settings tab's own read of the entry can cause): where Windows refuses
+    the change (a sharing violation) it is tried again until the handle is gone. POSIX lets both through at once, so
+    this proves the retry only under Windows (and wine, in scripts/windows-check.sh); the tests after it prove it
+    on every OS."""
     import threading
 
     entry = Autostart(platform="linux", folder=tmp_path, command=["strata-desktop"])
@@ -67,6 +69,72 @@ def test_an_entry_held_open_for_a_moment_is_still_rewritten_and_removed(tmp_path
     assert while_held(entry.enable) == path and entry.read() == ["strata-desktop", HIDDEN_FLAG]
     assert while_held(entry.disable) is True and not path.exists() and not entry.is_enabled()
 
+
+
+class Refusing:
+    """Stands in for os.replace or os.unlink where Windows refuses them while another handle holds the entry: the
+    first `times` calls that touch `entry` raise the sharing violation's PermissionError, later ones go through."""
+
+    def __init__(self, real, entry: Path, times: int) -> None:
+        self.real, self.entry, self.times, self.refused = real, entry, times, 0
+
+    def __call__(self, *paths, **kwargs):
+        if Path(paths[-1]) == self.entry and self.refused < self.times:
+            self.refused += 1
+            raise PermissionError(13, "The process cannot access the file because it is being used by another "
+                                      "process", str(paths[-1]))
+        return self.real(*paths, **kwargs)
+
+
+@pytest.fixture
+def sharing(monkeypatch):
+    """The OS refuses changes to a file held open (Windows), on any OS the test runs on."""
+    monkeypatch.setattr(autostart, "SHARING_VIOLATIONS", True)
+    return monkeypatch
+
+
+def test_a_refused_change_is_tried_again_until_it_goes_through(tmp_path, sharing):
+    entry = Autostart(platform="linux", folder=tmp_path, command=["strata-desktop"])
+    path = tmp_path / "strata-desktop.desktop"
+    replace = Refusing(os.replace, path, times=2)
+    sharing.setattr(os, "replace", replace)
+    assert entry.enable() == path and entry.read() == ["strata-desktop", HIDDEN_FLAG]
+    assert replace.refused == 2 and sorted(tmp_path.iterdir()) == [path]
+    unlink = Refusing(os.unlink, path, times=2)
+    sharing.setattr(os, "unlink", unlink)
+    assert entry.disable() is True and unlink.refused == 2
+    assert list(tmp_path.iterdir()) == [] and not entry.is_enabled()
+
+
+def test_a_change_refused_every_time_fails_clearly_and_leaves_no_temporary_file(tmp_path, sharing):
+    sharing.setattr(autostart, "SHARING_RETRIES", 3)
+    entry = Autostart(platform="linux", folder=tmp_path, command=["strata-desktop"])
+    path = tmp_path / "strata-desktop.desktop"
+    replace = Refusing(os.replace, path, times=1000)
+    sharing.setattr(os, "replace", replace)
+    with pytest.raises(PermissionError, match=r"strata-desktop\.desktop stayed in use by another program through 3 "
+                                              r"tries .*being used by another process.*close what holds it"):
+        entry.enable()
+    assert replace.refused == 3 and list(tmp_path.iterdir()) == []  # no strata-desktop.desktop.tmp left behind
+    assert not entry.is_enabled()
+
+    sharing.setattr(os, "replace", replace.real)
+    entry.enable()
+    unlink = Refusing(os.unlink, path, times=1000)
+    sharing.setattr(os, "unlink", unlink)
+    with pytest.raises(PermissionError, match="stayed in use by another program through 3 tries"):
+        entry.disable()
+    assert unlink.refused == 3 and entry.is_enabled()  # still there, as the error says
+
+
+def test_a_write_that_fails_leaves_no_temporary_file(tmp_path):
+    """Where no retry applies (POSIX, or an error other than a sharing violation) the error comes as it was, and the
+    temporary file goes with it."""
+    entry = Autostart(platform="linux", folder=tmp_path, command=["strata-desktop"])
+    (tmp_path / "strata-desktop.desktop").mkdir()  # a folder in the entry's place: the replace cannot succeed
+    with pytest.raises(OSError, match="strata-desktop.desktop"):
+        entry.enable()
+    assert [p.name for p in tmp_path.iterdir()] == ["strata-desktop.desktop"]
 
 def test_xdg_entry_never_duplicated(xdg):
     entry = Autostart(platform="linux", command=["/usr/bin/strata-desktop"])

@@ -1,7 +1,8 @@
 """The Chat tab with a thinking model: its reasoning streams into the transcript in grey italics above the answer,
 is kept with the turn (and in the chats file), and goes back to the engine with the next turn as the assistant
 message's `reasoning_content`, where the template sees it. A real engine serves a tiny model whose answer is
-scripted (tests/test_api_tools.py): a thought whose close marker is split over two tokens, then the answer."""
+scripted (tests/test_api_tools.py): a thought whose close marker is split over two tokens, then the answer. Another
+serves a harmony (gpt-oss) model whose reasoning follows a preamble of its answer (tests/harmony_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 import json
 
 import pytest
-from PySide6.QtGui import QTextCursor
+from PySide6.QtGui import QTextCursor, QTextDocument
 
 from desktop.chat_store import from_json, to_json
 from desktop.chat_stream import ChatStream
 from desktop.chat_tab import THOUGHT_STYLE, ChatTab, render
 from desktop.engine_process import EngineState
 from tests.engine_process import engine_process
+from tests.harmony_fixtures import write_harmony_model
 from tests.test_api_tools import write_scripted_model
 from tests.test_desktop_chat import say
 from tests.test_thoughts import R1_LIKE, THINK
@@ -76,3 +78,42 @@ def test_the_thought_streams_apart_from_the_answer_and_goes_back_with_the_turn(q
     assert second.cached_tokens is not None and stats.prompt_tokens is not None
     assert second.cached_tokens >= stats.prompt_tokens + 2, (second.cached_tokens, stats.prompt_tokens)
     assert json.loads(to_json(tab.conversations))["conversations"][0]["messages"][1]["reasoning_content"] == THOUGHT
+
+
+# gpt-oss's order: a commentary preamble (answer text), then more analysis (reasoning), then the final answer.
+HARMONY_PIECES = ("<|channel|>commentary<|message|>Preamble. ",
+                  "<|end|><|start|>assistant<|channel|>analysis<|message|>T1 ", "T2 ",
+                  "<|end|><|start|>assistant<|channel|>final<|message|>Done.")
+
+
+@pytest.fixture(scope="module")
+def harmony_url(tmp_path_factory):
+    model = write_harmony_model(tmp_path_factory.mktemp("harmony-chat"), HARMONY_PIECES, "<|return|>")
+    with engine_process("--model", model, "--ctx-size", "1024") as engine:
+        yield engine.base_url
+
+
+def test_reasoning_after_a_preamble_of_the_answer_streams_into_the_thought_above_it(qtbot, harmony_url):
+    tab = ChatTab()
+    qtbot.addWidget(tab)
+    tab.set_engine(EngineState.READY, harmony_url, None)
+    shown: list[tuple[str, str, bool]] = []  # the transcript after each piece, as drawn anew, the piece in italics
+
+    def streamed(piece: str) -> None:
+        fresh = QTextDocument()
+        fresh.setHtml(render(tab.current))
+        text = tab.view.toPlainText()
+        cursor = tab.view.textCursor()
+        cursor.setPosition(text.rindex(piece) + 1)
+        shown.append((text, fresh.toPlainText(), cursor.charFormat().fontItalic()))
+
+    tab.piece_shown.connect(streamed)
+    say(qtbot, tab, "Hello?", max_tokens=8)
+    message = tab.current.messages[-1]
+    assert (message["reasoning_content"], message["content"]) == ("T1 T2 ", "Preamble. Done.")
+    head = "You\nHello?\nAssistant\n"
+    assert [text for text, _, _ in shown] == [
+        head + "Preamble. ", head + "T1 \nPreamble. ", head + "T1 T2 \nPreamble. ", head + "T1 T2 \nPreamble. Done."]
+    assert all(text == fresh for text, fresh, _ in shown), shown  # as the end of the turn draws it
+    assert [italic for _, _, italic in shown] == [False, True, True, False]  # each piece in its block's style
+    assert tab.view.toPlainText().startswith(head + "T1 T2 \nPreamble. Done.\n")  # the turn's figures below
