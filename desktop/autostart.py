@@ -321,7 +321,7 @@ class Autostart:
         workdir = str(Path(target).parent)
         if self._write_shortcut(link, target, windows_arguments(args), workdir, target):
             with contextlib.suppress(FileNotFoundError):
-                fallback.unlink()
+                _while_shared(fallback.unlink, fallback)  # an old .cmd entry, perhaps open in an editor
             return link
         if link.is_file():
             return link  # an existing shortcut (e.g. the installer's) stays the one entry
