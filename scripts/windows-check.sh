@@ -265,7 +265,7 @@ step_smoke() {
 # resource limits are skipped on win32 by the tests themselves.
 WINDOWS_TESTS=(
   tests/test_api_openai.py tests/test_engine_lifecycle.py tests/test_config.py tests/test_autostart.py
-  tests/test_desktop_settings.py
+  tests/test_desktop_settings.py tests/test_desktop_settings_file.py tests/test_desktop_settings_captions.py
   tests/test_cache_disk.py tests/test_cache_disk_faults.py tests/test_cache_crash.py tests/test_cache_restart.py
   tests/test_cache_session_file.py tests/test_cache_writer.py
 )
