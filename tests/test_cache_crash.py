@@ -1,5 +1,5 @@
-"""kill -9 at seeded points of the purge, reconfigure and shutdown paths: nothing published is lost, nothing
-half-written is adopted.
+"""kill -9 at seeded points of the park, spill, purge, reconfigure and shutdown paths: nothing published is lost,
+nothing half-written is adopted.
 
 Each trial starts a child process (tests/cache_faults.py: spawned as on Windows, or forked where the platform
 can) that runs a seeded program of cache steps on its own folder and reports over a pipe what it parked, when
@@ -24,7 +24,7 @@ from engine.atomic import is_temp_name
 from engine.cache.disk_files import BLOCK_RE, CONV_RE
 from engine.cache.fileformat import FileFormatError, read_header, read_tensor
 from tests.cache_faults import FAST, SPAWN, arm_fault_points, crashed, run_child
-from tests.test_cache_disk import check_restores
+from tests.test_cache_disk import check_restores, folder_of
 from tests.test_cache_support import BLOCK, LAYOUT, FakeSlots, conversation, identity, make_cache, park_tokens
 
 BPT = LAYOUT.bytes_per_token
@@ -220,3 +220,69 @@ def test_sigkill_in_purge_reconfigure_and_shutdown_many_trials(tmp_path):
     print(f"54 kills; kills that left a temp file behind, per path: {torn}")
     # the seed decides where the kills land, the same on every machine: some land inside a write
     assert torn["reconfigure"] >= 1 and torn["shutdown"] >= 1, torn
+
+
+def _park_until_killed(report, mode: str, folder: str, trial: int, min_reported: int, target: int,
+                       rng_state: tuple) -> int:
+    """In a child: park (disk) or park and spill (tiered) in a loop, reporting each conversation once its files
+    are published, until the fault point armed after `min_reported` reports kills the process."""
+    rng = random.Random()
+    rng.setstate(rng_state)  # the parent's generator, as a forked child would go on with it
+    slots = FakeSlots()
+    reported: set[str] = set()
+    arm_fault_points(target, lambda: len(reported) >= min_reported)
+    c = make_cache(storage=mode, dir=folder, ram_bytes=8 * BLOCK * BPT, disk_bytes=1 << 30, slots=100_000)
+    parked: dict[str, list[int]] = {}
+    for i in range(10_000):
+        base = conversation(1000 * trial + i, rng.randrange(1, 12) * BLOCK + rng.randrange(BLOCK))
+        r = park_tokens(c, slots, base)
+        assert r.parked, r
+        parked[r.conversation_id] = base
+        assert c.flush(30)  # every write is published before the next park starts
+        for info in c.conversations():  # disk parks and tiered spills alike, once published
+            if info.tier == "disk" and not info.pending and info.id in parked and info.id not in reported:
+                report(json.dumps([info.id, parked[info.id]]) + "\n")
+                reported.add(info.id)
+    return 3  # reached only when the fault point was never hit
+
+
+def test_sigkill_during_parks_and_spills_leaves_only_whole_files(tmp_path):
+    """Children park (disk) or park and spill (tiered) in a loop, reporting each conversation once its files are
+    published; each is killed at a seeded point inside a file write once it has reported a seeded number."""
+    rng = random.Random(7)
+    slots = FakeSlots()
+    published: dict[str, list[int]] = {}
+    slots_identity_key = identity().key
+    checked: set[str] = set()
+    torn = 0
+    for trial in range(12):
+        mode = "disk" if trial % 2 == 0 else "tiered"
+        min_reported, target = rng.randint(1, 3), rng.randrange(60)
+        # The first child starts as on Windows, in a fresh interpreter; forking the others keeps the test quick.
+        status, lines = run_child(_park_until_killed, mode, str(tmp_path), trial, min_reported, target,
+                                  rng.getstate(), method=SPAWN if trial == 0 else FAST)
+        assert crashed(status), status
+        reported_now = 0
+        for line in lines:
+            assert line.endswith("\n"), line  # each report is one write, made before the next park
+            cid, toks = json.loads(line)
+            published[cid] = toks
+            reported_now += 1
+        assert reported_now >= min_reported, (trial, reported_now, min_reported)
+        # after every kill: a new engine adopts no partial file, and everything published is there and restores
+        sub = os.path.join(str(tmp_path), slots_identity_key)
+        torn += any(".tmp-" in n for n in os.listdir(sub))
+        c = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30, slots=100_000)
+        assert not any(".tmp-" in n for n in os.listdir(folder_of(c)))
+        found = {r.id: r.tokens for r in c.conversations()}
+        assert set(published) <= set(found), set(published) - set(found)
+        for cid, toks in published.items():
+            assert found[cid] == len(toks)
+            if cid not in checked:
+                check_restores(c, slots, toks)  # byte-identical to what the child parked
+        for cid in set(found) - set(published) - checked:  # written but killed before it was reported
+            check_restores(c, slots, c.disk.index.convs[cid].tokens.tolist())
+        checked |= set(found)
+        c.close(spill=False)
+    assert torn >= 1  # some kills did land inside a write (the seed decides which, the same on every machine)
+    print(f"12 kills, {len(published)} conversations reported published, {torn} kills left a temp file behind")
