@@ -70,8 +70,10 @@ def random_rows(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
     return rows.view(n, -1).contiguous()
 
 
-# rows, outputs, inputs: decode and prefill tiles, tails of 4 rows and of output pairs, runs of 8 blocks cut short
-SHAPES = ((1, 64, 512), (3, 33, 256), (5, 48, 768), (9, 80, 1024), (4, 31, 256), (1, 16, 544))
+# rows, outputs, inputs: decode and prefill tiles (1-3 rows in one tile), tails of 4 rows (1-3) and of output
+# pairs, runs of 8 blocks cut short
+SHAPES = ((1, 64, 512), (2, 17, 512), (3, 33, 256), (5, 48, 768), (7, 34, 512), (9, 80, 1024), (4, 31, 256),
+          (1, 16, 544))
 
 
 def products(lib: kernels.Library, threads: int) -> list[torch.Tensor]:
@@ -125,6 +127,20 @@ def test_every_build_computes_the_same_bits(here):
     for name in names:
         for threads in (1, 3):
             assert same_bits(products(here[name], threads), reference), f"{name} on {threads} threads"
+
+
+def test_a_row_is_the_same_whichever_tile_computes_it(here):
+    """1-3 rows share one tile, as do the 1-3 left after a batch's tiles of 4: each row's bits stay its own."""
+    lib = here[next(iter(here))]
+    gen = torch.Generator().manual_seed(7)
+    for kind in ("q4", "q8", "q4k", "q6k", "mxfp4"):
+        n, k = 34, 512
+        w = random_rows(kind, n, k, gen)
+        x = torch.randn(7, k, generator=gen) * torch.logspace(-3, 1, k)
+        product = getattr(lib, f"{kind}_matmul")
+        alone = torch.cat([kernels.product(product, x[r : r + 1], (n, k), w) for r in range(7)])
+        for rows in (2, 3, 6, 7):
+            assert torch.equal(kernels.product(product, x[:rows], (n, k), w), alone[:rows]), f"{kind}, {rows} rows"
 
 
 def test_the_thread_pool_computes_the_same_bits_also_under_concurrent_calls(here, pool_build):

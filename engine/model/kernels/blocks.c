@@ -117,25 +117,34 @@ KERNEL static int prepare(const float *x, int64_t M, int64_t K, Activations *a) 
     return 0;
 }
 
-/* TILE(rows, outputs) over the outputs [begin, end) of a part: with fewer than 4 rows (decode) one output at a
-   time, one weight row streaming from memory (two rows read side by side kept ~9 GB/s in flight on one thread
-   here, one ~16, at the same prefetch); else the part's output pairs (n, n + 1) (begin and end count pairs), rows
-   of x in tiles of 4 then 1, each weight block loaded once for 4 rows and each activation block once for 2
-   outputs. */
+/* TILE(rows, outputs) over the outputs [begin, end) of a part: with fewer than 4 rows (decode, a few verify rows)
+   one output at a time, one weight row streaming from memory (two rows read side by side kept ~9 GB/s in flight on
+   one thread here, one ~16, at the same prefetch), all rows in one tile so each weight block is widened once for
+   them; else the part's output pairs (n, n + 1) (begin and end count pairs), rows of x in tiles of 4, then the 1-3
+   left in one tile, each weight block loaded once for a tile's rows and each activation block once for 2 outputs. */
+#define REST_OF_ROWS(TILE, rn)                                                                                 \
+    switch (M - m) {                                                                                           \
+    case 3: TILE(3, rn); break;                                                                                \
+    case 2: TILE(2, rn); break;                                                                                \
+    case 1: TILE(1, rn); break;                                                                                \
+    default: break;                                                                                            \
+    }
 #define FOR_EACH_TILE(TILE)                                                                                   \
     if (M < 4) {                                                                                               \
-        for (int64_t n = begin; n < end; n++)                                                                  \
-            for (int64_t m = 0; m < M; m++) TILE(1, 1);                                                        \
+        for (int64_t n = begin; n < end; n++) {                                                                \
+            const int64_t m = 0;                                                                               \
+            REST_OF_ROWS(TILE, 1)                                                                              \
+        }                                                                                                      \
     } else {                                                                                                   \
         for (int64_t np = begin; np < end; np++) {                                                             \
             const int64_t n = 2 * np;                                                                          \
             int64_t m = 0;                                                                                     \
             if (n + 1 < N) {                                                                                   \
                 for (; m + 4 <= M; m += 4) TILE(4, 2);                                                         \
-                for (; m < M; m++) TILE(1, 2);                                                                 \
+                REST_OF_ROWS(TILE, 2)                                                                          \
             } else {                                                                                           \
                 for (; m + 4 <= M; m += 4) TILE(4, 1);                                                         \
-                for (; m < M; m++) TILE(1, 1);                                                                 \
+                REST_OF_ROWS(TILE, 1)                                                                          \
             }                                                                                                  \
         }                                                                                                      \
     }
@@ -550,8 +559,15 @@ KERNEL static inline void tile_6k_row(int64_t m0, int64_t n0, int64_t K, int64_t
     out[m0 * N + n0] = hsum(acc);
 }
 
+/* Fewer than 4 rows against one output: each row through tile_6k_row, as one row always went (whether tile_6k's
+   widening a block once for 2 or 3 rows would beat its shared loads is not measured). */
+KERNEL static inline void rows_6k(int RM, int64_t m0, int64_t n0, int64_t K, int64_t N, const int16_t *xq,
+                                  const float *xd, const uint8_t *w, float *out) {
+    for (int i = 0; i < RM; i++) tile_6k_row(m0 + i, n0, K, N, xq, xd, w, out);
+}
+
 #define TILE_6K(rm, rn) \
-    ((rm) == 1 && (rn) == 1 ? tile_6k_row(m, n, K, N, a.q, a.scale, w, out) : tile_6k(rm, rn, m, n, K, N, a.q, a.scale, w, out))
+    ((rm) < 4 && (rn) == 1 ? rows_6k(rm, m, n, K, N, a.q, a.scale, w, out) : tile_6k(rm, rn, m, n, K, N, a.q, a.scale, w, out))
 
 /* w as Q6_K rows (above); K a multiple of 256. */
 PRODUCT(q6k_matmul, TILE_6K)
