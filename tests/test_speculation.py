@@ -10,7 +10,8 @@ import torch
 from engine.config import EngineConfig
 from engine.runtime.engine import Engine
 from engine.runtime.requests import GenerationRequest, SamplingParams
-from engine.runtime.speculation import BACKOFF_FIRST, Drafter, Length, lookup
+from engine.runtime.speculation import BACKOFF_FIRST, MIN_RATE, Drafter, Length, lookup
+from engine.runtime.step_costs import HIGHEST, StepCosts
 from engine.setting import SettingError
 from tests.hybrid_fixtures import write_tiny_hybrid
 from tests.model_fixtures import write_tiny_model
@@ -58,6 +59,37 @@ def test_drafter_reads_prompt_and_generated_tokens():
     drafter = Drafter([7, 8, 9, 1, 2, 3], draft_max=8)
     assert drafter.draft([7, 8], room=8) == [9, 1, 2, 3][:4]  # first draft: FIRST_LENGTH tokens
     assert drafter.draft([7, 8, 9, 1, 2], room=1) == [3]  # never past the room left
+
+
+def test_the_break_even_is_a_rows_cost_over_a_steps_fitted_from_the_steps_seen():
+    costs = StepCosts(fallback=MIN_RATE)
+    for _ in range(40):
+        costs.note(1, 0.010)
+    assert costs.line() is None and costs.break_even() == MIN_RATE  # one row count fits no line
+    for _ in range(20):
+        costs.note(3, 0.016)
+    base, per_row = costs.line()
+    assert base == pytest.approx(0.010) and per_row == pytest.approx(0.003)
+    assert costs.break_even() == pytest.approx(0.3)
+    # The machine or the model changes (experts: each extra row reads other experts): old steps fade.
+    for _ in range(3000):
+        costs.note(1, 0.010)
+        costs.note(2, 0.018)
+    assert costs.break_even() == pytest.approx(0.8, abs=0.01)
+    for _ in range(3000):
+        costs.note(1, 0.010)
+        costs.note(2, 0.030)
+    assert costs.break_even() == HIGHEST  # never "nothing could pay": a probe still runs after each pause
+
+
+def test_the_draft_length_pauses_below_the_measured_break_even_and_counts_decided_positions():
+    for break_even, pauses in ((0.5, False), (0.8, True)):  # 3 of 8 drafted (0.375) would pause at 0.5
+        length = Length(draft_max=8, break_even=lambda b=break_even: b)
+        for _ in range(6):  # 3 of each 8 drafted kept: 3 of 4 decided positions (the 5th rejected, then unjudged)
+            length.current = 8
+            length.record(8, 3)
+        assert length.rate == pytest.approx(0.75, abs=0.05) or pauses, length.rate
+        assert bool(length.skip) == pauses, (break_even, length)
 
 
 def test_draft_length_grows_on_full_acceptance_and_pauses_when_it_does_not_pay():
@@ -143,6 +175,10 @@ def test_bundled_model_answers_token_identical_with_prompt_lookup(bundled):
     answers = {k: _answer(e, _chat(e, ASK), 80)[0] for k, e in bundled.items()}
     assert answers["on"] == answers["off"]
     assert _accepted(bundled["on"]) > 0
+    # Its decode steps, one row and a draft's several, measured what a row costs here (the break-even's line).
+    engine = bundled["on"]
+    base, per_row = engine.call(engine.scheduler.speculation.costs.line).result()
+    assert base > 0 and per_row > 0, (base, per_row)
 
 
 def _records(engine: Engine):

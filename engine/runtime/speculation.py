@@ -14,8 +14,11 @@ distribution.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+from engine.runtime.step_costs import StepCosts
 
 if TYPE_CHECKING:
     from engine.runtime.memory import SlotMemory
@@ -26,7 +29,9 @@ NGRAM_MAX = 4  # the longest suffix looked up: longer adds little where agents c
 NGRAM_MIN = 2  # a lone token repeats too often to predict what follows it
 SCAN_LIMIT = 256  # occurrences of the last token looked at, newest first: a bounded cost per step
 FIRST_LENGTH = 4  # draft length of a request's first draft
-MIN_RATE = 0.3  # below this smoothed acceptance rate drafting pauses (a fixed rule: docs/DETAILS.md says why)
+# Below this smoothed acceptance rate drafting pauses: prompt lookup's until the decode steps measured fit a line
+# (engine/runtime/step_costs.py), a draft model's and the next-token layer's always (their own steps cost too).
+MIN_RATE = 0.3
 BACKOFF_FIRST, BACKOFF_MAX = 4, 64  # decode steps without drafting after a poor run, doubled while it stays poor
 
 
@@ -57,6 +62,8 @@ class Speculation:
     draft_max: int
     declined: str = ""
     source: DraftSource | None = None  # --spec draft / mtp: the draft model or the next-token layer, given once built
+    # what a row costs a decode step here (the scheduler notes every decode step): prompt lookup's break-even
+    costs: StepCosts = field(default_factory=lambda: StepCosts(MIN_RATE))
 
     @classmethod
     def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, on_cpu: bool) -> Speculation:
@@ -83,18 +90,19 @@ class Speculation:
         if self.method in ("draft", "mtp"):
             assert self.source is not None, f"--spec {self.method} runs with its draft source"
             return self.source.drafter(slot, prompt, self.draft_max)
-        return Drafter(prompt, self.draft_max)
+        return Drafter(prompt, self.draft_max, self.costs.break_even)
 
 
 class Drafter:
     """One request's prompt-lookup drafts and their adaptive length (engine thread only)."""
 
-    def __init__(self, prompt: list[int], draft_max: int) -> None:
+    def __init__(self, prompt: list[int], draft_max: int, break_even: Callable[[], float] | None = None) -> None:
+        """`break_even`: the acceptance rate below which drafting pauses (StepCosts.break_even; MIN_RATE if None)."""
         assert draft_max >= 1, draft_max
         self.tokens: list[int] = []
         self._at: dict[int, list[int]] = {}  # token -> its positions in `tokens`, ascending
         self._generated = 0  # generated tokens already in `tokens`
-        self.length = Length(draft_max)
+        self.length = Length(draft_max, break_even or _fixed_rate)
         self.drafted = self.accepted = 0
         self.reused = 0
         self._add(prompt)
@@ -185,15 +193,24 @@ def lookup(tokens: list[int], at: dict[int, list[int]], k: int) -> list[int]:
     return tokens[best + 1 : best + 1 + k]
 
 
+def _fixed_rate() -> float:
+    return MIN_RATE
+
+
 @dataclass(slots=True)
 class Length:
     """The draft length: doubled after a draft accepted whole, cut to what was accepted plus one after a rejection;
-    no drafts for a while when the smoothed acceptance rate falls below MIN_RATE (the extra rows would cost more
-    decode time than the accepted tokens save), then one probe."""
+    no drafts for a while when the smoothed acceptance rate falls below `break_even()` (the extra rows would cost
+    more decode time than the accepted tokens save), then one probe.
+
+    The rate is that of the positions a verify decided: the accepted ones and the first rejected one. The tokens
+    after a rejection were never judged, so accepted / drafted would under-count the chance of a token once those
+    before it were accepted, which is what a drafted row's pay depends on (step_costs.py)."""
 
     draft_max: int
+    break_even: Callable[[], float] = _fixed_rate
     current: int = 0
-    rate: float = 1.0  # smoothed accepted / drafted
+    rate: float = 1.0  # smoothed accepted / decided
     skip: int = 0  # decode steps left without drafting
     backoff: int = BACKOFF_FIRST
 
@@ -207,13 +224,15 @@ class Length:
         return self.current
 
     def record(self, drafted: int, accepted: int) -> None:
-        self.rate = 0.6 * self.rate + 0.4 * (accepted / drafted)
+        decided = accepted + (accepted < drafted)
+        self.rate = 0.6 * self.rate + 0.4 * (accepted / decided)
         if accepted == drafted:
             self.current = min(self.draft_max, self.current * 2)
         else:
             self.current = max(1, accepted + 1)
-        if self.rate < MIN_RATE:
+        floor = self.break_even()
+        if self.rate < floor:
             self.skip, self.backoff = self.backoff, min(BACKOFF_MAX, self.backoff * 2)
-            self.rate = MIN_RATE  # the probe after the pause decides alone whether drafting pays again
+            self.rate = floor  # the probe after the pause decides alone whether drafting pays again
         elif accepted:
             self.backoff = BACKOFF_FIRST
