@@ -72,6 +72,9 @@ class EngineFigures:
     spec_accepted_tokens: int = counter()  # of those, the ones the target chose too (emitted without a step of their own)
     prefill_tokens_per_s: float | None = None  # None: nothing measured yet
     decode_tokens_per_s: float | None = None
+    # --spec prompt-lookup: the acceptance rate below which drafting pauses, measured from the decode steps
+    # (engine/runtime/step_costs.py); None with another method or none
+    spec_break_even: float | None = None
     uptime_s: float = 0.0
     stats_age_s: float = 0.0  # how old the published snapshot this answer comes from is
     pid: int = 0

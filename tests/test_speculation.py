@@ -179,6 +179,8 @@ def test_bundled_model_answers_token_identical_with_prompt_lookup(bundled):
     engine = bundled["on"]
     base, per_row = engine.call(engine.scheduler.speculation.costs.line).result()
     assert base > 0 and per_row > 0, (base, per_row)
+    shown = {k: e.call(e.engine_stats).result().spec_break_even for k, e in bundled.items()}  # GET /metrics
+    assert shown["off"] is None and shown["on"] == pytest.approx(min(0.95, max(0.05, per_row / base))), shown
 
 
 def _records(engine: Engine):

@@ -341,6 +341,7 @@ class Engine:
             decode_threads=self.step_threads.decode_choice,
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),  # read once, when torch loaded
             prefill_reasons=dict(self.requests.reasons),
+            spec_break_even=self.scheduler.speculation.break_even(),
             spec_drafted_by_conversation=drafted,
             spec_accepted_by_conversation=accepted,
         )

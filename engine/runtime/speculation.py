@@ -81,6 +81,10 @@ class Speculation:
                 log.warning("--spec %s declined, decoding without drafts: %s", method, why)
         return cls(method, draft_max, why)
 
+    def break_even(self) -> float | None:
+        """The acceptance rate below which prompt lookup pauses drafting now; None with another method or none."""
+        return self.costs.break_even() if self.method == "prompt-lookup" and not self.declined else None
+
     def drafter(self, prompt: list[int], slot: int) -> Drafts | None:
         """A request's drafter in `slot`, or None: speculation off or declined. Greedy and sampled requests alike:
         a sampled one's drafts are verified by rejection sampling (Sampler.verify), which keeps its distribution
