@@ -320,8 +320,10 @@ class Autostart:
         target, args = self.command[0], self.command[1:]
         workdir = str(Path(target).parent)
         if self._write_shortcut(link, target, windows_arguments(args), workdir, target):
+            # An old .cmd entry, perhaps open in an editor; if it stays, the error says so and the Settings tab shows
+            # the entries on disk (the new shortcut is one).
             with contextlib.suppress(FileNotFoundError):
-                _while_shared(fallback.unlink, fallback)  # an old .cmd entry, perhaps open in an editor
+                _while_shared(fallback.unlink, fallback)
             return link
         if link.is_file():
             return link  # an existing shortcut (e.g. the installer's) stays the one entry
@@ -379,7 +381,7 @@ def _while_shared(change: Callable[[], object], path: Path) -> None:
                 raise
             if attempt == SHARING_RETRIES:
                 raise PermissionError(
-                    error.errno, f"{path} stayed in use by another program through {SHARING_RETRIES} tries over "
-                    f"{SHARING_RETRIES * SHARING_RETRY_S:.1f} s ({error.strerror}); close what holds it and try "
-                    "again") from error
+                    error.errno, f"{path} could not be changed through {SHARING_RETRIES} tries over "
+                    f"{SHARING_RETRIES * SHARING_RETRY_S:.1f} s ({error.strerror}): another program may hold it "
+                    "open; close it and try again") from error
             time.sleep(SHARING_RETRY_S)

@@ -83,7 +83,8 @@ class DesktopAppBox(QGroupBox):
         def done(result: Any) -> None:
             self.login_box.setEnabled(True)
             if isinstance(result, BaseException):
-                self._got_login_state(not on)
                 self.failed.emit(f"Could not change start at login: {result}")
+                # what is on disk now, which a change that failed halfway may have left either way
+                self._submit(autostart.is_enabled, self._got_login_state)
 
         self._submit(lambda: autostart.set_enabled(on), done)

@@ -112,8 +112,8 @@ def test_a_change_refused_every_time_fails_clearly_and_leaves_no_temporary_file(
     path = tmp_path / "strata-desktop.desktop"
     replace = Refusing(os.replace, path, times=1000)
     sharing.setattr(os, "replace", replace)
-    with pytest.raises(PermissionError, match=r"strata-desktop\.desktop stayed in use by another program through 3 "
-                                              r"tries .*being used by another process.*close what holds it"):
+    with pytest.raises(PermissionError, match=r"strata-desktop\.desktop could not be changed through 3 tries .*being "
+                                              r"used by another process.*another program may hold it open"):
         entry.enable()
     assert replace.refused == 3 and list(tmp_path.iterdir()) == []  # no strata-desktop.desktop.tmp left behind
     assert not entry.is_enabled()
@@ -122,7 +122,7 @@ def test_a_change_refused_every_time_fails_clearly_and_leaves_no_temporary_file(
     entry.enable()
     unlink = Refusing(os.unlink, path, times=1000)
     sharing.setattr(os, "unlink", unlink)
-    with pytest.raises(PermissionError, match="stayed in use by another program through 3 tries"):
+    with pytest.raises(PermissionError, match="could not be changed through 3 tries"):
         entry.disable()
     assert unlink.refused == 3 and entry.is_enabled()  # still there, as the error says
 

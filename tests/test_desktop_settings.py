@@ -135,6 +135,39 @@ def test_start_at_login_checkbox_writes_and_removes_the_entry(qtbot, tmp_path):
     dispatcher.close()
 
 
+def test_a_start_at_login_change_that_fails_halfway_shows_the_entries_left_on_disk(qtbot, tmp_path, monkeypatch):
+    """Windows: the new shortcut is written, then the old .cmd entry stays held by another program. The change
+    fails with the error's words, and the box shows what is on disk (on: an entry starts the app), not "off"."""
+    from desktop import autostart as autostart_module
+    from desktop.autostart import WINDOWS_FALLBACK, Autostart
+    from desktop.client import Dispatcher
+    from desktop.settings_tab import SettingsTab
+    from tests.test_autostart import EXE, FakeShell, Refusing
+
+    monkeypatch.setattr(autostart_module, "SHARING_VIOLATIONS", True)
+    monkeypatch.setattr(autostart_module, "SHARING_RETRIES", 2)
+    shell = FakeShell()
+    entry = Autostart(platform="win32", folder=tmp_path, command=[EXE], shortcut_writer=shell.write,
+                      shortcut_reader=shell.read)
+    old = tmp_path / WINDOWS_FALLBACK
+    old.write_text("@echo off\r\n", encoding="utf-8")
+    monkeypatch.setattr(os, "unlink", Refusing(os.unlink, old, times=1000))
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    tab = SettingsTab(store, AutoSaver(store, dispatcher.submit), dispatcher.submit, entry)
+    qtbot.addWidget(tab)
+    qtbot.waitUntil(tab.login_box.isEnabled, timeout=15_000)
+    tab.login_box.blockSignals(True)
+    tab.login_box.setChecked(False)  # as if the .cmd were not read as an entry: the user turns it on
+    tab.login_box.blockSignals(False)
+    tab.login_box.setChecked(True)
+    qtbot.waitUntil(lambda: "Could not change start at login" in tab.result.text(), timeout=15_000)
+    assert "could not be changed through 2 tries" in tab.result.text()
+    qtbot.waitUntil(tab.login_box.isChecked, timeout=15_000)
+    assert entry.is_enabled() and old.exists()
+    dispatcher.close()
+
+
 def _wheel(widget, steps: int = -1) -> None:
     """A real wheel event over the middle of `widget`, as the mouse sends it."""
     from PySide6.QtCore import QPoint, QPointF, Qt
