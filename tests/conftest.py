@@ -11,5 +11,11 @@ def pytest_report_header(config) -> list[str]:
     """The free disk where the run writes (its temporary folders; the agents and model caches under the home
     folder): a whole run needs a few GiB, and a full disk fails tests far from the cause."""
     places = {"temporary folders": tempfile.gettempdir(), "home": os.path.expanduser("~")}
-    return ["free disk: " + ", ".join(f"{shutil.disk_usage(path).free / 2**30:.1f} GiB under {path} ({what})"
-                                      for what, path in places.items())]
+    return ["free disk: " + ", ".join(f"{_free(path)} under {path} ({what})" for what, path in places.items())]
+
+
+def _free(path: str) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**30:.1f} GiB"
+    except OSError as error:  # a HOME that does not exist (HOME=/nonexistent): the run goes on
+        return f"unknown ({error.strerror})"
