@@ -44,12 +44,16 @@ def held_bytes(layer: MtpLayer, int4_experts: bool) -> int:
     """The most host RAM MtpBlock takes for the layer, while it is built and after: float32 for every tensor,
     except, with `int4_experts` (where the 4-bit kernels run), the expert matrices: a stack in a K-quant (or Q8_0)
     the native kernels multiply takes its file's bytes; any other matrix is held as 4-bit groups (20 bytes per 32
-    values: codes, scale and minimum), and a routed stack is first built whole as a byte per code with a float
-    scale and minimum per group (40 bytes per 32 values), its gate and up joined by rows into one more such copy
-    (moe_loading's packing). GLM-4.5-Air's MTP experts (128 of 4096 x 1408): ~8.3 GiB as float32, ~1.3 held as
-    4-bit groups, ~4.7 at the peak of the build."""
+    values: codes, scale and minimum). The routed stacks are built one phase at a time (moe_loading's packing):
+    gate and up, each first made whole as a byte per code with a float scale and minimum per group (40 bytes per 32
+    values) and joined by rows into one more such copy; then down alone (or a fused gate_up alone). The largest
+    phase comes on top of all that is held (a little more than the peak: down is held only after gate and up's
+    phase). GLM-4.5-Air's MTP experts (128 of 4096 x 1408): ~8.3 GiB as float32, ~1.3 held as 4-bit groups, ~4.7
+    counted for the build (gate and up's phase). A 64-expert layer of 512 x 2048 grew the process by 436 MiB where
+    this counts 440."""
     int4_experts = int4_experts and int4.available()  # as MtpBlock decides: float32 where the kernels do not run
     total = 0
+    built = {"gate_up": 0, "down": 0, "fused": 0}  # the groups each build phase makes whole first
     for key, t in layer.items():
         count = 1
         for n in t.shape:
@@ -61,10 +65,11 @@ def held_bytes(layer: MtpLayer, int4_experts: bool) -> int:
             groups = count // int4.GROUP
             total += groups * int4.Q4_BLOCK_BYTES
             if not key.startswith("shared."):
-                total += groups * _BUILT_GROUP_BYTES * (2 if key.endswith((".gate", ".up")) else 1)
+                phase = "fused" if key.endswith("gate_up") else "down" if key.endswith(".down") else "gate_up"
+                built[phase] += groups * (2 if phase == "gate_up" else 1)  # gate and up: joined into a copy
         else:
             total += 4 * count
-    return total
+    return total + max(built.values()) * _BUILT_GROUP_BYTES
 
 
 def decoder(layer: MtpLayer, prefix: str) -> Callable[[str], torch.Tensor | None]:
