@@ -66,6 +66,8 @@ def test_the_break_even_is_a_rows_cost_over_a_steps_fitted_from_the_steps_seen()
     for _ in range(40):
         costs.note(1, 0.010)
     assert costs.line() is None and costs.break_even() == MIN_RATE  # one row count fits no line
+    costs.note(5, 0.022)
+    assert costs.line() is None  # nor does one step of another (a busy machine moves a step by a quarter)
     for _ in range(20):
         costs.note(3, 0.016)
     base, per_row = costs.line()
@@ -80,6 +82,14 @@ def test_the_break_even_is_a_rows_cost_over_a_steps_fitted_from_the_steps_seen()
         costs.note(1, 0.010)
         costs.note(2, 0.030)
     assert costs.break_even() == HIGHEST  # never "nothing could pay": a probe still runs after each pause
+    # Several slots decoding at once: a draft row must pay for its share of the whole step's tokens.
+    costs = StepCosts(fallback=MIN_RATE)
+    for _ in range(3000):
+        costs.note(4, 0.0087 + 3 * 0.00365, slots=4)
+        costs.note(5, 0.0087 + 4 * 0.00365, slots=4)
+    assert costs.break_even() == pytest.approx(4 * 0.00365 / (0.0087 + 3 * 0.00365), abs=0.01)  # ~0.74
+    costs.note(1, 0.0087)
+    assert costs.break_even() == pytest.approx(0.00365 / 0.0087, abs=0.01)  # ~0.42 with one slot decoding
 
 
 def test_the_draft_length_pauses_below_the_measured_break_even_and_counts_decided_positions():

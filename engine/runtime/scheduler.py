@@ -323,7 +323,8 @@ class Scheduler:
                 self._emit(slot, a.sampler.sample(logits[first]))
         if not n_prefill:  # the decode rate in tokens emitted: a draft's accepted tokens count, its rejected rows not
             self.stats.note_rates(0, self.stats.counters["generated_tokens"] - generated, dt)
-            self.speculation.costs.note(n_decode, dt)  # what a row costs this step: prompt lookup's break-even
+            # what a row costs this step: prompt lookup's break-even (one row per decoding slot, the rest drafts)
+            self.speculation.costs.note(n_decode, dt, slots=len(owners))
 
     def _verify(self, slot: Slot, fed: list[int], logits: torch.Tensor) -> None:
         """Emit the target's tokens for the rows `fed` (the decoded token, then the draft) one at a time, as
