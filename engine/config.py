@@ -150,7 +150,7 @@ class EngineConfig:
         "off", flag="--spec", label="Speculative decoding", kind="choice", group="runtime",
         choices=("off", "prompt-lookup", "draft", "mtp"),
         help="prompt-lookup: draft the next tokens from the conversation's own earlier tokens (an agent repeating "
-        "code it read) and verify them in one decode step; draft: a smaller model of the same vocabulary "
+        "code it read) and from the engine's recent answers, and verify them in one decode step; draft: a smaller model of the same vocabulary "
         "(--model-draft) drafts them; mtp: the model's own next-token layer (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next, Qwen3.5) drafts them, declined "
         "with a logged reason for a model without one; greedy output token-identical to off, sampled output distributed as off "
         "(rejection sampling); declined with a logged reason on CUDA stages",

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.runtime.answer_memory import BOUNDARY, AnswerMemory
 from engine.runtime.engine import Engine
 from engine.runtime.requests import GenerationRequest, SamplingParams
-from engine.runtime.speculation import BACKOFF_FIRST, MIN_RATE, Drafter, Length, lookup
+from engine.runtime.speculation import BACKOFF_FIRST, MATCH_MAX, MIN_RATE, Drafter, Length, lookup
 from engine.runtime.step_costs import HIGHEST, StepCosts
 from engine.setting import SettingError
 from tests.hybrid_fixtures import write_tiny_hybrid
@@ -53,6 +54,43 @@ def test_lookup_takes_the_longest_suffix_then_the_most_recent_occurrence():
     assert lookup(tokens, _index(tokens), 4) == []  # no suffix of two tokens occurred before
     tokens = [4, 4, 4, 4]
     assert lookup(tokens, _index(tokens), 4) == [4]  # the continuation stops at the end of what is known
+
+
+def test_lookup_takes_the_longer_context_from_the_recent_answers_and_a_tie_from_the_conversation():
+    memory = AnswerMemory()
+    memory.add([9, 1], [2, 3, 40, 41])  # an earlier answer: "9 1 2 3" was followed by 40 41
+    tokens = [5, 2, 3, 10, 11, 9, 1, 2, 3]  # the conversation's "2 3" was followed by 10 11
+    assert lookup(tokens, _index(tokens), 2, memory) == [40, 41]  # "9 1 2 3" matches longer than "5 2 3"
+    tokens = [9, 1, 2, 3, 10, 11, 9, 1, 2, 3]
+    assert lookup(tokens, _index(tokens), 2, memory) == [10, 11]  # "9 1 2 3" in both: the conversation's own
+    memory.add([], [3, 2, 3])
+    tokens = [7, 9, 1, 2, 3]
+    # the newest answer's "2 3" ends its entry: a shorter match, and no draft runs across into the next entry
+    assert lookup(tokens, _index(tokens), 4, memory) == [40, 41]
+
+
+def test_the_recent_answers_are_bounded_and_forget_the_oldest_first():
+    memory = AnswerMemory(capacity=32)
+    for i in range(10):
+        memory.add([100 + i], [200 + i, 300 + i, 400 + i])
+    assert len(memory.tokens) <= 32 and memory.tokens[-1] == BOUNDARY
+    assert memory.places(200) == [] and memory.places(209) != []  # the oldest went first
+    found = memory.places(209)[0]
+    assert memory.after(found, 8) == [309, 409]  # stops at its entry's end
+    memory.add([1] * 100, [2] * 100)  # one entry past the capacity keeps its newest tokens
+    assert memory.tokens == [2] * 23 + [BOUNDARY]
+    memory.clear()
+    assert memory.tokens == [] and memory.places(2) == []
+
+
+def test_a_finished_request_leaves_its_answer_behind_its_prompts_tail():
+    memory = AnswerMemory()
+    prompt = list(range(1000, 1000 + MATCH_MAX + 8))
+    drafter = Drafter(prompt, 8, memory=memory)
+    drafter.finish([7, 8, 9])
+    assert memory.tokens == [*prompt[-MATCH_MAX:], 7, 8, 9, BOUNDARY]
+    again = Drafter(prompt, 8, memory=memory)  # the same request again drafts its answer at once
+    assert again.draft([], room=8) == [7, 8, 9]
 
 
 def test_drafter_reads_prompt_and_generated_tokens():
@@ -191,6 +229,22 @@ def test_bundled_model_answers_token_identical_with_prompt_lookup(bundled):
     assert base > 0 and per_row > 0, (base, per_row)
     shown = {k: e.call(e.engine_stats).result().spec_break_even for k, e in bundled.items()}  # GET /metrics
     assert shown["off"] is None and shown["on"] == pytest.approx(min(0.95, max(0.05, per_row / base))), shown
+
+
+def test_a_repeated_request_drafts_from_the_earlier_answer_and_a_purge_forgets_it(bundled):
+    engine = bundled["on"]
+    ask = ASK.replace("`fields`", "`lines_read`")
+    records = []
+    for _ in range(2):
+        answer, _ = _answer(engine, _chat(engine, ask), 60)
+        records.append(_records(engine)[-1])
+    assert answer == _answer(bundled["off"], _chat(engine, ask), 60)[0]
+    # the second answer's drafts came from the first, whole: more of them accepted
+    assert records[1].spec_accepted > records[0].spec_accepted, records
+    memory = engine.scheduler.speculation.memory
+    assert engine.call(lambda: len(memory.tokens)).result() > 0
+    engine.call(lambda: engine.purge_cache("all")).result()
+    assert engine.call(lambda: len(memory.tokens)).result() == 0
 
 
 def _records(engine: Engine):

@@ -379,7 +379,10 @@ class Engine:
         return self.control.drop_conversation(conv_id)
 
     def purge_cache(self, tier: str) -> dict:
-        return self.control.purge(tier)
+        result = self.control.purge(tier)
+        if tier == "all":  # prompt lookup's recent answers hold the purged conversations' text too
+            self.scheduler.speculation.forget()
+        return result
 
     def cache_config(self) -> dict:
         return self.control.settings()

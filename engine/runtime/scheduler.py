@@ -375,6 +375,8 @@ class Scheduler:
         assert a is not None
         tail = "" if a.stops.stopped else a.stops.push(a.decoder.flush()) + a.stops.flush()
         usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
+        if a.drafter is not None:
+            a.drafter.finish(a.generated)
         if a.drafter is not None and a.drafter.drafted:
             self.stats.requests.speculated(a.request.request_id, a.drafter.drafted, a.drafter.accepted,
                                            a.drafter.reused)

@@ -1,9 +1,11 @@
 """Speculative decoding by prompt lookup (`--spec prompt-lookup`): draft tokens found in the conversation's own
 tokens, verified by the target model in the decode step (engine/runtime/scheduler.py).
 
-Agents re-emit code and text they have just read. The drafter finds the longest suffix of the request's tokens
-(prompt + generated, n from NGRAM_MAX down to NGRAM_MIN) that occurred before, the most recent occurrence first,
-and proposes the tokens that followed it (llama.cpp's ngram drafts, "prompt lookup decoding"). The scheduler feeds
+Agents re-emit code and text they have just read, or that the model wrote for another request. The drafter finds
+the earlier occurrence of the request's last token (in its own prompt + generated tokens, or in the engine's recent
+answers, engine/runtime/answer_memory.py) whose preceding tokens match the longest (NGRAM_MIN to MATCH_MAX of them;
+a tie keeps the conversation's own, then the most recent), and proposes the tokens that followed it (llama.cpp's
+ngram drafts, "prompt lookup decoding"). The scheduler feeds
 the last sampled token and the draft as one-token rows of the slot in one step; each row computes exactly what
 the decode step of that token alone computes (the decode paths' batch invariance, engine/model/llama.py
 `check_rows`), so the accepted tokens are the ones decoding without a draft gives, token for token; a sampled
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from engine.runtime.answer_memory import AnswerMemory
 from engine.runtime.step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -25,7 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.engine")
 
-NGRAM_MAX = 4  # the longest suffix looked up: longer adds little where agents copy whole lines
+# The longest context compared. Four tokens find a copied line; telling the prompt's copy of a file from an earlier
+# answer's edited copy of it takes the tokens back to the last edit.
+MATCH_MAX = 32
 NGRAM_MIN = 2  # a lone token repeats too often to predict what follows it
 SCAN_LIMIT = 256  # occurrences of the last token looked at, newest first: a bounded cost per step
 FIRST_LENGTH = 4  # draft length of a request's first draft
@@ -46,6 +51,9 @@ class Drafts(Protocol):
 
     def record(self, drafted: int, accepted: int) -> None: ...
 
+    def finish(self, generated: list[int]) -> None:
+        """The request ended with these tokens generated."""
+
 
 class DraftSource(Protocol):
     """Where `--spec draft` / `mtp` take a request's drafter from (a draft model: engine/runtime/draft_model.py; the
@@ -64,6 +72,8 @@ class Speculation:
     source: DraftSource | None = None  # --spec draft / mtp: the draft model or the next-token layer, given once built
     # what a row costs a decode step here (the scheduler notes every decode step): prompt lookup's break-even
     costs: StepCosts = field(default_factory=lambda: StepCosts(MIN_RATE))
+    # prompt lookup's: the answers of the requests it drafted for, which later requests draft from too
+    memory: AnswerMemory = field(default_factory=AnswerMemory)
 
     @classmethod
     def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, on_cpu: bool) -> Speculation:
@@ -94,15 +104,23 @@ class Speculation:
         if self.method in ("draft", "mtp"):
             assert self.source is not None, f"--spec {self.method} runs with its draft source"
             return self.source.drafter(slot, prompt, self.draft_max)
-        return Drafter(prompt, self.draft_max, self.costs.break_even)
+        return Drafter(prompt, self.draft_max, self.costs.break_even, self.memory)
+
+    def forget(self) -> None:
+        """A purge of the whole cache: the recent answers go with the conversations."""
+        self.memory.clear()
 
 
 class Drafter:
     """One request's prompt-lookup drafts and their adaptive length (engine thread only)."""
 
-    def __init__(self, prompt: list[int], draft_max: int, break_even: Callable[[], float] | None = None) -> None:
-        """`break_even`: the acceptance rate below which drafting pauses (StepCosts.break_even; MIN_RATE if None)."""
+    def __init__(self, prompt: list[int], draft_max: int, break_even: Callable[[], float] | None = None,
+                 memory: AnswerMemory | None = None) -> None:
+        """`break_even`: the acceptance rate below which drafting pauses (StepCosts.break_even; MIN_RATE if None);
+        `memory`: the engine's recent answers, drafted from too and given this request's answer at its end."""
         assert draft_max >= 1, draft_max
+        self.memory = memory
+        self._context = prompt[-MATCH_MAX:]
         self.tokens: list[int] = []
         self._at: dict[int, list[int]] = {}  # token -> its positions in `tokens`, ascending
         self._generated = 0  # generated tokens already in `tokens`
@@ -123,7 +141,7 @@ class Drafter:
         self._add(generated[self._generated:])
         self._generated = len(generated)
         k = min(room, self.length.want())
-        return lookup(self.tokens, self._at, k) if k > 0 else []
+        return lookup(self.tokens, self._at, k, self.memory) if k > 0 else []
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verify's outcome: `accepted` of `drafted` tokens were the target's own."""
@@ -131,6 +149,11 @@ class Drafter:
         self.drafted += drafted
         self.accepted += accepted
         self.length.record(drafted, accepted)
+
+    def finish(self, generated: list[int]) -> None:
+        """Leave the answer to the engine's recent answers, behind the prompt's tail it followed."""
+        if self.memory is not None:
+            self.memory.add(self._context, generated)
 
 
 class Proposer(Protocol):
@@ -172,29 +195,44 @@ class SlotDrafter:
         self.accepted += accepted
         self.length.record(drafted, accepted)
 
+    def finish(self, generated: list[int]) -> None:
+        """A model's drafts need no answer kept: its own state carries the conversation."""
 
-def lookup(tokens: list[int], at: dict[int, list[int]], k: int) -> list[int]:
-    """The `k` tokens after the most recent earlier occurrence of the longest suffix of `tokens` (NGRAM_MAX down
-    to NGRAM_MIN tokens long); `at` indexes `tokens` by token. [] when no suffix of NGRAM_MIN occurred before."""
+
+def lookup(tokens: list[int], at: dict[int, list[int]], k: int, memory: AnswerMemory | None = None) -> list[int]:
+    """Up to `k` tokens that followed an earlier occurrence of `tokens`' last token, in `tokens` or in `memory`:
+    the one whose preceding tokens match those of the end of `tokens` longest (up to MATCH_MAX, at least NGRAM_MIN
+    tokens with the last one), a tie keeping `tokens`' own, then the more recent. `at` indexes `tokens` by token.
+    [] when no suffix of NGRAM_MIN tokens occurred before."""
     end = len(tokens) - 1
     if end < NGRAM_MIN or k <= 0:
         return []
+    own, own_n = _longest(tokens, tokens, at.get(tokens[end], []), end)
+    if memory is not None and own_n < MATCH_MAX:
+        found, found_n = _longest(tokens, memory.tokens, memory.places(tokens[end]), len(memory.tokens))
+        if found_n > own_n:
+            return memory.after(found, k)
+    return tokens[own + 1 : own + 1 + k] if own >= 0 else []
+
+
+def _longest(query: list[int], source: list[int], places: list[int], before: int) -> tuple[int, int]:
+    """Of the last SCAN_LIMIT `places` (ascending positions in `source` of `query`'s last token) below `before`,
+    newest first, the one whose preceding tokens match `query`'s longest: (position, tokens matched with the last
+    one), or (-1, 0) when none matches NGRAM_MIN."""
+    end = len(query) - 1
     best, best_n = -1, NGRAM_MIN - 1
-    places = at.get(tokens[end], [])
     for i in range(len(places) - 1, max(-1, len(places) - 1 - SCAN_LIMIT), -1):
         p = places[i]
-        if p >= end:  # the suffix itself
+        if p >= before:  # the suffix itself
             continue
         n = 1
-        while n < NGRAM_MAX and p - n >= 0 and tokens[p - n] == tokens[end - n]:
+        while n < MATCH_MAX and n <= min(p, end) and source[p - n] == query[end - n]:
             n += 1
         if n > best_n:  # newest first: a tie keeps the more recent
             best, best_n = p, n
-            if n == NGRAM_MAX:
+            if n == MATCH_MAX:
                 break
-    if best < 0:
-        return []
-    return tokens[best + 1 : best + 1 + k]
+    return (best, best_n) if best >= 0 else (-1, 0)
 
 
 def _fixed_rate() -> float:
