@@ -153,8 +153,7 @@ class EngineConfig:
         "code it read) and from the engine's recent answers, and verify them in one decode step; draft: a smaller model of the same vocabulary "
         "(--model-draft) drafts them; mtp: the model's own next-token layer (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next, Qwen3.5) drafts them, declined "
         "with a logged reason for a model without one; greedy output token-identical to off, sampled output distributed as off "
-        "(rejection sampling); on CUDA only where a start-up check finds a step's rows computed as each alone, "
-        "declined with a logged reason otherwise",
+        "(rejection sampling); declined with a logged reason on CUDA stages",
     )
     model_draft: str = setting(
         "", flag="--model-draft", label="Draft model", kind="str", group="runtime", metavar="PATH",

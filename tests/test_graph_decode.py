@@ -24,9 +24,6 @@ from engine.model.graph_decode import (
     unsupported,
 )
 from engine.model.projections import linear, logit_rows
-from engine.runtime.memory import AttentionMemory
-from engine.runtime.model_runner import ModelRunner
-from engine.runtime.threads import StepThreads
 from tests.model_fixtures import ARCHS, write_tiny_model
 
 CUDA = torch.cuda.is_available()
@@ -90,42 +87,6 @@ def test_plan_declines_what_it_cannot_capture(tiny_models):
     assert runner.plan([SeqChunk(0, 10, torch.tensor([5, 6]))], kv) is None  # a prefill chunk
     assert runner.plan([SeqChunk(s, 10, one) for s in range(3)], kv) is None  # more rows than the largest bucket
     assert runner.plan([SeqChunk(0, 299, one)], kv) is None  # the pad rows' position
-    assert runner.plan([SeqChunk(0, 10, one), SeqChunk(0, 11, one)], kv) == (2, 256)  # a token and its draft
-    assert runner.plan([SeqChunk(0, 10, one), SeqChunk(0, 10, one)], kv) is None  # one position written twice
-
-
-def test_decode_step_runs_a_slots_draft_rows_as_forward_chunks_does(tiny_models):
-    """A slot's token and two draft tokens at the positions after it, beside another slot's row: each row attends
-    to the rows before it written in the same step, as the eager pass computes them."""
-    lm = _load(tiny_models["llama"])
-    kv_ref, kv_new = _kv(lm, 2, 64), _kv(lm, 2, 64)
-    for kv in (kv_ref, kv_new):
-        lm.model.forward_chunks([SeqChunk(0, 0, torch.tensor([1, 2, 3, 4]))], kv)
-        lm.model.forward_chunks([SeqChunk(1, 0, torch.tensor([5, 6]))], kv)
-    chunks = [SeqChunk(0, 4, torch.tensor([7])), SeqChunk(0, 5, torch.tensor([8])), SeqChunk(0, 6, torch.tensor([9])),
-              SeqChunk(1, 2, torch.tensor([3]))]
-    expected = lm.model.forward_chunks(chunks, kv_ref)
-    got = GraphDecode(lm.model, 4, capture=False).run(chunks, kv_new)
-    assert got is not None
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    torch.testing.assert_close(kv_new.read(0, 0, 7), kv_ref.read(0, 0, 7), rtol=1e-5, atol=1e-5)
-
-
-def test_the_start_check_of_a_steps_rows_passes_where_they_compute_alike_and_fails_where_not(tiny_models):
-    """ModelRunner.rows_differ runs steps of 1 to N rows: the CPU step gives a row the same bits in any step, so it
-    passes; the captured step's function on the CPU in float32 (batched attention products by row count) does
-    not, so it names the step. The warm-up's steps of more rows than slots (speculation's) leave the slots empty."""
-    lm = _load(tiny_models["llama"])
-    kv = _kv(lm, 2, 64)
-    configure(lm.model, 2, cuda_graphs=True, deterministic=False)
-    runner = ModelRunner(lm.model, kv, AttentionMemory(kv), StepThreads(1, 1))
-    assert lm.model.rows_invariance() is None  # the CPU kernels: known without the check
-    assert runner.rows_differ(18) == ""
-    lm.model.graphs = GraphDecode(lm.model, 18, capture=False)
-    assert runner.rows_differ(18).startswith("a decode step of 2 rows gave row 0 other bits")
-    runner.warm_up(64)
-    assert kv.read(0, 0, 64).abs().sum() == 0 and kv.read(1, 0, 64).abs().sum() == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

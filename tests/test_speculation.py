@@ -8,20 +8,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.kv import KVBuffers, KVLayout
 from engine.runtime.answer_memory import BOUNDARY, AnswerMemory
 from engine.runtime.engine import Engine
-from engine.runtime.memory import AttentionMemory
 from engine.runtime.requests import GenerationRequest, SamplingParams
-from engine.runtime.speculation import (
-    BACKOFF_FIRST,
-    MATCH_MAX,
-    MIN_RATE,
-    Drafter,
-    Length,
-    Speculation,
-    lookup,
-)
+from engine.runtime.speculation import BACKOFF_FIRST, MATCH_MAX, MIN_RATE, Drafter, Length, lookup
 from engine.runtime.step_costs import HIGHEST, StepCosts
 from engine.setting import SettingError
 from tests.hybrid_fixtures import write_tiny_hybrid
@@ -333,37 +323,6 @@ def tiny_models(tmp_path_factory):
 
 
 LOOPING = ["one two three " * 20, "alpha beta " * 30]
-
-
-def test_speculation_is_declined_where_a_steps_rows_may_compute_otherwise():
-    kv = KVBuffers(KVLayout(1, 1, 8, torch.float32), 1, 16, [(torch.device("cpu"), 0, 1)])
-    memory = AttentionMemory(kv)
-    assert not Speculation.for_engine("prompt-lookup", 8, memory, "", on_cpu=True).declined
-    why = "a decode step of 2 rows gave row 0 other bits than a step of that row alone (checked at start)"
-    assert Speculation.for_engine("prompt-lookup", 8, memory, why, on_cpu=False).declined == why
-    assert Speculation.for_engine("off", 8, memory, why, on_cpu=False).declined == ""
-    assert not Speculation.for_engine("prompt-lookup", 8, memory, "", on_cpu=False).declined  # checked: it holds
-    assert "hidden states" in Speculation.for_engine("mtp", 8, memory, "", on_cpu=False).declined
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model", ["llama", "sliding"])
-def test_a_cuda_engine_speculates_token_identical_once_its_start_check_passes(tiny_models, model):
-    """On CUDA a step's rows are checked at start to compute what each row's own step does; then the verify
-    step's draft rows run through the captured graphs and answers stay token-identical."""
-    _same_with_and_without(EngineConfig(model=tiny_models[model], devices="cuda:0", ctx_size=512), LOOPING, 48)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_mixture_of_experts_model_declines_speculation(tiny_models):
-    engine = Engine.from_config(EngineConfig(model=tiny_models["moe"], devices="cuda:0", ctx_size=512,
-                                             spec="prompt-lookup"))
-    try:
-        assert engine.scheduler.speculation.declined.startswith("a mixture-of-experts step on CUDA")
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("model", ["llama", "sliding", "moe"])

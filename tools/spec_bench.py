@@ -112,9 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     base = EngineConfig(model=gguf if args.model else "", ctx_size=4096, conversation_cache_mib=0)
     engines = {"off": Engine.from_config(base),
                "prompt-lookup": Engine.from_config(base.replace(spec="prompt-lookup", spec_draft_max=args.draft_max))}
-    declined = engines["prompt-lookup"].scheduler.speculation.declined
-    if declined:
-        print(f"--spec prompt-lookup declined here: {declined}")
     rates: dict[str, list[float]] = {k: [] for k in engines}
     answers: dict[str, list[int]] = {}
     try:

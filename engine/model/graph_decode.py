@@ -1,7 +1,6 @@
 """Decode steps captured in CUDA graphs: one replay per step instead of a dozen kernel launches per layer.
 
-A step whose chunks are all one token (every slot decoding, a slot's token and its speculative draft at the
-positions after it, or a prompt's last token computed alone) runs
+A step whose chunks are all one token (every slot decoding, or a prompt's last token computed alone) runs
 `decode_step` over static buffers: the token ids, positions and slots of the rows are copied into a device
 tensor, the step's graph is replayed, and its logits are copied out. Graphs are captured lazily, one per
 (batch bucket, attention length bucket): rows are padded up to the next batch bucket (1, 2, 4, ... up to
@@ -160,9 +159,7 @@ class GraphDecode:
         """(batch bucket, attention length) for this step, or None when it is not a capturable step."""
         if len(chunks) > self.max_batch or any(ch.tokens.numel() != 1 for ch in chunks):
             return None
-        # A slot's several rows (a token and its draft, at consecutive positions) are captured like any: every
-        # row's K/V is written before any row attends, each row masked past its own position.
-        if len({(ch.slot, ch.start) for ch in chunks}) != len(chunks):  # one position written twice: eager
+        if len({ch.slot for ch in chunks}) != len(chunks):  # a slot's several rows: forward_chunks runs them
             return None
         last = max(ch.start for ch in chunks)
         if last >= kv.ctx - 1:  # the pad rows' position

@@ -167,17 +167,6 @@ class CausalLM(torch.nn.Module):
         """The batch sizes whose decode step the engine runs once before serving (captured CUDA graphs)."""
         return [] if self.graphs is None else list(self.graphs.batches)
 
-    def rows_invariance(self) -> str | None:
-        """Model.rows_invariance: the CPU kernels compute a row alike whatever the rows beside it (their modules
-        say so; tests check it); a CUDA step's products are cuBLAS's choice for the shape, so there the engine
-        runs steps to know. A routed step's expert products run over the rows routed to each expert, which
-        depend on the other rows' tokens: a check on some tokens would not cover others."""
-        if all(device.type == "cpu" for device, _, _ in self.stages):
-            return None
-        if self.expert_bytes:
-            return "a mixture-of-experts step on CUDA multiplies each expert over the rows routed to it"
-        return ""
-
     def rope_tables(self) -> list[RotaryTable]:
         """Every RoPE table the forward reads (the engine builds them for the whole context at start)."""
         return [t for t in (self.rotary, self.rotary_local) if t is not None]

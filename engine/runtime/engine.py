@@ -123,19 +123,9 @@ class Engine:
         self.state = "ok"
         self._closing = threading.Lock()  # close() is called from the signal path and at exit: one does the work
         self._closed = threading.Event()
-        # before the cache: its identity names a decode step with its own arithmetic. A step's rows: a token per
-        # slot, and with speculation its draft's too (captured graphs take them all).
-        invariance = self.model.rows_invariance() if config.spec != "off" else None
-        step_rows = self.n_slots * (config.spec_draft_max + 1) if invariance == "" else self.n_slots
-        self.runner.configure_decode(step_rows, cuda_graphs=not config.no_cuda_graphs,
+        # before the cache: its identity names a decode step with its own arithmetic
+        self.runner.configure_decode(self.n_slots, cuda_graphs=not config.no_cuda_graphs,
                                      deterministic=config.deterministic)
-        # CUDA: whether a step's rows compute what each row alone does is run, not assumed (rows_differ)
-        rows_differ = invariance or ""
-        if invariance == "":
-            checked = time.perf_counter()
-            rows_differ = self.runner.rows_differ(step_rows)
-            log.info("decode steps of 2-%d rows against one-row steps, checked in %.2f s: %s", step_rows,
-                     time.perf_counter() - checked, rows_differ or "each row's bits the same")
         self.cache_identity = cache_identity(loaded, self.weights_format, self.int4_kernel, self.layout,
                                              config.conversation_cache_block_tokens, self.memory)
         self.slot_files = SlotFiles(self.slot_set, config.slot_save_path or "", session_identity(self.cache_identity))
@@ -144,7 +134,7 @@ class Engine:
         # (a hybrid's state and a sliding-window model's local rows are written through their own slot writers)
         restores = PendingRestores(wake=lambda: inbox.put(("wake", None)),
                                    kv=self.kv if self.memory.direct_kv else None)
-        speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, rows_differ, on_cpu)
+        speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, on_cpu)
         self.draft: DraftModel | None = None
         if speculation.method == "draft" and not speculation.declined:  # a declined draft is not loaded
             self.draft = DraftModel.load(config.model_draft, loaded, self.n_slots, self.ctx_size, kv_dtype,

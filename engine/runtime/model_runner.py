@@ -55,53 +55,15 @@ class ModelRunner:
             self.forward([SeqChunk(0, 0, prompt)])
             self.forward([SeqChunk(0, len(prompt), prompt[:1])])
             # Captured decode (GraphDecode): the graph of every batch size for short conversations now, not in
-            # a request. The CPU decode steps (CpuDecode, NativeDecode) capture nothing. With speculation a step
-            # has more rows than slots (a slot's draft rows at the positions after its token).
+            # a request. The CPU decode steps (CpuDecode, NativeDecode) capture nothing.
             batches = self.model.warm_up_batches()
-            slots = self.kv.n_slots
             for rows in batches:
-                if len(prompt) + (rows - 1) // slots < ctx_size - 1:
-                    self.forward([SeqChunk(i % slots, len(prompt) + i // slots, prompt[:1]) for i in range(rows)])
+                self.forward([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)])
         torch.set_num_threads(self.step_threads.compute)  # this thread's count as the engine found it
-        for i in range(min(max(batches, default=1), slots)):
+        for i in range(max(batches, default=1)):
             self.kv.clear(i)
             self.memory.clear(i)
         self.build_rope_tables(ctx_size)
-
-    def rows_differ(self, max_rows: int) -> str:
-        """Why a decode step here does not give a row the bits that a step of that row alone gives, for steps of
-        2 to `max_rows` rows (then a verified draft could differ from what decoding without it chooses), or ""
-        when it does. Checked by running them: on CUDA, a product's kernel is cuBLAS's choice for the shape, and
-        whether the choices for 1 and for N rows sum a row alike is not a documented property. One slot's rows
-        at consecutive positions, a step of each power of two and of `max_rows`; slot 0 is left empty. Call it
-        before serving, on an attention-only model (rewriting a position's K/V must be harmless)."""
-        from engine.model.llama import SeqChunk
-
-        positions = self.kv.ctx - 1 - 8  # the prompt's 8, and GraphDecode's pad rows at ctx - 1
-        n = min(max_rows, positions)
-        if n < 2:
-            return ""
-        gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, 256, (8,), generator=gen)  # ids every vocabulary has
-        follow = torch.randint(0, 256, (n,), generator=gen)
-        try:
-            with torch.inference_mode():
-                self.forward([SeqChunk(0, 0, prompt)])
-                alone = [self.forward([SeqChunk(0, 8 + i, follow[i : i + 1])])[0].clone() for i in range(n)]
-                rows = 2
-                while True:
-                    rows = min(rows, n)
-                    logits = self.forward([SeqChunk(0, 8 + i, follow[i : i + 1]) for i in range(rows)])
-                    for i in range(rows):
-                        if not torch.equal(logits[i], alone[i]):
-                            return (f"a decode step of {rows} rows gave row {i} other bits than a step of that row "
-                                    "alone (checked at start)")
-                    if rows == n:
-                        return ""
-                    rows *= 2
-        finally:
-            self.kv.clear(0)
-            self.memory.clear(0)
 
     def build_rope_tables(self, ctx_size: int) -> None:
         """The RoPE cos/sin rows of every position a slot can hold, on each stage, now. Grown on demand they were

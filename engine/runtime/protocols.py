@@ -35,12 +35,6 @@ class Model(Protocol):
         """The batch sizes whose decode step runs once before serving (captured CUDA graphs)."""
         ...
 
-    def rows_invariance(self) -> str | None:
-        """How a decode step is known to give each row the bits a step of that row alone gives (what a verified
-        speculative draft relies on): None by construction (the CPU kernels), "" only by running steps
-        (ModelRunner.rows_differ, on CUDA), or why it does not hold."""
-        ...
-
     def rope_tables(self) -> list[Any]:
         """Every RoPE table the forward reads (engine/model/rope.py RotaryTable), built for the whole context."""
         ...

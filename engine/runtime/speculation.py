@@ -76,19 +76,17 @@ class Speculation:
     memory: AnswerMemory = field(default_factory=AnswerMemory)
 
     @classmethod
-    def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, rows_differ: str,
-                   on_cpu: bool) -> Speculation:
-        """The one place that decides whether this engine can speculate losslessly; a decline is logged once.
-        `rows_differ`: why a decode step's rows may not compute what each row's own step does (Model.rows_invariance,
-        ModelRunner.rows_differ), "" when they do: a verified draft must be what decoding without it chooses."""
+    def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, on_cpu: bool) -> Speculation:
+        """The one place that decides whether this engine can speculate losslessly; a decline is logged once."""
         assert method in ("off", "prompt-lookup", "draft", "mtp"), method
         why = ""
         if method != "off":
-            why = memory.rewind_inexact() or rows_differ
-            if not why and method == "mtp" and not on_cpu:
-                # The next-token layer drafts from the rows' final hidden states, which the eager forward hands
-                # out (CausalLM.hidden_rows) and a captured CUDA step does not.
-                why = "the next-token layer drafts from hidden states a CUDA decode step does not hand out"
+            why = memory.rewind_inexact()
+            if not why and not on_cpu:
+                # CUDA's decode products are one GEMM over all rows (not batch-invariant without --deterministic)
+                # and its captured graphs take one row per slot: a draft row would not compute what decoding its
+                # token alone computes.
+                why = "a CUDA decode step does not compute a slot's rows as it computes them one by one"
             if why:
                 log.warning("--spec %s declined, decoding without drafts: %s", method, why)
         return cls(method, draft_max, why)

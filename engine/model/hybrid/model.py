@@ -146,13 +146,6 @@ class HybridCausalLM(torch.nn.Module):
     def warm_up_batches(self) -> list[int]:
         return []
 
-    def rows_invariance(self) -> str | None:
-        """Model.rows_invariance: the CPU kernels compute a row alike whatever the rows beside it; the CUDA
-        step's recurrent kernels are not checked for it (rerunning a position would advance the state twice)."""
-        if all(device.type == "cpu" for device, _, _ in self.stages):
-            return None
-        return "a hybrid model's CUDA step is not known to compute a row alike beside other rows"
-
     def rope_tables(self) -> list[RotaryTable]:
         return [] if self.rotary is None else [self.rotary]
 
