@@ -103,6 +103,14 @@ def test_verified_tokens_follow_the_samplers_transforms():
         assert stat < limit, (counts.tolist(), stat, limit)
 
 
+def test_a_one_hot_draft_is_verified_with_plain_samplings_draws():
+    """Whatever is drafted, a seeded sampler emits the tokens plain sampling emits with that seed: the draft only
+    decides whether the step keeps the rows after it (so drafts from other requests cannot change an answer)."""
+    drafts = [1, 7, 4, 4, 0, 3] * 10
+    verified, plain = _sampled(9), _sampled(9)
+    assert [verified.verify(P.log(), d) for d in drafts] == [plain.sample(P.log()) for _ in drafts]
+
+
 def test_a_draft_outside_the_vocabulary_is_rejected_as_plain_sampling():
     sampler, plain = _sampled(4), _sampled(4)
     assert [sampler.verify(P.log(), 8) for _ in range(50)] == [plain.sample(P.log()) for _ in range(50)]

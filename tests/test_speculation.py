@@ -247,6 +247,17 @@ def test_a_repeated_request_drafts_from_the_earlier_answer_and_a_purge_forgets_i
     assert engine.call(lambda: len(memory.tokens)).result() == 0
 
 
+def test_a_seeded_sampled_answer_is_the_same_with_and_without_drafts_from_recent_answers(bundled):
+    params = SamplingParams(temperature=0.7, seed=1, max_tokens=40)
+    ask = ASK.replace("`fields`", "`seen`")
+    answers = []
+    for engine in (bundled["on"], bundled["on"], bundled["off"]):  # the second drafts from the first's answer
+        events = list(engine.submit(GenerationRequest("spec-seeded", _chat(engine, ask), params)))
+        answers.append([e.token_id for e in events if e.token_id is not None])
+    assert answers[0] == answers[1] == answers[2]
+    assert _records(bundled["on"])[-1].spec_drafted > 0
+
+
 def _records(engine: Engine):
     return engine.call(engine.stats.requests.snapshot).result()
 

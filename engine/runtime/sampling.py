@@ -32,10 +32,13 @@ class Sampler:
 
     def verify(self, logits: torch.Tensor, draft: int, q: torch.Tensor | None = None) -> int:
         """The token chosen at a drafted position whose logits are `logits`, remembered as `sample` remembers:
-        `draft` when the target keeps it, else another. Greedy: the argmax, as `sample`. Sampled: rejection
-        sampling (engine/runtime/spec_sampling.py) against `q`, the distribution the draft was drawn from (None:
-        chosen without randomness, as prompt lookup's), so the token is distributed as `sample`'s would be."""
-        if self.params.greedy or not 0 <= draft < logits.numel():
+        `draft` when the target keeps it, else another. Greedy: the argmax, as `sample`. A draft chosen without
+        randomness (`q` None: prompt lookup's, a draft model's and the next-token layer's argmax): `sample`'s own
+        draw, the draft kept when the draw is it. That is rejection sampling against a q one-hot at the draft
+        (kept with probability p(draft), else a token from p without it), and it draws from the generator exactly
+        as decoding without the draft does, so a seeded answer does not depend on what was drafted (from the
+        engine's recent answers, say). Otherwise rejection sampling against `q` (engine/runtime/spec_sampling.py)."""
+        if self.params.greedy or q is None or not 0 <= draft < logits.numel():
             # a draft outside the logits (a prompt token the output layer does not cover) has p = 0: the rule
             # rejects it and draws from p itself, which is what `sample` does
             return self.sample(logits)

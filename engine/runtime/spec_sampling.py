@@ -8,8 +8,11 @@ normalised. Summed over both branches each token t comes out with probability mi
 = p(t). A rejected draft's residual is zero at d, so the emitted token equals d exactly when d was kept, and the
 scheduler can tell acceptance by comparing tokens as it does for greedy drafts.
 
-Prompt lookup proposes its draft as a function of the tokens alone: q is one-hot at d (passed as None), so d is
-kept with probability p(d) and a rejection draws from p with d removed. A draft model passes its q.
+Our drafters (prompt lookup, a draft model's and the next-token layer's argmax) propose d as a function of the
+tokens alone: q is one-hot at d (passed as None), so d is kept with probability p(d) and a rejection draws from p
+with d removed. Sampler.verify gets exactly that by drawing the token from p as decoding does and keeping d when
+the draw is d, which also uses the seeded generator as decoding does. The rule below serves a drafter that draws
+from a q of its own.
 """
 
 from __future__ import annotations
