@@ -7,9 +7,10 @@ asked of two conversations. Every finished prompt-lookup request leaves its answ
 as well as in the conversation, taking whichever earlier occurrence matches the longer context (llama.cpp's
 `--spec-type ngram-mod` keeps a server-wide table of n-grams for the same reason).
 
-Bounded: the oldest answers are dropped past CAPACITY tokens. Kept in RAM only and emptied by a purge of the whole
-cache, since it holds text of conversations a user may have asked to forget. Drafts are verified by the target
-model, so what is found here can change only how fast an answer comes, never what it says.
+Bounded: the oldest answers are dropped past CAPACITY tokens. Kept in RAM only, and emptied by any purge and by
+dropping a conversation, since it holds text of conversations a user may have asked to forget (one answer's
+entry is not told from another's: all go). Drafts are verified by the target model, a sampled row with its own
+draw (Sampler.verify), so what is found here can change only how fast an answer comes, never what it says.
 Engine thread only.
 """
 

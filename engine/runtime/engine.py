@@ -376,12 +376,13 @@ class Engine:
         return self.control.set_conversation(conv_id, priority=priority, pinned=pinned)
 
     def drop_conversation(self, conv_id: str) -> dict:
-        return self.control.drop_conversation(conv_id)
+        result = self.control.drop_conversation(conv_id)
+        self.scheduler.speculation.forget()  # prompt lookup's recent answers may hold its text
+        return result
 
     def purge_cache(self, tier: str) -> dict:
         result = self.control.purge(tier)
-        if tier == "all":  # prompt lookup's recent answers hold the purged conversations' text too
-            self.scheduler.speculation.forget()
+        self.scheduler.speculation.forget()  # prompt lookup's recent answers hold the purged conversations' text
         return result
 
     def cache_config(self) -> dict:

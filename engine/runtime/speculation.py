@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from engine.runtime.answer_memory import AnswerMemory
+from engine.runtime.answer_memory import BOUNDARY, AnswerMemory
 from engine.runtime.step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Speculation:
         return Drafter(prompt, self.draft_max, self.costs.break_even, self.memory)
 
     def forget(self) -> None:
-        """A purge of the whole cache: the recent answers go with the conversations."""
+        """A purge or a dropped conversation: the recent answers go too (they may hold the forgotten text)."""
         self.memory.clear()
 
 
@@ -223,7 +223,7 @@ def _longest(query: list[int], source: list[int], places: list[int], before: int
     best, best_n = -1, NGRAM_MIN - 1
     for i in range(len(places) - 1, max(-1, len(places) - 1 - SCAN_LIMIT), -1):
         p = places[i]
-        if p >= before:  # the suffix itself
+        if p >= before or source[p + 1] == BOUNDARY:  # the suffix itself; an entry's last token, nothing after it
             continue
         n = 1
         while n < MATCH_MAX and n <= min(p, end) and source[p - n] == query[end - n]:
