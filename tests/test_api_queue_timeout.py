@@ -4,7 +4,9 @@ Retry-After header and OpenAI's error shape, streaming or not, instead of hangin
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -13,17 +15,39 @@ from tests.engine_process import engine_process
 from tests.model_fixtures import write_tiny_model
 
 
+@contextlib.contextmanager
+def holding_the_slot(base_url: str, ctx: int) -> Iterator[openai.Stream]:
+    """A streamed generation of ~`ctx` tokens that holds the only slot, its events read in a thread as they come: a
+    client that stops reading is cancelled once its backlog is full (the last test here), which would free the slot
+    within a few thousand tokens, a second or two for the tiny model. Closing the stream ends it."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    stream = client.completions.create(model="m", prompt="a long story", max_tokens=ctx - 100, stream=True,
+                                       extra_body={"ignore_eos": True})
+    events = iter(stream)
+    next(events)  # it holds the only slot now
+
+    def read() -> None:
+        with contextlib.suppress(Exception):  # the stream closed under it
+            for _ in events:
+                pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield stream
+    finally:
+        stream.close()
+        reader.join(timeout=10)
+
+
 def test_a_request_queued_past_the_timeout_gets_503_with_retry_after(tmp_path):
     # The long generation must outlast the three refused requests (~3 s): the tiny model decodes a token in well
     # under a millisecond on the native CPU step, so it is given a context of 64K tokens to fill.
     ctx = 65536
     model = write_tiny_model(tmp_path, "llama", max_position_embeddings=ctx)
-    with engine_process("--model", model, "--ctx-size", str(ctx), "--parallel", "1", "--queue-timeout", "1",
-                        "--conversation-cache-mib", "0") as proc:
-        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-        long_one = client.completions.create(model="m", prompt="a long story", max_tokens=ctx - 100, stream=True,
-                                             extra_body={"ignore_eos": True})
-        next(iter(long_one))  # it holds the only slot now
+    with (engine_process("--model", model, "--ctx-size", str(ctx), "--parallel", "1", "--queue-timeout", "1",
+                         "--conversation-cache-mib", "0") as proc,
+          holding_the_slot(proc.base_url, ctx) as long_one):
         body = {"prompt": "me next", "max_tokens": 2}
         with httpx.Client(base_url=proc.base_url, timeout=60) as http:
             for stream in (False, True):
@@ -49,12 +73,9 @@ def test_a_request_queued_past_the_timeout_gets_503_with_retry_after(tmp_path):
 def test_a_queued_request_whose_client_left_leaves_the_queue_at_once(tmp_path):
     ctx = 65536
     model = write_tiny_model(tmp_path, "llama", max_position_embeddings=ctx)
-    with engine_process("--model", model, "--ctx-size", str(ctx), "--parallel", "1", "--queue-timeout", "60",
-                        "--conversation-cache-mib", "0") as proc:
-        client = openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-        long_one = client.completions.create(model="m", prompt="a long story", max_tokens=ctx - 100, stream=True,
-                                             extra_body={"ignore_eos": True})
-        next(iter(long_one))  # it holds the only slot now
+    with (engine_process("--model", model, "--ctx-size", str(ctx), "--parallel", "1", "--queue-timeout", "60",
+                         "--conversation-cache-mib", "0") as proc,
+          holding_the_slot(proc.base_url, ctx)):
         with (httpx.Client(base_url=proc.base_url, timeout=1.0) as impatient,
               contextlib.suppress(httpx.ReadTimeout)):
             impatient.post("/v1/completions", json={"prompt": "me next", "max_tokens": 2})
@@ -63,7 +84,6 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once(tmp_path):
             assert time.monotonic() < deadline, "the request of a client that left stayed queued"
             time.sleep(0.1)
         assert proc.get_json("/slots")[1][0]["state"] == "busy", "while the long one still runs"
-        long_one.close()
 
 
 def test_a_client_that_stops_reading_its_stream_has_its_request_cancelled(tmp_path):
