@@ -377,9 +377,9 @@ class Scheduler:
         usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
         if a.drafter is not None:
             a.drafter.finish(a.generated)
-        if a.drafter is not None and a.drafter.drafted:
-            self.stats.requests.speculated(a.request.request_id, a.drafter.drafted, a.drafter.accepted,
-                                           a.drafter.reused)
+            if a.drafter.drafted:
+                self.stats.requests.speculated(a.request.request_id, a.drafter.drafted, a.drafter.accepted,
+                                               a.drafter.reused)
         slot.active = None
         slot.last_used = time.time()
         self.stats.publish()  # before the client hears the end, so its next stats read counts this request
