@@ -24,7 +24,7 @@ SPEC_HELP = {
     "off": "off — one token per decode step",
     "prompt-lookup": "prompt lookup — drafts from the conversation and recent answers; the same answers, faster on repeats",
     "draft": "draft model — a smaller model of the same vocabulary drafts (Draft model); the same answers",
-    "mtp": "next-token layer — the model's MTP layer drafts (GLM-4.x, DeepSeek-V3, Qwen3-Next/3.5); the same answers",
+    "mtp": "next-token layer — the model's own MTP layer drafts (GLM-4.x, DeepSeek-V3, Qwen3.5, …); the same answers",
 }
 CHOICE_WORDS = {"conversation_cache_storage": STORAGE_HELP, "spec": SPEC_HELP}  # a choice shown in words
 SIZE_UNITS = (("PiB", 1 << 30), ("TiB", 1 << 20), ("GiB", 1 << 10), ("MiB", 1))
