@@ -141,6 +141,32 @@ def test_one_gemm_rows_match_per_row_products():
     assert torch.equal(linear(xf, wf, 5, fast=True), linear(xf, wf, 5))
 
 
+def assert_rows_as_alone(x: torch.Tensor, w: torch.Tensor) -> None:
+    """`--deterministic`'s per-row products: each row of 1..len(x) one-token rows gets the bits it gets alone."""
+    alone = [linear(x[j : j + 1], w, 1) for j in range(len(x))]
+    for m in range(2, len(x) + 1):
+        rows = linear(x[:m], w, m)
+        assert all(torch.equal(rows[j], alone[j][0]) for j in range(m)), f"{m} rows"
+        assert torch.equal(logit_rows(x[:m], w), rows)
+
+
+def test_per_row_products_do_not_depend_on_the_row_count():
+    gen = torch.Generator().manual_seed(0)
+    assert_rows_as_alone(torch.randn(9, 256, generator=gen).bfloat16(), torch.randn(320, 256, generator=gen).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 14336), (6144, 4096)])  # 8B o, down, qkv
+def test_per_row_products_do_not_depend_on_the_row_count_on_a_gpu(shape):
+    """A batch of one is another cuBLAS kernel than a batch of two or more: an H100 gave the 8B o and down
+    shapes other bits for one row until one row was padded to two."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = shape
+    x = torch.randn(16, k, generator=gen).bfloat16().cuda()
+    assert_rows_as_alone(x, (torch.randn(n, k, generator=gen) * 0.02).bfloat16().cuda())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -7,8 +7,8 @@ result for 1 row and another, identical for every count from 2 to 2100, for 2+ r
 three classes (1, 2-3, 4+). So on CPU in float32 the projections run through oneDNN on all rows at once,
 padded to at least 2 rows (oneDNN is also 1.5-2x faster than F.linear here), and logits are computed one
 row at a time (the 1-row kernel is the fastest for the large vocabulary matrix). Elsewhere (CUDA, bf16)
-rows of one-token chunks go through a batched gemv (`bmm` over a broadcast weight, bitwise equal to the
-1-row product) and rows of longer chunks through one GEMM padded to `_MIN_GEMM_ROWS` rows. That is the
+rows of one-token chunks go through a batched gemv (`bmm` over a broadcast weight, at least 2 rows: a batch of
+one is another kernel) and rows of longer chunks through one GEMM padded to `_MIN_GEMM_ROWS` rows. That is the
 `--deterministic` path on CUDA; by default (`CausalLM.batch_invariant` False) every projection there is one
 GEMM over all rows, which reads each weight once per step instead of once per decoding row.
 The 4-bit, float16 and native-row weights compute each row on its own whatever the row count (their modules
@@ -37,9 +37,12 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _gemv_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if x.shape[0] == 1:
-        return F.linear(x, w)
-    return torch.bmm(x.unsqueeze(1), w.t().expand(x.shape[0], -1, -1)).squeeze(1)
+    # One row is padded to two: cuBLAS runs a batch of one as another kernel than a batch of two or more (an H100
+    # gave other bits for 4096x4096 and 4096x14336), while batches of 2 to 256 gave each row the same bits.
+    n = x.shape[0]
+    if n == 1:
+        x = torch.cat((x, x.new_zeros(1, x.shape[1])))
+    return torch.bmm(x.unsqueeze(1), w.t().expand(x.shape[0], -1, -1)).squeeze(1)[:n]
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
