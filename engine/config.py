@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -158,7 +159,12 @@ class EngineConfig:
     model_draft: str = setting(
         "", flag="--model-draft", label="Draft model", kind="str", group="runtime", metavar="PATH",
         help="with --spec draft: the draft model (GGUF file or Hugging Face folder) whose vocabulary is the "
-        "model's; it runs on the model's first device with K/V of its own per slot",
+        "model's; it runs on --device-draft with K/V of its own per slot",
+    )
+    device_draft: str = setting(
+        "", flag="--device-draft", label="Draft device", kind="str", group="runtime", metavar="DEVICE",
+        help="with --spec draft: where the draft model runs, cpu or cuda:N (a GPU beside a model on the CPU: "
+        "bfloat16 weights, CUDA graphs); empty = the model's first device",
     )
     spec_draft_max: int = setting(
         8, flag="--spec-draft-max", label="Most draft tokens", kind="int", group="runtime", unit="tokens",
@@ -346,6 +352,9 @@ class EngineConfig:
             self.conversation_cache_spill_dir = ""
         if self.conversation_cache_remote:
             self._check_remote()
+        if self.device_draft and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device_draft):
+            raise SettingError(f'{setting_of("device_draft").flag}: unknown device "{self.device_draft}"; expected '
+                               "cpu or cuda:N, or empty for the model's first device")
         if self.spec == "draft" and not self.model_draft:
             raise SettingError(f"{setting_of('spec').flag} draft: expected a draft model, but "
                                f"{setting_of('model_draft').flag} is empty; give the draft model's path "

@@ -141,6 +141,15 @@ def test_spec_draft_without_a_draft_model_is_refused(models, tmp_path):
         Engine.from_config(config)
 
 
+def test_a_draft_device_that_is_not_one_is_refused(models):
+    with pytest.raises(SettingError, match='--device-draft: unknown device "gpu0"; expected cpu or cuda:N'):
+        EngineConfig(spec="draft", model_draft=models["draft"], device_draft="gpu0")
+    config = EngineConfig(model=models["target"], ctx_size=256, cpu_weights="float", spec="draft",
+                          model_draft=models["draft"], device_draft="cuda:99")
+    with pytest.raises(ModelLoadError, match="--device-draft: cuda:99 requested but"):
+        Engine.from_config(config)
+
+
 def test_draft_of_another_vocabulary_is_refused_naming_both(models, tmp_path):
     foreign = write_tiny_model(tmp_path, "llama", name="foreign", initializer_range=0.01, num_hidden_layers=1)
     path = Path(foreign) / "tokenizer.json"
@@ -170,6 +179,28 @@ def _next_turn(engine: Engine, first: list[int]) -> list[int]:
     turn = [{"role": "user", "content": ASK}, {"role": "assistant", "content": tok.decode(first)},
             {"role": "user", "content": "alpha beta " * 10}]
     return tok.encode(tok.render_chat(turn), add_special_tokens=False)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA")])])
+def test_a_draft_on_its_own_device_beside_a_cpu_model_answers_as_without(models, device):
+    """--device-draft: on a GPU the draft runs in bfloat16 through captured steps, its K/V parked from there; the
+    model on the CPU verifies every token, so the answers are the same."""
+    config = EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float", devices="cpu",
+                          conversation_cache_storage="ram", conversation_cache_min_free_mib=0)
+
+    def turns(engine: Engine) -> tuple[list[list[int]], int, int]:
+        first, _ = _answer(engine, _chat(engine, ASK), 24)
+        other, _ = _answer(engine, _chat(engine, LOOPING[1]), 16, name="b")  # parks the first, its draft rows too
+        again, _ = _answer(engine, _next_turn(engine, first), 24)
+        restored = engine.draft_states.restored if engine.draft is not None else 0
+        return [first, other, again], _record(engine).spec_draft_reused, restored
+
+    off, on, counters = _with_and_without(config.replace(device_draft=device), models["draft"], turns)
+    assert on[0] == off[0]
+    assert on[1] > 0 and on[2] == 1  # the switch-back's draft rows came back from host RAM into the draft's K/V
+    assert counters["spec_accepted_tokens"] > 0, counters
 
 
 def _draft_rows(engine: Engine, n: int):

@@ -97,25 +97,27 @@ def _parse_devices(devices: str) -> list[torch.device]:
     text = devices.strip() or "auto"
     if text == "auto":
         return [torch.device("cuda:0" if torch.cuda.is_available() else "cpu")]
-    out: list[torch.device] = []
-    for part in text.split(","):
-        try:
-            device = torch.device(part.strip())
-        except RuntimeError:
-            raise ValueError(f'--devices: unknown device "{part.strip()}"; expected cpu or cuda:N') from None
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"--devices: {part.strip()} requested but CUDA is not available on this machine")
-            index = 0 if device.index is None else device.index
-            if index >= torch.cuda.device_count():
-                raise ValueError(
-                    f"--devices: {part.strip()} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
-                )
-            device = torch.device("cuda", index)
-        elif device.type != "cpu":
-            raise ValueError(f'--devices: unsupported device "{part.strip()}"; expected cpu or cuda:N')
-        out.append(device)
-    return out
+    return [parse_device(part, "--devices") for part in text.split(",")]
+
+
+def parse_device(text: str, flag: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N` as a device of this machine; ValueError naming `flag` when it is none of them or
+    the GPU is not here."""
+    name = text.strip()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f'{flag}: unknown device "{name}"; expected cpu or cuda:N') from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{flag}: {name} requested but CUDA is not available on this machine")
+        index = 0 if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"{flag}: {name} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f'{flag}: unsupported device "{name}"; expected cpu or cuda:N')
+    return device
 
 
 def _free_bytes(device: torch.device) -> int:

@@ -68,20 +68,28 @@ class DraftModel:
 
     @classmethod
     def load(cls, path: str, target: LoadedModel, n_slots: int, ctx: int, kv_dtype: torch.dtype,
-             weights_format: str) -> DraftModel:
-        """Load the draft onto the target's first device in the target's dtype and weights format, with K/V for
-        `n_slots` slots of at most `ctx` tokens; ModelLoadError when it cannot draft for `target`."""
+             weights_format: str, *, device: str = "", cuda_graphs: bool = True) -> DraftModel:
+        """Load the draft with K/V for `n_slots` slots of at most `ctx` tokens; ModelLoadError when it cannot draft
+        for `target`. On `device` (--device-draft; "" = the target's first device) in the target's dtype and weights
+        format; on a GPU in bfloat16 with graph-captured decode steps (`cuda_graphs`), whatever the target's: a
+        draft's arithmetic changes which tokens are proposed, never the answer (the target verifies every one)."""
         from engine.model.graph_decode import configure
         from engine.model.hybrid import HybridCausalLM
         from engine.model.loader import load_model, read_model_config
+        from engine.model.planning import parse_device
 
-        device = torch.device(target.model.stages[0][0])
-        if weights_format in ("int4", "float16") and device.type != "cpu":
-            weights_format = "float"
+        where = torch.device(target.model.stages[0][0])
+        if device:
+            try:
+                where = parse_device(device, "--device-draft")
+            except ValueError as exc:
+                raise ModelLoadError(str(exc)) from None
+        dtype = target.dtype
+        if where.type == "cuda":  # the CPU weight formats (int4, float16 rows) do not run there
+            weights_format, dtype, kv_dtype = "float", torch.bfloat16, torch.bfloat16
         try:
             shape = read_model_config(path)
-            loaded = load_model(path, [(device, 0, shape.n_layers)], target.dtype,
-                                int4_weights=weights_format == "int4")
+            loaded = load_model(path, [(where, 0, shape.n_layers)], dtype, int4_weights=weights_format == "int4")
         except ModelLoadError as exc:  # say which of the two models it was
             raise ModelLoadError(f"--model-draft: {exc}") from None
         if isinstance(loaded.model, HybridCausalLM):
@@ -96,9 +104,10 @@ class DraftModel:
         cfg = loaded.config
         ctx = min(ctx, cfg.max_position_embeddings or ctx)
         kv = KVBuffers(KVLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_dtype), n_slots, ctx,
-                       [(device, 0, cfg.n_layers)])
-        log.info("draft model %s: %d layers on %s (%s weights); %s", loaded.name, cfg.n_layers, device,
-                 weights_format, configure(loaded.model, n_slots, cuda_graphs=False, deterministic=True))
+                       [(where, 0, cfg.n_layers)])
+        # Decoded as fast as the device allows: no row-invariance is needed of a draft (see above).
+        log.info("draft model %s: %d layers on %s (%s weights); %s", loaded.name, cfg.n_layers, where,
+                 weights_format, configure(loaded.model, n_slots, cuda_graphs=cuda_graphs, deterministic=False))
         return cls(loaded, kv, min(cfg.vocab_size, target.config.vocab_size))
 
     def parkable(self, slot: int, tokens: Sequence[int]) -> int:

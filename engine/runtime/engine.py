@@ -138,7 +138,8 @@ class Engine:
         self.draft: DraftModel | None = None
         if speculation.method == "draft" and not speculation.declined:  # a declined draft is not loaded
             self.draft = DraftModel.load(config.model_draft, loaded, self.n_slots, self.ctx_size, kv_dtype,
-                                         self.weights_format)
+                                         self.weights_format, device=config.device_draft,
+                                         cuda_graphs=not config.no_cuda_graphs)
             speculation = dataclasses.replace(speculation, source=self.draft)
         elif speculation.method == "mtp" and not speculation.declined:
             int4_experts = self.weights_format == "int4"  # the layer's experts held as the model's CPU ones
@@ -152,6 +153,8 @@ class Engine:
         if config.model_draft and config.spec != "draft":
             log.warning("--model-draft %s is not loaded: it drafts with --spec draft only (--spec is %s)",
                         config.model_draft, config.spec)
+        if config.device_draft and not config.model_draft:
+            log.warning("--device-draft %s places nothing: there is no --model-draft", config.device_draft)
         progress.begin("building cache index")
         # the draft's own state (a draft model's K/V, the next-token layer's rows) is parked beside the model's
         drafting: DraftRows | None = self.draft
