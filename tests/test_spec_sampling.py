@@ -112,8 +112,10 @@ def test_a_one_hot_draft_is_verified_with_plain_samplings_draws():
 
 
 def test_a_draft_outside_the_vocabulary_is_rejected_as_plain_sampling():
+    """With a draft distribution of its own (the general rule), a draft id past the logits has p = 0: rejected,
+    and the token drawn from p as plain sampling draws it (a one-hot draft takes plain sampling's draw anyway)."""
     sampler, plain = _sampled(4), _sampled(4)
-    assert [sampler.verify(P.log(), 8) for _ in range(50)] == [plain.sample(P.log()) for _ in range(50)]
+    assert [sampler.verify(P.log(), 8, Q) for _ in range(50)] == [plain.sample(P.log()) for _ in range(50)]
 
 
 def test_greedy_verify_is_the_argmax():

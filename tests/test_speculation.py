@@ -58,17 +58,17 @@ def test_lookup_takes_the_longest_suffix_then_the_most_recent_occurrence():
 
 def test_lookup_takes_the_longer_context_from_the_recent_answers_and_a_tie_from_the_conversation():
     memory = AnswerMemory()
-    memory.add([9, 1], [2, 3, 40, 41])  # an earlier answer: "9 1 2 3" was followed by 40 41
+    memory.add([9, 1], [2, 3, 40, 41], memory.epoch)  # an earlier answer: "9 1 2 3" was followed by 40 41
     tokens = [5, 2, 3, 10, 11, 9, 1, 2, 3]  # the conversation's "2 3" was followed by 10 11
     assert lookup(tokens, _index(tokens), 2, memory) == [40, 41]  # "9 1 2 3" matches longer than "5 2 3"
     tokens = [9, 1, 2, 3, 10, 11, 9, 1, 2, 3]
     assert lookup(tokens, _index(tokens), 2, memory) == [10, 11]  # "9 1 2 3" in both: the conversation's own
-    memory.add([], [3, 2, 3])
+    memory.add([], [3, 2, 3], memory.epoch)
     tokens = [7, 9, 1, 2, 3]
     # the newest answer's "2 3" ends its entry: a shorter match, and no draft runs across into the next entry
     assert lookup(tokens, _index(tokens), 4, memory) == [40, 41]
     memory = AnswerMemory()
-    memory.add([1, 2], [3])  # "1 2 3" with nothing after it: no match, so the conversation's own "2 3" drafts
+    memory.add([1, 2], [3], memory.epoch)  # "1 2 3" with nothing after it: no match, so the conversation's own "2 3" drafts
     tokens = [2, 3, 7, 8, 1, 2, 3]
     assert lookup(tokens, _index(tokens), 4, memory) == [7, 8, 1, 2]
 
@@ -76,12 +76,12 @@ def test_lookup_takes_the_longer_context_from_the_recent_answers_and_a_tie_from_
 def test_the_recent_answers_are_bounded_and_forget_the_oldest_first():
     memory = AnswerMemory(capacity=32)
     for i in range(10):
-        memory.add([100 + i], [200 + i, 300 + i, 400 + i])
+        memory.add([100 + i], [200 + i, 300 + i, 400 + i], memory.epoch)
     assert len(memory.tokens) <= 32 and memory.tokens[-1] == BOUNDARY
     assert memory.places(200) == [] and memory.places(209) != []  # the oldest went first
     found = memory.places(209)[0]
     assert memory.after(found, 8) == [309, 409]  # stops at its entry's end
-    memory.add([1] * 100, [2] * 100)  # one entry past the capacity keeps its newest tokens
+    memory.add([1] * 100, [2] * 100, memory.epoch)  # one entry past the capacity keeps its newest tokens
     assert memory.tokens == [2] * 23 + [BOUNDARY]
     memory.clear()
     assert memory.tokens == [] and memory.places(2) == []
@@ -95,6 +95,12 @@ def test_a_finished_request_leaves_its_answer_behind_its_prompts_tail():
     assert memory.tokens == [*prompt[-MATCH_MAX:], 7, 8, 9, BOUNDARY]
     again = Drafter(prompt, 8, memory=memory)  # the same request again drafts its answer at once
     assert again.draft([], room=8) == [7, 8, 9]
+    running = Drafter(prompt, 8, memory=memory)
+    memory.clear()  # a purge or a dropped conversation while `running` decodes: its answer is not kept either
+    running.finish([7, 8, 9])
+    assert memory.tokens == []
+    Drafter(prompt, 8, memory=memory).finish([7, 8, 9])  # a request begun after it is
+    assert memory.tokens[-4:] == [7, 8, 9, BOUNDARY]
 
 
 def test_drafter_reads_prompt_and_generated_tokens():
@@ -277,6 +283,22 @@ def test_stop_strings_end_the_answer_where_they_do_without_speculation(bundled):
     assert texts["on"] == texts["off"]
     record = _records(bundled["on"])[-1]
     assert record.spec_accepted > 0 and record.spec_drafted >= record.spec_accepted  # per request in the log
+
+
+def test_a_requests_figures_count_every_verify_its_last_too(bundled):
+    """A request that ends in a verify (max_tokens reached on its last row) has it in its record."""
+    engine = bundled["on"]
+
+    def counters() -> tuple[int, int]:
+        c = engine.stats.counters
+        return c["spec_drafted_tokens"], c["spec_accepted_tokens"]
+
+    for max_tokens in (13, 48):
+        drafted, accepted = engine.call(counters).result()
+        _answer(engine, _chat(engine, ASK.replace("`fields`", f"`f{max_tokens}`")), max_tokens)
+        now_drafted, now_accepted = engine.call(counters).result()
+        record = _records(engine)[-1]
+        assert (record.spec_drafted, record.spec_accepted) == (now_drafted - drafted, now_accepted - accepted) != (0, 0)
 
 
 def test_sampled_requests_are_speculated(bundled):

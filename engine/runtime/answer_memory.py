@@ -9,7 +9,7 @@ as well as in the conversation, taking whichever earlier occurrence matches the 
 
 Bounded: the oldest answers are dropped past CAPACITY tokens. Kept in RAM only, and emptied by any purge and by
 dropping a conversation, since it holds text of conversations a user may have asked to forget (one answer's
-entry is not told from another's: all go). Drafts are verified by the target model, a sampled row with its own
+entry is not told from another's: all go), and a request running then leaves its answer out too. Drafts are verified by the target model, a sampled row with its own
 draw (Sampler.verify), so what is found here can change only how fast an answer comes, never what it says.
 Engine thread only.
 """
@@ -31,10 +31,13 @@ class AnswerMemory:
         self.tokens: list[int] = []
         self._at: dict[int, list[int]] = {}  # token -> its positions in `tokens`, ascending
         self._sizes: deque[int] = deque()  # each entry's length with its boundary, oldest first
+        self.epoch = 0  # how many times it was emptied: a request begun before the last `clear` adds nothing
 
-    def add(self, context: list[int], answer: list[int]) -> None:
-        """Keep `answer` behind `context` (the prompt's tail); the oldest entries go past the capacity."""
-        if not answer:
+    def add(self, context: list[int], answer: list[int], epoch: int) -> None:
+        """Keep `answer` behind `context` (the prompt's tail) of a request begun in `epoch`; the oldest entries go
+        past the capacity. An answer from before the last `clear` is dropped: a purge or a dropped conversation
+        while it ran may be forgetting its text."""
+        if not answer or epoch != self.epoch:
             return
         entry = [*context, *answer][-(self._kept() - 1):]  # a longer one keeps its newest tokens
         base = len(self.tokens)
@@ -72,3 +75,4 @@ class AnswerMemory:
     def clear(self) -> None:
         self.tokens, self._at = [], {}
         self._sizes.clear()
+        self.epoch += 1

@@ -277,6 +277,7 @@ class Scheduler:
     def _step(self) -> None:
         from engine.model.llama import SeqChunk
 
+        began = time.perf_counter()  # a draft model's or next-token layer's proposals are part of a decode step
         chunks: list[SeqChunk] = []
         owners: list[tuple[Slot, int, bool]] = []  # (slot, its first chunk, produces a token this step)
         n_prefill = n_decode = 0
@@ -322,30 +323,40 @@ class Scheduler:
             if produces:
                 self._emit(slot, a.sampler.sample(logits[first]))
         if not n_prefill:  # the decode rate in tokens emitted: a draft's accepted tokens count, its rejected rows not
-            self.stats.note_rates(0, self.stats.counters["generated_tokens"] - generated, dt)
+            self.stats.note_rates(0, self.stats.counters["generated_tokens"] - generated, t0 + dt - began)
             # what a row costs this step: prompt lookup's break-even (one row per decoding slot, the rest drafts)
             self.speculation.costs.note(n_decode, dt, slots=len(owners))
 
     def _verify(self, slot: Slot, fed: list[int], logits: torch.Tensor) -> None:
         """Emit the target's tokens for the rows `fed` (the decoded token, then the draft) one at a time, as
         decoding them one per step would, while each is the draft's next token; the slot then holds the tokens
-        whose rows were kept (the memory rewound past the rejected ones)."""
+        whose rows were kept (the memory rewound past the rejected ones).
+
+        The rows are decided first and the verify's figures recorded before any token is emitted, since an
+        emitted token may end the request, whose figures `_finish` reports."""
         a = slot.active
         assert a is not None and a.drafter is not None
-        accepted = 0
-        for j, token in enumerate(fed):
-            slot.tokens.append(token)
+        chosen: list[int] = []
+        for j in range(len(fed)):
             # a drafted row's choice keeps the draft or replaces it (rejection sampling when sampled); the last
             # row's is the target's own next token
-            chosen = a.sampler.verify(logits[j], fed[j + 1]) if j + 1 < len(fed) else a.sampler.sample(logits[j])
-            self._emit(slot, chosen)
-            if slot.active is None or j + 1 == len(fed) or chosen != fed[j + 1]:
+            chosen.append(a.sampler.verify(logits[j], fed[j + 1]) if j + 1 < len(fed) else a.sampler.sample(logits[j]))
+            if j + 1 == len(fed) or chosen[j] != fed[j + 1] or self._ends(a, chosen[j]):
                 break
-            accepted += 1
+        accepted = sum(c == d for c, d in zip(chosen, fed[1:], strict=False))  # all but a rejection agree
         a.drafter.record(len(fed) - 1, accepted)
         self.stats.counters["spec_drafted_tokens"] += len(fed) - 1
         self.stats.counters["spec_accepted_tokens"] += accepted
+        for token, choice in zip(fed, chosen, strict=False):
+            slot.tokens.append(token)
+            self._emit(slot, choice)
+            if slot.active is None:  # a stop string, the end of a sequence, max_tokens
+                break
         self.slots.keep(slot, len(slot.tokens))  # the rejected rows' K/V is overwritten by the next step
+
+    def _ends(self, a: Active, token: int) -> bool:
+        """Whether emitting `token` ends the request as the end of a sequence (what follows it is never judged)."""
+        return token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
 
     def _emit(self, slot: Slot, token: int) -> None:
         a = slot.active
@@ -354,8 +365,7 @@ class Scheduler:
         self.stats.counters["generated_tokens"] += 1
         if len(a.generated) == 1:
             self.stats.requests.first_token(a.request.request_id, a.stream.submitted)
-        is_eos = token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
-        if is_eos:
+        if self._ends(a, token):
             self._finish(slot, "stop")
             return
         text = a.stops.push(a.decoder.push(token))

@@ -120,6 +120,7 @@ class Drafter:
         `memory`: the engine's recent answers, drafted from too and given this request's answer at its end."""
         assert draft_max >= 1, draft_max
         self.memory = memory
+        self._epoch = memory.epoch if memory is not None else 0  # a purge meanwhile: its answer is not kept
         self._context = prompt[-MATCH_MAX:]
         self.tokens: list[int] = []
         self._at: dict[int, list[int]] = {}  # token -> its positions in `tokens`, ascending
@@ -153,7 +154,7 @@ class Drafter:
     def finish(self, generated: list[int]) -> None:
         """Leave the answer to the engine's recent answers, behind the prompt's tail it followed."""
         if self.memory is not None:
-            self.memory.add(self._context, generated)
+            self.memory.add(self._context, generated, self._epoch)
 
 
 class Proposer(Protocol):
