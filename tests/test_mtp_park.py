@@ -231,3 +231,21 @@ def test_the_layer_s_identity_is_its_own(folder):
     assert ident.key != model.key and ident.model["role"] == "mtp"
     assert [p["name"] for p in ident.describe()["parts"]] == ["kv", "hidden"]
     assert ident.bytes_per_token == 2 * c.n_kv_heads * c.head_dim * 4 + c.hidden_size * 4
+
+
+def test_a_slot_file_restored_over_a_longer_conversation_drafts_from_its_own_rows(folder, tmp_path):
+    """The next-token layer must not take the rows it computed for the slot's earlier conversation as the restored
+    one's context (it would find them disagree with the slot's tokens and never draft)."""
+    config = _config(folder, "ram", None).replace(slot_save_path=str(tmp_path))
+    engine = Engine.from_config(config)
+    try:
+        other = _answer(engine, OTHER, "other", 4)
+        engine.call(lambda: engine.save_slot(0, "other.bin")).result()
+        _answer(engine, FIRST + list(range(50, 80)), "longer")  # slot 0 now holds a longer conversation
+        engine.call(lambda: engine.restore_slot(0, "other.bin")).result()
+        _answer(engine, OTHER + other + [12, 13, 14, 15], "again")
+        record = _record(engine)
+        assert record.reused_tokens >= len(OTHER), record  # the slot held the restored conversation
+        assert record.spec_drafted > 0, record
+    finally:
+        engine.close()

@@ -182,6 +182,11 @@ class DraftStates:
         self.restored += 1
         return n
 
+    def replaced(self, slot: int) -> None:
+        """The slot's K/V was written or emptied with no draft part (a slot file restored, the slot erased): the
+        draft must not take what it holds for the slot's context (the next-token layer's target rows would)."""
+        self.draft.restored_without(slot)
+
     def _refused(self, hit: CacheHit, exc: Exception) -> None:
         self.refused += 1
         log.warning("the draft's part of conversation %s was not restored (the draft re-reads it): %s",

@@ -358,10 +358,16 @@ class Engine:
         return self.slot_files.save(slot_id, filename)
 
     def restore_slot(self, slot_id: int, filename: Any) -> dict:
-        return self.slot_files.restore(slot_id, filename)
+        result = self.slot_files.restore(slot_id, filename)
+        if self.draft_states is not None:
+            self.draft_states.replaced(slot_id)
+        return result
 
     def erase_slot(self, slot_id: int) -> dict:
-        return self.slot_files.erase(slot_id)
+        result = self.slot_files.erase(slot_id)
+        if self.draft_states is not None:
+            self.draft_states.replaced(slot_id)
+        return result
 
     def cache_figures(self) -> CacheFigures:
         return self.control.figures()
