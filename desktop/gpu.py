@@ -19,11 +19,12 @@ import sys
 # - devices (--devices): auto is cuda:0 when there is one, else cpu; without a GPU the CPU is the only device.
 # - layer_split (--layer-split): splits layers across --devices; CPU stages (cpu,cpu) compute the same on the
 #   same cores, one stage in effect.
+# - device_draft (--device-draft): where the draft model runs; on a CPU-only machine only cpu, where the model is.
 # Kept on a CPU-only machine, though their names speak of GPUs:
 # - moe_experts / moe_cpu_layers (--moe-experts, --moe-cpu-layers): on the CPU they still choose 4-bit
 #   experts beside float weights (--cpu-weights float --moe-experts cpu, docs/BENCHMARKS.md measures it).
 # - dtype / kv_dtype: bfloat16 and float16 run on the CPU too.
-GPU_ONLY_SETTINGS = ("no_cuda_graphs", "deterministic", "gpu_weights", "devices", "layer_split")
+GPU_ONLY_SETTINGS = ("no_cuda_graphs", "deterministic", "gpu_weights", "devices", "layer_split", "device_draft")
 
 
 def nvidia_gpu_present(*, platform: str = sys.platform, root: str | None = None, path: str | None = None) -> bool:

@@ -375,7 +375,8 @@ def test_gpu_only_settings_are_hidden_without_an_nvidia_gpu(qtbot, tmp_path):
     (windows / "System32" / "nvml.dll").write_bytes(b"MZ")
     assert nvidia_gpu_present(platform="win32", root=str(windows), path=str(tmp_path / "nothing"))
 
-    assert set(GPU_ONLY_SETTINGS) == {"no_cuda_graphs", "deterministic", "gpu_weights", "devices", "layer_split"}
+    assert set(GPU_ONLY_SETTINGS) == {"no_cuda_graphs", "deterministic", "gpu_weights", "devices", "layer_split",
+                                      "device_draft"}
     store = SettingsStore(tmp_path / "s.json", environ={})
     store.set("gpu_weights", "int4")  # changed: in effect, so shown even here
     tab, _saver, dispatcher = make_tab(qtbot, store, gpu=False)
