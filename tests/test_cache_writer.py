@@ -265,3 +265,64 @@ def test_a_park_can_evict_a_conversation_being_written_and_its_files_go_when_the
     again = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=1 << 30)
     assert [c.id for c in again.conversations()] == [kept]
     again.close(spill=False)
+
+
+def test_a_park_written_at_once_over_a_queued_version_is_the_one_kept(tmp_path, monkeypatch):
+    """A park too big for the staging bound is written before it returns, under the id of the same conversation's
+    shorter version still queued for the writer: the writer must not write that version meanwhile (it would
+    publish it over the longer one, and the index would hold two entries of one id)."""
+    import threading
+
+    import numpy as np
+
+    from engine.cache.disk_tier import DiskTier
+    from engine.cache.identity import block_keys
+
+    cache = make_cache(storage="disk", dir=str(tmp_path), spill_queue_bytes=64 << 10)
+    slots = FakeSlots()
+    busy, short = conversation(290, BLOCK), conversation(291, 2 * BLOCK)
+    grown = conversation(292, 12 * BLOCK + 3, short)
+    busy_key = block_keys(cache.identity.key, np.array(busy, dtype=np.int32), BLOCK)[0]
+    write_blocks = DiskTier.write_blocks
+    busy_may_end, short_claimed, park_done = threading.Event(), threading.Event(), threading.Event()
+
+    def paced(self, items, sync=True):  # the real writes, in an order that lets the writer claim `short` mid-park
+        items = list(items)
+        if threading.current_thread().name == "strata-cache-writer":
+            if busy_key in [k for k, _ in items]:
+                busy_may_end.wait(10)  # keeps `short` queued until the park below is under way
+            else:
+                short_claimed.set()
+                park_done.wait(10)  # a claimed `short` would publish after the park
+        else:
+            busy_may_end.set()
+            short_claimed.wait(1.0)  # time for the writer to claim `short`, which it must not
+        return write_blocks(self, items, sync=sync)
+
+    monkeypatch.setattr(DiskTier, "write_blocks", paced)
+    assert park_tokens(cache, slots, busy).parked
+    first = park_tokens(cache, slots, short)
+    second = park_tokens(cache, slots, grown)  # 12 blocks: past the staging bound, written now
+    park_done.set()
+    assert second.parked and second.conversation_id == first.conversation_id
+    assert cache.flush(30)
+    check_restores(cache, slots, grown)
+    cache.close(spill=False)
+    again = make_cache(storage="disk", dir=str(tmp_path), spill_queue_bytes=64 << 10)
+    assert sorted(c.tokens for c in again.conversations()) == [len(busy), len(grown)]  # the longer version
+    again.close(spill=False)
+
+
+def test_a_disk_park_never_evicts_a_conversation_a_restore_is_reading(tmp_path):
+    cache = make_cache(storage="disk", dir=str(tmp_path), disk_bytes=200 << 10)
+    slots = FakeSlots()
+    a = conversation(300, 4 * BLOCK + 3)
+    assert park_tokens(cache, slots, a).parked and cache.flush(10)
+    read = cache.begin_restore(cache.lookup([*a, 7]))  # the reader thread's part of a restore, pending
+    for i in range(3):  # each needs most of the budget: the reader's entry is the oldest
+        assert park_tokens(cache, slots, conversation(310 + i, 4 * BLOCK + 3), slot=1).parked
+        assert cache.flush(10)
+    read.read()
+    assert read.error is None, read.error
+    assert any(c.tokens == len(a) for c in cache.conversations())
+    cache.close(spill=False)

@@ -64,7 +64,7 @@ def park(
             leaving={c.id for c in candidates},
             exclude={keep} if keep else set(),
             rank=rank,
-            in_flight_ok=True,  # only the writer pins entries while the engine thread parks
+            in_flight_ok=True,  # an entry being written may go (its files once written); one being read not
             states=states,
         )
         n_tail = len(toks) - len(keys) * b
@@ -75,9 +75,24 @@ def park(
         res = store.reserve(keys, have, victims, pin_pending=not background)
         # a staged entry continues its line's id even while that line's last version is being written
         line = inherit(candidates if background else superseded)
+        # Written now, under the id of a version only queued: the writer must not start on that version while
+        # this park writes the same files without the lock (it would publish the shorter one over this, and the
+        # index would hold two entries of one id). Queued again if this park fails.
+        held_back = [c.id for c in superseded if not background and store.writer is not None
+                     and c.state is EntryState.PENDING]
+        for cid in held_back:
+            assert store.writer is not None
+            store.writer.forget(cid)
     if background:
         return _stage(store, toks, keys, read_parts, res, candidates, line, resolved, states)
-    return _write_now(store, toks, keys, read_parts, res, superseded, line, resolved, states)
+    try:
+        return _write_now(store, toks, keys, read_parts, res, superseded, line, resolved, states)
+    except ParkRefused:
+        with store.lock:
+            for cid in held_back:
+                if cid in idx.convs and store.writer is not None:
+                    store.writer.submit(cid)
+        raise
 
 
 def _capture(store: DiskStore, read_parts: ReadParts, start: int, end: int, state: Parts | None = None) -> Parts:
@@ -192,7 +207,9 @@ def _write_now(store: DiskStore, toks, keys, read_parts: ReadParts, res: Reserva
         new_blocks = [Block(keys[i], written[keys[i]], on_disk=True, state=i in states.blocks)
                       for i in range(have, len(keys))]
         for old in superseded:
-            if old.id not in idx.convs or idx.convs[old.id] is not old or idx.is_pinned(old):
+            # not `is_pinned`: the blocks this park reuses are pinned by its own reservation. Nothing begins to
+            # read or write `old` meanwhile (restores begin on this thread; its queued write was held back).
+            if idx.convs.get(old.id) is not old or old.busy or (old.previous is not None and old.previous.busy):
                 continue
             if old.id == conv_id:
                 idx.remove(old.id)  # its manifest file was just replaced by the new one

@@ -4,6 +4,7 @@ where they say so."""
 
 from __future__ import annotations
 
+import errno
 import logging
 
 from engine.cache.disk_store import DiskStore
@@ -26,7 +27,8 @@ def disk_pieces(
     pieces: list[tuple[int, Parts]] = []
     try:
         for i, blk in enumerate(blocks):
-            pieces.append((i * b, blk.data if blk.data is not None else store.files.read_block(blk.key)))
+            data = blk.data  # once: the writer may drop the RAM copy of a block it has just written
+            pieces.append((i * b, data if data is not None else store.files.read_block(blk.key)))
         if use_tail:
             tail = conv.tail
             if tail is None:
@@ -41,27 +43,39 @@ def disk_pieces(
                 state = store.files.read_checkpoints(conv, [own_state])[own_state]
     except (FileFormatError, OSError) as exc:
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        if isinstance(exc, OSError) and exc.errno != errno.ENOENT:  # the disk did not answer: the files may be whole
+            log.warning("conversation cache: reading conversation %s failed (%s); kept", conv.id, message)
+            raise CacheRestoreError(f"reading parked conversation {conv.id} failed ({message}); prefill instead") from None
         log.warning("conversation cache: conversation %s cannot be restored (%s); removing it", conv.id, message)
+        bad = _damaged(store, blocks)  # re-read without the lock: the engine thread's lookups and parks go on
         with store.lock:
-            _drop_broken(store, conv, blocks)
+            _drop_broken(store, conv, blocks, bad)
         raise CacheRestoreError(f"parked conversation {conv.id} is damaged ({message}); prefill instead") from None
     return pieces, sum(parts_nbytes(p) for _, p in pieces) + parts_nbytes(state), state
 
 
-def _drop_broken(store: DiskStore, conv: Conv, blocks: list[Block]) -> None:
-    """Remove a damaged conversation and every conversation sharing a damaged block (lock held)."""
+def _damaged(store: DiskStore, blocks: list[Block]) -> set[str]:
+    """The keys of `blocks` (pinned by the restore) whose files are refused or gone."""
+    bad = set()
+    for blk in blocks:
+        if blk.on_disk and blk.data is None:
+            try:
+                store.files.read_block(blk.key)
+            except FileFormatError:
+                bad.add(blk.key)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    bad.add(blk.key)
+    return bad
+
+
+def _drop_broken(store: DiskStore, conv: Conv, blocks: list[Block], bad: set[str]) -> None:
+    """Remove a damaged conversation and every conversation sharing a damaged block `bad` (lock held)."""
     idx = store.index
     conv.pins -= 1  # the restore's own pins must not keep the damaged entries from going
     for blk in blocks:
         blk.pins -= 1
     try:
-        bad = set()
-        for blk in blocks:
-            if blk.on_disk and blk.data is None:
-                try:
-                    store.files.read_block(blk.key)
-                except (FileFormatError, OSError):
-                    bad.add(blk.key)
         victims = {conv.id} | {c.id for c in idx.convs.values() if bad & set(c.keys)}
         for cid in victims:
             if cid in idx.convs and not idx.is_pinned(idx.convs[cid]):

@@ -131,8 +131,8 @@ def plan_room(
     entries fit `slots`.
 
     `leaving` are entries this operation removes anyway; `keep_keys` blocks stay (the new entry holds them).
-    `in_flight_ok`: entries with I/O in flight may be chosen too (the caller removes their files once the I/O
-    ends). `rank`: the priority rank (`rank_of`) of the entry being added; an entry of a higher priority is
+    `in_flight_ok`: entries the writer is writing may be chosen too (the caller removes their files once the write
+    ends); an entry a restore is reading (its `pins`) never is, whatever it says. `rank`: the priority rank (`rank_of`) of the entry being added; an entry of a higher priority is
     never chosen (None: any entry may go, as when a budget shrinks). When even evicting every candidate would
     not make room, the plan is refused and says why ("priority" when entries were passed over for their
     priority, else "no_room") and has no victims, unless `best_effort`, which keeps every victim that helps.
@@ -160,7 +160,7 @@ def plan_room(
         if bytes_after <= budget and count_after <= slots:
             break
         cid = conv.id
-        if cid in gone or cid in exclude or (index.is_pinned(conv) and not in_flight_ok):
+        if cid in gone or cid in exclude or conv.pins > 0 or (index.is_pinned(conv) and not in_flight_ok):
             continue
         if rank is not None and rank_of(conv.priority) > rank:
             outranked = True
