@@ -238,3 +238,18 @@ def test_stream_holds_a_gemma4_call_from_its_marker():
     content, calls = _stream(["It is ", "<|tool", '_call>call:get_weather{city:<|"|>Rome<|"|>}', "<tool_call|>"])
     assert content == "It is " and len(calls) == 1
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+
+
+def test_a_past_call_is_written_alike_whether_its_arguments_came_as_json_text_or_an_object():
+    """Responses passes a past call's arguments as the JSON text the model wrote, Chat and Messages as an object;
+    a template that cannot show tools gets the call written as the model is told to write one, either way."""
+    from engine.server.tool_prompt import inline_tools
+
+    def written(arguments: object) -> str:
+        call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        return inline_tools(messages, None)[1]["content"]
+
+    expected = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert written('{"city": "Paris"}') == written({"city": "Paris"}) == expected
+    assert '"arguments": "not json"' in written("not json")  # text that is no JSON stays text

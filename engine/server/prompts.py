@@ -3,7 +3,6 @@ as text or token ids. Every refusal is a 400 naming the message or field at faul
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
 from engine.server.schemas import CHAT_ROLES, ChatCompletionRequest, ChatMessage
 from engine.server.template_kwargs import template_kwargs
 from engine.server.tool_prompt import (
+    arguments_object,
     deepseek_tools,
     inline_tools,
     template_renders_tools,
@@ -34,17 +34,6 @@ def content_text(content: Any, param: str) -> str | None:
     """A chat message's content as one string: a string as is, a list of text parts joined by newlines (None: an
     assistant message with tool calls only)."""
     return None if content is None else parts_text(content, param, CHAT_PARTS)
-
-
-def arguments_object(arguments: Any) -> Any:
-    # Chat templates (Qwen, Hermes, Llama 3) serialise arguments themselves and expect an object, while
-    # OpenAI clients send the JSON text the model produced.
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
-            return arguments
-    return {} if arguments is None else arguments
 
 
 def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:

@@ -28,9 +28,22 @@ def template_renders_tools(template: str) -> bool:
     return "tools" in template
 
 
+def arguments_object(arguments: Any) -> Any:
+    # Chat templates (Qwen, Hermes, Llama 3) serialise arguments themselves and expect an object, while
+    # OpenAI clients send the JSON text the model produced.
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
+            return arguments
+    return {} if arguments is None else arguments
+
+
 def _call_text(call: dict[str, Any]) -> str:
+    """A past call as the model is told to write one: its arguments an object, whether the API gave them as one
+    (Chat, Messages) or as the JSON text the model wrote (Responses), never that text quoted again."""
     function = call["function"]
-    return "<tool_call>\n" + json.dumps({"name": function["name"], "arguments": function["arguments"]},
+    return "<tool_call>\n" + json.dumps({"name": function["name"], "arguments": arguments_object(function["arguments"])},
                                         ensure_ascii=False) + "\n</tool_call>"
 
 
