@@ -133,6 +133,26 @@ def test_bad_requests_get_400_in_anthropics_shape(client, fields, param, words):
     assert param in err["error"]["message"] and words in err["error"]["message"]
 
 
+def test_media_a_tool_returned_or_an_earlier_turn_held_is_omitted_not_refused(client):
+    """Claude Code's Read of a PNG returns an image in a tool result, and the history keeps it every later turn:
+    the conversation goes on, the model told what it cannot see (only the message being answered is refused)."""
+    from engine.server.anthropic_schemas import MessagesRequest, template_messages
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, image]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {"p": "a.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]},
+                                     {"type": "tool_result", "tool_use_id": "t2", "content": None}]},
+    ]
+    answer = client.messages.create(model="m", max_tokens=4, messages=messages)
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    rendered = template_messages(MessagesRequest(model="m", max_tokens=4, messages=messages))
+    omitted = "[image omitted: the model served here reads text only]"
+    assert rendered[0]["content"] == "What is in this picture?\n" + omitted
+    assert [m["content"] for m in rendered[2:]] == [omitted, ""]
+
+
 def test_an_unknown_route_under_messages_speaks_anthropic(engine):
     r = httpx.get(engine.base_url + "/v1/messages/nothing", headers={"x-api-key": "sekrit"})
     assert r.status_code in (404, 405) and r.json()["type"] == "error"

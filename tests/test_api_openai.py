@@ -285,6 +285,18 @@ CHAT_REFUSALS = [
 ]
 
 
+def test_media_in_an_earlier_message_or_a_tool_message_is_omitted_not_refused(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    call = {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look at this."}, image]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a screenshot"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot see images."}]},
+                *HELLO]
+    answer = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize("fields, param, words", CHAT_REFUSALS, ids=[f"{p}:{w}"[:40] for _, p, w in CHAT_REFUSALS])
 def test_bad_chat_requests_get_400_naming_the_field(client, fields, param, words):
     body = {"model": "m", "messages": HELLO, "max_tokens": 2, **fields}

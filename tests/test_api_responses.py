@@ -103,6 +103,16 @@ def test_bad_requests_get_400_naming_the_field(client, fields, param, words):
     assert info.value.body["param"] == param and words in info.value.body["message"]
 
 
+def test_media_in_earlier_input_or_a_function_output_is_omitted_not_refused(client):
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    turn = [{"role": "user", "content": [{"type": "input_text", "text": "Look at this."}, image]},
+            {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [image]},
+            {"role": "user", "content": QUESTION}]
+    assert client.responses.create(model="m", input=turn, max_output_tokens=4, store=False).status in (
+        "completed", "incomplete")
+
+
 # ------------------------------------------------------------------------------------------------ function calls
 
 

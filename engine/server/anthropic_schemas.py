@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.errors import ApiError
+from engine.server.content_parts import omitted
 from engine.server.schemas import MAX_INT32, MAX_STOP_STRINGS, Items, StrictBody
 
 TOOL_CHOICES = ("auto", "any", "tool", "none")
@@ -77,6 +78,9 @@ def _text_of(block: dict[str, Any], param: str, field: str = "text") -> str:
     return value
 
 
+MEDIA_BLOCKS = ("image", "document")
+
+
 def _refuse_media(kind: str, param: str) -> None:
     raise ApiError(400, f"'{param}': {kind} blocks are not supported: the model served here reads text only",
                    param=param)
@@ -96,21 +100,26 @@ def system_text(system: str | list[dict[str, Any]] | None) -> str:
 
 
 def _tool_result_text(block: dict[str, Any], param: str) -> str:
-    content = block.get("content", "")
-    if isinstance(content, str):
-        text = content
+    content = block.get("content")
+    if content is None or isinstance(content, str):
+        text = content or ""
     else:
         parts = []
         for i, part in enumerate(_blocks(content, f"{param}.content")):
-            if part["type"] != "text":
-                _refuse_media(part["type"], f"{param}.content[{i}]")
-            parts.append(_text_of(part, f"{param}.content[{i}]"))
+            if part["type"] in MEDIA_BLOCKS:  # what a tool returned (a screenshot Claude Code read): omitted
+                parts.append(omitted(part["type"]))
+            elif part["type"] == "text":
+                parts.append(_text_of(part, f"{param}.content[{i}]"))
+            else:
+                raise ApiError(400, f"'{param}.content[{i}].type': {part['type']!r} is not a block a tool result "
+                               "can hold; expected text, image or document", param=f"{param}.content[{i}].type")
         text = "\n".join(parts)
     return ("Error: " + text) if block.get("is_error") is True else text
 
 
-def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
-    """A user message's blocks: tool results become tool messages (in order), text joins one user message."""
+def _user_turn(blocks: list[dict[str, Any]], param: str, last: bool) -> list[dict[str, Any]]:
+    """A user message's blocks: tool results become tool messages (in order), text joins one user message; media
+    refused in the `last` message (the one being answered), omitted before it (content_parts.py)."""
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     for i, block in enumerate(blocks):
@@ -122,7 +131,9 @@ def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]
             if not isinstance(call_id, str):
                 raise ApiError(400, f"'{where}.tool_use_id': expected a string", param=f"{where}.tool_use_id")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, where)})
-        elif kind in ("image", "document"):
+        elif kind in MEDIA_BLOCKS and not last:
+            texts.append(omitted(kind))
+        elif kind in MEDIA_BLOCKS:
             _refuse_media(kind, where)
         else:
             raise ApiError(400, f"'{where}.type': {kind!r} is not a block a user message can hold; expected text, "
@@ -183,7 +194,7 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[st
             raise ApiError(400, f"'{param}.content' is required", param=f"{param}.content")
         blocks = _blocks(msg["content"], f"{param}.content")
         if role == "user":
-            turns = _user_turn(blocks, f"{param}.content")
+            turns = _user_turn(blocks, f"{param}.content", i == len(req.messages) - 1)
         elif role == "system":
             turns = [{"role": "user", "content": _system_turn(blocks, f"{param}.content")}]
         else:

@@ -1,6 +1,11 @@
 """A message's content as one string, for the OpenAI APIs: a string as is, or a list of content parts whose text
 parts are joined by newlines. Chat Completions and Responses read parts the same way and differ only in the part
-types they name (`CHAT_PARTS`, `RESPONSES_PARTS`); every refusal is a 400 naming the part at fault."""
+types they name (`CHAT_PARTS`, `RESPONSES_PARTS`); every refusal is a 400 naming the part at fault.
+
+Media (images, audio, files) cannot be read by the text-only models served here. In the message being answered
+they are refused; earlier in the conversation, and in a tool's output wherever it is, each becomes `omitted(kind)`
+in the text instead: an agent resends its whole history every turn, and one screenshot a tool returned must not
+make every later turn of the conversation fail."""
 
 from __future__ import annotations
 
@@ -20,15 +25,22 @@ class PartKinds:
     example: str  # the text part named when a part is not one of these
 
 
-CHAT_PARTS = PartKinds(text={"text": "text"}, media=("image_url", "input_audio", "file"), example="text")
+CHAT_PARTS = PartKinds(text={"text": "text", "refusal": "refusal"}, media=("image_url", "input_audio", "file"),
+                       example="text")
 RESPONSES_PARTS = PartKinds(
     text={"input_text": "text", "output_text": "text", "text": "text", "summary_text": "text",
           "reasoning_text": "text", "refusal": "refusal"},
     media=("input_image", "input_file", "input_audio"), example="input_text")
 
 
-def parts_text(content: Any, param: str, kinds: PartKinds) -> str:
-    """`content` (a string, or a list of `kinds` parts) as one string: the parts' texts joined by newlines."""
+def omitted(kind: str) -> str:
+    """What stands in the text for a media part or block of type `kind` that is not refused (the module says when)."""
+    return f"[{kind} omitted: the model served here reads text only]"
+
+
+def parts_text(content: Any, param: str, kinds: PartKinds, *, omit_media: bool = False) -> str:
+    """`content` (a string, or a list of `kinds` parts) as one string: the parts' texts joined by newlines; a media
+    part refused, or `omitted` with `omit_media`."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -45,6 +57,8 @@ def parts_text(content: Any, param: str, kinds: PartKinds) -> str:
                 raise ApiError(400, f"'{where}.{field}': expected a string, got {value!r}"[:200],
                                param=f"{where}.{field}")
             texts.append(value)
+        elif isinstance(kind, str) and kind in kinds.media and omit_media:
+            texts.append(omitted(kind))
         elif isinstance(kind, str) and kind in kinds.media:
             raise ApiError(400, f"'{where}': {kind} parts are not supported: the model served here reads text only",
                            param=where)

@@ -80,9 +80,12 @@ def chat_attrs(req: ChatCompletionRequest, headers: Mapping[str, str]) -> ConvAt
     """A chat request's attributes; its name comes from its first user message, its system words from its first
     system (or developer) message."""
     first = next((i for i, m in enumerate(req.messages) if m.role == "user"), None)
-    text = "" if first is None else content_text(req.messages[first].content, f"messages[{first}].content")
+    # its name only: the prompt's rendering refuses or omits media (content_parts.py), not this
+    text = "" if first is None else content_text(req.messages[first].content, f"messages[{first}].content",
+                                                 omit_media=True)
     sys_i = next((i for i, m in enumerate(req.messages) if m.role in ("system", "developer")), None)
-    system = "" if sys_i is None else content_text(req.messages[sys_i].content, f"messages[{sys_i}].content")
+    system = "" if sys_i is None else content_text(req.messages[sys_i].content, f"messages[{sys_i}].content",
+                                                   omit_media=True)
     return request_attrs(req.metadata, headers, (text or "")[:4096], (system or "")[:4096], "Chat Completions")
 
 

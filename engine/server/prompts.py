@@ -30,19 +30,20 @@ log = logging.getLogger("strata.server")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
-def content_text(content: Any, param: str) -> str | None:
+def content_text(content: Any, param: str, *, omit_media: bool = False) -> str | None:
     """A chat message's content as one string: a string as is, a list of text parts joined by newlines (None: an
-    assistant message with tool calls only)."""
-    return None if content is None else parts_text(content, param, CHAT_PARTS)
+    assistant message with tool calls only); media refused, or omitted with `omit_media` (content_parts.py)."""
+    return None if content is None else parts_text(content, param, CHAT_PARTS, omit_media=omit_media)
 
 
-def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:
-    """One message as Hugging Face chat templates expect it."""
+def template_message(msg: ChatMessage, index: int, *, last: bool = True) -> dict[str, Any]:
+    """One message as Hugging Face chat templates expect it; `last`: the message being answered (its media are
+    refused, an earlier message's or a tool's omitted)."""
     param = f"messages[{index}]"
     if msg.role not in CHAT_ROLES:
         raise ApiError(400, f"'{param}.role': unknown role {msg.role!r}; expected one of {', '.join(CHAT_ROLES)}",
                        param=f"{param}.role")
-    text = content_text(msg.content, f"{param}.content")
+    text = content_text(msg.content, f"{param}.content", omit_media=not last or msg.role == "tool")
     role = "system" if msg.role == "developer" else msg.role
     out: dict[str, Any] = {"role": role}
     if role == "assistant":
@@ -89,7 +90,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
     """Prompt token ids for a chat request, and the tools offered (None if none)."""
     if not req.messages:
         raise ApiError(400, "'messages' must contain at least one message", param="messages")
-    messages = [template_message(msg, i) for i, msg in enumerate(req.messages)]
+    messages = [template_message(msg, i, last=i == len(req.messages) - 1) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
     effort = openai_effort(req.reasoning_effort, "reasoning_effort")
     kwargs = template_kwargs(req.chat_template_kwargs, tokenizer, ids is None or ids.contents_as_text)

@@ -73,7 +73,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ApiError(400, f"'{param}.role': expected user, system, developer or assistant, got {role!r}"
                                [:200], param=f"{param}.role")
-            text = parts_text(item.get("content"), f"{param}.content", RESPONSES_PARTS)
+            text = parts_text(item.get("content"), f"{param}.content", RESPONSES_PARTS, omit_media=i < len(items) - 1)
             if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
                 out[-1]["content"] = text  # the answer after its own reasoning item
             else:
@@ -86,7 +86,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else parts_text(output, f"{param}.output", RESPONSES_PARTS)
+            text = output if isinstance(output, str) else parts_text(output, f"{param}.output", RESPONSES_PARTS,
+                                                                     omit_media=True)
             out.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{param}.call_id"),
                         "content": text})
         elif kind == "reasoning":
