@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from engine.runtime.protocols import Tokenizer
 
 log = logging.getLogger("strata.engine")
+CANCELLED = "the request was cancelled: its client left or stopped reading its stream"
 
 # What the engine thread's inbox carries: ("submit", (request, stream)), ("call", (fn, future)), ("wake", None).
 Inbox = queue.SimpleQueue[tuple[str, Any]]
@@ -124,14 +125,14 @@ class Scheduler:
         kept = []
         for request, stream in self._waiting:
             if stream.cancelled.is_set():
-                stream.put(TokenEvent(finish_reason="stop", usage=Usage(len(request.prompt_tokens), 0, 0)))
+                stream.put(TokenEvent(finish_reason="error", error=CANCELLED, usage=Usage(len(request.prompt_tokens), 0, 0)))
             else:
                 kept.append((request, stream))
         self._waiting = kept
         for slot in self.slots.slots:
             if slot.active is not None and slot.active.stream.cancelled.is_set():
                 log.info("request %s cancelled by the client; slot %d freed", slot.active.request.request_id, slot.id)
-                self._finish(slot, "stop")
+                self._finish(slot, "error", CANCELLED)
 
     def _fail_active(self, message: str) -> None:
         for slot in self.slots.slots:
@@ -380,9 +381,11 @@ class Scheduler:
         if len(a.generated) >= a.max_tokens or len(slot.tokens) + 1 >= self.slots.ctx_size:
             self._finish(slot, "length")
 
-    def _finish(self, slot: Slot, reason: str) -> None:
+    def _finish(self, slot: Slot, reason: str, error: str = "") -> None:
+        """End the slot's request: `reason` "stop" or "length" for an answer that ended, "error" (with `error`) for
+        one the engine cut (a cancel, the shutdown), which the APIs report as a failure, not as an answer."""
         a = slot.active
-        assert a is not None
+        assert a is not None and (reason == "error") == bool(error), (reason, error)
         tail = "" if a.stops.stopped else a.stops.push(a.decoder.flush()) + a.stops.flush()
         usage = Usage(len(a.request.prompt_tokens), len(a.generated), a.cached_tokens)
         if a.drafter is not None:
@@ -393,7 +396,8 @@ class Scheduler:
         slot.active = None
         slot.last_used = time.time()
         self.stats.publish()  # before the client hears the end, so its next stats read counts this request
-        a.stream.put(TokenEvent(text=tail, finish_reason=reason, usage=usage, stop_string=a.stops.matched,
+        a.stream.put(TokenEvent(text=tail, finish_reason=reason, error=error or None, usage=usage,
+                                stop_string=a.stops.matched,
                                 generated=list(a.generated)))
 
     # ------------------------------------------------------------------ shutdown
@@ -406,7 +410,7 @@ class Scheduler:
                                             usage=Usage(len(p.context.request.prompt_tokens), 0, 0)))
         for slot in self.slots.slots:
             if slot.active is not None:
-                self._finish(slot, "stop")
+                self._finish(slot, "error", "the engine is shutting down: the answer was cut")
         for request, stream in self._waiting:
             stream.put(TokenEvent(finish_reason="error", error="the engine is shutting down",
                                   usage=Usage(len(request.prompt_tokens), 0, 0)))
