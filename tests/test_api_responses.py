@@ -39,6 +39,10 @@ def test_max_output_tokens_makes_it_incomplete(client):
     r = client.responses.create(model="m", input=QUESTION, max_output_tokens=2, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 2
+    assert [item.status for item in r.output] == ["incomplete"]  # the message the limit cut, as OpenAI marks it
+    events = list(client.responses.create(model="m", input=QUESTION, max_output_tokens=2, temperature=0, stream=True))
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"] and events[-1].type == "response.incomplete"
 
 
 def test_instructions_and_message_items_render_like_chat(client):

@@ -225,7 +225,10 @@ async def _completion_chunks(stream: Any, request: Request, request_id: str, cre
         if echo:
             yield chunk(echo)
         async with contextlib.aclosing(engine_events(stream, request)) as events:
-            async for event in events:
+            async for event in with_heartbeat(events, KEEPALIVE_S):
+                if event is None:  # the prompt is still being computed: bytes, so no idle timeout cuts it
+                    yield SSE_KEEPALIVE
+                    continue
                 if event.text:
                     yield chunk(event.text)
                 if event.finish_reason is not None:

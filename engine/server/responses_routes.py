@@ -127,10 +127,12 @@ def _prompt(tokenizer: Any, req: ResponsesRequest, earlier: list[dict[str, Any]]
 
 def _finish(turn: Turn, parsed: ParsedOutput, final: TokenEvent, message_id: str, reasoning: int) -> dict[str, Any]:
     """The finished response object: completed, or incomplete when max_output_tokens (or the context) ended it."""
-    output = [reasoning_item("rs_" + message_id.removeprefix("msg_"), parsed.reasoning)] if parsed.reasoning else []
-    output += [message_item(message_id, parsed.content)] if parsed.content else []
-    output += [call_item(call) for call in parsed.tool_calls]
     incomplete = "max_output_tokens" if final.finish_reason == "length" and not parsed.tool_calls else None
+    output = [reasoning_item("rs_" + message_id.removeprefix("msg_"), parsed.reasoning)] if parsed.reasoning else []
+    # the message a limit cut is itself incomplete, as OpenAI marks it
+    output += [message_item(message_id, parsed.content, "incomplete" if incomplete else "completed")
+               ] if parsed.content else []
+    output += [call_item(call) for call in parsed.tool_calls]
     return turn.body("incomplete" if incomplete else "completed", output, final.usage, incomplete, reasoning=reasoning)
 
 
@@ -231,7 +233,8 @@ class _Items:
                       {**self._where(), "delta": text}))
         return out
 
-    def close(self) -> list[str]:
+    def close(self, status: str = "completed") -> list[str]:
+        """The open item's done events; `status` that of a message item the answer's end closes."""
         if self._open is None:
             return []
         ev, where = self.ev, self._where()
@@ -245,7 +248,7 @@ class _Items:
             out = [ev("response.output_text.done", {**where, "text": text, "logprobs": []}),
                    ev("response.content_part.done", {**where, "part": part}),
                    ev("response.output_item.done", {"output_index": self.index,
-                                                    "item": message_item(self.message_id, text)})]
+                                                    "item": message_item(self.message_id, text, status)})]
         self._open = None
         self.index += 1
         return out
@@ -289,7 +292,7 @@ async def _events(stream: Any, request: Request, turn: Turn, tools: list[dict[st
     for piece in rest:
         for out in items.write(piece):
             yield out
-    for out in items.close():
+    for out in items.close("incomplete" if final.finish_reason == "length" and not tool_calls else "completed"):
         yield out
     reasoning, content = ("".join(items.text[k]) for k in ("reasoning", "content"))
     parsed = ParsedOutput(content or None, tool_calls, reasoning or None)
