@@ -153,6 +153,27 @@ def test_media_a_tool_returned_or_an_earlier_turn_held_is_omitted_not_refused(cl
     assert [m["content"] for m in rendered[2:]] == [omitted, ""]
 
 
+def test_a_final_assistant_message_is_the_start_of_the_answer(client):
+    """Anthropic's prefill: the prompt ends with the assistant's text, not with that turn closed and a new one."""
+    from engine.model.gguf_header import read_gguf_header
+    from engine.model.loader import embedded_model_path
+    from engine.model.tokenizer import Tokenizer
+    from engine.server.anthropic_routes import messages_prompt
+    from engine.server.anthropic_schemas import MessagesRequest
+
+    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_header(embedded_model_path()).metadata)
+    messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2,"}]
+    rendered, _, _ = messages_prompt(tokenizer, MessagesRequest(model="m", max_tokens=4, messages=messages))
+    assert tokenizer.decode(rendered.ids).endswith("\nassistant\n1, 2,")  # no end of turn, no new turn
+    closed = len(messages_prompt(tokenizer, MessagesRequest(model="m", max_tokens=4, messages=[
+        *messages, {"role": "user", "content": "Go on."}]))[0].ids)
+    counted = client.messages.count_tokens(model="m", messages=messages).input_tokens
+    assert counted == len(rendered.ids) < closed
+    answer = client.messages.create(model="m", max_tokens=4, messages=messages)
+    usage = answer.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0) == counted
+
+
 def test_an_unknown_route_under_messages_speaks_anthropic(engine):
     r = httpx.get(engine.base_url + "/v1/messages/nothing", headers={"x-api-key": "sekrit"})
     assert r.status_code in (404, 405) and r.json()["type"] == "error"

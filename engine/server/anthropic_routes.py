@@ -80,12 +80,17 @@ def _sampling(req: MessagesRequest) -> SamplingParams:
     return params
 
 
-def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, ids: PromptIds | None = None
-            ) -> tuple[RenderedPrompt, list[dict[str, Any]], list[dict[str, Any]] | None]:
+def messages_prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, ids: PromptIds | None = None
+                    ) -> tuple[RenderedPrompt, list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A Messages request's prompt as the route renders it, with its turns and tools in chat-template form."""
     messages = template_messages(req)
     tools = function_tools(req)
     effort = messages_effort(req.thinking, req.output_config)
-    return render_prompt(tokenizer, messages, tools, ids, effort, messages_thinking(req.thinking)), messages, tools
+    # A last assistant message with text is the start of the answer (Anthropic's prefill): the answer goes on from it.
+    final = messages[-1]
+    prefill = final["role"] == "assistant" and bool(final.get("content", "").strip()) and "tool_calls" not in final
+    return render_prompt(tokenizer, messages, tools, ids, effort, messages_thinking(req.thinking),
+                         continue_final=prefill), messages, tools
 
 
 @router.post("/v1/messages")
@@ -93,7 +98,7 @@ def _prompt(tokenizer: Any, req: MessagesRequest | CountTokensRequest, ids: Prom
 async def messages(request: Request) -> Response:
     engine = require_engine(request)
     req = await run_in_threadpool(parse_body, MessagesRequest, await request.body())
-    prompt, turns, tools = await run_in_threadpool(_prompt, engine.tokenizer, req, server_state(request).prompt_ids)
+    prompt, turns, tools = await run_in_threadpool(messages_prompt, engine.tokenizer, req, server_state(request).prompt_ids)
     attrs = template_attrs(turns, req.metadata, request.headers, "Messages")
     message_id = "msg_" + uuid.uuid4().hex
     stream = engine.submit(GenerationRequest(message_id, prompt.ids, _sampling(req), attrs, prompt.rewritten_at,
@@ -218,5 +223,5 @@ async def _events(stream: Any, request: Request, message_id: str, model: str, n_
 async def count_tokens(request: Request) -> dict[str, int]:
     engine = require_engine(request)
     req = await run_in_threadpool(parse_body, CountTokensRequest, await request.body())
-    prompt, _, _ = await run_in_threadpool(_prompt, engine.tokenizer, req)
+    prompt, _, _ = await run_in_threadpool(messages_prompt, engine.tokenizer, req)
     return {"input_tokens": len(prompt.ids)}

@@ -99,28 +99,39 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                   ids: PromptIds | None = None, effort: str | None = None,
-                  thinking: bool | None = None, variables: dict[str, Any] | None = None) -> RenderedPrompt:
+                  thinking: bool | None = None, variables: dict[str, Any] | None = None,
+                  continue_final: bool = False) -> RenderedPrompt:
     """Prompt token ids for messages already in Hugging Face's chat-template form, with OpenAI-style function
     tools (each API's route converts its own request to these); with `ids`, message text stays text and earlier
     answers keep the ids the engine generated for them (engine.server.prompt_tokens). `effort`: the reasoning
     effort asked for (engine.server.effort), which only the harmony format has a place for. `thinking`: whether the
     request turned the model's thinking on or off (None: it did not say), which reaches a template through the
     variable it switches thinking with (engine.model.thinking), unless the request set that variable itself. `variables`: the request's own template variables (engine.server.template_kwargs,
-    checked there)."""
+    checked there). `continue_final`: the last message is the start of the answer (an assistant's, Anthropic's
+    prefill), which the prompt ends with instead of a new turn."""
     check_length(tokenizer, sum(len(t) for m in messages for t in _texts_of(m)), "messages")
+    if continue_final:
+        assert messages and messages[-1]["role"] == "assistant", "a prefill is an assistant message"
     if getattr(tokenizer, "harmony", False):
+        if continue_final:
+            raise ApiError(400, "this model's prompt format (harmony) cannot continue a final assistant message; "
+                           "end the messages with a user turn", param="messages")
         return _encode_harmony(tokenizer, messages, tools, ids, effort)
     model = getattr(tokenizer, "thinking", None)
     extra = dict(variables or {})
     if thinking is not None and model is not None and model.switch is not None:
         extra.setdefault(model.switch, thinking)  # a variable the request named itself wins
-    return _render(tokenizer, messages, tools, ids, extra)
+    return _render(tokenizer, messages, tools, ids, extra, continue_final)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            ids: PromptIds | None, extra: dict[str, Any]) -> RenderedPrompt:
+            ids: PromptIds | None, extra: dict[str, Any], continue_final: bool = False) -> RenderedPrompt:
     """The prompt through the model's own template; `extra`: variables the template reads beside the messages."""
     template = tokenizer.chat_template
+    if continue_final and template_renders_tools(template):
+        return _encode(tokenizer, messages, tools, ids, extra, continue_final=True)
+    if continue_final:  # tools in the system turn as below, never left out: the answer is under way
+        return _encode(tokenizer, inline_tools(messages, tools), None, ids, extra, continue_final=True)
     if template_renders_tools(template):
         return _encode(tokenizer, messages, tools, ids, extra)
     inline: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[dict[str, Any]]] = inline_tools
@@ -142,15 +153,17 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
 
 
 def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            ids: PromptIds | None, extra: dict[str, Any]) -> RenderedPrompt:
+            ids: PromptIds | None, extra: dict[str, Any], *, continue_final: bool = False) -> RenderedPrompt:
     try:
-        text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=True, **extra)
+        text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=not continue_final, **extra)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
+    if continue_final:
+        text = _up_to_final(text, messages[-1].get("content") or "")
     check_length(tokenizer, len(text), "messages")
     prompt, dropped = encode_prompt(tokenizer, text, messages, ids)
-    in_thought = _ends_in_thought(tokenizer, messages, tools, text, extra)
+    in_thought = False if continue_final else _ends_in_thought(tokenizer, messages, tools, text, extra)
     if ids is None:  # counting tokens: nothing is served, nothing to explain
         return RenderedPrompt(prompt, in_thought=in_thought)
     rewritten = [c for c in (dropped, _history_rewritten(tokenizer, messages, tools, text, extra)) if c is not None]
@@ -159,6 +172,18 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
     # The token the rewrite falls in (the text before it tokenized alone: near enough for a report).
     return RenderedPrompt(prompt, len(tokenizer.encode(text[:min(rewritten)], add_special_tokens=False)),
                           in_thought=in_thought)
+
+
+def _up_to_final(text: str, final: str) -> str:
+    """`text` (messages rendered without a generation prompt) cut after the final message's content: what the
+    template closes that turn with goes, so the answer goes on from the content (Hugging Face's
+    continue_final_message)."""
+    for content in (final, final.strip()):
+        at = text.rfind(content) if content else -1
+        if at >= 0:
+            return text[: at + len(content)]
+    raise ApiError(400, "the model's chat template rewrites the final assistant message, so the answer cannot go "
+                   "on from it; end the messages with a user turn", param="messages")
 
 
 def _ends_in_thought(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, text: str,
