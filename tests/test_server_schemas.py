@@ -42,6 +42,8 @@ def refusal(**fields) -> ApiError:
     (b'{"model": "x"}', "'messages' is required"),
     (b'{"messages": "hi"}', "'messages'"),
     (b'{"messages": [{"content": "hi"}]}', "'messages[0].role' is required"),
+    (b'{"messages": [{"role": "user", "content": "\\ud83d hi"}]}', "at line 1 column 50 is half of a UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "\\ude00"}]}', "half of a UTF-16 surrogate pair"),
 ])
 def test_malformed_bodies_are_refused_with_a_reason(body, words):
     with pytest.raises(ApiError) as info:

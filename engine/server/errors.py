@@ -71,6 +71,10 @@ def validation_error(exc: ValidationError) -> ApiError:
     kind = err["type"]
     if kind == "json_invalid":
         detail = err.get("ctx", {}).get("error", err["msg"])
+        if "hex escape" in detail:  # the parser's words for a \ud800-\udfff escape without its other half
+            where = detail[detail.find(" at line "):] if " at line " in detail else ""
+            detail = (f"a \\u escape{where} is half of a UTF-16 surrogate pair without its other half (as text cut "
+                      "between the two halves of an emoji gives); send whole pairs, or U+FFFD in its place")
         return ApiError(400, f"the request body is not valid JSON: {detail}")
     loc = tuple(err["loc"])
     param = loc_to_param(loc)
