@@ -462,3 +462,25 @@ def test_spill_that_evicts_a_conversation_sharing_its_blocks_keeps_those_blocks(
     assert [c.tokens for c in reopened.conversations()] == [len(y)]
     check_restores(reopened, slots, y)
     reopened.close(spill=False)
+
+
+def test_a_damaged_header_length_is_called_damage_not_a_cut_file(tmp_path):
+    from engine.cache.fileformat import FileFormatError, read_header
+
+    cache, slots = make_cache(storage="disk", dir=str(tmp_path)), FakeSlots()
+    park_tokens(cache, slots, conversation(44, 2 * BLOCK))
+    assert cache.flush(10)
+    cache.close(spill=False)
+    folder = folder_of(cache)
+    path = os.path.join(folder, sorted(n for n in os.listdir(folder) if n.startswith("blk-"))[0])
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(0)
+        f.write(struct.pack("<Q", n + 65536 + 3))  # past the file's end, and off the 4096-byte boundary
+    with open(path, "rb") as f, pytest.raises(FileFormatError, match="the length is damaged") as info:
+        read_header(f)
+    assert info.value.reason == "corrupt"
+    with open(path, "r+b") as f:
+        f.write(struct.pack("<Q", n + 65536))  # past the end on the boundary: a cut file, or a damaged length
+    with open(path, "rb") as f, pytest.raises(FileFormatError, match="cut short, or its length field damaged"):
+        read_header(f)

@@ -121,10 +121,13 @@ def read_header(f, file_size: int | None = None) -> Header:
     if n > MAX_HEADER:
         raise FileFormatError("corrupt", f"header length {n} is not plausible (not a Strata K/V file?)")
     text = f.read(n)
+    if len(text) < n and (8 + n) % ALIGN:  # ours are padded to the boundary: the length field itself is damaged
+        raise FileFormatError("corrupt", f"header length {n} runs past the file's {file_size} bytes and does not end "
+                              f"on a {ALIGN}-byte boundary (the length is damaged)")
     if len(text) < n:
         raise FileFormatError(
-            "truncated", f"file ends inside the header ({file_size} bytes, header needs {8 + n})"
-        )
+            "truncated", f"file ends inside the header ({file_size} bytes, header needs {8 + n}): cut short, or its "
+            "length field damaged")
     try:
         doc = json.loads(text)
         if not isinstance(doc, dict):
