@@ -23,6 +23,9 @@ def check_slot_file_name(filename: object) -> None:
     """Raise a 400 naming what is wrong with `filename` (the folder's path never appears in the message)."""
     if not isinstance(filename, str):
         return  # the engine's own check says a string is expected
+    if any("\ud800" <= c <= "\udfff" for c in filename):  # half of a \u escaped pair: no file system takes it
+        raise ApiError(400, f"filename: expected whole characters, got {filename[:40]!r}, which holds half of a "
+                       "UTF-16 surrogate pair", param="filename")
     size = len(filename.encode("utf-8", "surrogatepass"))
     if size > MAX_SLOT_NAME_BYTES:
         raise ApiError(400, f"filename: expected at most {MAX_SLOT_NAME_BYTES} bytes (the file is written under a "
