@@ -39,10 +39,11 @@ def test_max_output_tokens_makes_it_incomplete(client):
     r = client.responses.create(model="m", input=QUESTION, max_output_tokens=2, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 2
-    assert [item.status for item in r.output] == ["incomplete"]  # the message the limit cut, as OpenAI marks it
+    assert [item.status for item in r.output] == ["incomplete"] and r.output_text  # cut, as OpenAI marks it, kept
     events = list(client.responses.create(model="m", input=QUESTION, max_output_tokens=2, temperature=0, stream=True))
-    done = [e.item.status for e in events if e.type == "response.output_item.done"]
-    assert done == ["incomplete"] and events[-1].type == "response.incomplete"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.status for item in done] == ["incomplete"] and events[-1].type == "response.incomplete"
+    assert done[0].content[0].text == events[-1].response.output_text == r.output_text
 
 
 def test_instructions_and_message_items_render_like_chat(client):

@@ -89,8 +89,10 @@ class Turn:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A message output item: its text as one output_text part, none while in progress (the added event's)."""
+    assert status in ("in_progress", "completed", "incomplete"), status
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}]}
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
