@@ -117,6 +117,12 @@ REFUSALS = [
     ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role", "expected user or assistant"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}]},
      "messages[0].content[0]", "reads text only"),
+    # the user turn answered, though a prefill or a system reminder follows it
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]},
+                   {"role": "assistant", "content": "The image shows"}]}, "messages[0].content[0]", "reads text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]},
+                   {"role": "system", "content": "<system-reminder>be brief</system-reminder>"}]},
+     "messages[0].content[0]", "reads text only"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type", "expected one of auto, any, tool, none"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "server tools"),
     ({"system": [{"type": "image"}]}, "system[0]", "expected a text block"),
@@ -141,6 +147,8 @@ def test_media_a_tool_returned_or_an_earlier_turn_held_is_omitted_not_refused(cl
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, image]},
+        {"role": "assistant", "content": "I cannot see images."},
+        {"role": "user", "content": "Then read a.png."},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {"p": "a.png"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]},
                                      {"type": "tool_result", "tool_use_id": "t2", "content": None}]},
@@ -150,7 +158,7 @@ def test_media_a_tool_returned_or_an_earlier_turn_held_is_omitted_not_refused(cl
     rendered = template_messages(MessagesRequest(model="m", max_tokens=4, messages=messages))
     omitted = "[image omitted: the model served here reads text only]"
     assert rendered[0]["content"] == "What is in this picture?\n" + omitted
-    assert [m["content"] for m in rendered[2:]] == [omitted, ""]
+    assert [m["content"] for m in rendered[4:]] == [omitted, ""]
 
 
 def test_a_final_assistant_message_is_the_start_of_the_answer(client):
@@ -162,6 +170,10 @@ def test_a_final_assistant_message_is_the_start_of_the_answer(client):
     from engine.server.anthropic_schemas import MessagesRequest
 
     tokenizer = Tokenizer.from_gguf_metadata(read_gguf_header(embedded_model_path()).metadata)
+    for start in ("<", "im", "|", "end"):  # pieces of the template's own <|im_end|>: the cut is not there
+        shown = messages_prompt(tokenizer, MessagesRequest(model="m", max_tokens=4, messages=[
+            {"role": "user", "content": "Count to five."}, {"role": "assistant", "content": start}]))[0]
+        assert tokenizer.decode(shown.ids).endswith("\nassistant\n" + start), start
     messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2,"}]
     rendered, _, _ = messages_prompt(tokenizer, MessagesRequest(model="m", max_tokens=4, messages=messages))
     assert tokenizer.decode(rendered.ids).endswith("\nassistant\n1, 2,")  # no end of turn, no new turn

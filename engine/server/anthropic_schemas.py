@@ -184,6 +184,11 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[st
     system = system_text(req.system)
     if system:
         out.append({"role": "system", "content": system})
+    # The user turn answered: the last user message that says something besides tool results (a prefill or a
+    # system reminder may follow it). Its media are refused; any other message's omitted (content_parts.py).
+    asking = max((i for i, m in enumerate(req.messages) if m.get("role") == "user" and (
+        not isinstance(m.get("content"), list)
+        or any(isinstance(b, dict) and b.get("type") != "tool_result" for b in m["content"]))), default=-1)
     for i, msg in enumerate(req.messages):
         param = f"messages[{i}]"
         role = msg.get("role")
@@ -194,7 +199,7 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[st
             raise ApiError(400, f"'{param}.content' is required", param=f"{param}.content")
         blocks = _blocks(msg["content"], f"{param}.content")
         if role == "user":
-            turns = _user_turn(blocks, f"{param}.content", i == len(req.messages) - 1)
+            turns = _user_turn(blocks, f"{param}.content", i == asking)
         elif role == "system":
             turns = [{"role": "user", "content": _system_turn(blocks, f"{param}.content")}]
         else:

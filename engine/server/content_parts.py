@@ -2,8 +2,8 @@
 parts are joined by newlines. Chat Completions and Responses read parts the same way and differ only in the part
 types they name (`CHAT_PARTS`, `RESPONSES_PARTS`); every refusal is a 400 naming the part at fault.
 
-Media (images, audio, files) cannot be read by the text-only models served here. In the message being answered
-they are refused; earlier in the conversation, and in a tool's output wherever it is, each becomes `omitted(kind)`
+Media (images, audio, files) cannot be read by the text-only models served here. In the user message answered
+they are refused; in any other message, and in a tool's output wherever it is, each becomes `omitted(kind)`
 in the text instead: an agent resends its whole history every turn, and one screenshot a tool returned must not
 make every later turn of the conversation fail."""
 

@@ -37,8 +37,8 @@ def content_text(content: Any, param: str, *, omit_media: bool = False) -> str |
 
 
 def template_message(msg: ChatMessage, index: int, *, last: bool = True) -> dict[str, Any]:
-    """One message as Hugging Face chat templates expect it; `last`: the message being answered (its media are
-    refused, an earlier message's or a tool's omitted)."""
+    """One message as Hugging Face chat templates expect it; `last`: the user message being answered, the last one
+    (its media are refused; another message's, or a tool's, omitted)."""
     param = f"messages[{index}]"
     if msg.role not in CHAT_ROLES:
         raise ApiError(400, f"'{param}.role': unknown role {msg.role!r}; expected one of {', '.join(CHAT_ROLES)}",
@@ -90,7 +90,8 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
     """Prompt token ids for a chat request, and the tools offered (None if none)."""
     if not req.messages:
         raise ApiError(400, "'messages' must contain at least one message", param="messages")
-    messages = [template_message(msg, i, last=i == len(req.messages) - 1) for i, msg in enumerate(req.messages)]
+    asking = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=-1)  # the turn answered
+    messages = [template_message(msg, i, last=i == asking) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
     effort = openai_effort(req.reasoning_effort, "reasoning_effort")
     kwargs = template_kwargs(req.chat_template_kwargs, tokenizer, ids is None or ids.contents_as_text)
@@ -128,15 +129,13 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
             ids: PromptIds | None, extra: dict[str, Any], continue_final: bool = False) -> RenderedPrompt:
     """The prompt through the model's own template; `extra`: variables the template reads beside the messages."""
     template = tokenizer.chat_template
-    if continue_final and template_renders_tools(template):
-        return _encode(tokenizer, messages, tools, ids, extra, continue_final=True)
-    if continue_final:  # tools in the system turn as below, never left out: the answer is under way
-        return _encode(tokenizer, inline_tools(messages, tools), None, ids, extra, continue_final=True)
     if template_renders_tools(template):
-        return _encode(tokenizer, messages, tools, ids, extra)
+        return _encode(tokenizer, messages, tools, ids, extra, continue_final=continue_final)
     inline: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[dict[str, Any]]] = inline_tools
     if template_writes_deepseek_calls(template):  # it writes past calls and results itself, never the tool list
         inline = lambda msgs, offered: deepseek_tools(msgs, offered, template)  # noqa: E731
+    if continue_final:  # tools in the system turn as below, never left out: the answer is under way
+        return _encode(tokenizer, inline(messages, tools), None, ids, extra, continue_final=True)
     if not tools:  # past calls and results still become text the template can show
         return _encode(tokenizer, inline(messages, None), None, ids, extra)
     # The template cannot show tools: they go into its system turn, unless that no longer fits the context; then
@@ -160,7 +159,7 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
         # Templates refuse with raise_exception (TemplateError) or trip over a value they did not expect.
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
     if continue_final:
-        text = _up_to_final(text, messages[-1].get("content") or "")
+        text = _up_to_final(tokenizer, messages, tools, extra, text)
     check_length(tokenizer, len(text), "messages")
     prompt, dropped = encode_prompt(tokenizer, text, messages, ids)
     in_thought = False if continue_final else _ends_in_thought(tokenizer, messages, tools, text, extra)
@@ -174,14 +173,22 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
                           in_thought=in_thought)
 
 
-def _up_to_final(text: str, final: str) -> str:
-    """`text` (messages rendered without a generation prompt) cut after the final message's content: what the
-    template closes that turn with goes, so the answer goes on from the content (Hugging Face's
-    continue_final_message)."""
-    for content in (final, final.strip()):
-        at = text.rfind(content) if content else -1
-        if at >= 0:
-            return text[: at + len(content)]
+def _up_to_final(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 extra: dict[str, Any], text: str) -> str:
+    """`text` (`messages` rendered without a generation prompt) cut after the final message's content, so the answer
+    goes on from it (Hugging Face's continue_final_message): the content is looked for only past the earlier
+    messages' prompt with its generation prompt, where the final turn begins, and its first occurrence there is
+    taken (a later one could be inside the template's end-of-turn markup: a prefill "<" and ChatML's <|im_end|>)."""
+    try:
+        before = tokenizer.render_chat(messages[:-1], tools=tools, add_generation_prompt=True, **extra)
+    except (ValueError, TypeError, jinja2.TemplateError):  # a template that needs its last message to be a user's
+        before = ""
+    final = messages[-1].get("content") or ""
+    if text.startswith(before):
+        for content in (final, final.strip()):
+            at = text.find(content, len(before)) if content else -1
+            if at >= 0:
+                return text[: at + len(content)]
     raise ApiError(400, "the model's chat template rewrites the final assistant message, so the answer cannot go "
                    "on from it; end the messages with a user turn", param="messages")
 

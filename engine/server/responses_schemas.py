@@ -63,6 +63,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
+    # the user message answered (the last one): its media are refused, any other item's omitted (content_parts.py)
+    asking = max((i for i, it in enumerate(items) if isinstance(it, dict) and it.get("type", "message") == "message"
+                  and it.get("role") == "user"), default=-1)
     for i, item in enumerate(items):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -73,7 +76,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ApiError(400, f"'{param}.role': expected user, system, developer or assistant, got {role!r}"
                                [:200], param=f"{param}.role")
-            text = parts_text(item.get("content"), f"{param}.content", RESPONSES_PARTS, omit_media=i < len(items) - 1)
+            text = parts_text(item.get("content"), f"{param}.content", RESPONSES_PARTS, omit_media=i != asking)
             if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
                 out[-1]["content"] = text  # the answer after its own reasoning item
             else:
