@@ -96,3 +96,42 @@ def test_a_damaged_parked_file_is_a_clean_miss_for_the_restoring_slot_only(parke
     assert "damaged" in record["detail"]["error"]
     assert b_text == b_alone
     assert "cannot be restored" in logs
+
+
+@pytest.mark.timeout(120)  # the engine thread used to die here, and the next requests waited for ever
+def test_a_request_that_fails_to_start_after_a_disk_restore_fails_alone(tmp_path, monkeypatch):
+    """A failure starting a request whose conversation came back from disk (off the engine thread) errors that
+    request only, as one on the engine thread's own path does: the engine thread serves on."""
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+    from engine.runtime.scheduler import Scheduler
+    from tests.model_fixtures import write_tiny_model
+
+    config = EngineConfig(model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
+                          conversation_cache_storage="disk", conversation_cache_dir=str(tmp_path / "cache"),
+                          conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16)
+    engine = Engine.from_config(config)
+
+    def last(request_id: str, prompt: list[int]):
+        stream = engine.submit(GenerationRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4)))
+        return [e for e in stream if e.finish_reason is not None][-1]
+
+    start = Scheduler._start
+
+    def failing(self, request, *args, **kwargs):
+        if request.request_id.startswith("boom"):
+            raise RuntimeError("failure starting the request")
+        return start(self, request, *args, **kwargs)
+
+    try:
+        a = [(i * 7) % 200 + 5 for i in range(200)]
+        assert last("a", a).finish_reason == "length"
+        assert last("b", [(i * 13) % 200 + 5 for i in range(200)]).finish_reason == "length"  # parks a on disk
+        monkeypatch.setattr(Scheduler, "_start", failing)
+        failed = last("boom", [*a, 9, 9])  # a's disk copy, read off the engine thread
+        assert failed.finish_reason == "error" and "failure starting the request" in failed.error
+        assert engine.call(lambda: engine.slot_set.busy()).result() == 0
+        assert last("after", [4, 5, 6] * 10).finish_reason == "length"
+    finally:
+        engine.close()

@@ -102,7 +102,12 @@ class Parking:
         """Each finished background read copied into its slot, no longer restoring: (slot, what was looked up,
         tokens restored, why not when 0, how the read went)."""
         for p in self.restores.ready():
-            reused, failed = self.restore(p.slot, p.context.hit, p.context.request.prompt_tokens, p.read)
+            try:
+                reused, failed = self.restore(p.slot, p.context.hit, p.context.request.prompt_tokens, p.read)
+            except Exception as exc:  # what restore does not turn into a clean miss itself (a transfer, the draft)
+                log.exception("delivering the restore into slot %d failed", p.slot.id)
+                self.slots.forget(p.slot)  # whatever part of it arrived: the request prefills in full instead
+                reused, failed = 0, f"delivering the restore failed: {exc}"
             p.slot.restoring = False
             if reused:
                 self.restores.persist(p.read)

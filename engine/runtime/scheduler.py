@@ -84,7 +84,14 @@ class Scheduler:
                 if self._stop.is_set():
                     break
                 for slot, looked, reused, failed, read in self.parking.delivered():
-                    self._start_restored(slot, looked, reused, failed, read)  # it joins the batch
+                    try:
+                        self._start_restored(slot, looked, reused, failed, read)  # it joins the batch
+                    except Exception as exc:  # as _admit_waiting: that request fails, the engine serves on
+                        log.exception("could not start request %s", looked.request.request_id)
+                        slot.active = None
+                        self.slots.forget(slot)
+                        looked.stream.put(TokenEvent(finish_reason="error", error=f"internal error: {exc}",
+                                                     usage=Usage(len(looked.request.prompt_tokens), 0, 0)))
                 self._drop_cancelled()
                 self._admit_waiting()
                 if self.slots.any_active():
