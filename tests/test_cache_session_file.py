@@ -177,3 +177,39 @@ def test_save_refuses_mismatched_kv(tmp_path):
             str(tmp_path / "x"), identity(), [1, 2, 3], torch.zeros(LAYOUT.host_shape(4)), engine_version="t"
         )
     assert os.listdir(tmp_path) == []
+
+
+def test_a_slot_file_restored_is_parked_without_the_slots_last_request_name_or_pin(tmp_path):
+    """The slot's last request said what its conversation is called, its priority and its pin; the session file's
+    contents are another conversation, and a park of them must not carry B's name or keep them pinned."""
+    from engine.cache.attrs import ConvAttrs
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+    from tests.model_fixtures import write_tiny_model
+
+    config = EngineConfig(model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
+                          conversation_cache_storage="ram", conversation_cache_mib=64,
+                          conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16,
+                          slot_save_path=str(tmp_path / "slots"))
+    engine = Engine.from_config(config)
+
+    def answer(request_id: str, prompt: list[int], attrs: ConvAttrs = ConvAttrs()) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        assert [e for e in engine.submit(GenerationRequest(request_id, prompt, params, attrs=attrs))][-1].error is None
+
+    try:
+        a = [(i * 7) % 200 + 5 for i in range(100)]
+        answer("a", a)
+        engine.call(lambda: engine.save_slot(0, "a.bin")).result()
+        engine.call(lambda: engine.purge_cache("all")).result()
+        answer("b", [(i * 13) % 200 + 5 for i in range(100)],
+               ConvAttrs(priority="high", pinned=True, name="B's private chat", client="clientB"))
+        engine.call(lambda: engine.purge_cache("all")).result()  # B lives in the slot only
+        engine.call(lambda: engine.restore_slot(0, "a.bin")).result()
+        answer("c", [(i * 17) % 200 + 5 for i in range(100)])  # parks the session file's contents
+        [parked] = engine.call(engine.cache_conversations).result()
+        assert parked["tokens"] >= len(a) and not parked["pinned"] and parked["priority"] == "normal", parked
+        assert parked["name"] != "B's private chat" and parked["client"] != "clientB", parked
+    finally:
+        engine.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.attrs import DEFAULT_PRIORITY, NO_ATTRS
 from engine.errors import Busy, NotFound
 from engine.kv import KVBuffers
 from engine.runtime.memory import SlotMemory
@@ -89,17 +90,25 @@ class SlotSet:
     def write_session(self, slot: Slot, tokens: list[int], kv: torch.Tensor, states: dict | None = None) -> None:
         """The slot holds `tokens` from a session file: their K/V and, for a hybrid model, its state after them."""
         slot.tokens, slot.conversation_id, slot.unnamed = [], None, []  # a session file is no parked conversation
+        self._no_request(slot)
         try:
             self.kv.write(slot.id, 0, kv)
             self.memory.put_session(slot.id, len(tokens), states)
         except BaseException:
             self.forget(slot)
             raise
-        slot.tokens = list(tokens)
+        slot.tokens, slot.prompt = list(tokens), list(tokens)  # all of it context, as a prompt is
 
     def erase(self, slot: Slot) -> int:
         """Empty an idle slot; the number of tokens it held."""
         n = len(slot.tokens)
         slot.conversation_id, slot.unnamed = None, []
+        self._no_request(slot)
         self.forget(slot)
         return n
+
+    @staticmethod
+    def _no_request(slot: Slot) -> None:
+        """What the slot's last request said of its conversation (name, client, priority, pin, prompt) no longer
+        describes what it holds: a park of the slot's new contents must not carry it."""
+        slot.attrs, slot.priority, slot.pinned, slot.prompt = NO_ATTRS, DEFAULT_PRIORITY, False, []
