@@ -135,3 +135,40 @@ def test_a_request_that_fails_to_start_after_a_disk_restore_fails_alone(tmp_path
         assert last("after", [4, 5, 6] * 10).finish_reason == "length"
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_restore_that_cannot_be_started_is_a_clean_miss_and_pins_nothing(tmp_path, monkeypatch):
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from engine.runtime.pending_restores import PendingRestores
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+    from tests.model_fixtures import write_tiny_model
+
+    config = EngineConfig(model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
+                          conversation_cache_storage="disk", conversation_cache_dir=str(tmp_path / "cache"),
+                          conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16)
+    engine = Engine.from_config(config)
+
+    def answer(request_id: str, prompt: list[int]) -> list[int]:
+        stream = engine.submit(GenerationRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4)))
+        events = list(stream)
+        assert events[-1].error is None, events[-1].error
+        return [e.token_id for e in events if e.token_id is not None]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no reader thread")
+
+    try:
+        a = [(i * 7) % 200 + 5 for i in range(200)]
+        answer("a", a)
+        answer("b", [(i * 13) % 200 + 5 for i in range(200)])  # parks a on disk
+        monkeypatch.setattr(PendingRestores, "start", refuse)
+        answer("again", [*a, 9, 9])  # a's disk copy found, its read not started: prefilled
+        record = engine.call(lambda: engine.stats.requests.snapshot()[-1]).result()
+        assert record.reused_tokens == 0 and record.reason == "restore_failed", record
+        assert engine.call(lambda: engine.slot_set.busy()).result() == 0
+        purged = engine.call(lambda: engine.purge_cache("all")).result()
+        assert not purged.get("skipped"), purged  # nothing left pinned by the restore that never began
+    finally:
+        engine.close()

@@ -135,6 +135,18 @@ class RestoreRead:
             self.read_ms = (time.perf_counter() - t0) * 1000
             self.done = True
 
+    def abandon(self) -> None:
+        """Release the entry and its blocks without reading them (a restore that could not be started); nothing
+        once `read` has run."""
+        if self.done:
+            return
+        with self.cache.lock:
+            self.conv.pins -= 1
+            for blk in self.blocks:
+                blk.pins -= 1
+        self.error = CacheRestoreError(f"the restore of conversation {self.conv.id} was not started")
+        self.done = True
+
     def deliver(self, write_parts: WriteParts, *, persist_use: bool = True) -> RestoreResult:
         """Write the read pieces into the slot and count the restore (engine thread, after `read`); raises the
         read's CacheRestoreError before any write. `persist_use=False`: the caller runs `persist_use()` later,

@@ -90,11 +90,18 @@ class Parking:
             log.warning("restore of conversation %s failed, prefilling instead: %s", hit.conversation_id, exc)
             self.slots.forget(slot)
             return str(exc) or type(exc).__name__
-        if self.draft is not None:  # read beside the model's part
-            self._draft_reads[slot.id] = self.draft.begin(draft_hit, background=True)
         n, sid = hit.n_tokens, slot.id
-        self.restores.start(slot, read, looked, self.stats.counters["generated_tokens"],
-                            prepare=lambda: self.slots.kv.populate(sid, 0, n))
+        try:
+            if self.draft is not None:  # read beside the model's part
+                self._draft_reads[slot.id] = self.draft.begin(draft_hit, background=True)
+            self.restores.start(slot, read, looked, self.stats.counters["generated_tokens"],
+                                prepare=lambda: self.slots.kv.populate(sid, 0, n))
+        except Exception as exc:  # not started: nothing may stay pinned, and the request prefills
+            log.exception("starting the restore of conversation %s failed, prefilling instead", hit.conversation_id)
+            read.abandon()
+            self._draft_reads.pop(slot.id, None)
+            self.slots.forget(slot)
+            return str(exc) or type(exc).__name__
         looked.stream.mark_started()  # it has its slot: the queue timeout no longer applies
         return None
 

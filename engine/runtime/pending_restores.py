@@ -110,9 +110,10 @@ class PendingRestores:
         assert not slot.tokens, "a restoring slot holds nothing until its data arrived"
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="strata-restore")
-        slot.restoring = True
         upload = None if self._uploads is None else self._uploads.begin(slot.id)
         future = self._pool.submit(_read_then, read, prepare, upload)
+        # restoring once the read is under way: a failure before leaves the slot free (the caller prefills)
+        slot.restoring = True
         future.add_done_callback(lambda _f: self._wake())
         self._pending[slot.id] = Pending(slot, read, future, context, tokens_now, upload)
 
@@ -146,6 +147,9 @@ class PendingRestores:
         left = list(self._pending.values())
         self._pending.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=True)  # manifest rewrites queued behind the reads land before the cache closes
+            hung = any(not p.future.done() for p in left)
+            # Manifest rewrites queued behind the reads land before the cache closes, unless a read still hangs
+            # past the deadline (a stalled network disk): then the shutdown does not wait on it, nor on them.
+            self._pool.shutdown(wait=not hung, cancel_futures=hung)
             self._pool = None
         return left
