@@ -210,6 +210,11 @@ def test_purge_reports_what_it_dropped(http, alternated):
     assert result["tier"] == "all"
     assert result["dropped"]["conversations"] >= 1
     assert ok(http.get("/cache/conversations"))["conversations"] == []
+    # the cache emptied: a budget of 0 turns it off, and GET /cache/config says so as /metrics does
+    http.put("/cache/config", json={"conversation_cache_mib": 0})
+    assert http.get("/cache/config").json()["enabled"] is False
+    http.put("/cache/config", json={"conversation_cache_mib": 64})
+    assert http.get("/cache/config").json()["enabled"] is True
 
 
 def test_head_health_is_get_without_the_body(http):

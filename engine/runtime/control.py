@@ -158,7 +158,7 @@ class CacheControl:
             "settings": {name: getattr(self.config, name) for name in LIVE_SETTINGS},
             "live": list(LIVE_SETTINGS),
             "effective_dir": self.config.cache_dir,
-            "enabled": self.cache is not None,
+            "enabled": self.cache is not None and self.cache.settings.enabled,  # as /metrics says it
         }
 
     def update(self, changes: dict) -> dict:
@@ -182,7 +182,10 @@ class CacheControl:
                 parsed[name] = setting_of(name).parse(value)
             except SettingError as exc:
                 raise BadValue(str(exc), param=name) from exc
-        new_config = self.config.replace(**parsed)
+        try:
+            new_config = self.config.replace(**parsed)  # the checks across settings (a remote store's needs)
+        except SettingError as exc:
+            raise BadValue(str(exc)) from None
         changed = [n for n in parsed if getattr(self.config, n) != getattr(new_config, n)]
         self.settle()
         if changed:
