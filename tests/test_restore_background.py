@@ -172,3 +172,52 @@ def test_a_restore_that_cannot_be_started_is_a_clean_miss_and_pins_nothing(tmp_p
         assert not purged.get("skipped"), purged  # nothing left pinned by the restore that never began
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_conversation_purged_after_its_read_is_not_delivered(tmp_path, monkeypatch):
+    """The read was done (its entry no longer pinned) when the purge dropped the conversation: the slot must not
+    take what the user asked to forget; the request prefills."""
+    import threading
+
+    from engine.cache.restores import RestoreRead
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+    from tests.model_fixtures import write_tiny_model
+
+    config = EngineConfig(model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
+                          conversation_cache_storage="disk", conversation_cache_dir=str(tmp_path / "cache"),
+                          conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16)
+    engine = Engine.from_config(config)
+
+    def answer(request_id: str, prompt: list[int]):
+        stream = engine.submit(GenerationRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4)))
+        return list(stream)[-1]
+
+    read, done_reading, purged = RestoreRead.read, threading.Event(), threading.Event()
+
+    def read_then_wait(self):  # the real read, then held until the purge has run
+        read(self)
+        done_reading.set()
+        purged.wait(30)
+
+    try:
+        a = [(i * 7) % 200 + 5 for i in range(200)]
+        answer("a", a)
+        answer("b", [(i * 13) % 200 + 5 for i in range(200)])  # parks a on disk
+        assert engine.call(lambda: engine.cache.flush()).result()  # written: a purge skips one being written
+        monkeypatch.setattr(RestoreRead, "read", read_then_wait)
+        final: list = []
+        asking = threading.Thread(target=lambda: final.append(answer("again", [*a, 9, 9])))
+        asking.start()
+        assert done_reading.wait(30)
+        result = engine.call(lambda: engine.purge_cache("all")).result()
+        purged.set()
+        asking.join(60)
+        assert result["dropped"]["conversations"] >= 1 and final[0].error is None
+        record = engine.call(lambda: engine.stats.requests.snapshot()[-1]).result()
+        assert record.reused_tokens == 0 and record.reason == "restore_failed", record
+        assert "purged or deleted" in record.detail["error"], record.detail
+    finally:
+        engine.close()

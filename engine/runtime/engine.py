@@ -387,12 +387,23 @@ class Engine:
     def drop_conversation(self, conv_id: str) -> dict:
         result = self.control.drop_conversation(conv_id)
         self.scheduler.speculation.forget()  # prompt lookup's recent answers may hold its text
+        self._undeliver_forgotten(("ram", "disk"), conv_id)
         return result
 
     def purge_cache(self, tier: str) -> dict:
         result = self.control.purge(tier)
         self.scheduler.speculation.forget()  # prompt lookup's recent answers hold the purged conversations' text
+        self._undeliver_forgotten(("ram", "disk") if tier == "all" else (tier,))
         return result
+
+    def _undeliver_forgotten(self, tiers: tuple[str, ...], conv_id: str | None = None) -> None:
+        """Restores read from `tiers` (of `conv_id`, or any) whose conversation is no longer parked after a purge
+        or a delete are not delivered: the user asked to forget it. One still being read was skipped (pinned), is
+        still parked, and is delivered."""
+        cache = self.control.cache
+        parked = {c.id for c in cache.conversations()} if cache is not None else set()
+        self.scheduler.restores.drop(lambda looked: looked.hit.tier in tiers and looked.hit.conversation_id not in
+                                     parked and conv_id in (None, looked.hit.conversation_id))
 
     def cache_config(self) -> dict:
         return self.control.settings()

@@ -110,7 +110,11 @@ class Parking:
         tokens restored, why not when 0, how the read went)."""
         for p in self.restores.ready():
             try:
-                reused, failed = self.restore(p.slot, p.context.hit, p.context.request.prompt_tokens, p.read)
+                if p.dropped:
+                    self._draft_reads.pop(p.slot.id, None)
+                    reused, failed = 0, "its conversation was purged or deleted while it was read"
+                else:
+                    reused, failed = self.restore(p.slot, p.context.hit, p.context.request.prompt_tokens, p.read)
             except Exception as exc:  # what restore does not turn into a clean miss itself (a transfer, the draft)
                 log.exception("delivering the restore into slot %d failed", p.slot.id)
                 self.slots.forget(p.slot)  # whatever part of it arrived: the request prefills in full instead

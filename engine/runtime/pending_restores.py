@@ -65,6 +65,7 @@ class Pending:
     context: Looked
     tokens_at_start: int  # the engine's generated-token count when the read started
     upload: SlotUpload | None = None  # the copies into a GPU slot, issued by the reader
+    dropped: bool = False  # its conversation was purged or deleted meanwhile: not delivered (a clean miss)
 
 
 def _read_then(read: RestoreRead, prepare: Callable[[], None] | None, upload: SlotUpload | None) -> None:
@@ -116,6 +117,13 @@ class PendingRestores:
         slot.restoring = True
         future.add_done_callback(lambda _f: self._wake())
         self._pending[slot.id] = Pending(slot, read, future, context, tokens_now, upload)
+
+    def drop(self, gone: Callable[[Looked], bool]) -> None:
+        """The pending restores whose conversation `gone` says was purged or deleted: what their read got is not
+        delivered (it is what the user asked to forget), and their requests prefill instead."""
+        for p in self._pending.values():
+            if gone(p.context):
+                p.dropped = True
 
     def ready(self) -> list[Pending]:
         """The restores whose read is done (and whose copies into a GPU slot landed: polled, never waited for),
