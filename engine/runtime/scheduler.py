@@ -328,8 +328,8 @@ class Scheduler:
             a = slot.active
             assert a is not None
             slot.tokens.extend(chunks[first].tokens.tolist())
-            if produces:
-                self._emit(slot, a.sampler.sample(logits[first]))
+            if produces and (ended := self._emit(slot, a.sampler.sample(logits[first]))):
+                self._finish(slot, ended)
         if not n_prefill:  # the decode rate in tokens emitted: a draft's accepted tokens count, its rejected rows not
             self.stats.note_rates(0, self.stats.counters["generated_tokens"] - generated, t0 + dt - began)
             # what a row costs this step: prompt lookup's break-even (one row per decoding slot, the rest drafts)
@@ -340,53 +340,50 @@ class Scheduler:
         decoding them one per step would, while each is the draft's next token; the slot then holds the tokens
         whose rows were kept (the memory rewound past the rejected ones).
 
-        The rows are decided first and the verify's figures recorded before any token is emitted, since an
-        emitted token may end the request, whose figures `_finish` reports."""
+        A token that ends the request (the end of a sequence, a stop string, max_tokens) ends the rows there, and
+        the request is finished only once the verify's figures are recorded: `_finish` reports them."""
         a = slot.active
         assert a is not None and a.drafter is not None
-        chosen: list[int] = []
-        for j in range(len(fed)):
+        accepted, ended = 0, None
+        for j, token in enumerate(fed):
+            slot.tokens.append(token)
             # a drafted row's choice keeps the draft or replaces it (rejection sampling when sampled); the last
             # row's is the target's own next token
-            chosen.append(a.sampler.verify(logits[j], fed[j + 1]) if j + 1 < len(fed) else a.sampler.sample(logits[j]))
-            if j + 1 == len(fed) or chosen[j] != fed[j + 1] or self._ends(a, chosen[j]):
+            choice = a.sampler.verify(logits[j], fed[j + 1]) if j + 1 < len(fed) else a.sampler.sample(logits[j])
+            ended = self._emit(slot, choice)
+            agrees = j + 1 < len(fed) and choice == fed[j + 1]
+            accepted += agrees  # the row that ends the request counts when it agrees: the target chose the draft
+            if ended or not agrees:
                 break
-        accepted = sum(c == d for c, d in zip(chosen, fed[1:], strict=False))  # all but a rejection agree
         a.drafter.record(len(fed) - 1, accepted)
         self.stats.counters["spec_drafted_tokens"] += len(fed) - 1
         self.stats.counters["spec_accepted_tokens"] += accepted
-        for token, choice in zip(fed, chosen, strict=False):
-            slot.tokens.append(token)
-            self._emit(slot, choice)
-            if slot.active is None:  # a stop string, the end of a sequence, max_tokens
-                break
         self.slots.keep(slot, len(slot.tokens))  # the rejected rows' K/V is overwritten by the next step
+        if ended:
+            self._finish(slot, ended)
 
-    def _ends(self, a: Active, token: int) -> bool:
-        """Whether emitting `token` ends the request as the end of a sequence (what follows it is never judged)."""
-        return token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos
-
-    def _emit(self, slot: Slot, token: int) -> None:
+    def _emit(self, slot: Slot, token: int) -> str | None:
+        """Hand `token` to the request; the finish reason when it ends it ("stop", "length"), which the caller
+        passes to `_finish`, else None."""
         a = slot.active
         assert a is not None
         a.generated.append(token)
         self.stats.counters["generated_tokens"] += 1
         if len(a.generated) == 1:
             self.stats.requests.first_token(a.request.request_id, a.stream.submitted)
-        if self._ends(a, token):
-            self._finish(slot, "stop")
-            return
+        if token in self.tokenizer.eos_token_ids and not a.request.params.ignore_eos:
+            return "stop"
         text = a.stops.push(a.decoder.push(token))
         if a.stops.stopped:
             if text:
                 a.stream.put(TokenEvent(text=text, token_id=token))
             a.next_token = token
-            self._finish(slot, "stop")
-            return
+            return "stop"
         a.stream.put(TokenEvent(text=text, token_id=token))
         a.next_token = token
         if len(a.generated) >= a.max_tokens or len(slot.tokens) + 1 >= self.slots.ctx_size:
-            self._finish(slot, "length")
+            return "length"
+        return None
 
     def _finish(self, slot: Slot, reason: str, error: str = "") -> None:
         """End the slot's request: `reason` "stop" or "length" for an answer that ended, "error" (with `error`) for
