@@ -51,6 +51,40 @@ def test_missing_path_names_it(tmp_path):
         _load_any(path)
 
 
+def test_a_quantised_checkpoint_is_refused_not_read_as_floats(tiny_copy):
+    """FP8 weights keep their scales in tensors of their own: read as floats they would be a wrong model."""
+    from safetensors.torch import load_file, save_file
+
+    config_path = os.path.join(tiny_copy, "config.json")
+    config = json.loads(open(config_path, encoding="utf-8").read())
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump({**config, "quantization_config": {"quant_method": "fp8"}}, f)
+    with pytest.raises(ModelLoadError, match="quantization_config 'fp8': quantised checkpoints are not read"):
+        _load(tiny_copy)
+    with open(config_path, "w", encoding="utf-8") as f:  # the scales' tensors without the config saying so
+        json.dump(config, f)
+    weights = os.path.join(tiny_copy, "model.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    save_file({**tensors, name: tensors[name].to(torch.float8_e4m3fn)}, weights, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=f"tensor {name} is float8_e4m3fn; expected float32, float16 or"):
+        _load(tiny_copy)
+
+
+def test_a_begin_of_text_id_past_the_embedding_is_refused_at_load(tiny_copy):
+    config_path = os.path.join(tiny_copy, "config.json")
+    config = json.loads(open(config_path, encoding="utf-8").read())
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(tiny_copy, name)
+        if os.path.exists(path):
+            body = json.loads(open(path, encoding="utf-8").read())
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({**body, "bos_token_id": 1_000_000}, f)
+    with pytest.raises(ModelLoadError, match=f"begin-of-text token id 1000000 is past the embedding's "
+                                             f"{config['vocab_size']} rows"):
+        _load(tiny_copy)
+
+
 def test_truncated_safetensors_is_refused(tiny_copy):
     weights = os.path.join(tiny_copy, "model.safetensors")
     with open(weights, "r+b") as f:

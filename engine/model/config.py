@@ -228,8 +228,17 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a parsed HF config.json (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json: expected a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
         arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
+        quant = cfg.get("quantization_config")
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if quant and not (arch == "gpt_oss" and method == "mxfp4"):  # gpt-oss's experts: read as MXFP4 (mxfp4.py)
+            # FP8 and other quantised checkpoints keep scales in tensors of their own: read as floats without
+            # them, the weights would be wrong (an FP8 code's value, not the weight), silently.
+            raise ConfigError(f"quantization_config {method!r}: quantised checkpoints are not read (their scales "
+                              "would be ignored); use a bfloat16 or float16 release of the model, or a GGUF")
         if arch is None:
             model_type = cfg.get("model_type")
             if model_type in _HF_MODEL_TYPES and not archs:

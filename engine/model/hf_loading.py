@@ -150,6 +150,10 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
         tensor = read(key)
         if tensor is None:
             return None
+        if not tensor.is_floating_point() or tensor.element_size() < 2:  # FP8, int8 codes: values need scales
+            file, name = where[key]
+            raise ModelLoadError(f"{file}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; expected "
+                                 "float32, float16 or bfloat16 weights (a quantised checkpoint is not read)")
         if gpt_oss:  # its experts' own layout (moe_loading.gpt_oss_hf_layout)
             tensor = moe_loading.gpt_oss_hf_layout(key, tensor)
         # Through float32 as before (exact for the float types a checkpoint holds), then to the compute dtype.

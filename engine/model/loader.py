@@ -90,11 +90,11 @@ def load_model(
         raise ModelLoadError(f"{path}: no such file or folder")
     try:
         if os.path.isdir(path):
-            return load_hf(path, stages, dtype, int4_weights, cpu_experts)
+            return _ids_fit(path, load_hf(path, stages, dtype, int4_weights, cpu_experts))
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == b"GGUF":
-            return load_gguf(path, stages, dtype, int4_weights, cpu_experts, weights_cache_dir)
+            return _ids_fit(path, load_gguf(path, stages, dtype, int4_weights, cpu_experts, weights_cache_dir))
         if path.endswith(".safetensors"):
             raise ModelLoadError(f"{path}: pass the folder that holds config.json and the .safetensors files")
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}) and not an HF model folder")
@@ -104,6 +104,19 @@ def load_model(
         raise ModelLoadError(f"{path}: {e}") from None
     except OSError as e:
         raise ModelLoadError(f"{path}: {e.strerror or e}") from None
+
+
+def _ids_fit(path: str, loaded: LoadedModel) -> LoadedModel:
+    """`loaded`, once every id its tokenizer can give has a row in the embedding (a prompt's id past it would
+    fail every request that meets it, and a begin-of-text id past it every request); else ModelLoadError."""
+    rows, tok = loaded.config.vocab_size, loaded.tokenizer
+    if tok.vocab_size > rows:
+        raise ModelLoadError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the embedding {rows} rows: token "
+                             f"ids {rows} and up would have none (a tokenizer of another model?)")
+    bos = getattr(tok, "bos_token_id", None)
+    if bos is not None and not 0 <= bos < rows:
+        raise ModelLoadError(f"{path}: the begin-of-text token id {bos} is past the embedding's {rows} rows")
+    return loaded
 
 
 def read_model_config(path: str) -> ModelConfig:

@@ -201,14 +201,17 @@ def _prune(folder: str, keep: str, pattern: re.Pattern[str]) -> None:
 
 class KeptTokenizer:
     """A GGUF model's built tokenizers backend and its fingerprint, kept beside the weights: the tokenizer is
-    wholly described by the header's metadata, so the header's bytes (and the tokenizers version that serialises
-    it) are its key. Checked against an xxh3 of its JSON before use; anything else is rebuilt and written again."""
+    wholly described by the header's metadata, so the header's bytes (with the tokenizers version that serialises
+    it and the version of how this engine builds it, tokenizer.GGUF_TOKENIZER_BUILD) are its key. Checked against an xxh3 of its JSON before use; anything else is rebuilt and written again."""
 
     def __init__(self, folder: str, source: str, header_size: int) -> None:
         import tokenizers
 
         self.folder = folder
-        self.key = {"format": FORMAT, "header": _header_hash(source, header_size), "tokenizers": tokenizers.__version__}
+        from engine.model.tokenizer import GGUF_TOKENIZER_BUILD
+
+        self.key = {"format": FORMAT, "header": _header_hash(source, header_size), "tokenizers": tokenizers.__version__,
+                    "build": GGUF_TOKENIZER_BUILD}
         digest = xxhash.xxh3_64(json.dumps(self.key, sort_keys=True).encode()).hexdigest()
         self.path = os.path.join(folder, f"{_stem(source)}-{digest}.tokenizer.json")
 
