@@ -173,6 +173,7 @@ class EngineProcess(QObject):
         self._partial = ""
         self._stop_requested = False
         self._restart_after_stop = False
+        self._closed = False  # close() ran: the app is quitting, no engine starts again
         self._next_config: EngineConfig | None = None
         self._backoff_s = 1.0
         self._health_in_flight = False
@@ -447,7 +448,9 @@ class EngineProcess(QObject):
         self.client.set_target(None)
         uptime = time.time() - (self.started_at or time.time())
         self._set_state(EngineState.STOPPED if outcome.requested else EngineState.CRASHED)
-        self.ended.emit(outcome)
+        self.ended.emit(outcome)  # may close this (the app quitting): then nothing starts again
+        if self._closed:
+            return
         if self._restart_after_stop:
             self._restart_after_stop = False
             config, self._next_config = self._next_config, None
@@ -471,6 +474,15 @@ class EngineProcess(QObject):
     def cancel_auto_restart(self) -> None:
         self._auto_timer.stop()
 
+    def cancel_restarts(self) -> None:
+        """No engine starts again: neither the back-off's nor a restart's waiting for the old one to stop (the
+        app is quitting: an engine started then would outlive it, unrecorded)."""
+        self.cancel_auto_restart()
+        self._restart_after_stop = False
+        self._next_config = None
+
     def close(self) -> None:
-        """At exit, after the engine ended: finish pending pid-file work."""
+        """At exit, after the engine ended: finish pending pid-file work; nothing starts after this."""
+        self._closed = True
+        self.cancel_restarts()
         self._files.shutdown(wait=True)

@@ -406,7 +406,7 @@ class MainWindow(QMainWindow):
         self.settings_tab.settle_now()
         self.autosaver.flush()
         self.hide()
-        self.engine.cancel_auto_restart()
+        self.engine.cancel_restarts()  # a restart under way included: no engine may start after the quit
         if self.engine.running:
             self.tray.icon.setToolTip("Strata — stopping the engine…")
             self.engine.ended.connect(lambda _o: self._finish_quit())
@@ -439,6 +439,7 @@ class MainWindow(QMainWindow):
         """End everything the window runs: no engine, thread, timer or open file outlives it."""
         self._finished = True
         self.chat.shutdown()
+        self.engine.cancel_restarts()  # a restart waiting for the old engine to stop must not start a new one
         self.engine.stop_and_wait()
         self.engine.close()
         self.poller.stop()

@@ -246,6 +246,18 @@ def test_teardown_at_exit_stops_the_engine_cleanly(tray_window):
     assert not any("killing" in line for line in tray_window.engine.lines)
 
 
+def test_a_quit_while_a_restart_stops_the_old_engine_starts_no_new_one(qtbot, tray_window):
+    w = tray_window
+    pid = w.engine.pid
+    w.restart_engine()  # the old engine stopping; the new one would start when it has ended
+    assert w.engine.state is EngineState.STOPPING
+    with qtbot.waitSignal(w.quit_finished, timeout=20000):
+        w.quit()
+    qtbot.wait(500)  # what the old engine's end would have started, had the restart stayed under way
+    assert not w.engine.running and w.engine.pid in (None, pid), list(w.engine.lines)[-5:]
+    assert sum("strata-desktop: starting" in line for line in w.engine.lines) <= 1, list(w.engine.lines)
+
+
 def test_a_window_nobody_sees_takes_close_requests_for_the_app(qtbot):
     asked: list[int] = []
     sentinel = CloseSentinel(lambda: asked.append(1))

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def test_a_quantised_checkpoint_is_refused_not_read_as_floats(tiny_copy):
     from safetensors.torch import load_file, save_file
 
     config_path = os.path.join(tiny_copy, "config.json")
-    config = json.loads(open(config_path, encoding="utf-8").read())
+    config = json.loads(Path(config_path).read_text(encoding="utf-8"))
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump({**config, "quantization_config": {"quant_method": "fp8"}}, f)
     with pytest.raises(ModelLoadError, match="quantization_config 'fp8': quantised checkpoints are not read"):
@@ -73,11 +74,11 @@ def test_a_quantised_checkpoint_is_refused_not_read_as_floats(tiny_copy):
 
 def test_a_begin_of_text_id_past_the_embedding_is_refused_at_load(tiny_copy):
     config_path = os.path.join(tiny_copy, "config.json")
-    config = json.loads(open(config_path, encoding="utf-8").read())
+    config = json.loads(Path(config_path).read_text(encoding="utf-8"))
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(tiny_copy, name)
         if os.path.exists(path):
-            body = json.loads(open(path, encoding="utf-8").read())
+            body = json.loads(Path(path).read_text(encoding="utf-8"))
             with open(path, "w", encoding="utf-8") as f:
                 json.dump({**body, "bos_token_id": 1_000_000}, f)
     with pytest.raises(ModelLoadError, match=f"begin-of-text token id 1000000 is past the embedding's "
