@@ -32,8 +32,9 @@ from desktop.client import EngineClient, Reply
 from desktop.engine_errors import config_error, refused_words
 from desktop.log_files import APP_PREFIX
 from desktop.pid_file import read_pid_file, write_pid_file
-from engine.config import EngineConfig
+from engine.config import EngineConfig, all_settings
 from engine.contract import ContractError, HealthBody, parse
+from engine.store_url import redact_url
 
 LISTENING = re.compile(r"strata: listening on (https?://\S+)")
 LOG_LINES = 5000  # lines kept in memory for the Logs tab and the crash report
@@ -229,7 +230,7 @@ class EngineProcess(QObject):
         proc.finished.connect(self._on_finished)
         proc.errorOccurred.connect(self._on_error)
         self._proc = proc
-        self._emit_line("strata-desktop: starting " + " ".join(self._masked(self.command)))
+        self._emit_line("strata-desktop: starting " + " ".join(self.masked_command(self.command)))
         self._set_url(None)
         self._set_health(None)
         self._set_state(EngineState.STARTING)
@@ -320,8 +321,13 @@ class EngineProcess(QObject):
                             "waiting for it to exit")
         self._close_stdin()
 
-    def _masked(self, command: list[str]) -> list[str]:
-        return [("***" if i > 0 and command[i - 1] == "--api-key" else a) for i, a in enumerate(command)]
+    @staticmethod
+    def masked_command(command: list[str]) -> list[str]:
+        """`command` as the Logs tab, desktop.log and the pid file show it: a secret flag's value (--api-key) as
+        ***, and a URL's password (a Redis store's) as ***."""
+        secret = {spec.flag for _, spec, _ in all_settings() if spec.secret}
+        return [("***" if i > 0 and command[i - 1] in secret else redact_url(a) if "://" in a else a)
+                for i, a in enumerate(command)]
 
     def _set_state(self, state: EngineState) -> None:
         if state is not self.state:
@@ -367,7 +373,7 @@ class EngineProcess(QObject):
     def _write_pid_file(self) -> None:
         if self.pid_file is None or self.pid is None:
             return
-        pid, url, command, path = self.pid, self.url, list(self.command), self.pid_file
+        pid, url, command, path = self.pid, self.url, self.masked_command(self.command), self.pid_file  # no secrets on disk
         self._files.submit(write_pid_file, path, pid, url, command)
 
     def _remove_pid_file(self) -> None:

@@ -304,3 +304,11 @@ def test_reap_orphan_stops_an_engine_started_with_an_api_key_through_shutdown(tm
     finally:
         real.stop()
         dispatcher.close()
+
+
+def test_the_command_shown_and_recorded_holds_no_secret():
+    command = ["strata", "serve", "--api-key", "sekrit", "--conversation-cache-remote",
+               "redis://:hunter2@127.0.0.1:6379/0", "--port", "0"]
+    shown = " ".join(EngineProcess.masked_command(command))
+    assert "sekrit" not in shown and "hunter2" not in shown, shown
+    assert "--api-key *** " in shown and "redis://:***@127.0.0.1:6379/0" in shown
