@@ -149,7 +149,7 @@ class ChatStream(QObject):
                         message = error.get("message") if isinstance(error, dict) else error
                         self._emit(self.failed, f"The engine stopped with an error: {message}")
                         return
-                    if event.get("usage"):
+                    if isinstance(event.get("usage"), dict):
                         usage = event["usage"]
                     for choice in event.get("choices") or []:
                         delta = choice.get("delta") or {}
@@ -167,6 +167,9 @@ class ChatStream(QObject):
             return
         except ValueError as e:
             self._emit(self.failed, f"The engine sent an event that is not JSON: {e}")
+            return
+        except (AttributeError, TypeError, KeyError) as e:  # JSON, but not a chunk's shape (data: 5, choices: "x")
+            self._emit(self.failed, f"The engine sent an event this app does not read ({type(e).__name__}: {e}).")
             return
         if not self.reached_end:
             self._emit(self.failed, "The engine ended the stream before it finished.")

@@ -25,7 +25,7 @@ from desktop.crash_panel import CrashPanel
 from desktop.crash_report import cache_loss, memory_note
 from desktop.desktop_entry import resource_path
 from desktop.engine_errors import BusyPort, busy_port, describe_busy_port, port_owner, setting_for_error
-from desktop.engine_process import EngineProcess, EngineState, ProcessOutcome
+from desktop.engine_process import SHUTDOWN_GRACE_S, EngineProcess, EngineState, ProcessOutcome
 from desktop.header import EngineHeader
 from desktop.live_apply import LiveApply
 from desktop.log_files import APP_PREFIX, LogFiles
@@ -209,7 +209,9 @@ class MainWindow(QMainWindow):
         self.poller.start()
         path, client = self.paths.pid_file, self.client
         key = self.store.engine_config().api_key  # what the orphan was most likely started with
-        self.dispatcher.submit(lambda: reap_orphan(path, client, api_key=key), self._orphan_checked)
+        # as long as the engine's own clean stop may take (its spill to disk): a shorter wait killed it mid-spill
+        self.dispatcher.submit(lambda: reap_orphan(path, client, grace_s=SHUTDOWN_GRACE_S, api_key=key),
+                               self._orphan_checked)
 
     def _orphan_checked(self, result: Any) -> None:
         if isinstance(result, str):

@@ -117,3 +117,34 @@ def test_reasoning_after_a_preamble_of_the_answer_streams_into_the_thought_above
     assert all(text == fresh for text, fresh, _ in shown), shown  # as the end of the turn draws it
     assert [italic for _, _, italic in shown] == [False, True, True, False]  # each piece in its block's style
     assert tab.view.toPlainText().startswith(head + "T1 T2 \nPreamble. Done.\n")  # the turn's figures below
+
+
+@pytest.mark.parametrize("event", [b"5", b"[]", b'{"choices": "x"}', b'{"choices": [{"delta": 3}]}'])
+def test_an_event_of_another_shape_fails_the_turn_instead_of_leaving_it_answering(qtbot, event):
+    """JSON, but not a chunk (what another server, or a proxy's page, may send): the turn fails with words; the
+    worker used to die without a signal, the turn answering until Stop."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Odd(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b"data: " + event + b"\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        body = ChatStream(f"http://127.0.0.1:{server.server_address[1]}", None, [{"role": "user", "content": "hi"}],
+                          max_tokens=4)
+        with qtbot.waitSignal(body.failed, timeout=10000) as failed:
+            body.start()
+        assert "does not read" in failed.args[0] or "ended the stream" in failed.args[0], failed.args
+        assert body.join(5)
+    finally:
+        server.shutdown()
