@@ -17,6 +17,7 @@ import re
 import shlex
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -425,6 +426,11 @@ class AutoSaver(QObject):
         self._submit = submit
         self._timer = QTimer(self, singleShot=True, interval=delay_ms)
         self._timer.timeout.connect(self._save_in_background)
+        # One write at a time, the newest last: saves run on a pool of several workers, and flush() on this
+        # thread; without this an older text could land after a newer one (and win at the next launch).
+        self._writing = threading.Lock()
+        self._asked = 0  # saves asked for, in order
+        self._landed = 0  # the newest save written
 
     def schedule(self) -> None:
         self._timer.start()
@@ -434,9 +440,15 @@ class AutoSaver(QObject):
         if text is None:
             return
         path = self.store.path
+        self._asked += 1
+        seq = self._asked
 
         def write() -> None:
-            atomic_write(path, text)
+            with self._writing:
+                if seq < self._landed:
+                    return  # a newer text is on disk already
+                atomic_write(path, text)
+                self._landed = seq
 
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
@@ -450,8 +462,12 @@ class AutoSaver(QObject):
     def flush(self) -> None:
         """Write pending changes now, on this thread (used at quit)."""
         self._timer.stop()
+        self._asked += 1
+        seq = self._asked
         try:
-            if self.store.save():
-                self.saved.emit(str(self.store.path))
+            with self._writing:  # after a write under way, never before it
+                if self.store.save():
+                    self.saved.emit(str(self.store.path))
+                self._landed = seq
         except OSError as e:
             self.failed.emit(f"Could not save settings to {self.store.path}: {e}")

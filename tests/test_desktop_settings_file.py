@@ -202,3 +202,36 @@ def test_autosave_is_debounced_and_written_off_the_ui_thread(qtbot, tmp_path):
     assert len(writers) == 1 and writers[0] != threading.main_thread().name
     assert json.loads((tmp_path / "s.json").read_text())["engine"] == {"port": 9009}
     dispatcher.close()
+
+
+def test_a_slow_background_save_never_lands_after_a_newer_one(qtbot, tmp_path, monkeypatch):
+    """The first save's write takes a while (a slow fsync); a newer change and the quit's flush come meanwhile: the
+    file ends holding the newest settings, whatever order the writes finish in."""
+    import threading
+
+    from desktop import settings as settings_module
+    from desktop.client import Dispatcher
+    from desktop.settings import AutoSaver
+
+    write, first = settings_module.atomic_write, threading.Event()
+
+    def slow_first(path, text):
+        if not first.is_set():
+            first.set()
+            threading.Event().wait(0.5)
+        write(path, text)
+
+    monkeypatch.setattr(settings_module, "atomic_write", slow_first)
+    dispatcher = Dispatcher()
+    store = SettingsStore(tmp_path / "s.json", environ={})
+    store.load()
+    saver = AutoSaver(store, dispatcher.submit, delay_ms=0)
+    try:
+        store.set("port", 9001)
+        saver.schedule()
+        qtbot.waitUntil(first.is_set, timeout=5000)  # the slow write of 9001 is under way
+        store.set("port", 9002)
+        saver.flush()  # the quit's
+    finally:
+        dispatcher.close(wait=True)
+    assert json.loads((tmp_path / "s.json").read_text(encoding="utf-8"))["engine"]["port"] == 9002
