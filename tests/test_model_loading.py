@@ -86,6 +86,43 @@ def test_a_begin_of_text_id_past_the_embedding_is_refused_at_load(tiny_copy):
         _load(tiny_copy)
 
 
+def _damage_json(folder: str, name: str, change) -> None:
+    path = Path(folder) / name
+    body = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    path.write_text(json.dumps(change(body)), encoding="utf-8")
+
+
+def _headerless_offsets(folder: str) -> None:
+    """model.safetensors with one tensor's data_offsets left out of its header (the same header length)."""
+    import struct
+
+    path = Path(folder) / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name] = {"dtype": header[name]["dtype"], "shape": header[name]["shape"]}
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    path.write_bytes(data[:8] + text + data[8 + n :])
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: Path(d, "config.json").write_text("[]", encoding="utf-8"), "config.json: expected a JSON object"),
+    (lambda d: _damage_json(d, "config.json", lambda c: {**c, "num_attention_heads": 0}),
+     "expected positive whole numbers"),
+    (lambda d: _damage_json(d, "tokenizer_config.json", lambda c: {**c, "chat_template": [{"name": "x"}]}),
+     "chat_template: expected a string or a list"),
+    (lambda d: Path(d, "chat_template.jinja").write_bytes(b"{{ messages \xff }}"), "chat_template.jinja: not UTF-8"),
+    (_headerless_offsets, "has no valid data_offsets"),
+    (lambda d: Path(d, "model.safetensors.index.json").write_text('{"weight_map": {"a": 5}}', encoding="utf-8"),
+     "weight_map: expected an object"),
+], ids=["config-list", "no-heads", "template-list", "template-bytes", "offsets", "index"])
+def test_malformed_model_files_are_refused_in_one_line_naming_the_file(tiny_copy, damage, words):
+    damage(tiny_copy)
+    with pytest.raises(ModelLoadError, match=words):
+        _load_any(tiny_copy)
+
+
 def test_truncated_safetensors_is_refused(tiny_copy):
     weights = os.path.join(tiny_copy, "model.safetensors")
     with open(weights, "r+b") as f:

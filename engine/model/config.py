@@ -252,6 +252,9 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             n_heads = int(cfg["num_attention_heads"])
             n_layers = int(cfg["num_hidden_layers"])
+            if min(hidden, n_heads, n_layers) <= 0:
+                raise ConfigError(f"hidden_size {hidden}, num_attention_heads {n_heads}, num_hidden_layers "
+                                  f"{n_layers}: expected positive whole numbers")
             rope_parameters = dict(cfg.get("rope_parameters") or {})
             params = rope_parameters
             if "full_attention" in params:  # per layer type (transformers 5's Gemma 3)

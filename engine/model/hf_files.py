@@ -21,8 +21,10 @@ def safetensors_files(folder: str) -> list[str]:
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: weight_map: expected an object of tensor names to file names")
         files = sorted(set(weight_map.values()))
         for name in files:
             if not os.path.isfile(os.path.join(folder, name)):
@@ -49,6 +51,14 @@ def safetensors_header(path: str) -> bytes:
         meta = json.loads(header)
     except ValueError:
         raise ModelLoadError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise ModelLoadError(f"{path}: safetensors header: expected a JSON object, got {type(meta).__name__}")
+    for name, entry in meta.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if name != "__metadata__" and not (isinstance(offsets, list) and len(offsets) == 2
+                                           and all(isinstance(o, int) and o >= 0 for o in offsets)):
+            raise ModelLoadError(f"{path}: safetensors header: tensor {name!r} has no valid data_offsets "
+                                 "(expected [begin, end] byte offsets)")
     end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise ModelLoadError(

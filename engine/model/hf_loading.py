@@ -106,6 +106,8 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
             raw_config = json.load(f)
     except ValueError as e:
         raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(raw_config, dict):
+        raise ModelLoadError(f"{config_path}: expected a JSON object, got {type(raw_config).__name__}")
     hybrid = hybrid_loader(raw_config)
     if hybrid is not None:
         return hybrid(folder, raw_config, stages, dtype, cpu_experts, int4_weights)

@@ -131,6 +131,8 @@ def read_model_config(path: str) -> ModelConfig:
                 raise ModelLoadError(f"{config_path}: missing (an HF model folder needs config.json)")
             with open(config_path, encoding="utf-8") as f:
                 raw = json.load(f)
+            if not isinstance(raw, dict):
+                raise ModelLoadError(f"{config_path}: expected a JSON object, got {type(raw).__name__}")
             if hybrid_loader(raw) is not None:
                 from engine.model.hybrid.loader import hybrid_config_from_hf
 

@@ -159,11 +159,21 @@ class Tokenizer:
 
         template = tcfg.get("chat_template") or ""
         if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            named = [t for t in template if isinstance(t, dict) and isinstance(t.get("template"), str)]
+            if not named:
+                raise TokenizerError(f"{os.path.join(folder, 'tokenizer_config.json')}: chat_template: expected a "
+                                     'string or a list of {"name", "template"} objects')
+            template = next((t["template"] for t in named if t.get("name") == "default"), named[0]["template"])
+        if not isinstance(template, str):
+            raise TokenizerError(f"{os.path.join(folder, 'tokenizer_config.json')}: chat_template: expected a string, "
+                                 f"got {type(template).__name__}")
         jinja_path = os.path.join(folder, "chat_template.jinja")
         if os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                template = f.read()
+            try:
+                with open(jinja_path, encoding="utf-8") as f:
+                    template = f.read()
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"{jinja_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
         texts = {k: _token_text(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special = {k: v for k, v in texts.items() if v}
