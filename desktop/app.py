@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from PySide6.QtCore import QTimer
 
-    from desktop.instance import SingleInstance, instance_name, notify_running
+    from desktop.instance import SingleInstance, instance_lock, instance_name, notify_running
     from desktop.quit_requests import Application
     from desktop.settings import Paths
 
@@ -95,11 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     app.setQuitOnLastWindowClosed(False)  # the window may close to the tray; quitting is explicit
 
     name = instance_name(paths.config_dir)
-    if notify_running(name):
-        print("strata-desktop: already running; showed its window", file=sys.stderr)
+    lock = instance_lock(paths.config_dir)
+    if lock is None:  # a live instance holds the settings folder: it shows its window, this one ends
+        shown = notify_running(name, timeout_ms=5000)
+        print("strata-desktop: already running; " + ("showed its window" if shown else "it did not answer"),
+              file=sys.stderr)
         return 0
     instance = SingleInstance(name, app)
-    instance.listen()
+    if not instance.listen():
+        print(f"strata-desktop: cannot listen for later launches on {name}: {instance.server.errorString()}",
+              file=sys.stderr)
 
     from desktop.main_window import MainWindow
 

@@ -6,8 +6,20 @@ import getpass
 import hashlib
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QLockFile, QObject, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
+
+LOCK_NAME = "strata-desktop.lock"
+
+
+def instance_lock(config_dir: Path) -> QLockFile | None:
+    """The settings folder's lock, held for the app's life, or None when a live instance holds it. Taken before
+    the local socket: two launches close together both found no one listening, and the second's listen() removed
+    the first's socket (on Windows both could listen). A lock left by a dead instance is taken over."""
+    config_dir.mkdir(parents=True, exist_ok=True)
+    lock = QLockFile(str(config_dir / LOCK_NAME))
+    lock.setStaleLockTime(0)  # stale only when its process is gone, however old
+    return lock if lock.tryLock(200) else None
 
 
 def instance_name(config_dir: Path) -> str:
@@ -46,7 +58,8 @@ class SingleInstance(QObject):
         self.server.newConnection.connect(self._on_connection)
 
     def listen(self) -> bool:
-        """Start listening; a socket file left by a crashed instance is removed first (callers checked it is dead)."""
+        """Start listening; a socket file left by a crashed instance is removed first (callers hold the
+        `instance_lock`, so no live instance listens on it)."""
         if self.server.listen(self.name):
             return True
         QLocalServer.removeServer(self.name)

@@ -254,6 +254,28 @@ def test_single_instance_asks_the_first_to_show(qtbot, tmp_path):
     first.close()
 
 
+def test_the_settings_folder_is_held_by_one_instance_and_taken_over_from_a_dead_one(tmp_path):
+    import subprocess
+    import sys
+
+    from desktop.instance import LOCK_NAME, instance_lock
+
+    first = instance_lock(tmp_path)
+    assert first is not None and instance_lock(tmp_path) is None  # a second launch, however close, does not get it
+    first.unlock()
+    again = instance_lock(tmp_path)
+    assert again is not None
+    again.unlock()
+    # a lock left by a process that is gone (a crash) is taken over
+    code = (f"from PySide6.QtCore import QLockFile; lock = QLockFile({str(tmp_path / LOCK_NAME)!r}); "
+            "assert lock.tryLock(0); import os; os._exit(0)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert (tmp_path / LOCK_NAME).exists()
+    taken = instance_lock(tmp_path)
+    assert taken is not None
+    taken.unlock()
+
+
 def test_building_the_window_never_imports_torch(tmp_path):
     code = textwrap.dedent(f"""
         import os, sys
