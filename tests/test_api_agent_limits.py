@@ -107,3 +107,14 @@ def test_tools_a_template_cannot_show_are_left_out_when_they_would_not_fit(cappe
     many = client.chat.completions.create(model="m", messages=ASK, max_tokens=2, tools=tools)
     assert many.usage.prompt_tokens == plain.usage.prompt_tokens, "six do not: answered without them"
     assert "answering without them" in capped.logs()
+
+
+def test_a_template_file_is_checked_as_the_engine_renders_and_a_broken_own_one_falls_back_to_chatml(tmp_path):
+    from engine.model.chat_templates import CHATML, choose_chat_template
+
+    good = tmp_path / "good.jinja"  # loop controls and the generation tag: the engine's environment has both
+    good.write_text("{% for m in messages %}{% if loop.index > 9 %}{% break %}{% endif %}{% generation %}"
+                    "{{ m.content }}{% endgeneration %}{% endfor %}", encoding="utf-8")
+    assert choose_chat_template(str(good), "", "m")[1] == str(good)
+    text, source = choose_chat_template("", "{% if %}", "m")  # the model's own, broken
+    assert text == CHATML and "does not compile" in source

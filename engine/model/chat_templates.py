@@ -6,9 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
-import jinja2
-
 from engine.errors import ModelLoadError
+from engine.model.tokenizer import TokenizerError, compile_template
 
 log = logging.getLogger("strata.model")
 
@@ -70,11 +69,17 @@ def choose_chat_template(setting: str, own: str, model: str) -> tuple[str, str]:
         try:
             with open(setting, encoding="utf-8") as f:
                 text = f.read()
-            jinja2.Environment().parse(text)
-        except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as exc:
+            compile_template(text)  # as the engine renders it: {% break %} and {% generation %} are fine
+        except (OSError, UnicodeDecodeError, TokenizerError) as exc:
             raise ModelLoadError(f"--chat-template {setting}: not a readable Jinja template: {exc}") from None
         return text, setting
     if own:
+        try:
+            compile_template(own)
+        except TokenizerError as exc:  # the model's file: every chat would be refused as the client's fault
+            log.warning("%s: its own %s: chats are rendered as ChatML (--chat-template FILE|NAME to choose one)",
+                        model, exc)
+            return CHATML, "built-in chatml (the model's own does not compile)"
         return own, "the model's own"
     log.warning("%s has no chat template: chats are rendered as ChatML (--chat-template FILE|NAME to choose one)",
                 model)

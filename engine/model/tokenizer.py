@@ -315,7 +315,7 @@ class Tokenizer:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use /v1/completions with a plain prompt")
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_template(self.chat_template)
         context = dict(self.special_tokens)
         context.update(extra)
         return self._template.render(
@@ -492,7 +492,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def compile_template(source: str) -> jinja2.Template:
+    """A chat template as the engine renders it (sandboxed, loop controls, the {% generation %} tag); TokenizerError
+    naming the syntax error when it does not compile."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
