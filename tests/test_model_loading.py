@@ -116,7 +116,10 @@ def _headerless_offsets(folder: str) -> None:
     (_headerless_offsets, "has no valid data_offsets"),
     (lambda d: Path(d, "model.safetensors.index.json").write_text('{"weight_map": {"a": 5}}', encoding="utf-8"),
      "weight_map: expected an object"),
-], ids=["config-list", "no-heads", "template-list", "template-bytes", "offsets", "index"])
+    (lambda d: _damage_json(d, "config.json", lambda c: {**c, "rms_norm_eps": float("nan")}),
+     "rms_norm_eps: expected a small positive number"),
+    (lambda d: _damage_json(d, "config.json", lambda c: {**c, "rope_theta": -5}), "rope_theta: expected a positive"),
+], ids=["config-list", "no-heads", "template-list", "template-bytes", "offsets", "index", "eps", "theta"])
 def test_malformed_model_files_are_refused_in_one_line_naming_the_file(tiny_copy, damage, words):
     damage(tiny_copy)
     with pytest.raises(ModelLoadError, match=words):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -100,6 +101,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}: expected a positive whole number, got {value!r}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ConfigError(f"rms_norm_eps: expected a small positive number, got {self.rms_norm_eps!r}")
+        for name in ("rope_theta", "rope_local_theta"):
+            theta = getattr(self, name, None)
+            if theta is not None and not (math.isfinite(theta) and theta > 0):
+                raise ConfigError(f"{name}: expected a positive number, got {theta!r}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
