@@ -65,3 +65,19 @@ def test_a_damaged_header_is_a_clear_error(tmp_path):
     copy = tmp_path / "copy.gguf"
     shutil.copy(good, copy)
     assert read_gguf_header(str(copy)).tensors
+
+
+def test_a_tensor_of_implausible_dimensions_is_refused_before_its_size_wraps(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = str(tmp_path / "huge.gguf")  # 2^62 x 8 values: int64 products wrap, and the size came out negative
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor_info("output_norm.weight", [2**62, 8], np.dtype(np.float32), 32,
+                           raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"output_norm.weight: dimensions .* are not plausible"):
+        read_gguf_header(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import math
 import mmap
 import os
 import struct
@@ -118,6 +119,8 @@ class _Cursor:
         raise ValueError(f"unknown metadata value type {vtype} at byte {self.pos - 4}")
 
 
+MAX_VALUES = 1 << 40  # values in one tensor: far above any model (a 1T-parameter one holds it whole)
+
 def _parse(buf: Any, size: int, path: str) -> GGUFHeader:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -154,7 +157,9 @@ def _parse(buf: Any, size: int, path: str) -> GGUFHeader:
             block, type_bytes = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             raise ValueError(f"tensor {name}: unknown type {code}") from None
-        n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n = math.prod(int(d) for d in dims)  # Python ints: a damaged dimension must not wrap around int64
+        if (dims and min(dims) <= 0) or n > MAX_VALUES:
+            raise ValueError(f"tensor {name}: dimensions {list(dims)} are not plausible (damaged?)")
         if n % block:
             raise ValueError(f"tensor {name}: {n} values are not whole blocks of {block}")
         tensors.append(GGUFTensor(name, qtype, tuple(reversed(dims)), data_offset + offset, n // block * type_bytes))
