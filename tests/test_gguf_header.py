@@ -81,3 +81,14 @@ def test_a_tensor_of_implausible_dimensions_is_refused_before_its_size_wraps(tmp
     writer.close()
     with pytest.raises(ModelLoadError, match=r"output_norm.weight: dimensions .* are not plausible"):
         read_gguf_header(path)
+
+
+@pytest.mark.parametrize("field, value", [("embedding_length", "abc"), ("attention.head_count", 0),
+                                          ("block_count", -2)])
+def test_a_shape_field_of_the_wrong_kind_is_refused_naming_it(tmp_path, field, value):
+    from engine.model.gguf_loading import gguf_config
+
+    header = read_gguf_header(write_tiny_gguf(tmp_path, "llama"))
+    meta = {**header.metadata, f"llama.{field}": value}
+    with pytest.raises(ModelLoadError, match=f"metadata llama.{field} is {value!r}; expected a positive whole"):
+        gguf_config(meta, {t.name for t in header.tensors}, "x.gguf")

@@ -85,8 +85,15 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
             raise ModelLoadError(f"{path}: metadata {arch}.{name} is missing")
         return value
 
-    hidden = int(key("embedding_length"))
-    n_heads = int(key("attention.head_count"))
+    def whole(name: str, default=None) -> int:
+        """A positive whole-number field, ModelLoadError naming it otherwise."""
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelLoadError(f"{path}: metadata {arch}.{name} is {value!r}; expected a positive whole number")
+        return value
+
+    hidden = whole("embedding_length")
+    n_heads = whole("attention.head_count")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
     scaling = None
     kind = meta.get(f"{arch}.rope.scaling.type")
@@ -108,7 +115,7 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     # GLM's block_count includes its next-token (MTP) layers after the decoder layers (llama.cpp's converter).
     # GLM-4.7-Flash's deepseek2 files too (conversion/glm.py's Glm4MoeLiteModel).
     mtp_layers = int(meta.get(f"{arch}.nextn_predict_layers") or 0) if arch in ("glm4moe", "deepseek2") else 0
-    n_layers = int(key("block_count")) - mtp_layers
+    n_layers = whole("block_count") - mtp_layers
     if mtp_layers and "blk.0.attn_norm.weight" not in tensor_names:  # llama.cpp's convert_hf_to_gguf --mtp-only
         raise ModelLoadError(f"{path}: holds only the next-token (MTP) layer, not the model (a file written with "
                              "--mtp-only); load the model's own GGUF")
