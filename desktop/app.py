@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     app.setQuitOnLastWindowClosed(False)  # the window may close to the tray; quitting is explicit
 
     name = instance_name(paths.config_dir)
-    lock = instance_lock(paths.config_dir)
-    if lock is None:  # a live instance holds the settings folder: it shows its window, this one ends
+    lock = instance_lock(paths.config_dir)  # held for the app's life (this frame runs the event loop)
+    if lock is False:  # a live instance holds the settings folder: it shows its window, this one ends
         shown = notify_running(name, timeout_ms=5000)
         print("strata-desktop: already running; " + ("showed its window" if shown else "it did not answer"),
               file=sys.stderr)

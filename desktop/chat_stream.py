@@ -174,7 +174,8 @@ class ChatStream(QObject):
         if not self.reached_end:
             self._emit(self.failed, "The engine ended the stream before it finished.")
             return
-        details = usage.get("prompt_tokens_details") or {}
+        details = usage.get("prompt_tokens_details")
+        details = details if isinstance(details, dict) else {}  # another shape: the figures are unknown, not fatal
         self._emit(self.finished, TurnStats(
             prompt_tokens=usage.get("prompt_tokens"), cached_tokens=details.get("cached_tokens"),
             completion_tokens=usage.get("completion_tokens"),

@@ -12,14 +12,20 @@ from PySide6.QtNetwork import QLocalServer, QLocalSocket
 LOCK_NAME = "strata-desktop.lock"
 
 
-def instance_lock(config_dir: Path) -> QLockFile | None:
-    """The settings folder's lock, held for the app's life, or None when a live instance holds it. Taken before
-    the local socket: two launches close together both found no one listening, and the second's listen() removed
-    the first's socket (on Windows both could listen). A lock left by a dead instance is taken over."""
-    config_dir.mkdir(parents=True, exist_ok=True)
+def instance_lock(config_dir: Path) -> QLockFile | bool:
+    """The settings folder's lock, held for the app's life; False when a live instance holds it; True when no lock
+    can be had there (a read-only folder: the app runs, as before there was one). Taken before the local socket:
+    two launches close together both found no one listening, and the second's listen() removed the first's
+    socket (on Windows both could listen). A lock left by a dead instance is taken over."""
+    try:
+        config_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return True
     lock = QLockFile(str(config_dir / LOCK_NAME))
     lock.setStaleLockTime(0)  # stale only when its process is gone, however old
-    return lock if lock.tryLock(200) else None
+    if lock.tryLock(200):
+        return lock
+    return lock.error() is not QLockFile.LockError.LockFailedError
 
 
 def instance_name(config_dir: Path) -> str:

@@ -443,17 +443,20 @@ class AutoSaver(QObject):
         self._asked += 1
         seq = self._asked
 
-        def write() -> None:
+        def write() -> bool:
             with self._writing:
                 if seq < self._landed:
-                    return  # a newer text is on disk already
+                    return False  # a newer text is on disk already
                 atomic_write(path, text)
                 self._landed = seq
+                return True
 
         def done(result: Any) -> None:
             if isinstance(result, BaseException):
                 self.failed.emit(f"Could not save settings to {path}: {result}")
                 return
+            if not result:
+                return  # skipped: what is on disk is a newer text, which its own save marked
             self.store.mark_written(text)
             self.saved.emit(str(path))
 

@@ -157,6 +157,9 @@ def test_media_a_tool_returned_or_an_earlier_turn_held_is_omitted_not_refused(cl
     assert answer.stop_reason in ("end_turn", "max_tokens")
     rendered = template_messages(MessagesRequest(model="m", max_tokens=4, messages=messages))
     omitted = "[image omitted: the model served here reads text only]"
+    # a tool loop after a question with an image (a history begun with another model): answered, so omitted
+    loop = [messages[0], messages[3], {"role": "user", "content": [messages[4]["content"][1]]}]
+    assert template_messages(MessagesRequest(model="m", max_tokens=4, messages=loop))[0]["content"].endswith(omitted)
     assert rendered[0]["content"] == "What is in this picture?\n" + omitted
     assert [m["content"] for m in rendered[4:]] == [omitted, ""]
 
@@ -174,6 +177,15 @@ def test_a_final_assistant_message_is_the_start_of_the_answer(client):
         shown = messages_prompt(tokenizer, MessagesRequest(model="m", max_tokens=4, messages=[
             {"role": "user", "content": "Count to five."}, {"role": "assistant", "content": start}]))[0]
         assert tokenizer.decode(shown.ids).endswith("\nassistant\n" + start), start
+    # a template whose generation prompt opens a thought its finished turns do not have (DeepSeek-R1's, QwQ's)
+    from engine.server.prompts import render_prompt
+
+    thinking = Tokenizer.from_gguf_metadata(read_gguf_header(embedded_model_path()).metadata)
+    thinking.use_chat_template("{% for m in messages %}{% if m.role == 'user' %}[U]{{ m.content }}{% else %}[A]"
+                               "{{ m.content }}[E]{% endif %}{% endfor %}{% if add_generation_prompt %}[A]<think>\n"
+                               "{% endif %}")
+    prefill = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "content": "{"}]
+    assert thinking.decode(render_prompt(thinking, prefill, None, continue_final=True).ids).endswith("[A]{")
     messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2,"}]
     rendered, _, _ = messages_prompt(tokenizer, MessagesRequest(model="m", max_tokens=4, messages=messages))
     assert tokenizer.decode(rendered.ids).endswith("\nassistant\n1, 2,")  # no end of turn, no new turn

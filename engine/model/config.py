@@ -37,6 +37,17 @@ class ConfigError(ValueError):
     """The model's configuration names something this engine does not run; the message says what."""
 
 
+def refuse_quantised(cfg: dict[str, Any], arch: str | None) -> None:
+    """ConfigError for an HF config.json of a quantised checkpoint (every family's reader, hybrids' too): FP8 and
+    the like keep their scales in tensors of their own, and read as floats without them the weights would be
+    wrong (an FP8 code's value, not the weight), silently. gpt-oss's MXFP4 experts are read as such (mxfp4.py)."""
+    quant = cfg.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if quant and not (arch == "gpt_oss" and method == "mxfp4"):
+        raise ConfigError(f"quantization_config {method!r}: quantised checkpoints are not read (their scales "
+                          "would be ignored); use a bfloat16 or float16 release of the model, or a GGUF")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Everything the forward pass needs to know about a model's shape."""
@@ -239,13 +250,7 @@ class ModelConfig:
             raise ConfigError(f"config.json: expected a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
         arch = next((_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES), None)
-        quant = cfg.get("quantization_config")
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if quant and not (arch == "gpt_oss" and method == "mxfp4"):  # gpt-oss's experts: read as MXFP4 (mxfp4.py)
-            # FP8 and other quantised checkpoints keep scales in tensors of their own: read as floats without
-            # them, the weights would be wrong (an FP8 code's value, not the weight), silently.
-            raise ConfigError(f"quantization_config {method!r}: quantised checkpoints are not read (their scales "
-                              "would be ignored); use a bfloat16 or float16 release of the model, or a GGUF")
+        refuse_quantised(cfg, arch)
         if arch is None:
             model_type = cfg.get("model_type")
             if model_type in _HF_MODEL_TYPES and not archs:

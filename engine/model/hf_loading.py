@@ -11,7 +11,7 @@ import xxhash
 from engine.errors import ModelLoadError
 from engine.model import mla_config, moe_loading, mtp, mxfp4
 from engine.model.build import LoadedModel, build_model
-from engine.model.config import ConfigError, ModelConfig
+from engine.model.config import ConfigError, ModelConfig, refuse_quantised
 from engine.model.hf_files import folder_tokenizer, header_fingerprint, open_tensors, safetensors_files
 
 _HF_LAYER_NAMES = {
@@ -110,6 +110,10 @@ def load_hf(folder: str, stages, dtype: torch.dtype, int4_weights: bool = False,
         raise ModelLoadError(f"{config_path}: expected a JSON object, got {type(raw_config).__name__}")
     hybrid = hybrid_loader(raw_config)
     if hybrid is not None:
+        try:
+            refuse_quantised(raw_config, None)  # before the hybrid reader, which casts what it reads to float
+        except ConfigError as e:
+            raise ModelLoadError(f"{config_path}: {e}") from None
         return hybrid(folder, raw_config, stages, dtype, cpu_experts, int4_weights)
     try:
         config = ModelConfig.from_hf(raw_config)

@@ -110,9 +110,11 @@ def _ids_fit(path: str, loaded: LoadedModel) -> LoadedModel:
     """`loaded`, once every id its tokenizer can give has a row in the embedding (a prompt's id past it would
     fail every request that meets it, and a begin-of-text id past it every request); else ModelLoadError."""
     rows, tok = loaded.config.vocab_size, loaded.tokenizer
-    if tok.vocab_size > rows:
-        raise ModelLoadError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the embedding {rows} rows: token "
-                             f"ids {rows} and up would have none (a tokenizer of another model?)")
+    # Its vocabulary proper; added tokens past the rows exist in real models (Gemma 3's <image_soft_token>, a
+    # multimodal token a text model never meets) and are left to the request's own checks.
+    if tok.base_vocab_size > rows:
+        raise ModelLoadError(f"{path}: the tokenizer's vocabulary has {tok.base_vocab_size} tokens, the embedding "
+                             f"{rows} rows: token ids {rows} and up would have none (a tokenizer of another model?)")
     bos = getattr(tok, "bos_token_id", None)
     if bos is not None and not 0 <= bos < rows:
         raise ModelLoadError(f"{path}: the begin-of-text token id {bos} is past the embedding's {rows} rows")

@@ -112,6 +112,7 @@ class Tokenizer:
             # <|return|>, a tool call with <|call|> (llama.cpp reads gpt-oss's end-of-generation tokens so too)
             self.eos_token_ids = (self.eos_token_ids - {harmony["<|end|>"]}) | {harmony["<|return|>"], harmony["<|call|>"]}
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.base_vocab_size = backend.get_vocab_size(with_added_tokens=False)  # without added (control) tokens
         self._template: jinja2.Template | None = None
         self._text_backend: FastTokenizer | None = None  # encode_text's copy, built on first use
         self._text_lock = threading.Lock()

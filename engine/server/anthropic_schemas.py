@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.errors import ApiError
-from engine.server.content_parts import omitted
+from engine.server.content_parts import answered, omitted
 from engine.server.schemas import MAX_INT32, MAX_STOP_STRINGS, Items, StrictBody
 
 TOOL_CHOICES = ("auto", "any", "tool", "none")
@@ -186,9 +186,16 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[st
         out.append({"role": "system", "content": system})
     # The user turn answered: the last user message that says something besides tool results (a prefill or a
     # system reminder may follow it). Its media are refused; any other message's omitted (content_parts.py).
-    asking = max((i for i, m in enumerate(req.messages) if m.get("role") == "user" and (
-        not isinstance(m.get("content"), list)
-        or any(isinstance(b, dict) and b.get("type") != "tool_result" for b in m["content"]))), default=-1)
+    def kind(m: Any) -> str:  # a user message of tool results only is a tool loop's, not a question
+        role = str(m.get("role")) if isinstance(m, dict) else ""
+        content = m.get("content") if isinstance(m, dict) else None
+        if role == "user" and isinstance(content, list) and content and all(
+                isinstance(b, dict) and b.get("type") == "tool_result" for b in content):
+            return "tool"
+        return role
+
+    kinds = [kind(m) for m in req.messages]
+    asking = answered(kinds, max((i for i, k in enumerate(kinds) if k == "user"), default=-1))
     for i, msg in enumerate(req.messages):
         param = f"messages[{i}]"
         role = msg.get("role")

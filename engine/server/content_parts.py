@@ -33,6 +33,17 @@ RESPONSES_PARTS = PartKinds(
     media=("input_image", "input_file", "input_audio"), example="input_text")
 
 
+def answered(kinds: list[str], asking: int) -> int:
+    """`asking` (the index of the last user message, -1 for none) when that message is the one being answered:
+    nothing but system messages follows it, and at most a final assistant's text (a prefill). In a tool loop
+    (a call, its result, an answer after it) the question was answered already: -1, so its media too are
+    omitted, not refused on every later turn. `kinds`: each message's role, or its item type for Responses."""
+    after = kinds[asking + 1 :] if asking >= 0 else []
+    if after and after[-1] == "assistant":
+        after = after[:-1]
+    return asking if all(kind in ("system", "developer") for kind in after) else -1
+
+
 def omitted(kind: str) -> str:
     """What stands in the text for a media part or block of type `kind` that is not refused (the module says when)."""
     return f"[{kind} omitted: the model served here reads text only]"

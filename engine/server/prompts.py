@@ -12,7 +12,7 @@ import jinja2
 
 from engine.errors import ApiError
 from engine.model.thinking import prompt_opens
-from engine.server.content_parts import CHAT_PARTS, parts_text
+from engine.server.content_parts import CHAT_PARTS, answered, parts_text
 from engine.server.effort import openai_effort, openai_thinking
 from engine.server.harmony_prompt import render_harmony
 from engine.server.prompt_tokens import PromptIds, RenderedPrompt, encode_prompt
@@ -90,7 +90,8 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, ids: PromptIds | Non
     """Prompt token ids for a chat request, and the tools offered (None if none)."""
     if not req.messages:
         raise ApiError(400, "'messages' must contain at least one message", param="messages")
-    asking = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=-1)  # the turn answered
+    asking = answered([m.role for m in req.messages],
+                      max((i for i, m in enumerate(req.messages) if m.role == "user"), default=-1))
     messages = [template_message(msg, i, last=i == asking) for i, msg in enumerate(req.messages)]
     tools = active_tools(req)
     effort = openai_effort(req.reasoning_effort, "reasoning_effort")
@@ -176,19 +177,23 @@ def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
 def _up_to_final(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  extra: dict[str, Any], text: str) -> str:
     """`text` (`messages` rendered without a generation prompt) cut after the final message's content, so the answer
-    goes on from it (Hugging Face's continue_final_message): the content is looked for only past the earlier
-    messages' prompt with its generation prompt, where the final turn begins, and its first occurrence there is
-    taken (a later one could be inside the template's end-of-turn markup: a prefill "<" and ChatML's <|im_end|>)."""
+    goes on from it (Hugging Face's continue_final_message): the content is looked for from where `text` parts
+    from the earlier messages' prompt with its generation prompt (where the final turn begins; a template that
+    opens a thought in its generation prompt, as DeepSeek-R1's, parts there too), and its first occurrence from
+    there is taken (a later one could be inside the template's end-of-turn markup: a prefill "<" and ChatML's
+    <|im_end|>). Without that prompt (a template that needs a user's turn last), the last occurrence."""
+    final = messages[-1].get("content") or ""
     try:
         before = tokenizer.render_chat(messages[:-1], tools=tools, add_generation_prompt=True, **extra)
-    except (ValueError, TypeError, jinja2.TemplateError):  # a template that needs its last message to be a user's
-        before = ""
-    final = messages[-1].get("content") or ""
-    if text.startswith(before):
-        for content in (final, final.strip()):
-            at = text.find(content, len(before)) if content else -1
-            if at >= 0:
-                return text[: at + len(content)]
+    except (ValueError, TypeError, jinja2.TemplateError):
+        before = None
+    start = len(os.path.commonprefix([text, before])) if before is not None else 0
+    for content in (final, final.strip()):
+        if not content:
+            continue
+        at = text.find(content, start) if before is not None else text.rfind(content)
+        if at >= 0:
+            return text[: at + len(content)]
     raise ApiError(400, "the model's chat template rewrites the final assistant message, so the answer cannot go "
                    "on from it; end the messages with a user turn", param="messages")
 

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.errors import ApiError
-from engine.server.content_parts import RESPONSES_PARTS, parts_text
+from engine.server.content_parts import RESPONSES_PARTS, answered, parts_text
 from engine.server.schemas import MAX_INT32, Items, Map, StrictBody
 
 log = logging.getLogger("strata.server")
@@ -64,8 +64,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
     # the user message answered (the last one): its media are refused, any other item's omitted (content_parts.py)
-    asking = max((i for i, it in enumerate(items) if isinstance(it, dict) and it.get("type", "message") == "message"
-                  and it.get("role") == "user"), default=-1)
+    kinds = [(it.get("role") if it.get("type", "message") == "message" else it.get("type")) if isinstance(it, dict)
+             else "" for it in items]
+    asking = answered([str(k) for k in kinds], max((i for i, k in enumerate(kinds) if k == "user"), default=-1))
     for i, item in enumerate(items):
         param = f"input[{i}]"
         if not isinstance(item, dict):
