@@ -98,24 +98,42 @@ def test_a_damaged_parked_file_is_a_clean_miss_for_the_restoring_slot_only(parke
     assert "cannot be restored" in logs
 
 
+A_TOKENS = [(i * 7) % 200 + 5 for i in range(200)]  # the conversation parked on disk (the tiny engine's)
+
+
+def _tiny_disk_engine(tmp_path):
+    """A tiny random model on the CPU, one slot, conversations parked on disk in blocks of 16 tokens."""
+    from engine.config import EngineConfig
+    from engine.runtime.engine import Engine
+    from tests.model_fixtures import write_tiny_model
+
+    return Engine.from_config(EngineConfig(
+        model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
+        conversation_cache_storage="disk", conversation_cache_dir=str(tmp_path / "cache"),
+        conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16))
+
+
+def _last(engine, request_id: str, prompt: list[int]):
+    """The last event of a greedy request of 4 tokens."""
+    from engine.runtime.requests import GenerationRequest, SamplingParams
+
+    return list(engine.submit(GenerationRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4))))[-1]
+
+
+def _park_a(engine) -> None:
+    """A_TOKENS answered, then another conversation that takes the one slot: A is parked on disk."""
+    for request_id, prompt in (("a", A_TOKENS), ("b", [(i * 13) % 200 + 5 for i in range(200)])):
+        last = _last(engine, request_id, prompt)
+        assert last.error is None and last.finish_reason == "length", last
+
+
 @pytest.mark.timeout(120)  # the engine thread used to die here, and the next requests waited for ever
 def test_a_request_that_fails_to_start_after_a_disk_restore_fails_alone(tmp_path, monkeypatch):
     """A failure starting a request whose conversation came back from disk (off the engine thread) errors that
     request only, as one on the engine thread's own path does: the engine thread serves on."""
-    from engine.config import EngineConfig
-    from engine.runtime.engine import Engine
-    from engine.runtime.requests import GenerationRequest, SamplingParams
     from engine.runtime.scheduler import Scheduler
-    from tests.model_fixtures import write_tiny_model
 
-    config = EngineConfig(model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
-                          conversation_cache_storage="disk", conversation_cache_dir=str(tmp_path / "cache"),
-                          conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16)
-    engine = Engine.from_config(config)
-
-    def last(request_id: str, prompt: list[int]):
-        stream = engine.submit(GenerationRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4)))
-        return [e for e in stream if e.finish_reason is not None][-1]
+    engine = _tiny_disk_engine(tmp_path)
 
     start = Scheduler._start
 
@@ -125,46 +143,30 @@ def test_a_request_that_fails_to_start_after_a_disk_restore_fails_alone(tmp_path
         return start(self, request, *args, **kwargs)
 
     try:
-        a = [(i * 7) % 200 + 5 for i in range(200)]
-        assert last("a", a).finish_reason == "length"
-        assert last("b", [(i * 13) % 200 + 5 for i in range(200)]).finish_reason == "length"  # parks a on disk
+        _park_a(engine)
         monkeypatch.setattr(Scheduler, "_start", failing)
-        failed = last("boom", [*a, 9, 9])  # a's disk copy, read off the engine thread
+        failed = _last(engine, "boom", [*A_TOKENS, 9, 9])  # a's disk copy, read off the engine thread
         assert failed.finish_reason == "error" and "failure starting the request" in failed.error
         assert engine.call(lambda: engine.slot_set.busy()).result() == 0
-        assert last("after", [4, 5, 6] * 10).finish_reason == "length"
+        assert _last(engine, "after", [4, 5, 6] * 10).finish_reason == "length"
     finally:
         engine.close()
 
 
 @pytest.mark.timeout(120)
 def test_a_restore_that_cannot_be_started_is_a_clean_miss_and_pins_nothing(tmp_path, monkeypatch):
-    from engine.config import EngineConfig
-    from engine.runtime.engine import Engine
     from engine.runtime.pending_restores import PendingRestores
-    from engine.runtime.requests import GenerationRequest, SamplingParams
-    from tests.model_fixtures import write_tiny_model
 
-    config = EngineConfig(model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
-                          conversation_cache_storage="disk", conversation_cache_dir=str(tmp_path / "cache"),
-                          conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16)
-    engine = Engine.from_config(config)
-
-    def answer(request_id: str, prompt: list[int]) -> list[int]:
-        stream = engine.submit(GenerationRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4)))
-        events = list(stream)
-        assert events[-1].error is None, events[-1].error
-        return [e.token_id for e in events if e.token_id is not None]
+    engine = _tiny_disk_engine(tmp_path)
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no reader thread")
 
     try:
-        a = [(i * 7) % 200 + 5 for i in range(200)]
-        answer("a", a)
-        answer("b", [(i * 13) % 200 + 5 for i in range(200)])  # parks a on disk
+        _park_a(engine)
         monkeypatch.setattr(PendingRestores, "start", refuse)
-        answer("again", [*a, 9, 9])  # a's disk copy found, its read not started: prefilled
+        again = _last(engine, "again", [*A_TOKENS, 9, 9])  # a's disk copy found, its read not started: prefilled
+        assert again.error is None, again.error
         record = engine.call(lambda: engine.stats.requests.snapshot()[-1]).result()
         assert record.reused_tokens == 0 and record.reason == "restore_failed", record
         assert engine.call(lambda: engine.slot_set.busy()).result() == 0
@@ -181,19 +183,8 @@ def test_a_conversation_purged_after_its_read_is_not_delivered(tmp_path, monkeyp
     import threading
 
     from engine.cache.restores import RestoreRead
-    from engine.config import EngineConfig
-    from engine.runtime.engine import Engine
-    from engine.runtime.requests import GenerationRequest, SamplingParams
-    from tests.model_fixtures import write_tiny_model
 
-    config = EngineConfig(model=write_tiny_model(tmp_path, "llama"), devices="cpu", ctx_size=512, parallel=1,
-                          conversation_cache_storage="disk", conversation_cache_dir=str(tmp_path / "cache"),
-                          conversation_cache_min_free_mib=0, conversation_cache_block_tokens=16)
-    engine = Engine.from_config(config)
-
-    def answer(request_id: str, prompt: list[int]):
-        stream = engine.submit(GenerationRequest(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4)))
-        return list(stream)[-1]
+    engine = _tiny_disk_engine(tmp_path)
 
     read, done_reading, purged = RestoreRead.read, threading.Event(), threading.Event()
 
@@ -203,13 +194,11 @@ def test_a_conversation_purged_after_its_read_is_not_delivered(tmp_path, monkeyp
         purged.wait(30)
 
     try:
-        a = [(i * 7) % 200 + 5 for i in range(200)]
-        answer("a", a)
-        answer("b", [(i * 13) % 200 + 5 for i in range(200)])  # parks a on disk
+        _park_a(engine)
         assert engine.call(lambda: engine.cache.flush()).result()  # written: a purge skips one being written
         monkeypatch.setattr(RestoreRead, "read", read_then_wait)
         final: list = []
-        asking = threading.Thread(target=lambda: final.append(answer("again", [*a, 9, 9])))
+        asking = threading.Thread(target=lambda: final.append(_last(engine, "again", [*A_TOKENS, 9, 9])))
         asking.start()
         assert done_reading.wait(30)
         result = engine.call(lambda: engine.purge_cache("all")).result()
