@@ -154,7 +154,8 @@ class EngineConfig:
         "code it read) and from the engine's recent answers, and verify them in one decode step; draft: a smaller model of the same vocabulary "
         "(--model-draft) drafts them; mtp: the model's own next-token layer (GLM-4.x MoE, GLM-4.7-Flash, DeepSeek-V3, Qwen3-Next, Qwen3.5) drafts them, declined "
         "with a logged reason for a model without one; greedy output token-identical to off, sampled output distributed as off "
-        "(rejection sampling); declined with a logged reason on CUDA stages",
+        "(rejection sampling); on CUDA through the captured decode step once a check at start finds its rows computed "
+        "alike in steps of every size (declined with a logged reason otherwise, with --deterministic, and on MoE layers)",
     )
     model_draft: str = setting(
         "", flag="--model-draft", label="Draft model", kind="str", group="runtime", metavar="PATH",

@@ -105,11 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-spec", default="none,ngram-simple",
                    help="llama-server --spec-type values to run (comma-separated) when LLAMA_SERVER is set")
     p.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--devices", default="auto", help="the engines' --devices (auto: cuda:0 when there is a GPU)")
     args = p.parse_args(argv)
     gguf = model_path(args.model)
     messages = replay_messages()
     print(f"CPU: {cpu_description()}; load at start {load()}")
-    base = EngineConfig(model=gguf if args.model else "", ctx_size=4096, conversation_cache_mib=0)
+    base = EngineConfig(model=gguf if args.model else "", ctx_size=4096, conversation_cache_mib=0, devices=args.devices)
+    import torch
+
+    if base.devices != "cpu" and torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     engines = {"off": Engine.from_config(base),
                "prompt-lookup": Engine.from_config(base.replace(spec="prompt-lookup", spec_draft_max=args.draft_max))}
     rates: dict[str, list[float]] = {k: [] for k in engines}
@@ -119,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             for key, engine in engines.items():
                 rate, answers[key] = strata_decode(engine, messages, args.max_tokens)
                 rates[key].append(rate)
+        declined = engines["prompt-lookup"].scheduler.speculation.declined
+        if declined:
+            print(f"--spec prompt-lookup declined: {declined}")
         counters = engines["prompt-lookup"].stats.counters
         drafted, accepted = counters["spec_drafted_tokens"], counters["spec_accepted_tokens"]
     finally:

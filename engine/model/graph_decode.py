@@ -4,7 +4,8 @@ A step whose chunks are all one token (every slot decoding, or a prompt's last t
 `decode_step` over static buffers: the token ids, positions and slots of the rows are copied into a device
 tensor, the step's graph is replayed, and its logits are copied out. Graphs are captured lazily, one per
 (batch bucket, attention length bucket): rows are padded up to the next batch bucket (1, 2, 4, ... up to
---parallel) and attention reads the first `length` rows of each slot, masked past the row's position, with
+--parallel; with speculation up to --parallel x (--spec-draft-max + 1), a slot's token and its drafts being
+several rows of it: engine/model/graph_verify.py) and attention reads the first `length` rows of each slot, masked past the row's position, with
 `length` the next power of two from 256 (capped at the context) above the step's last position. Pad rows
 repeat the first row's slot at position ctx - 1, a row no valid K/V lives at while that slot decodes below it
 (a step with a row at ctx - 1 runs eagerly), and their logits are dropped.
@@ -105,8 +106,11 @@ def decode_step(
         k_cache, v_cache = kv.layer(li)
         k_cache.index_put_((slots, pos), k)
         v_cache.index_put_((slots, pos), v)
-        keys = k_cache[:, :length].index_select(0, slots).transpose(1, 2)  # [rows, KVH, length, D]
-        values = v_cache[:, :length].index_select(0, slots).transpose(1, 2)
+        # [rows, KVH, length, D], gathered contiguous: the products below then take every row count the same
+        # way (a gathered [rows, length, KVH, D] made them copy it again for several rows, not for one, and one
+        # row got other bits than the same row beside others)
+        keys = k_cache[:, :length].transpose(1, 2).index_select(0, slots)
+        values = v_cache[:, :length].transpose(1, 2).index_select(0, slots)
         x = model.attention_out_and_mlp(layer, x, _masked_attention(q, keys, values, mask).reshape(n, H * D), n)
     h = rms_norm(x, model.norm, model.description.final_norm_eps)
     return logit_rows(h, model.lm_head, fast=not model.batch_invariant).float()
@@ -139,13 +143,24 @@ class GraphDecode:
         assert reason is None, f"decode graphs: {reason}"
         self.model = model
         self.max_batch = max_batch
+        self.slot_rows = max_batch  # the most rows of steps with one row per slot
         self.capture = capture
         self.device = model.stages[0][0]
         self.batches = batch_buckets(max_batch)
+        self.verifies = False  # steps with a slot's several rows (graph_verify.py), once widened for them
         self._kv: KVBuffers | None = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0
         self.replays = 0
+
+    def widen(self, rows: int) -> None:
+        """Capture steps of up to `rows` rows, several of them a slot's (a verify step's: graph_verify.py), besides
+        the buckets of one row per slot; `widen(0)` goes back to those. The graphs so far are dropped."""
+        self.verifies = rows > 0
+        self.max_batch = max(rows, self.slot_rows)
+        self.batches = sorted(set(batch_buckets(self.slot_rows)) | set(batch_buckets(self.max_batch)))
+        self._graphs.clear()
+        self._kv = None  # the inputs buffer is sized by max_batch: re-bound on the next step
 
     def _bind(self, kv: KVBuffers) -> None:
         self._graphs.clear()
@@ -159,7 +174,7 @@ class GraphDecode:
         """(batch bucket, attention length) for this step, or None when it is not a capturable step."""
         if len(chunks) > self.max_batch or any(ch.tokens.numel() != 1 for ch in chunks):
             return None
-        if len({ch.slot for ch in chunks}) != len(chunks):  # a slot's several rows: forward_chunks runs them
+        if not self.verifies and len({ch.slot for ch in chunks}) != len(chunks):  # a slot's several rows
             return None
         last = max(ch.start for ch in chunks)
         if last >= kv.ctx - 1:  # the pad rows' position

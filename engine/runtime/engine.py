@@ -134,7 +134,7 @@ class Engine:
         # (a hybrid's state and a sliding-window model's local rows are written through their own slot writers)
         restores = PendingRestores(wake=lambda: inbox.put(("wake", None)),
                                    kv=self.kv if self.memory.direct_kv else None)
-        speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, on_cpu)
+        speculation = Speculation.for_engine(config.spec, config.spec_draft_max, self.memory, self.runner.verify_declines)
         self.draft: DraftModel | None = None
         if speculation.method == "draft" and not speculation.declined:  # a declined draft is not loaded
             self.draft = DraftModel.load(config.model_draft, loaded, self.n_slots, self.ctx_size, kv_dtype,

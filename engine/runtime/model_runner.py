@@ -14,6 +14,7 @@ from engine.runtime.memory import SlotMemory
 from engine.runtime.threads import StepThreads
 
 if TYPE_CHECKING:
+    from engine.model.graph_verify import VerifyRows
     from engine.model.llama import SeqChunk
     from engine.runtime.protocols import Model
 
@@ -28,6 +29,7 @@ class ModelRunner:
         self.kv = kv
         self.memory = memory
         self.step_threads = step_threads
+        self.verify: VerifyRows | None = None  # a CUDA model's verify steps, once checked (verify_declines)
 
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """One forward over `chunks` (a hybrid model also advances each slot's recurrent state), on the threads
@@ -45,6 +47,46 @@ class ModelRunner:
 
         log.info(configure(self.model, n_slots, cuda_graphs=cuda_graphs, deterministic=deterministic))
 
+    def verify_declines(self, method: str, rows_per_slot: int) -> str:
+        """'' when a step computes a slot's several rows (its token and `rows_per_slot` - 1 drafts) as it computes
+        them one per step, bit for bit, else why not. The CPU kernels are batch-invariant by construction; a CUDA
+        model verifies through its captured decode step once a check at start finds it row-invariant
+        (engine/model/graph_verify.py)."""
+        from engine.model import executors, graph_verify
+        from engine.model.graph_decode import GraphDecode
+        from engine.model.llama import CausalLM
+
+        model = self.model
+        if all(torch.device(d).type == "cpu" for d, _, _ in model.stages):
+            return ""
+        if method == "mtp":
+            return "on CUDA the next-token layer does not get the model's hidden rows from the captured decode step"
+        if not isinstance(model, CausalLM) or not isinstance(model.graphs, GraphDecode):
+            if isinstance(model, CausalLM) and model.batch_invariant:
+                return ("--deterministic's per-row products read the weights once per row, so a verify step "
+                        "would cost what decoding its rows one by one does")
+            reason = executors.graph_step_declines(model) if isinstance(model, CausalLM) else "not a decoder-only model"
+            return f"this model's CUDA decode step is not captured ({reason}); its eager products are not checked"
+        if any(getattr(layer, "moe", None) is not None for layer in model.layers):
+            return "a mixture of experts' grouped GEMMs take each expert's rows, whose count drafts would change"
+        graphs = model.graphs
+        graphs.widen(self.kv.n_slots * rows_per_slot)
+        with torch.inference_mode():
+            why = graph_verify.check(graphs, self.kv)
+        for i in range(self.kv.n_slots):
+            self.kv.clear(i)
+            self.memory.clear(i)
+        if why:
+            graphs.widen(0)
+            return f"the captured CUDA step is not row-invariant here: {why}"
+        self.verify = graph_verify.VerifyRows(graphs, self.kv, model.config.n_heads)
+        return ""
+
+    def verify_rows(self, positions: list[int], prefilling: bool) -> list[int] | None:
+        """The most rows each decoding slot (at `positions`) may feed this step (graph_verify.VerifyRows), or None
+        where any number computes as one per step does (the CPU kernels)."""
+        return None if self.verify is None else self.verify.rows(positions, prefilling)
+
     def warm_up(self, ctx_size: int) -> None:
         """One short prefill and one decode step before serving, so the first request (often a conversation
         resumed after a restart) does not pay the kernels' one-time set-up; the slots it used are left empty."""
@@ -57,10 +99,11 @@ class ModelRunner:
             # Captured decode (GraphDecode): the graph of every batch size for short conversations now, not in
             # a request. The CPU decode steps (CpuDecode, NativeDecode) capture nothing.
             batches = self.model.warm_up_batches()
+            slots = self.kv.n_slots  # a verify step's several rows of a slot (graph_verify.py) past one per slot
             for rows in batches:
-                self.forward([SeqChunk(i, len(prompt), prompt[:1]) for i in range(rows)])
+                self.forward([SeqChunk(i % slots, len(prompt) + i // slots, prompt[:1]) for i in range(rows)])
         torch.set_num_threads(self.step_threads.compute)  # this thread's count as the engine found it
-        for i in range(max(batches, default=1)):
+        for i in range(min(max(batches, default=1), self.kv.n_slots)):
             self.kv.clear(i)
             self.memory.clear(i)
         self.build_rope_tables(ctx_size)

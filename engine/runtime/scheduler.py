@@ -289,16 +289,21 @@ class Scheduler:
         chunks: list[SeqChunk] = []
         owners: list[tuple[Slot, int, bool]] = []  # (slot, its first chunk, produces a token this step)
         n_prefill = n_decode = 0
-        for slot in self.slots.slots:
+        active = [slot for slot in self.slots.slots if slot.active is not None]
+        decoding = [slot for slot in active if slot.active is not None and slot.active.next_token is not None]
+        # where the model limits a step's rows per slot (a CUDA model's captured step: graph_verify.py)
+        limits = self.runner.verify_rows([len(slot.tokens) for slot in decoding], len(decoding) < len(active))
+        rows = dict(zip((slot.id for slot in decoding), limits, strict=True)) if limits is not None else {}
+        for slot in active:
             a = slot.active
-            if a is None:
-                continue
+            assert a is not None
             assert not slot.restoring, f"slot {slot.id} is restoring and must not be stepped"
             pos = len(slot.tokens)
             if a.next_token is not None:  # decoding: feed the last sampled token, and a draft's tokens after it
                 owners.append((slot, len(chunks), True))
                 # a draft never reaches past the context, nor past what max_tokens leaves after the target's token
-                room = min(self.slots.ctx_size - 2 - pos, a.max_tokens - len(a.generated) - 1)
+                room = min(self.slots.ctx_size - 2 - pos, a.max_tokens - len(a.generated) - 1,
+                           rows.get(slot.id, self.slots.ctx_size) - 1)
                 fed = [a.next_token, *(a.drafter.draft(a.generated, room) if a.drafter and room > 0 else [])]
                 self.slots.memory.before_step(slot.id, pos, pos + len(fed), len(slot.prompt))
                 # one-token rows: each computes what decoding its token alone computes (llama.check_rows)

@@ -76,17 +76,16 @@ class Speculation:
     memory: AnswerMemory = field(default_factory=AnswerMemory)
 
     @classmethod
-    def for_engine(cls, method: str, draft_max: int, memory: SlotMemory, on_cpu: bool) -> Speculation:
-        """The one place that decides whether this engine can speculate losslessly; a decline is logged once."""
+    def for_engine(cls, method: str, draft_max: int, memory: SlotMemory,
+                   steps_verify: Callable[[str, int], str]) -> Speculation:
+        """The one place that decides whether this engine can speculate losslessly; a decline is logged once.
+
+        `steps_verify(method, rows_per_slot)`: why the model's steps cannot compute a slot's token and its drafts
+        as decoding them one per step does ('' when they can: ModelRunner.verify_declines)."""
         assert method in ("off", "prompt-lookup", "draft", "mtp"), method
         why = ""
         if method != "off":
-            why = memory.rewind_inexact()
-            if not why and not on_cpu:
-                # CUDA's decode products are one GEMM over all rows (not batch-invariant without --deterministic)
-                # and its captured graphs take one row per slot: a draft row would not compute what decoding its
-                # token alone computes.
-                why = "a CUDA decode step does not compute a slot's rows as it computes them one by one"
+            why = memory.rewind_inexact() or steps_verify(method, draft_max + 1)
             if why:
                 log.warning("--spec %s declined, decoding without drafts: %s", method, why)
         return cls(method, draft_max, why)
