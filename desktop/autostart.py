@@ -13,9 +13,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from desktop.files import while_shared
 
 APP_ID = "strata-desktop"
 APP_NAME = "Strata Desktop"
@@ -227,8 +228,11 @@ def split_windows_args(text: str) -> list[str]:
 
 
 def render_cmd(command: list[str]) -> str:
-    """The fallback: a .cmd that starts the app detached (a console flashes briefly at login)."""
-    return f'@echo off\r\nstart "" {windows_arguments(command)}\r\n'
+    """The fallback: a .cmd that starts the app detached (a console flashes briefly at login). It is written in
+    UTF-8, and cmd.exe reads a batch file's lines in the console's code page (an OEM one, 437 or 850, say), so
+    it switches that to UTF-8 first: a path with a letter outside ASCII (C:\\Users\\José\\...) then reaches
+    `start` as written."""
+    return f'@echo off\r\nchcp 65001 >nul\r\nstart "" {windows_arguments(command)}\r\n'
 
 
 def parse_cmd(text: str) -> list[str] | None:
@@ -323,7 +327,7 @@ class Autostart:
             # An old .cmd entry, perhaps open in an editor; if it stays, the error says so and the Settings tab shows
             # the entries on disk (the new shortcut is one).
             with contextlib.suppress(FileNotFoundError):
-                _while_shared(fallback.unlink, fallback)
+                while_shared(fallback.unlink, fallback)
             return link
         if link.is_file():
             return link  # an existing shortcut (e.g. the installer's) stays the one entry
@@ -334,7 +338,7 @@ class Autostart:
         """Remove the entry in every form; True when something was removed."""
         removed = False
         for path in self.existing():
-            _while_shared(path.unlink, path)
+            while_shared(path.unlink, path)
             removed = True
         return removed
 
@@ -354,34 +358,8 @@ def _write_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        _while_shared(lambda: os.replace(tmp, path), path)
+        while_shared(lambda: os.replace(tmp, path), path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-
-
-SHARING_RETRIES = 40
-SHARING_RETRY_S = 0.025  # a reader's handle lives for one read: 40 tries wait about 1 s
-# Windows refuses to replace or remove a file while another handle holds it (a sharing violation, PermissionError);
-# POSIX lets both through, so there a PermissionError is a real lack of permission and is not tried again.
-SHARING_VIOLATIONS = os.name == "nt"
-
-
-def _while_shared(change: Callable[[], object], path: Path) -> None:
-    """Remove or replace `path` by `change`, again while another process or thread holds it open for a moment where
-    the OS refuses that (SHARING_VIOLATIONS). Anything else raises as it came; a file still held after
-    SHARING_RETRIES tries raises PermissionError saying so."""
-    for attempt in range(1, SHARING_RETRIES + 1):
-        try:
-            change()
-            return
-        except PermissionError as error:
-            if not SHARING_VIOLATIONS:
-                raise
-            if attempt == SHARING_RETRIES:
-                raise PermissionError(
-                    error.errno, f"{path} could not be changed through {SHARING_RETRIES} tries over "
-                    f"{SHARING_RETRIES * SHARING_RETRY_S:.1f} s ({error.strerror}): another program may hold it "
-                    "open; close it and try again") from error
-            time.sleep(SHARING_RETRY_S)

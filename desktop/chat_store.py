@@ -5,7 +5,7 @@ without them a parked conversation can never be continued. The file holds each c
 figures of its turns; the next launch lists them, and a continued one's next turn sends the same messages again,
 which the engine finds parked and restores instead of prefilling them.
 
-Writes are atomic (`desktop.settings.atomic_write`: temp file, fsync, rename), so a crash leaves the old file or
+Writes are atomic (`desktop.files.atomic_write`: temp file, fsync, rename), so a crash leaves the old file or
 the new one. A file that cannot be read as transcripts is kept aside under another name (the user's words are
 not overwritten by the next save) and the chats start empty, with the reason for the log.
 """
@@ -24,7 +24,7 @@ from PySide6.QtCore import QObject, Signal
 
 from desktop.chat_stream import TurnStats
 from desktop.chat_tab import Conversation
-from desktop.settings import atomic_write
+from desktop.files import atomic_write
 
 SCHEMA_VERSION = 1
 ROLES = ("system", "user", "assistant")

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 
 from desktop.client import EngineClient
-from desktop.settings import atomic_write
+from desktop.files import atomic_write
 
 
 def process_create_time(pid: int) -> float | None:

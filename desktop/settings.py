@@ -9,14 +9,12 @@ touched that value. Writes are atomic (temp file, fsync, rename) and skipped whe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import shlex
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +26,7 @@ from typing import Any
 import platformdirs
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from desktop.files import atomic_write
 from engine.config import APP_NAME, EngineConfig, all_settings, setting_of
 from engine.setting import Setting, SettingError
 from engine.store_url import redact_url
@@ -207,28 +206,6 @@ def secret_variables(config: EngineConfig) -> list[str]:
     args = config.to_args()
     secret_flags = masked_flags(config)
     return [secret_variable(args[i - 1]) for i in range(1, len(args)) if args[i - 1] in secret_flags]
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a crash leaves either the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # directory fsync: not available on Windows
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def _migrate(data: dict[str, Any], version: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from desktop import autostart
+from desktop import autostart, files
 from desktop.autostart import (
     HIDDEN_FLAG,
     WINDOWS_FALLBACK,
@@ -89,7 +89,7 @@ class Refusing:
 @pytest.fixture
 def sharing(monkeypatch):
     """The OS refuses changes to a file held open (Windows), on any OS the test runs on."""
-    monkeypatch.setattr(autostart, "SHARING_VIOLATIONS", True)
+    monkeypatch.setattr(files, "SHARING_VIOLATIONS", True)
     return monkeypatch
 
 
@@ -107,7 +107,7 @@ def test_a_refused_change_is_tried_again_until_it_goes_through(tmp_path, sharing
 
 
 def test_a_change_refused_every_time_fails_clearly_and_leaves_no_temporary_file(tmp_path, sharing):
-    sharing.setattr(autostart, "SHARING_RETRIES", 3)
+    sharing.setattr(files, "SHARING_RETRIES", 3)
     entry = Autostart(platform="linux", folder=tmp_path, command=["strata-desktop"])
     path = tmp_path / "strata-desktop.desktop"
     replace = Refusing(os.replace, path, times=1000)
@@ -274,9 +274,11 @@ def test_windows_never_duplicated_and_fallback_replaced(tmp_path):
 def test_windows_cmd_and_shortcut_script_quoting():
     command = [EXE, HIDDEN_FLAG]
     text = render_cmd(command)
-    assert text.startswith("@echo off\r\n")
+    assert text.startswith("@echo off\r\nchcp 65001 >nul\r\n")  # the lines after it read as UTF-8
     assert f'start "" "{EXE}" --hidden' in text
     assert parse_cmd(text) == command
+    accented = [r"C:\Users\José Müller\Strata Desktop\strata-desktop.exe", HIDDEN_FLAG]
+    assert parse_cmd(render_cmd(accented)) == accented
     script = shortcut_script(Path(r"C:\S\Strata Desktop.lnk"), r"C:\it's\strata-desktop.exe", "--hidden",
                              r"C:\it's", r"C:\it's\strata-desktop.exe")
     assert r"$s.TargetPath = 'C:\it''s\strata-desktop.exe'" in script

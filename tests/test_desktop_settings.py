@@ -138,14 +138,14 @@ def test_start_at_login_checkbox_writes_and_removes_the_entry(qtbot, tmp_path):
 def test_a_start_at_login_change_that_fails_halfway_shows_the_entries_left_on_disk(qtbot, tmp_path, monkeypatch):
     """Windows: the new shortcut is written, then the old .cmd entry stays held by another program. The change
     fails with the error's words, and the box shows what is on disk (on: an entry starts the app), not "off"."""
-    from desktop import autostart as autostart_module
+    from desktop import files
     from desktop.autostart import WINDOWS_FALLBACK, Autostart
     from desktop.client import Dispatcher
     from desktop.settings_tab import SettingsTab
     from tests.test_autostart import EXE, FakeShell, Refusing
 
-    monkeypatch.setattr(autostart_module, "SHARING_VIOLATIONS", True)
-    monkeypatch.setattr(autostart_module, "SHARING_RETRIES", 2)
+    monkeypatch.setattr(files, "SHARING_VIOLATIONS", True)
+    monkeypatch.setattr(files, "SHARING_RETRIES", 2)
     shell = FakeShell()
     entry = Autostart(platform="win32", folder=tmp_path, command=[EXE], shortcut_writer=shell.write,
                       shortcut_reader=shell.read)

@@ -19,12 +19,12 @@ from desktop.settings import (
     Paths,
     SettingsStore,
     Source,
-    atomic_write,
     command_line,
     format_mib,
     parse_mib,
     secret_variables,
 )
+from desktop.files import atomic_write
 from engine.config import EngineConfig, setting_of
 from engine.setting import SettingError
 
@@ -160,6 +160,30 @@ def test_atomic_write_replaces_whole_file(tmp_path):
     atomic_write(path, "two")
     assert path.read_text() == "two"
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_a_settings_save_waits_out_a_moments_hold_on_the_file_and_a_lasting_one_loses_nothing(tmp_path, monkeypatch):
+    """Windows refuses to replace a file another program holds open (a scanner reading it): the save tries again;
+    held for good, it fails saying so, the old file whole and no temporary file left."""
+    from desktop import files
+    from tests.test_autostart import Refusing
+
+    monkeypatch.setattr(files, "SHARING_VIOLATIONS", True)
+    path = tmp_path / "s.json"
+    store = SettingsStore(path, environ={})
+    store.set("conversation_cache_mib", 2048)
+    replace = Refusing(os.replace, path, times=3)
+    monkeypatch.setattr(os, "replace", replace)
+    assert store.save() is True and replace.refused == 3
+    assert json.loads(path.read_text())["engine"] == {"conversation_cache_mib": 2048}
+    monkeypatch.setattr(files, "SHARING_RETRIES", 2)
+    monkeypatch.setattr(os, "replace", Refusing(os.replace.real, path, times=1000))
+    store.set("conversation_cache_mib", 4096)
+    with pytest.raises(PermissionError, match=r"s\.json could not be changed through 2 tries"):
+        store.save()
+    assert json.loads(path.read_text())["engine"] == {"conversation_cache_mib": 2048}
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+    assert store.pending_text() is not None  # still to be written
 
 
 def test_paths_default_to_platform_folders():
