@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -211,3 +212,32 @@ def test_a_conversation_purged_after_its_read_is_not_delivered(tmp_path, monkeyp
         assert "purged or deleted" in record.detail["error"], record.detail
     finally:
         engine.close()
+
+
+STALLED_READ = """
+import threading
+from engine.runtime.pending_restores import PendingRestores
+from engine.runtime.state import Slot
+
+class Stalled:  # a restore reading from a stalled network disk: its read never returns
+    done, error = False, None
+
+    def read(self):
+        threading.Event().wait()
+
+restores = PendingRestores(wake=lambda: None)
+restores.start(Slot(0), Stalled(), None, 0)
+assert len(restores.close(timeout=0.2)) == 1  # given up on: the shutdown does not wait for it
+print("closed", flush=True)
+"""
+
+
+def test_a_read_hung_at_shutdown_does_not_keep_the_process_from_exiting():
+    """close() gives up on a hung read; the interpreter's exit must not wait for it either (it joins the workers
+    of a ThreadPoolExecutor, which the reader was)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STALLED_READ], capture_output=True, text=True, timeout=30,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    assert done.returncode == 0 and done.stdout == "closed\n", done.stderr
