@@ -13,6 +13,7 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 
 import pytest
 
+from desktop.files import atomic_write
 from desktop.settings import (
     SCHEMA_VERSION,
     AutoSaver,
@@ -24,7 +25,6 @@ from desktop.settings import (
     parse_mib,
     secret_variables,
 )
-from desktop.files import atomic_write
 from engine.config import EngineConfig, setting_of
 from engine.setting import SettingError
 
