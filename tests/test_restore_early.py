@@ -45,6 +45,8 @@ def test_an_early_delivery_writes_once_and_deliver_hands_back_its_result():
     worker.start()
     worker.join()
     assert landed == [True] and writes
+    # counted once the engine thread takes it: one dropped now (its conversation purged meanwhile) is no restore
+    assert cache.stats().restores == 0 and conv.hits == 0
     n_writes = len(writes)
     result = read.deliver(kv_writer(write))  # the engine thread: nothing written again
     assert len(writes) == n_writes and result.n_tokens == len(TOKENS) and result.tier == "ram"

@@ -152,12 +152,19 @@ class RestoreRead:
         read's CacheRestoreError before any write. `persist_use=False`: the caller runs `persist_use()` later,
         on another thread (the manifest rewrite is a file write and an fsync)."""
         assert self.done, "deliver() before read() finished: the slot's rows would be written from nothing"
-        if self._early is not None:  # delivered on the reader already: hand back what it got
+        if self._early is not None:  # delivered on the reader already: hand back what it got, counted now
             early, self._early = self._early, None
             if isinstance(early, Exception):
                 raise early
+            self._count(early, persist_use)
             return early
-        cache, conv, n = self.cache, self.conv, self.n
+        result = self._write(write_parts)
+        self._count(result, persist_use)
+        return result
+
+    def _write(self, write_parts: WriteParts) -> RestoreResult:
+        """Write the read pieces into the slot; raises the read's CacheRestoreError (counted) before any write."""
+        cache, n = self.cache, self.n
         if self.error is not None:
             with cache.lock:
                 cache.journal.count("restore_failures")
@@ -174,7 +181,15 @@ class RestoreRead:
             write_parts(n, self.state)  # the recurrent state (or the local layers' window) after exactly n tokens
         ms = self.read_ms + (time.perf_counter() - t0) * 1000  # the read and the copy, not the wait between
         nbytes = n * cache.identity.bytes_per_token + parts_nbytes(self.state)
-        tier, index, disk = self.tier, self.index, self.disk
+        self.pieces, self.state = [], None  # the slot holds them now
+        return RestoreResult(n, nbytes, ms, self.tier)
+
+    def _count(self, result: RestoreResult, persist_use: bool) -> None:
+        """The restore in the entry's use and hits, the figures and the log: once the slot takes it (a restore
+        delivered early and then dropped, its conversation purged meanwhile, is not one)."""
+        cache, conv = self.cache, self.conv
+        n, nbytes, ms, tier = result.n_tokens, result.nbytes, result.ms, result.tier
+        index, disk = self.index, self.disk
         with cache.lock:
             conv.hits += 1
             conv.last_used = time.time()
@@ -188,17 +203,16 @@ class RestoreRead:
             cache.journal.event("restore", conv.id, n, nbytes, ms, tier)
         log.info("conversation cache: restored %s from %s: %d tokens, %.1f MiB, %.1f ms (read %.1f ms)",
                  conv.id, tier, n, nbytes / MIB, ms, self.read_ms)
-        self.pieces, self.state = [], None  # the slot holds them now
-        return RestoreResult(n, nbytes, ms, tier)
 
     def deliver_early(self, write_parts: WriteParts, landed: Callable[[], None]) -> None:
-        """`deliver` on the reader thread right after `read` (a slot on a GPU: `write_parts` issues copies on a
-        copy stream, `landed()` then waits for them, also after a failed write); the engine thread's later
-        `deliver` returns the result or raises the error (a failure of `landed` too), writing nothing again."""
+        """The writes of `deliver` on the reader thread right after `read` (a slot on a GPU: `write_parts` issues
+        copies on a copy stream, `landed()` then waits for them, also after a failed write); the engine thread's
+        later `deliver` counts the restore and returns the result, or raises the error (a failure of `landed`
+        too), writing nothing again."""
         assert self.done and self._early is None, "deliver_early() before read() or twice"
         try:
             try:
-                result = self.deliver(write_parts, persist_use=False)
+                result = self._write(write_parts)
             finally:  # rows already sent must land before the engine clears the slot
                 landed()
             self._early = result
