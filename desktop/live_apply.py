@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QMessageBox, QWidget
 from desktop import eviction
 from desktop.cache_actions import Snapshot, ask
 from desktop.client import EngineClient, Reply
-from desktop.engine_process import EngineProcess
+from desktop.engine_process import EngineProcess, EngineState
 from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
 from engine.contract import CacheConfigBody, ContractError, parse
@@ -33,6 +33,9 @@ class LiveApply(QObject):
         self.window, self.client, self.engine, self.tab = window, client, engine, tab
         self.snapshot, self.polled, self.status = snapshot, polled, status
         self.box: QMessageBox | None = None
+        self._sends = 0  # PUTs sent: a GET asked before one answered tells of the settings before it
+        self._sending = False  # a PUT not answered yet
+        self._following = False  # a GET of follow() not answered yet
 
     def apply(self, changes: dict[str, Any]) -> None:
         """Send live-changeable settings to the running engine; first ask if a smaller budget would evict."""
@@ -60,8 +63,11 @@ class LiveApply(QObject):
 
     def _send(self, changes: dict[str, Any]) -> None:
         sent = dict(changes)
+        self._sends += 1
+        self._sending = True
 
         def done(reply: Reply) -> None:
+            self._sending = False
             if not reply.ok:
                 self.tab.show_result(f"The engine refused the change: {reply.error}", False)
                 return
@@ -81,6 +87,36 @@ class LiveApply(QObject):
             self.polled()
 
         self.client.request("PUT", "/cache/config", done, json=sent, timeout=30.0)
+
+    def follow(self) -> None:
+        """Ask the engine which live settings it runs with (at each Monitor poll): one changed by another client
+        of its API (PUT /cache/config from a script) becomes what this app knows the engine runs with, and the
+        Settings tab says so; Apply then sends this app's settings back, Revert keeps the engine's."""
+        if self._following or self._sending or self.box is not None or self.engine.state is not EngineState.READY:
+            return
+        self._following = True
+        sends = self._sends
+
+        def done(reply: Reply) -> None:
+            self._following = False
+            running = self.engine.config
+            if not reply.ok or sends != self._sends or self._sending or self.box is not None or running is None:
+                return  # an answer from before this app's own change, or while it is under way
+            try:
+                body = parse(CacheConfigBody, reply.data, "GET /cache/config")
+            except ContractError:
+                return  # fetch_cache_config says so in the status bar
+            changed = {k: v for k, v in body.settings.items() if hasattr(running, k) and getattr(running, k) != v}
+            if not changed:
+                return
+            self.engine.config = running.replace(**changed)
+            self.tab.set_engine(self.engine.state, self.engine.config)
+            self.tab.set_effective_dir(body.effective_dir)
+            names = ", ".join(f"{label_of(k)} = {v}" for k, v in changed.items())
+            self.tab.show_result(f"Changed in the running engine by another client of its API: {names}. Apply "
+                                 "sends these settings to it again; Revert keeps the engine's.", True)
+
+        self.client.request("GET", "/cache/config", done)
 
     def fetch_cache_config(self) -> None:
         """The folder the engine really uses (the setting may be empty: the default folder)."""

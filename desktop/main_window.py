@@ -310,6 +310,7 @@ class MainWindow(QMainWindow):
         self.monitor.clear_unreachable()
         self.monitor.set_metrics(metrics)
         self.settings_tab.set_expert_arena(metrics.engine.expert_arena_bytes)
+        self.live.follow()  # a live setting changed by another client of the engine's API
         self._update_tray()
 
     def _on_conversations(self, rows: list[ConversationRow]) -> None:

@@ -207,6 +207,7 @@ def test_a_typed_live_budget_applies_on_enter_and_a_restart_setting_offers_resta
     tab.revert_button.click()  # back to what the engine runs
     assert tab.pending.text() == "The running engine uses these settings." and tab.restart_button.isHidden()
     assert tab.rows["ctx_size"].text() == str(w.engine.config.ctx_size)
+    assert "another client" not in tab.result.text(), "the engine's own answers are no change from outside"
 
 
 SOAK_POLLS = 300  # /metrics answers drawn: a minute at the 200 ms refresh on a quiet machine, longer on a busy one

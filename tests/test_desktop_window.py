@@ -97,6 +97,23 @@ def test_live_setting_applies_and_restart_setting_is_offered_not_forced(qtbot, w
     assert tab.pending.text() == "The running engine uses these settings."
 
 
+def test_a_live_setting_changed_by_another_client_is_followed_and_can_be_sent_back(qtbot, window):
+    import httpx
+
+    window.start()
+    ready(qtbot, window)
+    tab = window.settings_tab
+    assert tab.pending.text() == "The running engine uses these settings."
+    put = httpx.put(f"{window.client.base_url}/cache/config", json={"conversation_cache_storage": "disk"})
+    assert put.status_code == 200  # a script beside the app
+    qtbot.waitUntil(lambda: "another client" in tab.result.text(), timeout=5000)
+    assert "Storage mode = disk" in tab.result.text() and window.engine.config.conversation_cache_storage == "disk"
+    assert "not applied yet: Storage mode" in tab.pending.text() and not tab.apply_button.isHidden()
+    tab.apply_button.click()  # this app's setting back into the engine
+    qtbot.waitUntil(lambda: "Applied to the running engine: Storage mode = ram" in tab.result.text(), timeout=5000)
+    assert tab.pending.text() == "The running engine uses these settings."
+
+
 def test_engine_refusal_is_shown(qtbot, window):
     window.start()
     ready(qtbot, window)
