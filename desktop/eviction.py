@@ -1,8 +1,12 @@
-"""What a smaller cache budget would evict, estimated before it is applied (as Purge says what it drops).
+"""What a settings change would evict, estimated before it is applied (as Purge says what it drops).
 
-The engine evicts least recently used conversations first until what is left fits. This replays that on the
-engine's last list of conversations (`/cache/conversations`, merged one row per conversation), so the figures
-are an estimate: the engine may also have parks in flight or entries the list has not shown yet.
+This replays the engine's eviction (engine/cache/policy.py `eviction_order`) on its last list of conversations
+(`/cache/conversations`, merged one row per conversation): every budget takes conversations unpinned before
+pinned, low before normal before high priority, least recently used first within those, until what is left
+fits. A switch to disk storage writes every RAM conversation to disk first (engine/cache/reconfigure.py), so they
+count against the disk budget; RAM conversations a tiered RAM budget pushes out are written to disk too. The
+figures are an estimate: the engine may have parks in flight, entries the list has not shown yet, and blocks
+two conversations share (the list counts them in each).
 """
 
 from __future__ import annotations
@@ -30,35 +34,57 @@ class Eviction:
     spilled: bool = False  # tiered RAM evictions are written to disk, not lost
 
 
-def _by_recency(rows: list[ParkedConversation]) -> list[ParkedConversation]:
-    return sorted(rows, key=lambda r: r.last_used, reverse=True)
+PRIORITY_RANK = {"low": 0, "normal": 1, "high": 2}
+
+
+def _eviction_order(rows: list[ParkedConversation]) -> list[ParkedConversation]:
+    """The engine's order: unpinned before pinned, low before normal before high, least recently used first."""
+    return sorted(rows, key=lambda r: (r.row.pinned, PRIORITY_RANK.get(r.row.priority, 1), r.last_used))
+
+
+def _evict(sizes: dict[str, tuple[ParkedConversation, float]], budget: float) -> list[tuple[ParkedConversation, float]]:
+    """The conversations taken, in the engine's order, until what `sizes` holds fits `budget` bytes."""
+    total = sum(size for _, size in sizes.values())
+    gone = []
+    for row in _eviction_order([r for r, _ in sizes.values()]):
+        if total <= budget:
+            break
+        size = sizes[row.id][1]
+        gone.append((row, size))
+        total -= size
+    return gone
 
 
 def estimate(rows: list[ParkedConversation], storage: str, running: dict[str, Any],
              changes: dict[str, Any]) -> list[Eviction]:
-    """What applying `changes` (field -> new value) to an engine running `running` would evict from `rows`."""
+    """What applying `changes` (field -> new value) to an engine running `running` in `storage` would evict from
+    `rows`. A tier is weighed when its budget shrinks or conversations move into it (a switch to disk storage, a
+    tiered RAM budget's overflow): the list's sums are not the engine's own (shared blocks), so an unchanged tier
+    is not second-guessed."""
     out: list[Eviction] = []
-    storage = str(changes.get("conversation_cache_storage", storage))
-    used_tiers = {"ram": ("ram",), "disk": ("disk",), "tiered": ("ram", "disk")}.get(storage, ())
+    new_storage = str(changes.get("conversation_cache_storage", storage))
+    used_tiers = {"ram": ("ram",), "disk": ("disk",), "tiered": ("ram", "disk")}.get(new_storage, ())
+    # conversations written to disk by this change: every RAM one when the storage becomes disk alone
+    moving = [r for r in rows if "ram" in r.tiers] if new_storage == "disk" and storage != "disk" else []
     for tier in used_tiers:
         key = BUDGETS[tier]
-        if key not in changes or changes[key] >= running.get(key, 0):
+        budget_mib = changes.get(key, running.get(key, 0))
+        shrinks = key in changes and changes[key] < running.get(key, 0)
+        sizes = {r.id: (r, float(r.bytes_by_tier[tier])) for r in rows if tier in r.tiers}
+        arriving = moving if tier == "disk" else []
+        for r in arriving:  # its disk copy, if any, is superseded by what is written now
+            sizes[r.id] = (r, max(sizes[r.id][1] if r.id in sizes else 0.0, float(r.bytes_by_tier["ram"])))
+        if not shrinks and not arriving:
             continue
-        budget = changes[key] * MIB
-        held = _by_recency([r for r in rows if tier in r.tiers])
-        kept, gone, gone_bytes = 0.0, 0, 0.0
-        for row in held:
-            size = row.bytes_by_tier[tier]
-            if kept + size <= budget:
-                kept += size  # most recent first: these stay
-            else:
-                gone += 1
-                gone_bytes += size
+        gone = _evict(sizes, budget_mib * MIB)
         if gone:
-            out.append(Eviction(tier, gone, gone_bytes, len(held), format_mib(changes[key]),
-                                spilled=tier == "ram" and storage == "tiered"))
+            spilled = tier == "ram" and new_storage == "tiered"
+            out.append(Eviction(tier, len(gone), sum(size for _, size in gone), len(sizes), format_mib(budget_mib),
+                                spilled=spilled))
+            if spilled:  # written to disk, where the disk budget weighs them next
+                moving = [r for r, _ in gone]
     if SLOTS in changes and changes[SLOTS] < running.get(SLOTS, 0) and len(rows) > changes[SLOTS]:
-        extra = _by_recency(rows)[changes[SLOTS]:]
+        extra = _eviction_order(rows)[: len(rows) - changes[SLOTS]]
         out.append(Eviction("slots", len(extra), float(sum(r.bytes for r in extra)), len(rows),
                             f"{changes[SLOTS]} conversation{'s' if changes[SLOTS] != 1 else ''}"))
     return out
@@ -76,6 +102,7 @@ def describe(evictions: list[Eviction]) -> str:
         else:
             place = "RAM" if e.where == "ram" else "disk"
             lines.append(f"• drops {what} from {place}, to fit the {place} budget of {e.limit}.")
-    return ("Applying this change\n" + "\n".join(lines) + "\n\nThe least recently used go first. This is an "
+    return ("Applying this change\n" + "\n".join(lines) + "\n\nLow priority before normal before high go first, "
+            "pinned ones last, the least recently used first among those. This is an "
             "estimate from the engine's last list of conversations; dropped ones are prefilled again when they "
             "come back. " + SUMMED_BYTES)

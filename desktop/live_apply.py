@@ -43,7 +43,9 @@ class LiveApply(QObject):
         conversations, metrics = self.snapshot()
         reported = "" if metrics is None else metrics.conversation_cache.storage
         storage = reported or (running.conversation_cache_storage if running else "ram")
-        current = {k: getattr(running, k) for k in changes if running is not None and hasattr(running, k)}
+        # every budget, not only those changed: a storage switch weighs the disk budget it leaves as it is
+        names = {*changes, *eviction.BUDGETS.values(), eviction.SLOTS}
+        current = {k: getattr(running, k) for k in names if running is not None and hasattr(running, k)}
         evictions = eviction.estimate(conversations, storage, current, changes)
         if not evictions:
             self._send(changes)

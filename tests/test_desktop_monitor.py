@@ -312,6 +312,37 @@ def test_eviction_estimate_replays_lru():
     assert eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 4096}) == []
 
 
+def test_eviction_estimate_follows_the_engines_order_and_a_switch_to_disk():
+    """Unpinned before pinned, low before normal before high, the least recently used first among those, taken
+    until the rest fits (engine/cache/policy.py); a switch to disk storage writes the RAM ones to disk."""
+    from desktop import eviction
+    from desktop.monitor.conversations import merge_tiers
+
+    mib = 1 << 20
+    rows = merge_tiers([conversation_row("low", "ram", bytes=10 * mib, last_used=400, priority="low"),
+                        conversation_row("normal", "ram", bytes=10 * mib, last_used=300),
+                        conversation_row("high", "ram", bytes=10 * mib, last_used=200, priority="high"),
+                        conversation_row("pinned", "ram", bytes=10 * mib, last_used=100, pinned=True)])
+    running = {"conversation_cache_mib": 2048, "conversation_cache_disk_mib": 2048, "conversation_cache_slots": 64}
+    ram = eviction.estimate(rows, "ram", running, {"conversation_cache_mib": 25})
+    assert ram == [eviction.Eviction("ram", 2, 20 * mib, 4, "25 MiB")], "low and normal go, not the oldest two"
+    slots = eviction.estimate(rows, "ram", running, {"conversation_cache_slots": 1})
+    assert slots == [eviction.Eviction("slots", 3, 30 * mib, 4, "1 conversation")], "the pinned one stays"
+    # taken until the rest fits: the recent 30 MiB alone is over 25 MiB, so both go (not the small old one kept)
+    two = merge_tiers([conversation_row("recent", "ram", bytes=30 * mib, last_used=200),
+                       conversation_row("older", "ram", bytes=5 * mib, last_used=100)])
+    assert eviction.estimate(two, "ram", running, {"conversation_cache_mib": 25}) == [
+        eviction.Eviction("ram", 2, 35 * mib, 2, "25 MiB")]
+    # RAM -> disk: the four are written to disk, whose budget (unchanged, 30 MiB) then drops one
+    to_disk = eviction.estimate(rows, "ram", {**running, "conversation_cache_disk_mib": 30},
+                                {"conversation_cache_storage": "disk"})
+    assert to_disk == [eviction.Eviction("disk", 1, 10 * mib, 4, "30 MiB")]
+    assert "drops 1 of 4 parked conversations (10.0 MiB) from disk" in eviction.describe(to_disk)
+    assert eviction.estimate(rows, "ram", running, {"conversation_cache_storage": "disk"}) == [], "they fit"
+    assert eviction.estimate(rows, "disk", {**running, "conversation_cache_disk_mib": 30},
+                             {"conversation_cache_n_min": 5}) == [], "an unchanged tier is not second-guessed"
+
+
 def test_logs_tab_counts_filters_and_says_when_follow_is_off(qtbot):
     from desktop.logs_tab import LogsTab
 
