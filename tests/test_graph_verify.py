@@ -82,13 +82,21 @@ def test_a_steps_rows_stay_in_each_slots_length_bucket_and_its_copy_in_the_budge
     runner.widen(2 * 9)
     assert runner.batches == [1, 2, 4, 8, 16, 18]
     verify = graph_verify.VerifyRows(runner, kv, lm.config.n_heads)
-    assert verify.budget == 2 * 1000  # no GPU memory to count: what a step without drafts copies at full context
+    assert verify.budget == 0  # measured at the first step that asks, once the draft and the graphs hold theirs
     assert verify.rows([10], prefilling=False) == [4]  # 8 rows x 256 positions would pass the budget
+    assert verify.budget == 2 * 1000  # no GPU memory to count: what a step without drafts copies at full context
+    assert verify.max_length == 1000  # the attention checked row-invariant at every length bucket
     assert verify.rows([253], prefilling=False) == [3]  # 253..255: the end of its first row's bucket
     assert verify.rows([998], prefilling=False) == [1]  # the pad rows' position, ctx - 1, is next
     assert verify.rows([10, 20], prefilling=False) == [3, 1]  # 4 rows of 256 positions, the first slot first
     assert verify.rows([10, 600], prefilling=False) == [1, 1]  # a 1,000-position step: no room for drafts
     assert verify.rows([10, 20], prefilling=True) == [1, 1]  # a prefill's step runs eagerly: no drafts
+    verify.max_length = 256  # as if attention over 512 positions had given a row other bits beside others
+    assert verify.rows([300], prefilling=False) == [1] and verify.rows([10], prefilling=False) == [4]
+
+
+def test_the_attention_check_compares_each_row_count_with_its_rows_alone():
+    assert graph_verify.attention_alike([1, 2, 4, 8], 512, 4, 2, 16, torch.float32, torch.device("cpu"))
 
 
 def test_a_cpu_model_verifies_without_a_check(llama):

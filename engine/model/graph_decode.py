@@ -111,12 +111,12 @@ def decode_step(
         # row got other bits than the same row beside others)
         keys = k_cache[:, :length].transpose(1, 2).index_select(0, slots)
         values = v_cache[:, :length].transpose(1, 2).index_select(0, slots)
-        x = model.attention_out_and_mlp(layer, x, _masked_attention(q, keys, values, mask).reshape(n, H * D), n)
+        x = model.attention_out_and_mlp(layer, x, masked_attention(q, keys, values, mask).reshape(n, H * D), n)
     h = rms_norm(x, model.norm, model.description.final_norm_eps)
     return logit_rows(h, model.lm_head, fast=not model.batch_invariant).float()
 
 
-def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [rows, H, D] against keys/values [rows, KVH, length, D] where mask [rows, 1, 1, length] -> [rows, H, D].
 
     Two batched products and a float32 softmax, not SDPA: SDPA's choice for this shape on an H200 (cuDNN)

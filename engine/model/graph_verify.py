@@ -11,23 +11,29 @@ run in without drafts (the same slots beside it). Two things could change them; 
 2. The row count. cuBLAS picks its kernels by a product's shape, so whether a row gets the same bits in a
    product of 1 row and of n rows is the library's affair, not a guarantee. `check` runs, at start, a step of
    every captured row count against the same rows run one per step, and compares logits and K/V bit for bit;
-   any difference declines speculation, naming it.
+   any difference declines speculation, naming it. That is every product at one attention length (256); the
+   attention's own products are checked at every length bucket when the first step drafts
+   (`attention_alike`, `VerifyRows.measure`), and drafts stop below the first length where a row differed.
 
 A step with a prefill chunk runs eagerly (forward_chunks: one GEMM over its decode rows and the prompt's), which
 `check` does not cover, so it feeds no drafts.
 
 Memory: a captured step copies each row's slot K/V (rows x length positions per layer), so drafts multiply
 that copy. `VerifyRows.rows` keeps a step's copy within the larger of what the step without drafts copies at
-every slot's full context and half the GPU memory free after the check.
+every slot's full context and half the GPU memory free when the first step drafts.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.kv import KVBuffers
-from engine.model.graph_decode import GraphDecode, bucket, length_buckets
+from engine.model.graph_decode import GraphDecode, bucket, length_buckets, masked_attention
 from engine.model.llama import SeqChunk
+
+log = logging.getLogger("strata.engine")
 
 
 def check(graphs: GraphDecode, kv: KVBuffers) -> str:
@@ -68,26 +74,66 @@ def _rows(kv: KVBuffers, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out  # type: ignore[return-value]
 
 
+def attention_alike(rows: list[int], length: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                    device: torch.device) -> bool:
+    """Whether the captured step's attention (`masked_attention`) gives each row the same bits in products of
+    each of `rows` rows as alone, at `length` positions (random rows: kernels are chosen by shape, not values)."""
+    n = max(rows)
+    gen = torch.Generator(device=device).manual_seed(length)
+    q = torch.randn(n, heads, dim, generator=gen, device=device).to(dtype)
+    keys = torch.randn(n, kv_heads, length, dim, generator=gen, device=device).to(dtype)
+    values = torch.randn(n, kv_heads, length, dim, generator=gen, device=device).to(dtype)
+    pos = length - 1 - torch.arange(n, device=device) % max(length // 2, 1)  # rows near the bucket's end
+    mask = (torch.arange(length, device=device).unsqueeze(0) <= pos.unsqueeze(1)).view(n, 1, 1, length)
+    alone = torch.cat([masked_attention(q[i : i + 1], keys[i : i + 1], values[i : i + 1], mask[i : i + 1])
+                       for i in range(n)])
+    return all(torch.equal(masked_attention(q[:r], keys[:r], values[:r], mask[:r]), alone[:r]) for r in rows)
+
+
 class VerifyRows:
-    """How many rows (its token and its drafts) each decoding slot may feed a captured step."""
+    """How many rows (its token and its drafts) each decoding slot may feed a captured step.
+
+    Measured at the first step that asks (the draft model and the warm-up's graphs hold their memory by then):
+    the step's K/V copy budget, and the longest attention length bucket whose attention `attention_alike` finds
+    row-invariant at every row count the budget allows there (`check` covers the rest of the step at 256)."""
 
     def __init__(self, graphs: GraphDecode, kv: KVBuffers, n_heads: int) -> None:
         self.graphs = graphs
+        self.kv = kv
         self.ctx = kv.ctx
         self.lengths = length_buckets(kv.ctx)
-        layout = kv.layout
+        self.n_heads = n_heads
+        self.budget = 0  # rows x length a step may gather (0: not measured yet)
+        self.max_length = 0  # the longest length bucket a step with drafts may attend over
+
+    def measure(self) -> None:
+        layout, device = self.kv.layout, torch.device(self.graphs.device)
         # per gathered position and layer: K and V copied by the gather, the float32 scores, their softmax and
         # its copy in the K/V dtype
-        per_position = (2 * layout.n_kv_heads * layout.head_dim + n_heads) * layout.dtype.itemsize + 2 * n_heads * 4
-        device = graphs.device
+        per_position = (2 * layout.n_kv_heads * layout.head_dim + self.n_heads) * layout.dtype.itemsize
+        per_position += 2 * self.n_heads * 4
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-        self.budget = max(kv.n_slots * kv.ctx, free // 2 // per_position)  # rows x length, gathered in a step
+        self.budget = max(self.kv.n_slots * self.ctx, free // 2 // per_position)
+        for length in self.lengths:
+            rows = [b for b in self.graphs.batches if b * length <= self.budget]
+            if len(rows) > 1 and not attention_alike(rows, length, self.n_heads, layout.n_kv_heads,
+                                                     layout.head_dim, layout.dtype, device):
+                log.warning("speculation: drafts stop at %d positions; attention over %d gave a row other bits "
+                            "beside others than alone", self.max_length, length)
+                break
+            self.max_length = length
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the check's rows, not kept in the allocator's cache
 
     def rows(self, positions: list[int], prefilling: bool) -> list[int]:
         """The most rows each decoding slot (at `positions`, its next row's) may feed this step, at least one."""
         if prefilling or not positions:
             return [1] * len(positions)
+        if not self.budget:
+            self.measure()
         length = bucket(max(positions) + 1, self.lengths)
+        if length > self.max_length:
+            return [1] * len(positions)
         # each slot's rows end with its first row's length bucket (and before the pad rows' position, ctx - 1)
         own = [min(bucket(p + 1, self.lengths), self.ctx - 1) - p for p in positions]
         assert all(r >= 1 for r in own), (positions, own)

@@ -31,6 +31,7 @@ from engine.runtime.draft_model import DraftModel
 from engine.runtime.identity import cache_identity, int4_kernel
 from engine.runtime.memory import AttentionMemory
 from engine.runtime.mtp_drafts import MtpSource
+from engine.runtime.reader_thread import ReaderThread
 
 if TYPE_CHECKING:
     from engine.cache.parts import Parts
@@ -106,7 +107,7 @@ class DraftStates:
         self.draft = draft
         self.control = control
         self.restored = self.refused = 0  # draft parts restored, and those that failed (the draft re-read them)
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-draft-read")
+        self._reader = ReaderThread("strata-draft-read")  # a daemon: a hung read does not hold the exit
 
     def lookup(self, prompt: Sequence[int]) -> CacheHit | None:
         """The draft part parked for the longest prefix of `prompt`, or None."""
@@ -194,6 +195,7 @@ class DraftStates:
 
     def close(self, spill: bool, deadline_s: float) -> None:
         """Close the draft's cache (after the model's slots were parked, the draft's rows with them)."""
-        self._reader.shutdown(wait=True)
+        if not self._reader.shutdown(wait=True, timeout=deadline_s):
+            log.warning("a read of the draft's parked rows still hangs at shutdown: left behind")
         if self.control.draft_cache is not None:
             self.control.draft_cache.close(spill=spill, deadline_s=deadline_s)

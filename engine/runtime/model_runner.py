@@ -69,10 +69,16 @@ class ModelRunner:
             return f"this model's CUDA decode step is not captured ({reason}); its eager products are not checked"
         if any(getattr(layer, "moe", None) is not None for layer in model.layers):
             return "a mixture of experts' grouped GEMMs take each expert's rows, whose count drafts would change"
+        if any(getattr(layer, "mla", None) is not None for layer in model.layers):
+            return "attention over latent rows is checked at one length only"
         graphs = model.graphs
         graphs.widen(self.kv.n_slots * rows_per_slot)
-        with torch.inference_mode():
-            why = graph_verify.check(graphs, self.kv)
+        try:
+            with torch.inference_mode():
+                why = graph_verify.check(graphs, self.kv)
+        except Exception as exc:  # out of memory capturing the wider steps, say: decline, never fail the start
+            log.exception("checking verify steps on CUDA failed")
+            why = f"the check failed: {exc}"
         for i in range(self.kv.n_slots):
             self.kv.clear(i)
             self.memory.clear(i)
@@ -101,7 +107,8 @@ class ModelRunner:
             batches = self.model.warm_up_batches()
             slots = self.kv.n_slots  # a verify step's several rows of a slot (graph_verify.py) past one per slot
             for rows in batches:
-                self.forward([SeqChunk(i % slots, len(prompt) + i // slots, prompt[:1]) for i in range(rows)])
+                if len(prompt) + (rows - 1) // slots < ctx_size - 1:  # rows a context this short can hold
+                    self.forward([SeqChunk(i % slots, len(prompt) + i // slots, prompt[:1]) for i in range(rows)])
         torch.set_num_threads(self.step_threads.compute)  # this thread's count as the engine found it
         for i in range(min(max(batches, default=1), self.kv.n_slots)):
             self.kv.clear(i)

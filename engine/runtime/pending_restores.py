@@ -21,8 +21,6 @@ into CPU slots are delivered on the engine thread as above.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -31,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from engine.cache.parts import kv_writer
 from engine.kv.stream_upload import SlotUpload, StreamUploads
+from engine.runtime.reader_thread import ReaderThread
 
 if TYPE_CHECKING:
     from engine.cache.explain import LookupReport
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
     from engine.runtime.stream import RequestStream
 
 log = logging.getLogger("strata.engine")
-# One reader (_Reader): restores queue behind each other, never compete for the disk or the cores.
+# One reader (ReaderThread): restores queue behind each other, never compete for the disk or the cores.
 
 
 class Looked(NamedTuple):
@@ -85,47 +84,6 @@ def _logged(fn: Callable[[], None], what: str) -> None:
         log.exception(what)
 
 
-class _Reader:
-    """One daemon thread running what is submitted, in order. Not a ThreadPoolExecutor: the interpreter joins its
-    workers at exit, so a read hung on a stalled disk, which close() gives up on, would keep the process alive."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Future[None], Callable[..., None], tuple] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="strata-restore", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., None], *args: object) -> Future[None]:
-        future: Future[None] = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                fn(*args)
-            except BaseException as error:  # handed to whoever waits on the future, as an executor does
-                future.set_exception(error)
-            else:
-                future.set_result(None)
-
-    def shutdown(self, wait: bool) -> None:
-        """Stop after what is queued (`wait`: and join it), or cancel what has not begun and leave the thread."""
-        if not wait:
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item[0].cancel()
-        self._queue.put(None)
-        if wait:
-            self._thread.join()
-
-
 class PendingRestores:
     """The slots whose restore is being read, and the reader thread (engine thread only, but for the reader)."""
 
@@ -134,7 +92,7 @@ class PendingRestores:
         is on a CUDA device (then `all_off_thread`)."""
         self._wake = wake  # puts something into the engine's inbox, so a blocked loop notices a finished read
         self._uploads = StreamUploads(kv) if kv is not None and StreamUploads.wanted(kv) else None
-        self._pool: _Reader | None = None
+        self._pool: ReaderThread | None = None
         self._pending: dict[int, Pending] = {}
 
     def __len__(self) -> int:
@@ -153,7 +111,7 @@ class PendingRestores:
         assert slot.active is None and not slot.restoring and slot.id not in self._pending, slot.id
         assert not slot.tokens, "a restoring slot holds nothing until its data arrived"
         if self._pool is None:
-            self._pool = _Reader()
+            self._pool = ReaderThread("strata-restore")
         upload = None if self._uploads is None else self._uploads.begin(slot.id)
         future = self._pool.submit(_read_then, read, prepare, upload)
         # restoring once the read is under way: a failure before leaves the slot free (the caller prefills)
