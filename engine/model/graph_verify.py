@@ -80,9 +80,9 @@ def attention_alike(rows: list[int], length: int, heads: int, kv_heads: int, dim
     each of `rows` rows as alone, at `length` positions (random rows: kernels are chosen by shape, not values)."""
     n = max(rows)
     gen = torch.Generator(device=device).manual_seed(length)
-    q = torch.randn(n, heads, dim, generator=gen, device=device).to(dtype)
-    keys = torch.randn(n, kv_heads, length, dim, generator=gen, device=device).to(dtype)
-    values = torch.randn(n, kv_heads, length, dim, generator=gen, device=device).to(dtype)
+    q = torch.randn(n, heads, dim, generator=gen, device=device, dtype=dtype)
+    keys = torch.randn(n, kv_heads, length, dim, generator=gen, device=device, dtype=dtype)
+    values = torch.randn(n, kv_heads, length, dim, generator=gen, device=device, dtype=dtype)
     pos = length - 1 - torch.arange(n, device=device) % max(length // 2, 1)  # rows near the bucket's end
     mask = (torch.arange(length, device=device).unsqueeze(0) <= pos.unsqueeze(1)).view(n, 1, 1, length)
     alone = torch.cat([masked_attention(q[i : i + 1], keys[i : i + 1], values[i : i + 1], mask[i : i + 1])
@@ -116,10 +116,15 @@ class VerifyRows:
         self.budget = max(self.kv.n_slots * self.ctx, free // 2 // per_position)
         for length in self.lengths:
             rows = [b for b in self.graphs.batches if b * length <= self.budget]
-            if len(rows) > 1 and not attention_alike(rows, length, self.n_heads, layout.n_kv_heads,
-                                                     layout.head_dim, layout.dtype, device):
-                log.warning("speculation: drafts stop at %d positions; attention over %d gave a row other bits "
-                            "beside others than alone", self.max_length, length)
+            try:
+                alike = len(rows) < 2 or attention_alike(rows, length, self.n_heads, layout.n_kv_heads,
+                                                         layout.head_dim, layout.dtype, device)
+            except Exception:  # out of memory, say: no drafts from this length on, never a failed step
+                log.exception("speculation: checking attention over %d positions failed", length)
+                alike = False
+            if not alike:
+                log.warning("speculation: drafts stop at %d positions; attention over %d was not found to give "
+                            "a row the same bits beside others as alone", self.max_length, length)
                 break
             self.max_length = length
         if device.type == "cuda":
