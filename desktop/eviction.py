@@ -64,8 +64,11 @@ def estimate(rows: list[ParkedConversation], storage: str, running: dict[str, An
     out: list[Eviction] = []
     new_storage = str(changes.get("conversation_cache_storage", storage))
     used_tiers = {"ram": ("ram",), "disk": ("disk",), "tiered": ("ram", "disk")}.get(new_storage, ())
+    # a disk budget of 0 leaves the disk unused: its files stay for a later return, and nothing is written there
+    disk_used = "disk" in used_tiers and changes.get(BUDGETS["disk"], running.get(BUDGETS["disk"], 0)) > 0
+    used_tiers = tuple(t for t in used_tiers if t != "disk" or disk_used)
     # conversations written to disk by this change: every RAM one when the storage becomes disk alone
-    moving = [r for r in rows if "ram" in r.tiers] if new_storage == "disk" and storage != "disk" else []
+    moving = [r for r in rows if "ram" in r.tiers] if new_storage == "disk" and storage != "disk" and disk_used else []
     for tier in used_tiers:
         key = BUDGETS[tier]
         budget_mib = changes.get(key, running.get(key, 0))
@@ -78,7 +81,7 @@ def estimate(rows: list[ParkedConversation], storage: str, running: dict[str, An
             continue
         gone = _evict(sizes, budget_mib * MIB)
         if gone:
-            spilled = tier == "ram" and new_storage == "tiered"
+            spilled = tier == "ram" and new_storage == "tiered" and disk_used
             out.append(Eviction(tier, len(gone), sum(size for _, size in gone), len(sizes), format_mib(budget_mib),
                                 spilled=spilled))
             if spilled:  # written to disk, where the disk budget weighs them next

@@ -97,13 +97,15 @@ class LiveApply(QObject):
         if self._following or self._sending or self.box is not None or self.engine.state is not EngineState.READY:
             return
         self._following = True
-        sends = self._sends
+        sends, asked = self._sends, self.engine.config
 
         def done(reply: Reply) -> None:
             self._following = False
             running = self.engine.config
-            if not reply.ok or sends != self._sends or self._sending or self.box is not None or running is None:
-                return  # an answer from before this app's own change, or while it is under way
+            if (not reply.ok or sends != self._sends or self._sending or self.box is not None or running is None
+                    or running is not asked or self.engine.state is not EngineState.READY):
+                return  # an answer from before this app's own change, while it is under way, or of an engine since
+                # restarted (a start gives the engine a new config)
             try:
                 body = parse(CacheConfigBody, reply.data, "GET /cache/config")
             except ContractError:
@@ -115,8 +117,9 @@ class LiveApply(QObject):
             self.tab.set_engine(self.engine.state, self.engine.config)
             self.tab.set_effective_dir(body.effective_dir)
             names = ", ".join(f"{label_of(k)} = {v}" for k, v in changed.items())
-            self.tab.show_result(f"Changed in the running engine by another client of its API: {names}. Apply "
-                                 "sends these settings to it again; Revert keeps the engine's.", True)
+            self.tab.show_result(f"Changed in the running engine by another client of its API: {names}. Apply, "
+                                 "or the next live change made here, sends this app's settings to it again; Revert "
+                                 "keeps the engine's.", True)
 
         self.client.request("GET", "/cache/config", done)
 

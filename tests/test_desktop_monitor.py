@@ -341,6 +341,9 @@ def test_eviction_estimate_follows_the_engines_order_and_a_switch_to_disk():
     assert eviction.estimate(rows, "ram", running, {"conversation_cache_storage": "disk"}) == [], "they fit"
     assert eviction.estimate(rows, "disk", {**running, "conversation_cache_disk_mib": 30},
                              {"conversation_cache_n_min": 5}) == [], "an unchanged tier is not second-guessed"
+    # a disk budget of 0 leaves the disk unused (its files stay): nothing dropped there, RAM's overflow is lost
+    gone = eviction.estimate(rows, "tiered", running, {"conversation_cache_disk_mib": 0, "conversation_cache_mib": 25})
+    assert gone == [eviction.Eviction("ram", 2, 20 * mib, 4, "25 MiB")]
 
 
 def test_logs_tab_counts_filters_and_says_when_follow_is_off(qtbot):

@@ -241,3 +241,15 @@ def test_a_read_hung_at_shutdown_does_not_keep_the_process_from_exiting():
     done = subprocess.run([sys.executable, "-c", STALLED_READ], capture_output=True, text=True, timeout=30,
                           cwd=str(Path(__file__).resolve().parents[1]))
     assert done.returncode == 0 and done.stdout == "closed\n", done.stderr
+
+
+def test_a_reader_given_up_on_ends_once_its_hung_call_returns():
+    from engine.runtime.reader_thread import ReaderThread
+
+    reader, release = ReaderThread("strata-test-read"), threading.Event()
+    hung = reader.submit(release.wait)
+    queued = reader.submit(lambda: None)
+    assert reader.shutdown(wait=True, timeout=0.2) is False  # given up on
+    assert queued.cancelled() and not hung.done()
+    release.set()
+    assert reader.join(10) and hung.done()  # the stop signal was not lost with the cancelled call

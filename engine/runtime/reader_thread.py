@@ -48,6 +48,12 @@ class ReaderThread:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 self._cancel_queued()
+                self._queue.put(None)  # taken by the cancel: the thread ends once the hung call returns
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` s for the thread to end (after `shutdown`); whether it did."""
+        self._thread.join(timeout)
         return not self._thread.is_alive()
 
     def _cancel_queued(self) -> None:
