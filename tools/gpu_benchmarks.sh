@@ -14,6 +14,9 @@
 #   tools/gpu_benchmarks.sh hybrid   # hybrids on CUDA: fla-core's delta rule vs PyTorch's, A/B/A parity on a small
 #                                    # Qwen3.5, and a Qwen3.5-9B-shaped model's switch-back at 16K tokens
 #   tools/gpu_benchmarks.sh decode   # the same model: decode modes at batch 1 and 8 vs the HBM roofline, K/V restore
+#   tools/gpu_benchmarks.sh spec     # speculation on CUDA: the captured step's attention row by row at each length
+#                                    # bucket, the verify/graph/draft/restore GPU tests, then prompt lookup on the
+#                                    # same model (tools/spec_bench.py: token-identical answers, tok/s with and without)
 # Wheels missing on the machine (gguf, platformdirs) are installed from .whl/ when present. Output goes to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,5 +104,20 @@ hybrid)
     python3 tools/hybrid_switch_bench.py --model /tmp/q35-9b --device cuda:0 --tokens 16384 --cache-mib 16384 \
       $fla 2>&1 | grep --line-buffered -v " INFO " | tee -a "$OUT/hybrid_switch.txt"
   done
+  ;;
+spec)
+  timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/spec_attention.txt"
+import torch
+from engine.model.graph_verify import attention_alike
+for length in (256, 1024, 4096, 16384, 32768, 65536):
+    rows = [r for r in (1, 2, 4, 8, 9, 16, 18) if r * length <= 18 * 65536]
+    print("attention alike at", length, "positions, rows", rows, ":",
+          attention_alike(rows, length, 32, 8, 128, torch.bfloat16, torch.device("cuda:0")), flush=True)
+PY
+  timeout 240 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/test_graph_verify.py tests/test_graph_decode.py \
+    tests/test_draft_model.py tests/test_restore_gpu.py 2>&1 | tail -15 | tee "$OUT/spec_tests.txt"
+  [ -d /tmp/l8b ] || python3 tools/make_random_model.py /tmp/l8b --shape llama3-8b --dtype bfloat16 --device cuda
+  python3 tools/spec_bench.py --model /tmp/l8b --rounds 3 --max-tokens 256 2>&1 | grep --line-buffered -v " INFO " \
+    | tee "$OUT/spec.txt"
   ;;
 esac
