@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from desktop.files import while_shared
+from desktop.files import atomic_write, while_shared
 
 APP_ID = "strata-desktop"
 APP_NAME = "Strata Desktop"
@@ -24,6 +24,7 @@ HIDDEN_FLAG = "--hidden"
 # Windows: the installer's task and this module write the same name, so there is never a second entry.
 WINDOWS_LINK = f"{APP_NAME}.lnk"
 WINDOWS_FALLBACK = f"{APP_NAME}.cmd"  # used when no PowerShell can write a .lnk
+CMD_CODE_PAGE = "chcp 65001 >nul\r\n"  # the .cmd's lines after it read as UTF-8
 
 
 def app_command(platform: str | None = None) -> list[str]:
@@ -232,7 +233,7 @@ def render_cmd(command: list[str]) -> str:
     UTF-8, and cmd.exe reads a batch file's lines in the console's code page (an OEM one, 437 or 850, say), so
     it switches that to UTF-8 first: a path with a letter outside ASCII (C:\\Users\\José\\...) then reaches
     `start` as written."""
-    return f'@echo off\r\nchcp 65001 >nul\r\nstart "" {windows_arguments(command)}\r\n'
+    return f'@echo off\r\n{CMD_CODE_PAGE}start "" {windows_arguments(command)}\r\n'
 
 
 def parse_cmd(text: str) -> list[str] | None:
@@ -284,6 +285,20 @@ class Autostart:
             return False
         return any(self.windows or self._xdg_active(path) for path in self.existing())
 
+    def load(self) -> bool:
+        """is_enabled, for the Settings tab at start, after a .cmd entry exactly as an older version wrote it is
+        rewritten in today's form, its command kept: the code-page line before `start`, without which cmd.exe reads
+        a non-ASCII path in the console's code page. A file edited by hand is left as it is; a rewrite that fails
+        leaves the old entry, which still works for an ASCII path."""
+        fallback = self.paths()[-1] if self.windows else None
+        if fallback is not None and fallback.is_file():
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                text = fallback.read_bytes().decode("utf-8")  # as written: CRLF kept
+                command = parse_cmd(text)
+                if command and text == render_cmd(command).replace(CMD_CODE_PAGE, ""):
+                    atomic_write(fallback, render_cmd(command), newline="")
+        return self.is_enabled()
+
     def _xdg_active(self, path: Path) -> bool:
         try:
             text = path.read_text(encoding="utf-8")
@@ -316,7 +331,7 @@ class Autostart:
         if self.windows:
             return self._enable_windows()
         path = self.paths()[0]
-        _write_atomic(path, render_xdg_entry(self.command))
+        atomic_write(path, render_xdg_entry(self.command), newline="")
         return path
 
     def _enable_windows(self) -> Path:
@@ -331,7 +346,7 @@ class Autostart:
             return link
         if link.is_file():
             return link  # an existing shortcut (e.g. the installer's) stays the one entry
-        _write_atomic(fallback, render_cmd(self.command))
+        atomic_write(fallback, render_cmd(self.command), newline="")
         return fallback
 
     def disable(self) -> bool:
@@ -347,19 +362,3 @@ class Autostart:
             self.enable()
         else:
             self.disable()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: through `<name>.tmp`, which is removed again when the write or the replace
-    fails (a Startup folder must not collect stray files the next login would show)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        while_shared(lambda: os.replace(tmp, path), path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise

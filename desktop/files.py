@@ -39,13 +39,15 @@ def while_shared(change: Callable[[], object], path: Path) -> None:
             time.sleep(SHARING_RETRY_S)
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str, newline: str | None = None) -> None:
     """Write `text` to `path` so that a crash leaves either the old file or the new one, never half of one; the
-    rename waits out a moment's hold on the old file (while_shared). A failure leaves no temporary file."""
+    rename waits out a moment's hold on the old file (while_shared). A failure leaves no temporary file (a Startup
+    folder must not collect stray files either). `newline` is open()'s: "" writes the text's line ends as they are
+    (a .cmd's CRLF), None writes the platform's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", newline=newline) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

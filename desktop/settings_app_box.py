@@ -49,7 +49,7 @@ class DesktopAppBox(QGroupBox):
         self.login_box.toggled.connect(self._login_toggled)
         if autostart is not None and autostart.supported:
             app_layout.addWidget(self.login_box)
-            self._submit(autostart.is_enabled, self._got_login_state)
+            self._submit(autostart.load, self._got_login_state)
         self.file_label = QLabel(f"Saved automatically to {store.path}")
         self.file_label.setWordWrap(True)
         self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)

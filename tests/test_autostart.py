@@ -290,3 +290,21 @@ def test_windows_without_powershell_reads_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(autostart, "powershell", lambda: None)
     assert autostart.write_shortcut(tmp_path / WINDOWS_LINK, EXE, "--hidden", "C:\\", EXE) is False
     assert autostart.read_shortcut(tmp_path / WINDOWS_LINK) is None
+
+
+def test_windows_old_cmd_entry_rewritten_at_load(tmp_path):
+    """A .cmd written before the code-page line is brought up to date when the Settings tab loads, command kept;
+    one edited by hand is left alone."""
+    accented = [r"C:\Users\José Müller\Strata Desktop\strata-desktop.exe", HIDDEN_FLAG]
+    old = render_cmd(accented).replace("chcp 65001 >nul\r\n", "")
+    cmd = tmp_path / WINDOWS_FALLBACK
+    cmd.write_bytes(old.encode("utf-8"))
+    entry = windows(tmp_path, FakeShell(works=False))
+    assert entry.load() is True
+    assert cmd.read_bytes() == render_cmd(accented).encode("utf-8")  # CRLF line ends kept
+    assert entry.read() == accented
+    assert [p.name for p in tmp_path.iterdir()] == [WINDOWS_FALLBACK]  # no temporary file left
+    edited = old.replace("@echo off\r\n", "@echo off\r\nset STRATA_PORT=9000\r\n")
+    cmd.write_bytes(edited.encode("utf-8"))
+    assert entry.load() is True
+    assert cmd.read_bytes() == edited.encode("utf-8")
