@@ -307,8 +307,11 @@ def test_eviction_estimate_replays_lru():
     disk = eviction.estimate(rows, "tiered", running, {"conversation_cache_disk_mib": 45})
     assert disk == [eviction.Eviction("disk", 1, 40 * mib, 2, "45 MiB")], "the older one goes"
     assert eviction.estimate(rows, "ram", running, {"conversation_cache_disk_mib": 1}) == [], "disk unused"
+    # the slot count holds in each tier: RAM keeps "new" and writes "mid" (20 MiB, over its 10 MiB disk copy) to
+    # disk, where it takes the one place from "old"
     slots = eviction.estimate(rows, "tiered", running, {"conversation_cache_slots": 1})
-    assert slots == [eviction.Eviction("slots", 2, 70 * mib, 3, "1 conversation")]
+    assert slots == [eviction.Eviction("ram", 1, 20 * mib, 2, "2 GiB, at most 1 conversation", spilled=True),
+                     eviction.Eviction("disk", 1, 40 * mib, 2, "2 GiB, at most 1 conversation")]
     assert eviction.estimate(rows, "tiered", running, {"conversation_cache_mib": 4096}) == []
 
 
@@ -327,7 +330,7 @@ def test_eviction_estimate_follows_the_engines_order_and_a_switch_to_disk():
     ram = eviction.estimate(rows, "ram", running, {"conversation_cache_mib": 25})
     assert ram == [eviction.Eviction("ram", 2, 20 * mib, 4, "25 MiB")], "low and normal go, not the oldest two"
     slots = eviction.estimate(rows, "ram", running, {"conversation_cache_slots": 1})
-    assert slots == [eviction.Eviction("slots", 3, 30 * mib, 4, "1 conversation")], "the pinned one stays"
+    assert slots == [eviction.Eviction("ram", 3, 30 * mib, 4, "2 GiB, at most 1 conversation")], "the pinned stays"
     # taken until the rest fits: the recent 30 MiB alone is over 25 MiB, so both go (not the small old one kept)
     two = merge_tiers([conversation_row("recent", "ram", bytes=30 * mib, last_used=200),
                        conversation_row("older", "ram", bytes=5 * mib, last_used=100)])
@@ -341,6 +344,11 @@ def test_eviction_estimate_follows_the_engines_order_and_a_switch_to_disk():
     assert eviction.estimate(rows, "ram", running, {"conversation_cache_storage": "disk"}) == [], "they fit"
     assert eviction.estimate(rows, "disk", {**running, "conversation_cache_disk_mib": 30},
                              {"conversation_cache_n_min": 5}) == [], "an unchanged tier is not second-guessed"
+    # written one at a time, least recently used first, each making room as a spill does: "high" (written before
+    # "normal" and "low") is not pushed out by them, and "low", last, finds only higher ones and is itself dropped
+    to_small = eviction.estimate(rows, "ram", {**running, "conversation_cache_disk_mib": 20},
+                                 {"conversation_cache_storage": "disk"})
+    assert to_small == [eviction.Eviction("disk", 2, 20 * mib, 4, "20 MiB")]
     # a disk budget of 0 leaves the disk unused (its files stay): nothing dropped there, RAM's overflow is lost
     gone = eviction.estimate(rows, "tiered", running, {"conversation_cache_disk_mib": 0, "conversation_cache_mib": 25})
     assert gone == [eviction.Eviction("ram", 2, 20 * mib, 4, "25 MiB")]
