@@ -12,7 +12,7 @@ run in without drafts (the same slots beside it). Two things could change them; 
    product of 1 row and of n rows is the library's affair, not a guarantee. `check` runs, at start, a step of
    every captured row count against the same rows run one per step, and compares logits and K/V bit for bit;
    any difference declines speculation, naming it. That is every product at one attention length (256); the
-   attention's own products are checked at every length bucket when the first step drafts
+   attention's own products are checked at every length bucket at the end of the warm-up
    (`attention_alike`, `VerifyRows.measure`), and drafts stop below the first length where a row differed.
 
 A step with a prefill chunk runs eagerly (forward_chunks: one GEMM over its decode rows and the prompt's), which
@@ -20,7 +20,7 @@ A step with a prefill chunk runs eagerly (forward_chunks: one GEMM over its deco
 
 Memory: a captured step copies each row's slot K/V (rows x length positions per layer), so drafts multiply
 that copy. `VerifyRows.rows` keeps a step's copy within the larger of what the step without drafts copies at
-every slot's full context and half the GPU memory free when the first step drafts.
+every slot's full context and half the GPU memory free after the warm-up.
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def attention_alike(rows: list[int], length: int, heads: int, kv_heads: int, dim
 class VerifyRows:
     """How many rows (its token and its drafts) each decoding slot may feed a captured step.
 
-    Measured at the first step that asks (the draft model and the warm-up's graphs hold their memory by then):
-    the step's K/V copy budget, and the longest attention length bucket whose attention `attention_alike` finds
-    row-invariant at every row count the budget allows there (`check` covers the rest of the step at 256)."""
+    Measured at the end of the warm-up (ModelRunner.warm_up: the draft model and the graphs hold their memory by
+    then), or else at the first step that asks: the step's K/V copy budget, and the longest attention length
+    bucket whose attention `attention_alike` finds row-invariant at every row count the budget allows there (`check` covers the rest of the step at 256)."""
 
     def __init__(self, graphs: GraphDecode, kv: KVBuffers, n_heads: int) -> None:
         self.graphs = graphs

@@ -114,6 +114,9 @@ class ModelRunner:
             self.kv.clear(i)
             self.memory.clear(i)
         self.build_rope_tables(ctx_size)
+        if self.verify is not None:  # now, not as a pause in the first step that drafts
+            with torch.inference_mode():
+                self.verify.measure()
 
     def build_rope_tables(self, ctx_size: int) -> None:
         """The RoPE cos/sin rows of every position a slot can hold, on each stage, now. Grown on demand they were
