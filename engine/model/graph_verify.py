@@ -95,7 +95,8 @@ class VerifyRows:
 
     Measured at the end of the warm-up (ModelRunner.warm_up: the draft model and the graphs hold their memory by
     then), or else at the first step that asks: the step's K/V copy budget, and the longest attention length
-    bucket whose attention `attention_alike` finds row-invariant at every row count the budget allows there (`check` covers the rest of the step at 256)."""
+    bucket whose attention `attention_alike` finds row-invariant at every row count the budget allows there
+    (`check` covers the rest of the step at 256)."""
 
     def __init__(self, graphs: GraphDecode, kv: KVBuffers, n_heads: int) -> None:
         self.graphs = graphs
