@@ -13,7 +13,7 @@ engine's, token for token, and the second engine's slot must end byte-identical 
 recomputed last prompt token and every generated row included).
 
     python tools/conversation_cache_parity.py [--storage ram|disk|tiered] [--model PATH] [--devices cpu,cpu ...]
-        [--cpu-weights auto|float|int4|float16] [--restart] [--restart-layout DEVICES[/SPLIT]]
+        [--cpu-weights auto|float|int4|float16] [--restart] [--restart-layout DEVICES[/SPLIT]] [--spec prompt-lookup]
 A hybrid model (recurrent layers + attention) is checked the same way, and its slot's recurrent state after A's
 second turn must be byte-identical to the reference's (or the first engine's); no restore may leave the prefill to
 start elsewhere than where it restored (`restores_without_reuse` stays 0).
@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-cpu-layers", type=int, default=0, help="the engine's --moe-cpu-layers")
     parser.add_argument("--deterministic", action="store_true", help="the engine's --deterministic (CUDA)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's --no-cuda-graphs")
+    parser.add_argument("--spec", default="off", choices=("off", "prompt-lookup"),
+                        help="the engine's --spec, in both engines: restores with drafting on")
     parser.add_argument("--checkpoint-tokens", type=int, default=1024,
                         help="hybrid models: --conversation-cache-checkpoint-tokens (the edited scenario resumes "
                              "from the deepest checkpoint before the edit)")
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe_experts": args.moe_experts,
         "moe_cpu_layers": args.moe_cpu_layers,
         "no_cuda_graphs": args.no_cuda_graphs,
+        "spec": args.spec,
         "conversation_cache_checkpoint_tokens": args.checkpoint_tokens,
     }
     failed = 0
