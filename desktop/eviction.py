@@ -17,6 +17,7 @@ from typing import Any
 
 from desktop.monitor.conversations import ParkedConversation
 from desktop.settings import SUMMED_BYTES, format_bytes, format_mib
+from engine.contract import ConversationRow
 
 MIB = 1 << 20
 BUDGETS = {"ram": "conversation_cache_mib", "disk": "conversation_cache_disk_mib"}
@@ -33,37 +34,58 @@ class Eviction:
     of: int  # how many are there now, with those the change writes there
     limit: str  # the new budget, in words
     spilled: bool = False  # tiered RAM evictions are written to disk, not lost
-    ids: tuple[str, ...] = field(default=(), compare=False)  # which ones, in the order they go
+    ids: tuple[str, ...] = field(default=(), compare=False)  # the engine's ids of the copies that go
+    why: str = ""  # said instead of the budget, where no budget explains it
 
 
 PRIORITY_RANK = {"low": 0, "normal": 1, "high": 2}
-Sized = dict[str, tuple[ParkedConversation, float]]  # id -> (conversation, its bytes in the tier)
 
 
-def _eviction_order(rows: list[ParkedConversation]) -> list[ParkedConversation]:
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """One tier's copy of a conversation, with its own figures (a disk copy keeps the pin and last use it had)."""
+
+    row: ConversationRow
+    size: float
+
+    @property
+    def rank(self) -> int:
+        return PRIORITY_RANK.get(self.row.priority, 1)
+
+
+Held = dict[str, _Copy]  # a tier's copies by the engine's id
+
+
+def _copies(rows: list[ParkedConversation], tier: str) -> list[tuple[ParkedConversation, _Copy]]:
+    """`tier`'s copies of `rows`' conversations, each with the conversation it belongs to."""
+    out = []
+    for conv in rows:
+        if conv.rows:
+            out += [(conv, _Copy(row, float(row.bytes))) for row in conv.rows if row.tier == tier]
+        elif tier in conv.tiers:  # merged without its rows: the merged figures
+            out.append((conv, _Copy(conv.row, float(conv.bytes_by_tier[tier]))))
+    return out
+
+
+def _eviction_order(copies: list[_Copy]) -> list[_Copy]:
     """The engine's order: unpinned before pinned, low before normal before high, least recently used first."""
-    return sorted(rows, key=lambda r: (r.row.pinned, _rank(r), r.last_used))
+    return sorted(copies, key=lambda c: (c.row.pinned, c.rank, c.row.last_used))
 
 
-def _rank(row: ParkedConversation) -> int:
-    return PRIORITY_RANK.get(row.row.priority, 1)
-
-
-def _room(held: Sized, budget: float, slots: int, adding: float | None = None,
-          rank: int | None = None) -> list[str] | None:
+def _room(held: Held, budget: float, slots: int, adding: _Copy | None = None) -> list[str] | None:
     """The ids `held` gives up, in the engine's order (engine/cache/policy.py `plan_room`), so that it fits `budget`
-    bytes and `slots` entries with one more entry of `adding` bytes and priority rank `rank` (an entry of a higher
-    rank is passed over), or, with nothing added, as far as it can. None when an addition cannot be made to fit."""
-    total = sum(size for _, size in held.values()) + (adding or 0.0)
+    bytes and `slots` entries with `adding` (whose room is made only from copies of its priority or below), or,
+    with nothing added, as far as it can. None when `adding` cannot be made to fit."""
+    total = sum(c.size for c in held.values()) + (adding.size if adding else 0.0)
     count = len(held) + (adding is not None)
     gone = []
-    for row in _eviction_order([r for r, _ in held.values()]):
+    for copy in _eviction_order(list(held.values())):
         if total <= budget and count <= slots:
             break
-        if rank is not None and _rank(row) > rank:
+        if adding is not None and copy.rank > adding.rank:
             continue
-        gone.append(row.id)
-        total -= held[row.id][1]
+        gone.append(copy.row.id)
+        total -= copy.size
         count -= 1
     if adding is not None and (total > budget or count > slots):
         return None
@@ -79,16 +101,13 @@ def estimate(rows: list[ParkedConversation], storage: str, running: dict[str, An
              changes: dict[str, Any]) -> list[Eviction]:
     """What applying `changes` (field -> new value) to an engine running `running` in `storage` would evict from
     `rows`, tier by tier as the engine does (engine/cache/reconfigure.py): RAM first, within its budget and slot
-    count; then each conversation written to disk, one at a time, making room there as a spill does (it may push
-    out only conversations of its priority or below, and is dropped itself when that is not enough); then the disk
-    tier's own budget. A tier is weighed when its budget or the slot count shrinks or conversations move into it
-    (a switch to disk storage, a tiered RAM budget's overflow): the list's sums are not the engine's own (shared
+    count, or all of it when the new settings keep nothing in RAM; then each conversation written to disk, one at
+    a time, making room there as a spill does (it may push out only copies of its priority or below, and is
+    dropped itself when that is not enough); then the disk tier's own budget. A tier is weighed when its budget
+    or the slot count shrinks or conversations move into it: the list's sums are not the engine's own (shared
     blocks), so an unchanged tier is not second-guessed."""
     out: list[Eviction] = []
     new_storage = str(changes.get("conversation_cache_storage", storage))
-    used_tiers = {"ram": ("ram",), "disk": ("disk",), "tiered": ("ram", "disk")}.get(new_storage, ())
-    # a disk budget of 0 leaves the disk unused: its files stay for a later return, and nothing is written there
-    disk_used = "disk" in used_tiers and changes.get(BUDGETS["disk"], running.get(BUDGETS["disk"], 0)) > 0
     slots = int(changes.get(SLOTS, running.get(SLOTS, 0)))
     slots_shrink = SLOTS in changes and changes[SLOTS] < running.get(SLOTS, 0)
 
@@ -97,49 +116,58 @@ def estimate(rows: list[ParkedConversation], storage: str, running: dict[str, An
         mib = changes.get(key, running.get(key, 0))
         return mib, slots_shrink or (key in changes and changes[key] < running.get(key, 0))
 
-    def in_tier(tier: str) -> Sized:
-        return {r.id: (r, float(r.bytes_by_tier[tier])) for r in rows if tier in r.tiers}
-
-    # conversations written to disk by this change, in the order they are written: every RAM one, least recently
-    # used first, when the storage becomes disk alone
-    arriving = sorted((r for r in rows if "ram" in r.tiers), key=lambda r: r.last_used) \
-        if new_storage == "disk" and storage != "disk" and disk_used else []
-    if "ram" in used_tiers:
+    # as engine/cache/settings.py `uses_ram` / `uses_disk`: a budget of 0 leaves a tier unused (a disk's files stay)
+    ram_on = new_storage in ("ram", "tiered") and budget_of("ram")[0] > 0
+    disk_on = new_storage in ("disk", "tiered") and budget_of("disk")[0] > 0
+    ram_was_on = storage in ("ram", "tiered") and running.get(BUDGETS["ram"], 0) > 0
+    in_ram = _copies(rows, "ram") if ram_was_on else []  # (a RAM row under disk storage is a park on its way)
+    arriving: list[tuple[ParkedConversation, _Copy]] = []  # written to disk by this change, in the engine's order
+    if not ram_on and in_ram:
+        if disk_on:  # every RAM conversation is written to disk, in the RAM index's order (least recently used first)
+            arriving = sorted(in_ram, key=lambda pc: pc[1].row.last_used)
+        else:  # RAM storage with a RAM budget of 0 says so by its budget; the others keep nothing anywhere
+            why = "" if new_storage == "ram" else ("a budget of 0 leaves its tier unused, so these settings keep "
+                                                   "no conversations (files already on disk stay)")
+            out.append(Eviction("ram", len(in_ram), sum(c.size for _, c in in_ram), len(in_ram),
+                                _limit(budget_of("ram")[0], slots, slots_shrink),
+                                ids=tuple(c.row.id for _, c in in_ram), why=why))
+    elif in_ram:
         mib, shrinks = budget_of("ram")
-        held = in_tier("ram")
-        if shrinks:
-            gone = _room(held, mib * MIB, slots) or []
-            if gone:
-                spilled = new_storage == "tiered" and disk_used
-                out.append(Eviction("ram", len(gone), sum(held[i][1] for i in gone), len(held),
-                                    _limit(mib, slots, slots_shrink), spilled=spilled, ids=tuple(gone)))
-                if spilled:  # each evicted one is handed to the disk as it goes
-                    arriving = [held[i][0] for i in gone]
-    if disk_used:
+        held = {c.row.id: c for _, c in in_ram}
+        gone = (_room(held, mib * MIB, slots) or []) if shrinks else []
+        if gone:
+            spilled = new_storage == "tiered" and disk_on
+            out.append(Eviction("ram", len(gone), sum(held[i].size for i in gone), len(held),
+                                _limit(mib, slots, slots_shrink), spilled=spilled, ids=tuple(gone)))
+            if spilled:  # each evicted copy is handed to the disk as it goes, in that order
+                by_id = {pc[1].row.id: pc for pc in in_ram}
+                arriving = [by_id[i] for i in gone]
+    if disk_on:
         mib, shrinks = budget_of("disk")
-        held = in_tier("disk")
+        on_disk = _copies(rows, "disk")
+        held = {c.row.id: c for _, c in on_disk}
         if shrinks or arriving:
-            there = set(held)
-            lost: list[tuple[ParkedConversation, float]] = []
-            for row in arriving:
-                there.add(row.id)
-                size = float(row.bytes_by_tier["ram"])
-                old = held.pop(row.id, None)  # a copy already on disk is superseded by what is written now
-                if old is not None and old[1] >= size:
-                    held[row.id] = old  # the same (or more) already there: nothing is written
+            there = set(held) | {c.row.id for _, c in arriving}
+            lost: list[_Copy] = []
+            for conv, copy in arriving:
+                # a disk copy of the same tokens means nothing is written; shorter ones are superseded (a longer
+                # one is another conversation to the engine, and stays beside it)
+                old = [c for other, c in on_disk if other is conv and c.row.id in held]
+                if any(c.row.tokens == copy.row.tokens for c in old):
                     continue
-                gone = _room(held, mib * MIB, slots, adding=size, rank=_rank(row))
+                superseded = {c.row.id for c in old if c.row.tokens < copy.row.tokens}
+                rest = {i: c for i, c in held.items() if i not in superseded}
+                gone = _room(rest, mib * MIB, slots, adding=copy)
                 if gone is None:
-                    lost.append((row, size))  # dropped: the disk copy it had, if any, stays
-                    if old is not None:
-                        held[row.id] = old
+                    lost.append(copy)  # dropped: the copies it had on disk stay
                     continue
-                lost += [held.pop(i) for i in gone]
-                held[row.id] = (row, size)
+                lost += [rest.pop(i) for i in gone]
+                rest[copy.row.id] = copy
+                held = rest
             lost += [held.pop(i) for i in _room(held, mib * MIB, slots) or []]
             if lost:
-                out.append(Eviction("disk", len(lost), sum(size for _, size in lost), len(there),
-                                    _limit(mib, slots, slots_shrink), ids=tuple(r.id for r, _ in lost)))
+                out.append(Eviction("disk", len(lost), sum(c.size for c in lost), len(there),
+                                    _limit(mib, slots, slots_shrink), ids=tuple(c.row.id for c in lost)))
     return out
 
 
@@ -148,7 +176,9 @@ def describe(evictions: list[Eviction]) -> str:
     lines = []
     for e in evictions:
         what = f"{e.count} of {e.of} parked conversation{'s' if e.of != 1 else ''} ({format_bytes(e.bytes)})"
-        if e.spilled:
+        if e.why:
+            lines.append(f"• drops {what} from {'RAM' if e.where == 'ram' else 'disk'}: {e.why}.")
+        elif e.spilled:
             lines.append(f"• moves {what} from RAM to disk, to fit the RAM budget of {e.limit}.")
         else:
             place = "RAM" if e.where == "ram" else "disk"

@@ -37,7 +37,8 @@ class ParkedConversation:
     copies take together, by tier in `bytes_by_tier`; created the earliest, last used the latest; `hits` the most
     any copy of one id counted (a copy written to disk carries the hits it had then, so adding them would count
     twice), added up over ids (a new id counts from zero); checkpoints (and their bytes) the most any copy holds.
-    A conversation held once is its row's figures as they are.
+    A conversation held once is its row's figures as they are. `rows` are the engine's rows as listed (the
+    eviction estimate weighs each copy by its own figures).
     """
 
     row: ConversationRow
@@ -52,6 +53,7 @@ class ParkedConversation:
     pending: bool
     checkpoints: int
     checkpoint_bytes: int
+    rows: tuple[ConversationRow, ...] = ()
 
     @property
     def id(self) -> str:
@@ -92,7 +94,7 @@ class ParkedConversation:
                    created=min(r.created for r in rows), last_used=max(r.last_used for r in rows),
                    hits=sum(hits.values()), pending=any(r.pending for r in rows),
                    checkpoints=max(r.checkpoints for r in rows),
-                   checkpoint_bytes=max(r.checkpoint_bytes for r in rows))
+                   checkpoint_bytes=max(r.checkpoint_bytes for r in rows), rows=tuple(rows))
 
 
 def merge_tiers(rows: list[ConversationRow], links: dict[str, str] | None = None) -> list[ParkedConversation]:

@@ -71,6 +71,7 @@ class ConversationCache:
         self.prefill_tokens_per_s: float | None = None
         self.lock = threading.RLock()
         self.journal = Journal()
+        self._spill_all = False  # enforce_budgets(spill_all=True) is running
         self.ram = RamTier(settings, identity, self.lock, self.journal, self._spill)
         self.disk: DiskStore | None = None
         if settings.uses_disk:
@@ -293,10 +294,11 @@ class ConversationCache:
         return ParkResult(False, None, reason, n_tokens=n_tokens)
 
     def _spill(self, conv: Conv, tensors: dict[str, Parts | None]) -> None:
-        """What RAM evicts: tiered mode queues it for the disk writer; otherwise it is gone."""
+        """What RAM evicts: tiered mode queues it for the disk writer; otherwise it is gone. The write buffer's
+        bound holds, except while `enforce_budgets(spill_all=True)` runs (a settings change)."""
         disk = self.disk
         if self.settings.storage == "tiered" and disk is not None and disk.usable:
-            disk.queue_spill(conv, tensors)
+            disk.queue_spill(conv, tensors, bounded=not self._spill_all)
 
     # ------------------------------------------------------------------ restore
 
@@ -413,10 +415,17 @@ class ConversationCache:
 
     # ------------------------------------------------------------------ budgets, reconfigure, flush, close
 
-    def enforce_budgets(self) -> None:
-        """Evict LRU conversations until every tier is within its budget and slot count."""
+    def enforce_budgets(self, *, spill_all: bool = False) -> None:
+        """Evict LRU conversations until every tier is within its budget and slot count. `spill_all`: tiered RAM
+        evictions are all queued for the disk, past the write buffer's bound (the caller then drains the writer):
+        a smaller RAM budget moves conversations to disk rather than dropping what the buffer cannot hold at
+        once. Their RAM is the RAM tier's until written, so nothing more is held than before the change."""
         with self.lock:
-            self.ram.enforce_budget()
+            self._spill_all = spill_all
+            try:
+                self.ram.enforce_budget()
+            finally:
+                self._spill_all = False
             if self.disk is not None:
                 self.disk.enforce_budget()
 

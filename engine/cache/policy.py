@@ -41,9 +41,11 @@ def precedence(conv: HasAttrs) -> Precedence:
 
 
 def eviction_order(convs: Iterable[A]) -> list[A]:
-    """`convs` (given least recently used first) in the order budgets evict them: lowest precedence first,
-    least recently used first within a precedence (the sort is stable)."""
-    return sorted(convs, key=precedence)
+    """`convs` in the order budgets evict them: lowest precedence first, least recently used (`last_used`) first
+    within a precedence. By the time, not by the index's order: a conversation spilled from RAM joins the disk's
+    index last but was used when it was, and the Settings tab's estimate (desktop/eviction.py) replays this
+    order from the listed times."""
+    return sorted(convs, key=lambda c: (precedence(c), c.last_used))
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

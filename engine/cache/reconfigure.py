@@ -1,8 +1,9 @@
 """Live reconfiguration of the conversation cache (`ConversationCache.reconfigure`): storage mode, folder and
 budgets change on a running engine without losing what is parked, unless a budget shrinks.
 
-ram -> disk writes every RAM conversation before returning; a new folder receives the old folder's entries;
-leaving disk storage keeps the files where they are for a later return.
+ram -> disk writes every RAM conversation before returning, as a tiered RAM budget made smaller writes what it
+evicts (past the write buffer's bound, which is for parks as they come); a new folder receives the old folder's
+entries; leaving disk storage keeps the files where they are for a later return.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def apply(cache: ConversationCache, settings: CacheSettings) -> list[str]:
         cache.disk.drain(time.monotonic() + 600)
         with cache.lock:
             cache.reap()
-    cache.enforce_budgets()
+    cache.enforce_budgets(spill_all=True)  # tiered: a smaller RAM budget moves conversations to disk
+    if cache.disk is not None and settings.storage == "tiered":
+        cache.disk.drain(time.monotonic() + 600)
+        with cache.lock:
+            cache.reap()
     log.info("conversation cache: reconfigured %s", ", ".join(changed))
     return changed
