@@ -175,12 +175,15 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
             restored_tokens, restored_kv = _slot_kv(eng, slot)
             state, silent = _slot_state(eng, slot), _silent_restores(eng)
             floor, reason = _floor(eng, slot), _last_reason(eng)
+            drafting = _drafting(eng)
             restored_kv, parked_kv = _read_rows(eng, restored_kv, floor), _read_rows(eng, parked_kv, floor)
         finally:
             eng.close()
 
     if a2_tokens != a2_ref_tokens:
         return Outcome(name, False, f"continuation differs: {a2!r} vs reference {a2_ref!r}")
+    if drafting.startswith("declined"):
+        return Outcome(name, False, f"--spec {base['spec']} {drafting}")
     if silent:
         return Outcome(name, False, f"{silent} restores did not resume where they restored (restores_without_reuse)")
     # a hybrid model: the recurrent state after A's second turn is the reference's, byte for byte (not under
@@ -203,7 +206,20 @@ def run_scenario(name: str, base: dict, n_words: int, max_tokens: int) -> Outcom
         return Outcome(name, False, f"restored K/V differs from the parked K/V over {n} tokens")
     hybrid = ", recurrent state byte-identical" if state is not None else ""
     return Outcome(name, True, f"{n} tokens restored byte-identical, {len(a2_tokens)} tokens identical, "
-                               f"cached_tokens={cached}{hybrid}")
+                               f"cached_tokens={cached}{hybrid}{drafting}")
+
+
+def _drafting(engine: Engine) -> str:
+    """With speculation on, what the engine drafted (so a pass is known to have verified drafts): '' when off,
+    'declined: <why>' when the engine declined it."""
+    speculation = engine.scheduler.speculation
+    if speculation.method == "off":
+        return ""
+    if speculation.declined:
+        return f"declined: {speculation.declined}"
+    drafted, accepted = engine.call(lambda: (engine.stats.counters["spec_drafted_tokens"],
+                                             engine.stats.counters["spec_accepted_tokens"])).result()
+    return f", drafts accepted {accepted} of {drafted}"
 
 
 def run_resplit(base: dict, other: dict, n_words: int, max_tokens: int) -> Outcome:
