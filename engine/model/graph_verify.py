@@ -95,9 +95,9 @@ class VerifyRows:
 
     Measured at the end of the warm-up (ModelRunner.warm_up: the draft model's weights and K/V and the model's
     graphs hold their memory by then; a draft model's own graphs come at its first step, within the half of the
-    free memory left out), or else at the first step that asks: the step's K/V copy budget, and the longest attention length
-    bucket whose attention `attention_alike` finds row-invariant at every row count the budget allows there
-    (`check` covers the rest of the step at 256)."""
+    free memory left out), or else at the first step that asks: the step's K/V copy budget, and the longest
+    attention length bucket whose attention `attention_alike` finds row-invariant at every row count the budget
+    allows there (`check` covers the rest of the step at 256)."""
 
     def __init__(self, graphs: GraphDecode, kv: KVBuffers, n_heads: int) -> None:
         self.graphs = graphs
