@@ -116,6 +116,7 @@ class VerifyRows:
         per_position += 2 * self.n_heads * 4
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         self.budget = max(self.kv.n_slots * self.ctx, free // 2 // per_position)
+        self.max_length = 0  # measured again: from scratch
         for length in self.lengths:
             rows = [b for b in self.graphs.batches if b * length <= self.budget]
             try:
