@@ -214,6 +214,9 @@ def test_switch_back_restores_the_draft_rows_and_drafts_without_re_reading(model
                           conversation_cache_min_free_mib=0)
     engine = Engine.from_config(config)
     try:
+        # the draft's warm-up (a prefill and a step of each batch size) left its slot as it found it
+        assert engine.call(lambda: engine.draft.held).result() == [[]]
+        assert not _draft_rows(engine, 16).any()
         first, _ = _answer(engine, _chat(engine, ASK), 24)
         held = engine.call(lambda: list(engine.draft.held[0])).result()
         before = _draft_rows(engine, len(held))
@@ -299,6 +302,9 @@ def _first_turn_then_restart(config: EngineConfig) -> tuple[list[int], list[int]
     """The first turn, parked at shutdown; (its answer, the draft's tokens, the draft's rows then)."""
     engine = Engine.from_config(config)
     try:
+        # the draft's warm-up (a prefill and a step of each batch size) left its slot as it found it
+        assert engine.call(lambda: engine.draft.held).result() == [[]]
+        assert not _draft_rows(engine, 16).any()
         first, _ = _answer(engine, _chat(engine, ASK), 24)
         held = engine.call(lambda: list(engine.draft.held[0])).result()
         rows = _draft_rows(engine, len(held))

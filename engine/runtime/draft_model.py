@@ -110,6 +110,24 @@ class DraftModel:
                  weights_format, configure(loaded.model, n_slots, cuda_graphs=cuda_graphs, deterministic=False))
         return cls(loaded, kv, min(cfg.vocab_size, target.config.vocab_size))
 
+    def warm_up(self) -> None:
+        """One short prefill and a decode step of each captured batch size, as the model's own warm-up
+        (ModelRunner.warm_up): a draft on a GPU captures its first graphs now, not in the first request that
+        drafts, and holds their memory before the verify step's budget is measured. The slots are left empty."""
+        from engine.model.llama import SeqChunk
+
+        slots, ctx = self.kv.n_slots, self.kv.ctx
+        with torch.inference_mode():
+            prompt = torch.zeros(min(8, ctx - 1), dtype=torch.int64)
+            self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
+            for rows in self.model.warm_up_batches():
+                if len(prompt) + (rows - 1) // slots < ctx - 1:  # rows a context this short can hold
+                    self.model.forward_chunks(
+                        [SeqChunk(i % slots, len(prompt) + i // slots, prompt[:1]) for i in range(rows)], self.kv)
+        for i in range(slots):
+            self.kv.clear(i)
+            self.held[i] = []
+
     def parkable(self, slot: int, tokens: Sequence[int]) -> int:
         """The prefix of `tokens` whose rows the slot holds (draft_states.DraftRows)."""
         return common_prefix(self.held[slot], list(tokens))

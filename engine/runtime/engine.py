@@ -164,6 +164,8 @@ class Engine:
         self.control = CacheControl(config, self.cache_identity, settle=restores.wait, draft_identity=parked_as)
         self.draft_states = DraftStates(drafting, self.control) if drafting is not None else None
         progress.begin("warming up")
+        if self.draft is not None:  # first: the model's warm-up ends measuring the GPU memory left
+            self.draft.warm_up()
         self.runner.warm_up(self.ctx_size)
 
         self.stats = EngineStats(self._collect_stats)
