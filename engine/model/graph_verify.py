@@ -93,9 +93,9 @@ def attention_alike(rows: list[int], length: int, heads: int, kv_heads: int, dim
 class VerifyRows:
     """How many rows (its token and its drafts) each decoding slot may feed a captured step.
 
-    Measured at the end of the warm-up (ModelRunner.warm_up: the draft model's weights and K/V and the model's
-    graphs hold their memory by then; a draft model's own graphs come at its first step, within the half of the
-    free memory left out), or else at the first step that asks: the step's K/V copy budget, and the longest
+    Measured at the end of the warm-up (ModelRunner.warm_up: the draft model, warmed up before it, and the
+    model's graphs hold their memory by then; graphs of longer attention lengths come later, within the half of
+    the free memory left out), or else at the first step that asks: the step's K/V copy budget, and the longest
     attention length bucket whose attention `attention_alike` finds row-invariant at every row count the budget
     allows there (`check` covers the rest of the step at 256)."""
 
