@@ -23,6 +23,10 @@ from desktop.settings_tab import SettingsTab
 from desktop.settings_words import label_of
 from engine.contract import CacheConfigBody, ContractError, parse
 
+# The engine writes conversations a change moves to disk before it answers, for up to 600 s
+# (engine/cache/reconfigure.py): a shorter wait would call a slow but applied change refused.
+PUT_TIMEOUT_S = 630.0
+
 
 class LiveApply(QObject):
     """Sends the Settings tab's live changes to the engine; `box` is the eviction question while it is open."""
@@ -88,7 +92,8 @@ class LiveApply(QObject):
             self.tab.show_result(f"Applied to the running engine: {names}.", True)
             self.polled()
 
-        self.client.request("PUT", "/cache/config", done, json=sent, timeout=30.0)
+        # a change that moves conversations to disk answers once they are written (engine/cache/reconfigure.py)
+        self.client.request("PUT", "/cache/config", done, json=sent, timeout=PUT_TIMEOUT_S)
 
     def follow(self) -> None:
         """Ask the engine which live settings it runs with (at each Monitor poll): one changed by another client

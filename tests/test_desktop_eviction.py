@@ -181,3 +181,24 @@ def test_disk_storage_with_a_disk_budget_of_0_is_asked_about(tmp_path):
                             dataclasses.replace(cache.settings, storage="disk"))
     assert estimated == lost == ids
     cache.close(spill=False)
+
+
+def test_a_queued_write_does_not_count_the_copy_it_replaces(tmp_path):
+    """X restored from disk goes on as Z; a RAM budget cut writes Z (replacing X) and the other to four disk
+    slots: the engine counts X as leaving once Z is queued, so nothing that fits is dropped, as the estimate says."""
+    cache = make_cache(storage="tiered", dir=str(tmp_path), ram_bytes=1126 << 10, slots=4)
+    slots = FakeSlots()
+    x = conversation(2, 32 * BLOCK)
+    _park(cache, slots, 1, 32)
+    first = _park(cache, slots, 2, 32)
+    _park(cache, slots, 3, 32)
+    _park(cache, slots, 4, 32)  # the first two are spilled
+    assert cache.flush(10)
+    _restore_from_disk(cache, slots, x, 1)
+    going_on = park_tokens(cache, slots, x + conversation(3, 2 * BLOCK), slot=1).conversation_id
+    assert cache.flush(10)
+    estimated, lost = _lost(cache, "tiered", {"conversation_cache_mib": 0.1},
+                            dataclasses.replace(cache.settings, ram_bytes=MIB // 10), {first: going_on})
+    assert estimated == set() and lost == {first}, "nothing lost: X's id is gone, replaced by Z"
+    assert len([r for r in cache.conversations() if r.tier == "disk"]) == 4
+    cache.close(spill=False)

@@ -424,3 +424,17 @@ def test_a_hybrid_model_drafts_with_a_dense_draft_and_answers_as_without(models,
         finally:
             engine.close()
     assert answers[0] == answers[1] and len(answers[0]) == 12
+
+
+def test_a_draft_whose_context_holds_one_token_starts_and_never_drafts(models, tmp_path):
+    """Its warm-up has no prompt to run (a context of 1): the engine starts, answers as without, drafts nothing."""
+    draft = write_truncated(models["target"], tmp_path / "draft", 2)
+    config_file = Path(draft) / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_position_embeddings": 1}))
+    engine = Engine.from_config(EngineConfig(model=models["target"], ctx_size=512, cpu_weights="float",
+                                             spec="draft", model_draft=draft))
+    try:
+        assert _answer(engine, _chat(engine, "one two three"), 8)[0]
+        assert engine.call(lambda: engine.stats.counters["spec_drafted_tokens"]).result() == 0
+    finally:
+        engine.close()

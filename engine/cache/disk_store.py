@@ -110,7 +110,7 @@ class DiskStore:
             budget=s.disk_bytes,
             slots=s.slots,
             keep_keys=set(keys),
-            leaving=leaving,
+            leaving=leaving | self.superseded_pending(),
             exclude=exclude,
             in_flight_ok=in_flight_ok,
             rank=rank,
@@ -169,6 +169,12 @@ class DiskStore:
                 "a budget never drops a pinned conversation at start-up; unpin, delete or purge them, or raise "
                 "the budget", len(pinned), sum(c.nbytes for c in pinned) / MIB, budget_mib)
 
+    def superseded_pending(self) -> set[str]:
+        """Entries a queued write supersedes: removed once it is written (reap), so a budget does not count them
+        beside their successor (several spills queued at once would otherwise push out conversations that fit)."""
+        return {old for conv in self.index.convs.values() if not conv.on_disk and not conv.failed
+                for old in conv.supersedes}
+
     def enforce_budget(self, *, keep_pinned: bool = False) -> list[tuple[str, int, int]]:
         """Evict entries in eviction order (never one in flight) until the tier is within its budget and slots;
         `keep_pinned` passes over pinned ones (the folder found at start-up). Returns (id, tokens, bytes) of each
@@ -179,7 +185,7 @@ class DiskStore:
             budget=self.settings.disk_bytes,
             slots=self.settings.slots,
             keep_keys=set(),
-            leaving=set(),
+            leaving=self.superseded_pending(),
             exclude={cid for cid, c in self.index.convs.items() if c.pinned} if keep_pinned else set(),
             adding=0,
             best_effort=True,

@@ -415,12 +415,14 @@ class ConversationCache:
 
     # ------------------------------------------------------------------ budgets, reconfigure, flush, close
 
-    def enforce_budgets(self, *, spill_all: bool = False) -> None:
+    def enforce_budgets(self, *, spill_all: bool = False) -> int:
         """Evict LRU conversations until every tier is within its budget and slot count. `spill_all`: tiered RAM
         evictions are all queued for the disk, past the write buffer's bound (the caller then drains the writer):
         a smaller RAM budget moves conversations to disk rather than dropping what the buffer cannot hold at
-        once. Their RAM is the RAM tier's until written, so nothing more is held than before the change."""
+        once. Their RAM is the RAM tier's until written, so nothing more is held than before the change. Returns
+        how many conversations RAM gave up."""
         with self.lock:
+            before = len(self.ram.index.convs)
             self._spill_all = spill_all
             try:
                 self.ram.enforce_budget()
@@ -428,6 +430,7 @@ class ConversationCache:
                 self._spill_all = False
             if self.disk is not None:
                 self.disk.enforce_budget()
+            return before - len(self.ram.index.convs)
 
     def set_settings(self, settings: CacheSettings) -> None:
         self.settings = self.ram.settings = settings

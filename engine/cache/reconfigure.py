@@ -67,9 +67,9 @@ def apply(cache: ConversationCache, settings: CacheSettings) -> list[str]:
         cache.disk.drain(time.monotonic() + 600)
         with cache.lock:
             cache.reap()
-    cache.enforce_budgets(spill_all=True)  # tiered: a smaller RAM budget moves conversations to disk
-    if cache.disk is not None and settings.storage == "tiered":
-        cache.disk.drain(time.monotonic() + 600)
+    moved = cache.enforce_budgets(spill_all=True)  # tiered: a smaller RAM budget moves conversations to disk
+    if moved and cache.disk is not None and settings.storage == "tiered":
+        cache.disk.drain(time.monotonic() + 600)  # before a later park's write-buffer bound could drop them
         with cache.lock:
             cache.reap()
     log.info("conversation cache: reconfigured %s", ", ".join(changed))

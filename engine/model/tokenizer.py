@@ -33,10 +33,10 @@ HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|retur
 # llama.cpp's converter makes them user-defined tokens) so the tool-call parser reads them.
 # DeepSeek-V3's call markers (engine.server.deepseek_calls) likewise, in whichever tokenizer.json marks them special,
 # and the markers of a thought (engine.model.thinking: `<think>`, Gemma 4's channel), which the server splits out.
-# What a GGUF's tokenizer is built into (Tokenizer._gguf_backend and the tables it reads: pre-tokenizer splits, which
-# control tokens stay special): kept built tokenizers (engine/model/weights_cache.py KeptTokenizer) carry it in their
-# key, so bump it with any change there, or an engine keeps using what an older one built (2: DeepSeek's tool-call
-# markers no longer special).
+# What a GGUF's tokenizer is built into (Tokenizer._gguf_backend, which control tokens stay special, and
+# engine/model/gguf_vocab.py's backends and pre-tokenizer splits): kept built tokenizers (engine/model/weights_cache.py
+# KeptTokenizer) carry it in their key, so bump it with any change there, or an engine keeps using what an older one
+# built (2: DeepSeek's tool-call markers no longer special).
 GGUF_TOKENIZER_BUILD = 2
 RENDERED_MARKERS = frozenset({
     "<|tool_call>", "<tool_call|>", '<|"|>',

@@ -117,6 +117,8 @@ class DraftModel:
         from engine.model.llama import SeqChunk
 
         slots, ctx = self.kv.n_slots, self.kv.ctx
+        if ctx < 2:  # no prompt fits (such a draft never drafts either: `propose`)
+            return
         with torch.inference_mode():
             prompt = torch.zeros(min(8, ctx - 1), dtype=torch.int64)
             self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
