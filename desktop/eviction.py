@@ -6,8 +6,10 @@ budget and slot count take conversations unpinned before pinned, low before norm
 recently used first within those, until what is left fits. A switch to disk storage writes every RAM
 conversation to disk, and a tiered RAM budget writes what it pushes out; each is written on its own, making room
 as a spill does. The figures are an estimate: the engine may have parks in flight and entries the list has not
-shown yet, blocks two conversations share are counted in each, and a conversation written to disk is counted at
-its RAM size (its files add a header and alignment to each block).
+shown yet, blocks two conversations share are counted in each, a conversation written to disk is counted at its
+RAM size (its files add a header and alignment to each block), a folder's files are not listed while disk
+storage is off (a switch to it weighs them in the engine), and with a draft model the engine gives the draft's
+parked rows their share of each budget.
 """
 
 from __future__ import annotations
