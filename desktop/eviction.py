@@ -60,13 +60,7 @@ Held = dict[str, _Copy]  # a tier's copies by the engine's id
 
 def _copies(rows: list[ParkedConversation], tier: str) -> list[tuple[ParkedConversation, _Copy]]:
     """`tier`'s copies of `rows`' conversations, each with the conversation it belongs to."""
-    out = []
-    for conv in rows:
-        if conv.rows:
-            out += [(conv, _Copy(row, float(row.bytes))) for row in conv.rows if row.tier == tier]
-        elif tier in conv.tiers:  # merged without its rows: the merged figures
-            out.append((conv, _Copy(conv.row, float(conv.bytes_by_tier[tier]))))
-    return out
+    return [(conv, _Copy(row, float(row.bytes))) for conv in rows for row in conv.rows if row.tier == tier]
 
 
 def _eviction_order(copies: list[_Copy]) -> list[_Copy]:

@@ -53,7 +53,7 @@ class ParkedConversation:
     pending: bool
     checkpoints: int
     checkpoint_bytes: int
-    rows: tuple[ConversationRow, ...] = ()
+    rows: tuple[ConversationRow, ...]
 
     @property
     def id(self) -> str:

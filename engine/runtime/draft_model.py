@@ -21,6 +21,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.kv import KVBuffers, KVLayout
+from engine.runtime.model_runner import warm_up_steps
 from engine.runtime.slot_set import common_prefix
 from engine.runtime.speculation import SlotDrafter
 
@@ -113,20 +114,12 @@ class DraftModel:
     def warm_up(self) -> None:
         """One short prefill and a decode step of each captured batch size, as the model's own warm-up
         (ModelRunner.warm_up): a draft on a GPU captures its first graphs now, not in the first request that
-        drafts, and holds their memory before the verify step's budget is measured. The slots are left empty."""
-        from engine.model.llama import SeqChunk
-
-        slots, ctx = self.kv.n_slots, self.kv.ctx
-        if ctx < 2:  # no prompt fits (such a draft never drafts either: `propose`)
-            return
+        drafts, and holds their memory before the verify step's budget is measured. The slots are left empty
+        (a context of one token has no warm-up, and never drafts either: `propose`)."""
         with torch.inference_mode():
-            prompt = torch.zeros(min(8, ctx - 1), dtype=torch.int64)
-            self.model.forward_chunks([SeqChunk(0, 0, prompt)], self.kv)
-            for rows in self.model.warm_up_batches():
-                if len(prompt) + (rows - 1) // slots < ctx - 1:  # rows a context this short can hold
-                    self.model.forward_chunks(
-                        [SeqChunk(i % slots, len(prompt) + i // slots, prompt[:1]) for i in range(rows)], self.kv)
-        for i in range(slots):
+            for chunks in warm_up_steps(self.kv.ctx, self.kv.n_slots, self.model.warm_up_batches()):
+                self.model.forward_chunks(chunks, self.kv)
+        for i in range(self.kv.n_slots):
             self.kv.clear(i)
             self.held[i] = []
 

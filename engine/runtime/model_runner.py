@@ -96,19 +96,12 @@ class ModelRunner:
     def warm_up(self, ctx_size: int) -> None:
         """One short prefill and one decode step before serving, so the first request (often a conversation
         resumed after a restart) does not pay the kernels' one-time set-up; the slots it used are left empty."""
-        from engine.model.llama import SeqChunk
-
+        # Captured decode (GraphDecode): the graph of every batch size for short conversations now, not in a
+        # request. The CPU decode steps (CpuDecode, NativeDecode) capture nothing.
+        batches = self.model.warm_up_batches()
         with torch.inference_mode():
-            prompt = torch.zeros(min(8, ctx_size - 1), dtype=torch.int64)
-            self.forward([SeqChunk(0, 0, prompt)])
-            self.forward([SeqChunk(0, len(prompt), prompt[:1])])
-            # Captured decode (GraphDecode): the graph of every batch size for short conversations now, not in
-            # a request. The CPU decode steps (CpuDecode, NativeDecode) capture nothing.
-            batches = self.model.warm_up_batches()
-            slots = self.kv.n_slots  # a verify step's several rows of a slot (graph_verify.py) past one per slot
-            for rows in batches:
-                if len(prompt) + (rows - 1) // slots < ctx_size - 1:  # rows a context this short can hold
-                    self.forward([SeqChunk(i % slots, len(prompt) + i // slots, prompt[:1]) for i in range(rows)])
+            for chunks in warm_up_steps(ctx_size, self.kv.n_slots, batches):
+                self.forward(chunks)
         torch.set_num_threads(self.step_threads.compute)  # this thread's count as the engine found it
         for i in range(min(max(batches, default=1), self.kv.n_slots)):
             self.kv.clear(i)
@@ -127,3 +120,19 @@ class ModelRunner:
         for table in self.model.rope_tables():
             for device in devices:
                 table.get(ctx_size, device, self.model.dtype)
+
+
+def warm_up_steps(ctx: int, n_slots: int, batches: list[int]) -> list[list[SeqChunk]]:
+    """The steps a warm-up runs (the model's and a draft model's): a short prefill in slot 0, one decode row, then
+    a step of each of `batches` rows, a slot's several rows past one per slot (a verify step's, graph_verify.py),
+    as far as a context of `ctx` tokens holds them. None when not even a one-token prompt fits."""
+    from engine.model.llama import SeqChunk
+
+    if ctx < 2:
+        return []
+    prompt = torch.zeros(min(8, ctx - 1), dtype=torch.int64)
+    steps = [[SeqChunk(0, 0, prompt)], [SeqChunk(0, len(prompt), prompt[:1])]]
+    for rows in batches:
+        if len(prompt) + (rows - 1) // n_slots < ctx - 1:  # rows a context this short can hold
+            steps.append([SeqChunk(i % n_slots, len(prompt) + i // n_slots, prompt[:1]) for i in range(rows)])
+    return steps
